@@ -1,0 +1,1 @@
+"""pdserve engine: paged-KV inference for Hugging Face Llama-family checkpoints."""

@@ -1,0 +1,36 @@
+"""`pdserve` command line: one subcommand per module under `pdserve/commands/`.
+
+Each command module defines `register(subparsers)` which adds its parser and sets
+`func` (called with the parsed args, returns an exit code). Modules are imported
+lazily by name so that `pdserve --help` stays fast and a command's heavy imports
+(torch, grpc) are paid only by the command that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Order is the order shown in --help.
+COMMANDS: tuple[str, ...] = (
+    "generate",
+    "make_tiny_model",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"pdserve.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

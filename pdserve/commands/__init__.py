@@ -1,0 +1,1 @@
+"""Subcommands of the `pdserve` CLI, one module each (see pdserve/cli.py)."""

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code for proto/pdserve/v1 (run `make proto`; do not edit)."""
