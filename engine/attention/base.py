@@ -1,0 +1,43 @@
+"""The attention backend interface and the per-step metadata both backends share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.plan import slot_mapping
+from engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors derived once per step from a ForwardBatch, reused by every layer."""
+
+    batch: ForwardBatch
+    block_size: int
+    slot_blocks: torch.Tensor
+    """[T] block id receiving each new token's K/V."""
+    slot_offsets: torch.Tensor
+    """[T] offset inside that block."""
+    positions: torch.Tensor
+    """[T] absolute position of each new token."""
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, block_size: int, device: torch.device) -> "AttentionMetadata":
+        blocks, offsets, positions = slot_mapping(batch.query_lens, batch.context_lens, batch.block_tables, block_size)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return cls(batch, block_size, as_tensor(blocks), as_tensor(offsets), as_tensor(positions))
+
+
+class AttentionBackend(ABC):
+    """Writes the step's new K/V into the pool and attends over each sequence's pages."""
+
+    def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
+        """Per-step planning (flashinfer plans its wrappers here); the torch backend needs none."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D], kv_layer: [N, 2, Hkv, B, D] -> out [T, Hq, D]."""

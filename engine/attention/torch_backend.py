@@ -1,0 +1,73 @@
+"""Reference attention on plain torch ops: runs on CPU and any device."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchAttention(AttentionBackend):
+    """Scatter new K/V into the pool, then scaled_dot_product_attention per step.
+
+    Decode-only steps are one batched SDPA call over the gathered, length-masked
+    pages; prefill sequences are handled one at a time (a prompt with no cached
+    prefix attends causally over its own fresh K/V without touching the pool).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # kv_layer: [N, 2, Hkv, B, D]; k_pages/v_pages: [N, Hkv, B, D] views
+        k_pages, v_pages = kv_layer[:, 0], kv_layer[:, 1]
+        k_pages[meta.slot_blocks, :, meta.slot_offsets] = k
+        v_pages[meta.slot_blocks, :, meta.slot_offsets] = v
+        batch = meta.batch
+        if batch.is_decode_only:
+            return self._decode(q, k_pages, v_pages, meta, scale)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            end = start + q_len
+            qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
+            if q_len == ctx:  # whole sequence is new: plain causal attention on fresh K/V
+                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                ki, vi = _gather(k_pages, v_pages, batch.block_tables[i], ctx, meta.block_size)
+                # query row j sits at position ctx - q_len + j and sees keys 0..that position
+                rows = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+                mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = oi.transpose(0, 1)
+            start = end
+        return out
+
+    def _decode(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        batch, bs = meta.batch, meta.block_size
+        ctx = torch.tensor(batch.context_lens, device=q.device)
+        max_pages = (int(ctx.max()) + bs - 1) // bs
+        table = torch.zeros((batch.num_seqs, max_pages), dtype=torch.long, device=q.device)
+        for i, row in enumerate(batch.block_tables):
+            n = min(len(row), max_pages)
+            table[i, :n] = torch.tensor(row[:n], dtype=torch.long)
+        s, hkv, d = batch.num_seqs, k_pages.shape[1], k_pages.shape[-1]
+        # [S, P, Hkv, B, D] -> [S, Hkv, P*B, D]
+        keys = k_pages[table].permute(0, 2, 1, 3, 4).reshape(s, hkv, max_pages * bs, d)
+        values = v_pages[table].permute(0, 2, 1, 3, 4).reshape(s, hkv, max_pages * bs, d)
+        valid = torch.arange(max_pages * bs, device=q.device)[None, :] < ctx[:, None]  # [S, P*B]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :],
+                                             scale=scale, enable_gqa=True)
+        return out[:, :, 0, :]
+
+
+def _gather(k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int], ctx: int,
+            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `ctx` cached K/V as [Hkv, ctx, D] each."""
+    n = (ctx + block_size - 1) // block_size
+    idx = torch.tensor(table[:n], dtype=torch.long, device=k_pages.device)
+    hkv, d = k_pages.shape[1], k_pages.shape[-1]
+    ki = k_pages[idx].permute(1, 0, 2, 3).reshape(hkv, n * block_size, d)[:, :ctx]
+    vi = v_pages[idx].permute(1, 0, 2, 3).reshape(hkv, n * block_size, d)[:, :ctx]
+    return ki, vi

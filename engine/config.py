@@ -1,0 +1,56 @@
+"""EngineConfig: everything an LLMEngine is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine instance. Facts found at start-up (number of KV blocks, eos ids)
+    live on the engine objects, never written back here."""
+
+    model_dir: str | Path
+    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
+    dtype: str = "auto"
+    """auto (float32 on CPU, checkpoint dtype on GPU), float32, bfloat16 or float16."""
+    device: str = "cpu"
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; default derives from kv_cache_bytes."""
+    kv_cache_bytes: int | None = None
+    """KV pool budget in bytes (default 512 MiB on CPU)."""
+    max_num_seqs: int = 64
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step; longer prompts are prefilled in chunks."""
+    max_model_len: int | None = None
+    """Longest prompt + output; default the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    preemption: str = "recompute"
+    """recompute: under KV pressure free the newest request and recompute it later.
+    never: a request's KV is never dropped; admission reserves blocks for prompt +
+    max_tokens and is refused when they do not fit (decode nodes)."""
+    attention_backend: str = "torch"
+    """torch (reference, any device) or flashinfer (CUDA)."""
+    layer_range: tuple[int, int] | None = None
+    """Load only these layers (pipeline stage)."""
+    seed: int = 0
+    num_threads: int | None = None
+    """torch intra-op threads (default: torch's choice)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.preemption not in ("recompute", "never"):
+            raise ValueError(f"preemption must be 'recompute' or 'never', got {self.preemption!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

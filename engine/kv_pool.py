@@ -1,0 +1,54 @@
+"""KVPool: the one KV-cache tensor of a process, HND inside each block."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model_config import ModelConfig
+
+DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+"""KV budget on CPU when neither num_blocks nor a byte budget is given."""
+
+
+class KVPool:
+    """`tensor`: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim].
+
+    One layer's block (K and V of `block_size` tokens) is one contiguous region
+    of `block_bytes` bytes, so a run of consecutive blocks of one layer is one
+    RDMA write or one TCP frame, and the whole pool is one memory registration.
+    It is a plain allocation (torch.zeros -> cudaMalloc on GPU, malloc on CPU),
+    never a stream-ordered allocator region, which GPUDirect RDMA cannot register.
+    """
+
+    def __init__(self, config: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, num_blocks: int | None = None, budget_bytes: int | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = 2 * self.num_kv_heads * block_size * self.head_dim * itemsize
+        if num_blocks is None:
+            budget = budget_bytes if budget_bytes is not None else DEFAULT_CPU_KV_BYTES
+            num_blocks = budget // (self.block_bytes * max(num_layers, 1))
+        if num_blocks < 2:
+            raise ValueError(f"KV pool too small: {num_blocks} blocks (raise num_kv_blocks or kv_cache_bytes)")
+        self.num_blocks = int(num_blocks)
+        self.tensor = torch.zeros(
+            (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim),
+            dtype=dtype, device=device)
+
+    def layer(self, local_layer: int) -> torch.Tensor:
+        """[num_blocks, 2, num_kv_heads, block_size, head_dim] view of one layer."""
+        return self.tensor[local_layer]
+
+    def byte_offset(self, local_layer: int, block_id: int) -> int:
+        """Offset of (layer, block) from the start of the pool, in bytes."""
+        return (local_layer * self.num_blocks + block_id) * self.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.block_bytes

@@ -1,0 +1,95 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a flat token batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVPool
+from engine.layers import RotaryEmbedding, apply_rotary, rms_norm
+from engine.model_config import ModelConfig
+
+LayerHook = Callable[[int, ForwardBatch], None]
+"""Called as hook(global_layer_index, batch) after a layer has written its KV."""
+
+
+@dataclass
+class DecoderLayer:
+    """One layer's weights, q/k/v and gate/up fused so each is one matmul."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, H]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # [H, Hq * D]
+    gate_up: torch.Tensor  # [2 * I, H]
+    down: torch.Tensor  # [H, I]
+
+
+class LlamaModel:
+    """Holds the weights of layers [start, end) and runs them.
+
+    Embeddings exist only on the first slice, final norm and lm_head only on the
+    last, so pipeline stages hold just what they compute.
+    """
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], layer_range: tuple[int, int],
+                 device: torch.device) -> None:
+        self.config = config
+        self.start, self.end = layer_range
+        self.is_first = self.start == 0
+        self.is_last = self.end == config.num_hidden_layers
+        self.embed = tensors.get("model.embed_tokens.weight")
+        self.norm = tensors.get("model.norm.weight")
+        self.lm_head = tensors.get("lm_head.weight", self.embed) if self.is_last else None
+        self.layers = [self._fuse(tensors, i) for i in range(self.start, self.end)]
+        self.rotary = RotaryEmbedding(config, device)
+        self.scale = config.head_dim ** -0.5
+
+    @staticmethod
+    def _fuse(t: dict[str, torch.Tensor], i: int) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        bias = None
+        if p + "self_attn.q_proj.bias" in t:
+            bias = torch.cat([t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        gate_up = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
+        return DecoderLayer(t.pop(p + "input_layernorm.weight"), t.pop(p + "post_attention_layernorm.weight"),
+                            qkv, bias, t.pop(p + "self_attn.o_proj.weight"), gate_up, t.pop(p + "mlp.down_proj.weight"))
+
+    def forward(self, batch: ForwardBatch, input_ids: torch.Tensor | None, hidden: torch.Tensor | None,
+                kv_pool: KVPool, attn: AttentionBackend, meta: AttentionMetadata,
+                layer_hook: LayerHook | None) -> torch.Tensor:
+        """Returns hidden states [T, H] after this slice's layers (final norm applied on the last slice)."""
+        cfg = self.config
+        x = F.embedding(input_ids, self.embed) if self.is_first else hidden
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        attn.begin_step(meta, kv_pool.layer(0).shape)
+        for local, layer in enumerate(self.layers):
+            # attention block: x [T, H] -> qkv [T, (Hq + 2Hkv) * D]
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = apply_rotary(q.view(-1, hq, d), cos, sin)
+            k = apply_rotary(k.view(-1, hkv, d), cos, sin)
+            o = attn.forward(q, k, v.view(-1, hkv, d), kv_pool.layer(local), meta, self.scale)
+            if layer_hook is not None:
+                layer_hook(self.start + local, batch)
+            x = x + F.linear(o.reshape(-1, hq * d), layer.o_proj)
+            # MLP block: SiLU-gated
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        if self.is_last:
+            x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> float32 logits [S, V]."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,221 @@
+"""LLMEngine: the step-level API that offline generation and the node servers drive."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.llama import LayerHook
+from engine.model_runner import ModelRunner
+from engine.request import AdmissionError, Request, RequestStatus, StepOutput, TokenLogprob
+from engine.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+
+
+class EngineLoad(NamedTuple):
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler. Not thread-safe: drive it from one thread.
+
+    The loop: `batch = scheduler.schedule(); logits = runner.run(batch); update(batch, sample(logits))`.
+    Besides plain requests it supports the two halves of disaggregation:
+    `prefill_only` requests (prefill node: compute the prompt, sample one token,
+    keep the blocks until `release`) and remote-prefill requests (decode node:
+    blocks allocated up front, filled by a prefill node, then `complete_remote_prefill`).
+    """
+
+    def __init__(self, config: EngineConfig, *, layer_hook: LayerHook | None = None,
+                 runner: ModelRunner | None = None) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.runner = runner or ModelRunner(
+            config.model_dir, dtype=config.dtype, device=config.device, block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=config.kv_cache_bytes,
+            layer_range=config.layer_range, attention_backend=config.attention_backend,
+            max_model_len=config.max_model_len, num_threads=config.num_threads)
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        pool = self.runner.kv_pool
+        self.block_manager = BlockManager(pool.num_blocks, pool.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   preemption=config.preemption)
+        self.sampler = Sampler()
+        self.layer_hook = layer_hook
+        self.requests: dict[str, Request] = {}
+        self.remote: dict[str, Request] = {}
+        """Decode node: requests whose KV a prefill node is writing."""
+        self.held: dict[str, Request] = {}
+        """Prefill node: finished prefill_only requests whose blocks a transfer still reads."""
+        self.generators: dict[str, torch.Generator] = {}
+        self._finished: list[StepOutput] = []
+
+    # --- admission ----------------------------------------------------------------------
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        max_tokens = params.max_tokens or room
+        if self.block_manager.blocks_for(len(prompt) + max_tokens) > self.block_manager.num_blocks:
+            raise ValueError(f"request needs more KV blocks than the pool has ({self.block_manager.num_blocks})")
+        req = Request(request_id, list(prompt), params, max_tokens)
+        if params.stop:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
+            req.stop_checker = StopStringChecker(detok, params.stop, params.include_stop_str_in_output)
+        return req
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, prefill_only: bool = False) -> None:
+        """Queue a request; ValueError (clear message) if it can never be served."""
+        req = self._validate(request_id, prompt_token_ids, params)
+        req.prefill_only = prefill_only
+        self._register(req)
+        self.scheduler.waiting.append(req)
+
+    def add_remote_prefill_request(self, request_id: str, prompt_token_ids: list[int],
+                                   params: SamplingParams) -> list[int]:
+        """Decode node: allocate blocks for the whole prompt now; a prefill node fills them."""
+        req = self._validate(request_id, prompt_token_ids, params)
+        holders = self.scheduler.running + list(self.remote.values()) + list(self.scheduler.waiting)
+        reserve = self.scheduler.reserved_blocks(holders) + self.scheduler.future_blocks_after_alloc(req)
+        bm = self.block_manager
+        if bm.blocks_for(req.num_tokens) + reserve > bm.num_free_blocks:
+            raise AdmissionError(f"no KV room: request needs {bm.blocks_for(req.num_tokens + req.max_tokens)} "
+                                 f"blocks, {bm.num_free_blocks} free, {reserve} reserved")
+        req.block_ids = [bm.append_block() for _ in range(bm.blocks_for(req.num_tokens))]
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._register(req)
+        self.remote[request_id] = req
+        return list(req.block_ids)
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int,
+                                first_logprobs: TokenLogprob | None = None) -> None:
+        """The prompt's KV has landed: the request runs with its first token already sampled."""
+        req = self.remote.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        self._append_token(req, first_token_id, first_logprobs)
+        req.num_emitted = 1  # the node streams the first token itself, straight from the prefill reply
+        if req.status.is_finished:  # eos / stop string / max_tokens=1: reported by the next step()
+            self._finish(req)
+            self._finished.append(self._output(req))
+
+    def _register(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if not req.params.greedy:
+            self.generators[req.request_id] = make_generator(req.params.seed)
+
+    # --- the step -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one model step; return what changed (token deltas, finishes)."""
+        holders = list(self.remote.values()) + list(self.held.values())
+        scheduled, batch = self.scheduler.schedule(holders)
+        if batch is not None:
+            logits = self.runner.run(batch, layer_hook=self.layer_hook)
+            sampled = iter(self.sampler(logits, [r for r, s in zip(scheduled, batch.sample_mask) if s],
+                                        self.generators))
+            for req, q_len, sample in zip(scheduled, batch.query_lens, batch.sample_mask):
+                req.num_computed_tokens += q_len
+                self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
+                if sample:
+                    self._append_token(req, *next(sampled))
+        outputs, self._finished = self._finished, []
+        for req in scheduled:
+            if req.status.is_finished or req.num_emitted < len(req.output_token_ids):
+                outputs.append(self._output(req))
+        for req in list(self.scheduler.running):
+            if req.status.is_finished:
+                self._finish(req)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None:
+        req.output_token_ids.append(token)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        p, n = req.params, len(req.output_token_ids)
+        stop_ids = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
+        if stop_ids and n > p.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.stop_checker is not None and req.stop_checker.check(token):
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif n >= req.max_tokens or req.num_tokens >= self.max_model_len or req.prefill_only:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def _output(self, req: Request) -> StepOutput:
+        new = req.output_token_ids[req.num_emitted:]
+        lps = req.output_logprobs[req.num_emitted:] if req.params.logprobs is not None else None
+        req.num_emitted = len(req.output_token_ids)
+        return StepOutput(req.request_id, new, lps, req.status.is_finished, req.status.finish_reason,
+                          req.num_prompt_tokens, req.num_cached_tokens, len(req.output_token_ids))
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        self.generators.pop(req.request_id, None)
+        if req.prefill_only and req.status != RequestStatus.FINISHED_ABORTED:
+            self.held[req.request_id] = req  # a KV transfer still reads these blocks
+            return
+        self.requests.pop(req.request_id, None)
+        self.block_manager.free_blocks(req.block_ids)
+        req.block_ids = []
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def release(self, request_id: str) -> None:
+        """Prefill node: the transfer is done (or failed); free (and keep cached) the blocks."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.requests.pop(request_id, None)
+            self.block_manager.free_blocks(req.block_ids)
+            req.block_ids = []
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks. False if unknown."""
+        if request_id in self.held:
+            self.release(request_id)
+            return True
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.remote.pop(request_id, None)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._finish(req)
+        self._finished.append(self._output(req))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._finished)
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(self.block_manager.num_free_blocks, self.block_manager.num_blocks, len(s.running),
+                          len(s.waiting) + len(self.remote), s.num_queued_prefill_tokens())
+
+    def check_integrity(self) -> None:
+        owners = {rid: r.block_ids for rid, r in self.requests.items()}
+        self.block_manager.check_integrity(owners)

@@ -1,0 +1,73 @@
+"""ModelRunner: loads a checkpoint slice, owns the KV pool, runs one ForwardBatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata, make_backend
+from engine.forward_batch import ForwardBatch
+from engine.kv_pool import KVPool
+from engine.llama import LayerHook, LlamaModel
+from engine.model_config import ModelConfig
+from engine.weights import load_tensors, resolve_dtype
+
+
+class ModelRunner:
+    """The scheduler's only view of the model: `run(batch) -> logits`.
+
+    With `layer_range`, only those layers are loaded (a pipeline stage); a
+    non-last stage returns hidden states instead of logits and a non-first stage
+    takes `hidden_states` instead of token ids.
+    """
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 layer_range: tuple[int, int] | None = None, attention_backend: str = "torch",
+                 max_model_len: int | None = None, num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        cfg = self.model_config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, cfg, self.device)
+        start, end = layer_range or (0, cfg.num_hidden_layers)
+        if not 0 <= start < end <= cfg.num_hidden_layers:
+            raise ValueError(f"layer_range {layer_range} outside the model's {cfg.num_hidden_layers} layers")
+        self.layer_range = (start, end)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
+        self.model = LlamaModel(cfg, tensors, self.layer_range, self.device)
+        self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device,
+                              num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes)
+        self.attention = make_backend(attention_backend)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.model.is_last
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch, *, layer_hook: LayerHook | None = None,
+            hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Last stage: float32 logits [num_sampled, vocab] (rows of sample_mask, in order); else hidden [T, H]."""
+        assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
+        input_ids = None
+        if self.is_first_stage:
+            input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+            assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, "token id out of range"
+        meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device)
+        hidden = self.model.forward(batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook)
+        if not self.is_last_stage:
+            return hidden
+        last_rows, end = [], 0
+        for q_len, sample in zip(batch.query_lens, batch.sample_mask):
+            end += q_len
+            if sample:
+                last_rows.append(end - 1)
+        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        return self.model.logits(hidden.index_select(0, rows))
