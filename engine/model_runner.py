@@ -42,6 +42,8 @@ class ModelRunner:
         self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device,
                               num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes)
         self.attention = make_backend(attention_backend)
+        if hasattr(self.attention, "configure"):  # flashinfer plans need head count and dtype
+            self.attention.configure(cfg.num_attention_heads, self.dtype)
 
     @property
     def is_first_stage(self) -> bool:

@@ -1,0 +1,68 @@
+"""flashinfer paged attention for CUDA (kv_layout="HND").
+
+NOT EXERCISED ON THESE MACHINES: the development and CI machines have no GPU,
+and flashinfer has no CPU path (its wrappers pin memory and plan on a CUDA
+device). The planning arithmetic it depends on lives in `engine.attention.plan`
+and is unit-tested on CPU; this module only feeds it to flashinfer's wrappers.
+Install with `pip install pdserve[gpu]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.plan import paged_plan
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+class FlashInferAttention(AttentionBackend):
+    """BatchPrefill/BatchDecodeWithPagedKVCacheWrapper over the HND pool, planned once per step."""
+
+    def __init__(self) -> None:
+        import flashinfer  # imported here so the core never needs the [gpu] extra
+
+        self._fi = flashinfer
+        self._wrappers: dict[str, object] = {}
+        self._active: object | None = None
+
+    def _wrapper(self, kind: str, device: torch.device) -> object:
+        if kind not in self._wrappers:
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            cls = (self._fi.BatchDecodeWithPagedKVCacheWrapper if kind == "decode"
+                   else self._fi.BatchPrefillWithPagedKVCacheWrapper)
+            self._wrappers[kind] = cls(workspace, kv_layout="HND")
+        return self._wrappers[kind]
+
+    def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
+        # kv_layer_shape: [N, 2, Hkv, B, D]
+        _, _, hkv, page, d = kv_layer_shape
+        b = meta.batch
+        plan = paged_plan(b.query_lens, b.context_lens, b.block_tables, page)
+        dev = meta.positions.device
+        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
+        hq = self.num_qo_heads
+        if b.is_decode_only:
+            w = self._wrapper("decode", dev)
+            w.plan(as_i32(plan.kv_indptr), as_i32(plan.kv_indices), as_i32(plan.kv_last_page_len),
+                   hq, hkv, d, page, q_data_type=self.dtype, kv_data_type=self.dtype)
+        else:
+            w = self._wrapper("prefill", dev)
+            w.plan(as_i32(plan.qo_indptr), as_i32(plan.kv_indptr), as_i32(plan.kv_indices),
+                   as_i32(plan.kv_last_page_len), hq, hkv, d, page, causal=True,
+                   q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._active = w
+
+    def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
+        """Facts the plan needs that the pool shape does not carry."""
+        self.num_qo_heads = num_qo_heads
+        self.dtype = dtype
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # write this step's K/V into the pages first: kv_layer [N, 2, Hkv, B, D]
+        kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
+        kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
+        assert self._active is not None, "begin_step() must plan before forward()"
+        return self._active.run(q, kv_layer)
