@@ -1,0 +1,36 @@
+"""CacheStore: layer-wise KV transfer between nodes (tcp | rdma | local transports).
+
+It sees memory regions, a per-layer block geometry and block ids — never model code.
+
+Receiver (decode side, inside an asyncio loop)::
+
+    server = CacheStoreServer(MemoryRegion.from_tensor(pool), PoolGeometry(L, N, block_bytes),
+                              transport="tcp", secret=b"...")
+    await server.start()
+    creds = server.open_session(request_id, block_ids, num_layers=L, timeout=30.0)
+    session = server.get_session(request_id)
+    await session.wait_complete()            # notification, no polling
+    server.close_session(request_id)         # release by request id
+    await session.wait_safe_to_reuse()       # no writer can still touch the blocks
+
+Sender (prefill side)::
+
+    client = CacheStoreClient(region, geometry, transport="tcp", secret=b"...")
+    tx = client.open_transfer(SessionCredentials.from_bytes(creds_bytes))
+    tx.write_layer(layer, src_block_ids)     # any thread; non-blocking; coalesces runs
+    await tx.finish(timeout=30.0)            # all acknowledged, or TransferError
+"""
+
+from __future__ import annotations
+
+from cachestore.client import CacheStoreClient, Transfer, TransferError
+from cachestore.credentials import SessionCredentials
+from cachestore.faults import FaultInjector
+from cachestore.geometry import MemoryRegion, PoolGeometry, Run, coalesce
+from cachestore.server import CacheStoreServer
+from cachestore.session import Session, SessionError, SessionState
+from cachestore.transport import resolve_transport
+
+__all__ = ["CacheStoreClient", "CacheStoreServer", "FaultInjector", "MemoryRegion", "PoolGeometry", "Run",
+           "Session", "SessionCredentials", "SessionError", "SessionState", "Transfer", "TransferError",
+           "coalesce", "resolve_transport"]

@@ -1,0 +1,86 @@
+"""Pool geometry and memory regions: the only things CacheStore knows about a KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """A pool laid out as [num_layers, num_blocks, block_bytes]: (layer, block) is one contiguous region."""
+
+    num_layers: int
+    num_blocks: int
+    block_bytes: int
+    """Bytes of one layer's block (K and V of block_size tokens)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_blocks", "block_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PoolGeometry.{name} must be positive, got {getattr(self, name)}")
+
+    def offset(self, layer: int, block: int) -> int:
+        return (layer * self.num_blocks + block) * self.block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.block_bytes
+
+
+class Run(NamedTuple):
+    """`count` consecutive blocks starting at src_block in the sender's pool and dst_block in the receiver's."""
+
+    src_block: int
+    dst_block: int
+    count: int
+
+
+def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
+    """Group (src, dst) pairs into runs consecutive on both sides, so each run is one write."""
+    assert len(src_blocks) == len(dst_blocks), "source and destination block lists differ in length"
+    runs: list[Run] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        if runs and runs[-1].src_block + runs[-1].count == s and runs[-1].dst_block + runs[-1].count == d:
+            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
+        else:
+            runs.append(Run(s, d, 1))
+    return runs
+
+
+class MemoryRegion:
+    """A writable byte view of a pool plus, for device memory, the tensor it came from.
+
+    CPU tensors and buffers are exposed directly as a memoryview, so the TCP
+    receiver can `recv_into` the destination blocks without a copy. A CUDA pool
+    is reached through a pinned host staging buffer (not exercised on these
+    machines: no GPU).
+    """
+
+    def __init__(self, view: memoryview, tensor: object | None = None) -> None:
+        self.view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self.tensor = tensor
+        self.is_device = tensor is not None and getattr(tensor, "is_cuda", False)
+
+    @classmethod
+    def from_tensor(cls, tensor) -> "MemoryRegion":
+        import torch
+        assert tensor.is_contiguous(), "KV pool must be one contiguous allocation"
+        if tensor.is_cuda:
+            return cls(memoryview(bytearray(0)), tensor)
+        return cls(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()), tensor)
+
+    @classmethod
+    def from_buffer(cls, buffer) -> "MemoryRegion":
+        return cls(memoryview(buffer))
+
+    @property
+    def address(self) -> int:
+        """Base virtual address (what an RDMA MR registers)."""
+        if self.tensor is not None:
+            return int(self.tensor.data_ptr())
+        import ctypes
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.view)) if not self.view.readonly else 0
+
+    def __len__(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size() if self.is_device else len(self.view)

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one CacheStore endpoint (server or client)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class CacheStoreMetrics:
+    """All series carry a `transport` label, so a silent fallback from RDMA to TCP shows up.
+
+    With no registry given, each instance gets a private one (several servers in
+    one process must not collide in the default registry).
+    """
+
+    def __init__(self, transport: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, t = self.registry, transport
+        self.bytes = Counter("pdserve_cachestore_bytes", "KV bytes moved", ["transport", "side"], registry=r)
+        self.transfer_seconds = Histogram("pdserve_cachestore_transfer_seconds", "first write to last ack",
+                                          ["transport"], buckets=LATENCY_BUCKETS, registry=r).labels(t)
+        self.first_layer = Histogram("pdserve_cachestore_first_layer_ready_seconds",
+                                     "session open to first complete layer", ["transport"],
+                                     buckets=LATENCY_BUCKETS, registry=r).labels(t)
+        self.all_layers = Histogram("pdserve_cachestore_all_layers_ready_seconds",
+                                    "session open to all layers landed", ["transport"],
+                                    buckets=LATENCY_BUCKETS, registry=r).labels(t)
+        self.rejected = Counter("pdserve_cachestore_rejected_frames", "frames refused", ["transport", "reason"],
+                                registry=r)
+        self.failed = Counter("pdserve_cachestore_sessions_failed", "sessions or transfers that failed",
+                              ["transport"], registry=r).labels(t)
+        self.expired = Counter("pdserve_cachestore_sessions_expired", "sessions that timed out",
+                               ["transport"], registry=r).labels(t)
+        self.active = Gauge("pdserve_cachestore_active_transport", "1 for the transport in use",
+                            ["transport"], registry=r)
+        self.active.labels(t).set(1)
+        self.transport = t
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.transport, reason).inc()
+
+    def add_bytes(self, side: str, n: int) -> None:
+        self.bytes.labels(self.transport, side).inc(n)

@@ -1,0 +1,187 @@
+"""CacheStoreServer: the receiver (decode side) — session registry plus transport listeners."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from cachestore import wire
+from cachestore.credentials import SessionCredentials
+from cachestore.faults import FaultInjector
+from cachestore.geometry import MemoryRegion, PoolGeometry
+from cachestore.metrics import CacheStoreMetrics
+from cachestore.session import Session, SessionState
+from cachestore.transport import resolve_transport
+
+log = logging.getLogger("pdserve.cachestore")
+
+
+class CacheStoreServer:
+    """Owns the sessions of one pool and the listener that writes into it.
+
+    `open_session` hands out credentials; every inbound write is checked
+    against them (known session, token, layer range, block ownership, exact
+    length, bounded frame) before a single byte lands, and refused writes are
+    counted by reason. Sessions are keyed by request id and expire after their
+    timeout (a timer per session, no polling).
+    """
+
+    def __init__(self, region: MemoryRegion, geometry: PoolGeometry, transport: str = "tcp", host: str = "127.0.0.1",
+                 port: int = 0, secret: bytes | str = b"", registry: CollectorRegistry | None = None,
+                 faults: FaultInjector | None = None) -> None:
+        if len(region) < geometry.total_bytes:
+            raise ValueError(f"memory region of {len(region)} bytes is smaller than the pool geometry "
+                             f"({geometry.total_bytes} bytes)")
+        self.region = region
+        self.geometry = geometry
+        self.requested_transport = transport
+        self.active_transport = resolve_transport(transport)
+        self.host, self.port = host, port
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.metrics = CacheStoreMetrics(self.active_transport, registry)
+        self.faults = faults
+        self._lock = threading.Lock()
+        self._by_request: dict[str, Session] = {}
+        self._by_id: dict[bytes, Session] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._listener = None
+        self._rdma = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.endpoint = ""
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.active_transport == "local":
+            from cachestore.local import register_server
+            self.endpoint = register_server(self)
+        else:  # tcp, and rdma's control channel
+            if self.active_transport == "rdma":
+                from cachestore.rdma import RdmaResources, rdma_devices
+                self._rdma = RdmaResources(rdma_devices()[0], self.region.address, len(self.region))
+            from cachestore.tcp import TcpListener
+            self._listener = TcpListener(self, self.host, self.port)
+            self.endpoint = self._listener.start()
+        log.info("cachestore receiver on %s (transport=%s)", self.endpoint, self.active_transport)
+
+    async def stop(self) -> None:
+        for request_id in list(self._by_request):
+            self.close_session(request_id)
+        if self._listener is not None:
+            self._listener.stop()
+        if self.active_transport == "local":
+            from cachestore.local import unregister_server
+            unregister_server(self.endpoint)
+
+    # --- sessions -----------------------------------------------------------------------
+    def open_session(self, request_id: str, block_ids: list[int], num_layers: int | None = None,
+                     timeout: float = 30.0) -> SessionCredentials:
+        """Accept writes of `num_layers` x `block_ids` for `request_id` until `timeout` seconds pass."""
+        num_layers = self.geometry.num_layers if num_layers is None else num_layers
+        if not 0 < num_layers <= self.geometry.num_layers:
+            raise ValueError(f"num_layers {num_layers} outside 1..{self.geometry.num_layers}")
+        if not block_ids or len(set(block_ids)) != len(block_ids):
+            raise ValueError("block_ids must be a non-empty list of distinct blocks")
+        if min(block_ids) < 0 or max(block_ids) >= self.geometry.num_blocks:
+            raise ValueError(f"block ids must be in [0, {self.geometry.num_blocks})")
+        rdma = {}
+        if self._rdma is not None:  # where the sender's RDMA WRITEs go: one MR over the whole pool
+            rdma = {"address": self.region.address, "rkey": self._rdma.mr.rkey, "num_blocks": self.geometry.num_blocks}
+        creds = SessionCredentials(
+            request_id=request_id, endpoint=self.endpoint, transport=self.active_transport,
+            session_id=secrets.token_hex(16), token=secrets.token_hex(16), num_layers=num_layers,
+            block_bytes=self.geometry.block_bytes, block_ids=tuple(block_ids), rdma=rdma)
+        session = Session(creds, self.geometry, timeout, self._loop)
+        session._registry = self
+        with self._lock:
+            if request_id in self._by_request:
+                raise ValueError(f"a CacheStore session for request {request_id!r} is already open")
+            self._by_request[request_id] = session
+            self._by_id[bytes.fromhex(creds.session_id)] = session
+        if self._loop is not None:
+            self._timers[request_id] = self._loop.call_later(timeout, self._expire, request_id)
+        return creds
+
+    def get_session(self, request_id: str) -> Session | None:
+        with self._lock:
+            return self._by_request.get(request_id)
+
+    def close_session(self, request_id: str, state: SessionState = SessionState.CLOSED) -> Session | None:
+        """Release by request id; in-flight writes finish into the (still owned) blocks or fail."""
+        with self._lock:
+            session = self._by_request.pop(request_id, None)
+            if session is not None:
+                self._by_id.pop(bytes.fromhex(session.creds.session_id), None)
+        timer = self._timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+        if session is not None:
+            if session.state == SessionState.OPEN:
+                (self.metrics.expired if state == SessionState.EXPIRED else self.metrics.failed).inc()
+            session.end(state)
+        return session
+
+    close = close_session
+
+    def _expire(self, request_id: str) -> None:
+        self._timers.pop(request_id, None)
+        session = self.get_session(request_id)
+        if session is not None and session.state == SessionState.OPEN:
+            log.warning("cachestore session %s expired", request_id)
+            self.close_session(request_id, SessionState.EXPIRED)
+
+    @property
+    def num_sessions(self) -> int:
+        with self._lock:
+            return len(self._by_request)
+
+    # --- the write path (any transport) ------------------------------------------------------
+    def begin_write(self, h: wire.Header) -> tuple[Session | None, int]:
+        """Validate a write header; on success the session counts one more active writer.
+        Returns (session, wire status)."""
+        with self._lock:
+            session = self._by_id.get(h.session_id)
+            if session is None:
+                return None, wire.UNKNOWN_SESSION
+            if not secrets.compare_digest(h.token, bytes.fromhex(session.creds.token)):
+                return None, wire.BAD_TOKEN
+            if h.layer >= session.creds.num_layers:
+                return None, wire.BAD_LAYER
+            if h.count == 0 or any(b not in session.block_set for b in range(h.dst_block, h.dst_block + h.count)):
+                return None, wire.BAD_BLOCK
+            if h.payload_len != h.count * self.geometry.block_bytes:
+                return None, wire.BAD_LENGTH
+            session.begin_write()
+            return session, wire.OK
+
+    def end_write(self, session: Session, h: wire.Header, ok: bool) -> None:
+        with self._lock:
+            completed = session.end_write(h.layer, h.dst_block, h.count, ok)
+        if ok:
+            self.metrics.add_bytes("recv", h.payload_len)
+        if completed:
+            self.metrics.all_layers.observe(session.completed_at - session.opened_at)
+            if session.first_layer_at is not None:
+                self.metrics.first_layer.observe(session.first_layer_at - session.opened_at)
+
+    def destination(self, h: wire.Header) -> memoryview:
+        """The pool bytes a validated write lands in (contiguous: one layer, consecutive blocks)."""
+        start = self.geometry.offset(h.layer, h.dst_block)
+        return self.region.view[start:start + h.payload_len]
+
+    def rdma_accept(self, hello: bytes) -> bytes:
+        """Create and connect a QP for a new sender; reply with ours (rdma transport only)."""
+        import json
+        from dataclasses import asdict
+
+        from cachestore.rdma import QpInfo
+        qp = self._rdma.create_qp()
+        self._rdma.connect(qp, QpInfo(**json.loads(hello)))
+        return json.dumps(asdict(self._rdma.local_info(qp))).encode()
+
+    def reject(self, status: int | str) -> None:
+        """Count a refused frame or connection by reason (a wire status code or a name)."""
+        self.metrics.reject(status if isinstance(status, str) else wire.REASONS.get(status, "corrupt"))

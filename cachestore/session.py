@@ -1,0 +1,128 @@
+"""Receiver sessions: which blocks a request's sender may write, and when it is done."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+from cachestore.credentials import SessionCredentials
+from cachestore.geometry import PoolGeometry
+
+
+class SessionState(enum.Enum):
+    OPEN = "open"
+    COMPLETE = "complete"
+    CLOSED = "closed"
+    EXPIRED = "expired"
+
+
+class SessionError(Exception):
+    """The session ended before every (layer, block) landed (closed or expired)."""
+
+
+class Session:
+    """One request's destination blocks on the receiver.
+
+    Writers (TCP receiver threads, local copies) call `begin_write` under the
+    registry lock and `end_write` when their bytes are in; `wait_safe_to_reuse`
+    resolves once the session is closed and no writer is inside its blocks, the
+    moment the owner may give the blocks back to its allocator.
+    """
+
+    def __init__(self, creds: SessionCredentials, geometry: PoolGeometry, timeout: float,
+                 loop: asyncio.AbstractEventLoop | None) -> None:
+        self.creds = creds
+        self.request_id = creds.request_id
+        self.geometry = geometry
+        self.block_set = frozenset(creds.block_ids)
+        self.expected = creds.num_layers * len(creds.block_ids)
+        self.landed: set[tuple[int, int]] = set()
+        self.layers_done: dict[int, int] = {}
+        self.state = SessionState.OPEN
+        self.opened_at = time.monotonic()
+        self.deadline = self.opened_at + timeout
+        self.first_layer_at: float | None = None
+        self.completed_at: float | None = None
+        self.active_writers = 0
+        self.closed = False
+        """Removed from the registry: no new write can start."""
+        self._loop = loop
+        self._waiters: list[asyncio.Future] = []
+
+    # called with the registry lock held ------------------------------------------------------
+    def begin_write(self) -> None:
+        self.active_writers += 1
+
+    def end_write(self, layer: int, dst_block: int, count: int, ok: bool) -> bool:
+        """Record landed blocks; True if this completed the session."""
+        self.active_writers -= 1
+        was_open = self.state == SessionState.OPEN
+        if ok and was_open:
+            blocks_per_layer = len(self.block_set)
+            for b in range(dst_block, dst_block + count):
+                if (layer, b) not in self.landed:
+                    self.landed.add((layer, b))
+                    done = self.layers_done.get(layer, 0) + 1
+                    self.layers_done[layer] = done
+                    if done == blocks_per_layer and self.first_layer_at is None:
+                        self.first_layer_at = time.monotonic()
+            if len(self.landed) == self.expected:
+                self.state = SessionState.COMPLETE
+                self.completed_at = time.monotonic()
+                self._signal()
+        if self.active_writers == 0:
+            self._signal()
+        return was_open and self.state == SessionState.COMPLETE
+
+    def end(self, state: SessionState) -> None:
+        """Closed or expired: no new writes; a session that already completed stays COMPLETE."""
+        self.closed = True
+        if self.state == SessionState.OPEN:
+            self.state = state
+        self._signal()
+
+    def _signal(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
+
+    # owner API ------------------------------------------------------------------------
+    async def _wait(self, predicate) -> None:
+        while not predicate():
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            if predicate():  # re-check after registering: no lost wake-up
+                break
+            await fut
+
+    async def wait_complete(self, timeout: float | None = None) -> None:
+        """Wait (by notification, no polling) until every (layer, block) has landed."""
+        async def done() -> None:
+            await self._wait(lambda: self.state != SessionState.OPEN)
+        await asyncio.wait_for(done(), timeout)
+        if self.state != SessionState.COMPLETE:
+            raise SessionError(f"KV session {self.request_id} {self.state.value} before all layers landed "
+                               f"({len(self.landed)}/{self.expected} blocks)")
+
+    async def wait_safe_to_reuse(self, timeout: float | None = None) -> None:
+        """Wait until the session is over and no writer can still touch its blocks."""
+        async def idle() -> None:
+            await self._wait(lambda: self.closed and self.active_writers == 0)
+        await asyncio.wait_for(idle(), timeout)
+
+    @property
+    def safe_to_reuse(self) -> bool:
+        return self.closed and self.active_writers == 0
+
+    def close(self) -> None:
+        """Stop accepting writes (the registry drops it; in-flight writes finish or fail)."""
+        if self._registry is not None:
+            self._registry.close(self.request_id)
+
+    _registry = None

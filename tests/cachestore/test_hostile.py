@@ -1,0 +1,120 @@
+"""Hostile or broken senders are refused; no byte lands outside the target blocks; the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, wire
+from tests.cachestore.helpers import SECRET, block, pools, raw_connect, read_ack, untouched_outside, write_header
+
+GEO = PoolGeometry(num_layers=3, num_blocks=16, block_bytes=1024)
+
+
+@pytest.fixture
+async def server():
+    src, dst = pools(GEO)
+    srv = CacheStoreServer(MemoryRegion.from_buffer(dst), GEO, transport="tcp", secret=SECRET)
+    await srv.start()
+    srv.test_pools = (src, dst)
+    try:
+        yield srv
+    finally:
+        await srv.stop()
+    assert srv.num_sessions == 0
+
+
+def rejected(srv, reason: str) -> float:
+    return srv.metrics.registry.get_sample_value("pdserve_cachestore_rejected_frames_total",
+                                                 {"transport": "tcp", "reason": reason}) or 0.0
+
+
+async def still_serves(srv) -> None:
+    """A well-behaved sender still gets its session through."""
+    src, dst = srv.test_pools
+    client = CacheStoreClient(MemoryRegion.from_buffer(src), GEO, transport="tcp", secret=SECRET)
+    creds = srv.open_session("good", [12, 13], timeout=5)
+    tx = client.open_transfer(creds)
+    for layer in range(GEO.num_layers):
+        tx.write_layer(layer, [1, 2])
+    await tx.finish(5)
+    await srv.get_session("good").wait_complete(5)
+    assert block(dst, GEO, 0, 12) == block(src, GEO, 0, 1)
+    srv.close_session("good")
+    await client.close()
+
+
+def in_thread(fn):
+    return asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("wrong_token", "bad_token"), ("unknown_session", "unknown_session"), ("block_outside", "bad_block"),
+    ("layer_out_of_range", "bad_layer"), ("short_length", "bad_length"),
+])
+async def test_refused_writes(server, case, reason):
+    creds = server.open_session("victim", [4, 5], timeout=5)
+    header = {
+        "wrong_token": lambda: write_header(creds, 0, 4, 1, token=b"x" * 16),
+        "unknown_session": lambda: write_header(creds, 0, 4, 1, session_id=os.urandom(16)),
+        "block_outside": lambda: write_header(creds, 0, 5, 2),  # 5 is ours, 6 is not
+        "layer_out_of_range": lambda: write_header(creds, 3, 4, 1),
+        "short_length": lambda: write_header(creds, 0, 4, 1, payload_len=GEO.block_bytes - 1),
+    }[case]()
+    payload_len = wire.unpack(header).payload_len
+
+    def attack() -> wire.Header | None:
+        sock = raw_connect(server.endpoint)
+        sock.sendall(header + b"\xff" * payload_len)
+        ack = read_ack(sock)
+        sock.close()
+        return ack
+
+    ack = await in_thread(attack)
+    assert ack is not None and ack.status != wire.OK
+    assert rejected(server, reason) == 1
+    assert untouched_outside(server.test_pools[1], GEO, set())
+    server.close_session("victim")
+    await still_serves(server)
+
+
+@pytest.mark.parametrize("case", ["truncated", "oversized_length", "garbage", "disconnect_mid_payload", "bad_secret"])
+async def test_corrupt_streams_are_dropped(server, case):
+    creds = server.open_session("victim", [4, 5], timeout=5)
+
+    def attack() -> bytes:
+        secret = b"wrong" if case == "bad_secret" else SECRET
+        sock = raw_connect(server.endpoint, secret)
+        if case == "truncated":
+            sock.sendall(write_header(creds, 0, 4, 1)[:20])
+            sock.shutdown(socket.SHUT_WR)
+        elif case == "oversized_length":
+            sock.sendall(write_header(creds, 0, 4, 1, payload_len=wire.MAX_FRAME_BYTES + 1))
+        elif case == "garbage":
+            sock.sendall(os.urandom(wire.HEADER_BYTES * 3))
+        elif case == "disconnect_mid_payload":
+            sock.sendall(write_header(creds, 0, 4, 2) + b"\x11" * (GEO.block_bytes + 100))
+            sock.shutdown(socket.SHUT_WR)
+        else:
+            sock.sendall(write_header(creds, 0, 4, 1) + b"\x22" * GEO.block_bytes)
+        sock.settimeout(5)
+        try:
+            return sock.recv(1)  # the server closes the connection: b""
+        except ConnectionError:
+            return b""
+        finally:
+            sock.close()
+
+    assert await in_thread(attack) == b""
+    allowed = {(0, 4), (0, 5)} if case == "disconnect_mid_payload" else set()
+    assert untouched_outside(server.test_pools[1], GEO, allowed)
+    if case == "bad_secret":
+        assert rejected(server, "bad_secret") == 1
+    session = server.get_session("victim")
+    assert session is not None and session.state.value == "open"  # not completed by partial data
+    server.close_session("victim")
+    await session.wait_safe_to_reuse(5)
+    await still_serves(server)
