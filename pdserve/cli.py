@@ -16,6 +16,8 @@ import sys
 COMMANDS: tuple[str, ...] = (
     "generate",
     "make_tiny_model",
+    "prefill",
+    "decode",
 )
 
 

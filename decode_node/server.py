@@ -1,0 +1,178 @@
+"""DecodeNode: gRPC `Decode` service — admission, remote prefill over CacheStore, token streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, SessionError
+from decode_node.prefill_client import IncompatiblePeer, PrefillClients
+from engine.config import EngineConfig
+from engine.request import AdmissionError
+from pdserve.runtime import convert
+from pdserve.runtime.node import NodeOptions, NodeRuntime
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+
+log = logging.getLogger("pdserve.decode")
+
+
+class DecodeNode(decode_pb2_grpc.DecodeServicer):
+    """Decode-driven flow: allocate blocks, open a CacheStore session, call a prefill node,
+    wait for the KV by notification (other requests keep decoding), then stream tokens.
+
+    The Generate stream is the request's session: however it ends, the CacheStore session is
+    closed, the node waits until no writer can touch the blocks, and only then frees them."""
+
+    def __init__(self, engine_config: EngineConfig, options: NodeOptions, cachestore_port: int = 0,
+                 colocated: bool = False) -> None:
+        self.rt = NodeRuntime("decode", engine_config, options)
+        self.colocated = colocated
+        pool = self.rt.engine.runner.kv_pool
+        self.cachestore = CacheStoreServer(
+            MemoryRegion.from_tensor(pool.tensor), PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes),
+            transport=options.transport, host=options.host, port=cachestore_port, secret=options.cluster_secret,
+            registry=self.rt.metrics.registry)
+        self.prefills = PrefillClients(options.cluster_secret, self.rt.compatibility)
+
+    async def start(self) -> str:
+        await self.cachestore.start()
+        return await self.rt.start(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(self, server))
+
+    async def stop(self) -> None:
+        await self.rt.stop()
+        await self.cachestore.stop()
+        await self.prefills.close()
+
+    async def GetLoad(self, request, context) -> common_pb2.LoadReport:
+        return await self.rt.load_report()
+
+    async def Generate(self, request: decode_pb2.GenerateRequest, context):
+        rt, engine = self.rt, self.rt.engine
+        if rt.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode node is draining")
+        try:
+            rid = convert.check_request_id(request.request_id)
+            prompt = convert.check_prompt(request.prompt_token_ids, engine.max_model_len, engine.model_config.vocab_size)
+            params = convert.params_from_pb(request.params)
+            if len(request.prefill_addresses) > convert.MAX_PREFILL_ADDRESSES:
+                raise ValueError(f"at most {convert.MAX_PREFILL_ADDRESSES} prefill_addresses")
+            if not request.prefill_addresses and not self.colocated:
+                raise ValueError("no prefill_addresses given and this decode node does not run colocated prefill")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rt.inflight += 1
+        started = time.monotonic()
+        queue = rt.loop_thread.subscribe(rid)
+        state = {"finished": False, "remote": False}
+        try:
+            if request.prefill_addresses:
+                first = await self._remote_prefill(rid, prompt, params, list(request.prefill_addresses), context, state)
+                ttft = time.monotonic() - started
+                rt.metrics.ttft.observe(ttft)
+                yield decode_pb2.GenerateEvent(token_ids=[first.first_token_id], ttft_seconds=ttft,
+                                               logprobs=[first.first_logprob] if first.HasField("first_logprob") else [])
+                first_token_sent = True
+            else:
+                try:
+                    await rt.loop_thread.call(engine.add_request, rid, prompt, params)
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                first_token_sent = False
+            last = time.monotonic()
+            while True:
+                out = await queue.get()
+                now = time.monotonic()
+                if not first_token_sent and out.new_token_ids:
+                    rt.metrics.ttft.observe(now - started)
+                    first_token_sent = True
+                elif out.new_token_ids:
+                    rt.metrics.itl.observe(now - last)
+                last = now
+                event = decode_pb2.GenerateEvent(
+                    token_ids=out.new_token_ids,
+                    logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs or []])
+                if out.finished:
+                    state["finished"] = True
+                    event.finish_reason = out.finish_reason or "stop"
+                    event.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
+                                                          completion_tokens=out.num_output_tokens,
+                                                          cached_tokens=out.num_cached_tokens))
+                    rt.metrics.e2e.observe(now - started)
+                    yield event
+                    return
+                yield event
+        finally:
+            rt.loop_thread.unsubscribe(rid)
+            if not state["finished"]:
+                await asyncio.shield(self._cleanup(rid))
+            rt.inflight -= 1
+
+    async def _remote_prefill(self, rid: str, prompt: list[int], params, addresses: list[str], context,
+                              state: dict) -> prefill_pb2.PrefillResponse:
+        """Allocate, then try each prefill node in order until one fills the KV."""
+        rt, engine = self.rt, self.rt.engine
+        try:
+            block_ids = await rt.loop_thread.call(engine.add_remote_prefill_request, rid, prompt, params)
+        except AdmissionError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        state["remote"] = True
+        errors = []
+        for address in addresses:
+            creds = self.cachestore.open_session(rid, block_ids, timeout=rt.options.kv_timeout)
+            session = self.cachestore.get_session(rid)
+            pb = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=_params_pb(params),
+                                            kv_destination=creds.to_bytes(), compatibility=rt.compatibility)
+            try:
+                response = await self.prefills.prefill(address, pb, timeout=rt.options.kv_timeout)
+                await session.wait_complete(timeout=rt.options.kv_timeout)
+            except IncompatiblePeer as e:
+                await self._close_session(rid)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except grpc.aio.AioRpcError as e:
+                await self._close_session(rid)
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.details() or "invalid request")
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.details() or "incompatible prefill node")
+                errors.append(f"{address}: {e.code().name} {e.details()}")
+                continue
+            except (SessionError, asyncio.TimeoutError) as e:
+                await self._close_session(rid)
+                errors.append(f"{address}: KV did not arrive ({e})")
+                continue
+            await self._close_session(rid)
+            await rt.loop_thread.call(engine.complete_remote_prefill, rid, response.first_token_id,
+                                      convert.logprob_from_pb(response.first_logprob)
+                                      if response.HasField("first_logprob") else None)
+            state["remote"] = False
+            return response
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "every prefill node failed: " + "; ".join(errors))
+
+    async def _close_session(self, rid: str) -> None:
+        session = self.cachestore.close_session(rid)
+        if session is not None:
+            await session.wait_safe_to_reuse(timeout=self.rt.options.kv_timeout)
+
+    async def _cleanup(self, rid: str) -> None:
+        """Client gone, error or timeout: no writer may still touch the blocks before they are freed."""
+        await self._close_session(rid)
+        await self.rt.loop_thread.call(self.rt.engine.abort, rid)
+
+
+def _params_pb(p) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens or 1, min_tokens=p.min_tokens,
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output)
+    if p.seed is not None:
+        pb.seed = p.seed
+    if p.logprobs is not None:
+        pb.logprobs = p.logprobs
+    return pb

@@ -1,0 +1,70 @@
+"""Flags and the process lifecycle shared by `pdserve prefill` and `pdserve decode`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from pdserve.commands.generate import add_model_args
+
+
+def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--transport", default="tcp", choices=["auto", "tcp", "rdma", "local"],
+                   help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp)")
+    p.add_argument("--cluster-secret", default=None, help="shared secret (default: $PDSERVE_CLUSTER_SECRET)")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--kv-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
+    p.add_argument("--log-level", default="INFO")
+
+
+def engine_config(args: argparse.Namespace, **overrides):
+    from engine.builtin import default_model_dir
+    from engine.config import EngineConfig
+    return EngineConfig(model_dir=args.model or default_model_dir(), dtype=args.dtype,
+                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        num_threads=args.num_threads, **overrides)
+
+
+def node_options(args: argparse.Namespace):
+    from pdserve.runtime.auth import resolve_secret
+    from pdserve.runtime.node import NodeOptions
+    return NodeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                       cluster_secret=resolve_secret(args.cluster_secret), transport=args.transport,
+                       drain_timeout=args.drain_timeout, kv_timeout=args.kv_timeout)
+
+
+def serve(node, role: str, log_level: str) -> int:
+    """Start `node`, print READY, run until SIGTERM/SIGINT, then drain and exit 0."""
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        address = await node.start()
+        print(f"READY {role} {address}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logging.getLogger("pdserve").info("draining %s", role)
+        await node.rt.drain_and_stop()
+        if hasattr(node, "cachestore"):
+            await node.cachestore.stop()
+
+    try:
+        import uvloop
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+    return 0

@@ -1,0 +1,1 @@
+"""Pieces shared by the node processes: engine thread, auth, metrics, request conversion."""

@@ -1,0 +1,72 @@
+"""Conversions between the wire (pdserve.v1 protobuf) and engine types, with every bound checked.
+
+The engine never sees a *_pb2 type; the node servicers call only these functions.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_PREFILL_ADDRESSES = 8
+
+
+def check_request_id(request_id: str) -> str:
+    if not REQUEST_ID.match(request_id):
+        raise ValueError("request_id must be 1-128 characters of [A-Za-z0-9._:-]")
+    return request_id
+
+
+def check_prompt(token_ids, max_model_len: int, vocab_size: int) -> list[int]:
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("prompt_token_ids is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
+    """ValueError (-> INVALID_ARGUMENT) for anything out of bounds."""
+    if len(p.stop) > MAX_STOP_STRINGS or any(len(s.encode()) > MAX_STOP_BYTES for s in p.stop):
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_BYTES} bytes")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    if p.max_tokens == 0:
+        raise ValueError("invalid sampling parameter max_tokens: must be >= 1")
+    return SamplingParams(
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature,
+        top_k=p.top_k, top_p=p.top_p if p.top_p else 1.0, min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
+        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output)
+
+
+def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                   top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
+
+
+def compatibility(engine) -> str:
+    """Two nodes may exchange KV only when these strings are equal."""
+    cfg, pool = engine.model_config, engine.runner.kv_pool
+    return (f"model={cfg.name};arch={cfg.architecture};vocab={cfg.vocab_size};dtype={str(pool.dtype).replace('torch.', '')};"
+            f"block_size={pool.block_size};layout=HND;layers={cfg.num_hidden_layers};"
+            f"kv_heads={cfg.num_key_value_heads};head_dim={cfg.head_dim}")

@@ -1,0 +1,112 @@
+"""PrefillNode: gRPC `Prefill` service around the engine and a CacheStore sender."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from cachestore import CacheStoreClient, MemoryRegion, PoolGeometry, SessionCredentials, TransferError
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
+from pdserve.runtime import convert
+from pdserve.runtime.node import NodeOptions, NodeRuntime
+from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("pdserve.prefill")
+
+
+class PrefillNode(prefill_pb2_grpc.PrefillServicer):
+    """Runs prompts with `prefill_only` requests; after each layer the engine's hook hands that
+    layer's blocks to the request's CacheStore transfer, so the transfer of layer i overlaps the
+    compute of layer i+1. The first token is returned only once every layer is acknowledged."""
+
+    def __init__(self, engine_config: EngineConfig, options: NodeOptions) -> None:
+        self.rt = NodeRuntime("prefill", engine_config, options)
+        self.rt.engine.layer_hook = self._layer_hook
+        pool = self.rt.engine.runner.kv_pool
+        self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
+        self.client = CacheStoreClient(MemoryRegion.from_tensor(pool.tensor), self.geometry,
+                                       transport=options.transport, secret=options.cluster_secret,
+                                       registry=self.rt.metrics.registry)
+        self.transfers: dict[str, object] = {}
+        """request id -> Transfer; read by the engine thread in the layer hook."""
+
+    async def start(self) -> str:
+        return await self.rt.start(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(self, server))
+
+    async def stop(self) -> None:
+        await self.rt.stop()
+        await self.client.close()
+
+    def _layer_hook(self, layer: int, batch: ForwardBatch) -> None:
+        """Engine thread, after `layer` wrote its KV: ship it for every request whose prompt
+        completes in this step (earlier chunks' layers are final by then too)."""
+        for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables,
+                                         batch.sample_mask):
+            tx = self.transfers.get(rid)
+            if tx is not None and last:
+                tx.write_layer(layer, table[:(ctx + self.geometry_block_size - 1) // self.geometry_block_size])
+
+    @property
+    def geometry_block_size(self) -> int:
+        return self.rt.engine.runner.kv_pool.block_size
+
+    async def GetLoad(self, request, context) -> common_pb2.LoadReport:
+        return await self.rt.load_report()
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        rt, engine = self.rt, self.rt.engine
+        if rt.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node is draining")
+        if request.compatibility != rt.compatibility:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"incompatible peer: decode has {request.compatibility!r}, prefill has {rt.compatibility!r}")
+        try:
+            rid = convert.check_request_id(request.request_id)
+            prompt = convert.check_prompt(request.prompt_token_ids, engine.max_model_len, engine.model_config.vocab_size)
+            params = convert.params_from_pb(request.params)
+            creds = SessionCredentials.from_bytes(request.kv_destination)
+            if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(prompt):
+                raise ValueError("kv_destination does not cover the prompt's layers and blocks")
+            tx = self.client.open_transfer(creds)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rt.inflight += 1
+        started = time.monotonic()
+        queue = rt.loop_thread.subscribe(rid)
+        self.transfers[rid] = tx
+        finished = False
+        try:
+            try:
+                await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            out = await queue.get()
+            while not out.finished:
+                out = await queue.get()
+            if out.finish_reason == "abort" or not out.new_token_ids:
+                await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
+            prefill_seconds = time.monotonic() - started
+            try:
+                transfer_seconds = await tx.finish(timeout=rt.options.kv_timeout)
+            except TransferError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            finished = True
+            rt.metrics.ttft.observe(time.monotonic() - started)
+            response = prefill_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
+                                                   num_cached_tokens=out.num_cached_tokens,
+                                                   prefill_seconds=prefill_seconds, transfer_seconds=transfer_seconds)
+            if out.new_logprobs:
+                response.first_logprob.CopyFrom(convert.logprob_to_pb(out.new_logprobs[0]))
+            return response
+        finally:
+            # success: release keeps the blocks prefix-cached; failure/cancel: abort frees them too
+            self.transfers.pop(rid, None)
+            if not finished:
+                tx.abort("prefill cancelled or failed")
+            rt.loop_thread.unsubscribe(rid)
+            await asyncio.shield(rt.loop_thread.call(engine.release if finished else engine.abort, rid))
+            rt.inflight -= 1

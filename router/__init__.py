@@ -1,0 +1,1 @@
+"""Router: the OpenAI-compatible HTTP front end, balancing and discovery."""
