@@ -1,0 +1,83 @@
+"""Failure handling with real processes: a prefill node killed mid-transfer, retry on another prefill
+node, SIGTERM drain, and the in-process cluster over the `local` transport."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from pdserve.runtime.node import NodeOptions
+from tests.e2e.cluster import start_cluster, stop
+from tests.e2e.grpc_client import generate, greedy, load
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_prefill_killed_mid_transfer_leaves_no_blocks(tiny_model_dir):
+    cluster = start_cluster(2, 1, model=str(tiny_model_dir), extra=["--kv-timeout", "3"])
+    try:
+        dead, alive = cluster.prefills
+        decode = cluster.decodes[0].address
+        long_prompt = [5 + i % 1500 for i in range(3500)]
+        task = asyncio.create_task(generate(decode, cluster.secret, "victim", long_prompt, greedy(4),
+                                            [dead.address], timeout=30))
+        await asyncio.sleep(0.3)  # the prefill node is computing / transferring
+        stop(dead, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await task
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        report = await load(decode, cluster.secret)
+        assert report.num_free_blocks == report.num_total_blocks
+        # a request naming a dead node first is retried on the next prefill node
+        tokens, events = await generate(decode, cluster.secret, "retry", [5, 6, 7, 8], greedy(5),
+                                        [dead.address, alive.address])
+        assert len(tokens) == 5 and events[-1].finish_reason == "length"
+        report = await load(decode, cluster.secret)
+        assert report.num_free_blocks == report.num_total_blocks
+    finally:
+        cluster.stop()
+
+
+async def test_sigterm_drains_then_exits_zero(tiny_model_dir):
+    cluster = start_cluster(1, 1, model=str(tiny_model_dir))
+    try:
+        decode = cluster.decodes[0]
+        task = asyncio.create_task(generate(decode.address, cluster.secret, "draining", [5, 6, 7], 
+                                            greedy(60, ignore_eos=True), [cluster.prefills[0].address]))
+        await asyncio.sleep(0.5)
+        decode.popen.send_signal(signal.SIGTERM)
+        tokens, events = await task  # in-flight request finishes during the drain
+        assert len(tokens) == 60
+        assert await asyncio.get_running_loop().run_in_executor(None, decode.popen.wait, 30) == 0
+    finally:
+        cluster.stop()
+
+
+async def test_in_process_cluster_over_local_transport(tiny_model_dir):
+    """Prefill and decode nodes in this process, KV copied by the in-process `local` transport."""
+    from decode_node import DecodeNode
+    from prefill_node import PrefillNode
+    opts = NodeOptions(transport="local", cluster_secret="s")
+    prefill = PrefillNode(EngineConfig(tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=4096), opts)
+    decode = DecodeNode(EngineConfig(tiny_model_dir, num_kv_blocks=256, preemption="never"), opts)
+    p_addr = await prefill.start()
+    d_addr = await decode.start()
+    try:
+        prompts = [[5 + (i * 7 + j) % 1500 for j in range(10 + 9 * i)] for i in range(8)]
+        ref = LLM(tiny_model_dir, num_kv_blocks=512).generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        results = await asyncio.gather(*[generate(d_addr, "s", f"l{i}", p, greedy(12, ignore_eos=True), [p_addr])
+                                         for i, p in enumerate(prompts)])
+        assert [t for t, _ in results] == [r.outputs[0].token_ids for r in ref]
+        assert decode.cachestore.num_sessions == 0
+        for node_addr, role in ((d_addr, "decode"), (p_addr, "prefill")):
+            report = await load(node_addr, "s", role)
+            assert report.num_free_blocks == report.num_total_blocks
+    finally:
+        await decode.stop()
+        await prefill.stop()
