@@ -18,6 +18,8 @@ COMMANDS: tuple[str, ...] = (
     "make_tiny_model",
     "prefill",
     "decode",
+    "router",
+    "up",
 )
 
 

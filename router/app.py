@@ -1,0 +1,108 @@
+"""The router's HTTP app: OpenAI-compatible endpoints, auth, bounds, errors in the OpenAI shape."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from router.errors import (ModelNotFound, NoCapacityError, PayloadTooLarge, RouterError, Unauthorized,
+                           error_body, error_response)
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.serving import Server
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def create_app(server: Server, *, api_keys: list[str] | None = None, registry: CollectorRegistry | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
+    app = FastAPI(title="pdserve router", version="0.1.0",
+                  description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
+    registry = registry or CollectorRegistry()
+    requests_total = Counter("pdserve_router_requests", "HTTP requests", ["endpoint", "status"], registry=registry)
+    keys = [k.encode() for k in (api_keys or []) if k]
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """API keys on /v1/*, bounded bodies, and a request counter."""
+        path = request.url.path
+        try:
+            if keys and path.startswith("/v1/"):
+                auth = request.headers.get("authorization", "")
+                given = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
+                if not any(hmac.compare_digest(given, k) for k in keys):
+                    raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+                raise PayloadTooLarge(f"request body larger than {max_body_bytes} bytes")
+            response = await call_next(request)
+        except RouterError as e:
+            response = error_response(e)
+        requests_total.labels(path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(RouterError)
+    async def router_error(request: Request, exc: RouterError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = "request body is not valid JSON"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None), status_code=400)
+
+    def check_model(name: str) -> None:
+        if name != server.model_name:
+            raise ModelNotFound(f"the model {name!r} does not exist; this server serves {server.model_name!r}", "model")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "pdserve", "max_model_len": server.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        if body.stream:
+            return _sse(await server.stream(body, chat=False))
+        return await server.completion(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        check_model(body.model)
+        if body.stream:
+            return _sse(await server.stream(body, chat=True))
+        return await server.chat(body)
+
+    @app.get("/health")
+    async def health():
+        if not server.cluster.is_healthy():
+            raise NoCapacityError("no healthy prefill + decode pair yet")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/cluster", include_in_schema=False)
+    async def cluster_state() -> dict:
+        return {"nodes": server.cluster.snapshot()}
+
+    return app
+
+
+def _sse(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,202 @@
+"""Cluster: the router's view of the nodes — load, health, choice, retries and request migration."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, NamedTuple
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.discovery import Discovery, Member
+from pdserve.runtime.auth import cluster_metadata
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
+from router.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
+from router.health import CircuitBreaker
+
+log = logging.getLogger("pdserve.router")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
+
+
+class GenerateChunk(NamedTuple):
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None
+    usage: common_pb2.Usage | None
+
+
+@dataclass
+class NodeState:
+    member: Member
+    channel: grpc.aio.Channel
+    stub: object
+    health: health_pb2_grpc.HealthStub
+    load: NodeLoad
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    draining: bool = False
+    max_model_len: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.breaker.allows and not self.draining and self.load.report_time is not None
+
+
+class Cluster:
+    """Watches the members from discovery, polls their load and health, and runs requests."""
+
+    def __init__(self, discovery: Discovery, *, cluster_secret: str = "", refresh_interval: float = 0.5,
+                 max_retries: int = 3, max_migrations: int = 3, backoff: float = 0.1,
+                 request_timeout: float = 600.0, registry: CollectorRegistry | None = None) -> None:
+        self.discovery = discovery
+        self.metadata = cluster_metadata(cluster_secret)
+        self.refresh_interval = refresh_interval
+        self.max_retries = max_retries
+        self.max_migrations = max_migrations
+        self.backoff = backoff
+        self.request_timeout = request_timeout
+        self.nodes: dict[tuple[str, str], NodeState] = {}
+        self.decode_balancer = DecodeBalancer()
+        self.prefill_balancer = PrefillBalancer()
+        self._task: asyncio.Task | None = None
+        r = registry or CollectorRegistry()
+        self.retries = Counter("pdserve_router_retries", "requests retried before the first token", registry=r)
+        self.migrations = Counter("pdserve_router_migrations", "streams moved to another decode node", registry=r)
+
+    async def start(self) -> None:
+        await self.discovery.start()
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self.discovery.stop()
+        for node in self.nodes.values():
+            await node.channel.close()
+
+    def _sync_members(self) -> None:
+        current = {(m.role, m.address): m for role in ("prefill", "decode") for m in self.discovery.members(role)}
+        for key in list(self.nodes):
+            if key not in current:
+                asyncio.create_task(self.nodes.pop(key).channel.close())
+        for key, member in current.items():
+            if key not in self.nodes:
+                channel = grpc.aio.insecure_channel(member.address)
+                stub = (decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub)(channel)
+                self.nodes[key] = NodeState(member, channel, stub, health_pb2_grpc.HealthStub(channel),
+                                            NodeLoad(member.address))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            try:
+                await self.refresh()
+            except Exception:  # never let the health loop die
+                log.exception("cluster refresh failed")
+
+    async def refresh(self) -> None:
+        self._sync_members()
+        await asyncio.gather(*[self._probe(n) for n in list(self.nodes.values())])
+
+    async def _probe(self, node: NodeState) -> None:
+        """Active health check (gRPC health) plus a load report."""
+        try:
+            status = await node.health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            report = await node.stub.GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=2.0)
+        except grpc.aio.AioRpcError:
+            node.breaker.failure()
+            return
+        node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
+        node.max_model_len = report.max_model_len
+        node.load.report(report.num_free_blocks, report.num_total_blocks, report.block_size or 16,
+                         report.num_queued_prefill_tokens, time.monotonic())
+        node.breaker.success()
+
+    def _usable(self, role: str) -> list[NodeState]:
+        return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
+
+    def is_healthy(self) -> bool:
+        return bool(self._usable("decode")) and bool(self._usable("prefill"))
+
+    def max_model_len(self) -> int | None:
+        lens = [n.max_model_len for n in self._usable("decode") if n.max_model_len]
+        return min(lens) if lens else None
+
+    def snapshot(self) -> list[dict]:
+        return [{"role": r, "address": a, "usable": n.usable, "breaker": n.breaker.state.value,
+                 "free_blocks": n.load.free_blocks, "total_blocks": n.load.total_blocks}
+                for (r, a), n in self.nodes.items()]
+
+    def _choose(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:
+        decodes = [n for n in self._usable("decode") if n.member.address not in exclude]
+        prefills = self._usable("prefill")
+        if not decodes or not prefills:
+            raise NoCapacityError("no healthy prefill and decode node is available; try again later")
+        by_load = {id(n.load): n for n in decodes}
+        chosen = self.decode_balancer.pick([n.load for n in decodes], tokens_needed, time.monotonic())
+        if chosen is None:
+            raise NoCapacityError("no decode node has room for this request now; try again later")
+        self.decode_balancer.assign(chosen, tokens_needed)
+        ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
+        ordered[0].inflight_tokens += tokens_needed
+        return by_load[id(chosen)], [n.address for n in ordered]
+
+    async def generate(self, request_id: str, prompt: list[int],
+                       params: common_pb2.SamplingParams) -> AsyncIterator[GenerateChunk]:
+        """Stream one request; retries before the first token, migrates after it (no gap, no duplicate)."""
+        sent: list[int] = []
+        tried: set[str] = set()
+        retries = migrations = 0
+        while True:
+            remaining = params.max_tokens - len(sent)
+            node, prefills = self._choose(len(prompt) + len(sent) + remaining, tried if not sent else set())
+            attempt = common_pb2.SamplingParams()
+            attempt.CopyFrom(params)
+            attempt.max_tokens = remaining
+            attempt.min_tokens = max(0, params.min_tokens - len(sent))
+            req = decode_pb2.GenerateRequest(request_id=f"{request_id}-{retries}-{migrations}",
+                                             prompt_token_ids=prompt + sent, params=attempt,
+                                             prefill_addresses=prefills)
+            try:
+                async for event in node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout):
+                    if event.token_ids:
+                        sent.extend(event.token_ids)
+                    usage = None
+                    if event.finish_reason:
+                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=len(sent),
+                                                 cached_tokens=event.usage.cached_tokens)
+                    if event.token_ids or event.finish_reason:
+                        yield GenerateChunk(list(event.token_ids), list(event.logprobs) or None,
+                                            event.finish_reason or None, usage)
+                    if event.finish_reason:
+                        return
+                raise UpstreamError(f"decode node {node.member.address} ended the stream without finishing")
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise UpstreamInvalidRequest(e.details() or "invalid request") from None
+                if code not in RETRYABLE:
+                    raise UpstreamError(f"decode node {node.member.address}: {code.name} {e.details()}") from None
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    node.breaker.failure()
+                tried.add(node.member.address)
+                if not sent:
+                    retries += 1
+                    if retries > self.max_retries:
+                        raise NoCapacityError(f"request failed after {self.max_retries} retries: {e.details()}") from None
+                    self.retries.inc()
+                    await asyncio.sleep(self.backoff * 2 ** (retries - 1))
+                else:
+                    migrations += 1
+                    if migrations > self.max_migrations:
+                        raise UpstreamError(f"stream failed after {self.max_migrations} migrations") from None
+                    self.migrations.inc()
+                    log.warning("migrating %s after %d tokens: %s", request_id, len(sent), code.name)
+            finally:
+                asyncio.create_task(self._probe(node))  # refresh the load right after a response

@@ -1,0 +1,59 @@
+"""Errors the router returns, in the OpenAI error shape: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class RouterError(Exception):
+    """An error with an HTTP status and an OpenAI error body."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class BadRequest(RouterError):
+    status, type, code = 400, "invalid_request_error", None
+
+
+class UpstreamInvalidRequest(BadRequest):
+    """A node refused the request as invalid (gRPC INVALID_ARGUMENT)."""
+
+
+class Unauthorized(RouterError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class ModelNotFound(RouterError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class PayloadTooLarge(RouterError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class NoCapacityError(RouterError):
+    """No healthy prefill+decode pair, or no decode node can fit the request."""
+
+    status, type, code = 503, "server_error", "no_capacity"
+
+
+class UpstreamError(RouterError):
+    status, type, code = 502, "server_error", "upstream_error"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(err: RouterError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)

@@ -1,0 +1,232 @@
+"""Serving completions and chat completions on top of Cluster.generate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2
+from router.cluster import Cluster
+from router.errors import BadRequest, RouterError
+from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.text import ChoiceText, chat_logprob_entry, completion_logprobs
+
+
+@dataclass
+class Choice:
+    """One generated sequence: prompt, parameters, and what has come back so far."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: common_pb2.SamplingParams
+    text: ChoiceText
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: common_pb2.Usage | None = None
+
+
+class Server:
+    """Builds engine-level requests from OpenAI bodies and shapes the answers."""
+
+    def __init__(self, cluster: Cluster, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 max_prompt_tokens: int | None = None) -> None:
+        self.cluster = cluster
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.default_max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cluster.max_model_len() or self.default_max_model_len
+
+    # --- requests -> choices --------------------------------------------------------------
+    def _params(self, req: SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None,
+                default_max: int | None) -> common_pb2.SamplingParams:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise BadRequest(f"prompt has {prompt_len} tokens, more than this model's context of {limit}", "prompt")
+        if max_tokens is None:
+            max_tokens = min(default_max or limit, limit - prompt_len)
+        if prompt_len + max_tokens > limit:
+            raise BadRequest(f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
+                             f"and max_tokens is {max_tokens}", "max_tokens")
+        try:
+            stop = req.stop_list()
+        except ValueError as e:
+            raise BadRequest(str(e), "stop") from None
+        p = common_pb2.SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=stop, ignore_eos=req.ignore_eos)
+        if req.seed is not None:
+            p.seed = req.seed
+        if logprobs is not None:
+            p.logprobs = logprobs
+        return p
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise BadRequest("prompt is empty", "prompt")
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+            raise BadRequest(f"prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt_tokens}",
+                             "prompt")
+        return ids
+
+    def completion_choices(self, req: CompletionRequest) -> list[Choice]:
+        prompts = req.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise BadRequest("prompt is empty", "prompt")
+        choices = []
+        for p in prompts:
+            text = p if isinstance(p, str) else None
+            ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
+            params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
+            for _ in range(req.n):
+                choices.append(Choice(len(choices), ids, text, params,
+                                      ChoiceText(self.tokenizer, ids, list(params.stop))))
+        return choices
+
+    def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = self._check_ids(self.tokenizer.encode_chat(messages))
+        except ValueError as e:
+            raise BadRequest(f"cannot apply the chat template: {e}", "messages") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._params(req, max_tokens, len(ids), logprobs, default_max=None)
+        return [Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop)))
+                for i in range(req.n)]
+
+    # --- running ------------------------------------------------------------------------
+    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list]]:
+        """Run all choices concurrently; yield (choice, text delta, new logprobs) as tokens arrive."""
+        queue: asyncio.Queue = asyncio.Queue()
+        base = f"cmpl-{uuid.uuid4().hex[:16]}"
+
+        async def one(choice: Choice) -> None:
+            try:
+                async for chunk in self.cluster.generate(f"{base}-{choice.index}", choice.prompt_ids, choice.params):
+                    delta = choice.text.add(chunk.token_ids)
+                    new_lps = chunk.logprobs or []
+                    choice.logprobs += new_lps
+                    if chunk.finish_reason:
+                        delta += choice.text.finish()
+                        choice.finish_reason = chunk.finish_reason if chunk.finish_reason != "abort" else "stop"
+                        choice.usage = chunk.usage
+                    await queue.put((choice, delta, new_lps))
+                await queue.put((choice, None, None))
+            except Exception as e:  # delivered to the consumer, which owns the response
+                await queue.put((choice, e, None))
+
+        tasks = [asyncio.create_task(one(c)) for c in choices]
+        pending = len(choices)
+        try:
+            while pending:
+                choice, delta, lps = await queue.get()
+                if delta is None:
+                    pending -= 1
+                elif isinstance(delta, Exception):
+                    raise delta
+                else:
+                    yield choice, delta, lps
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # --- responses ------------------------------------------------------------------------
+    def usage(self, choices: list[Choice]) -> dict:
+        prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
+        completion = sum(c.usage.completion_tokens if c.usage else 0 for c in choices)
+        cached = sum(c.usage.cached_tokens if c.usage else 0 for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def completion(self, req: CompletionRequest) -> dict:
+        choices = self.completion_choices(req)
+        texts = {c.index: "" for c in choices}
+        async for c, delta, _ in self.run(choices):
+            texts[c.index] += delta
+        out = []
+        for c in choices:
+            prefix = (c.prompt_text or self.tokenizer.decode(c.prompt_ids)) if req.echo else ""
+            lp = completion_logprobs(self.tokenizer, c.logprobs, len(prefix)) if req.logprobs is not None else None
+            out.append({"index": c.index, "text": prefix + texts[c.index], "logprobs": lp,
+                        "finish_reason": c.finish_reason})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": out, "usage": self.usage(choices)}
+
+    async def chat(self, req: ChatCompletionRequest) -> dict:
+        choices = self.chat_choices(req)
+        texts = {c.index: "" for c in choices}
+        async for c, delta, _ in self.run(choices):
+            texts[c.index] += delta
+        out = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
+                "logprobs": {"content": [chat_logprob_entry(self.tokenizer, lp) for lp in c.logprobs]}
+                if req.logprobs else None, "finish_reason": c.finish_reason} for c in choices]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": out, "usage": self.usage(choices)}
+
+    async def stream(self, req: SamplingFields, chat: bool) -> AsyncIterator[str]:
+        """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
+        choices = self.chat_choices(req) if chat else self.completion_choices(req)  # 400s before streaming
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice_list: list[dict], usage: dict | None = None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_list}
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def gen() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    for c in choices:
+                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                elif req.echo:
+                    for c in choices:
+                        yield chunk([{"index": c.index, "text": c.prompt_text or self.tokenizer.decode(c.prompt_ids),
+                                      "logprobs": None, "finish_reason": None}])
+                offsets = {c.index: 0 for c in choices}
+                async for c, delta, lps in self.run(choices):
+                    finish = c.finish_reason
+                    if chat:
+                        lp = ({"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]}
+                              if req.logprobs and lps else None)
+                        body = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                                "finish_reason": finish}
+                    else:
+                        lp = (completion_logprobs(self.tokenizer, lps, offsets[c.index])
+                              if req.logprobs is not None and lps else None)
+                        body = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
+                    offsets[c.index] += len(delta)
+                    if delta or finish or lp:
+                        yield chunk([body])
+                if include_usage:
+                    yield chunk([], self.usage(choices))
+            except RouterError as e:
+                yield f"data: {json.dumps(e.body())}\n\n"
+            except Exception as e:  # a stream that already started can only report in-band
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return gen()
