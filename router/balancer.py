@@ -87,7 +87,11 @@ class PrefillBalancer:
 
     def order(self, nodes: list[NodeLoad]) -> list[NodeLoad]:
         """Nodes best first (the first is the choice, the rest are fallbacks)."""
+        if not nodes:
+            return []
+        key = lambda n: n.queued_prefill_tokens + n.inflight_tokens  # noqa: E731
+        ranked = sorted(nodes, key=key)
+        ties = [n for n in ranked if key(n) == key(ranked[0])]
         self._rr += 1
-        n = len(nodes)
-        rotated = [nodes[(i + self._rr) % n] for i in range(n)] if n else []
-        return sorted(rotated, key=lambda x: x.queued_prefill_tokens + x.inflight_tokens)
+        first = ties[self._rr % len(ties)]
+        return [first] + [n for n in ranked if n is not first]

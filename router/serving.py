@@ -93,6 +93,8 @@ class Server:
             raise BadRequest("prompt is empty", "prompt")
         choices = []
         for p in prompts:
+            if isinstance(p, str) and not p:
+                raise BadRequest("prompt is empty", "prompt")
             text = p if isinstance(p, str) else None
             ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
