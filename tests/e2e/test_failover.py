@@ -1,0 +1,71 @@
+"""Failover with real processes: a decode node SIGKILLed mid-stream (request migration) and a stopped
+prefill node (requests go to the other one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import stop
+from tests.e2e.grpc_client import load
+from tests.e2e.router_cluster import API_KEY, start_full
+
+pytestmark = pytest.mark.e2e
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+async def stream_text(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int,
+                      progress: list | None = None) -> tuple[str, str | None]:
+    text, finish = "", None
+    body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                text += c["text"]
+                if progress is not None:
+                    progress.append(1)
+                finish = c["finish_reason"] or finish
+    return text, finish
+
+
+async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_model_dir):
+    cluster, router, base = start_full(str(tiny_model_dir), num_prefill=2, num_decode=2)
+    try:
+        prompts = [f"Story number {i}: the river" for i in range(20)]
+        async with httpx.AsyncClient() as client:
+            reference = await asyncio.gather(*[stream_text(client, base, p, 300) for p in prompts])
+            progress: list = []
+            tasks = [asyncio.create_task(stream_text(client, base, p, 300, progress)) for p in prompts]
+            for _ in range(600):  # kill once the streams are under way on both decode nodes
+                if len(progress) >= 20 * 10:
+                    break
+                await asyncio.sleep(0.01)
+            stop(cluster.decodes[0], signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+        assert results == reference
+        assert all(finish == "length" for _, finish in results)
+        metrics = httpx.get(f"{base}/metrics").text
+        migrated = [line for line in metrics.splitlines() if line.startswith("pdserve_router_migrations_total")]
+        assert migrated and float(migrated[0].split()[-1]) >= 1, "no stream was migrated: kill came too late"
+        # then stop one prefill node: requests go to the other one
+        stop(cluster.prefills[0], signal.SIGTERM)
+        async with httpx.AsyncClient() as client:
+            again = await asyncio.gather(*[stream_text(client, base, p, 300) for p in prompts[:4]])
+        assert again == reference[:4]
+        await asyncio.sleep(0.5)
+        for proc in (cluster.decodes[1], cluster.prefills[1]):
+            report = await load(proc.address, cluster.secret, proc.role)
+            assert report.num_free_blocks == report.num_total_blocks
+    finally:
+        stop(router)
+        cluster.stop()
