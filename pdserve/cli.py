@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "decode",
     "router",
     "up",
+    "simulate",
 )
 
 

@@ -1,0 +1,1 @@
+"""TD-Pipe offline mode: decision policies, output-length predictor and simulator."""

@@ -1,0 +1,56 @@
+"""Configuration of a simulated pipeline instance and of the TD-Pipe policies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """One pipeline-parallel instance and its batching limits."""
+
+    num_stages: int = 4
+    """Pipeline stages (devices)."""
+    capacity_blocks: int = 11250
+    """KV blocks of the instance. Default: 180k tokens, about what 4x L20 (48 GB)
+    hold for Llama-13B after weights at 0.9 memory utilisation."""
+    block_size: int = 16
+    max_batch_tokens: int = 2048
+    """Token budget of one prefill (or hybrid) batch."""
+    max_num_seqs: int = 256
+    """Per-batch request limit of the PP baselines (vLLM's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "capacity_blocks", "block_size", "max_batch_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TDPipeOptions:
+    """Which TD-Pipe policies run (the ablations switch them one at a time)."""
+
+    prefill_switch: Literal["greedy", "kv_threshold"] = "greedy"
+    """prefill→decode: AI-based greedy prefill or a fixed KV-occupancy threshold."""
+    kv_threshold: float = 0.7
+    decode_switch: Literal["intensity", "completion"] = "intensity"
+    """decode→prefill: spatial-temporal intensity or a fixed completion ratio."""
+    completion_threshold: float = 0.5
+    work_stealing: bool = True
+    future_interval: int = 32
+    future_horizon: int = 1024
+    ref_batch_size: int = 256
+    """Batch size whose per-request throughput counts as peak (spatial intensity)."""
+
+    def __post_init__(self) -> None:
+        if self.prefill_switch not in ("greedy", "kv_threshold"):
+            raise ValueError(f"prefill_switch must be 'greedy' or 'kv_threshold', got {self.prefill_switch!r}")
+        if self.decode_switch not in ("intensity", "completion"):
+            raise ValueError(f"decode_switch must be 'intensity' or 'completion', got {self.decode_switch!r}")
+        if not 0.0 < self.kv_threshold <= 1.0:
+            raise ValueError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")
+        if not 0.0 < self.completion_threshold <= 1.0:
+            raise ValueError(f"completion_threshold must be in (0, 1], got {self.completion_threshold}")
+        if self.ref_batch_size <= 0:
+            raise ValueError(f"ref_batch_size must be > 0, got {self.ref_batch_size}")
