@@ -1,0 +1,113 @@
+"""Decode inter-token latency while long prompts keep arriving: disaggregated vs colocated.
+
+Steady greedy streams run on a decode node while 1024-token prompts arrive
+back to back. Disaggregated: the prompts are computed by a separate prefill
+node process and their KV streamed in. Colocated: the same decode node
+computes them itself (`--colocated`, chunked prefill mixed into decode steps).
+Same model, same machine cores. Reports ITL p50/p99 of the steady streams.
+
+    python benchmarks/itl_isolation.py [--quick] [--model-size bench|tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.cluster_procs import NodeProc  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
+from engine.builtin import default_model_dir  # noqa: E402
+
+SECRET = "bench"
+
+
+async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, long_len: int) -> list[float]:
+    import grpc
+
+    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+    meta = cluster_metadata(SECRET)
+    gaps: list[float] = []
+    done = asyncio.Event()
+    async with grpc.aio.insecure_channel(decode) as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+
+        async def steady(i: int) -> None:
+            req = decode_pb2.GenerateRequest(request_id=f"s{i}-{time.monotonic_ns()}", prompt_token_ids=[10 + i, 11, 12],
+                                             params=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                                              ignore_eos=True),
+                                             prefill_addresses=prefill)
+            last = None
+            async for event in stub.Generate(req, metadata=meta, timeout=600):
+                now = time.perf_counter()
+                if last is not None and event.token_ids:
+                    gaps.append(now - last)
+                last = now
+
+        async def intruders() -> None:
+            k = 0
+            while not done.is_set():
+                prompt = [10 + (k * 31 + j) % 1500 for j in range(long_len)]
+                req = decode_pb2.GenerateRequest(request_id=f"long-{k}-{time.monotonic_ns()}", prompt_token_ids=prompt,
+                                                 params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
+                                                 prefill_addresses=prefill)
+                async for _ in stub.Generate(req, metadata=meta, timeout=600):
+                    pass
+                k += 1
+
+        intruder = asyncio.create_task(intruders())
+        await asyncio.sleep(0.2)
+        await asyncio.gather(*[steady(i) for i in range(streams)])
+        done.set()
+        await intruder
+    return gaps
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
+    args = parser.parse_args()
+    model = str(default_model_dir(args.model_size))
+    streams, tokens, long_len = (4, 40, 512) if args.quick else (8, 150, 1024)
+    common = ["--port", "0", "--model", model, "--cluster-secret", SECRET, "--num-threads", "1"]
+    results = {}
+    # disaggregated: 1 prefill + 1 decode process
+    prefill = NodeProc("prefill", common)
+    try:
+        decode = NodeProc("decode", common)
+        try:
+            results["disaggregated"] = asyncio.run(run_mode(decode.address, [prefill.address], streams, tokens, long_len))
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()
+    # colocated: the decode node computes the prompts itself
+    colo = NodeProc("decode", common + ["--colocated"])
+    try:
+        results["colocated"] = asyncio.run(run_mode(colo.address, [], streams, tokens, long_len))
+    finally:
+        colo.stop()
+    summary = {mode: {"itl_p50_ms": round(statistics.median(g) * 1e3, 2), "itl_p99_ms": round(pct(g, 0.99) * 1e3, 2),
+                      "samples": len(g)} for mode, g in results.items()}
+    d, c = summary["disaggregated"], summary["colocated"]
+    for mode, s in summary.items():
+        print(f"{mode}: ITL p50 {s['itl_p50_ms']} ms, p99 {s['itl_p99_ms']} ms ({s['samples']} gaps)")
+    emit({"metric": "itl_p99_ms_disaggregated", "value": d["itl_p99_ms"], "baseline": c["itl_p99_ms"],
+          "ratio": round(d["itl_p99_ms"] / c["itl_p99_ms"], 3), "target": "< 1 (lower is better)",
+          "model": args.model_size, **{f"{m}_{k}": v for m, s in summary.items() for k, v in s.items()}})
+
+
+if __name__ == "__main__":
+    main()
