@@ -67,6 +67,8 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         started = time.monotonic()
         queue = rt.loop_thread.subscribe(rid)
         state = {"finished": False, "remote": False}
+        log.info("request_id=%s event=admit prompt_tokens=%d prefill=%s", rid, len(prompt),
+                 ",".join(request.prefill_addresses) or "colocated")
         try:
             if request.prefill_addresses:
                 first = await self._remote_prefill(rid, prompt, params, list(request.prefill_addresses), context, state)
@@ -107,7 +109,10 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         finally:
             rt.loop_thread.unsubscribe(rid)
             if not state["finished"]:
+                log.info("request_id=%s event=abort after_s=%.3f", rid, time.monotonic() - started)
                 await asyncio.shield(self._cleanup(rid))
+            else:
+                log.info("request_id=%s event=finish after_s=%.3f", rid, time.monotonic() - started)
             rt.inflight -= 1
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params, addresses: list[str], context,
@@ -140,6 +145,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.details() or "incompatible prefill node")
                 errors.append(f"{address}: {e.code().name} {e.details()}")
+                log.warning("request_id=%s event=prefill_failed prefill=%s code=%s", rid, address, e.code().name)
                 continue
             except (SessionError, asyncio.TimeoutError) as e:
                 await self._close_session(rid)

@@ -76,6 +76,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rt.inflight += 1
         started = time.monotonic()
+        log.info("request_id=%s event=prefill prompt_tokens=%d destination=%s", rid, len(prompt), creds.endpoint)
         queue = rt.loop_thread.subscribe(rid)
         self.transfers[rid] = tx
         finished = False
@@ -106,6 +107,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             # success: release keeps the blocks prefix-cached; failure/cancel: abort frees them too
             self.transfers.pop(rid, None)
             if not finished:
+                log.info("request_id=%s event=abort", rid)
                 tx.abort("prefill cancelled or failed")
             rt.loop_thread.unsubscribe(rid)
             await asyncio.shield(rt.loop_thread.call(engine.release if finished else engine.abort, rid))

@@ -22,4 +22,4 @@ def run(args: argparse.Namespace) -> int:
     # a decode node never drops KV to make room: it refuses admission instead
     config = engine_config(args, preemption="never", max_num_batched_tokens=args.max_num_batched_tokens)
     node = DecodeNode(config, node_options(args), cachestore_port=args.cachestore_port, colocated=args.colocated)
-    return serve(node, "decode", args.log_level)
+    return serve(node, "decode", args)

@@ -26,6 +26,10 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--kv-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--advertise-host", default=None,
+                   help="host others use to reach this node (default: --host, or the hostname if that is 0.0.0.0)")
+    from pdserve.discovery import add_discovery_args
+    add_discovery_args(p)
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -45,12 +49,24 @@ def node_options(args: argparse.Namespace):
                        drain_timeout=args.drain_timeout, kv_timeout=args.kv_timeout)
 
 
-def serve(node, role: str, log_level: str) -> int:
-    """Start `node`, print READY, run until SIGTERM/SIGINT, then drain and exit 0."""
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+def serve(node, role: str, args: argparse.Namespace) -> int:
+    """Start `node`, register it with discovery, print READY, run until SIGTERM/SIGINT, then
+    deregister, drain and exit 0."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
     async def main() -> None:
+        import socket
+
+        from pdserve.discovery import Member, discovery_from_args
         address = await node.start()
+        host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
+        meta = {"node_id": node.rt.node_id, "metrics_port": str(args.metrics_port)}
+        if hasattr(node, "cachestore"):
+            meta["cachestore_port"] = node.cachestore.endpoint.rsplit(":", 1)[-1]
+        member = Member(role, host, int(address.rsplit(":", 1)[1]), meta)
+        discovery = discovery_from_args(args)
+        await discovery.register(member)  # a no-op for static and k8s (the platform lists the pods)
         print(f"READY {role} {address}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -58,6 +74,8 @@ def serve(node, role: str, log_level: str) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         logging.getLogger("pdserve").info("draining %s", role)
+        await discovery.deregister(member)
+        await discovery.stop()
         await node.rt.drain_and_stop()
         if hasattr(node, "cachestore"):
             await node.cachestore.stop()

@@ -18,4 +18,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from prefill_node import PrefillNode
     node = PrefillNode(engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens), node_options(args))
-    return serve(node, "prefill", args.log_level)
+    return serve(node, "prefill", args)

@@ -68,7 +68,7 @@ async def test_in_process_cluster_over_local_transport(tiny_model_dir):
     p_addr = await prefill.start()
     d_addr = await decode.start()
     try:
-        prompts = [[5 + (i * 7 + j) % 1500 for j in range(10 + 9 * i)] for i in range(8)]
+        prompts = [[5 + (i * 7 + j) % 1500 for j in range(10 + 9 * i)] for i in range(16)]
         ref = LLM(tiny_model_dir, num_kv_blocks=512).generate(
             prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         results = await asyncio.gather(*[generate(d_addr, "s", f"l{i}", p, greedy(12, ignore_eos=True), [p_addr])
