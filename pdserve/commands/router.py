@@ -61,11 +61,8 @@ def run(args: argparse.Namespace) -> int:
     async def _stop() -> None:
         await cluster.stop()
 
-    loop = "uvloop"
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        loop = "asyncio"
+    import importlib.util
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level.lower(),
                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=False)
     return 0

@@ -14,27 +14,13 @@ from tests.cachestore.helpers import SECRET, pools, sender_process
 GEO = PoolGeometry(num_layers=4, num_blocks=32, block_bytes=4096)
 
 
-@pytest.fixture(params=["tcp", "local"])
-async def pair(request):
-    src, dst = pools(GEO)
-    server = CacheStoreServer(MemoryRegion.from_buffer(dst), GEO, transport=request.param, secret=SECRET)
-    await server.start()
-    client = CacheStoreClient(MemoryRegion.from_buffer(src), GEO, transport=request.param, secret=SECRET)
-    try:
-        yield server, client
-    finally:
-        await client.close()
-        await server.stop()
-    assert server.num_sessions == 0
-
-
 def expired_count(server) -> float:
     return server.metrics.registry.get_sample_value("pdserve_cachestore_sessions_expired_total",
                                                     {"transport": server.active_transport}) or 0.0
 
 
 async def test_session_expires_and_wakes_waiters(pair):
-    server, _ = pair
+    server, *_ = pair
     server.open_session("slow", [1, 2], timeout=0.2)
     session = server.get_session("slow")
     with pytest.raises(SessionError, match="expired"):
@@ -44,7 +30,7 @@ async def test_session_expires_and_wakes_waiters(pair):
 
 
 async def test_close_during_transfer_fails_the_sender_cleanly(pair):
-    server, client = pair
+    server, client, *_ = pair
     creds = server.open_session("r", [1, 2, 3], timeout=5)
     tx = client.open_transfer(creds)
     tx.write_layer(0, [5, 6, 7])
@@ -61,7 +47,7 @@ async def test_close_during_transfer_fails_the_sender_cleanly(pair):
 
 
 async def test_unfinished_transfer_times_out_with_clear_error(pair):
-    server, client = pair
+    server, client, *_ = pair
     creds = server.open_session("r", [1, 2], timeout=5)
     tx = client.open_transfer(creds)
     tx.write_layer(0, [1, 2])
@@ -71,7 +57,7 @@ async def test_unfinished_transfer_times_out_with_clear_error(pair):
 
 
 async def test_fault_injection_fails_transfers(pair):
-    server, _ = pair
+    server, *_ = pair
     src, _ = pools(GEO)
     faulty = CacheStoreClient(MemoryRegion.from_buffer(src), GEO, transport=server.active_transport, secret=SECRET,
                               faults=FaultInjector(fail_rate=1.0))
@@ -108,7 +94,7 @@ async def test_sender_death_mid_transfer_leaves_session_to_expire():
 
 
 async def test_open_session_validates_blocks(pair):
-    server, _ = pair
+    server, *_ = pair
     with pytest.raises(ValueError, match="block ids"):
         server.open_session("x", [GEO.num_blocks])
     with pytest.raises(ValueError, match="distinct"):

@@ -6,26 +6,10 @@ import asyncio
 import multiprocessing as mp
 import random
 
-import pytest
-
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, coalesce
+from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, coalesce
 from tests.cachestore.helpers import SECRET, block, pools, sender_process, untouched_outside
 
 GEO = PoolGeometry(num_layers=6, num_blocks=64, block_bytes=2048)
-
-
-@pytest.fixture(params=["tcp", "local"])
-async def pair(request):
-    src, dst = pools(GEO)
-    server = CacheStoreServer(MemoryRegion.from_buffer(dst), GEO, transport=request.param, secret=SECRET)
-    await server.start()
-    client = CacheStoreClient(MemoryRegion.from_buffer(src), GEO, transport=request.param, secret=SECRET)
-    try:
-        yield server, client, src, dst
-    finally:
-        await client.close()
-        await server.stop()
-    assert server.num_sessions == 0
 
 
 async def _send(server, client, rid: str, src_blocks, dst_blocks, layers) -> None:
