@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.e2e.cluster import start_cluster
 from tests.e2e.grpc_client import generate, greedy, load
 
