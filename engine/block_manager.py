@@ -98,10 +98,6 @@ class BlockManager:
                 self.block_hash[block] = parent
                 self.hash_to_block[parent] = block
 
-    def reset_prefix_cache(self) -> None:
-        self.hash_to_block.clear()
-        self.block_hash = [None] * self.num_blocks
-
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free[block]

@@ -79,10 +79,6 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
-
 
 class StepOutput(NamedTuple):
     """What one step produced for one request: a delta, plus totals."""
