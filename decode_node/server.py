@@ -27,9 +27,11 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
     closed, the node waits until no writer can touch the blocks, and only then frees them."""
 
     def __init__(self, engine_config: EngineConfig, options: NodeOptions, cachestore_port: int = 0,
-                 colocated: bool = False) -> None:
+                 colocated: bool = False, advertise_host: str | None = None) -> None:
         self.rt = NodeRuntime("decode", engine_config, options)
         self.colocated = colocated
+        self.advertise_host = advertise_host
+        """Host prefill nodes use to reach our CacheStore listener (needed when bound to 0.0.0.0)."""
         pool = self.rt.engine.runner.kv_pool
         self.cachestore = CacheStoreServer(
             MemoryRegion.from_tensor(pool.tensor), PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes),
@@ -39,6 +41,9 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
 
     async def start(self) -> str:
         await self.cachestore.start()
+        if self.advertise_host and self.cachestore.active_transport != "local":
+            # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
+            self.cachestore.endpoint = f"{self.advertise_host}:{self.cachestore.endpoint.rsplit(':', 1)[1]}"
         return await self.rt.start(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(self, server))
 
     async def stop(self) -> None:

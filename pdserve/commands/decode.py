@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.node_common import add_node_args, engine_config, node_options, serve
+from pdserve.commands.node_common import add_node_args, advertise_host, engine_config, node_options, serve
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,5 +21,6 @@ def run(args: argparse.Namespace) -> int:
     from decode_node import DecodeNode
     # a decode node never drops KV to make room: it refuses admission instead
     config = engine_config(args, preemption="never", max_num_batched_tokens=args.max_num_batched_tokens)
-    node = DecodeNode(config, node_options(args), cachestore_port=args.cachestore_port, colocated=args.colocated)
+    node = DecodeNode(config, node_options(args), cachestore_port=args.cachestore_port, colocated=args.colocated,
+                      advertise_host=advertise_host(args))
     return serve(node, "decode", args)

@@ -27,7 +27,8 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--kv-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--advertise-host", default=None,
-                   help="host others use to reach this node (default: --host, or the hostname if that is 0.0.0.0)")
+                   help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
+                        "if --host is a wildcard)")
     from pdserve.discovery import add_discovery_args
     add_discovery_args(p)
 
@@ -49,6 +50,16 @@ def node_options(args: argparse.Namespace):
                        drain_timeout=args.drain_timeout, kv_timeout=args.kv_timeout)
 
 
+def advertise_host(args: argparse.Namespace) -> str:
+    """The address peers should dial: --advertise-host, $POD_IP (Kubernetes downward API), --host,
+    or this machine's hostname when --host is a wildcard."""
+    import os
+    import socket
+    if args.advertise_host or os.environ.get("POD_IP"):
+        return args.advertise_host or os.environ["POD_IP"]
+    return socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
+
+
 def serve(node, role: str, args: argparse.Namespace) -> int:
     """Start `node`, register it with discovery, print READY, run until SIGTERM/SIGINT, then
     deregister, drain and exit 0."""
@@ -56,11 +67,9 @@ def serve(node, role: str, args: argparse.Namespace) -> int:
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
     async def main() -> None:
-        import socket
-
         from pdserve.discovery import Member, discovery_from_args
         address = await node.start()
-        host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
+        host = advertise_host(args)
         meta = {"node_id": node.rt.node_id, "metrics_port": str(args.metrics_port)}
         if hasattr(node, "cachestore"):
             meta["cachestore_port"] = node.cachestore.endpoint.rsplit(":", 1)[-1]
