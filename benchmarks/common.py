@@ -19,6 +19,12 @@ def machine() -> str:
     return f"{os.cpu_count()} CPU cores ({cpu}), no GPU"
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank); NaN for no samples."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
 def emit(result: dict) -> None:
     """Print the result as the last stdout line (one JSON object), with command/date/machine."""
     result = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d", time.gmtime()),

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, pct  # noqa: E402
 from engine.builtin import default_model_dir  # noqa: E402
 
 SECRET = "bench"
@@ -67,11 +67,6 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
         done.set()
         await intruder
     return gaps
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main() -> None:

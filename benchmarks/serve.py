@@ -25,15 +25,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, pct  # noqa: E402
 from engine.builtin import default_model_dir  # noqa: E402
 
 SECRET = "bench"
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
