@@ -21,6 +21,7 @@ COMMANDS: tuple[str, ...] = (
     "router",
     "up",
     "simulate",
+    "stage",
 )
 
 

@@ -1,0 +1,1 @@
+"""Real pipeline-parallel runtime for offline batches: stage workers and their controller."""

@@ -1,0 +1,106 @@
+"""One pipeline stage: a contiguous slice of layers with the KV cache of those layers.
+
+Rank 0 is the controller; stage k (0-based) is rank k + 1 and holds layers
+`stage_layer_range(k)`. Per batch a stage receives one control message (a
+`ForwardBatch` whose block tables the controller owns), receives the previous
+stage's hidden states, runs its layers (writing its own KV), and passes hidden
+states on; the last stage samples (greedy) and sends token ids to the controller.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.forward_batch import ForwardBatch
+from engine.model_runner import ModelRunner
+from tdpipe.runtime.wire import Outbox, recv_object
+
+CONTROLLER_RANK = 0
+
+
+def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """Contiguous, as-equal-as-possible split; earlier stages take the remainder."""
+    if not 0 < num_stages <= num_layers:
+        raise ValueError(f"stages must be in [1, {num_layers}] for a {num_layers}-layer model, got {num_stages}")
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (1 if stage < extra else 0)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What a stage needs besides its rank (which comes from the environment)."""
+
+    model_dir: str
+    """Checkpoint directory (every stage reads only its slice)."""
+    num_kv_blocks: int
+    """Blocks in this stage's KV pool; the controller allocates ids in [0, num_kv_blocks)."""
+    block_size: int = 16
+    device: str = "cpu"
+    """`cpu` or `cuda[:i]` (CUDA not exercised on these machines)."""
+    dtype: str = "auto"
+    num_threads: int = 1
+
+
+@dataclass
+class StageTimeline:
+    """(start, end, num_tokens, phase) of every batch this stage ran, wall-clock seconds."""
+
+    spans: list[tuple[float, float, int, str]] = field(default_factory=list)
+
+
+def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
+    """Serve batches until the controller sends None; returns this stage's timeline."""
+    stage, num_stages = rank - 1, world_size - 1
+    runner_cfg = Path(cfg.model_dir)
+    from engine.model_config import ModelConfig
+    num_layers = ModelConfig.from_dir(runner_cfg).num_hidden_layers
+    runner = ModelRunner(runner_cfg, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+                         num_kv_blocks=cfg.num_kv_blocks, layer_range=stage_layer_range(num_layers, num_stages, stage),
+                         num_threads=cfg.num_threads)
+    hidden_size = runner.model_config.hidden_size
+    outbox, timeline = Outbox(), StageTimeline()
+    while True:
+        batch = recv_object(CONTROLLER_RANK)
+        if batch is None:
+            break
+        assert isinstance(batch, ForwardBatch), f"unexpected control message {type(batch)}"
+        hidden = None
+        if not runner.is_first_stage:
+            # hidden: [T, H] from the previous stage
+            hidden = torch.empty(batch.num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
+            dist.recv(hidden, rank - 1)
+        start = time.perf_counter()
+        out = runner.run(batch, hidden_states=hidden)
+        if runner.is_last_stage:
+            tokens = out.argmax(dim=-1).to(device="cpu", dtype=torch.long)
+            outbox.send(tokens, CONTROLLER_RANK)
+        else:
+            outbox.send(out.contiguous(), rank + 1)
+        timeline.spans.append((start, time.perf_counter(), batch.num_tokens,
+                               "decode" if batch.is_decode_only else "prefill"))
+    outbox.send_object(timeline.spans, CONTROLLER_RANK)
+    outbox.flush()
+    return timeline
+
+
+def main_from_env(cfg: StageConfig) -> int:
+    """Entry point of `pdserve stage`: rank and world from the torch.distributed env variables."""
+    from tdpipe.runtime.wire import init_process_group
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        if var not in os.environ:
+            raise ValueError(f"{var} is not set (pdserve stage is configured by the torch.distributed env variables)")
+    rank, world = init_process_group(cfg.device)
+    if rank == CONTROLLER_RANK:
+        raise ValueError("RANK 0 is the controller (pdserve batch); stages are ranks 1..WORLD_SIZE-1")
+    try:
+        run_stage(cfg, rank, world)
+    finally:
+        dist.destroy_process_group()
+    return 0
