@@ -6,6 +6,7 @@ import asyncio
 import logging
 import secrets
 import threading
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -110,18 +111,28 @@ class CacheStoreServer:
             return self._by_request.get(request_id)
 
     def close_session(self, request_id: str, state: SessionState = SessionState.CLOSED) -> Session | None:
-        """Release by request id; in-flight writes finish into the (still owned) blocks or fail."""
+        """Release by request id: no new write can start, and every write still in flight is cut off
+        (its connection shut down) so that `wait_safe_to_reuse` resolves promptly; a cut write is
+        never acknowledged."""
         with self._lock:
             session = self._by_request.pop(request_id, None)
+            cuts = []
             if session is not None:
                 self._by_id.pop(bytes.fromhex(session.creds.session_id), None)
+                was_open = session.state == SessionState.OPEN
+                cuts = session.end(state)
         timer = self._timers.pop(request_id, None)
         if timer is not None:
             timer.cancel()
         if session is not None:
-            if session.state == SessionState.OPEN:
+            if was_open:
                 (self.metrics.expired if state == SessionState.EXPIRED else self.metrics.failed).inc()
-            session.end(state)
+            if cuts:
+                log.warning("cachestore session %s ended with %d writer(s) inside its blocks: cutting them off",
+                            request_id, len(cuts))
+                self.metrics.fenced.inc(len(cuts))
+            for cut in cuts:
+                cut()
         return session
 
     close = close_session
@@ -139,33 +150,40 @@ class CacheStoreServer:
             return len(self._by_request)
 
     # --- the write path (any transport) ------------------------------------------------------
-    def begin_write(self, h: wire.Header) -> tuple[Session | None, int]:
-        """Validate a write header; on success the session counts one more active writer.
-        Returns (session, wire status)."""
+    def begin_write(self, h: wire.Header, block_ids: Sequence[int],
+                    cut: Callable[[], None] | None = None) -> tuple[Session | None, int, int]:
+        """Validate a write of `h.payload_len` bytes into `block_ids` of layer `h.layer`.
+        On success the session counts one more active writer, which `cut` stops if the session
+        ends first. Returns (session or None, wire status, writer id)."""
         with self._lock:
             session = self._by_id.get(h.session_id)
             if session is None:
-                return None, wire.UNKNOWN_SESSION
+                return None, wire.UNKNOWN_SESSION, -1
             if not secrets.compare_digest(h.token, bytes.fromhex(session.creds.token)):
-                return None, wire.BAD_TOKEN
+                return None, wire.BAD_TOKEN, -1
             if h.layer >= session.creds.num_layers:
-                return None, wire.BAD_LAYER
-            if h.count == 0 or any(b not in session.block_set for b in range(h.dst_block, h.dst_block + h.count)):
-                return None, wire.BAD_BLOCK
-            if h.payload_len != h.count * self.geometry.block_bytes:
-                return None, wire.BAD_LENGTH
-            session.begin_write()
-            return session, wire.OK
+                return None, wire.BAD_LAYER, -1
+            owned = session.block_set
+            if not block_ids or len(set(block_ids)) != len(block_ids) or any(b not in owned for b in block_ids):
+                return None, wire.BAD_BLOCK, -1
+            if h.payload_len != len(block_ids) * self.geometry.block_bytes:
+                return None, wire.BAD_LENGTH, -1
+            return session, wire.OK, session.begin_write(cut)
 
-    def end_write(self, session: Session, h: wire.Header, ok: bool) -> None:
+    def end_write(self, session: Session, writer: int, layer: int, block_ids: Sequence[int], ok: bool) -> bool:
+        """The writer is out of the blocks. True if the write counts (acknowledge it OK); False if it
+        failed or the session ended meanwhile (refuse it)."""
         with self._lock:
-            completed = session.end_write(h.layer, h.dst_block, h.count, ok)
-        if ok:
-            self.metrics.add_bytes("recv", h.payload_len)
+            accepted, completed = session.end_write(writer, layer, block_ids, ok)
+        if accepted:
+            self.metrics.add_bytes("recv", len(block_ids) * self.geometry.block_bytes)
+        elif ok:
+            self.reject("session_closed")
         if completed:
             self.metrics.all_layers.observe(session.completed_at - session.opened_at)
             if session.first_layer_at is not None:
                 self.metrics.first_layer.observe(session.first_layer_at - session.opened_at)
+        return accepted
 
     def destination(self, h: wire.Header) -> memoryview:
         """The pool bytes a validated write lands in (contiguous: one layer, consecutive blocks)."""

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from cachestore import wire
 
@@ -114,8 +115,11 @@ class TcpListener:
             expects_payload = h.kind == wire.KIND_WRITE
             if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
                 raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
-            session, status = server.begin_write(h._replace(payload_len=h.payload_len if expects_payload
-                                                          else h.count * server.geometry.block_bytes))
+            block_ids = range(h.dst_block, h.dst_block + h.count)
+            fence = Fence(conn)
+            session, status, writer = server.begin_write(
+                h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
+                block_ids, fence.cut)
             if session is None:
                 server.reject(status)
                 # well-formed but refused: skip its payload, keep the stream in sync, tell the sender
@@ -125,12 +129,12 @@ class TcpListener:
                 continue
             ok = False
             try:
-                ok = not expects_payload or self._receive_payload(conn, h)
+                ok = not expects_payload or self._receive_payload(conn, h, session.deadline, fence)
             finally:
-                server.end_write(session, h, ok)
-            if not ok:
-                return  # peer vanished mid-payload: the session will expire or be closed
-            conn.sendall(_ack(h, wire.OK))
+                accepted = server.end_write(session, writer, h.layer, block_ids, ok)
+            if not ok or fence.cut_off:
+                return  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
+            conn.sendall(_ack(h, wire.OK if accepted else wire.SESSION_CLOSED))
 
     def _rdma_connect(self, conn: socket.socket, h: wire.Header) -> None:
         """QP info exchange for the rdma transport (not exercised here: no RDMA devices)."""
@@ -143,18 +147,63 @@ class TcpListener:
         zero = b"\0" * 16
         conn.sendall(wire.Header(wire.KIND_CONNECT, wire.OK, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
 
-    def _receive_payload(self, conn: socket.socket, h: wire.Header) -> bool:
+    def _receive_payload(self, conn: socket.socket, h: wire.Header, deadline: float, fence: "Fence") -> bool:
+        """Land the payload in the destination blocks before the session's deadline; False if the
+        peer closed, the deadline passed, or the session ended and cut this writer off."""
         region = self.server.region
-        if not region.is_device:
-            return recv_exact_into(conn, self.server.destination(h))
-        # GPU pool (not exercised here: no GPU): land in pinned host memory, then one H2D copy.
-        import torch
-        staging = torch.empty(h.payload_len, dtype=torch.uint8, pin_memory=True)
-        if not recv_exact_into(conn, memoryview(staging.numpy())):
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            if not region.is_device:
+                return _recv_fenced(conn, self.server.destination(h), fence)
+            # GPU pool (not exercised here: no GPU): land in pinned host memory, then one H2D copy.
+            import torch
+            staging = torch.empty(h.payload_len, dtype=torch.uint8, pin_memory=True)
+            if not _recv_fenced(conn, memoryview(staging.numpy()), fence):
+                return False
+            start = self.server.geometry.offset(h.layer, h.dst_block)
+            region.tensor.view(torch.uint8).view(-1)[start:start + h.payload_len].copy_(staging, non_blocking=False)
+            return True
+        except TimeoutError:
+            log.warning("cachestore write missed its session deadline: connection dropped")
+            self.server.reject("deadline")
             return False
-        start = self.server.geometry.offset(h.layer, h.dst_block)
-        region.tensor.view(torch.uint8).view(-1)[start:start + h.payload_len].copy_(staging, non_blocking=False)
-        return True
+        finally:
+            conn.settimeout(None)
+
+
+class Fence:
+    """Lets the session's owner stop one in-flight write from another thread.
+
+    `cut` marks the write dead and shuts the socket down, which wakes a blocked
+    `recv_into` at once; the receiving thread checks the mark after every receive,
+    so at most the bytes already in the kernel buffer land, and they land while the
+    writer is still counted, i.e. before the blocks can be given back.
+    """
+
+    __slots__ = ("conn", "cut_off")
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.cut_off = False
+
+    def cut(self) -> None:
+        self.cut_off = True
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _recv_fenced(conn: socket.socket, view: memoryview, fence: Fence) -> bool:
+    got = 0
+    while got < len(view):
+        if fence.cut_off:
+            return False
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return not fence.cut_off
 
 
 def _discard(conn: socket.socket, n: int) -> bool:

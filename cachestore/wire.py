@@ -41,8 +41,11 @@ BAD_LAYER = 3
 BAD_BLOCK = 4
 BAD_LENGTH = 5
 INJECTED_FAULT = 6
+SESSION_CLOSED = 7
+"""The session ended while the write was in flight: its bytes do not count."""
 REASONS = {UNKNOWN_SESSION: "unknown_session", BAD_TOKEN: "bad_token", BAD_LAYER: "bad_layer",
-           BAD_BLOCK: "bad_block", BAD_LENGTH: "bad_length", INJECTED_FAULT: "injected_fault"}
+           BAD_BLOCK: "bad_block", BAD_LENGTH: "bad_length", INJECTED_FAULT: "injected_fault",
+           SESSION_CLOSED: "session_closed"}
 
 
 class Header(NamedTuple):

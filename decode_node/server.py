@@ -17,6 +17,8 @@ from pdserve.runtime.node import NodeOptions, NodeRuntime
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
+FENCE_WAIT = 5.0
+"""Seconds a cut-off writer normally needs to leave the blocks (a shut-down socket wakes it at once)."""
 
 
 class DecodeNode(decode_pb2_grpc.DecodeServicer):
@@ -113,12 +115,20 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                 yield event
         finally:
             rt.loop_thread.unsubscribe(rid)
-            if not state["finished"]:
-                log.info("request_id=%s event=abort after_s=%.3f", rid, time.monotonic() - started)
-                await asyncio.shield(self._cleanup(rid))
-            else:
+            # One place ends the request, whatever ended the stream; shielded so that a cancelled
+            # stream still frees its blocks exactly once and the in-flight count stays true.
+            await asyncio.shield(asyncio.ensure_future(self._finish(rid, state["finished"], started)))
+
+    async def _finish(self, rid: str, finished: bool, started: float) -> None:
+        try:
+            if finished:
                 log.info("request_id=%s event=finish after_s=%.3f", rid, time.monotonic() - started)
-            rt.inflight -= 1
+            else:
+                log.info("request_id=%s event=abort after_s=%.3f", rid, time.monotonic() - started)
+                await self._close_session(rid)  # no writer can touch the blocks after this
+                await self.rt.loop_thread.call(self.rt.engine.abort, rid)
+        finally:
+            self.rt.inflight -= 1
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params, addresses: list[str], context,
                               state: dict) -> prefill_pb2.PrefillResponse:
@@ -165,14 +175,20 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "every prefill node failed: " + "; ".join(errors))
 
     async def _close_session(self, rid: str) -> None:
-        session = self.cachestore.close_session(rid)
-        if session is not None:
-            await session.wait_safe_to_reuse(timeout=self.rt.options.kv_timeout)
+        """End the request's CacheStore session and wait until no writer is inside its blocks.
 
-    async def _cleanup(self, rid: str) -> None:
-        """Client gone, error or timeout: no writer may still touch the blocks before they are freed."""
-        await self._close_session(rid)
-        await self.rt.loop_thread.call(self.rt.engine.abort, rid)
+        Closing cuts every in-flight writer off (its socket is shut down), so the wait is short. If it
+        is not, the blocks stay held (never freed under a live writer) and we keep waiting: a leak
+        until the writer's thread returns is the price, corruption of another request is not."""
+        session = self.cachestore.close_session(rid)
+        if session is None:
+            return
+        try:
+            await session.wait_safe_to_reuse(timeout=FENCE_WAIT)
+        except asyncio.TimeoutError:
+            log.error("request_id=%s event=writer_still_inside after_s=%.1f: blocks held until it leaves",
+                      rid, FENCE_WAIT)
+            await session.wait_safe_to_reuse()
 
 
 def _params_pb(p) -> common_pb2.SamplingParams:
