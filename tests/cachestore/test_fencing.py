@@ -53,8 +53,10 @@ async def test_stalled_writer_is_cut_off_before_blocks_are_reused(server, ending
     if ending == "close":
         server.close_session("stalled")
     await session.wait_safe_to_reuse(10)  # returns because the writer was cut off, not after a timeout
-    assert server.metrics.registry.get_sample_value("pdserve_cachestore_writers_cut_total",
-                                                    {"transport": "tcp"}) == 1
+    sample = server.metrics.registry.get_sample_value
+    cut = sample("pdserve_cachestore_writers_cut_total", {"transport": "tcp"})
+    missed = sample("pdserve_cachestore_rejected_frames_total", {"transport": "tcp", "reason": "deadline"}) or 0
+    assert cut + missed >= 1  # on expiry the receiver's own deadline and the session timer race: either stops it
     # the owner reuses the blocks: a new request's data (the canary) must survive the late bytes
     for layer in range(GEO.num_layers):
         start = GEO.offset(layer, 0)
