@@ -16,6 +16,7 @@ from cachestore.faults import FaultInjector
 from cachestore.geometry import MemoryRegion, PoolGeometry
 from cachestore.metrics import CacheStoreMetrics
 from cachestore.session import Session, SessionState
+from cachestore.tcp_listener import TcpLimits
 from cachestore.transport import resolve_transport
 
 log = logging.getLogger("pdserve.cachestore")
@@ -33,7 +34,7 @@ class CacheStoreServer:
 
     def __init__(self, region: MemoryRegion, geometry: PoolGeometry, transport: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, secret: bytes | str = b"", registry: CollectorRegistry | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, tcp_limits: TcpLimits | None = None) -> None:
         if len(region) < geometry.total_bytes:
             raise ValueError(f"memory region of {len(region)} bytes is smaller than the pool geometry "
                              f"({geometry.total_bytes} bytes)")
@@ -45,6 +46,9 @@ class CacheStoreServer:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.metrics = CacheStoreMetrics(self.active_transport, registry)
         self.faults = faults
+        self.tcp_limits = tcp_limits
+        self.on_listener_change: Callable[[bool], None] | None = None
+        """Called (from the listener's thread) when the listener stops or resumes accepting."""
         self._lock = threading.Lock()
         self._by_request: dict[str, Session] = {}
         self._by_id: dict[bytes, Session] = {}
@@ -63,8 +67,8 @@ class CacheStoreServer:
             if self.active_transport == "rdma":
                 from cachestore.rdma import RdmaResources, rdma_devices
                 self._rdma = RdmaResources(rdma_devices()[0], self.region.address, len(self.region))
-            from cachestore.tcp import TcpListener
-            self._listener = TcpListener(self, self.host, self.port)
+            from cachestore.tcp_listener import TcpListener
+            self._listener = TcpListener(self, self.host, self.port, self.tcp_limits)
             self.endpoint = self._listener.start()
         log.info("cachestore receiver on %s (transport=%s)", self.endpoint, self.active_transport)
 
@@ -143,6 +147,15 @@ class CacheStoreServer:
         if session is not None and session.state == SessionState.OPEN:
             log.warning("cachestore session %s expired", request_id)
             self.close_session(request_id, SessionState.EXPIRED)
+
+    @property
+    def listening(self) -> bool:
+        """Whether new senders can connect (False while accept() is failing, e.g. out of fds)."""
+        return self.active_transport == "local" or (self._listener is not None and self._listener.up)
+
+    def listener_changed(self, up: bool) -> None:
+        if self.on_listener_change is not None:
+            self.on_listener_change(up)
 
     @property
     def num_sessions(self) -> int:

@@ -1,23 +1,27 @@
-"""TCP transport: one thread per connection, payloads received straight into the pool.
+"""TCP transport, receiving side: one frame at a time, payloads received straight into the pool.
 
-Blocking sockets in dedicated threads (recv_into releases the GIL) keep the
-KV data path off the node's asyncio loop and reach plain-socket throughput.
+`TcpListener` (tcp_listener.py) owns the sockets and their threads; this module handles what a
+worker does with a connection whose frame header has arrived: validate it against the session,
+land the payload in the destination blocks before the session's deadline (cut off at once if the
+session ends first), and acknowledge it. Blocking `recv_into` in a worker thread releases the GIL
+and reaches plain-socket throughput.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
 import socket
-import threading
 import time
 
 from cachestore import wire
 
 log = logging.getLogger("pdserve.cachestore")
-HANDSHAKE_TIMEOUT = 5.0
 DISCARD_CHUNK = 1 << 20
+LINGER_SECONDS = 0.005
+"""How long a worker waits for the next frame before handing the connection back to the poller:
+a streaming sender's frames follow within microseconds, an idle one costs the worker only this."""
+DISCARD_BYTES_PER_SECOND = 64 << 20
+"""Slowest rate at which a refused payload may be skipped (on top of the frame timeout)."""
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> bool:
@@ -36,139 +40,38 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf) if recv_exact_into(sock, memoryview(buf)) else None
 
 
-class TcpListener:
-    """Accepts sender connections for one CacheStoreServer."""
+class Connection:
+    """One sender connection: its socket, handshake state and the frame header being read."""
 
-    def __init__(self, server, host: str, port: int) -> None:
-        self.server = server
-        self.sock = socket.create_server((host, port), reuse_port=False)
-        self._stopping = False
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+    __slots__ = ("sock", "nonce", "deadline", "buf", "filled", "authenticated", "busy", "closed")
 
-    def start(self) -> str:
-        host, port = self.sock.getsockname()[:2]
-        threading.Thread(target=self._accept_loop, name="cachestore-accept", daemon=True).start()
-        return f"{host}:{port}"
+    def __init__(self, sock: socket.socket, nonce: bytes, deadline: float) -> None:
+        self.sock = sock
+        self.nonce = nonce
+        self.deadline: float | None = deadline
+        """Handshake deadline, then the deadline of a started frame header; None while idle."""
+        self.buf = bytearray(max(wire.HEADER_BYTES, wire.MAC_BYTES))
+        self.filled = 0
+        self.authenticated = False
+        self.busy = False
+        """A worker holds it (the poller neither reads it nor enforces its header deadline)."""
+        self.closed = False
 
-    def stop(self) -> None:
-        self._stopping = True
+    def pending_view(self) -> memoryview:
+        want = wire.HEADER_BYTES if self.authenticated else wire.MAC_BYTES
+        return memoryview(self.buf)[self.filled:want]
+
+    def shutdown(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.sock.close()
-        with self._lock:
-            for conn in list(self._conns):
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="cachestore-recv", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            if self._handshake(conn):
-                self._frames(conn)
-        except (OSError, wire.CorruptFrame) as e:
-            log.warning("cachestore connection dropped: %s", e)
-            self.server.reject("corrupt")
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _handshake(self, conn: socket.socket) -> bool:
-        nonce = os.urandom(wire.NONCE_BYTES)
-        conn.settimeout(HANDSHAKE_TIMEOUT)
-        conn.sendall(nonce)
-        tag = recv_exact(conn, wire.MAC_BYTES)
-        conn.settimeout(None)
-        if tag is None or not hmac.compare_digest(tag, wire.auth_tag(self.server.secret, nonce)):
-            self.server.reject("bad_secret")
-            return False
-        return True
-
-    def _frames(self, conn: socket.socket) -> None:
-        header = bytearray(wire.HEADER_BYTES)
-        hview = memoryview(header)
-        server = self.server
-        while True:
-            if not recv_exact_into(conn, hview):
-                return
-            h = wire.unpack(hview)
-            if h.kind == wire.KIND_CONNECT:
-                self._rdma_connect(conn, h)
-                continue
-            if h.kind == wire.KIND_ACK:
-                raise wire.CorruptFrame("ACK frame sent to the receiver")
-            expects_payload = h.kind == wire.KIND_WRITE
-            if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
-                raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
-            block_ids = range(h.dst_block, h.dst_block + h.count)
-            fence = Fence(conn)
-            session, status, writer = server.begin_write(
-                h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
-                block_ids, fence.cut)
-            if session is None:
-                server.reject(status)
-                # well-formed but refused: skip its payload, keep the stream in sync, tell the sender
-                if expects_payload and not _discard(conn, h.payload_len):
-                    return
-                conn.sendall(_ack(h, status))
-                continue
-            ok = False
-            try:
-                ok = not expects_payload or self._receive_payload(conn, h, session.deadline, fence)
-            finally:
-                accepted = server.end_write(session, writer, h.layer, block_ids, ok)
-            if not ok or fence.cut_off:
-                return  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
-            conn.sendall(_ack(h, wire.OK if accepted else wire.SESSION_CLOSED))
-
-    def _rdma_connect(self, conn: socket.socket, h: wire.Header) -> None:
-        """QP info exchange for the rdma transport (not exercised here: no RDMA devices)."""
-        if self.server.active_transport != "rdma" or h.payload_len > wire.MAX_CONNECT_BYTES:
-            raise wire.CorruptFrame("CONNECT frame outside the rdma transport")
-        hello = recv_exact(conn, h.payload_len)
-        if hello is None:
-            raise OSError("peer closed during the RDMA connect")
-        reply = self.server.rdma_accept(hello)
-        zero = b"\0" * 16
-        conn.sendall(wire.Header(wire.KIND_CONNECT, wire.OK, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
-
-    def _receive_payload(self, conn: socket.socket, h: wire.Header, deadline: float, fence: "Fence") -> bool:
-        """Land the payload in the destination blocks before the session's deadline; False if the
-        peer closed, the deadline passed, or the session ended and cut this writer off."""
-        region = self.server.region
-        conn.settimeout(max(deadline - time.monotonic(), 0.001))
-        try:
-            if not region.is_device:
-                return _recv_fenced(conn, self.server.destination(h), fence)
-            # GPU pool (not exercised here: no GPU): land in pinned host memory, then one H2D copy.
-            import torch
-            staging = torch.empty(h.payload_len, dtype=torch.uint8, pin_memory=True)
-            if not _recv_fenced(conn, memoryview(staging.numpy()), fence):
-                return False
-            start = self.server.geometry.offset(h.layer, h.dst_block)
-            region.tensor.view(torch.uint8).view(-1)[start:start + h.payload_len].copy_(staging, non_blocking=False)
-            return True
-        except TimeoutError:
-            log.warning("cachestore write missed its session deadline: connection dropped")
-            self.server.reject("deadline")
-            return False
-        finally:
-            conn.settimeout(None)
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.shutdown()
+            self.sock.close()
 
 
 class Fence:
@@ -194,6 +97,115 @@ class Fence:
             pass
 
 
+class FrameWorker:
+    """What a worker thread does with a connection whose frame header is complete."""
+
+    def __init__(self, server, frame_timeout: float) -> None:
+        self.server = server
+        self.frame_timeout = frame_timeout
+
+    def serve(self, c: Connection) -> bool:
+        """Handle frames while they follow at once. True: hand the connection back (idle or a
+        partial header); False: drop it."""
+        sock = c.sock
+        header = memoryview(c.buf)[:wire.HEADER_BYTES]
+        while True:
+            sock.settimeout(self.frame_timeout)
+            c.filled, c.deadline = 0, None
+            if not self._frame(sock, wire.unpack(header)):
+                return False
+            sock.settimeout(LINGER_SECONDS)
+            try:
+                while c.filled < wire.HEADER_BYTES:
+                    n = sock.recv_into(header[c.filled:])
+                    if n == 0:
+                        return False
+                    c.filled += n
+            except TimeoutError:
+                if c.filled:
+                    c.deadline = time.monotonic() + self.frame_timeout
+                return True
+
+    def _frame(self, conn: socket.socket, h: wire.Header) -> bool:
+        """One frame; False if the stream cannot go on."""
+        server = self.server
+        if h.kind == wire.KIND_CONNECT:
+            self._rdma_connect(conn, h)
+            return True
+        if h.kind == wire.KIND_ACK:
+            raise wire.CorruptFrame("ACK frame sent to the receiver")
+        expects_payload = h.kind == wire.KIND_WRITE
+        if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
+            raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
+        block_ids = range(h.dst_block, h.dst_block + h.count)
+        fence = Fence(conn)
+        session, status, writer = server.begin_write(
+            h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
+            block_ids, fence.cut)
+        if session is None:
+            server.reject(status)
+            # well-formed but refused: skip its payload, keep the stream in sync, tell the sender
+            if expects_payload and not self._discard(conn, h.payload_len):
+                return False
+            conn.sendall(_ack(h, status))
+            return True
+        ok = False
+        try:
+            ok = not expects_payload or self._receive_payload(conn, h, session.deadline, fence)
+        finally:
+            accepted = server.end_write(session, writer, h.layer, block_ids, ok)
+        if not ok or fence.cut_off:
+            return False  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
+        conn.sendall(_ack(h, wire.OK if accepted else wire.SESSION_CLOSED))
+        return True
+
+    def _rdma_connect(self, conn: socket.socket, h: wire.Header) -> None:
+        """QP info exchange for the rdma transport (not exercised here: no RDMA devices)."""
+        if self.server.active_transport != "rdma" or h.payload_len > wire.MAX_CONNECT_BYTES:
+            raise wire.CorruptFrame("CONNECT frame outside the rdma transport")
+        hello = recv_exact(conn, h.payload_len)
+        if hello is None:
+            raise OSError("peer closed during the RDMA connect")
+        reply = self.server.rdma_accept(hello)
+        zero = b"\0" * 16
+        conn.sendall(wire.Header(wire.KIND_CONNECT, wire.OK, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
+
+    def _receive_payload(self, conn: socket.socket, h: wire.Header, deadline: float, fence: Fence) -> bool:
+        """Land the payload in the destination blocks before the session's deadline; False if the
+        peer closed, the deadline passed, or the session ended and cut this writer off."""
+        region = self.server.region
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            if not region.is_device:
+                return _recv_fenced(conn, self.server.destination(h), fence)
+            # GPU pool (not exercised here: no GPU): land in pinned host memory, then one H2D copy.
+            import torch
+            staging = torch.empty(h.payload_len, dtype=torch.uint8, pin_memory=True)
+            if not _recv_fenced(conn, memoryview(staging.numpy()), fence):
+                return False
+            start = self.server.geometry.offset(h.layer, h.dst_block)
+            region.tensor.view(torch.uint8).view(-1)[start:start + h.payload_len].copy_(staging, non_blocking=False)
+            return True
+        except TimeoutError:
+            log.warning("cachestore write missed its session deadline: connection dropped")
+            self.server.reject("deadline")
+            return False
+        finally:
+            conn.settimeout(self.frame_timeout)
+
+    def _discard(self, conn: socket.socket, n: int) -> bool:
+        deadline = time.monotonic() + self.frame_timeout + n / DISCARD_BYTES_PER_SECOND
+        scratch = memoryview(bytearray(min(n, DISCARD_CHUNK) or 1))
+        while n > 0:
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = min(n, len(scratch))
+            if not recv_exact_into(conn, scratch[:chunk]):
+                return False
+            n -= chunk
+        conn.settimeout(self.frame_timeout)
+        return True
+
+
 def _recv_fenced(conn: socket.socket, view: memoryview, fence: Fence) -> bool:
     got = 0
     while got < len(view):
@@ -204,16 +216,6 @@ def _recv_fenced(conn: socket.socket, view: memoryview, fence: Fence) -> bool:
             return False
         got += n
     return not fence.cut_off
-
-
-def _discard(conn: socket.socket, n: int) -> bool:
-    scratch = memoryview(bytearray(min(n, DISCARD_CHUNK) or 1))
-    while n > 0:
-        chunk = min(n, len(scratch))
-        if not recv_exact_into(conn, scratch[:chunk]):
-            return False
-        n -= chunk
-    return True
 
 
 def _ack(h: wire.Header, status: int) -> bytes:

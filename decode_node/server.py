@@ -7,6 +7,7 @@ import logging
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, SessionError
 from decode_node.prefill_client import IncompatiblePeer, PrefillClients
@@ -42,11 +43,25 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         self.prefills = PrefillClients(options.cluster_secret, self.rt.compatibility)
 
     async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        self.cachestore.on_listener_change = lambda up: loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._report_listener()))
         await self.cachestore.start()
         if self.advertise_host and self.cachestore.active_transport != "local":
             # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
             self.cachestore.endpoint = f"{self.advertise_host}:{self.cachestore.endpoint.rsplit(':', 1)[1]}"
         return await self.rt.start(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(self, server))
+
+    async def _report_listener(self) -> None:
+        """A decode node whose CacheStore listener cannot accept (e.g. out of fds) gets no KV:
+        health says NOT_SERVING until accept works again."""
+        if self.rt.draining or self.rt.server is None:
+            return
+        up = self.cachestore.listening
+        if not up:
+            log.error("cachestore listener is not accepting: health NOT_SERVING")
+        await self.rt.health.set("", health_pb2.HealthCheckResponse.SERVING if up
+                                 else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self) -> None:
         await self.rt.stop()
