@@ -19,7 +19,7 @@ from tests.e2e.fake_prefill import StallingPrefill
 from tests.e2e.grpc_client import generate, greedy, load
 
 pytestmark = pytest.mark.e2e
-KV_TIMEOUT = "3"
+KV_TIMEOUT = "5"
 POOL_BLOCKS = 16  # block_size 16: the victim's 240-token prompt + 16 tokens need all 16 blocks
 
 
