@@ -96,3 +96,30 @@ async def test_in_process_cluster_over_local_transport(tiny_model_dir):
     finally:
         await decode.stop()
         await prefill.stop()
+
+
+async def test_decode_health_follows_the_cachestore_listener(tiny_model_dir):
+    """While the CacheStore listener cannot accept (tests/cachestore/test_listener.py makes a real EMFILE),
+    the decode node's gRPC health says NOT_SERVING, and SERVING again once it accepts."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from decode_node import DecodeNode
+    decode = DecodeNode(EngineConfig(tiny_model_dir, num_kv_blocks=64, preemption="never"),
+                        NodeOptions(transport="tcp", cluster_secret="s"))
+    address = await decode.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            def status_is(expected):
+                async def check() -> bool:
+                    return (await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == expected
+                return check
+
+            assert await until(status_is(health_pb2.HealthCheckResponse.SERVING), nominal=1.0)
+            decode.cachestore._listener._set_up(False)  # what an accept() failure does
+            assert await until(status_is(health_pb2.HealthCheckResponse.NOT_SERVING), nominal=1.0)
+            decode.cachestore._listener._set_up(True)  # what the next successful accept does
+            assert await until(status_is(health_pb2.HealthCheckResponse.SERVING), nominal=1.0)
+    finally:
+        await decode.stop()
