@@ -57,7 +57,7 @@ class LocalChannel:
             return
         ok = False
         try:
-            server.destination(h)[:] = self.client.source(layer, run)
+            server.destination(layer, run.dst_block, run.count)[:] = self.client.source(layer, run)
             ok = True
         finally:
             accepted = server.end_write(session, writer, layer, block_ids, ok)

@@ -198,10 +198,10 @@ class CacheStoreServer:
                 self.metrics.first_layer.observe(session.first_layer_at - session.opened_at)
         return accepted
 
-    def destination(self, h: wire.Header) -> memoryview:
-        """The pool bytes a validated write lands in (contiguous: one layer, consecutive blocks)."""
-        start = self.geometry.offset(h.layer, h.dst_block)
-        return self.region.view[start:start + h.payload_len]
+    def destination(self, layer: int, first_block: int, count: int) -> memoryview:
+        """The pool bytes of `count` consecutive blocks of one layer (a validated write lands there)."""
+        start = self.geometry.offset(layer, first_block)
+        return self.region.view[start:start + count * self.geometry.block_bytes]
 
     def rdma_accept(self, hello: bytes) -> bytes:
         """Create and connect a QP for a new sender; reply with ours (rdma transport only)."""

@@ -89,7 +89,7 @@ class Session:
                 self.state = SessionState.COMPLETE
                 self.completed_at = time.monotonic()
                 self._signal()
-        if self.active_writers == 0:
+        if self.active_writers == 0 and self.closed:  # only wait_safe_to_reuse cares: no wake-up per write
             self._signal()
         return accepted, was_open and self.state == SessionState.COMPLETE
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Sequence
 
 from cachestore import wire
 
@@ -20,6 +21,8 @@ DISCARD_CHUNK = 1 << 20
 LINGER_SECONDS = 0.005
 """How long a worker waits for the next frame before handing the connection back to the poller:
 a streaming sender's frames follow within microseconds, an idle one costs the worker only this."""
+IOV_MAX = 1024
+"""Most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)."""
 DISCARD_BYTES_PER_SECOND = 64 << 20
 """Slowest rate at which a refused payload may be skipped (on top of the frame timeout)."""
 
@@ -134,10 +137,16 @@ class FrameWorker:
             return True
         if h.kind == wire.KIND_ACK:
             raise wire.CorruptFrame("ACK frame sent to the receiver")
-        expects_payload = h.kind == wire.KIND_WRITE
+        expects_payload = h.kind in (wire.KIND_WRITE, wire.KIND_WRITEV)
         if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
             raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
-        block_ids = range(h.dst_block, h.dst_block + h.count)
+        if h.kind == wire.KIND_WRITEV:  # the id list comes first: the whole list is validated before any byte lands
+            raw = recv_exact(conn, h.count * wire.IDS.size)
+            if raw is None:
+                raise OSError("peer closed inside a block id list")
+            block_ids: Sequence[int] = wire.unpack_ids(raw)
+        else:
+            block_ids = range(h.dst_block, h.dst_block + h.count)
         fence = Fence(conn)
         session, status, writer = server.begin_write(
             h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
@@ -151,7 +160,7 @@ class FrameWorker:
             return True
         ok = False
         try:
-            ok = not expects_payload or self._receive_payload(conn, h, session.deadline, fence)
+            ok = not expects_payload or self._receive_payload(conn, h, block_ids, session.deadline, fence)
         finally:
             accepted = server.end_write(session, writer, h.layer, block_ids, ok)
         if not ok or fence.cut_off:
@@ -170,25 +179,30 @@ class FrameWorker:
         zero = b"\0" * 16
         conn.sendall(wire.Header(wire.KIND_CONNECT, wire.OK, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
 
-    def _receive_payload(self, conn: socket.socket, h: wire.Header, deadline: float, fence: Fence) -> bool:
-        """Land the payload in the destination blocks before the session's deadline; False if the
-        peer closed, the deadline passed, or the session ended and cut this writer off."""
-        region = self.server.region
+    def _receive_payload(self, conn: socket.socket, h: wire.Header, block_ids: Sequence[int], deadline: float,
+                         fence: Fence) -> bool:
+        """Land the payload in the (validated) destination blocks before the session's deadline;
+        False if the peer closed, the deadline passed, or the session ended and cut this writer off."""
+        server = self.server
         conn.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
-            if not region.is_device:
-                return _recv_fenced(conn, self.server.destination(h), fence)
-            # GPU pool (not exercised here: no GPU): land in pinned host memory, then one H2D copy.
+            runs = dest_runs(block_ids)
+            if not server.region.is_device:
+                return _recv_fenced(conn, [server.destination(h.layer, b, n) for b, n in runs], fence)
+            # GPU pool (not exercised here: no GPU): land in pinned host memory, then H2D copies.
             import torch
             staging = torch.empty(h.payload_len, dtype=torch.uint8, pin_memory=True)
-            if not _recv_fenced(conn, memoryview(staging.numpy()), fence):
+            if not _recv_fenced(conn, [memoryview(staging.numpy())], fence):
                 return False
-            start = self.server.geometry.offset(h.layer, h.dst_block)
-            region.tensor.view(torch.uint8).view(-1)[start:start + h.payload_len].copy_(staging, non_blocking=False)
+            pool, at = server.region.tensor.view(torch.uint8).view(-1), 0
+            for b, n in runs:
+                start, nbytes = server.geometry.offset(h.layer, b), n * server.geometry.block_bytes
+                pool[start:start + nbytes].copy_(staging[at:at + nbytes], non_blocking=False)
+                at += nbytes
             return True
         except TimeoutError:
             log.warning("cachestore write missed its session deadline: connection dropped")
-            self.server.reject("deadline")
+            server.reject("deadline")
             return False
         finally:
             conn.settimeout(self.frame_timeout)
@@ -206,15 +220,34 @@ class FrameWorker:
         return True
 
 
-def _recv_fenced(conn: socket.socket, view: memoryview, fence: Fence) -> bool:
-    got = 0
-    while got < len(view):
+def dest_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first block, count) of each run of consecutive ids: one receive buffer per run."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> bool:
+    """Fill `views` in order with vectored receives (`recvmsg_into`, no extra copy), checking the
+    fence after every receive."""
+    i = 0
+    while i < len(views):
         if fence.cut_off:
             return False
-        n = conn.recv_into(view[got:])
+        n = conn.recvmsg_into(views[i:i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
         if n == 0:
             return False
-        got += n
+        while n and i < len(views):  # advance past what landed
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
     return not fence.cut_off
 
 
