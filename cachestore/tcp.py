@@ -21,6 +21,10 @@ DISCARD_CHUNK = 1 << 20
 LINGER_SECONDS = 0.005
 """How long a worker waits for the next frame before handing the connection back to the poller:
 a streaming sender's frames follow within microseconds, an idle one costs the worker only this."""
+ACK_WINDOW = 64
+"""Most frames landed before a cumulative OK ack is sent even while more frames keep coming."""
+NO_ACK = -1
+"""_frame's answer for a frame that gets no ACK (an RDMA CONNECT, answered by its own reply)."""
 IOV_MAX = 1024
 """Most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)."""
 DISCARD_BYTES_PER_SECOND = 64 << 20
@@ -109,14 +113,41 @@ class FrameWorker:
 
     def serve(self, c: Connection) -> bool:
         """Handle frames while they follow at once. True: hand the connection back (idle or a
-        partial header); False: drop it."""
+        partial header); False: drop it.
+
+        Acknowledgements are cumulative: an OK ack for seq N says every frame up to N landed. It is
+        sent once no further frame is already waiting (or after ACK_WINDOW frames), so a burst of
+        layers costs one ack, and a block is never acknowledged before its bytes landed. A refusal
+        is acknowledged on its own, after the OKs before it."""
         sock = c.sock
         header = memoryview(c.buf)[:wire.HEADER_BYTES]
+        ok_through: int | None = None
+        unacked = 0
         while True:
             sock.settimeout(self.frame_timeout)
             c.filled, c.deadline = 0, None
-            if not self._frame(sock, wire.unpack(header)):
+            h = wire.unpack(header)
+            status = self._frame(sock, h)
+            if status is None:
                 return False
+            if status == wire.OK:
+                ok_through, unacked = h.seq, unacked + 1
+            elif status != NO_ACK:
+                if ok_through is not None:
+                    sock.sendall(_ack(h, wire.OK, ok_through))
+                    ok_through, unacked = None, 0
+                sock.sendall(_ack(h, status, h.seq))
+            sock.settimeout(0.0)  # is the next frame already here? then ack later, with it
+            try:
+                c.filled = sock.recv_into(header)
+                if c.filled == 0:
+                    return False
+            except BlockingIOError:
+                c.filled = 0
+            if ok_through is not None and (c.filled == 0 or unacked >= ACK_WINDOW):
+                sock.settimeout(self.frame_timeout)
+                sock.sendall(_ack(h, wire.OK, ok_through))
+                ok_through, unacked = None, 0
             sock.settimeout(LINGER_SECONDS)
             try:
                 while c.filled < wire.HEADER_BYTES:
@@ -129,12 +160,12 @@ class FrameWorker:
                     c.deadline = time.monotonic() + self.frame_timeout
                 return True
 
-    def _frame(self, conn: socket.socket, h: wire.Header) -> bool:
-        """One frame; False if the stream cannot go on."""
+    def _frame(self, conn: socket.socket, h: wire.Header) -> int | None:
+        """One frame; returns the status to acknowledge (NO_ACK for none), None if the stream cannot go on."""
         server = self.server
         if h.kind == wire.KIND_CONNECT:
             self._rdma_connect(conn, h)
-            return True
+            return NO_ACK
         if h.kind == wire.KIND_ACK:
             raise wire.CorruptFrame("ACK frame sent to the receiver")
         expects_payload = h.kind in (wire.KIND_WRITE, wire.KIND_WRITEV)
@@ -155,18 +186,16 @@ class FrameWorker:
             server.reject(status)
             # well-formed but refused: skip its payload, keep the stream in sync, tell the sender
             if expects_payload and not self._discard(conn, h.payload_len):
-                return False
-            conn.sendall(_ack(h, status))
-            return True
+                return None
+            return status
         ok = False
         try:
             ok = not expects_payload or self._receive_payload(conn, h, block_ids, session.deadline, fence)
         finally:
             accepted = server.end_write(session, writer, h.layer, block_ids, ok)
         if not ok or fence.cut_off:
-            return False  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
-        conn.sendall(_ack(h, wire.OK if accepted else wire.SESSION_CLOSED))
-        return True
+            return None  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
+        return wire.OK if accepted else wire.SESSION_CLOSED
 
     def _rdma_connect(self, conn: socket.socket, h: wire.Header) -> None:
         """QP info exchange for the rdma transport (not exercised here: no RDMA devices)."""
@@ -251,6 +280,6 @@ def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> 
     return not fence.cut_off
 
 
-def _ack(h: wire.Header, status: int) -> bytes:
+def _ack(h: wire.Header, status: int, seq: int) -> bytes:
     return wire.Header(wire.KIND_ACK, status, h.session_id, b"\0" * 16, h.layer, h.dst_block, h.count,
-                       h.seq, 0).pack()
+                       seq, 0).pack()

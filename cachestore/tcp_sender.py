@@ -21,7 +21,8 @@ class TcpChannel:
         self.endpoint = endpoint
         self.broken = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, object] = {}
+        self._pending: dict[int, tuple[object, int]] = {}
+        """seq -> (transfer, runs in the frame), in send order (acks are cumulative)."""
         self._lock = threading.Lock()
         self._seq = 0
         host, port = endpoint.rsplit(":", 1)
@@ -112,10 +113,13 @@ class TcpChannel:
             except (OSError, wire.CorruptFrame) as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
-            with self._lock:
-                transfer, num_runs = self._pending.pop(h.seq, (None, 0))
-            if transfer is not None:
-                ok = h.status == wire.OK
+            ok = h.status == wire.OK
+            with self._lock:  # an OK is cumulative (every frame up to seq landed), a refusal is for one frame
+                if ok:
+                    done = [(seq, self._pending.pop(seq)) for seq in list(self._pending) if seq <= h.seq]
+                else:
+                    done = [(h.seq, self._pending.pop(h.seq))] if h.seq in self._pending else []
+            for _, (transfer, num_runs) in done:
                 transfer._on_ack(ok, "" if ok else f"receiver refused the write ({wire.REASONS.get(h.status)})",
                                  num_runs)
 
