@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cachestore import wire
-from cachestore.tcp import Connection, FrameWorker
+from cachestore.tcp import Connection
+from cachestore.tcp_receiver import FrameWorker
 
 log = logging.getLogger("pdserve.cachestore")
 SWEEP_SECONDS = 0.2

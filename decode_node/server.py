@@ -9,7 +9,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, SessionError
+from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, Session, SessionError
 from decode_node.prefill_client import IncompatiblePeer, PrefillClients
 from engine.config import EngineConfig
 from engine.request import AdmissionError
@@ -41,6 +41,8 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             transport=options.transport, host=options.host, port=cachestore_port, secret=options.cluster_secret,
             registry=self.rt.metrics.registry)
         self.prefills = PrefillClients(options.cluster_secret, self.rt.compatibility)
+        self._fencing: dict[str, Session] = {}
+        """request id -> a closed session whose writers may not have left its blocks yet."""
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
@@ -195,15 +197,20 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         Closing cuts every in-flight writer off (its socket is shut down), so the wait is short. If it
         is not, the blocks stay held (never freed under a live writer) and we keep waiting: a leak
         until the writer's thread returns is the price, corruption of another request is not."""
-        session = self.cachestore.close_session(rid)
+        # a session closed by an earlier, interrupted call (e.g. a cancel during its wait) is still fenced here
+        session = self.cachestore.close_session(rid) or self._fencing.get(rid)
         if session is None:
             return
+        self._fencing[rid] = session
         try:
             await session.wait_safe_to_reuse(timeout=FENCE_WAIT)
         except asyncio.TimeoutError:
             log.error("request_id=%s event=writer_still_inside after_s=%.1f: blocks held until it leaves",
                       rid, FENCE_WAIT)
             await session.wait_safe_to_reuse()
+        finally:
+            if session.safe_to_reuse:
+                self._fencing.pop(rid, None)
 
 
 def _params_pb(p) -> common_pb2.SamplingParams:
