@@ -138,6 +138,18 @@ class CacheStorePair:
             self.proc.kill()
 
 
+async def cachestore_run(geo: PoolGeometry, rounds: int, small_rounds: int) -> tuple[float, list[float]]:
+    """Best GB/s of contiguous transfers and the small-transfer latencies, CacheStore alone."""
+    pair = CacheStorePair(geo)
+    blocks = list(range(geo.num_blocks))
+    try:
+        best = max([geo.total_bytes / await pair.transfer(blocks, blocks) / 1e9 for _ in range(rounds)], default=0.0)
+        latencies = [await pair.transfer([i % geo.num_blocks], [i % geo.num_blocks]) for i in range(small_rounds)]
+    finally:
+        await pair.close()
+    return best, latencies
+
+
 async def run(geo: PoolGeometry, names: list[str], rounds: int, small_rounds: int):
     """Best GB/s per layout and for the plain socket (rounds interleaved), and small-transfer latencies."""
     plain = PlainSocket(geo.total_bytes, rounds, chunk=geo.total_bytes // geo.num_layers)
