@@ -7,6 +7,30 @@ import os
 
 from pdserve.commands.generate import add_model_args
 
+API_KEYS_ENV = "PDSERVE_API_KEYS"
+"""Comma-separated Bearer keys (PDSERVE_API_KEY holds a single one)."""
+
+
+def add_api_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=None,
+                   help="accepted Bearer key (repeatable; visible in `ps`: prefer --api-key-file or the env)")
+    p.add_argument("--api-key-file", action="append", default=None,
+                   help="file with accepted Bearer keys, one per line (repeatable)")
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """Keys from --api-key, --api-key-file, $PDSERVE_API_KEY and $PDSERVE_API_KEYS (all of them); none = open."""
+    keys = list(args.api_key or [])
+    for path in args.api_key_file or []:
+        try:
+            with open(path, encoding="utf-8") as f:
+                keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as e:
+            raise SystemExit(f"error: cannot read --api-key-file {path}: {e.strerror}") from None
+    keys.append(os.environ.get("PDSERVE_API_KEY", ""))
+    keys += os.environ.get(API_KEYS_ENV, "").split(",")
+    return [k.strip() for k in keys if k.strip()]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.discovery import add_discovery_args
@@ -16,8 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: model dir name)")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="accepted Bearer key (repeatable; default: $PDSERVE_API_KEYS, comma-separated; none = open)")
+    add_api_key_args(p)
     p.add_argument("--cluster-secret", default=None, help="shared node secret (default: $PDSERVE_CLUSTER_SECRET)")
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-keyfile", default=None)
@@ -44,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     model_dir = args.model or default_model_dir()
     name = args.served_model_name or ("pdserve-tiny" if args.model is None else os.path.basename(str(model_dir).rstrip("/")))
-    keys = args.api_key or [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
+    keys = api_keys(args)
+    if args.api_key:
+        logging.getLogger("pdserve.router").warning(
+            "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY")
     registry = CollectorRegistry()
     cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret), registry=registry)
     server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,

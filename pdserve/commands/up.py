@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 from pdserve.commands.generate import add_model_args
+from pdserve.commands.router import API_KEYS_ENV, add_api_key_args, api_keys
 from pdserve.runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
 READY_TIMEOUT = 180.0
@@ -26,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--base-port", type=int, default=0,
                    help="first gRPC port for the nodes (0: let each pick a free port)")
-    p.add_argument("--api-key", action="append", default=None, help="require this Bearer key (repeatable)")
+    add_api_key_args(p)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per node process")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a process restarted this many times within --restart-window seconds stops the cluster")
@@ -82,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
                        "--decode", ",".join(d_addrs)]
         if args.model is None:
             router_args += ["--served-model-name", "pdserve-tiny"]
-        for key in args.api_key or []:
-            router_args += ["--api-key", key]
-        router = Supervised("router", lambda p: base + ["router", "--port", str(p)] + router_args, args.port, env,
-                            policy())
+        # keys travel in the router's environment, never on its command line (where `ps` shows them)
+        router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), "PDSERVE_API_KEY": ""}
+        router = Supervised("router", lambda p: base + ["router", "--port", str(p)] + router_args, args.port,
+                            router_env, policy())
         supervisor.members.append(router)
         router.start()
         _wait_health(f"http://127.0.0.1:{args.port}/health", deadline, supervisor.members)
