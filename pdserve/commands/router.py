@@ -45,6 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-keyfile", default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (400)")
+    p.add_argument("--token-timeout", type=float, default=2.0,
+                   help="migrate a stream that gets no token for this long (raised to --itl-factor x the "
+                        "observed inter-token latency on slow nodes)")
+    p.add_argument("--itl-factor", type=float, default=20.0)
+    p.add_argument("--first-token-timeout", type=float, default=120.0, help="wait this long for a first token")
+    p.add_argument("--health-timeout", type=float, default=1.0,
+                   help="a node that misses a health check by this long gets no new requests until it answers")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.runtime.auth import resolve_secret
     from router.app import create_app
     from router.cluster import Cluster
+    from router.deadlines import Deadlines
     from router.serving import Server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
@@ -72,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("pdserve.router").warning(
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY")
     registry = CollectorRegistry()
-    cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret), registry=registry)
+    deadlines = Deadlines(args.token_timeout, args.itl_factor, args.first_token_timeout, args.health_timeout)
+    cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret),
+                      deadlines=deadlines, registry=registry)
     server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,
                     args.max_prompt_tokens)
     app = create_app(server, api_keys=keys, registry=registry)

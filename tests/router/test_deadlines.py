@@ -1,0 +1,25 @@
+"""The token deadline never undercuts a slow-but-alive node, and bad settings are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.deadlines import Deadlines, TokenDeadline
+
+
+def test_token_deadline_has_a_floor_and_grows_with_observed_itl():
+    d = TokenDeadline(Deadlines(token_timeout=2.0, itl_factor=20.0, first_token_timeout=60.0))
+    assert d.timeout(first=True) == 60.0
+    assert d.timeout(first=False) == 2.0  # nothing observed yet
+    for _ in range(200):
+        d.observe(0.01)  # a fast node: the floor holds
+    assert d.timeout(first=False) == 2.0
+    for _ in range(200):
+        d.observe(0.5)  # a slow node (big model, loaded machine): 20 x its ITL, not a false migration
+    assert d.timeout(first=False) == pytest.approx(10.0, rel=0.05)
+
+
+@pytest.mark.parametrize("field", ["token_timeout", "itl_factor", "first_token_timeout", "health_timeout"])
+def test_non_positive_deadlines_are_refused(field):
+    with pytest.raises(ValueError, match=field):
+        Deadlines(**{field: 0})
