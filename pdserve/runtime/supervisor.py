@@ -9,6 +9,7 @@ again would only hide the failure, so the supervisor reports it and `up` stops.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ class Child:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         self.name = name
         self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=_die_with_parent)
         self.address = ""
         self.ready = threading.Event()
         self.lines: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -67,6 +68,19 @@ class Child:
             self.popen.wait(5)
         except ProcessLookupError:
             pass
+
+
+try:  # looked up once here: between fork and exec (other threads running) only the call itself runs
+    _prctl = ctypes.CDLL(None).prctl
+except (OSError, AttributeError):  # not Linux: Ctrl-C / SIGTERM on `up` still stop every child
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG = 1), so a killed `pdserve up` leaves no orphaned nodes holding ports."""
+    if _prctl is not None:
+        _prctl(1, int(signal.SIGTERM))
 
 
 class RestartPolicy:

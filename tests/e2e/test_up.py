@@ -81,6 +81,6 @@ def test_up_serves_heals_a_killed_node_and_stops_on_sigint():
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # SIGKILL: the nodes have PR_SET_PDEATHSIG, they go with it
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)

@@ -61,3 +61,31 @@ def test_dead_process_is_restarted_on_its_port_then_a_crash_loop_stops():
     assert sum("restarting it on port 4321" in x for x in logs) == 2
     assert len(m.child.lines) == LOG_TAIL_LINES
     supervisor.stop()
+
+
+def test_children_die_with_a_killed_supervisor():
+    """`up` killed with SIGKILL must not leave nodes behind holding their ports."""
+    import os
+    import signal
+    import subprocess
+    code = ("import sys, time; from pdserve.runtime.supervisor import Child; "
+            "c = Child('x', [sys.executable, '-c', 'import time; print(\"READY x 1\", flush=True); time.sleep(60)'], {}); "
+            "c.wait_ready(time.monotonic() + 30); print(c.popen.pid, flush=True); time.sleep(60)")
+    sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(sup.stdout.readline())
+        sup.send_signal(signal.SIGKILL)
+        sup.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child_pid, signal.SIGKILL)
+            raise AssertionError("the child outlived its supervisor")
+    finally:
+        if sup.poll() is None:
+            sup.kill()
