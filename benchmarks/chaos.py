@@ -30,6 +30,8 @@ from benchmarks.common import emit
 from tests.e2e.router_cluster import free_port
 
 MODEL = "pdserve-tiny"
+ERRORS: list[str] = []
+"""Messages of the errors clients saw (printed grouped, to tell clean failures apart)."""
 
 
 class Up:
@@ -88,18 +90,21 @@ async def one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int
         async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
             if r.status_code != 200:
                 await r.aread()
+                ERRORS.append(f"HTTP {r.status_code}: {r.text[:200]}")
                 return ("error", text) if "error" in r.json() else ("bad-error", text)
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
+                    ERRORS.append(chunk["error"]["message"])
                     return "error", text
                 text += "".join(c["text"] for c in chunk["choices"])
                 chunks += 1
                 if cancel_after is not None and chunks >= cancel_after:
                     return "cancelled", text  # leaving the block closes the connection mid-stream
-    except httpx.HTTPError:
+    except httpx.HTTPError as e:
+        ERRORS.append(f"{type(e).__name__}: {e}")
         return "error", text
     return "ok", text
 
@@ -235,6 +240,8 @@ def main() -> None:
     value = identical / len(counted) if counted else 0.0
     baseline = base_ok / total
     print(f"schedule: {'; '.join(schedule.log)}")
+    for message in sorted(set(ERRORS)):
+        print(f"error x{ERRORS.count(message)}: {message}")
     print(f"baseline (no faults): {base_ok}/{total} ok in {baseline_seconds:.1f} s")
     print(f"chaos: {identical}/{len(counted)} identical, {clean_errors} clean errors, {wrong} wrong, "
           f"{cancelled}/{len(cancels)} cancelled, {leaked} blocks not free at the end, {restarts} restarts by up, "

@@ -63,7 +63,7 @@ class Cluster:
     """Watches the members from discovery, polls their load and health, and runs requests."""
 
     def __init__(self, discovery: Discovery, *, cluster_secret: str = "", refresh_interval: float = 0.5,
-                 max_retries: int = 3, max_migrations: int = 3, backoff: float = 0.1,
+                 max_retries: int = 5, max_migrations: int = 3, backoff: float = 0.1,
                  request_timeout: float = 600.0, deadlines: Deadlines | None = None,
                  registry: CollectorRegistry | None = None) -> None:
         self.discovery = discovery
@@ -144,13 +144,12 @@ class Cluster:
         node.breaker.success()
 
     def _usable(self, role: str) -> list[NodeState]:
-        """Usable nodes; if none, the reachable ones that only missed a health deadline (a loaded machine
-        is slow, not down: better a slow answer than a 503)."""
-        nodes = [n for (r, _), n in self.nodes.items() if r == role]
-        return [n for n in nodes if n.usable] or [n for n in nodes if n.reachable]
+        return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
 
     def is_healthy(self) -> bool:
-        return bool(self._usable("decode")) and bool(self._usable("prefill"))
+        """For /health: a pair is reachable. A node that only missed a health deadline counts (a loaded
+        machine is slow, not down); requests still wait for a responsive one (capacity_wait)."""
+        return all(any(n.reachable for (r, _), n in self.nodes.items() if r == role) for role in ("decode", "prefill"))
 
     def max_model_len(self) -> int | None:
         lens = [n.max_model_len for n in self._usable("decode") if n.max_model_len]
@@ -176,6 +175,17 @@ class Cluster:
         ordered[0].inflight_tokens += tokens_needed
         return by_load[id(chosen)], [n.address for n in ordered]
 
+    async def _choose_waiting(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:
+        """_choose, waiting up to capacity_wait for a node to come back or to free room."""
+        deadline = time.monotonic() + self.deadlines.capacity_wait
+        while True:
+            try:
+                return self._choose(tokens_needed, exclude)
+            except NoCapacityError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(0.2, self.refresh_interval))
+
     async def generate(self, request_id: str, prompt: list[int],
                        params: common_pb2.SamplingParams) -> AsyncIterator[GenerateChunk]:
         """Stream one request; retries before the first token, migrates after it (no gap, no duplicate)."""
@@ -184,7 +194,7 @@ class Cluster:
         retries = migrations = 0
         while True:
             remaining = params.max_tokens - len(sent)
-            node, prefills = self._choose(len(prompt) + len(sent) + remaining, tried)
+            node, prefills = await self._choose_waiting(len(prompt) + len(sent) + remaining, tried)
             attempt = common_pb2.SamplingParams()
             attempt.CopyFrom(params)
             attempt.max_tokens = remaining
@@ -193,6 +203,7 @@ class Cluster:
                                              prompt_token_ids=prompt + sent, params=attempt,
                                              prefill_addresses=prefills)
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
+            sent_before = len(sent)
             try:
                 async for event in self._events(call):
                     if event.token_ids:
@@ -219,13 +230,14 @@ class Cluster:
                 if isinstance(e, StreamStalled):
                     node.responsive = False  # until its next probe answers in time
                 tried.add(node.member.address)
-                if not sent:
+                if len(sent) == sent_before:  # no progress on this attempt (e.g. its prefill failed): a retry
                     retries += 1
                     if retries > self.max_retries:
                         raise NoCapacityError(f"request failed after {self.max_retries} retries: {details}") from None
                     self.retries.inc()
                     await asyncio.sleep(self.backoff * 2 ** (retries - 1))
-                else:
+                else:  # the stream moved on and then failed: migrate what was sent; retries start over
+                    retries = 0
                     migrations += 1
                     if migrations > self.max_migrations:
                         raise UpstreamError(f"stream failed after {self.max_migrations} migrations") from None

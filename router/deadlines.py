@@ -31,11 +31,16 @@ class Deadlines:
     """Wait for the first event of an attempt (prefill of a long prompt can take long)."""
     health_timeout: float = 1.0
     """A health/load probe that takes longer marks the node unresponsive until a probe succeeds."""
+    capacity_wait: float = 30.0
+    """How long a request (or a stream being migrated) waits for a usable decode + prefill pair that
+    has room, e.g. while `pdserve up` restarts a node, before it fails with 503."""
 
     def __post_init__(self) -> None:
         for name in ("token_timeout", "itl_factor", "first_token_timeout", "health_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.capacity_wait < 0:
+            raise ValueError(f"capacity_wait must be >= 0, got {self.capacity_wait}")
 
 
 class TokenDeadline:

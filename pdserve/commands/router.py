@@ -52,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--first-token-timeout", type=float, default=120.0, help="wait this long for a first token")
     p.add_argument("--health-timeout", type=float, default=1.0,
                    help="a node that misses a health check by this long gets no new requests until it answers")
+    p.add_argument("--capacity-wait", type=float, default=30.0,
+                   help="a request waits this long for a usable node with room before a 503 (0: fail at once)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -80,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("pdserve.router").warning(
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY")
     registry = CollectorRegistry()
-    deadlines = Deadlines(args.token_timeout, args.itl_factor, args.first_token_timeout, args.health_timeout)
+    deadlines = Deadlines(args.token_timeout, args.itl_factor, args.first_token_timeout, args.health_timeout,
+                          args.capacity_wait)
     cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret),
                       deadlines=deadlines, registry=registry)
     server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,

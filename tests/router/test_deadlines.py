@@ -23,3 +23,26 @@ def test_token_deadline_has_a_floor_and_grows_with_observed_itl():
 def test_non_positive_deadlines_are_refused(field):
     with pytest.raises(ValueError, match=field):
         Deadlines(**{field: 0})
+
+
+async def test_a_request_waits_for_capacity_then_fails_cleanly():
+    """While `up` restarts a node (or every node is paused) requests wait, bounded by capacity_wait."""
+    from pdserve.discovery.static import StaticDiscovery
+    from router.cluster import Cluster
+    from router.errors import NoCapacityError
+
+    cluster = Cluster(StaticDiscovery([]), refresh_interval=0.01, deadlines=Deadlines(capacity_wait=5.0))
+    calls = []
+
+    def choose(tokens_needed, exclude):
+        calls.append(tokens_needed)
+        if len(calls) < 3:
+            raise NoCapacityError("a node is restarting")
+        return "node", ["prefill"]
+
+    cluster._choose = choose
+    assert await cluster._choose_waiting(10, set()) == ("node", ["prefill"]) and len(calls) == 3
+    cluster.deadlines = Deadlines(capacity_wait=0.0)
+    calls.clear()
+    with pytest.raises(NoCapacityError):
+        await cluster._choose_waiting(10, set())
