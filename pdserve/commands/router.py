@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
     import importlib.util
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    from router.http_protocol import OpenAIErrorH11Protocol
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level.lower(),
+                http=OpenAIErrorH11Protocol,
                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=False)
     return 0
