@@ -16,7 +16,7 @@ from pdserve.discovery import Discovery, Member
 from pdserve.runtime.auth import cluster_metadata
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
-from router.deadlines import Deadlines, TokenDeadline
+from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from router.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from router.health import CircuitBreaker
 
@@ -53,10 +53,6 @@ class NodeState:
     @property
     def usable(self) -> bool:
         return self.reachable and self.responsive
-
-
-class StreamStalled(Exception):
-    """A node sent nothing within the stream's token deadline."""
 
 
 class Cluster:
@@ -205,7 +201,7 @@ class Cluster:
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
             try:
-                async for event in self._events(call):
+                async for event in events_within_deadline(call, self.token_deadline):
                     if event.token_ids:
                         sent.extend(event.token_ids)
                     usage = None
@@ -246,20 +242,3 @@ class Cluster:
             finally:
                 call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
                 asyncio.create_task(self._probe(node))  # refresh the load right after a response
-
-    async def _events(self, call) -> AsyncIterator[decode_pb2.GenerateEvent]:
-        """The call's events, each within the token deadline (StreamStalled when one is missed)."""
-        first, last = True, time.monotonic()
-        while True:
-            timeout = self.token_deadline.timeout(first)
-            try:
-                event = await asyncio.wait_for(call.read(), timeout)
-            except asyncio.TimeoutError:
-                raise StreamStalled(f"no event for {timeout:.1f} s") from None
-            if event is grpc.aio.EOF:
-                return
-            now = time.monotonic()
-            if not first:
-                self.token_deadline.observe(now - last)
-            first, last = False, now
-            yield event

@@ -16,7 +16,12 @@ inter-token latency the router has been observing (a moving average).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
 
 
 @dataclass(frozen=True)
@@ -58,3 +63,26 @@ class TokenDeadline:
         if first:
             return self.deadlines.first_token_timeout
         return max(self.deadlines.token_timeout, self.deadlines.itl_factor * self.mean_itl)
+
+
+class StreamStalled(Exception):
+    """A node sent nothing within the stream's token deadline."""
+
+
+async def events_within_deadline(call, deadline: TokenDeadline) -> AsyncIterator:
+    """The events of a gRPC response stream, each within the token deadline (else StreamStalled).
+    While the caller is not asking for the next event (a client that reads slowly) no clock runs."""
+    first, last = True, time.monotonic()
+    while True:
+        timeout = deadline.timeout(first)
+        try:
+            event = await asyncio.wait_for(call.read(), timeout)
+        except asyncio.TimeoutError:
+            raise StreamStalled(f"no event for {timeout:.1f} s") from None
+        if event is grpc.aio.EOF:
+            return
+        now = time.monotonic()
+        if not first:
+            deadline.observe(now - last)
+        first, last = False, now
+        yield event

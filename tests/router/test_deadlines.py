@@ -46,3 +46,27 @@ async def test_a_request_waits_for_capacity_then_fails_cleanly():
     calls.clear()
     with pytest.raises(NoCapacityError):
         await cluster._choose_waiting(10, set())
+
+
+async def test_a_stream_that_stops_sending_is_stalled_after_its_first_event():
+    import asyncio
+
+    from router.deadlines import StreamStalled, events_within_deadline
+
+    class HungCall:
+        """Two events, then silence (a SIGSTOPped node keeps its connection open)."""
+
+        def __init__(self) -> None:
+            self.events = ["e1", "e2"]
+
+        async def read(self):
+            if self.events:
+                return self.events.pop(0)
+            await asyncio.Event().wait()
+
+    deadline = TokenDeadline(Deadlines(token_timeout=0.2, first_token_timeout=30.0))
+    got = []
+    with pytest.raises(StreamStalled):
+        async for event in events_within_deadline(HungCall(), deadline):
+            got.append(event)
+    assert got == ["e1", "e2"]
