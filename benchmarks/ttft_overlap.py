@@ -37,9 +37,9 @@ from engine.builtin import default_model_dir  # noqa: E402
 SECRET = "bench"
 
 
-def kv_geometry(model_dir: Path, prompt_len: int) -> PoolGeometry:
-    """Layers x blocks x block bytes of one prompt's KV (what the transfer moves)."""
-    pool = LLMEngine(EngineConfig(model_dir, num_kv_blocks=4)).runner.kv_pool
+def kv_geometry(model_dir: Path, prompt_len: int, device: str = "cpu") -> PoolGeometry:
+    """Layers x blocks x block bytes of one prompt's KV (what the transfer moves; dtype follows the device)."""
+    pool = LLMEngine(EngineConfig(model_dir, num_kv_blocks=4, device=device)).runner.kv_pool
     return PoolGeometry(pool.num_layers, (prompt_len + pool.block_size - 1) // pool.block_size, pool.block_bytes)
 
 
@@ -99,10 +99,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a shorter long prompt")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the prefill node")
+    parser.add_argument("--device", default="cpu",
+                        help="device of both nodes (cuda: one GPU shared; the prefill node records a CUDA event "
+                             "per layer and stages through pinned host memory)")
     args = parser.parse_args()
     model = default_model_dir("bench")
     lengths, reps = ([512, 1024], 1) if args.quick else ([512, 2048], 3)
-    node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", "tcp"]
+    node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", "tcp",
+                 "--device", args.device]
     prefill = NodeProc("prefill", node_args + ["--num-threads", str(args.threads)])
     rows = {}
     try:
@@ -110,7 +114,7 @@ def main() -> None:
         try:
             for n in lengths:
                 prompt = [10 + (i * 7919) % 1500 for i in range(n)]
-                geo = kv_geometry(model, n)
+                geo = kv_geometry(model, n, args.device)
                 rpc, compute = asyncio.run(prefill_rpc(prefill.address, geo, prompt, reps))
                 best_gbps, _ = asyncio.run(cachestore_run(geo, max(reps, 2), 1))
                 transfer = geo.total_bytes / (best_gbps * 1e9)
@@ -128,7 +132,8 @@ def main() -> None:
         prefill.stop()
     long = rows[lengths[-1]]
     emit({"metric": f"exposed_transfer_fraction_{lengths[-1]}", "value": long["exposed_fraction"],
-          "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "rows": rows})
+          "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "device": args.device,
+          "rows": rows})
 
 
 if __name__ == "__main__":

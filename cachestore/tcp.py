@@ -43,6 +43,8 @@ class TcpListener:
         self.sock = socket.create_server((host, port), reuse_port=False)
         self._stopping = False
         self._conns: set[socket.socket] = set()
+        self._staging: dict[socket.socket, object] = {}
+        """Per-connection host buffer for a device pool (only its own thread touches its entry)."""
         self._lock = threading.Lock()
 
     def start(self) -> str:
@@ -85,6 +87,7 @@ class TcpListener:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+            self._staging.pop(conn, None)
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> bool:
@@ -147,13 +150,14 @@ class TcpListener:
         region = self.server.region
         if not region.is_device:
             return recv_exact_into(conn, self.server.destination(h))
-        # GPU pool (not exercised here: no GPU): land in pinned host memory, then one H2D copy.
-        import torch
-        staging = torch.empty(h.payload_len, dtype=torch.uint8, pin_memory=True)
-        if not recv_exact_into(conn, memoryview(staging.numpy())):
+        # device pool: land in this connection's reused host buffer, then one host-to-device copy
+        staging = self._staging.get(conn)
+        if staging is None:
+            from cachestore.staging import HostStaging
+            staging = self._staging[conn] = HostStaging(self.server.geometry.block_bytes)
+        if not recv_exact_into(conn, staging.landing(h.payload_len)):
             return False
-        start = self.server.geometry.offset(h.layer, h.dst_block)
-        region.tensor.view(torch.uint8).view(-1)[start:start + h.payload_len].copy_(staging, non_blocking=False)
+        staging.commit(region.tensor, self.server.geometry.offset(h.layer, h.dst_block), h.payload_len)
         return True
 
 

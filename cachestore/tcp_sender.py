@@ -8,6 +8,7 @@ import threading
 
 from cachestore import wire
 from cachestore.geometry import Run
+from cachestore.staging import HostStaging
 from cachestore.tcp import recv_exact, recv_exact_into
 
 CONNECT_TIMEOUT = 5.0
@@ -24,6 +25,8 @@ class TcpChannel:
         self._pending: dict[int, object] = {}
         self._lock = threading.Lock()
         self._seq = 0
+        # a device pool is read through one host buffer, allocated once for the connection
+        self._staging = HostStaging(client.geometry.block_bytes) if client.region.is_device else None
         host, port = endpoint.rsplit(":", 1)
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
@@ -69,7 +72,7 @@ class TcpChannel:
             if client.faults is not None and not client.faults.before_write():
                 transfer._on_ack(False, "injected fault")
                 continue
-            if ready_event is not None:
+            if ready_event is not None and self._staging is None:
                 ready_event.synchronize()  # the layer's kernels are done before we read its blocks
             creds = transfer.creds
             with self._lock:
@@ -82,11 +85,19 @@ class TcpChannel:
             try:
                 self.sock.sendall(header.pack())
                 if not notify:
-                    self.sock.sendall(client.source(layer, run))
+                    self.sock.sendall(self._payload(layer, run, header.payload_len, ready_event))
             except OSError as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
             client.metrics.add_bytes("send", header.payload_len)
+
+    def _payload(self, layer: int, run: Run, nbytes: int, ready_event) -> memoryview:
+        """The run's bytes: a view of a host pool, or the staging copy of a device pool (after ready_event)."""
+        client = self.client
+        if self._staging is None:
+            return client.source(layer, run)
+        return self._staging.read(client.region.tensor, client.geometry.offset(layer, run.src_block), nbytes,
+                                  ready_event)
 
     def _ack_loop(self) -> None:
         buf = bytearray(wire.HEADER_BYTES)

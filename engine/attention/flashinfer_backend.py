@@ -43,15 +43,16 @@ class FlashInferAttention(AttentionBackend):
         dev = meta.positions.device
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
         hq = self.num_qo_heads
+        self._scale = d ** -0.5  # what the plan bakes in; forward() checks the model asks for the same
         if b.is_decode_only:
             w = self._wrapper("decode", dev)
             w.plan(as_i32(plan.kv_indptr), as_i32(plan.kv_indices), as_i32(plan.kv_last_page_len),
-                   hq, hkv, d, page, q_data_type=self.dtype, kv_data_type=self.dtype)
+                   hq, hkv, d, page, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
         else:
             w = self._wrapper("prefill", dev)
             w.plan(as_i32(plan.qo_indptr), as_i32(plan.kv_indptr), as_i32(plan.kv_indices),
                    as_i32(plan.kv_last_page_len), hq, hkv, d, page, causal=True,
-                   q_data_type=self.dtype, kv_data_type=self.dtype)
+                   q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
         self._active = w
 
     def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
@@ -65,4 +66,6 @@ class FlashInferAttention(AttentionBackend):
         kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
         kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
         assert self._active is not None, "begin_step() must plan before forward()"
+        if abs(scale - self._scale) > 1e-9:
+            raise ValueError(f"flashinfer was planned with sm_scale {self._scale}, the model asks for {scale}")
         return self._active.run(q, kv_layer)

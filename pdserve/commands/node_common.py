@@ -7,11 +7,13 @@ import asyncio
 import logging
 import signal
 
+from pdserve.commands.device_args import add_device_args, device_options
 from pdserve.commands.generate import add_model_args
 
 
 def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_model_args(p)
+    add_device_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
@@ -34,9 +36,14 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def engine_config(args: argparse.Namespace, **overrides):
+    """EngineConfig from the node flags; a bad --device/--attention-backend exits 2 with the reason."""
     from engine.builtin import default_model_dir
     from engine.config import EngineConfig
-    return EngineConfig(model_dir=args.model or default_model_dir(), dtype=args.dtype,
+    try:
+        device = device_options(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return EngineConfig(**device, model_dir=args.model or default_model_dir(), dtype=args.dtype,
                         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         num_threads=args.num_threads, **overrides)
