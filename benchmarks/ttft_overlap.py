@@ -102,11 +102,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu",
                         help="device of both nodes (cuda: one GPU shared; the prefill node records a CUDA event "
                              "per layer and stages through pinned host memory)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                        help="attention backend of both nodes (auto: flashinfer on CUDA when importable)")
     args = parser.parse_args()
     model = default_model_dir("bench")
     lengths, reps = ([512, 1024], 1) if args.quick else ([512, 2048], 3)
     node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", "tcp",
-                 "--device", args.device]
+                 "--device", args.device, "--attention-backend", args.attention_backend]
     prefill = NodeProc("prefill", node_args + ["--num-threads", str(args.threads)])
     rows = {}
     try:
@@ -126,6 +128,10 @@ def main() -> None:
                 print(f"prompt {n}: compute {compute * 1e3:.0f} ms, Prefill RPC {rpc * 1e3:.0f} ms, transfer alone "
                       f"{transfer * 1e3:.1f} ms ({rows[n]['kv_mib']} MiB), exposed {exposed * 1e3:.1f} ms "
                       f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms")
+        except BaseException:  # a hung or failed run: show what the nodes said
+            for name, node in (("prefill", prefill), ("decode", decode)):
+                print(f"--- {name} node log tail ---\n" + "\n".join(node.lines[-25:]), file=sys.stderr)
+            raise
         finally:
             decode.stop()
     finally:
@@ -133,7 +139,7 @@ def main() -> None:
     long = rows[lengths[-1]]
     emit({"metric": f"exposed_transfer_fraction_{lengths[-1]}", "value": long["exposed_fraction"],
           "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "device": args.device,
-          "rows": rows})
+          "attention_backend": args.attention_backend, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # Logs go to $OUT (default ./gpu_out). Optional wheels/site archive in $WHEELS (default ../.whl):
 #   *.whl are installed with pip --no-deps into /tmp/site, fi_site.tar.gz (a pre-installed
 #   flashinfer + tvm_ffi tree) is unpacked there; both are then put on PYTHONPATH.
-#   bash scripts/gpu_check.sh [--quick]
+#   STAGES="tests bench cli flashinfer" bash scripts/gpu_check.sh [benchmark flags, e.g. --quick]
 set -o pipefail
 OUT=${OUT:-gpu_out}
 WHEELS=${WHEELS:-../.whl}
@@ -30,13 +30,24 @@ export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-$($PY -c 'import t
 $PY -c 'from engine.builtin import default_model_dir as d; d("tiny"); d("bench")' 2>&1 | tail -2
 # 1. everything but flashinfer (which JIT-compiles for minutes on first use), 2. the benchmark,
 # 3. the CLI on cuda, 4. flashinfer last, bounded, so a slow compile cannot hide the rest
-$PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k "not flashinfer" -v -rs --timeout 300 2>&1 | tee "$OUT/pytest_gpu.log"
-echo "pytest rc=$?" | tee -a "$OUT/pytest_gpu.log"
-$PY -m benchmarks.ttft_overlap --device cuda "$@" 2>&1 | tee "$OUT/ttft_overlap_cuda.log"
-echo "benchmark rc=$?" | tee -a "$OUT/ttft_overlap_cuda.log"
-# the CLI path: --device cuda with the default backend (auto: flashinfer when it imports)
-{ PDSERVE_ATTENTION_BACKEND=torch $PY -m pdserve.cli generate --device cuda --max-tokens 8
-  PDSERVE_DEVICE=cuda timeout 240 $PY -m pdserve.cli generate --model "$($PY -c 'from engine.builtin import default_model_dir as d; print(d("bench"))')" --max-tokens 8
-} 2>&1 | tee "$OUT/generate_cuda.log"
-timeout "${FLASHINFER_BUDGET_S:-330}" $PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k flashinfer -v -rs 2>&1 | tee "$OUT/pytest_flashinfer.log"
-echo "flashinfer pytest rc=$?" | tee -a "$OUT/pytest_flashinfer.log"
+STAGES=${STAGES:-tests bench cli flashinfer}
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
+if stage tests; then
+  $PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k "not flashinfer" -v -rs --timeout 300 2>&1 | tee "$OUT/pytest_gpu.log"
+  echo "pytest rc=$?" | tee -a "$OUT/pytest_gpu.log"
+fi
+if stage bench; then
+  timeout "${BENCH_BUDGET_S:-240}" $PY -m benchmarks.ttft_overlap --device cuda "$@" 2>&1 | tee "$OUT/ttft_overlap_cuda.log"
+  echo "benchmark rc=$?" | tee -a "$OUT/ttft_overlap_cuda.log"
+fi
+if stage cli; then  # the CLI path on cuda, from flags and from the PDSERVE_* environment
+  { $PY -m pdserve.cli generate --device cuda --attention-backend torch --max-tokens 8
+    PDSERVE_DEVICE=cuda PDSERVE_ATTENTION_BACKEND=torch $PY -m pdserve.cli generate --max-tokens 8; } 2>&1 | tee "$OUT/generate_cuda.log"
+fi
+if stage flashinfer; then  # last and bounded: the first use JIT-compiles flashinfer's kernels
+  timeout "${FLASHINFER_BUDGET_S:-330}" $PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k flashinfer -v -rs 2>&1 | tee "$OUT/pytest_flashinfer.log"
+  echo "flashinfer pytest rc=$?" | tee -a "$OUT/pytest_flashinfer.log"
+  # default backend on cuda (auto -> flashinfer), kernels already compiled by the tests above
+  PDSERVE_DEVICE=cuda timeout 120 $PY -m pdserve.cli generate --max-tokens 8 \
+    --model "$($PY -c 'from engine.builtin import default_model_dir as d; print(d("bench"))')" 2>&1 | tee -a "$OUT/pytest_flashinfer.log"
+fi
