@@ -1,9 +1,10 @@
 """flashinfer paged attention for CUDA (kv_layout="HND").
 
-NOT EXERCISED ON THESE MACHINES: the development and CI machines have no GPU,
-and flashinfer has no CPU path (its wrappers pin memory and plan on a CUDA
-device). The planning arithmetic it depends on lives in `engine.attention.plan`
-and is unit-tested on CPU; this module only feeds it to flashinfer's wrappers.
+The development and CI machines have no GPU and flashinfer has no CPU path, so
+this runs only in the GPU tests (`pytest -m gpu`; run on an H100 with
+flashinfer 0.7.2, see BENCHMARKS.md). The planning arithmetic lives in
+`engine.attention.plan` and is unit-tested on CPU; this module only feeds it to
+flashinfer's wrappers.
 Install with `pip install pdserve[gpu]`.
 """
 
@@ -60,6 +61,9 @@ class FlashInferAttention(AttentionBackend):
 
     def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
         """Facts the plan needs that the pool shape does not carry."""
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer backend runs float16 or bfloat16 KV, not {dtype} "
+                             "(use dtype bfloat16 or the torch backend)")
         self.num_qo_heads = num_qo_heads
         self.dtype = dtype
 

@@ -40,16 +40,20 @@ def resolve_device(requested: str | None) -> str:
     return device
 
 
-def resolve_backend(requested: str | None, device: str) -> str:
-    """torch or flashinfer; `auto` picks flashinfer on CUDA when it imports. flashinfer on CPU is refused."""
+def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
+    """torch or flashinfer. `auto` picks flashinfer on CUDA when it imports and the KV dtype is float16 or
+    bfloat16 (its kernels have no float32 variant); an explicit flashinfer that cannot run is refused."""
     backend = (requested or os.environ.get(BACKEND_ENV) or "auto").strip()
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     on_gpu = device.startswith("cuda")
+    half = dtype is None or str(dtype) in ("torch.float16", "torch.bfloat16")
     if backend == "auto":
-        return "flashinfer" if on_gpu and flashinfer_available() else "torch"
+        return "flashinfer" if on_gpu and half and flashinfer_available() else "torch"
     if backend == "flashinfer" and not on_gpu:
         raise ValueError("attention backend 'flashinfer' needs --device cuda (it has no CPU path)")
+    if backend == "flashinfer" and not half:
+        raise ValueError(f"attention backend 'flashinfer' needs --dtype float16 or bfloat16, the model runs in {dtype}")
     return backend
 
 
@@ -64,7 +68,17 @@ def flashinfer_available() -> bool:
 def device_options(args: argparse.Namespace) -> dict[str, str]:
     """EngineConfig keyword arguments {device, attention_backend} from parsed flags and the environment."""
     device = resolve_device(getattr(args, "device", None))
-    return {"device": device, "attention_backend": resolve_backend(getattr(args, "attention_backend", None), device)}
+    dtype = None
+    if device.startswith("cuda"):  # the dtype decides whether flashinfer can run (cheap: reads config.json)
+        import torch
+
+        from engine.builtin import default_model_dir
+        from engine.model_config import ModelConfig
+        from engine.weights import resolve_dtype
+        model_dir = getattr(args, "model", None) or default_model_dir()
+        dtype = resolve_dtype(getattr(args, "dtype", "auto"), ModelConfig.from_dir(model_dir), torch.device(device))
+    backend = resolve_backend(getattr(args, "attention_backend", None), device, dtype)
+    return {"device": device, "attention_backend": backend}
 
 
 def device_flags(args: argparse.Namespace) -> list[str]:
