@@ -19,10 +19,11 @@ migration, timeouts and retry counts (a missing responder fails at once with RET
 from __future__ import annotations
 
 from cachestore.verbs_emu import enums
-from cachestore.verbs_emu.device import DEVICE_NAME, FABRIC, Context, Fabric, FaultHooks, get_device_list
+from cachestore.verbs_emu.device import (DEVICE_NAME, FABRIC, AHAttr, Context, Fabric, FaultHooks, GlobalRoute,
+                                        get_device_list)
 from cachestore.verbs_emu.memory import MR, MW, PD, MWBindInfo, VerbsError
 from cachestore.verbs_emu.queues import CQ, QP, WC, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR, SGE
 
-__all__ = ["CQ", "Context", "DEVICE_NAME", "FABRIC", "Fabric", "FaultHooks", "MR", "MW", "MWBindInfo", "PD", "QP",
+__all__ = ["AHAttr", "CQ", "Context", "DEVICE_NAME", "FABRIC", "Fabric", "FaultHooks", "GlobalRoute", "MR", "MW", "MWBindInfo", "PD", "QP",
            "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "SGE", "SendWR", "VerbsError", "WC", "enums",
            "get_device_list"]

@@ -106,3 +106,17 @@ class Context:
         if port != 1 or index != 0:
             raise OSError(f"no GID at port {port} index {index} on {self.name}")
         return "fe80:0000:0000:0000:0000:0000:0000:0001"
+
+
+class GlobalRoute:
+    """GRH fields of an address handle (RoCE): the emulated fabric routes by QP number alone."""
+
+    def __init__(self, dgid=None, sgid_index: int = 0) -> None:
+        self.dgid, self.sgid_index = dgid, sgid_index
+
+
+class AHAttr:
+    """Address-handle attributes carried into RTR; kept for API compatibility, not used for routing."""
+
+    def __init__(self, port_num: int = 1, dlid: int = 0, is_global: int = 0, gr: GlobalRoute | None = None) -> None:
+        self.port_num, self.dlid, self.is_global, self.gr = port_num, dlid, is_global, gr
