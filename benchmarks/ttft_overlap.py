@@ -37,9 +37,9 @@ from engine.builtin import default_model_dir  # noqa: E402
 SECRET = "bench"
 
 
-def kv_geometry(model_dir: Path, prompt_len: int, device: str = "cpu") -> PoolGeometry:
+def kv_geometry(model_dir: Path, prompt_len: int, device: str = "cpu", dtype: str = "auto") -> PoolGeometry:
     """Layers x blocks x block bytes of one prompt's KV (what the transfer moves; dtype follows the device)."""
-    pool = LLMEngine(EngineConfig(model_dir, num_kv_blocks=4, device=device)).runner.kv_pool
+    pool = LLMEngine(EngineConfig(model_dir, num_kv_blocks=4, device=device, dtype=dtype)).runner.kv_pool
     return PoolGeometry(pool.num_layers, (prompt_len + pool.block_size - 1) // pool.block_size, pool.block_bytes)
 
 
@@ -104,11 +104,13 @@ def main() -> None:
                              "per layer and stages through pinned host memory)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
                         help="attention backend of both nodes (auto: flashinfer on CUDA when importable)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="model dtype of both nodes (flashinfer needs float16 or bfloat16)")
     args = parser.parse_args()
     model = default_model_dir("bench")
     lengths, reps = ([512, 1024], 1) if args.quick else ([512, 2048], 3)
     node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", "tcp",
-                 "--device", args.device, "--attention-backend", args.attention_backend]
+                 "--device", args.device, "--attention-backend", args.attention_backend, "--dtype", args.dtype]
     prefill = NodeProc("prefill", node_args + ["--num-threads", str(args.threads)])
     rows = {}
     try:
@@ -116,7 +118,7 @@ def main() -> None:
         try:
             for n in lengths:
                 prompt = [10 + (i * 7919) % 1500 for i in range(n)]
-                geo = kv_geometry(model, n, args.device)
+                geo = kv_geometry(model, n, args.device, args.dtype)
                 rpc, compute = asyncio.run(prefill_rpc(prefill.address, geo, prompt, reps))
                 best_gbps, _ = asyncio.run(cachestore_run(geo, max(reps, 2), 1))
                 transfer = geo.total_bytes / (best_gbps * 1e9)
@@ -139,7 +141,7 @@ def main() -> None:
     long = rows[lengths[-1]]
     emit({"metric": f"exposed_transfer_fraction_{lengths[-1]}", "value": long["exposed_fraction"],
           "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "device": args.device,
-          "attention_backend": args.attention_backend, "rows": rows})
+          "attention_backend": args.attention_backend, "dtype": args.dtype, "rows": rows})
 
 
 if __name__ == "__main__":
