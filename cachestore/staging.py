@@ -48,30 +48,51 @@ class HostStaging:
 
     def read(self, tensor: torch.Tensor, start: int, nbytes: int, ready_event=None) -> memoryview:
         """Copy pool bytes [start, start+nbytes) to host, after `ready_event`; a view valid until the next call."""
-        buf = self._ensure(nbytes)[:nbytes]
-        src = self._flat(tensor)[start:start + nbytes]
+        return self.gather(tensor, [(start, nbytes)], ready_event)
+
+    def gather(self, tensor: torch.Tensor, spans: list[tuple[int, int]], ready_event=None) -> memoryview:
+        """Copy each pool span (start, nbytes), back to back, to host after `ready_event` (one sync)."""
+        total = sum(n for _, n in spans)
+        buf, flat = self._ensure(total), self._flat(tensor)
         stream = self._side_stream(tensor)
         if stream is None:
-            buf.copy_(src)
+            self._copy_out(buf, flat, spans, False)
         else:
             with torch.cuda.stream(stream):
                 if ready_event is not None:
                     stream.wait_event(ready_event)  # GPU-side wait: the layer's KV writes come first
-                buf.copy_(src, non_blocking=True)
+                self._copy_out(buf, flat, spans, True)
             stream.synchronize()
-        return memoryview(buf.numpy())
+        return memoryview(buf[:total].numpy())
+
+    @staticmethod
+    def _copy_out(buf: torch.Tensor, flat: torch.Tensor, spans: list[tuple[int, int]], non_blocking: bool) -> None:
+        at = 0
+        for start, n in spans:
+            buf[at:at + n].copy_(flat[start:start + n], non_blocking=non_blocking)
+            at += n
 
     def landing(self, nbytes: int) -> memoryview:
-        """A host view of `nbytes` to receive a payload into (then `commit` it)."""
+        """A host view of `nbytes` to receive a payload into (then `scatter` it)."""
         return memoryview(self._ensure(nbytes)[:nbytes].numpy())
 
     def commit(self, tensor: torch.Tensor, start: int, nbytes: int) -> None:
-        """Copy the landed `nbytes` into pool bytes [start, start+nbytes); returns once the copy is done."""
-        dst = self._flat(tensor)[start:start + nbytes]
-        stream = self._side_stream(tensor)
-        if stream is None:
-            dst.copy_(self._buf[:nbytes])
-            return
-        with torch.cuda.stream(stream):
-            dst.copy_(self._buf[:nbytes], non_blocking=True)
-        stream.synchronize()  # the buffer is reused by the next frame; the ack must follow the copy
+        """Copy the landed `nbytes` into pool bytes [start, start+nbytes)."""
+        self.scatter(tensor, [(start, nbytes)])
+
+    def scatter(self, tensor: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+        """Copy the landed bytes, back to back, into each pool span; returns once the copies are done."""
+        flat, stream = self._flat(tensor), self._side_stream(tensor)
+        ctx = torch.cuda.stream(stream) if stream is not None else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            at = 0
+            for start, n in spans:
+                flat[start:start + n].copy_(self._buf[at:at + n], non_blocking=stream is not None)
+                at += n
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        if stream is not None:
+            stream.synchronize()  # the buffer is reused by the next frame; the ack must follow the copy

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from cachestore import CacheStoreClient, MemoryRegion, PoolGeometry, SessionCredentials, TransferError
+from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, TransferError
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from pdserve.runtime import convert
@@ -30,7 +30,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
         self.client = CacheStoreClient(MemoryRegion.from_tensor(pool.tensor), self.geometry,
                                        transport=options.transport, secret=options.cluster_secret,
-                                       registry=self.rt.metrics.registry)
+                                       registry=self.rt.metrics.registry,
+                                       faults=FaultInjector.from_env())  # None unless a chaos test sets it
         self.transfers: dict[str, object] = {}
         """request id -> Transfer; read by the engine thread in the layer hook."""
 

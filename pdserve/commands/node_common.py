@@ -76,7 +76,7 @@ def advertise_host(args: argparse.Namespace) -> str:
 
 def serve(node, role: str, args: argparse.Namespace) -> int:
     """Start `node`, register it with discovery, print READY, run until SIGTERM/SIGINT, then
-    deregister, drain and exit 0."""
+    deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
@@ -95,17 +95,19 @@ def serve(node, role: str, args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        logging.getLogger("pdserve").info("draining %s", role)
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(node.rt.failed.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        failed = node.rt.failed.is_set()
+        logging.getLogger("pdserve").info("%s %s", "stopping failed" if failed else "draining", role)
         await discovery.deregister(member)
         await discovery.stop()
-        await node.rt.drain_and_stop()
+        await (node.rt.stop() if failed else node.rt.drain_and_stop())  # a dead engine has nothing to drain
         if hasattr(node, "cachestore"):
             await node.cachestore.stop()
+        return 1 if failed else 0
 
     try:
         import uvloop
-        uvloop.run(main())
+        return uvloop.run(main())
     except ImportError:
-        asyncio.run(main())
-    return 0
+        return asyncio.run(main())

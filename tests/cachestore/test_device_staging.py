@@ -21,7 +21,14 @@ def _device_like(tensor: torch.Tensor) -> MemoryRegion:
     return MemoryRegion(memoryview(bytearray(0)), tensor, is_device=True)
 
 
-async def test_device_pool_sender_and_receiver_are_bit_exact_through_staging():
+async def test_device_pool_sender_and_receiver_are_bit_exact_through_staging(monkeypatch):
+    created: list[HostStaging] = []
+    init = HostStaging.__init__
+
+    def counting_init(self, *a, **kw):
+        init(self, *a, **kw)
+        created.append(self)
+    monkeypatch.setattr(HostStaging, "__init__", counting_init)
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (GEO.total_bytes,), dtype=torch.uint8, generator=gen)
     dst = torch.full((GEO.total_bytes,), 0xA5, dtype=torch.uint8)
@@ -43,11 +50,12 @@ async def test_device_pool_sender_and_receiver_are_bit_exact_through_staging():
                 for s, d in zip(src_blocks, dst_blocks):
                     a, b = GEO.offset(layer, s), GEO.offset(layer, d)
                     assert torch.equal(dst[b:b + GEO.block_bytes], src[a:a + GEO.block_bytes]), (rid, layer, s, d)
-        # one staging buffer per connection, reused across frames (sized by geometric growth, not per frame)
+        # the sender's buffer per connection and the receiver's per worker thread are reused across the
+        # 6 frames (re-allocated only to grow), never allocated per frame
         (channel,) = client._channels.values()
-        assert channel._staging.allocations <= 2
-        receiver_buffers = list(server._listener._staging.values())
-        assert len(receiver_buffers) == 1 and receiver_buffers[0].allocations <= 2
+        assert channel._staging in created and channel._staging.allocations <= 2
+        receivers = [s for s in created if s is not channel._staging]
+        assert 1 <= len(receivers) <= 2 and sum(s.allocations for s in receivers) <= 3
     finally:
         await client.close()
         await server.stop()
