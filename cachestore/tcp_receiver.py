@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Sequence
 
@@ -26,6 +27,18 @@ NO_ACK = -1
 """_frame's answer for a frame that gets no ACK (an RDMA CONNECT, answered by its own reply)."""
 DISCARD_BYTES_PER_SECOND = 64 << 20
 """Slowest rate at which a refused payload may be skipped (on top of the frame timeout)."""
+
+
+_local = threading.local()
+
+
+def _worker_staging():
+    """This worker thread's host staging buffer for a device pool: allocated once, reused per frame."""
+    staging = getattr(_local, "staging", None)
+    if staging is None:
+        from cachestore.staging import HostStaging
+        staging = _local.staging = HostStaging()
+    return staging
 
 
 class FrameWorker:
@@ -142,16 +155,13 @@ class FrameWorker:
             runs = dest_runs(block_ids)
             if not server.region.is_device:
                 return _recv_fenced(conn, [server.destination(h.layer, b, n) for b, n in runs], fence)
-            # GPU pool (not exercised here: no GPU): land in pinned host memory, then H2D copies.
-            import torch
-            staging = torch.empty(h.payload_len, dtype=torch.uint8, pin_memory=True)
-            if not _recv_fenced(conn, [memoryview(staging.numpy())], fence):
+            # device pool: land in this worker thread's reused host buffer, then host-to-device copies
+            staging = _worker_staging()
+            if not _recv_fenced(conn, [staging.landing(h.payload_len)], fence):
                 return False
-            pool, at = server.region.tensor.view(torch.uint8).view(-1), 0
-            for b, n in runs:
-                start, nbytes = server.geometry.offset(h.layer, b), n * server.geometry.block_bytes
-                pool[start:start + nbytes].copy_(staging[at:at + nbytes], non_blocking=False)
-                at += nbytes
+            block_bytes = server.geometry.block_bytes
+            staging.scatter(server.region.tensor,
+                            [(server.geometry.offset(h.layer, b), n * block_bytes) for b, n in runs])
             return True
         except TimeoutError:
             log.warning("cachestore write missed its session deadline: connection dropped")

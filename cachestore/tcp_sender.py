@@ -8,6 +8,7 @@ import threading
 
 from cachestore import wire
 from cachestore.geometry import Run
+from cachestore.staging import HostStaging
 from cachestore.tcp import IOV_MAX, recv_exact, recv_exact_into
 
 CONNECT_TIMEOUT = 5.0
@@ -25,6 +26,8 @@ class TcpChannel:
         """seq -> (transfer, runs in the frame), in send order (acks are cumulative)."""
         self._lock = threading.Lock()
         self._seq = 0
+        # a device pool is read through one host buffer, allocated once for the connection
+        self._staging = HostStaging(client.geometry.block_bytes) if client.region.is_device else None
         host, port = endpoint.rsplit(":", 1)
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
@@ -80,7 +83,7 @@ class TcpChannel:
             if client.faults is not None and not client.faults.before_write():
                 transfer._on_ack(False, "injected fault", len(runs))
                 continue
-            if ready_event is not None:
+            if ready_event is not None and self._staging is None:
                 ready_event.synchronize()  # the layer's kernels are done before we read its blocks
             creds = transfer.creds
             with self._lock:
@@ -94,13 +97,22 @@ class TcpChannel:
             else:
                 ids = [b for r in runs for b in range(r.dst_block, r.dst_block + r.count)]
                 header = wire.Header(wire.KIND_WRITEV, 0, sid, token, layer, 0, len(ids), seq, len(ids) * block_bytes)
-                buffers = [header.pack() + wire.pack_ids(ids), *(client.source(layer, r) for r in runs)]
+                buffers = [header.pack() + wire.pack_ids(ids), *self._payloads(layer, runs, ready_event)]
             try:
                 _sendmsg_all(self.sock, buffers)
             except OSError as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
             client.metrics.add_bytes("send", sum(len(b) for b in buffers[1:]))
+
+    def _payloads(self, layer: int, runs: list[Run], ready_event) -> list[memoryview]:
+        """The runs' bytes: views of a host pool, or one staging copy of a device pool (after ready_event)."""
+        client = self.client
+        if self._staging is None:
+            return [client.source(layer, r) for r in runs]
+        geo = client.geometry
+        spans = [(geo.offset(layer, r.src_block), r.count * geo.block_bytes) for r in runs]
+        return [self._staging.gather(client.region.tensor, spans, ready_event)]
 
     def _ack_loop(self) -> None:
         buf = bytearray(wire.HEADER_BYTES)

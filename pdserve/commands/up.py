@@ -21,6 +21,8 @@ READY_TIMEOUT = 180.0
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="start router + prefill + decode nodes on 127.0.0.1")
     add_model_args(p)
+    from pdserve.commands.device_args import add_device_args
+    add_device_args(p)  # every node of the cluster shares the device (one GPU: they share it)
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=2)
     p.add_argument("--transport", default="tcp", choices=["auto", "tcp", "rdma"])
@@ -52,12 +54,13 @@ def _wait_health(url: str, deadline: float, members: list[Supervised]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.builtin import default_model_dir
+    from pdserve.commands.device_args import device_flags
     model = args.model or str(default_model_dir())  # build the built-in model once, before the children start
     secret = secrets.token_hex(16)
     env = {**os.environ, "PDSERVE_CLUSTER_SECRET": secret, "PYTHONUNBUFFERED": "1"}
     base = [sys.executable, "-m", "pdserve.cli"]
     node_args = ["--host", "127.0.0.1", "--model", model, "--dtype", args.dtype, "--transport", args.transport,
-                 "--num-threads", str(args.num_threads)]
+                 "--num-threads", str(args.num_threads)] + device_flags(args)
     stopping = threading.Event()
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731
 
