@@ -36,7 +36,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
 class Connection:
     """One sender connection: its socket, handshake state and the frame header being read."""
 
-    __slots__ = ("sock", "nonce", "deadline", "buf", "filled", "authenticated", "busy", "closed")
+    __slots__ = ("sock", "nonce", "deadline", "buf", "filled", "authenticated", "busy", "closed", "attached")
 
     def __init__(self, sock: socket.socket, nonce: bytes, deadline: float) -> None:
         self.sock = sock
@@ -49,6 +49,8 @@ class Connection:
         self.busy = False
         """A worker holds it (the poller neither reads it nor enforces its header deadline)."""
         self.closed = False
+        self.attached: object | None = None
+        """What lives as long as the connection (the rdma transport's responder QP); closed with it."""
 
     def pending_view(self) -> memoryview:
         want = wire.HEADER_BYTES if self.authenticated else wire.MAC_BYTES
@@ -65,6 +67,8 @@ class Connection:
             self.closed = True
             self.shutdown()
             self.sock.close()
+            if self.attached is not None:
+                self.attached.close()
 
 
 class Fence:
