@@ -8,10 +8,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+import pdserve
 from router.errors import (ModelNotFound, NoCapacityError, PayloadTooLarge, RouterError, Unauthorized,
                            error_body, error_response)
+from router.http_metrics import HttpMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Server
 
@@ -21,10 +23,10 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 def create_app(server: Server, *, api_keys: list[str] | None = None, registry: CollectorRegistry | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
-    app = FastAPI(title="pdserve router", version="0.1.0",
+    app = FastAPI(title="pdserve router", version=pdserve.__version__,
                   description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
     registry = registry or CollectorRegistry()
-    requests_total = Counter("pdserve_router_requests", "HTTP requests", ["endpoint", "status"], registry=registry)
+    http_metrics = HttpMetrics(registry, server.model_name)
     keys = [k.encode() for k in (api_keys or []) if k]
 
     @app.middleware("http")
@@ -43,7 +45,7 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
             response = await call_next(request)
         except RouterError as e:
             response = error_response(e)
-        requests_total.labels(path, str(response.status_code)).inc()
+        http_metrics.observe(app.router.routes, request.scope, response.status_code)
         return response
 
     @app.exception_handler(RouterError)
@@ -89,6 +91,10 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
         if not server.cluster.is_healthy():
             raise NoCapacityError("no healthy prefill + decode pair yet")
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pdserve.__version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

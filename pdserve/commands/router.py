@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.tokenizer import Tokenizer
     from pdserve.discovery import discovery_from_args
     from pdserve.runtime.auth import resolve_secret
+    from pdserve.runtime.node_metrics import add_process_collectors
     from router.app import create_app
     from router.cluster import Cluster
     from router.serving import Server
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     name = args.served_model_name or ("pdserve-tiny" if args.model is None else os.path.basename(str(model_dir).rstrip("/")))
     keys = args.api_key or [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
-    registry = CollectorRegistry()
+    registry = add_process_collectors(CollectorRegistry())
     cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret), registry=registry)
     server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,
                     args.max_prompt_tokens)

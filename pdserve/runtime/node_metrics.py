@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def add_process_collectors(registry: CollectorRegistry) -> CollectorRegistry:
+    """Register prometheus_client's process, platform and GC collectors on a private registry.
+
+    Each process serves its own registry (not the global one), so the standard
+    process_* / python_* series an SRE expects must be added explicitly.
+    """
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
 
 
 class NodeMetrics:
     """pdserve_* series of one node (role label: prefill | decode)."""
 
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or add_process_collectors(CollectorRegistry())
         r = self.registry
         self.role = role
         self.ttft = Histogram("pdserve_ttft_seconds", "time to first token", ["role"], buckets=BUCKETS,
