@@ -37,19 +37,22 @@ def run(args: argparse.Namespace) -> int:
     from engine.tokenizer import Tokenizer
     from pdserve.discovery import discovery_from_args
     from pdserve.runtime.auth import resolve_secret
-    from pdserve.runtime.node_metrics import add_process_collectors
+    from pdserve.runtime.node_metrics import add_process_collectors, served_model_name
     from router.app import create_app
     from router.cluster import Cluster
+    from router.cluster_metrics import ClusterCollector
+    from router.request_metrics import RequestMetrics
     from router.serving import Server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     model_dir = args.model or default_model_dir()
-    name = args.served_model_name or ("pdserve-tiny" if args.model is None else os.path.basename(str(model_dir).rstrip("/")))
+    name = args.served_model_name or served_model_name(model_dir)
     keys = args.api_key or [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
     registry = add_process_collectors(CollectorRegistry())
     cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret), registry=registry)
     server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,
-                    args.max_prompt_tokens)
+                    args.max_prompt_tokens, metrics=RequestMetrics(registry, name))
+    ClusterCollector(cluster, name, registry)
     app = create_app(server, api_keys=keys, registry=registry)
 
     @app.on_event("startup")
