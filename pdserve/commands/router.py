@@ -22,6 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-keyfile", default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (400)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds open streams may finish after SIGTERM before they are cut (uvicorn)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -68,5 +70,6 @@ def run(args: argparse.Namespace) -> int:
     import importlib.util
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level.lower(),
-                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=False)
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=False,
+                timeout_graceful_shutdown=args.graceful_timeout)
     return 0
