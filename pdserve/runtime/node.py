@@ -44,7 +44,8 @@ class NodeRuntime:
         self.options = options
         self.engine = LLMEngine(engine_config)
         self.compatibility = compatibility(self.engine)
-        self.metrics = NodeMetrics(role, served_model_name(engine_config.model_dir))
+        self.metrics = NodeMetrics(role, served_model_name(engine_config.model_dir),
+                                   transport_requested=options.transport)
         self.draining = False
         self.inflight = 0
         self.loop_thread: EngineLoop | None = None

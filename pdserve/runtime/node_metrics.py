@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollec
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 
+from pdserve import __version__
+
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -34,7 +36,8 @@ def served_model_name(model_dir: str | Path) -> str:
 class NodeMetrics:
     """pdserve_* series of one node, labelled role (prefill | decode) and model_name."""
 
-    def __init__(self, role: str, model_name: str = "unknown", registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, role: str, model_name: str = "unknown", registry: CollectorRegistry | None = None,
+                 transport_requested: str = "tcp") -> None:
         self.registry = registry or add_process_collectors(CollectorRegistry())
         r, names, values = self.registry, ["role", "model_name"], (role, model_name)
         self.role = role
@@ -50,6 +53,9 @@ class NodeMetrics:
         self.waiting = Gauge("pdserve_requests_waiting", "requests waiting", names, registry=r).labels(*values)
         self.kv_usage = Gauge("pdserve_kv_usage_ratio", "fraction of KV blocks in use", names,
                               registry=r).labels(*values)
+        # Static facts to join on (the RDMA->TCP fallback alert compares this with the active transport).
+        Gauge("pdserve_node_info", "constant 1; labels describe the node", names + ["version", "transport_requested"],
+              registry=r).labels(*values, __version__, transport_requested).set(1)
         self.queued_prefill_tokens = Gauge("pdserve_queued_prefill_tokens", "prompt tokens waiting to be prefilled",
                                            names, registry=r).labels(*values)
 
