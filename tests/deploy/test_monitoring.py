@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -83,4 +84,37 @@ def test_every_alert_has_a_passing_promtool_test_case(tmp_path):
     assert alerts == tested, f"alerts without a firing test case: {alerts - tested}"
     out = subprocess.run(["promtool", "test", "rules", cases.name], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+DASHBOARD = HERE.parents[1] / "deploy" / "grafana" / "pdserve-dashboard.json"
+
+
+def dashboard_exprs(concrete: bool = False) -> list[str]:
+    """Every query of the dashboard; `concrete` substitutes Grafana's variables as "All" would."""
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    if concrete:
+        exprs = [e.replace("$__rate_interval", "1m").replace("$namespace", ".*").replace("$pod", ".*")
+                 .replace("$model", ".*") for e in exprs]
+    return exprs
+
+
+def test_dashboard_has_scope_variables_and_rate_interval():
+    variables = {v["name"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    assert {"datasource", "namespace", "pod", "model"} <= variables
+    for expr in dashboard_exprs():
+        assert 'namespace=~"$namespace"' in expr and 'pod=~"$pod"' in expr, expr
+        ranges = re.findall(r"\[([^\]]+)\]", expr)
+        assert all(r == "$__rate_interval" for r in ranges), expr
+
+
+def test_dashboard_queries_are_valid_promql(tmp_path):
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (scripts/install_ops_tools.sh installs it)")
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": e}
+                                                        for i, e in enumerate(dashboard_exprs(concrete=True))]}]}
+    path = tmp_path / "dashboard.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
