@@ -19,7 +19,9 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomiz
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").exists())
 # Components that only make sense with some overlays (the CPU HPA scales on CPU, meaningless on GPUs;
 # cpu-demo already includes it).
-ONLY_WITH = {"autoscaling-cpu": set()}
+ONLY_WITH = {"autoscaling-cpu": set(), "rdma-sriov": {"gpu-rdma"}}
+# Custom resources (no schema in kubernetes-validate), each checked in its own test.
+CUSTOM_GROUPS = {"monitoring.coreos.com/": "monitoring", "keda.sh/": "autoscaling-keda"}
 K8S_VERSION = "1.32.0"
 
 
@@ -65,9 +67,10 @@ def test_every_overlay_and_component_combination_validates(overlay, components, 
     import kubernetes_validate
     docs = render(overlay, components, tmp_path)
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            assert "monitoring" in components, "Prometheus Operator objects belong in the monitoring component"
-            continue  # custom resources: validated against their CRD schemas in test_monitoring.py
+        group = next((g for g in CUSTOM_GROUPS if doc["apiVersion"].startswith(g)), None)
+        if group is not None:
+            assert CUSTOM_GROUPS[group] in components, f"{doc['kind']} belongs in an opt-in component"
+            continue  # custom resources: validated in test_monitoring.py / test_keda_scaled_objects
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         assert doc["metadata"].get("namespace", overlay) != "default"
 
@@ -168,3 +171,32 @@ def test_dashboard_queries_pdserve_metrics():
     for name in names:
         base = re.sub(r"_(total|bucket)$", "", name)
         assert f'"{base}"' in sources, f"{name} is not exported by pdserve"
+
+
+def test_keda_scaled_objects_target_real_deployments_and_known_series(tmp_path):
+    docs = render("gpu-rdma", ("autoscaling-keda", "monitoring"), tmp_path)
+    deployments = by_kind(docs, "Deployment")
+    rules = next(iter(by_kind(docs, "PrometheusRule").values()))
+    recorded = {r["record"] for g in rules["spec"]["groups"] for r in g["rules"] if "record" in r}
+    scaled = by_kind(docs, "ScaledObject")
+    assert set(scaled) == {"pdserve-decode", "pdserve-prefill"}
+    assert not by_kind(docs, "HorizontalPodAutoscaler"), "gpu-rdma must not inherit a CPU HPA"
+    for name, obj in scaled.items():
+        assert obj["spec"]["scaleTargetRef"]["name"] in deployments
+        for trigger in obj["spec"]["triggers"]:
+            assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+            for series in re.findall(r"\b([a-z_]+:[a-z_:]+|pdserve_[a-z_]+)\{", trigger["metadata"]["query"]):
+                assert series in recorded or series.startswith("pdserve_"), series
+                assert f'namespace="{obj["metadata"]["namespace"]}"' in trigger["metadata"]["query"]
+
+
+def test_network_host_and_rdma_sriov_components(tmp_path):
+    docs = render("gpu-rdma", ("network-host", "rdma-sriov"), tmp_path)
+    for role in ("prefill", "decode"):
+        pod = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        limits = pod["containers"][0]["resources"]["limits"]
+        assert "rdma/hca_shared_devices_a" not in limits and limits["nvidia.com/sriov_rdma_vf"] == 1
+        assert pod["containers"][0]["resources"]["requests"] == limits
+    router = by_kind(docs, "Deployment")["pdserve-router"]["spec"]["template"]["spec"]
+    assert "hostNetwork" not in router
