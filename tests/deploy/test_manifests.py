@@ -153,6 +153,20 @@ def test_gpu_rdma_requests_devices_and_ipc_lock():
         assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in spec["volumes"])
 
 
+def test_gpu_rdma_model_volume_and_fill_job():
+    docs = render("gpu-rdma")
+    pvc = by_kind(docs, "PersistentVolumeClaim")["pdserve-models"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # read on every GPU host at once
+    job = by_kind(docs, "Job")["pdserve-model-fill"]["spec"]["template"]["spec"]
+    assert job["volumes"][0]["persistentVolumeClaim"] == {"claimName": "pdserve-models"}
+    fill = job["containers"][0]
+    assert not fill["volumeMounts"][0].get("readOnly") and "MODEL_SOURCE" in {e["name"] for e in fill["env"]}
+    assert "mv /models/model.partial /models/model" in fill["args"][0]  # atomic: never a half checkpoint
+    for role in ("prefill", "decode", "router"):
+        args = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--model") + 1] == "/models/model"
+
+
 def test_cpu_demo_scale_and_dev_secret():
     docs = render("cpu-demo")
     deployments = by_kind(docs, "Deployment")
