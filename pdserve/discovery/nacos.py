@@ -8,8 +8,14 @@ stand-in can implement faithfully for tests. No Nacos server runs on these
 machines: the tests use such a stand-in, not a real server.
 
 Nodes register as ephemeral instances of `<service>-<role>` with their ports
-as metadata and send heartbeats; the router lists healthy instances every few
-seconds and keeps the last-known membership while the registry is unreachable.
+as metadata. Heartbeats are the SDK's own (`add_naming_instance(...,
+heartbeat_interval=)`): its beat carries the full metadata, so when the server
+has expired an instance (about 30 s without beats) and a beat re-creates it, no
+metadata is lost. The router lists healthy instances every few seconds and
+keeps the last-known membership while the registry is unreachable. It polls
+instead of using the SDK's `subscribe`, because 2.0.x's subscribe never
+notifies the instances it sees on its first poll (a lone node present at
+start-up would stay unknown).
 """
 
 from __future__ import annotations
@@ -56,10 +62,8 @@ class NacosDiscovery(Discovery):
     async def register(self, member: Member) -> None:
         meta = {"role": member.role, **{k: str(v) for k, v in member.metadata.items()}}
         await self._call(self.client.add_naming_instance, self.service_name(member.role), member.host, member.port,
-                         metadata=meta, ephemeral=True)
+                         metadata=meta, ephemeral=True, heartbeat_interval=self.heartbeat)
         self._registered.append(member)
-        if len(self._registered) == 1:
-            self._tasks.append(asyncio.create_task(self._beat()))
 
     async def deregister(self, member: Member) -> None:
         try:
@@ -67,18 +71,13 @@ class NacosDiscovery(Discovery):
                              member.port, ephemeral=True)
         except Exception as e:  # the registry may be gone at shutdown; the instance then expires
             log.warning("nacos deregister of %s failed: %s", member.address, e)
+            # The SDK stops its beat thread only after a successful removal; stop it here too
+            # (its task table is keyed "service#ip#port" in 2.0.x).
+            task = self.client.heartbeats.pop(f"{self.service_name(member.role)}#{member.host}#{member.port}", None)
+            if task is not None:
+                task.stop()
         if member in self._registered:
             self._registered.remove(member)
-
-    async def _beat(self) -> None:
-        while self._registered:
-            await asyncio.sleep(self.heartbeat)
-            for m in list(self._registered):
-                try:
-                    await self._call(self.client.send_heartbeat, self.service_name(m.role), m.host, m.port,
-                                     metadata={"role": m.role}, ephemeral=True)
-                except Exception as e:
-                    log.warning("nacos heartbeat for %s failed: %s", m.address, e)
 
     async def _watch(self) -> None:
         while True:
