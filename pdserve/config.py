@@ -22,6 +22,9 @@ import configargparse
 
 ENV_PREFIX = "PDSERVE_"
 CONFIG_FLAG = "--config"
+# Variables a command reads itself with their own meaning (PDSERVE_API_KEY is one key, merged with
+# --api-key by the router); the generic mapping must not also turn them into a flag value.
+SELF_READ_ENV = frozenset({"PDSERVE_API_KEY"})
 
 
 class _CommandParser(configargparse.ArgumentParser):
@@ -40,6 +43,15 @@ class _CommandParser(configargparse.ArgumentParser):
         # An unknown key in the file is an error naming it, not a silently ignored typo.
         kwargs.setdefault("ignore_unknown_config_file_keys", False)
         super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any):
+        action = super().add_argument(*args, **kwargs)
+        long = [o for o in action.option_strings if o.startswith("--")]
+        if long and env_name(long[0]) in SELF_READ_ENV:
+            # configargparse maps only actions without an env_var; this name (never a real variable)
+            # keeps it from mapping, and `--help` shows who reads the variable instead.
+            action.env_var = f"{env_name(long[0])} (read by the command)"
+        return action
 
 
 def new_parser(**kwargs: Any) -> argparse.ArgumentParser:

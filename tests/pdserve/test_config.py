@@ -69,9 +69,12 @@ def test_precedence_cli_over_env_over_file(tmp_path, monkeypatch):
 
 
 def test_repeatable_flag_from_env_and_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_API_KEY", "[k1, k2]")
-    assert build_parser().parse_args(["router"]).api_key == ["k1", "k2"]
-    monkeypatch.delenv("PDSERVE_API_KEY")
+    monkeypatch.setenv("PDSERVE_API_KEY_FILE", "[k1, k2]")
+    assert build_parser().parse_args(["router"]).api_key_file == ["k1", "k2"]
+    monkeypatch.delenv("PDSERVE_API_KEY_FILE")
+    # PDSERVE_API_KEY keeps its own meaning (one key, read by the router), not --api-key's value
+    monkeypatch.setenv("PDSERVE_API_KEY", "secret")
+    assert build_parser().parse_args(["router"]).api_key is None
     cfg = tmp_path / "r.yaml"
     cfg.write_text("api-key:\n  - a\n  - b\n")
     assert build_parser().parse_args(["router", "--config", str(cfg)]).api_key == ["a", "b"]
