@@ -11,21 +11,34 @@ Nodes register as ephemeral instances of `<service>-<role>` with their ports
 as metadata. Heartbeats are the SDK's own (`add_naming_instance(...,
 heartbeat_interval=)`): its beat carries the full metadata, so when the server
 has expired an instance (about 30 s without beats) and a beat re-creates it, no
-metadata is lost. The router lists healthy instances every few seconds and
-keeps the last-known membership while the registry is unreachable. It polls
-instead of using the SDK's `subscribe`, because 2.0.x's subscribe never
-notifies the instances it sees on its first poll (a lone node present at
-start-up would stay unknown).
+metadata is lost. The router watches with the SDK's own `subscribe` (healthy
+instances only) and applies its ADDED / MODIFIED / DELETED events. Two 2.0.x
+quirks are handled here: its first poll notifies nothing (so `start` lists once
+itself, and later ADDED events for known instances are idempotent), and its
+poll timer stops for good on the first failed poll (so we mark the timer to
+ignore errors: a registry outage keeps the last-known membership and the
+subscription resumes afterwards). A node that dies between the SDK's first and
+second poll raises no event; the router's own health checks cover that case.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from pdserve.discovery.base import ROLES, Discovery, Member
 
 log = logging.getLogger("pdserve.discovery")
+
+
+def _instance_id(host: dict) -> str:
+    """Nacos's id of an instance (the key of the SDK's events), derived as Nacos does when absent."""
+    return host.get("instanceId") or f"{host['ip']}#{host['port']}"
+
+
+def _member(role: str, host: dict) -> Member:
+    return Member(role, host["ip"], int(host["port"]), dict(host.get("metadata") or {}))
 
 
 class NacosDiscovery(Discovery):
@@ -39,7 +52,8 @@ class NacosDiscovery(Discovery):
         self.service = service
         self.interval = interval
         self.heartbeat = heartbeat
-        self._members: dict[str, list[Member]] = {}
+        self._lock = threading.Lock()  # subscription events arrive on the SDK's timer threads
+        self._members: dict[str, dict[str, Member]] = {}  # role -> instance id -> member
         self._registered: list[Member] = []
         self._tasks: list[asyncio.Task] = []
 
@@ -51,11 +65,12 @@ class NacosDiscovery(Discovery):
 
     async def start(self) -> None:
         await self.refresh()
-        self._tasks.append(asyncio.create_task(self._watch()))
+        self._tasks.append(asyncio.create_task(self._subscribe_all()))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.client.stop_subscribe()
         for member in list(self._registered):
             await self.deregister(member)
 
@@ -79,22 +94,45 @@ class NacosDiscovery(Discovery):
         if member in self._registered:
             self._registered.remove(member)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self.refresh()
+    async def _subscribe_all(self) -> None:
+        """Subscribe to each role; a registry down now is retried (subscribe's first poll is synchronous)."""
+        from nacos.listener import SubscribeListener
+        pending = list(ROLES)
+        while pending:
+            role, name = pending[0], self.service_name(pending[0])
+            listener = SubscribeListener(lambda event, slc, role=role: self._on_event(role, event, slc), "pdserve")
+            try:
+                await self._call(self.client.subscribe, listener, self.interval, name, healthy_only=True)
+            except Exception as e:
+                log.warning("nacos subscribe to %s failed (%s); retrying", name, e)
+                await asyncio.sleep(self.interval)
+                continue
+            timer = self.client.subscribe_timer_manager.all_timers().get(f"service-subscribe-timer-{name}")
+            if timer is not None:
+                timer.set_ignore_ex(True)
+            pending.pop(0)
+
+    def _on_event(self, role: str, event: str, slc) -> None:
+        with self._lock:
+            known = self._members.setdefault(role, {})
+            if event == "DELETED" or not slc.instance.get("enabled", True):
+                known.pop(slc.instance_id, None)
+            else:
+                known[slc.instance_id] = _member(role, slc.instance)
 
     async def refresh(self) -> None:
+        """One full healthy listing per role (at start; the subscription keeps it current after)."""
         for role in ROLES:
             try:
                 reply = await self._call(self.client.list_naming_instance, self.service_name(role), healthy_only=True)
             except Exception as e:
                 log.warning("nacos unreachable (%s); keeping %d known %s nodes", e,
-                            len(self._members.get(role, [])), role)
+                            len(self._members.get(role, {})), role)
                 continue
             hosts = reply.get("hosts", []) if isinstance(reply, dict) else []
-            self._members[role] = [Member(role, h["ip"], int(h["port"]), dict(h.get("metadata") or {}))
-                                   for h in hosts if h.get("enabled", True)]
+            with self._lock:
+                self._members[role] = {_instance_id(h): _member(role, h) for h in hosts if h.get("enabled", True)}
 
     def members(self, role: str) -> list[Member]:
-        return list(self._members.get(role, []))
+        with self._lock:
+            return sorted(self._members.get(role, {}).values(), key=lambda m: (m.host, m.port))

@@ -53,6 +53,7 @@ class NacosStandIn(BaseHTTPRequestHandler):
     instances: dict[str, dict[tuple[str, int], dict]] = {}
     last_beat: dict[tuple[str, str, int], float] = {}
     beats: list[str] = []
+    down = False  # True: listing answers 503 (a registry outage as the router's subscription sees it)
 
     def _params(self) -> dict[str, str]:
         q = parse_qs(urlparse(self.path).query)
@@ -105,10 +106,13 @@ class NacosStandIn(BaseHTTPRequestHandler):
         self._reply({"clientBeatInterval": 5000, "code": 10200})
 
     def do_GET(self) -> None:
+        if self.down:
+            return self._reply("server is down", 503)
         p = self._params()
         self._expire()
         service, now = self._service(p), time.monotonic()
-        hosts = [{"ip": ip, "port": port, "metadata": meta, "enabled": True, "weight": 1.0,
+        hosts = [{"instanceId": f"{ip}#{port}#DEFAULT#DEFAULT_GROUP@@{service}", "ip": ip, "port": port,
+                  "metadata": meta, "enabled": True, "weight": 1.0,
                   "healthy": now - self.last_beat.get((service, ip, port), now) <= self.unhealthy_after}
                  for (ip, port), meta in self.instances.get(service, {}).items()]
         if p.get("healthyOnly", "false").lower() == "true":
@@ -186,5 +190,54 @@ async def test_nacos_expiry_and_sdk_heartbeat_keep_metadata(monkeypatch):
         await beating.stop()
         await silent.stop()
     finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+async def test_nacos_subscription_follows_changes_and_survives_an_outage(monkeypatch):
+    """The router's view follows the SDK's subscribe events (no refresh() calls here): a node that
+    joins appears, a node that stops beating disappears, and an outage neither empties the view
+    nor ends the subscription (2.0.x's poll timer stops on the first error unless told otherwise)."""
+    from pdserve.discovery.nacos import NacosDiscovery
+    monkeypatch.setattr(NacosStandIn, "unhealthy_after", 2.0)
+    monkeypatch.setattr(NacosStandIn, "delete_after", 4.0)
+    NacosStandIn.instances, NacosStandIn.last_beat, NacosStandIn.down = {}, {}, False
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NacosStandIn)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = f"127.0.0.1:{httpd.server_address[1]}"
+    first = NacosDiscovery(server, service="s", heartbeat=0.2)
+    later = NacosDiscovery(server, service="s", heartbeat=0.2)
+    router = NacosDiscovery(server, service="s", interval=0.2)
+
+    async def until(check, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not check():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.1)
+
+    def ports() -> list[int]:
+        return [m.port for m in router.members("decode")]
+
+    try:
+        await first.register(Member("decode", "127.0.0.1", 50071, {"cachestore_port": 50081}))
+        await router.start()
+        assert ports() == [50071]
+        await until(lambda: all(t.done() for t in router._tasks), "both roles subscribed")
+        await later.register(Member("decode", "127.0.0.1", 50072, {"cachestore_port": 50082}))
+        await until(lambda: ports() == [50071, 50072], "the joining node")
+        assert router.members("decode")[1].metadata["cachestore_port"] == "50082"
+
+        NacosStandIn.down = True
+        await asyncio.sleep(1.0)  # several failed polls
+        assert ports() == [50071, 50072]
+        NacosStandIn.down = False
+        for task in list(later.client.heartbeats.values()):  # `later` dies without deregistering
+            task.stop()
+        await until(lambda: ports() == [50071], "the silent node to drop out after the outage")
+    finally:
+        NacosStandIn.down = False
+        await router.stop()
+        await first.stop()
+        await later.stop()
         httpd.shutdown()
         httpd.server_close()
