@@ -138,7 +138,10 @@ def test_nodes_and_router_are_wired_for_k8s_discovery(overlay):
         assert secret_env["valueFrom"]["secretKeyRef"]["name"] == "pdserve-secrets"
     router = deployments["pdserve-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert "pdserve-prefill:50061" in router["args"] and "pdserve-decode:50071" in router["args"]
+    for role, port in (("prefill", 50061), ("decode", 50071)):
+        # SRV discovery: `_grpc._tcp.<service>` needs a Service port named grpc (it supplies the port).
+        assert f"_grpc._tcp.pdserve-{role}" in router["args"]
+        assert {"name": "grpc", "port": port, "targetPort": "grpc"} in services[f"pdserve-{role}"]["spec"]["ports"]
 
 
 def test_gpu_rdma_requests_devices_and_ipc_lock():
