@@ -8,6 +8,13 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 BACKENDS = ("torch", "cpu_paged", "flashinfer")
 
 
+def resolve_backend(name: str, device_type: str) -> str:
+    """"auto" is `cpu_paged` on CPU (faster than `torch`, same results) and `torch` elsewhere."""
+    if name == "auto":
+        return "cpu_paged" if device_type == "cpu" else "torch"
+    return name
+
+
 def make_backend(name: str) -> AttentionBackend:
     """Build the backend called `name` (one of BACKENDS)."""
     if name == "torch":
@@ -22,4 +29,4 @@ def make_backend(name: str) -> AttentionBackend:
     raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "make_backend"]
+__all__ = ["BACKENDS", "resolve_backend", "AttentionBackend", "AttentionMetadata", "make_backend"]

@@ -1,10 +1,12 @@
 """Builds (once, cached) and loads the C++ paged-attention op for CPU.
 
-The op is compiled lazily on first use with `torch.utils.cpp_extension`, into a
-cache directory keyed by the source digest and the torch version, so later
-processes load the built library in milliseconds. When no C++ compiler exists or
-the build fails, `load_paged_attention_op()` returns None and the `cpu_paged`
-backend falls back to the pure-torch path: a missing compiler never stops a node.
+The op is compiled on first use with `torch.utils.cpp_extension`, into a cache
+directory keyed by the source digest and the torch version, so later processes
+only load the built library. The first build takes about a minute, so it runs on
+a background thread (`start_build`): a node starts serving at once on the
+pure-torch path and switches to the op when it is loaded. When no C++ compiler
+exists or the build fails, the op stays None and the `cpu_paged` backend keeps
+the pure-torch path: a missing compiler never stops a node.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +25,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
 
 
 def build_dir() -> Path:
@@ -31,12 +36,31 @@ def build_dir() -> Path:
     return root / "kernels" / f"cpu_paged-{digest}"
 
 
+def start_build() -> None:
+    """Build/load the op on a daemon thread (idempotent); `current_op()` returns it once ready."""
+    global _thread
+    with _lock:
+        if _thread is None and not _tried:
+            _thread = threading.Thread(target=load_paged_attention_op, name="cpu-paged-build", daemon=True)
+            _thread.start()
+
+
+def current_op() -> Callable[..., torch.Tensor] | None:
+    """The op if it is loaded by now, else None (never blocks)."""
+    return _op
+
+
 def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
-    """`torch.ops.pdserve_cpu.paged_attention`, building it on first call; None if it cannot be built."""
+    """`torch.ops.pdserve_cpu.paged_attention`, building it if needed (blocks); None if it cannot be built."""
     global _op, _tried
-    if _tried:
+    with _lock:  # one build per process; a second caller waits for the first
+        if not _tried:
+            _op = _build()
+            _tried = True
         return _op
-    _tried = True
+
+
+def _build() -> Callable[..., torch.Tensor] | None:
     if os.environ.get("PDSERVE_NO_CPU_KERNEL") == "1":  # lets tests and users force the fallback
         return None
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -53,5 +77,4 @@ def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
     except Exception as exc:  # noqa: BLE001 — any build failure means "use the fallback"
         log.warning("building the cpu_paged attention op failed (%s): using the pure-torch fallback", exc)
         return None
-    _op = torch.ops.pdserve_cpu.paged_attention
-    return _op
+    return torch.ops.pdserve_cpu.paged_attention

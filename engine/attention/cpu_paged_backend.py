@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.cpu_build import load_paged_attention_op
+from engine.attention import cpu_build
 from engine.attention.torch_backend import TorchAttention
 
 
@@ -14,12 +14,14 @@ class CpuPagedAttention(AttentionBackend):
     """Decode and prefix-cached prefill chunks through one C++ call per layer over the pages in place.
 
     A prompt with no cached prefix attends only to its own fresh K/V, so it keeps
-    SDPA's GEMM-based causal kernel (the same as the torch backend). Without a
-    compiler the whole backend is the torch backend (see `cpu_build`).
+    SDPA's GEMM-based causal kernel (the same as the torch backend). Until the op
+    is built (first use on a machine), or forever without a compiler, steps run
+    the torch backend's path (see `cpu_build`); the choice is made per step.
     """
 
     def __init__(self) -> None:
-        self._op = load_paged_attention_op()
+        cpu_build.start_build()
+        self._op = cpu_build.current_op()
         self._fallback = TorchAttention()
         self._tables: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -27,7 +29,11 @@ class CpuPagedAttention(AttentionBackend):
     def uses_kernel(self) -> bool:
         return self._op is not None
 
+    def wait_ready(self) -> None:
+        self._op = cpu_build.load_paged_attention_op()
+
     def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
+        self._op = cpu_build.current_op()  # picked once per step, so all layers of a step agree
         # per-step int32 tables, built once and shared by every layer: only the sequences with cached
         # context (decode tokens, later chunks) go to the kernel
         b = meta.batch

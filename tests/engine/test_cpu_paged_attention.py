@@ -91,6 +91,9 @@ def test_backend_falls_back_without_the_op(monkeypatch):
     import engine.attention.cpu_build as build
     monkeypatch.setattr(build, "_tried", False)
     monkeypatch.setattr(build, "_op", None)
+    monkeypatch.setattr(build, "_thread", None)
     monkeypatch.setenv("PDSERVE_NO_CPU_KERNEL", "1")
     from engine.attention.cpu_paged_backend import CpuPagedAttention
-    assert not CpuPagedAttention().uses_kernel
+    backend = CpuPagedAttention()
+    backend.wait_ready()  # the background build has decided (and will not run again)
+    assert not backend.uses_kernel

@@ -33,6 +33,7 @@ def case(request, tiny_model_dir, tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(model_dir, num_kv_blocks=512, block_size=8, max_num_batched_tokens=96, attention_backend=backend)
     if backend == "cpu_paged":  # this machine has a compiler: the kernel must be what is tested
+        llm.engine.runner.attention.wait_ready()
         assert llm.engine.runner.attention.uses_kernel
     return hf, llm
 
