@@ -37,9 +37,9 @@ from engine.builtin import default_model_dir  # noqa: E402
 SECRET = "bench"
 
 
-def kv_geometry(model_dir: Path, prompt_len: int) -> PoolGeometry:
-    """Layers x blocks x block bytes of one prompt's KV (what the transfer moves)."""
-    pool = LLMEngine(EngineConfig(model_dir, num_kv_blocks=4)).runner.kv_pool
+def kv_geometry(model_dir: Path, prompt_len: int, device: str = "cpu", dtype: str = "auto") -> PoolGeometry:
+    """Layers x blocks x block bytes of one prompt's KV (what the transfer moves; dtype follows the device)."""
+    pool = LLMEngine(EngineConfig(model_dir, num_kv_blocks=4, device=device, dtype=dtype)).runner.kv_pool
     return PoolGeometry(pool.num_layers, (prompt_len + pool.block_size - 1) // pool.block_size, pool.block_bytes)
 
 
@@ -99,10 +99,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a shorter long prompt")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the prefill node")
+    parser.add_argument("--device", default="cpu",
+                        help="device of both nodes (cuda: one GPU shared; the prefill node records a CUDA event "
+                             "per layer and stages through pinned host memory)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                        help="attention backend of both nodes (auto: flashinfer on CUDA when importable)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="model dtype of both nodes (flashinfer needs float16 or bfloat16)")
     args = parser.parse_args()
     model = default_model_dir("bench")
     lengths, reps = ([512, 1024], 1) if args.quick else ([512, 2048], 3)
-    node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", "tcp"]
+    node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", "tcp",
+                 "--device", args.device, "--attention-backend", args.attention_backend, "--dtype", args.dtype]
     prefill = NodeProc("prefill", node_args + ["--num-threads", str(args.threads)])
     rows = {}
     try:
@@ -110,7 +118,7 @@ def main() -> None:
         try:
             for n in lengths:
                 prompt = [10 + (i * 7919) % 1500 for i in range(n)]
-                geo = kv_geometry(model, n)
+                geo = kv_geometry(model, n, args.device, args.dtype)
                 rpc, compute = asyncio.run(prefill_rpc(prefill.address, geo, prompt, reps))
                 best_gbps, _ = asyncio.run(cachestore_run(geo, max(reps, 2), 1))
                 transfer = geo.total_bytes / (best_gbps * 1e9)
@@ -122,13 +130,18 @@ def main() -> None:
                 print(f"prompt {n}: compute {compute * 1e3:.0f} ms, Prefill RPC {rpc * 1e3:.0f} ms, transfer alone "
                       f"{transfer * 1e3:.1f} ms ({rows[n]['kv_mib']} MiB), exposed {exposed * 1e3:.1f} ms "
                       f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms")
+        except BaseException:  # a hung or failed run: show what the nodes said
+            for name, node in (("prefill", prefill), ("decode", decode)):
+                print(f"--- {name} node log tail ---\n" + "\n".join(node.lines[-25:]), file=sys.stderr)
+            raise
         finally:
             decode.stop()
     finally:
         prefill.stop()
     long = rows[lengths[-1]]
     emit({"metric": f"exposed_transfer_fraction_{lengths[-1]}", "value": long["exposed_fraction"],
-          "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "rows": rows})
+          "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "device": args.device,
+          "attention_backend": args.attention_backend, "dtype": args.dtype, "rows": rows})
 
 
 if __name__ == "__main__":

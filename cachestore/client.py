@@ -53,17 +53,24 @@ class Transfer:
             if self.started_at is None:
                 self.started_at = time.monotonic()
             self.expected += len(runs)
-        for run in runs:
-            self._channel.submit(self, layer, run, ready_event)
+        if getattr(self._channel, "one_frame_per_layer", False):
+            self._channel.submit_layer(self, layer, runs, ready_event)
+        else:
+            for run in runs:
+                self._channel.submit(self, layer, run, ready_event)
 
     # called by channel threads ---------------------------------------------------------------
-    def _on_ack(self, ok: bool, reason: str = "") -> None:
+    def _on_ack(self, ok: bool, reason: str = "", num_runs: int = 1) -> None:
+        """`num_runs` runs were acknowledged (or failed). Wakes the event loop only when that settles
+        the transfer, not once per frame."""
         with self._lock:
             if ok:
-                self.acked += 1
+                self.acked += num_runs
             elif self.error is None:
                 self.error = reason
-        self._wake()
+            settled = self.error is not None or self.acked >= self.expected
+        if settled:
+            self._wake()
 
     def _wake(self) -> None:
         if not self._loop.is_closed():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,15 @@ class FaultInjector:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"FaultInjector.{name} must be in [0, 1], got {getattr(self, name)}")
         self._rng = random.Random(self.seed)
+
+    @classmethod
+    def from_env(cls) -> FaultInjector | None:
+        """TEST-ONLY hook for chaos runs of whole processes (benchmarks/chaos.py): a sender fails a fraction
+        $PDSERVE_FAULT_WRITE_FAIL_RATE of its writes, seeded by $PDSERVE_FAULT_SEED. Unset: no injector."""
+        rate = os.environ.get("PDSERVE_FAULT_WRITE_FAIL_RATE")
+        if not rate:
+            return None
+        return cls(fail_rate=float(rate), seed=int(os.environ.get("PDSERVE_FAULT_SEED", "0")))
 
     def before_write(self) -> bool:
         """Sleep if this write is delayed; return False if it must fail."""

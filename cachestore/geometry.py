@@ -53,14 +53,15 @@ class MemoryRegion:
 
     CPU tensors and buffers are exposed directly as a memoryview, so the TCP
     receiver can `recv_into` the destination blocks without a copy. A CUDA pool
-    is reached through a pinned host staging buffer (not exercised on these
-    machines: no GPU).
+    is reached through a pinned host staging buffer (`cachestore.staging`; exercised
+    on a GPU machine by the tests marked `gpu`).
     """
 
-    def __init__(self, view: memoryview, tensor: object | None = None) -> None:
+    def __init__(self, view: memoryview, tensor: object | None = None, is_device: bool | None = None) -> None:
         self.view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         self.tensor = tensor
-        self.is_device = tensor is not None and getattr(tensor, "is_cuda", False)
+        self.is_device = (tensor is not None and getattr(tensor, "is_cuda", False)) if is_device is None else is_device
+        """True: `view` is empty and the bytes are reached through `tensor` (host staging)."""
 
     @classmethod
     def from_tensor(cls, tensor) -> "MemoryRegion":

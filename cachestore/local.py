@@ -49,15 +49,21 @@ class LocalChannel:
         nbytes = run.count * self.client.geometry.block_bytes
         h = wire.Header(wire.KIND_WRITE, 0, bytes.fromhex(creds.session_id), bytes.fromhex(creds.token), layer,
                         run.dst_block, run.count, 0, nbytes)
-        session, status = server.begin_write(h)
+        block_ids = range(run.dst_block, run.dst_block + run.count)
+        session, status, writer = server.begin_write(h, block_ids)
         if session is None:
             server.reject(status)
             transfer._on_ack(False, f"receiver refused the write ({wire.REASONS.get(status)})")
             return
+        ok = False
         try:
-            server.destination(h)[:] = self.client.source(layer, run)
+            server.destination(layer, run.dst_block, run.count)[:] = self.client.source(layer, run)
+            ok = True
         finally:
-            server.end_write(session, h, True)
+            accepted = server.end_write(session, writer, layer, block_ids, ok)
+        if not accepted:
+            transfer._on_ack(False, "receiver refused the write (session_closed)")
+            return
         self.client.metrics.add_bytes("send", nbytes)
         transfer._on_ack(True)
 

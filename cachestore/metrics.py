@@ -32,6 +32,14 @@ class CacheStoreMetrics:
                               ["transport"], registry=r).labels(t)
         self.expired = Counter("pdserve_cachestore_sessions_expired", "sessions that timed out",
                                ["transport"], registry=r).labels(t)
+        self.fenced = Counter("pdserve_cachestore_writers_cut", "writers cut off because their session ended first",
+                              ["transport"], registry=r).labels(t)
+        self.accept_errors = Counter("pdserve_cachestore_accept_errors", "listener accept() failures (e.g. EMFILE)",
+                                     ["transport"], registry=r).labels(t)
+        self.listener_up = Gauge("pdserve_cachestore_listener_up", "1 while the listener accepts connections",
+                                 ["transport"], registry=r).labels(t)
+        self.connections = Gauge("pdserve_cachestore_connections", "open sender connections",
+                                 ["transport"], registry=r).labels(t)
         self.active = Gauge("pdserve_cachestore_active_transport", "1 for the transport in use",
                             ["transport"], registry=r)
         self.active.labels(t).set(1)

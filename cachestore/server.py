@@ -6,6 +6,7 @@ import asyncio
 import logging
 import secrets
 import threading
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -15,6 +16,7 @@ from cachestore.faults import FaultInjector
 from cachestore.geometry import MemoryRegion, PoolGeometry
 from cachestore.metrics import CacheStoreMetrics
 from cachestore.session import Session, SessionState
+from cachestore.tcp_listener import TcpLimits
 from cachestore.transport import resolve_transport
 
 log = logging.getLogger("pdserve.cachestore")
@@ -32,7 +34,7 @@ class CacheStoreServer:
 
     def __init__(self, region: MemoryRegion, geometry: PoolGeometry, transport: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, secret: bytes | str = b"", registry: CollectorRegistry | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, tcp_limits: TcpLimits | None = None) -> None:
         if len(region) < geometry.total_bytes:
             raise ValueError(f"memory region of {len(region)} bytes is smaller than the pool geometry "
                              f"({geometry.total_bytes} bytes)")
@@ -44,6 +46,9 @@ class CacheStoreServer:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.metrics = CacheStoreMetrics(self.active_transport, registry)
         self.faults = faults
+        self.tcp_limits = tcp_limits
+        self.on_listener_change: Callable[[bool], None] | None = None
+        """Called (from the listener's thread) when the listener stops or resumes accepting."""
         self._lock = threading.Lock()
         self._by_request: dict[str, Session] = {}
         self._by_id: dict[bytes, Session] = {}
@@ -62,8 +67,8 @@ class CacheStoreServer:
             if self.active_transport == "rdma":
                 from cachestore.rdma import RdmaResources, rdma_devices
                 self._rdma = RdmaResources(rdma_devices()[0], self.region.address, len(self.region))
-            from cachestore.tcp import TcpListener
-            self._listener = TcpListener(self, self.host, self.port)
+            from cachestore.tcp_listener import TcpListener
+            self._listener = TcpListener(self, self.host, self.port, self.tcp_limits)
             self.endpoint = self._listener.start()
         log.info("cachestore receiver on %s (transport=%s)", self.endpoint, self.active_transport)
 
@@ -110,18 +115,28 @@ class CacheStoreServer:
             return self._by_request.get(request_id)
 
     def close_session(self, request_id: str, state: SessionState = SessionState.CLOSED) -> Session | None:
-        """Release by request id; in-flight writes finish into the (still owned) blocks or fail."""
+        """Release by request id: no new write can start, and every write still in flight is cut off
+        (its connection shut down) so that `wait_safe_to_reuse` resolves promptly; a cut write is
+        never acknowledged."""
         with self._lock:
             session = self._by_request.pop(request_id, None)
+            cuts = []
             if session is not None:
                 self._by_id.pop(bytes.fromhex(session.creds.session_id), None)
+                was_open = session.state == SessionState.OPEN
+                cuts = session.end(state)
         timer = self._timers.pop(request_id, None)
         if timer is not None:
             timer.cancel()
         if session is not None:
-            if session.state == SessionState.OPEN:
+            if was_open:
                 (self.metrics.expired if state == SessionState.EXPIRED else self.metrics.failed).inc()
-            session.end(state)
+            if cuts:
+                log.warning("cachestore session %s ended with %d writer(s) inside its blocks: cutting them off",
+                            request_id, len(cuts))
+                self.metrics.fenced.inc(len(cuts))
+            for cut in cuts:
+                cut()
         return session
 
     close = close_session
@@ -134,43 +149,59 @@ class CacheStoreServer:
             self.close_session(request_id, SessionState.EXPIRED)
 
     @property
+    def listening(self) -> bool:
+        """Whether new senders can connect (False while accept() is failing, e.g. out of fds)."""
+        return self.active_transport == "local" or (self._listener is not None and self._listener.up)
+
+    def listener_changed(self, up: bool) -> None:
+        if self.on_listener_change is not None:
+            self.on_listener_change(up)
+
+    @property
     def num_sessions(self) -> int:
         with self._lock:
             return len(self._by_request)
 
     # --- the write path (any transport) ------------------------------------------------------
-    def begin_write(self, h: wire.Header) -> tuple[Session | None, int]:
-        """Validate a write header; on success the session counts one more active writer.
-        Returns (session, wire status)."""
+    def begin_write(self, h: wire.Header, block_ids: Sequence[int],
+                    cut: Callable[[], None] | None = None) -> tuple[Session | None, int, int]:
+        """Validate a write of `h.payload_len` bytes into `block_ids` of layer `h.layer`.
+        On success the session counts one more active writer, which `cut` stops if the session
+        ends first. Returns (session or None, wire status, writer id)."""
         with self._lock:
             session = self._by_id.get(h.session_id)
             if session is None:
-                return None, wire.UNKNOWN_SESSION
+                return None, wire.UNKNOWN_SESSION, -1
             if not secrets.compare_digest(h.token, bytes.fromhex(session.creds.token)):
-                return None, wire.BAD_TOKEN
+                return None, wire.BAD_TOKEN, -1
             if h.layer >= session.creds.num_layers:
-                return None, wire.BAD_LAYER
-            if h.count == 0 or any(b not in session.block_set for b in range(h.dst_block, h.dst_block + h.count)):
-                return None, wire.BAD_BLOCK
-            if h.payload_len != h.count * self.geometry.block_bytes:
-                return None, wire.BAD_LENGTH
-            session.begin_write()
-            return session, wire.OK
+                return None, wire.BAD_LAYER, -1
+            owned = session.block_set
+            if not block_ids or len(set(block_ids)) != len(block_ids) or any(b not in owned for b in block_ids):
+                return None, wire.BAD_BLOCK, -1
+            if h.payload_len != len(block_ids) * self.geometry.block_bytes:
+                return None, wire.BAD_LENGTH, -1
+            return session, wire.OK, session.begin_write(cut)
 
-    def end_write(self, session: Session, h: wire.Header, ok: bool) -> None:
+    def end_write(self, session: Session, writer: int, layer: int, block_ids: Sequence[int], ok: bool) -> bool:
+        """The writer is out of the blocks. True if the write counts (acknowledge it OK); False if it
+        failed or the session ended meanwhile (refuse it)."""
         with self._lock:
-            completed = session.end_write(h.layer, h.dst_block, h.count, ok)
-        if ok:
-            self.metrics.add_bytes("recv", h.payload_len)
+            accepted, completed = session.end_write(writer, layer, block_ids, ok)
+        if accepted:
+            self.metrics.add_bytes("recv", len(block_ids) * self.geometry.block_bytes)
+        elif ok:
+            self.reject("session_closed")
         if completed:
             self.metrics.all_layers.observe(session.completed_at - session.opened_at)
             if session.first_layer_at is not None:
                 self.metrics.first_layer.observe(session.first_layer_at - session.opened_at)
+        return accepted
 
-    def destination(self, h: wire.Header) -> memoryview:
-        """The pool bytes a validated write lands in (contiguous: one layer, consecutive blocks)."""
-        start = self.geometry.offset(h.layer, h.dst_block)
-        return self.region.view[start:start + h.payload_len]
+    def destination(self, layer: int, first_block: int, count: int) -> memoryview:
+        """The pool bytes of `count` consecutive blocks of one layer (a validated write lands there)."""
+        start = self.geometry.offset(layer, first_block)
+        return self.region.view[start:start + count * self.geometry.block_bytes]
 
     def rdma_accept(self, hello: bytes) -> bytes:
         """Create and connect a QP for a new sender; reply with ours (rdma transport only)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import time
+from collections.abc import Callable, Iterable
 
 from cachestore.credentials import SessionCredentials
 from cachestore.geometry import PoolGeometry
@@ -28,6 +30,12 @@ class Session:
     registry lock and `end_write` when their bytes are in; `wait_safe_to_reuse`
     resolves once the session is closed and no writer is inside its blocks, the
     moment the owner may give the blocks back to its allocator.
+
+    Fencing: each writer registers a `cut` callable. When the session ends
+    (closed, expired), the registry calls every live writer's `cut`, which stops
+    it from landing more bytes (the TCP receiver shuts its socket down), so the
+    wait for writers is short whatever order the timeouts fire in. A write that
+    ends after the session ended is refused, never acknowledged.
     """
 
     def __init__(self, creds: SessionCredentials, geometry: PoolGeometry, timeout: float,
@@ -45,22 +53,32 @@ class Session:
         self.first_layer_at: float | None = None
         self.completed_at: float | None = None
         self.active_writers = 0
+        self._fences: dict[int, Callable[[], None]] = {}
+        self._writer_ids = itertools.count()
         self.closed = False
         """Removed from the registry: no new write can start."""
         self._loop = loop
         self._waiters: list[asyncio.Future] = []
 
     # called with the registry lock held ------------------------------------------------------
-    def begin_write(self) -> None:
+    def begin_write(self, cut: Callable[[], None] | None = None) -> int:
+        """One more writer inside the blocks; `cut` stops it at once (called when the session ends)."""
         self.active_writers += 1
+        writer = next(self._writer_ids)
+        if cut is not None:
+            self._fences[writer] = cut
+        return writer
 
-    def end_write(self, layer: int, dst_block: int, count: int, ok: bool) -> bool:
-        """Record landed blocks; True if this completed the session."""
+    def end_write(self, writer: int, layer: int, block_ids: Iterable[int], ok: bool) -> tuple[bool, bool]:
+        """Record landed blocks. Returns (accepted, completed): a write that ends after the session
+        ended is not accepted (its sender must not be told OK); completed: this write finished it."""
         self.active_writers -= 1
+        self._fences.pop(writer, None)
         was_open = self.state == SessionState.OPEN
-        if ok and was_open:
+        accepted = ok and not self.closed
+        if accepted and was_open:
             blocks_per_layer = len(self.block_set)
-            for b in range(dst_block, dst_block + count):
+            for b in block_ids:
                 if (layer, b) not in self.landed:
                     self.landed.add((layer, b))
                     done = self.layers_done.get(layer, 0) + 1
@@ -71,16 +89,18 @@ class Session:
                 self.state = SessionState.COMPLETE
                 self.completed_at = time.monotonic()
                 self._signal()
-        if self.active_writers == 0:
+        if self.active_writers == 0 and self.closed:  # only wait_safe_to_reuse cares: no wake-up per write
             self._signal()
-        return was_open and self.state == SessionState.COMPLETE
+        return accepted, was_open and self.state == SessionState.COMPLETE
 
-    def end(self, state: SessionState) -> None:
-        """Closed or expired: no new writes; a session that already completed stays COMPLETE."""
+    def end(self, state: SessionState) -> list[Callable[[], None]]:
+        """Closed or expired: no new writes; a session that already completed stays COMPLETE.
+        Called with the registry lock held; returns the live writers' cuts for the caller to run."""
         self.closed = True
         if self.state == SessionState.OPEN:
             self.state = state
         self._signal()
+        return list(self._fences.values())
 
     def _signal(self) -> None:
         if self._loop is not None and not self._loop.is_closed():

@@ -8,7 +8,8 @@ import threading
 
 from cachestore import wire
 from cachestore.geometry import Run
-from cachestore.tcp import recv_exact, recv_exact_into
+from cachestore.staging import HostStaging
+from cachestore.tcp import IOV_MAX, recv_exact, recv_exact_into
 
 CONNECT_TIMEOUT = 5.0
 
@@ -21,9 +22,12 @@ class TcpChannel:
         self.endpoint = endpoint
         self.broken = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, object] = {}
+        self._pending: dict[int, tuple[object, int]] = {}
+        """seq -> (transfer, runs in the frame), in send order (acks are cumulative)."""
         self._lock = threading.Lock()
         self._seq = 0
+        # a device pool is read through one host buffer, allocated once for the connection
+        self._staging = HostStaging(client.geometry.block_bytes) if client.region.is_device else None
         host, port = endpoint.rsplit(":", 1)
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
@@ -50,12 +54,22 @@ class TcpChannel:
             raise OSError("receiver refused the RDMA connection")
         return recv_exact(self.sock, h.payload_len) or b""
 
+    one_frame_per_layer = True
+    """`Transfer` hands over a whole layer: one WRITEV frame and one ack for all its runs."""
+
     def submit(self, transfer, layer: int, run: Run, ready_event, notify: bool = False) -> None:
         """Queue a WRITE of `run` (or, with notify, a NOTIFY that RDMA already wrote it)."""
+        self._put(transfer, layer, [run], ready_event, notify)
+
+    def submit_layer(self, transfer, layer: int, runs: list[Run], ready_event) -> None:
+        """Queue one WRITEV frame carrying every run of `layer`, whatever the block layout."""
+        self._put(transfer, layer, runs, ready_event, False)
+
+    def _put(self, transfer, layer: int, runs: list[Run], ready_event, notify: bool) -> None:
         if self.broken:
-            transfer._on_ack(False, getattr(self, "_connect_error", "connection lost"))
+            transfer._on_ack(False, getattr(self, "_connect_error", "connection lost"), len(runs))
             return
-        self._queue.put((transfer, layer, run, ready_event, notify))
+        self._queue.put((transfer, layer, runs, ready_event, notify))
 
     def _send_loop(self) -> None:
         client, block_bytes = self.client, self.client.geometry.block_bytes
@@ -63,30 +77,42 @@ class TcpChannel:
             item = self._queue.get()
             if item is None:
                 return
-            transfer, layer, run, ready_event, notify = item
+            transfer, layer, runs, ready_event, notify = item
             if transfer.failed:
                 continue
             if client.faults is not None and not client.faults.before_write():
-                transfer._on_ack(False, "injected fault")
+                transfer._on_ack(False, "injected fault", len(runs))
                 continue
-            if ready_event is not None:
+            if ready_event is not None and self._staging is None:
                 ready_event.synchronize()  # the layer's kernels are done before we read its blocks
             creds = transfer.creds
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-                self._pending[seq] = transfer
-            kind = wire.KIND_NOTIFY if notify else wire.KIND_WRITE
-            header = wire.Header(kind, 0, bytes.fromhex(creds.session_id), bytes.fromhex(creds.token),
-                                 layer, run.dst_block, run.count, seq, 0 if notify else run.count * block_bytes)
+                self._pending[seq] = (transfer, len(runs))
+            sid, token = bytes.fromhex(creds.session_id), bytes.fromhex(creds.token)
+            if notify:
+                (run,) = runs
+                buffers = [wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0).pack()]
+            else:
+                ids = [b for r in runs for b in range(r.dst_block, r.dst_block + r.count)]
+                header = wire.Header(wire.KIND_WRITEV, 0, sid, token, layer, 0, len(ids), seq, len(ids) * block_bytes)
+                buffers = [header.pack() + wire.pack_ids(ids), *self._payloads(layer, runs, ready_event)]
             try:
-                self.sock.sendall(header.pack())
-                if not notify:
-                    self.sock.sendall(client.source(layer, run))
+                _sendmsg_all(self.sock, buffers)
             except OSError as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
-            client.metrics.add_bytes("send", header.payload_len)
+            client.metrics.add_bytes("send", sum(len(b) for b in buffers[1:]))
+
+    def _payloads(self, layer: int, runs: list[Run], ready_event) -> list[memoryview]:
+        """The runs' bytes: views of a host pool, or one staging copy of a device pool (after ready_event)."""
+        client = self.client
+        if self._staging is None:
+            return [client.source(layer, r) for r in runs]
+        geo = client.geometry
+        spans = [(geo.offset(layer, r.src_block), r.count * geo.block_bytes) for r in runs]
+        return [self._staging.gather(client.region.tensor, spans, ready_event)]
 
     def _ack_loop(self) -> None:
         buf = bytearray(wire.HEADER_BYTES)
@@ -99,18 +125,22 @@ class TcpChannel:
             except (OSError, wire.CorruptFrame) as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
-            with self._lock:
-                transfer = self._pending.pop(h.seq, None)
-            if transfer is not None:
-                ok = h.status == wire.OK
-                transfer._on_ack(ok, "" if ok else f"receiver refused the write ({wire.REASONS.get(h.status)})")
+            ok = h.status == wire.OK
+            with self._lock:  # an OK is cumulative (every frame up to seq landed), a refusal is for one frame
+                if ok:
+                    done = [(seq, self._pending.pop(seq)) for seq in list(self._pending) if seq <= h.seq]
+                else:
+                    done = [(h.seq, self._pending.pop(h.seq))] if h.seq in self._pending else []
+            for _, (transfer, num_runs) in done:
+                transfer._on_ack(ok, "" if ok else f"receiver refused the write ({wire.REASONS.get(h.status)})",
+                                 num_runs)
 
     def _fail_all(self, reason: str) -> None:
         self.broken = True
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
-        for transfer in pending:
-            transfer._on_ack(False, reason)
+        for transfer, num_runs in pending:
+            transfer._on_ack(False, reason, num_runs)
         # queued but unsent writes fail too
         while True:
             try:
@@ -118,7 +148,7 @@ class TcpChannel:
             except queue.Empty:
                 break
             if item is not None:
-                item[0]._on_ack(False, reason)
+                item[0]._on_ack(False, reason, len(item[2]))
         self.close()
 
     def close(self) -> None:
@@ -132,3 +162,18 @@ class TcpChannel:
         except OSError:
             pass
         sock.close()
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list) -> None:
+    """Send every buffer with vectored `sendmsg` calls (no join, no copy), resuming after partial sends."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    i = 0
+    while i < len(views):
+        n = sock.sendmsg(views[i:i + IOV_MAX])
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0

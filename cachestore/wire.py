@@ -1,8 +1,10 @@
 """The TCP wire format: a fixed-size, versioned binary header per frame.
 
 Connection: the server sends a 16-byte nonce; the client answers with
-HMAC-SHA256(cluster secret, nonce) (32 bytes). Then the client sends WRITE
-frames (header + payload) and the server answers each with an ACK frame.
+HMAC-SHA256(cluster secret, nonce) (32 bytes). Then the client sends WRITEV
+frames (header + block id list + payload; one per layer, whatever the block
+layout) or WRITE frames (header + payload of consecutive blocks) and the server
+answers each frame with one ACK frame, once all of its bytes have landed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ KIND_NOTIFY = 3
 """RDMA: the sender already wrote the blocks with RDMA WRITE; no payload follows."""
 KIND_CONNECT = 4
 """RDMA: QP info exchange right after the handshake (JSON payload, both directions)."""
+KIND_WRITEV = 5
+"""One layer, any block layout: header, then `count` destination block ids (uint32, big-endian),
+then the payload: the blocks' bytes in the order of the ids. `dst_block` is unused (0)."""
 MAX_CONNECT_BYTES = 4096
+MAX_IDS_PER_FRAME = 1 << 16
+"""Most block ids one WRITEV frame may list; a larger count marks the stream corrupt."""
+IDS = struct.Struct("!I")
 
 # magic, version, kind, status, session_id (16 bytes), token (16 bytes), layer, dst_block, count, seq, payload_len
 HEADER = struct.Struct("!4sBBH16s16sIIIIQ")
@@ -41,8 +49,11 @@ BAD_LAYER = 3
 BAD_BLOCK = 4
 BAD_LENGTH = 5
 INJECTED_FAULT = 6
+SESSION_CLOSED = 7
+"""The session ended while the write was in flight: its bytes do not count."""
 REASONS = {UNKNOWN_SESSION: "unknown_session", BAD_TOKEN: "bad_token", BAD_LAYER: "bad_layer",
-           BAD_BLOCK: "bad_block", BAD_LENGTH: "bad_length", INJECTED_FAULT: "injected_fault"}
+           BAD_BLOCK: "bad_block", BAD_LENGTH: "bad_length", INJECTED_FAULT: "injected_fault",
+           SESSION_CLOSED: "session_closed"}
 
 
 class Header(NamedTuple):
@@ -71,11 +82,21 @@ def unpack(data: bytes | memoryview) -> Header:
         raise CorruptFrame("bad magic")
     if version != VERSION:
         raise CorruptFrame(f"unsupported wire version {version}")
-    if kind not in (KIND_WRITE, KIND_ACK, KIND_NOTIFY, KIND_CONNECT):
+    if kind not in (KIND_WRITE, KIND_ACK, KIND_NOTIFY, KIND_CONNECT, KIND_WRITEV):
         raise CorruptFrame(f"unknown frame kind {kind}")
     if length > MAX_FRAME_BYTES:
         raise CorruptFrame(f"length field {length} exceeds {MAX_FRAME_BYTES}")
+    if kind == KIND_WRITEV and count > MAX_IDS_PER_FRAME:
+        raise CorruptFrame(f"{count} block ids in one frame exceed {MAX_IDS_PER_FRAME}")
     return Header(kind, status, sid, token, layer, dst, count, seq, length)
+
+
+def pack_ids(block_ids: list[int]) -> bytes:
+    return struct.pack(f"!{len(block_ids)}I", *block_ids)
+
+
+def unpack_ids(data: bytes | memoryview) -> tuple[int, ...]:
+    return struct.unpack(f"!{len(data) // IDS.size}I", data)
 
 
 def auth_tag(secret: bytes, nonce: bytes) -> bytes:

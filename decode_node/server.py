@@ -7,8 +7,9 @@ import logging
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, SessionError
+from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, Session, SessionError
 from decode_node.prefill_client import IncompatiblePeer, PrefillClients
 from engine.config import EngineConfig
 from engine.request import AdmissionError
@@ -17,6 +18,8 @@ from pdserve.runtime.node import NodeOptions, NodeRuntime
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
+FENCE_WAIT = 5.0
+"""Seconds a cut-off writer normally needs to leave the blocks (a shut-down socket wakes it at once)."""
 
 
 class DecodeNode(decode_pb2_grpc.DecodeServicer):
@@ -38,13 +41,29 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             transport=options.transport, host=options.host, port=cachestore_port, secret=options.cluster_secret,
             registry=self.rt.metrics.registry)
         self.prefills = PrefillClients(options.cluster_secret, self.rt.compatibility)
+        self._fencing: dict[str, Session] = {}
+        """request id -> a closed session whose writers may not have left its blocks yet."""
 
     async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        self.cachestore.on_listener_change = lambda up: loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._report_listener()))
         await self.cachestore.start()
         if self.advertise_host and self.cachestore.active_transport != "local":
             # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
             self.cachestore.endpoint = f"{self.advertise_host}:{self.cachestore.endpoint.rsplit(':', 1)[1]}"
         return await self.rt.start(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(self, server))
+
+    async def _report_listener(self) -> None:
+        """A decode node whose CacheStore listener cannot accept (e.g. out of fds) gets no KV:
+        health says NOT_SERVING until accept works again."""
+        if self.rt.draining or self.rt.server is None:
+            return
+        up = self.cachestore.listening
+        if not up:
+            log.error("cachestore listener is not accepting: health NOT_SERVING")
+        await self.rt.health.set("", health_pb2.HealthCheckResponse.SERVING if up
+                                 else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self) -> None:
         await self.rt.stop()
@@ -113,12 +132,20 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                 yield event
         finally:
             rt.loop_thread.unsubscribe(rid)
-            if not state["finished"]:
-                log.info("request_id=%s event=abort after_s=%.3f", rid, time.monotonic() - started)
-                await asyncio.shield(self._cleanup(rid))
-            else:
+            # One place ends the request, whatever ended the stream; shielded so that a cancelled
+            # stream still frees its blocks exactly once and the in-flight count stays true.
+            await asyncio.shield(asyncio.ensure_future(self._finish(rid, state["finished"], started)))
+
+    async def _finish(self, rid: str, finished: bool, started: float) -> None:
+        try:
+            if finished:
                 log.info("request_id=%s event=finish after_s=%.3f", rid, time.monotonic() - started)
-            rt.inflight -= 1
+            else:
+                log.info("request_id=%s event=abort after_s=%.3f", rid, time.monotonic() - started)
+                await self._close_session(rid)  # no writer can touch the blocks after this
+                await self.rt.loop_thread.call(self.rt.engine.abort, rid)
+        finally:
+            self.rt.inflight -= 1
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params, addresses: list[str], context,
                               state: dict) -> prefill_pb2.PrefillResponse:
@@ -165,14 +192,25 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "every prefill node failed: " + "; ".join(errors))
 
     async def _close_session(self, rid: str) -> None:
-        session = self.cachestore.close_session(rid)
-        if session is not None:
-            await session.wait_safe_to_reuse(timeout=self.rt.options.kv_timeout)
+        """End the request's CacheStore session and wait until no writer is inside its blocks.
 
-    async def _cleanup(self, rid: str) -> None:
-        """Client gone, error or timeout: no writer may still touch the blocks before they are freed."""
-        await self._close_session(rid)
-        await self.rt.loop_thread.call(self.rt.engine.abort, rid)
+        Closing cuts every in-flight writer off (its socket is shut down), so the wait is short. If it
+        is not, the blocks stay held (never freed under a live writer) and we keep waiting: a leak
+        until the writer's thread returns is the price, corruption of another request is not."""
+        # a session closed by an earlier, interrupted call (e.g. a cancel during its wait) is still fenced here
+        session = self.cachestore.close_session(rid) or self._fencing.get(rid)
+        if session is None:
+            return
+        self._fencing[rid] = session
+        try:
+            await session.wait_safe_to_reuse(timeout=FENCE_WAIT)
+        except asyncio.TimeoutError:
+            log.error("request_id=%s event=writer_still_inside after_s=%.1f: blocks held until it leaves",
+                      rid, FENCE_WAIT)
+            await session.wait_safe_to_reuse()
+        finally:
+            if session.safe_to_reuse:
+                self._fencing.pop(rid, None)
 
 
 def _params_pb(p) -> common_pb2.SamplingParams:

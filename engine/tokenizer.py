@@ -14,6 +14,10 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 
+LONG_TEXT_CHARS = 16384
+"""Texts at least this long are encoded without holding the GIL."""
+
+
 def _token_text(value: object) -> str | None:
     """tokenizer_config stores special tokens as strings or AddedToken dicts."""
     if isinstance(value, dict):
@@ -56,7 +60,11 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < LONG_TEXT_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized in a worker
+        # thread then leaves the caller's event loop running. It costs more on short texts.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

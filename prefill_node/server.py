@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from cachestore import CacheStoreClient, MemoryRegion, PoolGeometry, SessionCredentials, TransferError
+from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, TransferError
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from pdserve.runtime import convert
@@ -30,7 +30,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
         self.client = CacheStoreClient(MemoryRegion.from_tensor(pool.tensor), self.geometry,
                                        transport=options.transport, secret=options.cluster_secret,
-                                       registry=self.rt.metrics.registry)
+                                       registry=self.rt.metrics.registry,
+                                       faults=FaultInjector.from_env())  # None unless a chaos test sets it
         self.transfers: dict[str, object] = {}
         """request id -> Transfer; read by the engine thread in the layer hook."""
 
@@ -44,11 +45,27 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
     def _layer_hook(self, layer: int, batch: ForwardBatch) -> None:
         """Engine thread, after `layer` wrote its KV: ship it for every request whose prompt
         completes in this step (earlier chunks' layers are final by then too)."""
+        ready = None
         for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables,
                                          batch.sample_mask):
             tx = self.transfers.get(rid)
             if tx is not None and last:
-                tx.write_layer(layer, table[:(ctx + self.geometry_block_size - 1) // self.geometry_block_size])
+                if ready is None:
+                    ready = self._ready_event()
+                tx.write_layer(layer, table[:(ctx + self.geometry_block_size - 1) // self.geometry_block_size],
+                               ready_event=ready)
+
+    def _ready_event(self):
+        """On a CUDA pool: an event recorded now on the engine's stream, after this layer's KV writes.
+        The sender thread waits on it (never the engine thread), so the copy cannot read a layer its
+        kernels are still writing. None on CPU, where the writes are done when the hook runs."""
+        pool = self.rt.engine.runner.kv_pool.tensor
+        if not pool.is_cuda:
+            return None
+        import torch
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(pool.device))
+        return event
 
     @property
     def geometry_block_size(self) -> int:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.exceptions import HTTPException
 
-from router.errors import (ModelNotFound, NoCapacityError, PayloadTooLarge, RouterError, Unauthorized,
-                           error_body, error_response)
+from router.body_limit import BodyLimit
+from router.errors import ModelNotFound, NoCapacityError, RouterError, Unauthorized, error_body, error_response
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Server
 
+log = logging.getLogger("pdserve.router")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -26,10 +29,11 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
     registry = registry or CollectorRegistry()
     requests_total = Counter("pdserve_router_requests", "HTTP requests", ["endpoint", "status"], registry=registry)
     keys = [k.encode() for k in (api_keys or []) if k]
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)  # inside `guard`, so its 413s are counted
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        """API keys on /v1/*, bounded bodies, and a request counter."""
+        """API keys on /v1/*, the request counter (every response, 500s included), and no plain-text 500."""
         path = request.url.path
         try:
             if keys and path.startswith("/v1/"):
@@ -37,12 +41,12 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
                 given = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
                 if not any(hmac.compare_digest(given, k) for k in keys):
                     raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
-            length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-                raise PayloadTooLarge(f"request body larger than {max_body_bytes} bytes")
             response = await call_next(request)
         except RouterError as e:
             response = error_response(e)
+        except Exception:  # a bug: answer in the OpenAI shape and count it, never a bare 500 page
+            log.exception("unhandled error on %s %s", request.method, path)
+            response = JSONResponse(error_body("internal server error", "server_error"), status_code=500)
         requests_total.labels(path, str(response.status_code)).inc()
         return response
 
@@ -50,13 +54,19 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
     async def router_error(request: Request, exc: RouterError):
         return error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        # FastAPI's own errors (unknown route, wrong method, an undecodable body) in the OpenAI shape
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         if first.get("type") == "json_invalid":
-            message = "request body is not valid JSON"
+            message, loc = "request body is not valid JSON", []
         else:
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
         return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None), status_code=400)

@@ -16,6 +16,7 @@ from pdserve.discovery import Discovery, Member
 from pdserve.runtime.auth import cluster_metadata
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
+from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from router.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from router.health import CircuitBreaker
 
@@ -41,18 +42,26 @@ class NodeState:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     draining: bool = False
     max_model_len: int = 0
+    responsive: bool = True
+    """False after a probe missed the health deadline (a hung node), until a probe succeeds."""
+    probe: asyncio.Task | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.breaker.allows and not self.draining and self.load.report_time is not None
 
     @property
     def usable(self) -> bool:
-        return self.breaker.allows and not self.draining and self.load.report_time is not None
+        return self.reachable and self.responsive
 
 
 class Cluster:
     """Watches the members from discovery, polls their load and health, and runs requests."""
 
     def __init__(self, discovery: Discovery, *, cluster_secret: str = "", refresh_interval: float = 0.5,
-                 max_retries: int = 3, max_migrations: int = 3, backoff: float = 0.1,
-                 request_timeout: float = 600.0, registry: CollectorRegistry | None = None) -> None:
+                 max_retries: int = 5, max_migrations: int = 3, backoff: float = 0.1,
+                 request_timeout: float = 600.0, deadlines: Deadlines | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
         self.discovery = discovery
         self.metadata = cluster_metadata(cluster_secret)
         self.refresh_interval = refresh_interval
@@ -60,6 +69,8 @@ class Cluster:
         self.max_migrations = max_migrations
         self.backoff = backoff
         self.request_timeout = request_timeout
+        self.deadlines = deadlines or Deadlines()
+        self.token_deadline = TokenDeadline(self.deadlines)
         self.nodes: dict[tuple[str, str], NodeState] = {}
         self.decode_balancer = DecodeBalancer()
         self.prefill_balancer = PrefillBalancer()
@@ -96,7 +107,11 @@ class Cluster:
         while True:
             await asyncio.sleep(self.refresh_interval)
             try:
-                await self.refresh()
+                self._sync_members()
+                for node in list(self.nodes.values()):
+                    # each node on its own task: a hung node's probe never delays the others'
+                    if node.probe is None or node.probe.done():
+                        node.probe = asyncio.create_task(self._probe(node))
             except Exception:  # never let the health loop die
                 log.exception("cluster refresh failed")
 
@@ -105,13 +120,19 @@ class Cluster:
         await asyncio.gather(*[self._probe(n) for n in list(self.nodes.values())])
 
     async def _probe(self, node: NodeState) -> None:
-        """Active health check (gRPC health) plus a load report."""
+        """Active health check (gRPC health) plus a load report, each within the health deadline."""
+        timeout = self.deadlines.health_timeout
         try:
-            status = await node.health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-            report = await node.stub.GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=2.0)
-        except grpc.aio.AioRpcError:
+            status = await node.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            report = await node.stub.GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if node.responsive:
+                log.warning("%s %s missed a health check (%s): no new requests until it answers",
+                            node.member.role, node.member.address, e.code().name)
+            node.responsive = False
             node.breaker.failure()
             return
+        node.responsive = True
         node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
         node.max_model_len = report.max_model_len
         node.load.report(report.num_free_blocks, report.num_total_blocks, report.block_size or 16,
@@ -122,7 +143,9 @@ class Cluster:
         return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
 
     def is_healthy(self) -> bool:
-        return bool(self._usable("decode")) and bool(self._usable("prefill"))
+        """For /health: a pair is reachable. A node that only missed a health deadline counts (a loaded
+        machine is slow, not down); requests still wait for a responsive one (capacity_wait)."""
+        return all(any(n.reachable for (r, _), n in self.nodes.items() if r == role) for role in ("decode", "prefill"))
 
     def max_model_len(self) -> int | None:
         lens = [n.max_model_len for n in self._usable("decode") if n.max_model_len]
@@ -134,7 +157,8 @@ class Cluster:
                 for (r, a), n in self.nodes.items()]
 
     def _choose(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:
-        decodes = [n for n in self._usable("decode") if n.member.address not in exclude]
+        usable = self._usable("decode")
+        decodes = [n for n in usable if n.member.address not in exclude] or usable  # excluded ones as a last resort
         prefills = self._usable("prefill")
         if not decodes or not prefills:
             raise NoCapacityError("no healthy prefill and decode node is available; try again later")
@@ -147,6 +171,17 @@ class Cluster:
         ordered[0].inflight_tokens += tokens_needed
         return by_load[id(chosen)], [n.address for n in ordered]
 
+    async def _choose_waiting(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:
+        """_choose, waiting up to capacity_wait for a node to come back or to free room."""
+        deadline = time.monotonic() + self.deadlines.capacity_wait
+        while True:
+            try:
+                return self._choose(tokens_needed, exclude)
+            except NoCapacityError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(0.2, self.refresh_interval))
+
     async def generate(self, request_id: str, prompt: list[int],
                        params: common_pb2.SamplingParams) -> AsyncIterator[GenerateChunk]:
         """Stream one request; retries before the first token, migrates after it (no gap, no duplicate)."""
@@ -155,7 +190,7 @@ class Cluster:
         retries = migrations = 0
         while True:
             remaining = params.max_tokens - len(sent)
-            node, prefills = self._choose(len(prompt) + len(sent) + remaining, tried if not sent else set())
+            node, prefills = await self._choose_waiting(len(prompt) + len(sent) + remaining, tried)
             attempt = common_pb2.SamplingParams()
             attempt.CopyFrom(params)
             attempt.max_tokens = remaining
@@ -163,8 +198,10 @@ class Cluster:
             req = decode_pb2.GenerateRequest(request_id=f"{request_id}-{retries}-{migrations}",
                                              prompt_token_ids=prompt + sent, params=attempt,
                                              prefill_addresses=prefills)
+            call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
+            sent_before = len(sent)
             try:
-                async for event in node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout):
+                async for event in events_within_deadline(call, self.token_deadline):
                     if event.token_ids:
                         sent.extend(event.token_ids)
                     usage = None
@@ -177,26 +214,31 @@ class Cluster:
                     if event.finish_reason:
                         return
                 raise UpstreamError(f"decode node {node.member.address} ended the stream without finishing")
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
+            except (grpc.aio.AioRpcError, StreamStalled) as e:
+                code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+                details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise UpstreamInvalidRequest(e.details() or "invalid request") from None
-                if code not in RETRYABLE:
-                    raise UpstreamError(f"decode node {node.member.address}: {code.name} {e.details()}") from None
+                    raise UpstreamInvalidRequest(details or "invalid request") from None
+                if code not in RETRYABLE and not isinstance(e, StreamStalled):
+                    raise UpstreamError(f"decode node {node.member.address}: {code.name} {details}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.breaker.failure()
+                if isinstance(e, StreamStalled):
+                    node.responsive = False  # until its next probe answers in time
                 tried.add(node.member.address)
-                if not sent:
+                if len(sent) == sent_before:  # no progress on this attempt (e.g. its prefill failed): a retry
                     retries += 1
                     if retries > self.max_retries:
-                        raise NoCapacityError(f"request failed after {self.max_retries} retries: {e.details()}") from None
+                        raise NoCapacityError(f"request failed after {self.max_retries} retries: {details}") from None
                     self.retries.inc()
                     await asyncio.sleep(self.backoff * 2 ** (retries - 1))
-                else:
+                else:  # the stream moved on and then failed: migrate what was sent; retries start over
+                    retries = 0
                     migrations += 1
                     if migrations > self.max_migrations:
                         raise UpstreamError(f"stream failed after {self.max_migrations} migrations") from None
                     self.migrations.inc()
                     log.warning("migrating %s after %d tokens: %s", request_id, len(sent), code.name)
             finally:
+                call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
                 asyncio.create_task(self._probe(node))  # refresh the load right after a response

@@ -11,6 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16
 MAX_STOP = 16
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Bounds of the proto fields these values travel in (common.proto): larger values are 400s here,
+never an overflow when the request is built."""
 
 StopField = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)], None]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -33,16 +38,23 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     user: str | None = None
     # vLLM-style extensions, accepted by clients of the anchor systems
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data):
+        """JSON can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or proto string accepts."""
+        _check_utf8(data)
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -75,6 +87,13 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict], None] = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _text_parts_are_strings(self):
+        for part in self.content if isinstance(self.content, list) else []:
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError("a content part of type 'text' needs a string 'text'")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -96,3 +115,20 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+
+def _check_utf8(value) -> None:
+    """Raise ValueError if any string in a JSON value cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text contains a lone UTF-16 surrogate, which is not valid Unicode") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(k)
+            _check_utf8(v)
+    elif isinstance(value, list):
+        for v in value:
+            if not isinstance(v, int):  # token-id prompts: skip the common case cheaply
+                _check_utf8(v)

@@ -16,6 +16,11 @@ from router.errors import BadRequest, RouterError
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.text import ChoiceText, chat_logprob_entry, completion_logprobs
 
+STREAM_QUEUE_CHUNKS = 32
+"""Chunks buffered per choice between the node stream and the HTTP response. When a client stops
+reading, the queue fills, the node stream is no longer read, and gRPC flow control holds the rest
+on the node: router memory per request stays bounded whatever the client does."""
+
 
 @dataclass
 class Choice:
@@ -115,10 +120,15 @@ class Server:
         return [Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop)))
                 for i in range(req.n)]
 
+    async def choices(self, req: SamplingFields, chat: bool) -> list[Choice]:
+        """Validate and tokenize in a worker thread: a multi-megabyte prompt must not stall every other
+        stream on the event loop (Tokenizer.encode releases the GIL on long texts)."""
+        return await asyncio.to_thread(self.chat_choices if chat else self.completion_choices, req)
+
     # --- running ------------------------------------------------------------------------
     async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list]]:
         """Run all choices concurrently; yield (choice, text delta, new logprobs) as tokens arrive."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
         base = f"cmpl-{uuid.uuid4().hex[:16]}"
 
         async def one(choice: Choice) -> None:
@@ -160,7 +170,7 @@ class Server:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def completion(self, req: CompletionRequest) -> dict:
-        choices = self.completion_choices(req)
+        choices = await self.choices(req, chat=False)
         texts = {c.index: "" for c in choices}
         async for c, delta, _ in self.run(choices):
             texts[c.index] += delta
@@ -174,7 +184,7 @@ class Server:
                 "model": self.model_name, "choices": out, "usage": self.usage(choices)}
 
     async def chat(self, req: ChatCompletionRequest) -> dict:
-        choices = self.chat_choices(req)
+        choices = await self.choices(req, chat=True)
         texts = {c.index: "" for c in choices}
         async for c, delta, _ in self.run(choices):
             texts[c.index] += delta
@@ -186,7 +196,7 @@ class Server:
 
     async def stream(self, req: SamplingFields, chat: bool) -> AsyncIterator[str]:
         """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
-        choices = self.chat_choices(req) if chat else self.completion_choices(req)  # 400s before streaming
+        choices = await self.choices(req, chat)  # 400s before streaming
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())

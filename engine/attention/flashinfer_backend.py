@@ -1,9 +1,10 @@
 """flashinfer paged attention for CUDA (kv_layout="HND").
 
-NOT EXERCISED ON THESE MACHINES: the development and CI machines have no GPU,
-and flashinfer has no CPU path (its wrappers pin memory and plan on a CUDA
-device). The planning arithmetic it depends on lives in `engine.attention.plan`
-and is unit-tested on CPU; this module only feeds it to flashinfer's wrappers.
+The development and CI machines have no GPU and flashinfer has no CPU path, so
+this runs only in the GPU tests (`pytest -m gpu`; run on an H100 with
+flashinfer 0.7.2, see BENCHMARKS.md). The planning arithmetic lives in
+`engine.attention.plan` and is unit-tested on CPU; this module only feeds it to
+flashinfer's wrappers.
 Install with `pip install pdserve[gpu]`.
 """
 
@@ -15,6 +16,9 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.plan import paged_plan
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+KERNEL_BACKEND = "fa2"
+"""flashinfer's FlashAttention-2 kernels: they run on every CUDA arch and JIT-compile in a fraction of
+the time of the Hopper-only FA3 path that `auto` would pick on an H100."""
 
 
 class FlashInferAttention(AttentionBackend):
@@ -32,7 +36,7 @@ class FlashInferAttention(AttentionBackend):
             workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             cls = (self._fi.BatchDecodeWithPagedKVCacheWrapper if kind == "decode"
                    else self._fi.BatchPrefillWithPagedKVCacheWrapper)
-            self._wrappers[kind] = cls(workspace, kv_layout="HND")
+            self._wrappers[kind] = cls(workspace, kv_layout="HND", backend=KERNEL_BACKEND)
         return self._wrappers[kind]
 
     def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
@@ -43,19 +47,23 @@ class FlashInferAttention(AttentionBackend):
         dev = meta.positions.device
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
         hq = self.num_qo_heads
+        self._scale = d ** -0.5  # what the plan bakes in; forward() checks the model asks for the same
         if b.is_decode_only:
             w = self._wrapper("decode", dev)
             w.plan(as_i32(plan.kv_indptr), as_i32(plan.kv_indices), as_i32(plan.kv_last_page_len),
-                   hq, hkv, d, page, q_data_type=self.dtype, kv_data_type=self.dtype)
+                   hq, hkv, d, page, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
         else:
             w = self._wrapper("prefill", dev)
             w.plan(as_i32(plan.qo_indptr), as_i32(plan.kv_indptr), as_i32(plan.kv_indices),
                    as_i32(plan.kv_last_page_len), hq, hkv, d, page, causal=True,
-                   q_data_type=self.dtype, kv_data_type=self.dtype)
+                   q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
         self._active = w
 
     def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
         """Facts the plan needs that the pool shape does not carry."""
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer backend runs float16 or bfloat16 KV, not {dtype} "
+                             "(use dtype bfloat16 or the torch backend)")
         self.num_qo_heads = num_qo_heads
         self.dtype = dtype
 
@@ -65,4 +73,6 @@ class FlashInferAttention(AttentionBackend):
         kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
         kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
         assert self._active is not None, "begin_step() must plan before forward()"
+        if abs(scale - self._scale) > 1e-9:
+            raise ValueError(f"flashinfer was planned with sm_scale {self._scale}, the model asks for {scale}")
         return self._active.run(q, kv_layer)

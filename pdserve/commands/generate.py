@@ -16,6 +16,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text offline from prompts")
     add_model_args(p)
+    from pdserve.commands.device_args import add_device_args
+    add_device_args(p)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a sample prompt)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -27,11 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    from pdserve.commands.device_args import device_options
     prompts = args.prompt or ["The old lighthouse keeper"]
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype)
+        llm = LLM(args.model, dtype=args.dtype, **device_options(args))
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:

@@ -7,16 +7,21 @@ import asyncio
 import logging
 import signal
 
+from pdserve.commands.device_args import add_device_args, device_options
+
+TRANSPORTS = ("auto", "tcp", "rdma", "local")
 from pdserve.commands.generate import add_model_args
 
 
 def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_model_args(p)
+    add_device_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--transport", default="tcp", choices=["auto", "tcp", "rdma", "local"],
-                   help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp)")
+    p.add_argument("--transport", default=None, choices=TRANSPORTS,
+                   help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp; "
+                        "default: $PDSERVE_TRANSPORT, else tcp)")
     p.add_argument("--cluster-secret", default=None, help="shared secret (default: $PDSERVE_CLUSTER_SECRET)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
@@ -34,9 +39,14 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def engine_config(args: argparse.Namespace, **overrides):
+    """EngineConfig from the node flags; a bad --device/--attention-backend exits 2 with the reason."""
     from engine.builtin import default_model_dir
     from engine.config import EngineConfig
-    return EngineConfig(model_dir=args.model or default_model_dir(), dtype=args.dtype,
+    try:
+        device = device_options(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return EngineConfig(**device, model_dir=args.model or default_model_dir(), dtype=args.dtype,
                         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         num_threads=args.num_threads, **overrides)
@@ -45,8 +55,12 @@ def engine_config(args: argparse.Namespace, **overrides):
 def node_options(args: argparse.Namespace):
     from pdserve.runtime.auth import resolve_secret
     from pdserve.runtime.node import NodeOptions
+    import os
+    transport = args.transport or os.environ.get("PDSERVE_TRANSPORT") or "tcp"
+    if transport not in TRANSPORTS:
+        raise SystemExit(f"error: PDSERVE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     return NodeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                       cluster_secret=resolve_secret(args.cluster_secret), transport=args.transport,
+                       cluster_secret=resolve_secret(args.cluster_secret), transport=transport,
                        drain_timeout=args.drain_timeout, kv_timeout=args.kv_timeout)
 
 
@@ -62,7 +76,7 @@ def advertise_host(args: argparse.Namespace) -> str:
 
 def serve(node, role: str, args: argparse.Namespace) -> int:
     """Start `node`, register it with discovery, print READY, run until SIGTERM/SIGINT, then
-    deregister, drain and exit 0."""
+    deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
@@ -81,17 +95,19 @@ def serve(node, role: str, args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        logging.getLogger("pdserve").info("draining %s", role)
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(node.rt.failed.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        failed = node.rt.failed.is_set()
+        logging.getLogger("pdserve").info("%s %s", "stopping failed" if failed else "draining", role)
         await discovery.deregister(member)
         await discovery.stop()
-        await node.rt.drain_and_stop()
+        await (node.rt.stop() if failed else node.rt.drain_and_stop())  # a dead engine has nothing to drain
         if hasattr(node, "cachestore"):
             await node.cachestore.stop()
+        return 1 if failed else 0
 
     try:
         import uvloop
-        uvloop.run(main())
+        return uvloop.run(main())
     except ImportError:
-        asyncio.run(main())
-    return 0
+        return asyncio.run(main())

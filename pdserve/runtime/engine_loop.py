@@ -3,6 +3,11 @@
 The engine is not thread-safe, so every engine call goes through `call()`,
 which runs it in the engine thread between steps. Step outputs are pushed to
 per-request asyncio queues (subscription, not polling).
+
+If the engine thread dies (a bug in a step), that is a failure of the whole
+node, never a silent hang: every subscriber's next `get()` and every pending or
+later `call()` raise EngineDeadError, and `on_death` tells the node to report
+NOT_SERVING and exit non-zero.
 """
 
 from __future__ import annotations
@@ -14,16 +19,36 @@ import threading
 from typing import Any, Callable
 
 log = logging.getLogger("pdserve.engine_loop")
+_DEAD = object()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has died; no request on this node can make progress."""
+
+
+class Subscription(asyncio.Queue):
+    """A request's output queue; after the engine dies, `get()` raises instead of waiting forever."""
+
+    async def get(self):
+        item = await super().get()
+        if item is _DEAD:
+            self.put_nowait(_DEAD)  # every later get() raises too
+            raise EngineDeadError("the engine thread of this node died")
+        return item
 
 
 class EngineLoop:
     """The engine thread: drain commands, step while there is work, dispatch outputs."""
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.loop = loop
+        self.on_death = on_death
+        """Called in the event loop with the exception that killed the engine thread."""
+        self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Subscription] = {}
         self._running = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -38,12 +63,16 @@ class EngineLoop:
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run fn(*args) in the engine thread and return its result (or raise its exception)."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine thread of this node died: {self.error!r}")
         fut = self.loop.create_future()
         self._commands.put((fn, args, kwargs, fut))
         return await fut
 
-    def subscribe(self, request_id: str) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
+    def subscribe(self, request_id: str) -> Subscription:
+        q = Subscription()
+        if self.error is not None:
+            q.put_nowait(_DEAD)
         self._queues[request_id] = q
         return q
 
@@ -73,6 +102,29 @@ class EngineLoop:
                 q.put_nowait(out)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the thread is dying: fail everyone waiting, then tell the node
+            log.critical("engine thread died: %r", e, exc_info=True)
+            self.error = e
+            if not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(self._fail_waiters, e)
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        """In the event loop: wake every subscriber and pending caller with EngineDeadError."""
+        for q in self._queues.values():
+            q.put_nowait(_DEAD)
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item:
+                self._resolve(item[3], None, EngineDeadError(f"the engine thread of this node died: {error!r}"))
+        if self.on_death is not None:
+            self.on_death(error)
+
+    def _serve(self) -> None:
         engine = self.engine
         while self._running:
             # block for a command only when the engine has nothing to step
@@ -90,10 +142,6 @@ class EngineLoop:
             if item is None:
                 return
             if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except Exception:  # a bug in a step must not leave callers hanging silently
-                    log.exception("engine step failed")
-                    raise
+                outputs = engine.step()  # an exception here ends the thread: see _run
                 if outputs and not self.loop.is_closed():
                     self.loop.call_soon_threadsafe(self._dispatch, outputs)

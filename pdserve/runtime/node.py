@@ -52,9 +52,15 @@ class NodeRuntime:
         self.health = health.aio.HealthServicer()
         self.address = ""
         self.node_id = ""
+        self.failed: asyncio.Event | None = None
+        """Set when the engine thread has died: the process must exit non-zero (see node_common.serve)."""
 
     async def start(self, register_services) -> str:
-        self.loop_thread = EngineLoop(self.engine, asyncio.get_running_loop())
+        if not self.options.cluster_secret:
+            log.warning("no cluster secret (--cluster-secret / $PDSERVE_CLUSTER_SECRET): every gRPC and CacheStore "
+                        "peer that can reach this node is trusted; set one outside local development")
+        self.failed = asyncio.Event()
+        self.loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
         self.loop_thread.start()
         self.server = grpc.aio.server(
             interceptors=[SecretInterceptor(self.options.cluster_secret)],
@@ -69,6 +75,13 @@ class NodeRuntime:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.metrics.serve(self.options.host, self.options.metrics_port)
         return self.address
+
+    def _engine_died(self, error: BaseException) -> None:
+        """In the event loop: stop looking healthy at once, then let the process exit non-zero."""
+        log.critical("engine thread died (%r): reporting NOT_SERVING and exiting", error)
+        self.draining = True
+        asyncio.ensure_future(self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
+        self.failed.set()
 
     async def load_report(self) -> common_pb2.LoadReport:
         load = await self.loop_thread.call(self.engine.load)

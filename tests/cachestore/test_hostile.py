@@ -118,3 +118,78 @@ async def test_corrupt_streams_are_dropped(server, case):
     server.close_session("victim")
     await session.wait_safe_to_reuse(5)
     await still_serves(server)
+
+
+def writev_frame(creds, layer: int, ids: list[int], payload_len: int | None = None, count: int | None = None) -> bytes:
+    """A WRITEV header + id list; `count`/`payload_len` may lie about the list."""
+    n = len(ids) if count is None else count
+    length = len(ids) * creds.block_bytes if payload_len is None else payload_len
+    return wire.Header(wire.KIND_WRITEV, 0, bytes.fromhex(creds.session_id), bytes.fromhex(creds.token), layer, 0,
+                       n, 1, length).pack() + wire.pack_ids(ids)
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("duplicate_ids", "bad_block"), ("outsider_in_the_middle", "bad_block"), ("length_mismatch", "bad_length"),
+    ("empty_list", "bad_block"),
+])
+async def test_refused_vectored_writes(server, case, reason):
+    creds = server.open_session("victim", [4, 9, 2], timeout=5)
+    ids = {"duplicate_ids": [4, 9, 4], "outsider_in_the_middle": [4, 10, 2], "length_mismatch": [4, 9, 2],
+           "empty_list": []}[case]
+    payload_len = (len(ids) + (1 if case == "length_mismatch" else 0)) * GEO.block_bytes
+    frame = writev_frame(creds, 0, ids, payload_len=payload_len)
+
+    def attack() -> wire.Header | None:
+        sock = raw_connect(server.endpoint)
+        sock.sendall(frame + b"\xff" * payload_len)
+        ack = read_ack(sock)
+        sock.close()
+        return ack
+
+    ack = await in_thread(attack)
+    assert ack is not None and ack.status != wire.OK  # refused as a whole: not one block of the list landed
+    assert rejected(server, reason) == 1
+    assert untouched_outside(server.test_pools[1], GEO, set())
+    server.close_session("victim")
+    await still_serves(server)
+
+
+async def test_truncated_vectored_payload_lands_nothing_outside_and_never_completes(server):
+    creds = server.open_session("victim", [4, 9, 2], timeout=5)
+
+    def attack() -> bytes:
+        sock = raw_connect(server.endpoint)
+        sock.sendall(writev_frame(creds, 1, [9, 2, 4]) + b"\x33" * (GEO.block_bytes + 100))
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(5)
+        try:
+            return sock.recv(1)
+        except ConnectionError:
+            return b""
+        finally:
+            sock.close()
+
+    assert await in_thread(attack) == b""  # dropped, never acknowledged
+    assert untouched_outside(server.test_pools[1], GEO, {(1, 9), (1, 2)})
+    session = server.get_session("victim")
+    assert session.state.value == "open" and not session.landed
+    server.close_session("victim")
+    await session.wait_safe_to_reuse(5)
+    await still_serves(server)
+
+
+async def test_scattered_layer_lands_in_place(server):
+    src, dst = server.test_pools
+    client = CacheStoreClient(MemoryRegion.from_buffer(src), GEO, transport="tcp", secret=SECRET)
+    creds = server.open_session("scattered", [11, 3, 7, 0], timeout=5)
+    tx = client.open_transfer(creds)
+    for layer in range(GEO.num_layers):
+        tx.write_layer(layer, [5, 1, 14, 8])
+    await tx.finish(5)
+    await server.get_session("scattered").wait_complete(5)
+    for layer in range(GEO.num_layers):
+        for s, d in zip([5, 1, 14, 8], [11, 3, 7, 0]):
+            assert block(dst, GEO, layer, d) == block(src, GEO, layer, s)
+    assert untouched_outside(dst, GEO, {(l, d) for l in range(GEO.num_layers) for d in [11, 3, 7, 0]})
+    server.close_session("scattered")
+    await client.close()

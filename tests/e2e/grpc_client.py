@@ -22,7 +22,7 @@ async def generate(address: str, secret: str, request_id: str, prompt: list[int]
     return [t for e in events for t in e.token_ids], events
 
 
-async def load(address: str, secret: str, role: str = "decode") -> common_pb2.LoadReport:
+async def load(address: str, secret: str, role: str = "decode", timeout: float = 10.0) -> common_pb2.LoadReport:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel) if role == "decode" else prefill_pb2_grpc.PrefillStub(channel)
-        return await stub.GetLoad(common_pb2.LoadRequest(), metadata=cluster_metadata(secret), timeout=10)
+        return await stub.GetLoad(common_pb2.LoadRequest(), metadata=cluster_metadata(secret), timeout=timeout)

@@ -69,3 +69,54 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
     finally:
         stop(router)
         cluster.stop()
+
+
+def admits(proc) -> int:
+    return sum("event=admit" in line for line in list(proc.lines))
+
+
+async def test_paused_decode_node_streams_migrate_and_it_gets_no_new_requests(tiny_model_dir):
+    """SIGSTOP a decode node mid-stream: its streams move on with exact text (token deadline), new requests
+    avoid it (health deadline), and once it resumes it frees every block of the abandoned streams."""
+    cluster, router, base = start_full(str(tiny_model_dir), num_prefill=1, num_decode=2)
+    paused = cluster.decodes[0]
+    try:
+        prompts = [f"Paused story {i}: the mountain" for i in range(8)]
+        async with httpx.AsyncClient() as client:
+            reference = await asyncio.gather(*[stream_text(client, base, p, 200) for p in prompts])
+            progress: list = []
+            tasks = [asyncio.create_task(stream_text(client, base, p, 200, progress)) for p in prompts]
+            for _ in range(600):
+                if len(progress) >= 8 * 10:
+                    break
+                await asyncio.sleep(0.01)
+            paused.popen.send_signal(signal.SIGSTOP)
+            try:
+                results = await asyncio.gather(*tasks)
+                assert results == reference
+                metrics = httpx.get(f"{base}/metrics").text
+                migrated = [x for x in metrics.splitlines() if x.startswith("pdserve_router_migrations_total")]
+                assert migrated and float(migrated[0].split()[-1]) >= 1, "no stream was on the paused node"
+                for _ in range(300):  # the router marks it unusable (health deadline)
+                    nodes = httpx.get(f"{base}/v1/cluster", headers=AUTH).json()["nodes"]
+                    if not next(n for n in nodes if n["address"] == paused.address)["usable"]:
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the router still considers the paused node usable")
+                before = admits(paused)
+                again = await asyncio.gather(*[stream_text(client, base, p, 200) for p in prompts[:6]])
+                assert again == reference[:6]
+            finally:
+                paused.popen.send_signal(signal.SIGCONT)
+        await asyncio.sleep(1.0)  # let it read what queued up while it was stopped
+        assert admits(paused) == before, "the paused node was sent new requests"
+        for _ in range(100):
+            report = await load(paused.address, cluster.secret)
+            if report.num_free_blocks == report.num_total_blocks:
+                break
+            await asyncio.sleep(0.2)
+        assert report.num_free_blocks == report.num_total_blocks, "abandoned streams leaked blocks"
+    finally:
+        stop(router)
+        cluster.stop()

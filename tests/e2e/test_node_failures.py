@@ -12,33 +12,47 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from pdserve.runtime.node import NodeOptions
+from pdserve.runtime.auth import cluster_metadata
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.e2e.cluster import start_cluster, stop
+from tests.e2e.deadlines import until
 from tests.e2e.grpc_client import generate, greedy, load
 
 pytestmark = pytest.mark.e2e
 
 
 async def test_prefill_killed_mid_transfer_leaves_no_blocks(tiny_model_dir):
-    cluster = start_cluster(2, 1, model=str(tiny_model_dir), extra=["--kv-timeout", "3"])
+    cluster = start_cluster(2, 1, model=str(tiny_model_dir), extra=["--kv-timeout", "10"])
     try:
         dead, alive = cluster.prefills
         decode = cluster.decodes[0].address
         long_prompt = [5 + i % 1500 for i in range(3500)]
+
+        async def decode_free() -> bool:
+            r = await load(decode, cluster.secret)
+            return r.num_free_blocks == r.num_total_blocks
+
         task = asyncio.create_task(generate(decode, cluster.secret, "victim", long_prompt, greedy(4),
                                             [dead.address], timeout=30))
-        await asyncio.sleep(0.3)  # the prefill node is computing / transferring
+
+        async def computing() -> bool:  # the prefill node holds the prompt's blocks: kill it now
+            try:
+                r = await load(dead.address, cluster.secret, "prefill", timeout=0.5)
+            except grpc.aio.AioRpcError as e:  # load waits for the engine's step: no answer = mid-step
+                return e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            return r.num_free_blocks < r.num_total_blocks
+
+        assert await until(computing, nominal=2.0, interval=0.01)
         stop(dead, signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await task
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        report = await load(decode, cluster.secret)
-        assert report.num_free_blocks == report.num_total_blocks
+        assert await until(decode_free, nominal=1.0)
         # a request naming a dead node first is retried on the next prefill node
         tokens, events = await generate(decode, cluster.secret, "retry", [5, 6, 7, 8], greedy(5),
                                         [dead.address, alive.address])
         assert len(tokens) == 5 and events[-1].finish_reason == "length"
-        report = await load(decode, cluster.secret)
-        assert report.num_free_blocks == report.num_total_blocks
+        assert await until(decode_free, nominal=1.0)
     finally:
         cluster.stop()
 
@@ -47,11 +61,15 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_dir):
     cluster = start_cluster(1, 1, model=str(tiny_model_dir))
     try:
         decode = cluster.decodes[0]
-        task = asyncio.create_task(generate(decode.address, cluster.secret, "draining", [5, 6, 7], 
-                                            greedy(60, ignore_eos=True), [cluster.prefills[0].address]))
-        await asyncio.sleep(0.5)
-        decode.popen.send_signal(signal.SIGTERM)
-        tokens, events = await task  # in-flight request finishes during the drain
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+                request_id="draining", prompt_token_ids=[5, 6, 7], params=greedy(60, ignore_eos=True),
+                prefill_addresses=[cluster.prefills[0].address]), metadata=cluster_metadata(cluster.secret),
+                timeout=120)
+            tokens = list((await call.read()).token_ids)  # in flight for sure: now SIGTERM
+            decode.popen.send_signal(signal.SIGTERM)
+            while (event := await call.read()) is not grpc.aio.EOF:  # it finishes during the drain
+                tokens.extend(event.token_ids)
         assert len(tokens) == 60
         assert await asyncio.get_running_loop().run_in_executor(None, decode.popen.wait, 30) == 0
     finally:
@@ -81,3 +99,30 @@ async def test_in_process_cluster_over_local_transport(tiny_model_dir):
     finally:
         await decode.stop()
         await prefill.stop()
+
+
+async def test_decode_health_follows_the_cachestore_listener(tiny_model_dir):
+    """While the CacheStore listener cannot accept (tests/cachestore/test_listener.py makes a real EMFILE),
+    the decode node's gRPC health says NOT_SERVING, and SERVING again once it accepts."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from decode_node import DecodeNode
+    decode = DecodeNode(EngineConfig(tiny_model_dir, num_kv_blocks=64, preemption="never"),
+                        NodeOptions(transport="tcp", cluster_secret="s"))
+    address = await decode.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            def status_is(expected):
+                async def check() -> bool:
+                    return (await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == expected
+                return check
+
+            assert await until(status_is(health_pb2.HealthCheckResponse.SERVING), nominal=1.0)
+            decode.cachestore._listener._set_up(False)  # what an accept() failure does
+            assert await until(status_is(health_pb2.HealthCheckResponse.NOT_SERVING), nominal=1.0)
+            decode.cachestore._listener._set_up(True)  # what the next successful accept does
+            assert await until(status_is(health_pb2.HealthCheckResponse.SERVING), nominal=1.0)
+    finally:
+        await decode.stop()

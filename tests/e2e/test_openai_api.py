@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import httpx
 import openai
@@ -151,6 +152,25 @@ def test_chat_bad_input_invalid_json_unknown_model_and_keys(stack):
     r = httpx.post(f"{base}/v1/completions", content=b"x" * (5 * 1024 * 1024),
                    headers={**auth, "content-type": "application/json"})
     assert r.status_code == 413
+
+
+def test_chunked_upload_over_the_limit_is_413_not_buffered(stack):
+    """Transfer-Encoding: chunked carries no Content-Length; the limit holds on the bytes actually read."""
+    host, port = stack[1].rsplit("//", 1)[1].split(":")
+    chunk = b"x" * 65536
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+                  "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        sent = 0
+        try:
+            while sent < 64 * 1024 * 1024:  # 64 MiB offered; the router must answer long before
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except OSError:
+            pass  # the router answered and closed the connection
+        head = s.recv(65536).split(b"\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert sent < 64 * 1024 * 1024
 
 
 def test_health_metrics_and_openapi(stack):

@@ -4,61 +4,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-
-from engine.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2
-from router.app import create_app
-from router.cluster import GenerateChunk
-from router.errors import NoCapacityError, UpstreamError
-from router.serving import Server
-
-
-class FakeCluster:
-    """Yields a fixed token script; optionally fails after some chunks."""
-
-    def __init__(self, tokens: list[int], fail_after: int | None = None, healthy: bool = True) -> None:
-        self.tokens = tokens
-        self.fail_after = fail_after
-        self.healthy = healthy
-        self.requests: list[tuple[list[int], common_pb2.SamplingParams]] = []
-
-    def is_healthy(self) -> bool:
-        return self.healthy
-
-    def max_model_len(self) -> int:
-        return 128
-
-    def snapshot(self) -> list:
-        return []
-
-    async def generate(self, request_id, prompt, params):
-        if not self.healthy:
-            raise NoCapacityError("no healthy prefill and decode node is available")
-        self.requests.append((prompt, params))
-        n = min(len(self.tokens), params.max_tokens)
-        for i, t in enumerate(self.tokens[:n]):
-            if self.fail_after is not None and i == self.fail_after:
-                raise UpstreamError("decode node vanished")
-            last = i == n - 1
-            yield GenerateChunk([t], None, "length" if last else None,
-                                common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n) if last else None)
-
-
-@pytest.fixture
-def make_client(tiny_model_dir):
-    tok = Tokenizer(tiny_model_dir)
-
-    def make(cluster: FakeCluster) -> httpx.AsyncClient:
-        app = create_app(Server(cluster, tok, "m", 128))
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-    return make, tok
 
 
 async def test_health_is_503_without_a_healthy_pair(make_client):
-    make, _ = make_client
+    make, _, FakeCluster = make_client
     async with make(FakeCluster([], healthy=False)) as c:
         r = await c.get("/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"
@@ -67,7 +17,7 @@ async def test_health_is_503_without_a_healthy_pair(make_client):
 
 
 async def test_error_after_stream_started_is_an_error_chunk_then_done(make_client):
-    make, tok = make_client
+    make, tok, FakeCluster = make_client
     tokens = tok.encode(" one two three four five", add_special_tokens=False)
     async with make(FakeCluster(tokens, fail_after=2)) as c:
         r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 10, "stream": True})
@@ -80,7 +30,7 @@ async def test_error_after_stream_started_is_an_error_chunk_then_done(make_clien
 
 
 async def test_stop_string_is_cut_in_stream_and_in_full_response(make_client):
-    make, tok = make_client
+    make, tok, FakeCluster = make_client
     tokens = tok.encode(" alpha beta gamma delta", add_special_tokens=False)
     async with make(FakeCluster(tokens)) as c:
         body = {"model": "m", "prompt": "x", "max_tokens": 20, "stop": ["gam"]}
@@ -92,7 +42,7 @@ async def test_stop_string_is_cut_in_stream_and_in_full_response(make_client):
 
 
 async def test_request_mapping_and_chat_shape(make_client):
-    make, tok = make_client
+    make, tok, FakeCluster = make_client
     cluster = FakeCluster(tok.encode(" hello", add_special_tokens=False))
     async with make(cluster) as c:
         r = await c.post("/v1/chat/completions", json={

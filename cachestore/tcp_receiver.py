@@ -1,0 +1,219 @@
+"""FrameWorker: what a receive worker does with a connection whose frame header has arrived.
+
+Validate the frame against its session, land the payload in the destination blocks before the
+session's deadline (cut off at once if the session ends first), and acknowledge it. Blocking
+`recv_into`/`recvmsg_into` in a worker thread releases the GIL and reaches plain-socket throughput.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+from cachestore import wire
+from cachestore.tcp import IOV_MAX, Connection, Fence, recv_exact, recv_exact_into
+
+log = logging.getLogger("pdserve.cachestore")
+DISCARD_CHUNK = 1 << 20
+LINGER_SECONDS = 0.005
+"""How long a worker waits for the next frame before handing the connection back to the poller:
+a streaming sender's frames follow within microseconds, an idle one costs the worker only this."""
+ACK_WINDOW = 64
+"""Most frames landed before a cumulative OK ack is sent even while more frames keep coming."""
+NO_ACK = -1
+"""_frame's answer for a frame that gets no ACK (an RDMA CONNECT, answered by its own reply)."""
+DISCARD_BYTES_PER_SECOND = 64 << 20
+"""Slowest rate at which a refused payload may be skipped (on top of the frame timeout)."""
+
+
+_local = threading.local()
+
+
+def _worker_staging():
+    """This worker thread's host staging buffer for a device pool: allocated once, reused per frame."""
+    staging = getattr(_local, "staging", None)
+    if staging is None:
+        from cachestore.staging import HostStaging
+        staging = _local.staging = HostStaging()
+    return staging
+
+
+class FrameWorker:
+    """What a worker thread does with a connection whose frame header is complete."""
+
+    def __init__(self, server, frame_timeout: float) -> None:
+        self.server = server
+        self.frame_timeout = frame_timeout
+
+    def serve(self, c: Connection) -> bool:
+        """Handle frames while they follow at once. True: hand the connection back (idle or a
+        partial header); False: drop it.
+
+        Acknowledgements are cumulative: an OK ack for seq N says every frame up to N landed. It is
+        sent once no further frame is already waiting (or after ACK_WINDOW frames), so a burst of
+        layers costs one ack, and a block is never acknowledged before its bytes landed. A refusal
+        is acknowledged on its own, after the OKs before it."""
+        sock = c.sock
+        header = memoryview(c.buf)[:wire.HEADER_BYTES]
+        ok_through: int | None = None
+        unacked = 0
+        while True:
+            sock.settimeout(self.frame_timeout)
+            c.filled, c.deadline = 0, None
+            h = wire.unpack(header)
+            status = self._frame(sock, h)
+            if status is None:
+                return False
+            if status == wire.OK:
+                ok_through, unacked = h.seq, unacked + 1
+            elif status != NO_ACK:
+                if ok_through is not None:
+                    sock.sendall(_ack(h, wire.OK, ok_through))
+                    ok_through, unacked = None, 0
+                sock.sendall(_ack(h, status, h.seq))
+            sock.settimeout(0.0)  # is the next frame already here? then ack later, with it
+            try:
+                c.filled = sock.recv_into(header)
+                if c.filled == 0:
+                    return False
+            except BlockingIOError:
+                c.filled = 0
+            if ok_through is not None and (c.filled == 0 or unacked >= ACK_WINDOW):
+                sock.settimeout(self.frame_timeout)
+                sock.sendall(_ack(h, wire.OK, ok_through))
+                ok_through, unacked = None, 0
+            sock.settimeout(LINGER_SECONDS)
+            try:
+                while c.filled < wire.HEADER_BYTES:
+                    n = sock.recv_into(header[c.filled:])
+                    if n == 0:
+                        return False
+                    c.filled += n
+            except TimeoutError:
+                if c.filled:
+                    c.deadline = time.monotonic() + self.frame_timeout
+                return True
+
+    def _frame(self, conn: socket.socket, h: wire.Header) -> int | None:
+        """One frame; returns the status to acknowledge (NO_ACK for none), None if the stream cannot go on."""
+        server = self.server
+        if h.kind == wire.KIND_CONNECT:
+            self._rdma_connect(conn, h)
+            return NO_ACK
+        if h.kind == wire.KIND_ACK:
+            raise wire.CorruptFrame("ACK frame sent to the receiver")
+        expects_payload = h.kind in (wire.KIND_WRITE, wire.KIND_WRITEV)
+        if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
+            raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
+        if h.kind == wire.KIND_WRITEV:  # the id list comes first: the whole list is validated before any byte lands
+            raw = recv_exact(conn, h.count * wire.IDS.size)
+            if raw is None:
+                raise OSError("peer closed inside a block id list")
+            block_ids: Sequence[int] = wire.unpack_ids(raw)
+        else:
+            block_ids = range(h.dst_block, h.dst_block + h.count)
+        fence = Fence(conn)
+        session, status, writer = server.begin_write(
+            h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
+            block_ids, fence.cut)
+        if session is None:
+            server.reject(status)
+            # well-formed but refused: skip its payload, keep the stream in sync, tell the sender
+            if expects_payload and not self._discard(conn, h.payload_len):
+                return None
+            return status
+        ok = False
+        try:
+            ok = not expects_payload or self._receive_payload(conn, h, block_ids, session.deadline, fence)
+        finally:
+            accepted = server.end_write(session, writer, h.layer, block_ids, ok)
+        if not ok or fence.cut_off:
+            return None  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
+        return wire.OK if accepted else wire.SESSION_CLOSED
+
+    def _rdma_connect(self, conn: socket.socket, h: wire.Header) -> None:
+        """QP info exchange for the rdma transport (not exercised here: no RDMA devices)."""
+        if self.server.active_transport != "rdma" or h.payload_len > wire.MAX_CONNECT_BYTES:
+            raise wire.CorruptFrame("CONNECT frame outside the rdma transport")
+        hello = recv_exact(conn, h.payload_len)
+        if hello is None:
+            raise OSError("peer closed during the RDMA connect")
+        reply = self.server.rdma_accept(hello)
+        zero = b"\0" * 16
+        conn.sendall(wire.Header(wire.KIND_CONNECT, wire.OK, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
+
+    def _receive_payload(self, conn: socket.socket, h: wire.Header, block_ids: Sequence[int], deadline: float,
+                         fence: Fence) -> bool:
+        """Land the payload in the (validated) destination blocks before the session's deadline;
+        False if the peer closed, the deadline passed, or the session ended and cut this writer off."""
+        server = self.server
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            runs = dest_runs(block_ids)
+            if not server.region.is_device:
+                return _recv_fenced(conn, [server.destination(h.layer, b, n) for b, n in runs], fence)
+            # device pool: land in this worker thread's reused host buffer, then host-to-device copies
+            staging = _worker_staging()
+            if not _recv_fenced(conn, [staging.landing(h.payload_len)], fence):
+                return False
+            block_bytes = server.geometry.block_bytes
+            staging.scatter(server.region.tensor,
+                            [(server.geometry.offset(h.layer, b), n * block_bytes) for b, n in runs])
+            return True
+        except TimeoutError:
+            log.warning("cachestore write missed its session deadline: connection dropped")
+            server.reject("deadline")
+            return False
+        finally:
+            conn.settimeout(self.frame_timeout)
+
+    def _discard(self, conn: socket.socket, n: int) -> bool:
+        deadline = time.monotonic() + self.frame_timeout + n / DISCARD_BYTES_PER_SECOND
+        scratch = memoryview(bytearray(min(n, DISCARD_CHUNK) or 1))
+        while n > 0:
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = min(n, len(scratch))
+            if not recv_exact_into(conn, scratch[:chunk]):
+                return False
+            n -= chunk
+        conn.settimeout(self.frame_timeout)
+        return True
+
+
+def dest_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(first block, count) of each run of consecutive ids: one receive buffer per run."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> bool:
+    """Fill `views` in order with vectored receives (`recvmsg_into`, no extra copy), checking the
+    fence after every receive."""
+    i = 0
+    while i < len(views):
+        if fence.cut_off:
+            return False
+        n = conn.recvmsg_into(views[i:i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
+        if n == 0:
+            return False
+        while n and i < len(views):  # advance past what landed
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+    return not fence.cut_off
+
+
+def _ack(h: wire.Header, status: int, seq: int) -> bytes:
+    return wire.Header(wire.KIND_ACK, status, h.session_id, b"\0" * 16, h.layer, h.dst_block, h.count,
+                       seq, 0).pack()

@@ -1,0 +1,122 @@
+"""The emulated device and its fabric: an in-process registry of QPs and remote keys, plus fault hooks.
+
+One process holds one fabric, so every Context opened here reaches every other one, as two ports
+on one switch would. Remote keys are looked up at the responder on every access, exactly when a
+NIC checks them, so a key invalidated between post and execution is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+DEVICE_NAME = "emu_rdma0"
+
+
+@dataclass
+class FaultHooks:
+    """Faults the tests inject. All default to "off"."""
+
+    write_delay_s: float = 0.0
+    """Each RDMA WRITE waits this long in its QP's send engine before it executes (in order)."""
+    drop_completions: int = 0
+    """The next N completions that would be queued are lost (a NIC/driver losing a CQE)."""
+
+    def take_drop(self) -> bool:
+        if self.drop_completions > 0:
+            self.drop_completions -= 1
+            return True
+        return False
+
+
+class Fabric:
+    """QPs by number and MRs/MWs by rkey, for every emulated context in this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._qps: dict[int, object] = {}
+        self._keys: dict[int, object] = {}
+        self._next_qpn = 0x40
+        self.faults = FaultHooks()
+
+    def add_qp(self, qp) -> int:
+        with self._lock:
+            self._next_qpn += 1
+            self._qps[self._next_qpn] = qp
+            return self._next_qpn
+
+    def remove_qp(self, qp_num: int) -> None:
+        with self._lock:
+            self._qps.pop(qp_num, None)
+
+    def qp(self, qp_num: int):
+        with self._lock:
+            return self._qps.get(qp_num)
+
+    def register_key(self, key: int, owner) -> None:
+        with self._lock:
+            self._keys[key] = owner
+
+    def unregister_key(self, key: int) -> None:
+        with self._lock:
+            self._keys.pop(key, None)
+
+    def key(self, key: int):
+        with self._lock:
+            return self._keys.get(key)
+
+
+FABRIC = Fabric()
+
+
+class Device:
+    """What get_device_list() returns: a name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name.encode()
+
+
+def get_device_list() -> list[Device]:
+    return [Device(DEVICE_NAME)]
+
+
+class PortAttr:
+    """query_port(): the LID (0 on RoCE) and state of the emulated port."""
+
+    def __init__(self, lid: int) -> None:
+        self.lid = lid
+        self.state = 4  # IBV_PORT_ACTIVE
+
+
+class Context:
+    """An opened device: the fabric it is attached to, port 1, GID index 0 only."""
+
+    def __init__(self, name: str = DEVICE_NAME, fabric: Fabric | None = None) -> None:
+        if name != DEVICE_NAME:
+            raise OSError(f"no RDMA device named {name!r} (emulated device: {DEVICE_NAME})")
+        self.name = name
+        self.fabric = fabric or FABRIC
+
+    def query_port(self, port: int) -> PortAttr:
+        if port != 1:
+            raise OSError(f"port {port} does not exist on {self.name}")
+        return PortAttr(lid=1)
+
+    def query_gid(self, port: int, index: int) -> str:
+        if port != 1 or index != 0:
+            raise OSError(f"no GID at port {port} index {index} on {self.name}")
+        return "fe80:0000:0000:0000:0000:0000:0000:0001"
+
+
+class GlobalRoute:
+    """GRH fields of an address handle (RoCE): the emulated fabric routes by QP number alone."""
+
+    def __init__(self, dgid=None, sgid_index: int = 0) -> None:
+        self.dgid, self.sgid_index = dgid, sgid_index
+
+
+class AHAttr:
+    """Address-handle attributes carried into RTR; kept for API compatibility, not used for routing."""
+
+    def __init__(self, port_num: int = 1, dlid: int = 0, is_global: int = 0, gr: GlobalRoute | None = None) -> None:
+        self.port_num, self.dlid, self.is_global, self.gr = port_num, dlid, is_global, gr

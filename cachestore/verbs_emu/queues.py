@@ -1,0 +1,244 @@
+"""Completion queues, work requests and RC queue pairs of the emulated device.
+
+Semantics from the verbs specification (IBTA vol. 1 ch. 10.3, 11.4; ibv_modify_qp(3), ibv_post_send(3),
+ibv_poll_cq(3)):
+  * An RC QP moves RESET -> INIT -> RTR -> RTS in that order; any state may move to ERR, and ERR only
+    back to RESET. post_send is refused (EINVAL) before RTS; the responder accepts in RTR or RTS.
+  * Work requests execute in order on the QP's send engine (a thread here, the NIC there) after
+    post_send returns. A WRITE lands only if the responder's rkey names an MR/MW that grants
+    REMOTE_WRITE over the whole target range (for a type-2 MW: through this very QP).
+  * Unsignaled WRs complete silently on success; an error always completes, moves the QP to ERR,
+    and every WR still queued (and any posted later) completes with WR_FLUSH_ERR.
+  * WRITE_WITH_IMM consumes a receive WR at the responder (none posted: RNR retries exhausted) and
+    delivers the immediate in a RECV_RDMA_WITH_IMM completion there.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import queue
+import threading
+import time
+
+from cachestore.verbs_emu import enums
+from cachestore.verbs_emu.memory import MR, MW, VerbsError, remote_target
+
+_ORDER = {enums.IBV_QPS_RESET: enums.IBV_QPS_INIT, enums.IBV_QPS_INIT: enums.IBV_QPS_RTR,
+          enums.IBV_QPS_RTR: enums.IBV_QPS_RTS}
+
+
+class WC:
+    """A work completion."""
+
+    def __init__(self, wr_id: int, status: int, opcode: int, qp_num: int, byte_len: int = 0, imm_data: int = 0):
+        self.wr_id, self.status, self.opcode, self.qp_num = wr_id, status, opcode, qp_num
+        self.byte_len, self.imm_data = byte_len, imm_data
+
+
+class CQ:
+    """A completion queue; poll(n) returns (count, [WC]) like pyverbs."""
+
+    def __init__(self, ctx, cqe: int, *_unused) -> None:
+        self.ctx, self.depth = ctx, cqe
+        self._wcs: collections.deque[WC] = collections.deque()
+        self._lock = threading.Lock()
+        self.overrun = False
+
+    def push(self, wc: WC) -> None:
+        if self.ctx.fabric.faults.take_drop():
+            return
+        with self._lock:
+            if len(self._wcs) >= self.depth:
+                self.overrun = True  # a real CQ overrun is an async error; tests check the flag
+                return
+            self._wcs.append(wc)
+
+    def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
+        with self._lock:
+            out = [self._wcs.popleft() for _ in range(min(num_entries, len(self._wcs)))]
+        return len(out), out
+
+
+class SGE:
+    def __init__(self, addr: int, length: int, lkey: int) -> None:
+        self.addr, self.length, self.lkey = addr, length, lkey
+
+
+class SendWR:
+    """A send-queue work request: RDMA WRITE (+IMM), BIND_MW or LOCAL_INV."""
+
+    def __init__(self, wr_id: int = 0, opcode: int = enums.IBV_WR_RDMA_WRITE, num_sge: int = 0,
+                 sg: list[SGE] | None = None, send_flags: int = 0, imm_data: int = 0) -> None:
+        self.wr_id, self.opcode, self.sg, self.send_flags, self.imm_data = wr_id, opcode, sg or [], send_flags, imm_data
+        self.rkey = self.remote_addr = 0
+        self.mw: MW | None = None
+        self.bind_info = None
+        self.invalidate_rkey = 0
+        self.next: SendWR | None = None
+
+    def set_wr_rdma(self, rkey: int, addr: int) -> None:
+        self.rkey, self.remote_addr = rkey, addr
+
+    def set_bind_wr(self, mw: MW, bind_info) -> None:
+        self.mw, self.bind_info = mw, bind_info
+
+    def set_next_wr(self, wr: "SendWR") -> None:
+        self.next = wr
+
+
+class RecvWR:
+    def __init__(self, wr_id: int = 0, num_sge: int = 0, sg: list[SGE] | None = None) -> None:
+        self.wr_id = wr_id
+
+
+class QPCap:
+    def __init__(self, max_send_wr: int = 256, max_recv_wr: int = 16, max_send_sge: int = 1, max_recv_sge: int = 1):
+        self.max_send_wr, self.max_recv_wr = max_send_wr, max_recv_wr
+
+
+class QPInitAttr:
+    def __init__(self, qp_type: int = enums.IBV_QPT_RC, scq: CQ | None = None, rcq: CQ | None = None,
+                 cap: QPCap | None = None) -> None:
+        self.qp_type, self.scq, self.rcq, self.cap = qp_type, scq, rcq, cap or QPCap()
+
+
+class QPAttr:
+    """Modify-QP attributes; only those the state machine needs are read."""
+
+    def __init__(self, qp_state: int = enums.IBV_QPS_RESET, port_num: int = 1) -> None:
+        self.qp_state, self.port_num = qp_state, port_num
+        self.qp_access_flags = 0
+        self.dest_qp_num = 0
+
+
+class QP:
+    """An RC queue pair with an in-order send engine (see the module docstring)."""
+
+    def __init__(self, pd, init_attr: QPInitAttr) -> None:
+        if init_attr.qp_type != enums.IBV_QPT_RC:
+            raise VerbsError("this emulated device creates RC QPs only")
+        self.pd, self.fabric = pd, pd.ctx.fabric
+        self.scq, self.rcq, self.cap = init_attr.scq, init_attr.rcq, init_attr.cap
+        self.qp_state = enums.IBV_QPS_RESET
+        self.dest_qp_num = 0
+        self.access = 0
+        self.qp_num = self.fabric.add_qp(self)
+        self._sq: queue.SimpleQueue = queue.SimpleQueue()
+        self._rq: collections.deque[RecvWR] = collections.deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.engine_thread = threading.Thread(target=self._engine, name=f"emu-qp-{self.qp_num}", daemon=True)
+        self.engine_thread.start()
+
+    # state machine ------------------------------------------------------------------------------
+    def modify(self, attr: QPAttr) -> None:
+        target = attr.qp_state
+        with self._lock:
+            ok = (target == enums.IBV_QPS_ERR or _ORDER.get(self.qp_state) == target
+                  or (target == enums.IBV_QPS_RESET and self.qp_state == enums.IBV_QPS_ERR))
+            if not ok:
+                raise VerbsError(f"ibv_modify_qp: illegal transition {self.qp_state} -> {target} (EINVAL)")
+            if target == enums.IBV_QPS_INIT:
+                self.access = attr.qp_access_flags
+            if target == enums.IBV_QPS_RTR:
+                self.dest_qp_num = attr.dest_qp_num
+            if target == enums.IBV_QPS_RESET:
+                self._rq.clear()
+            self.qp_state = target
+
+    def to_init(self, attr: QPAttr) -> None:
+        attr.qp_state = enums.IBV_QPS_INIT
+        self.modify(attr)
+
+    def to_rtr(self, attr: QPAttr) -> None:
+        attr.qp_state = enums.IBV_QPS_RTR
+        self.modify(attr)
+
+    def to_rts(self, attr: QPAttr) -> None:
+        attr.qp_state = enums.IBV_QPS_RTS
+        self.modify(attr)
+
+    def to_error(self) -> None:
+        """Fault hook and error path: the QP moves to ERR; queued and later WRs flush."""
+        self.modify(QPAttr(enums.IBV_QPS_ERR))
+
+    # posting --------------------------------------------------------------------------------------
+    def post_send(self, wr: SendWR) -> None:
+        if self.qp_state in (enums.IBV_QPS_RESET, enums.IBV_QPS_INIT, enums.IBV_QPS_RTR):
+            raise VerbsError("ibv_post_send: QP is not in RTS (EINVAL)")
+        while wr is not None:
+            self._sq.put(wr)
+            wr = wr.next
+
+    def post_recv(self, wr: RecvWR) -> None:
+        if self.qp_state == enums.IBV_QPS_RESET:
+            raise VerbsError("ibv_post_recv: QP is in RESET (EINVAL)")
+        self._rq.append(wr)
+
+    def close(self) -> None:
+        self._closed = True
+        self.fabric.remove_qp(self.qp_num)
+        self._sq.put(None)
+
+    # the send engine --------------------------------------------------------------------------------
+    def _engine(self) -> None:
+        while True:
+            wr = self._sq.get()
+            if wr is None or self._closed:
+                return
+            if self.qp_state == enums.IBV_QPS_ERR:
+                self._complete(wr, enums.IBV_WC_WR_FLUSH_ERR, 0)
+                continue
+            status, nbytes = self._execute(wr)
+            if status != enums.IBV_WC_SUCCESS:
+                self.to_error()
+            self._complete(wr, status, nbytes)
+
+    def _complete(self, wr: SendWR, status: int, nbytes: int) -> None:
+        if status == enums.IBV_WC_SUCCESS and not wr.send_flags & enums.IBV_SEND_SIGNALED:
+            return
+        opcode = {enums.IBV_WR_BIND_MW: enums.IBV_WC_BIND_MW,
+                  enums.IBV_WR_LOCAL_INV: enums.IBV_WC_LOCAL_INV}.get(wr.opcode, enums.IBV_WC_RDMA_WRITE)
+        self.scq.push(WC(wr.wr_id, status, opcode, self.qp_num, nbytes))
+
+    def _execute(self, wr: SendWR) -> tuple[int, int]:
+        if wr.opcode == enums.IBV_WR_BIND_MW:
+            return (wr.mw.bind(self, wr.bind_info) if wr.mw is not None else enums.IBV_WC_MW_BIND_ERR), 0
+        if wr.opcode == enums.IBV_WR_LOCAL_INV:
+            mw = self.fabric.key(wr.invalidate_rkey)
+            if not isinstance(mw, MW) or mw.pd is not self.pd:
+                return enums.IBV_WC_LOC_PROT_ERR, 0
+            return mw.invalidate(), 0
+        if wr.opcode not in (enums.IBV_WR_RDMA_WRITE, enums.IBV_WR_RDMA_WRITE_WITH_IMM):
+            return enums.IBV_WC_LOC_QP_OP_ERR, 0
+        return self._write(wr)
+
+    def _write(self, wr: SendWR) -> tuple[int, int]:
+        if self.fabric.faults.write_delay_s:
+            time.sleep(self.fabric.faults.write_delay_s)
+        length = sum(s.length for s in wr.sg)
+        for s in wr.sg:  # the local side: each SGE inside an MR of this PD, by its lkey
+            mr = self.fabric.key(s.lkey)
+            if not isinstance(mr, MR) or not mr.valid or mr.pd is not self.pd or not mr.covers(s.addr, s.length):
+                return enums.IBV_WC_LOC_PROT_ERR, 0
+        responder = self.fabric.qp(self.dest_qp_num)
+        if responder is None or responder.qp_state not in (enums.IBV_QPS_RTR, enums.IBV_QPS_RTS):
+            return enums.IBV_WC_RETRY_EXC_ERR, 0  # no ACK ever comes back
+        # the responder checks the rkey, the range and the access at execution time
+        if not (responder.access & enums.IBV_ACCESS_REMOTE_WRITE) or not remote_target(
+                self.fabric.key(wr.rkey), responder, wr.remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE):
+            return enums.IBV_WC_REM_ACCESS_ERR, 0
+        recv = None
+        if wr.opcode == enums.IBV_WR_RDMA_WRITE_WITH_IMM:
+            if not responder._rq:
+                return enums.IBV_WC_RNR_RETRY_EXC_ERR, 0
+            recv = responder._rq.popleft()
+        dst = wr.remote_addr
+        for s in wr.sg:
+            ctypes.memmove(dst, s.addr, s.length)
+            dst += s.length
+        if recv is not None:
+            responder.rcq.push(WC(recv.wr_id, enums.IBV_WC_SUCCESS, enums.IBV_WC_RECV_RDMA_WITH_IMM,
+                                  responder.qp_num, length, wr.imm_data))
+        return enums.IBV_WC_SUCCESS, length

@@ -1,0 +1,91 @@
+"""`--device` and `--attention-backend`: where the engine runs, shared by every command that loads a model.
+
+Each flag falls back to an environment variable (PDSERVE_DEVICE, PDSERVE_ATTENTION_BACKEND) so a
+container image or a Kubernetes ConfigMap can select the GPU without editing the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+DEVICE_ENV = "PDSERVE_DEVICE"
+BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
+BACKENDS = ("auto", "torch", "flashinfer")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """Add --device/--attention-backend (defaults: $PDSERVE_DEVICE or cpu, $PDSERVE_ATTENTION_BACKEND or auto)."""
+    p.add_argument("--device", default=None,
+                   help=f"cpu, cuda or cuda:N (default: ${DEVICE_ENV}, else cpu)")
+    p.add_argument("--attention-backend", default=None, choices=BACKENDS,
+                   help=f"torch, flashinfer, or auto: flashinfer on CUDA when importable, else torch "
+                        f"(default: ${BACKEND_ENV}, else auto)")
+
+
+def resolve_device(requested: str | None) -> str:
+    """The torch device string to run on; ValueError for a malformed name or a missing GPU."""
+    device = (requested or os.environ.get(DEVICE_ENV) or "cpu").strip()
+    if not _DEVICE_RE.match(device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available on this host")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} GPU(s) exist")
+    return device
+
+
+def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
+    """torch or flashinfer. `auto` picks flashinfer on CUDA when it imports and the KV dtype is float16 or
+    bfloat16 (its kernels have no float32 variant); an explicit flashinfer that cannot run is refused."""
+    backend = (requested or os.environ.get(BACKEND_ENV) or "auto").strip()
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    on_gpu = device.startswith("cuda")
+    half = dtype is None or str(dtype) in ("torch.float16", "torch.bfloat16")
+    if backend == "auto":
+        return "flashinfer" if on_gpu and half and flashinfer_available() else "torch"
+    if backend == "flashinfer" and not on_gpu:
+        raise ValueError("attention backend 'flashinfer' needs --device cuda (it has no CPU path)")
+    if backend == "flashinfer" and not half:
+        raise ValueError(f"attention backend 'flashinfer' needs --dtype float16 or bfloat16, the model runs in {dtype}")
+    return backend
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # ImportError, or a CUDA/ABI mismatch raised at import
+        return False
+    return True
+
+
+def device_options(args: argparse.Namespace) -> dict[str, str]:
+    """EngineConfig keyword arguments {device, attention_backend} from parsed flags and the environment."""
+    device = resolve_device(getattr(args, "device", None))
+    dtype = None
+    if device.startswith("cuda"):  # the dtype decides whether flashinfer can run (cheap: reads config.json)
+        import torch
+
+        from engine.builtin import default_model_dir
+        from engine.model_config import ModelConfig
+        from engine.weights import resolve_dtype
+        model_dir = getattr(args, "model", None) or default_model_dir()
+        dtype = resolve_dtype(getattr(args, "dtype", "auto"), ModelConfig.from_dir(model_dir), torch.device(device))
+    backend = resolve_backend(getattr(args, "attention_backend", None), device, dtype)
+    return {"device": device, "attention_backend": backend}
+
+
+def device_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that hand the same choice to a child process (`pdserve up`); empty when unset."""
+    flags = []
+    if getattr(args, "device", None):
+        flags += ["--device", args.device]
+    if getattr(args, "attention_backend", None):
+        flags += ["--attention-backend", args.attention_backend]
+    return flags

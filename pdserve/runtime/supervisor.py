@@ -1,0 +1,176 @@
+"""Supervising the processes of `pdserve up`: start, watch, restart with backoff, detect crash loops.
+
+A node that dies is restarted on the port it had, so static discovery (the router's
+`--prefill/--decode` lists) finds it again without any re-registration. A node that
+keeps dying (`max_restarts` within `window` seconds) is a crash loop: restarting it
+again would only hide the failure, so the supervisor reports it and `up` stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable
+
+LOG_TAIL_LINES = 200
+"""Lines of each child's output kept in memory (for error reports); older lines are dropped."""
+
+
+class Child:
+    """One process whose output is scanned for its READY line; only a bounded tail is kept."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      start_new_session=True, preexec_fn=_die_with_parent)
+        self.address = ""
+        self.ready = threading.Event()
+        self.lines: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        threading.Thread(target=self._read, name=f"log-{name}", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if line.startswith("READY "):
+                self.address = line.split()[-1]
+                self.ready.set()
+            elif "ERROR" in line or "Traceback" in line:
+                print(f"[{self.name}] {line}", flush=True)
+        self.ready.set()
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+    def wait_ready(self, deadline: float) -> str:
+        self.ready.wait(max(0.0, deadline - time.monotonic()))
+        if not self.address:
+            raise RuntimeError(f"{self.name} failed to start:\n{self.tail()}")
+        return self.address
+
+    @property
+    def exited(self) -> bool:
+        return self.popen.poll() is not None
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.exited:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+        except ProcessLookupError:
+            pass
+
+
+try:  # looked up once here: between fork and exec (other threads running) only the call itself runs
+    _prctl = ctypes.CDLL(None).prctl
+except (OSError, AttributeError):  # not Linux: Ctrl-C / SIGTERM on `up` still stop every child
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG = 1), so a killed `pdserve up` leaves no orphaned nodes holding ports."""
+    if _prctl is not None:
+        _prctl(1, int(signal.SIGTERM))
+
+
+class RestartPolicy:
+    """Exponential backoff between restarts; a crash loop is `max_restarts` restarts within `window` s."""
+
+    def __init__(self, max_restarts: int = 5, window: float = 60.0, base_delay: float = 0.5,
+                 max_delay: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_restarts = max_restarts
+        self.window = window
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.clock = clock
+        self.restart_times: collections.deque[float] = collections.deque()
+
+    def _recent(self) -> int:
+        now = self.clock()
+        while self.restart_times and now - self.restart_times[0] > self.window:
+            self.restart_times.popleft()
+        return len(self.restart_times)
+
+    def crash_looping(self) -> bool:
+        return self._recent() >= self.max_restarts
+
+    def next_delay(self) -> float:
+        return min(self.max_delay, self.base_delay * 2 ** self._recent())
+
+    def record(self) -> None:
+        self.restart_times.append(self.clock())
+
+
+class Supervised:
+    """A named process that `Supervisor` keeps alive; `command(port)` builds its command line."""
+
+    def __init__(self, name: str, command: Callable[[int], list[str]], port: int, env: dict[str, str],
+                 policy: RestartPolicy | None = None) -> None:
+        self.name = name
+        self.command = command
+        self.port = port
+        self.env = env
+        self.policy = policy or RestartPolicy()
+        self.child: Child | None = None
+        self.restart_at: float | None = None
+        self.num_restarts = 0
+
+    def start(self) -> Child:
+        self.child = Child(self.name, self.command(self.port), self.env)
+        return self.child
+
+    def wait_ready(self, deadline: float) -> str:
+        address = self.child.wait_ready(deadline)
+        self.port = int(address.rsplit(":", 1)[1])  # a node started on port 0 keeps the port it found
+        return address
+
+
+class Supervisor:
+    """Watches supervised processes; restarts a dead one on the same port after a backoff delay."""
+
+    def __init__(self, members: list[Supervised], log: Callable[[str], None] = print) -> None:
+        self.members = members
+        self.log = log
+        self.num_restarts = 0
+
+    def poll(self) -> str | None:
+        """One supervision step. Returns a reason to stop the cluster (a crash loop), else None."""
+        now = time.monotonic()
+        for m in self.members:
+            child = m.child
+            if m.restart_at is None and child is not None and child.exited:
+                if m.policy.crash_looping():
+                    return (f"{m.name} exited with {child.popen.returncode} after {m.policy.max_restarts} restarts "
+                            f"in {m.policy.window:.0f} s (crash loop); last output:\n{child.tail()}")
+                delay = m.policy.next_delay()
+                m.restart_at = now + delay
+                self.log(f"{m.name} exited with {child.popen.returncode}; restarting it on port {m.port} "
+                         f"in {delay:.1f} s")
+            elif m.restart_at is not None and now >= m.restart_at:
+                m.restart_at = None
+                m.policy.record()
+                m.num_restarts += 1
+                self.num_restarts += 1
+                m.start()
+                threading.Thread(target=self._announce, args=(m, m.child), daemon=True).start()
+        return None
+
+    def _announce(self, m: Supervised, child: Child) -> None:
+        child.ready.wait(180.0)
+        if child.address:
+            self.log(f"{m.name} is back at {child.address} (restart {m.num_restarts})")
+
+    def stop(self) -> None:
+        for m in reversed(self.members):
+            if m.child is not None:
+                m.child.stop()

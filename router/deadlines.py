@@ -1,0 +1,88 @@
+"""How long the router waits on a node before it calls the node hung.
+
+A paused or wedged node (SIGSTOP, a stuck GIL, a partitioned host) keeps its TCP
+connections open, so nothing fails: streams just stop. Two deadlines turn that
+into a failure the router can act on:
+
+- the health-check deadline: a probe that gets no answer in `health_timeout`
+  seconds marks the node unresponsive, so new requests stop going to it;
+- the per-stream token deadline: a stream that gets no event for
+  `token_timeout` seconds after its first token is cancelled and migrated.
+
+The token deadline must not fire on a node that is merely slow (a loaded CI
+machine, a big model), so it is never shorter than `itl_factor` times the
+inter-token latency the router has been observing (a moving average).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Router-side deadlines on nodes (seconds)."""
+
+    token_timeout: float = 2.0
+    """Floor of the gap between two events of a stream before the stream is migrated."""
+    itl_factor: float = 20.0
+    """The token deadline is at least this many times the observed mean inter-token latency."""
+    first_token_timeout: float = 120.0
+    """Wait for the first event of an attempt (prefill of a long prompt can take long)."""
+    health_timeout: float = 1.0
+    """A health/load probe that takes longer marks the node unresponsive until a probe succeeds."""
+    capacity_wait: float = 30.0
+    """How long a request (or a stream being migrated) waits for a usable decode + prefill pair that
+    has room, e.g. while `pdserve up` restarts a node, before it fails with 503."""
+
+    def __post_init__(self) -> None:
+        for name in ("token_timeout", "itl_factor", "first_token_timeout", "health_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.capacity_wait < 0:
+            raise ValueError(f"capacity_wait must be >= 0, got {self.capacity_wait}")
+
+
+class TokenDeadline:
+    """The current token deadline: max(floor, itl_factor x moving average of observed gaps)."""
+
+    def __init__(self, deadlines: Deadlines, alpha: float = 0.05) -> None:
+        self.deadlines = deadlines
+        self.alpha = alpha
+        self.mean_itl = 0.0
+
+    def observe(self, gap: float) -> None:
+        self.mean_itl = gap if self.mean_itl == 0.0 else (1 - self.alpha) * self.mean_itl + self.alpha * gap
+
+    def timeout(self, first: bool) -> float:
+        if first:
+            return self.deadlines.first_token_timeout
+        return max(self.deadlines.token_timeout, self.deadlines.itl_factor * self.mean_itl)
+
+
+class StreamStalled(Exception):
+    """A node sent nothing within the stream's token deadline."""
+
+
+async def events_within_deadline(call, deadline: TokenDeadline) -> AsyncIterator:
+    """The events of a gRPC response stream, each within the token deadline (else StreamStalled).
+    While the caller is not asking for the next event (a client that reads slowly) no clock runs."""
+    first, last = True, time.monotonic()
+    while True:
+        timeout = deadline.timeout(first)
+        try:
+            event = await asyncio.wait_for(call.read(), timeout)
+        except asyncio.TimeoutError:
+            raise StreamStalled(f"no event for {timeout:.1f} s") from None
+        if event is grpc.aio.EOF:
+            return
+        now = time.monotonic()
+        if not first:
+            deadline.observe(now - last)
+        first, last = False, now
+        yield event

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU checks for a CUDA machine: `pytest -m gpu` and the TTFT-overlap benchmark with --device cuda.
+# Logs go to $OUT (default ./gpu_out). Optional wheels/site archive in $WHEELS (default ../.whl):
+#   *.whl are installed with pip --no-deps into /tmp/site, fi_site.tar.gz (a pre-installed
+#   flashinfer + tvm_ffi tree) is unpacked there; both are then put on PYTHONPATH.
+#   STAGES="tests bench cli flashinfer" bash scripts/gpu_check.sh [benchmark flags, e.g. --quick]
+set -o pipefail
+OUT=${OUT:-gpu_out}
+WHEELS=${WHEELS:-../.whl}
+mkdir -p "$OUT" /tmp/site
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ -d "$WHEELS" ]; then
+  ls "$WHEELS"/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site "$WHEELS"/*.whl
+  [ -f "$WHEELS/fi_site.tar.gz" ] && tar -xzf "$WHEELS/fi_site.tar.gz" -C /tmp/site
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+# flashinfer compiles its kernels on first use: only for this GPU's architecture, with every core
+export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws MAX_JOBS=$(nproc)
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-$($PY -c 'import torch; m,n=torch.cuda.get_device_capability(); print(f"{m}.{n}" + ("a" if m >= 9 else ""))')}
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c 'import torch, grpc, google.protobuf as pb; print("torch", torch.__version__, "cuda", torch.version.cuda, "grpc", grpc.__version__, "protobuf", pb.__version__)'
+  $PY -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
+} 2>&1 | tee "$OUT/env.txt"
+# the built-in tiny model is generated on first use; do it once before the tests start processes
+$PY -c 'from engine.builtin import default_model_dir as d; d("tiny"); d("bench")' 2>&1 | tail -2
+# 1. everything but flashinfer (which JIT-compiles for minutes on first use), 2. the benchmark,
+# 3. the CLI on cuda, 4. flashinfer last, bounded, so a slow compile cannot hide the rest
+STAGES=${STAGES:-tests bench cli flashinfer}
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
+if stage tests; then
+  $PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k "not flashinfer" -v -rs --timeout 300 2>&1 | tee "$OUT/pytest_gpu.log"
+  echo "pytest rc=$?" | tee -a "$OUT/pytest_gpu.log"
+fi
+if stage bench; then
+  timeout "${BENCH_BUDGET_S:-240}" $PY -m benchmarks.ttft_overlap --device cuda "$@" 2>&1 | tee "$OUT/ttft_overlap_cuda.log"
+  echo "benchmark rc=$?" | tee -a "$OUT/ttft_overlap_cuda.log"
+fi
+if stage cli; then  # the CLI path on cuda, from flags and from the PDSERVE_* environment
+  { $PY -m pdserve.cli generate --device cuda --attention-backend torch --max-tokens 8
+    PDSERVE_DEVICE=cuda PDSERVE_ATTENTION_BACKEND=torch $PY -m pdserve.cli generate --max-tokens 8; } 2>&1 | tee "$OUT/generate_cuda.log"
+fi
+if stage flashinfer; then  # last and bounded: the first use JIT-compiles flashinfer's kernels
+  timeout "${FLASHINFER_BUDGET_S:-330}" $PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k flashinfer -v -rs 2>&1 | tee "$OUT/pytest_flashinfer.log"
+  echo "flashinfer pytest rc=$?" | tee -a "$OUT/pytest_flashinfer.log"
+  # default backend on cuda (auto -> flashinfer), kernels already compiled by the tests above
+  PDSERVE_DEVICE=cuda timeout 120 $PY -m pdserve.cli generate --max-tokens 8 \
+    --model "$($PY -c 'from engine.builtin import default_model_dir as d; print(d("bench"))')" 2>&1 | tee -a "$OUT/pytest_flashinfer.log"
+fi

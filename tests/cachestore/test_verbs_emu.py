@@ -1,0 +1,180 @@
+"""The emulated verbs device keeps the verbs rules: keys, bounds, access, windows, QP states, completions."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import pytest
+
+from cachestore.verbs_emu import (CQ, MR, MW, PD, QP, Context, MWBindInfo, QPAttr, QPInitAttr, RecvWR, SendWR,
+                                  SGE, VerbsError, enums)
+from cachestore.verbs_emu.device import FABRIC
+
+LW, RW, BIND = enums.IBV_ACCESS_LOCAL_WRITE, enums.IBV_ACCESS_REMOTE_WRITE, enums.IBV_ACCESS_MW_BIND
+SIZE = 4096
+
+
+def addr(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def poll(cq: CQ, n: int = 1, within: float = 10.0) -> list:
+    """Poll until `n` completions arrived (bounded)."""
+    got, deadline = [], time.monotonic() + within
+    while len(got) < n and time.monotonic() < deadline:
+        got += cq.poll(n - len(got))[1]
+        time.sleep(0.001)
+    return got
+
+
+class Side:
+    """One end: a PD, a CQ, a buffer registered as an MR, a QP."""
+
+    def __init__(self, access: int, remote_access: int = LW | RW) -> None:
+        self.ctx = Context()
+        self.pd = PD(self.ctx)
+        self.cq = CQ(self.ctx, 64)
+        self.buf = bytearray(SIZE)
+        self.mr = MR(self.pd, SIZE, access, address=addr(self.buf))
+        self.qp = QP(self.pd, QPInitAttr(scq=self.cq, rcq=self.cq))
+        self.remote_access = remote_access
+
+    def connect(self, peer: "Side") -> None:
+        a = QPAttr()
+        a.qp_access_flags = self.remote_access
+        self.qp.to_init(a)
+        a.dest_qp_num = peer.qp.qp_num
+        self.qp.to_rtr(a)
+        self.qp.to_rts(a)
+
+
+@pytest.fixture
+def pair():
+    FABRIC.faults.write_delay_s, FABRIC.faults.drop_completions = 0.0, 0
+    src, dst = Side(LW), Side(LW | RW | BIND)
+    src.buf[:] = bytes(range(256)) * (SIZE // 256)
+    src.connect(dst)
+    dst.connect(src)
+    yield src, dst
+    FABRIC.faults.write_delay_s, FABRIC.faults.drop_completions = 0.0, 0
+    for s in (src, dst):
+        s.qp.close()
+
+
+def write(src: Side, rkey: int, remote: int, length: int = 256, wr_id: int = 1, signaled: bool = True,
+          opcode: int = enums.IBV_WR_RDMA_WRITE, imm: int = 0) -> None:
+    wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[SGE(addr(src.buf), length, src.mr.lkey)],
+                send_flags=enums.IBV_SEND_SIGNALED if signaled else 0, imm_data=imm)
+    wr.set_wr_rdma(rkey, remote)
+    src.qp.post_send(wr)
+
+
+def test_registration_and_state_machine_rules():
+    side = Side(LW)
+    with pytest.raises(VerbsError, match="REMOTE_WRITE requires LOCAL_WRITE"):
+        MR(side.pd, SIZE, RW, address=addr(side.buf))
+    with pytest.raises(VerbsError, match="not in RTS"):
+        side.qp.post_send(SendWR())
+    with pytest.raises(VerbsError, match="illegal transition"):
+        side.qp.to_rts(QPAttr())
+    side.qp.to_error()
+    side.qp.modify(QPAttr(enums.IBV_QPS_RESET))  # ERR -> RESET is the only way back
+    side.qp.to_init(QPAttr())
+    side.qp.close()
+
+
+def test_write_lands_only_with_valid_key_bounds_and_access(pair):
+    src, dst = pair
+    write(src, dst.mr.rkey, addr(dst.buf) + 512, signaled=False, wr_id=1)
+    write(src, dst.mr.rkey, addr(dst.buf) + 1024, wr_id=2)
+    (wc,) = poll(src.cq)
+    assert (wc.wr_id, wc.status, wc.byte_len) == (2, enums.IBV_WC_SUCCESS, 256)  # unsignaled success is silent
+    assert dst.buf[512:768] == src.buf[:256] and dst.buf[1024:1280] == src.buf[:256]
+    before = bytes(dst.buf)
+    write(src, dst.mr.rkey, addr(dst.buf) + SIZE - 100, wr_id=3)  # crosses the end of the MR
+    write(src, dst.mr.rkey, addr(dst.buf), wr_id=4)                # queued behind the error
+    wcs = poll(src.cq, 2)
+    assert [(w.wr_id, w.status) for w in wcs] == [(3, enums.IBV_WC_REM_ACCESS_ERR), (4, enums.IBV_WC_WR_FLUSH_ERR)]
+    assert bytes(dst.buf) == before and src.qp.qp_state == enums.IBV_QPS_ERR
+
+
+def test_mr_without_remote_write_refuses():
+    src, dst = Side(LW), Side(LW)
+    src.connect(dst)
+    dst.connect(src)
+    write(src, dst.mr.rkey, addr(dst.buf))
+    assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf == bytearray(SIZE)
+
+
+def _bind(dst: Side, mw: MW, start: int, length: int, wr_id: int = 9) -> int:
+    wr = SendWR(wr_id=wr_id, opcode=enums.IBV_WR_BIND_MW, send_flags=enums.IBV_SEND_SIGNALED)
+    wr.set_bind_wr(mw, MWBindInfo(dst.mr, addr(dst.buf) + start, length, RW))
+    dst.qp.post_send(wr)
+    return poll(dst.cq)[0].status
+
+
+def test_type2_window_grants_its_range_through_its_qp_until_invalidated(pair):
+    src, dst = pair
+    mw = MW(dst.pd, enums.IBV_MW_TYPE_2)
+    write(src, mw.rkey, addr(dst.buf))  # unbound window: nothing
+    assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR
+    src.qp.modify(QPAttr(enums.IBV_QPS_RESET))
+    src.connect(dst)
+    assert _bind(dst, mw, 1024, 512) == enums.IBV_WC_SUCCESS
+    write(src, mw.rkey, addr(dst.buf) + 1024, length=512)
+    assert poll(src.cq)[0].status == enums.IBV_WC_SUCCESS and dst.buf[1024:1536] == src.buf[:512]
+    write(src, mw.rkey, addr(dst.buf) + 1536, wr_id=5)  # just past the window
+    assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[1536:1792] == bytearray(256)
+    # invalidate: the old rkey now names nothing, a new bind gets a different rkey
+    stale = mw.rkey
+    inv = SendWR(wr_id=10, opcode=enums.IBV_WR_LOCAL_INV, send_flags=enums.IBV_SEND_SIGNALED)
+    inv.invalidate_rkey = stale
+    dst.qp.post_send(inv)
+    assert poll(dst.cq)[0].status == enums.IBV_WC_SUCCESS
+    assert _bind(dst, mw, 0, 256) == enums.IBV_WC_SUCCESS and mw.rkey != stale
+    src.qp.modify(QPAttr(enums.IBV_QPS_RESET))
+    src.connect(dst)
+    dst.buf[1024:1536] = bytes(512)
+    write(src, stale, addr(dst.buf) + 1024)
+    assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[1024:1536] == bytearray(512)
+
+
+def test_window_is_usable_only_through_the_qp_it_was_bound_on(pair):
+    src, dst = pair
+    mw = MW(dst.pd, enums.IBV_MW_TYPE_2)
+    assert _bind(dst, mw, 0, 1024) == enums.IBV_WC_SUCCESS
+    other_src, other_dst = Side(LW), Side(LW | RW, remote_access=LW | RW)
+    other_dst.pd, other_dst.qp = dst.pd, QP(dst.pd, QPInitAttr(scq=dst.cq, rcq=dst.cq))  # same PD, another QP
+    other_src.connect(other_dst)
+    other_dst.connect(other_src)
+    write(other_src, mw.rkey, addr(dst.buf))
+    assert poll(other_src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[:256] == bytearray(256)
+
+
+def test_write_with_imm_needs_a_receive_and_delivers_the_immediate(pair):
+    src, dst = pair
+    write(src, dst.mr.rkey, addr(dst.buf), opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, imm=7)
+    assert poll(src.cq)[0].status == enums.IBV_WC_RNR_RETRY_EXC_ERR
+    src.qp.modify(QPAttr(enums.IBV_QPS_RESET))
+    src.connect(dst)
+    dst.qp.post_recv(RecvWR(wr_id=77))
+    write(src, dst.mr.rkey, addr(dst.buf), opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, imm=0xBEEF, wr_id=8)
+    wcs = poll(src.cq, 1) + poll(dst.cq, 1)
+    assert {(w.wr_id, w.status, w.opcode, w.imm_data) for w in wcs} == {
+        (8, 0, enums.IBV_WC_RDMA_WRITE, 0), (77, 0, enums.IBV_WC_RECV_RDMA_WITH_IMM, 0xBEEF)}
+
+
+def test_fault_hooks_delay_drop_and_force_error(pair):
+    src, dst = pair
+    FABRIC.faults.write_delay_s = 0.3
+    write(src, dst.mr.rkey, addr(dst.buf), wr_id=1)
+    assert src.cq.poll(1)[0] == 0 and dst.buf[:4] == bytearray(4)  # posted, not yet executed
+    assert poll(src.cq)[0].status == enums.IBV_WC_SUCCESS and dst.buf[:256] == src.buf[:256]
+    FABRIC.faults.write_delay_s, FABRIC.faults.drop_completions = 0.0, 1
+    write(src, dst.mr.rkey, addr(dst.buf), wr_id=2)
+    write(src, dst.mr.rkey, addr(dst.buf), wr_id=3)
+    assert [w.wr_id for w in poll(src.cq)] == [3]  # the completion of 2 was lost
+    src.qp.to_error()
+    write(src, dst.mr.rkey, addr(dst.buf), wr_id=4, signaled=False)
+    assert [(w.wr_id, w.status) for w in poll(src.cq)] == [(4, enums.IBV_WC_WR_FLUSH_ERR)]

@@ -1,0 +1,59 @@
+"""The router's HTTP app against a fake cluster (no node processes)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2
+from router.app import create_app
+from router.cluster import GenerateChunk
+from router.errors import NoCapacityError, UpstreamError
+from router.serving import Server
+
+
+class FakeCluster:
+    """Yields a fixed token script; optionally fails after some chunks, or raises `crash` (a bug) at once."""
+
+    def __init__(self, tokens: list[int], fail_after: int | None = None, healthy: bool = True,
+                 crash: Exception | None = None) -> None:
+        self.tokens = tokens
+        self.fail_after = fail_after
+        self.healthy = healthy
+        self.crash = crash
+        self.requests: list[tuple[list[int], common_pb2.SamplingParams]] = []
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    def max_model_len(self) -> int:
+        return 128
+
+    def snapshot(self) -> list:
+        return []
+
+    async def generate(self, request_id, prompt, params):
+        if not self.healthy:
+            raise NoCapacityError("no healthy prefill and decode node is available")
+        if self.crash is not None:
+            raise self.crash
+        self.requests.append((prompt, params))
+        n = min(len(self.tokens), params.max_tokens)
+        for i, t in enumerate(self.tokens[:n]):
+            if self.fail_after is not None and i == self.fail_after:
+                raise UpstreamError("decode node vanished")
+            last = i == n - 1
+            yield GenerateChunk([t], None, "length" if last else None,
+                                common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n) if last else None)
+
+@pytest.fixture
+def make_client(tiny_model_dir):
+    """(make(cluster, **create_app_kwargs) -> AsyncClient, tokenizer, FakeCluster)"""
+    tok = Tokenizer(tiny_model_dir)
+
+    def make(cluster: FakeCluster, **kwargs) -> httpx.AsyncClient:
+        app = create_app(Server(cluster, tok, "m", 128), **kwargs)
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+    return make, tok, FakeCluster

@@ -1,0 +1,72 @@
+"""The token deadline never undercuts a slow-but-alive node, and bad settings are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.deadlines import Deadlines, TokenDeadline
+
+
+def test_token_deadline_has_a_floor_and_grows_with_observed_itl():
+    d = TokenDeadline(Deadlines(token_timeout=2.0, itl_factor=20.0, first_token_timeout=60.0))
+    assert d.timeout(first=True) == 60.0
+    assert d.timeout(first=False) == 2.0  # nothing observed yet
+    for _ in range(200):
+        d.observe(0.01)  # a fast node: the floor holds
+    assert d.timeout(first=False) == 2.0
+    for _ in range(200):
+        d.observe(0.5)  # a slow node (big model, loaded machine): 20 x its ITL, not a false migration
+    assert d.timeout(first=False) == pytest.approx(10.0, rel=0.05)
+
+
+@pytest.mark.parametrize("field", ["token_timeout", "itl_factor", "first_token_timeout", "health_timeout"])
+def test_non_positive_deadlines_are_refused(field):
+    with pytest.raises(ValueError, match=field):
+        Deadlines(**{field: 0})
+
+
+async def test_a_request_waits_for_capacity_then_fails_cleanly():
+    """While `up` restarts a node (or every node is paused) requests wait, bounded by capacity_wait."""
+    from pdserve.discovery.static import StaticDiscovery
+    from router.cluster import Cluster
+    from router.errors import NoCapacityError
+
+    cluster = Cluster(StaticDiscovery([]), refresh_interval=0.01, deadlines=Deadlines(capacity_wait=5.0))
+    calls = []
+
+    def choose(tokens_needed, exclude):
+        calls.append(tokens_needed)
+        if len(calls) < 3:
+            raise NoCapacityError("a node is restarting")
+        return "node", ["prefill"]
+
+    cluster._choose = choose
+    assert await cluster._choose_waiting(10, set()) == ("node", ["prefill"]) and len(calls) == 3
+    cluster.deadlines = Deadlines(capacity_wait=0.0)
+    calls.clear()
+    with pytest.raises(NoCapacityError):
+        await cluster._choose_waiting(10, set())
+
+
+async def test_a_stream_that_stops_sending_is_stalled_after_its_first_event():
+    import asyncio
+
+    from router.deadlines import StreamStalled, events_within_deadline
+
+    class HungCall:
+        """Two events, then silence (a SIGSTOPped node keeps its connection open)."""
+
+        def __init__(self) -> None:
+            self.events = ["e1", "e2"]
+
+        async def read(self):
+            if self.events:
+                return self.events.pop(0)
+            await asyncio.Event().wait()
+
+    deadline = TokenDeadline(Deadlines(token_timeout=0.2, first_token_timeout=30.0))
+    got = []
+    with pytest.raises(StreamStalled):
+        async for event in events_within_deadline(HungCall(), deadline):
+            got.append(event)
+    assert got == ["e1", "e2"]
