@@ -26,15 +26,13 @@ import os
 import queue
 import threading
 from dataclasses import asdict
-from typing import NamedTuple
 
 from cachestore.geometry import PoolGeometry, Run
+from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for  # noqa: F401
 from cachestore.rdma_verbs import (COMPLETION_TIMEOUT, EMULATOR_ENV, QpInfo, QpState, RdmaResources,  # noqa: F401
                                    device_choice, next_state, qp_attr_values, rdma_devices, verbs, wait_completion)
 
 log = logging.getLogger("pdserve.cachestore")
-MAX_WR_PER_POST = 32
-"""Work requests chained into one post_send (bounded by the QP's max_send_wr)."""
 QPS_ENV = "PDSERVE_RDMA_QPS"
 MAX_GRANT_BYTES = 4 << 20
 """Largest grant reply a lane accepts (one window per layer and run of the session's blocks)."""
@@ -42,37 +40,13 @@ GRANT_CACHE = 256
 """Sessions whose grants a lane remembers (the oldest are forgotten first)."""
 
 
-class WriteRequest(NamedTuple):
-    """One RDMA WRITE: `length` bytes from local_addr (lkey) to remote_addr (rkey)."""
-
-    wr_id: int
-    local_addr: int
-    length: int
-    remote_addr: int
-
-
-def plan_writes(layer: int, runs: list[Run], local: PoolGeometry, local_base: int, remote: PoolGeometry,
-                remote_base: int, first_wr_id: int = 0, max_per_post: int = MAX_WR_PER_POST) -> list[list[WriteRequest]]:
-    """Work requests for `runs` of `layer`, batched into chains of at most `max_per_post`."""
-    assert local.block_bytes == remote.block_bytes, "geometries disagree on block size"
-    wrs = [WriteRequest(first_wr_id + i, local_base + local.offset(layer, r.src_block), r.count * local.block_bytes,
-                        remote_base + remote.offset(layer, r.dst_block)) for i, r in enumerate(runs)]
-    return [wrs[i:i + max_per_post] for i in range(0, len(wrs), max_per_post)]
-
-
-def window_for(windows: list[list[int]], address: int, length: int) -> int:
-    """The rkey of the granted window covering [address, address+length); OSError if none does."""
-    for start, size, rkey in windows:
-        if start <= address and address + length <= start + size:
-            return rkey
-    raise OSError(f"no granted window covers {length} bytes at {address:#x}")
-
-
 class RdmaLane:
     """One RC QP to a receiver and the thread that owns it (see the module docstring)."""
 
-    def __init__(self, client, creds, index: int, reroute=None) -> None:
+    def __init__(self, client, creds, index: int, resources, reroute=None) -> None:
         self.client, self.endpoint = client, creds.endpoint
+        self._resources = resources
+        """Returns the channel's RdmaResources (pool registered once, shared by its lanes)."""
         self._reroute = reroute
         """Called with the runs still queued (not posted) when the lane fails: other requests'
         runs go to another lane instead of failing with this one."""
@@ -97,9 +71,7 @@ class RdmaLane:
 
     def _setup(self) -> None:
         from cachestore.tcp_sender import TcpChannel
-        device, port, gid_index = device_choice()
-        region = self.client.region
-        self.res = RdmaResources(device, region.address, len(region), port=port, gid_index=gid_index)
+        self.res = self._resources()
         self.qp, self.cq = self.res.create_qp()
         ours = self.res.local_info(self.qp)
         self.control = TcpChannel(self.client, self.endpoint, hello=json.dumps(asdict(ours)).encode())
@@ -154,6 +126,7 @@ class RdmaLane:
             try:
                 self._write(layer, run, ready_event, creds, windows)
             except OSError as e:
+                self.broken = True  # before the request learns it failed: the next run gets a new lane
                 transfer._on_ack(False, f"RDMA write failed: {e}")
                 self._fail(f"RDMA lane to {self.endpoint} failed: {e}")
                 return
@@ -222,8 +195,19 @@ class RdmaChannel:
         self.replaced = 0
         """Lanes torn down and re-established so far."""
         self._lock = threading.Lock()
+        self._res_lock = threading.Lock()
+        self._res: RdmaResources | None = None
         self._next = 0
-        self.lanes = [RdmaLane(client, creds, i, self._reroute) for i in range(self.num_qps)]
+        self.lanes = [RdmaLane(client, creds, i, self._resources, self._reroute) for i in range(self.num_qps)]
+
+    def _resources(self) -> RdmaResources:
+        """Lane threads: open the device and register the pool on first use (off the event loop)."""
+        with self._res_lock:
+            if self._res is None:
+                device, port, gid_index = device_choice()
+                region = self.client.region
+                self._res = RdmaResources(device, region.address, len(region), port=port, gid_index=gid_index)
+            return self._res
 
     def _reroute(self, transfer, layer: int, run: Run, ready_event) -> None:
         self.submit(transfer, layer, run, ready_event, rerouted=True)
@@ -239,7 +223,7 @@ class RdmaChannel:
                 lane = self.lanes[i]
                 if lane.broken:
                     lane.close()
-                    lane = self.lanes[i] = RdmaLane(self.client, self.creds, i, self._reroute)
+                    lane = self.lanes[i] = RdmaLane(self.client, self.creds, i, self._resources, self._reroute)
                     self.replaced += 1
         if lane is None:
             transfer._on_ack(False, "RDMA channel closed")
@@ -256,3 +240,6 @@ class RdmaChannel:
             lanes = list(self.lanes)
         for lane in lanes:
             lane.close()
+        with self._res_lock:
+            if self._res is not None:
+                self._res.close()

@@ -169,6 +169,10 @@ class RdmaReceiver:
             self._responders[responder.qp.qp_num] = responder
         return wire.OK, responder.reply
 
+    def close(self) -> None:
+        """Server stop: responders close with their connections; the pool registration goes here."""
+        self.res.close()
+
     def _grant(self, session_id: str, token: str, qp_num: int) -> tuple[int, bytes]:
         from cachestore import wire
         with self._lock:
@@ -181,7 +185,7 @@ class RdmaReceiver:
             return status, b""
         grant = Grant(responder, session_ranges(self.server.geometry, session.creds, self.server.region.address),
                       self.use_mw)
-        if not self.server.add_grant(session, grant.revoke):  # closed while binding: nothing granted
+        if not self.server.add_grant(session, grant.revoke):  # closed while binding, or too many grants
             grant.revoke()
             return wire.SESSION_CLOSED, b""
         return wire.OK, json.dumps({"windows": grant.windows()}).encode()

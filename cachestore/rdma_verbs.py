@@ -171,6 +171,11 @@ class RdmaResources:
                     setattr(attr, key, values[key])
                 qp.to_rts(attr)
 
+    def close(self) -> None:
+        """Deregister the pool (the QPs using it are closed first by their owners)."""
+        if hasattr(self.mr, "close"):
+            self.mr.close()
+
     def post_chain(self, qp, wrs: list) -> None:
         """Post linked work requests; only the caller decides which are signaled."""
         for a, b in zip(wrs, wrs[1:]):

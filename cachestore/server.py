@@ -20,6 +20,9 @@ from cachestore.tcp_listener import TcpLimits
 from cachestore.transport import resolve_transport
 
 log = logging.getLogger("pdserve.cachestore")
+MAX_GRANTS_PER_SESSION = 64
+"""RDMA grants one session may hold (one per sender QP is the norm): bounds the windows a peer
+holding the token can make the receiver bind."""
 
 
 class CacheStoreServer:
@@ -78,6 +81,8 @@ class CacheStoreServer:
             self.close_session(request_id)
         if self._listener is not None:
             self._listener.stop()
+        if self._rdma is not None:
+            self._rdma.close()
         if self.active_transport == "local":
             from cachestore.local import unregister_server
             unregister_server(self.endpoint)
@@ -221,9 +226,10 @@ class CacheStoreServer:
             return session, wire.OK
 
     def add_grant(self, session: Session, revoke: Callable[[], None]) -> bool:
-        """Register a bound grant; False if the session closed meanwhile (the caller revokes it)."""
+        """Register a bound grant; False if the session closed meanwhile or already holds
+        MAX_GRANTS_PER_SESSION (one per sender QP is the norm), and the caller revokes it."""
         with self._lock:
-            if session.closed:
+            if session.closed or len(session.grants()) >= MAX_GRANTS_PER_SESSION:
                 return False
             session.add_grant(revoke)
             return True

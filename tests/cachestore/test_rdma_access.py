@@ -95,7 +95,8 @@ async def test_foreign_keys_and_out_of_session_addresses_land_nothing(pair):
     server, client, src, dst = pair
     mine = server.open_session("mine", [1, 2], GEO.num_layers, timeout=30)
     theirs = server.open_session("theirs", [10, 11], GEO.num_layers, timeout=30)
-    lane = rdma.RdmaLane(client, mine, 0)
+    resources = client._channel_for(mine)._resources
+    lane = rdma.RdmaLane(client, mine, 0, resources)
     try:
         await until(lambda: lane._peer is not None)
         windows = await asyncio.to_thread(lane._grant, mine)
@@ -108,7 +109,7 @@ async def test_foreign_keys_and_out_of_session_addresses_land_nothing(pair):
         ]
         for creds, forged in forgeries:
             if lane.broken:  # each refusal breaks the QP (verbs: an error completion moves it to ERR)
-                lane = rdma.RdmaLane(client, mine, 0)
+                lane = rdma.RdmaLane(client, mine, 0, resources)
                 await until(lambda: lane._peer is not None)
             lane._grants[creds.session_id] = forged
             tx = client.open_transfer(creds)
@@ -146,3 +147,26 @@ async def test_abort_mid_transfer_no_byte_lands_after_the_blocks_are_freed(pair)
     assert "remote access error" in lane.error  # ... and was refused by the responder
     await asyncio.sleep(0.3)  # nothing else is in flight; give a stray WRITE the time to show up
     assert all_canary(dst, [6, 7])
+
+
+async def test_grants_per_session_are_bounded(pair, monkeypatch):
+    """A peer holding the token cannot make the receiver bind windows without limit."""
+    from cachestore import server as server_module
+    monkeypatch.setattr(server_module, "MAX_GRANTS_PER_SESSION", 3)
+    server, client, src, dst = pair
+    creds = server.open_session("g", [1], GEO.num_layers, timeout=30)
+    lane = rdma.RdmaLane(client, creds, 0, client._channel_for(creds)._resources)
+    try:
+        await until(lambda: lane._peer is not None)
+        for _ in range(3):
+            lane._grants.clear()
+            await asyncio.to_thread(lane._grant, creds)
+        lane._grants.clear()
+        with pytest.raises(PermissionError, match="session_closed"):
+            await asyncio.to_thread(lane._grant, creds)
+        assert len(server.get_session("g").grants()) == 3
+    finally:
+        lane.close()
+        session = server.close_session("g")
+        await session.wait_safe_to_reuse(10)
+    assert not session.grants()
