@@ -112,17 +112,20 @@ class Grant:
         access in progress before the invalidation completes)."""
         v = self.responder.res.v
         if self.use_mw and self.keys:
-            wrs = []
-            for mw in self.keys:
-                wr = v.SendWR(opcode=v.enums.IBV_WR_LOCAL_INV)
-                wr.invalidate_rkey = mw.rkey
-                wrs.append(wr)
             try:
+                wrs = []
+                for mw in self.keys:
+                    wr = v.SendWR(opcode=v.enums.IBV_WR_LOCAL_INV)
+                    wr.invalidate_rkey = mw.rkey
+                    wrs.append(wr)
                 self.responder.run(wrs, REVOKE_TIMEOUT)
-            except OSError as e:  # QP in ERROR (flushed) or gone: deallocation below revokes anyway
+            except Exception as e:  # QP in ERROR (flushed), gone, or a verbs binding without the field:
                 log.info("LOCAL_INV of a session's windows did not complete (%s): deallocating them", e)
-        for key in self.keys:
-            key.close()  # ibv_dealloc_mw / ibv_dereg_mr
+        for key in self.keys:  # deallocation revokes too, so it runs whatever happened above
+            try:
+                key.close()  # ibv_dealloc_mw / ibv_dereg_mr
+            except Exception:
+                log.exception("cannot free an RDMA key of a revoked session")
         self.keys = []
 
 

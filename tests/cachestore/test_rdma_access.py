@@ -170,3 +170,22 @@ async def test_grants_per_session_are_bounded(pair, monkeypatch):
         session = server.close_session("g")
         await session.wait_safe_to_reuse(10)
     assert not session.grants()
+
+
+async def test_grant_requests_with_a_bad_token_or_a_foreign_qp_are_refused(pair):
+    import dataclasses
+    server, client, src, dst = pair
+    creds = server.open_session("t", [1], GEO.num_layers, timeout=30)
+    lane = rdma.RdmaLane(client, creds, 0, client._channel_for(creds)._resources)
+    try:
+        await until(lambda: lane._peer is not None)
+        forged = dataclasses.replace(creds, token="00" * 16)
+        with pytest.raises(PermissionError, match="bad_token"):
+            await asyncio.to_thread(lane._grant, forged)
+        lane._peer = dataclasses.replace(lane._peer, qp_num=999_999)  # no responder QP of that number
+        with pytest.raises(PermissionError, match="unknown_session"):
+            await asyncio.to_thread(lane._grant, creds)
+        assert not server.get_session("t").grants()  # nothing was bound
+    finally:
+        lane.close()
+        server.close_session("t")
