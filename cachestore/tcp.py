@@ -14,6 +14,19 @@ from cachestore import wire
 
 log = logging.getLogger("pdserve.cachestore")
 IOV_MAX = 1024
+
+
+def advance_views(views: list[memoryview], i: int, n: int) -> int:
+    """After a vectored send/receive moved `n` bytes starting at `views[i]`, drop what is done:
+    returns the index of the first unfinished view (trimming a partly moved one in place)."""
+    while n and i < len(views):
+        if n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
 """Most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)."""
 
 

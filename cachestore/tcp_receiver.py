@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from cachestore import wire
-from cachestore.tcp import IOV_MAX, Connection, Fence, recv_exact, recv_exact_into
+from cachestore.tcp import IOV_MAX, Connection, Fence, advance_views, recv_exact, recv_exact_into
 
 log = logging.getLogger("pdserve.cachestore")
 DISCARD_CHUNK = 1 << 20
@@ -205,13 +205,7 @@ def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> 
         n = conn.recvmsg_into(views[i:i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
         if n == 0:
             return False
-        while n and i < len(views):  # advance past what landed
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = advance_views(views, i, n)  # past what landed
     return not fence.cut_off
 
 

@@ -9,7 +9,7 @@ import threading
 from cachestore import wire
 from cachestore.geometry import Run
 from cachestore.staging import HostStaging
-from cachestore.tcp import IOV_MAX, recv_exact, recv_exact_into
+from cachestore.tcp import IOV_MAX, advance_views, recv_exact, recv_exact_into
 
 CONNECT_TIMEOUT = 5.0
 
@@ -192,10 +192,4 @@ def _sendmsg_all(sock: socket.socket, buffers: list) -> None:
     i = 0
     while i < len(views):
         n = sock.sendmsg(views[i:i + IOV_MAX])
-        while n and i < len(views):
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = advance_views(views, i, n)
