@@ -26,7 +26,7 @@ class SessionCredentials:
     block_ids: tuple[int, ...]
     """Destination blocks; the sender's i-th source block lands in block_ids[i]."""
     rdma: dict = field(default_factory=dict)
-    """RDMA only: remote base address, rkey, num_blocks and the receiver's QP info."""
+    """RDMA only: the receiver pool's base address and num_blocks (keys come per QP through a grant)."""
 
     def to_bytes(self) -> bytes:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()

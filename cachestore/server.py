@@ -20,6 +20,9 @@ from cachestore.tcp_listener import TcpLimits
 from cachestore.transport import resolve_transport
 
 log = logging.getLogger("pdserve.cachestore")
+MAX_GRANTS_PER_SESSION = 64
+"""RDMA grants one session may hold (one per sender QP is the norm): bounds the windows a peer
+holding the token can make the receiver bind."""
 
 
 class CacheStoreServer:
@@ -65,8 +68,9 @@ class CacheStoreServer:
             self.endpoint = register_server(self)
         else:  # tcp, and rdma's control channel
             if self.active_transport == "rdma":
-                from cachestore.rdma import RdmaResources, rdma_devices
-                self._rdma = RdmaResources(rdma_devices()[0], self.region.address, len(self.region))
+                from cachestore.rdma_access import RdmaReceiver
+                from cachestore.rdma_verbs import device_choice
+                self._rdma = RdmaReceiver(self, *device_choice())
             from cachestore.tcp_listener import TcpListener
             self._listener = TcpListener(self, self.host, self.port, self.tcp_limits)
             self.endpoint = self._listener.start()
@@ -77,6 +81,8 @@ class CacheStoreServer:
             self.close_session(request_id)
         if self._listener is not None:
             self._listener.stop()
+        if self._rdma is not None:
+            self._rdma.close()
         if self.active_transport == "local":
             from cachestore.local import unregister_server
             unregister_server(self.endpoint)
@@ -93,8 +99,8 @@ class CacheStoreServer:
         if min(block_ids) < 0 or max(block_ids) >= self.geometry.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.geometry.num_blocks})")
         rdma = {}
-        if self._rdma is not None:  # where the sender's RDMA WRITEs go: one MR over the whole pool
-            rdma = {"address": self.region.address, "rkey": self._rdma.mr.rkey, "num_blocks": self.geometry.num_blocks}
+        if self._rdma is not None:  # the pool's layout; the keys come per sender QP (`rdma_access`)
+            rdma = {"address": self.region.address, "num_blocks": self.geometry.num_blocks}
         creds = SessionCredentials(
             request_id=request_id, endpoint=self.endpoint, transport=self.active_transport,
             session_id=secrets.token_hex(16), token=secrets.token_hex(16), num_layers=num_layers,
@@ -131,6 +137,7 @@ class CacheStoreServer:
         if session is not None:
             if was_open:
                 (self.metrics.expired if state == SessionState.EXPIRED else self.metrics.failed).inc()
+            self._revoke_grants(session)
             if cuts:
                 log.warning("cachestore session %s ended with %d writer(s) inside its blocks: cutting them off",
                             request_id, len(cuts))
@@ -203,15 +210,45 @@ class CacheStoreServer:
         start = self.geometry.offset(layer, first_block)
         return self.region.view[start:start + count * self.geometry.block_bytes]
 
-    def rdma_accept(self, hello: bytes) -> bytes:
-        """Create and connect a QP for a new sender; reply with ours (rdma transport only)."""
-        import json
-        from dataclasses import asdict
+    # --- rdma: per-session remote keys (`cachestore.rdma_access`) ----------------------------
+    def rdma_control(self, conn, hello: bytes) -> tuple[int, bytes]:
+        """A CONNECT message of the rdma transport (QP exchange or grant request)."""
+        return self._rdma.control(conn, hello)
 
-        from cachestore.rdma import QpInfo
-        qp = self._rdma.create_qp()
-        self._rdma.connect(qp, QpInfo(**json.loads(hello)))
-        return json.dumps(asdict(self._rdma.local_info(qp))).encode()
+    def check_grant(self, session_id: str, token: str) -> tuple[Session | None, int]:
+        """The open session a grant request names, if its token matches."""
+        with self._lock:
+            session = self._by_id.get(bytes.fromhex(session_id)) if len(session_id) == 32 else None
+            if session is None:
+                return None, wire.UNKNOWN_SESSION
+            if not secrets.compare_digest(token.encode(), session.creds.token.encode()):
+                return None, wire.BAD_TOKEN
+            return session, wire.OK
+
+    def add_grant(self, session: Session, revoke: Callable[[], None]) -> bool:
+        """Register a bound grant; False if the session closed meanwhile or already holds
+        MAX_GRANTS_PER_SESSION (one per sender QP is the norm), and the caller revokes it."""
+        with self._lock:
+            if session.closed or len(session.grants()) >= MAX_GRANTS_PER_SESSION:
+                return False
+            session.add_grant(revoke)
+            return True
+
+    def _revoke_grants(self, session: Session) -> None:
+        """Invalidate the session's remote keys off the event loop; wait_safe_to_reuse waits for it."""
+        grants = session.grants()
+        if not grants:
+            return
+
+        def revoke_all() -> None:
+            for grant_id, revoke in grants:
+                try:
+                    revoke()
+                except Exception:  # never leave the session unreusable: the key is freed either way
+                    log.exception("revoking an RDMA grant of session %s failed", session.request_id)
+                with self._lock:
+                    session.end_grant(grant_id)
+        threading.Thread(target=revoke_all, name="cachestore-revoke", daemon=True).start()
 
     def reject(self, status: int | str) -> None:
         """Count a refused frame or connection by reason (a wire status code or a name)."""

@@ -36,6 +36,9 @@ class Session:
     it from landing more bytes (the TCP receiver shuts its socket down), so the
     wait for writers is short whatever order the timeouts fire in. A write that
     ends after the session ended is refused, never acknowledged.
+
+    RDMA grants (remote keys for the session's blocks, `cachestore.rdma_access`) count like
+    writers: the session is safe to reuse only once every grant's revocation has completed.
     """
 
     def __init__(self, creds: SessionCredentials, geometry: PoolGeometry, timeout: float,
@@ -55,6 +58,7 @@ class Session:
         self.active_writers = 0
         self._fences: dict[int, Callable[[], None]] = {}
         self._writer_ids = itertools.count()
+        self._grants: dict[int, Callable[[], None]] = {}
         self.closed = False
         """Removed from the registry: no new write can start."""
         self._loop = loop
@@ -89,9 +93,24 @@ class Session:
                 self.state = SessionState.COMPLETE
                 self.completed_at = time.monotonic()
                 self._signal()
-        if self.active_writers == 0 and self.closed:  # only wait_safe_to_reuse cares: no wake-up per write
+        if self.closed and self.safe_to_reuse:  # only wait_safe_to_reuse cares: no wake-up per write
             self._signal()
         return accepted, was_open and self.state == SessionState.COMPLETE
+
+    def add_grant(self, revoke: Callable[[], None]) -> int:
+        """Remote keys now reach the blocks until `revoke` has run and `end_grant` is called."""
+        grant = next(self._writer_ids)
+        self._grants[grant] = revoke
+        return grant
+
+    def end_grant(self, grant: int) -> None:
+        """The grant's keys are invalid: no byte can land through them any more."""
+        self._grants.pop(grant, None)
+        if self.closed and self.safe_to_reuse:
+            self._signal()
+
+    def grants(self) -> list[tuple[int, Callable[[], None]]]:
+        return list(self._grants.items())
 
     def end(self, state: SessionState) -> list[Callable[[], None]]:
         """Closed or expired: no new writes; a session that already completed stays COMPLETE.
@@ -131,14 +150,15 @@ class Session:
                                f"({len(self.landed)}/{self.expected} blocks)")
 
     async def wait_safe_to_reuse(self, timeout: float | None = None) -> None:
-        """Wait until the session is over and no writer can still touch its blocks."""
+        """Wait until the session is over and no writer can still touch its blocks: every TCP writer
+        is out and every RDMA grant's keys are invalidated (after which a posted WRITE fails)."""
         async def idle() -> None:
-            await self._wait(lambda: self.closed and self.active_writers == 0)
+            await self._wait(lambda: self.safe_to_reuse)
         await asyncio.wait_for(idle(), timeout)
 
     @property
     def safe_to_reuse(self) -> bool:
-        return self.closed and self.active_writers == 0
+        return self.closed and self.active_writers == 0 and not self._grants
 
     def close(self) -> None:
         """Stop accepting writes (the registry drops it; in-flight writes finish or fail)."""

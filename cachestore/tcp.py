@@ -14,6 +14,19 @@ from cachestore import wire
 
 log = logging.getLogger("pdserve.cachestore")
 IOV_MAX = 1024
+
+
+def advance_views(views: list[memoryview], i: int, n: int) -> int:
+    """After a vectored send/receive moved `n` bytes starting at `views[i]`, drop what is done:
+    returns the index of the first unfinished view (trimming a partly moved one in place)."""
+    while n and i < len(views):
+        if n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
 """Most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)."""
 
 
@@ -36,7 +49,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
 class Connection:
     """One sender connection: its socket, handshake state and the frame header being read."""
 
-    __slots__ = ("sock", "nonce", "deadline", "buf", "filled", "authenticated", "busy", "closed")
+    __slots__ = ("sock", "nonce", "deadline", "buf", "filled", "authenticated", "busy", "closed", "attached")
 
     def __init__(self, sock: socket.socket, nonce: bytes, deadline: float) -> None:
         self.sock = sock
@@ -49,6 +62,8 @@ class Connection:
         self.busy = False
         """A worker holds it (the poller neither reads it nor enforces its header deadline)."""
         self.closed = False
+        self.attached: object | None = None
+        """What lives as long as the connection (the rdma transport's responder QP); closed with it."""
 
     def pending_view(self) -> memoryview:
         want = wire.HEADER_BYTES if self.authenticated else wire.MAC_BYTES
@@ -65,6 +80,8 @@ class Connection:
             self.closed = True
             self.shutdown()
             self.sock.close()
+            if self.attached is not None:
+                self.attached.close()
 
 
 class Fence:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from cachestore import wire
-from cachestore.tcp import IOV_MAX, Connection, Fence, recv_exact, recv_exact_into
+from cachestore.tcp import IOV_MAX, Connection, Fence, advance_views, recv_exact, recv_exact_into
 
 log = logging.getLogger("pdserve.cachestore")
 DISCARD_CHUNK = 1 << 20
@@ -64,7 +64,7 @@ class FrameWorker:
             sock.settimeout(self.frame_timeout)
             c.filled, c.deadline = 0, None
             h = wire.unpack(header)
-            status = self._frame(sock, h)
+            status = self._frame(c, h)
             if status is None:
                 return False
             if status == wire.OK:
@@ -97,11 +97,11 @@ class FrameWorker:
                     c.deadline = time.monotonic() + self.frame_timeout
                 return True
 
-    def _frame(self, conn: socket.socket, h: wire.Header) -> int | None:
+    def _frame(self, c: Connection, h: wire.Header) -> int | None:
         """One frame; returns the status to acknowledge (NO_ACK for none), None if the stream cannot go on."""
-        server = self.server
+        server, conn = self.server, c.sock
         if h.kind == wire.KIND_CONNECT:
-            self._rdma_connect(conn, h)
+            self._rdma_connect(c, h)
             return NO_ACK
         if h.kind == wire.KIND_ACK:
             raise wire.CorruptFrame("ACK frame sent to the receiver")
@@ -134,16 +134,17 @@ class FrameWorker:
             return None  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
         return wire.OK if accepted else wire.SESSION_CLOSED
 
-    def _rdma_connect(self, conn: socket.socket, h: wire.Header) -> None:
-        """QP info exchange for the rdma transport (not exercised here: no RDMA devices)."""
+    def _rdma_connect(self, c: Connection, h: wire.Header) -> None:
+        """rdma transport control (JSON both ways): a QP info exchange, which gives the connection its
+        responder QP, or a grant request for one session's windows (`cachestore.rdma_access`)."""
         if self.server.active_transport != "rdma" or h.payload_len > wire.MAX_CONNECT_BYTES:
             raise wire.CorruptFrame("CONNECT frame outside the rdma transport")
-        hello = recv_exact(conn, h.payload_len)
+        hello = recv_exact(c.sock, h.payload_len)
         if hello is None:
             raise OSError("peer closed during the RDMA connect")
-        reply = self.server.rdma_accept(hello)
+        status, reply = self.server.rdma_control(c, hello)
         zero = b"\0" * 16
-        conn.sendall(wire.Header(wire.KIND_CONNECT, wire.OK, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
+        c.sock.sendall(wire.Header(wire.KIND_CONNECT, status, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
 
     def _receive_payload(self, conn: socket.socket, h: wire.Header, block_ids: Sequence[int], deadline: float,
                          fence: Fence) -> bool:
@@ -204,13 +205,7 @@ def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> 
         n = conn.recvmsg_into(views[i:i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
         if n == 0:
             return False
-        while n and i < len(views):  # advance past what landed
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = advance_views(views, i, n)  # past what landed
     return not fence.cut_off
 
 

@@ -9,9 +9,42 @@ import threading
 from cachestore import wire
 from cachestore.geometry import Run
 from cachestore.staging import HostStaging
-from cachestore.tcp import IOV_MAX, recv_exact, recv_exact_into
+from cachestore.tcp import IOV_MAX, advance_views, recv_exact, recv_exact_into
 
 CONNECT_TIMEOUT = 5.0
+
+
+def connect(endpoint: str, secret: bytes) -> socket.socket:
+    """An authenticated connection to a receiver (the HMAC handshake done); OSError otherwise."""
+    host, port = endpoint.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = recv_exact(sock, wire.NONCE_BYTES)
+        if nonce is None:
+            raise OSError("receiver closed the connection during the handshake")
+        sock.sendall(wire.auth_tag(secret, nonce))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def control_request(sock: socket.socket, message: bytes, limit: int = wire.MAX_CONNECT_BYTES) -> tuple[int, bytes]:
+    """RDMA control: one CONNECT frame out (JSON), the receiver's (status, JSON reply of at most
+    `limit` bytes) back."""
+    zero = b"\0" * 16
+    sock.sendall(wire.Header(wire.KIND_CONNECT, 0, zero, zero, 0, 0, 0, 0, len(message)).pack() + message)
+    raw = recv_exact(sock, wire.HEADER_BYTES)
+    if raw is None:
+        raise OSError("receiver closed the connection during an RDMA control exchange")
+    h = wire.unpack(raw)
+    if h.kind != wire.KIND_CONNECT or h.payload_len > limit:
+        raise OSError("receiver answered an RDMA control message with a foreign frame")
+    reply = recv_exact(sock, h.payload_len) if h.payload_len else b""
+    if reply is None:
+        raise OSError("receiver closed the connection inside an RDMA control reply")
+    return h.status, reply
 
 
 class TcpChannel:
@@ -28,15 +61,13 @@ class TcpChannel:
         self._seq = 0
         # a device pool is read through one host buffer, allocated once for the connection
         self._staging = HostStaging(client.geometry.block_bytes) if client.region.is_device else None
-        host, port = endpoint.rsplit(":", 1)
         try:
-            self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = recv_exact(self.sock, wire.NONCE_BYTES)
-            if nonce is None:
-                raise OSError("receiver closed the connection during the handshake")
-            self.sock.sendall(wire.auth_tag(client.secret, nonce))
-            self.peer_hello = self._exchange(hello) if hello is not None else None
+            self.sock = connect(endpoint, client.secret)
+            self.peer_hello = None
+            if hello is not None:
+                status, self.peer_hello = control_request(self.sock, hello)
+                if status != wire.OK:
+                    raise OSError("receiver refused the RDMA connection")
             self.sock.settimeout(None)
         except OSError as e:
             self.broken = True
@@ -44,15 +75,6 @@ class TcpChannel:
             return
         threading.Thread(target=self._send_loop, name="cachestore-send", daemon=True).start()
         threading.Thread(target=self._ack_loop, name="cachestore-acks", daemon=True).start()
-
-    def _exchange(self, hello: bytes) -> bytes:
-        """RDMA control: send our QP info, read the receiver's (CONNECT frames)."""
-        zero = b"\0" * 16
-        self.sock.sendall(wire.Header(wire.KIND_CONNECT, 0, zero, zero, 0, 0, 0, 0, len(hello)).pack() + hello)
-        h = wire.unpack(recv_exact(self.sock, wire.HEADER_BYTES) or b"")
-        if h.kind != wire.KIND_CONNECT or h.status != wire.OK or h.payload_len > wire.MAX_CONNECT_BYTES:
-            raise OSError("receiver refused the RDMA connection")
-        return recv_exact(self.sock, h.payload_len) or b""
 
     one_frame_per_layer = True
     """`Transfer` hands over a whole layer: one WRITEV frame and one ack for all its runs."""
@@ -170,10 +192,4 @@ def _sendmsg_all(sock: socket.socket, buffers: list) -> None:
     i = 0
     while i < len(views):
         n = sock.sendmsg(views[i:i + IOV_MAX])
-        while n and i < len(views):
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = advance_views(views, i, n)

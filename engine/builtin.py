@@ -8,10 +8,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine import tiny_model
 from engine.tiny_model import CORPUS, make_tiny_model
 
-FORMAT_VERSION = 1
-"""Bump when tiny_model.py changes what it writes, so stale caches are not reused."""
+FORMAT_VERSION = 2
+"""Bump when tiny_model.py changes what it writes, so stale caches are not reused.
+(The cache directory name also carries a digest of tiny_model.py and the corpus,
+so two builds that differ never share a directory even if a bump is forgotten.)"""
 
 
 def cache_root() -> Path:
@@ -25,7 +28,8 @@ def default_model_dir(size: str = "tiny") -> Path:
     builder writes into its own temp dir and renames it into place; a loser of
     the race discards its copy.
     """
-    digest = hashlib.sha256(CORPUS.read_bytes()).hexdigest()[:10]
+    source = Path(tiny_model.__file__).read_bytes()
+    digest = hashlib.sha256(source + CORPUS.read_bytes()).hexdigest()[:10]
     target = cache_root() / "models" / f"{size}-v{FORMAT_VERSION}-{digest}"
     if (target / "model.safetensors").is_file():
         return target

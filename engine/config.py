@@ -33,8 +33,9 @@ class EngineConfig:
     """recompute: under KV pressure free the newest request and recompute it later.
     never: a request's KV is never dropped; admission reserves blocks for prompt +
     max_tokens and is refused when they do not fit (decode nodes)."""
-    attention_backend: str = "torch"
-    """torch (reference, any device) or flashinfer (CUDA)."""
+    attention_backend: str = "auto"
+    """auto (cpu_paged on CPU, torch elsewhere), torch (reference, any device), cpu_paged (C++ op
+    reading KV pages in place; CPU) or flashinfer (CUDA)."""
     layer_range: tuple[int, int] | None = None
     """Load only these layers (pipeline stage)."""
     seed: int = 0

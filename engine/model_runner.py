@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata, make_backend
+from engine.attention import AttentionMetadata, make_backend, resolve_backend
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
 from engine.llama import LayerHook, LlamaModel
@@ -24,7 +24,7 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 layer_range: tuple[int, int] | None = None, attention_backend: str = "torch",
+                 layer_range: tuple[int, int] | None = None, attention_backend: str = "auto",
                  max_model_len: int | None = None, num_threads: int | None = None) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -41,7 +41,7 @@ class ModelRunner:
         self.model = LlamaModel(cfg, tensors, self.layer_range, self.device)
         self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device,
                               num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes)
-        self.attention = make_backend(attention_backend)
+        self.attention = make_backend(resolve_backend(attention_backend, self.device.type))
         if hasattr(self.attention, "configure"):  # flashinfer plans need head count and dtype
             self.attention.configure(cfg.num_attention_heads, self.dtype)
 

@@ -50,6 +50,35 @@ def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
     return tok
 
 
+def pad_tokenizer(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """Grow the BPE vocabulary to exactly `vocab_size` ids, deterministically.
+
+    The corpus yields fewer merges than a model's vocabulary (1,761 vs 32,000 for
+    `bench`), and an id the tokenizer does not know decodes to empty text, so a
+    client streaming random-weight output would see empty chunks. The new ids are
+    two-word phrases (" the" + " model" -> " the model") added to the vocabulary
+    without merges: encoding never produces them, decoding gives readable text.
+    """
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    have = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size < have:
+        raise ValueError(f"vocab_size {vocab_size} is below the trained tokenizer's {have} ids")
+    # "Ġ" is the byte-level alphabet's space: word-initial tokens of letters only, by id
+    words = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if t[:1] == "Ġ" and t[1:].isalpha()]
+    next_id = have
+    for first in words:
+        for second in words:
+            if next_id == vocab_size:
+                break
+            phrase = first + second
+            if phrase not in vocab:
+                vocab[phrase] = next_id
+                next_id += 1
+    assert next_id == vocab_size, f"only {next_id} ids from {len(words)} words; need {vocab_size}"
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random weights. lm_head gets a larger scale than usual so greedy decoding has
     clear top-1 margins (exactness tests compare greedy ids across batchings)."""
@@ -89,6 +118,7 @@ def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> P
     spec = dict(SIZES[size])
     real_vocab = tok.get_vocab_size(with_added_tokens=True)
     spec["vocab_size"] = spec["vocab_size"] or (real_vocab + 63) // 64 * 64  # padded like real checkpoints
+    tok = pad_tokenizer(tok, spec["vocab_size"])  # every model id decodes to text
     bos, eos, im_end = tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(IM_END)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **spec,

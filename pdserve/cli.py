@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from pdserve.config import new_parser
+
 # Order is the order shown in --help.
 COMMANDS: tuple[str, ...] = (
     "generate",
@@ -26,7 +28,7 @@ COMMANDS: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser = new_parser(prog="pdserve", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"pdserve.commands.{name}").register(subparsers)

@@ -9,11 +9,13 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
+import pdserve
 from router.body_limit import BodyLimit
 from router.errors import ModelNotFound, NoCapacityError, RouterError, Unauthorized, error_body, error_response
+from router.http_metrics import HttpMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Server
 
@@ -24,10 +26,10 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 def create_app(server: Server, *, api_keys: list[str] | None = None, registry: CollectorRegistry | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
-    app = FastAPI(title="pdserve router", version="0.1.0",
+    app = FastAPI(title="pdserve router", version=pdserve.__version__,
                   description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
     registry = registry or CollectorRegistry()
-    requests_total = Counter("pdserve_router_requests", "HTTP requests", ["endpoint", "status"], registry=registry)
+    http_metrics = HttpMetrics(registry, server.model_name)
     keys = [k.encode() for k in (api_keys or []) if k]
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)  # inside `guard`, so its 413s are counted
 
@@ -47,7 +49,7 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
         except Exception:  # a bug: answer in the OpenAI shape and count it, never a bare 500 page
             log.exception("unhandled error on %s %s", request.method, path)
             response = JSONResponse(error_body("internal server error", "server_error"), status_code=500)
-        requests_total.labels(path, str(response.status_code)).inc()
+        http_metrics.observe(app.router.routes, request.scope, response.status_code)
         return response
 
     @app.exception_handler(RouterError)
@@ -99,6 +101,10 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
         if not server.cluster.is_healthy():
             raise NoCapacityError("no healthy prefill + decode pair yet")
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pdserve.__version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

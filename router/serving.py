@@ -9,11 +9,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from prometheus_client import CollectorRegistry
+
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from router.cluster import Cluster
 from router.errors import BadRequest, RouterError
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.request_metrics import RequestMetrics
 from router.text import ChoiceText, chat_logprob_entry, completion_logprobs
 
 STREAM_QUEUE_CHUNKS = 32
@@ -40,8 +43,9 @@ class Server:
     """Builds engine-level requests from OpenAI bodies and shapes the answers."""
 
     def __init__(self, cluster: Cluster, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None, metrics: RequestMetrics | None = None) -> None:
         self.cluster = cluster
+        self.metrics = metrics or RequestMetrics(CollectorRegistry(), model_name)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.default_max_model_len = max_model_len
@@ -133,7 +137,8 @@ class Server:
 
         async def one(choice: Choice) -> None:
             try:
-                async for chunk in self.cluster.generate(f"{base}-{choice.index}", choice.prompt_ids, choice.params):
+                chunks = self.cluster.generate(f"{base}-{choice.index}", choice.prompt_ids, choice.params)
+                async for chunk in self.metrics.track(chunks):
                     delta = choice.text.add(chunk.token_ids)
                     new_lps = chunk.logprobs or []
                     choice.logprobs += new_lps

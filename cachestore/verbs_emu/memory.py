@@ -8,6 +8,9 @@ ibv_alloc_mw(3), ibv_bind_mw(3)):
     associated with that QP: remote access through any other QP is refused.
   * Binding or invalidating gives the window a new rkey (the 8-bit key part changes), so a
     credential holding the old rkey no longer matches anything.
+  * Invalidation, deallocation and deregistration complete only after a remote access in progress
+    through the key has finished (each MR/MW has a lock held across check-and-copy), so once they
+    return no byte can land through that key.
 """
 
 from __future__ import annotations
@@ -51,15 +54,17 @@ class MR:
         self.pd, self.address, self.length, self.access = pd, address, length, access
         self.lkey = self.rkey = new_key_index() << 8
         self.valid = True
+        self.lock = threading.RLock()
         pd.ctx.fabric.register_key(self.rkey, self)
 
     def covers(self, address: int, length: int) -> bool:
         return self.address <= address and address + length <= self.address + self.length
 
     def close(self) -> None:
-        """ibv_dereg_mr: the keys stop working at once."""
-        self.valid = False
-        self.pd.ctx.fabric.unregister_key(self.rkey)
+        """ibv_dereg_mr: the keys stop working once an access in progress has finished."""
+        with self.lock:
+            self.valid = False
+            self.pd.ctx.fabric.unregister_key(self.rkey)
 
 
 class MWBindInfo:
@@ -80,6 +85,7 @@ class MW:
         self._key = 0
         self.rkey = self._index << 8
         self.bound: MWBindInfo | None = None
+        self.lock = threading.RLock()
         self.qp = None
         """The QP the window is bound through (type 2: only that QP may use it)."""
 
@@ -96,20 +102,24 @@ class MW:
                 or not mr.covers(info.addr, info.length)
                 or (info.mw_access_flags & enums.IBV_ACCESS_REMOTE_WRITE and not mr.access & enums.IBV_ACCESS_LOCAL_WRITE)):
             return enums.IBV_WC_MW_BIND_ERR
-        self._rekey()
-        self.bound, self.qp = info, qp
-        self.pd.ctx.fabric.register_key(self.rkey, self)
+        with self.lock:
+            self._rekey()
+            self.bound, self.qp = info, qp
+            self.pd.ctx.fabric.register_key(self.rkey, self)
         return enums.IBV_WC_SUCCESS
 
     def invalidate(self) -> int:
         """LOCAL_INV: the window grants nothing any more; its rkey changes."""
-        self._rekey()
-        self.bound = self.qp = None
+        with self.lock:
+            self._rekey()
+            self.bound = self.qp = None
         return enums.IBV_WC_SUCCESS
 
     def close(self) -> None:
-        self.pd.ctx.fabric.unregister_key(self.rkey)
-        self.bound = self.qp = None
+        """ibv_dealloc_mw: a bound window is invalidated too."""
+        with self.lock:
+            self.pd.ctx.fabric.unregister_key(self.rkey)
+            self.bound = self.qp = None
 
 
 def remote_target(key_owner, responder_qp, address: int, length: int, access: int) -> bool:

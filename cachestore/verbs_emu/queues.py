@@ -225,10 +225,19 @@ class QP:
         responder = self.fabric.qp(self.dest_qp_num)
         if responder is None or responder.qp_state not in (enums.IBV_QPS_RTR, enums.IBV_QPS_RTS):
             return enums.IBV_WC_RETRY_EXC_ERR, 0  # no ACK ever comes back
-        # the responder checks the rkey, the range and the access at execution time
-        if not (responder.access & enums.IBV_ACCESS_REMOTE_WRITE) or not remote_target(
-                self.fabric.key(wr.rkey), responder, wr.remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE):
+        # the responder checks the rkey, the range and the access at execution time, and the key
+        # cannot be invalidated between that check and the copy (its lock)
+        target = self.fabric.key(wr.rkey)
+        lock = getattr(target, "lock", None)
+        if lock is None or not responder.access & enums.IBV_ACCESS_REMOTE_WRITE:
             return enums.IBV_WC_REM_ACCESS_ERR, 0
+        with lock:
+            if self.fabric.key(wr.rkey) is not target or not remote_target(
+                    target, responder, wr.remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE):
+                return enums.IBV_WC_REM_ACCESS_ERR, 0
+            return self._land(wr, responder, length)
+
+    def _land(self, wr: SendWR, responder: "QP", length: int) -> tuple[int, int]:
         recv = None
         if wr.opcode == enums.IBV_WR_RDMA_WRITE_WITH_IMM:
             if not responder._rq:

@@ -34,6 +34,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the pool and attends over each sequence's pages."""
 
+    def wait_ready(self) -> None:
+        """Block until optional compiled kernels are loaded (benchmarks, tests); most backends have none."""
+
     def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
         """Per-step planning (flashinfer plans its wrappers here); the torch backend needs none."""
 

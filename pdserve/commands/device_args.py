@@ -12,7 +12,7 @@ import re
 
 DEVICE_ENV = "PDSERVE_DEVICE"
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
-BACKENDS = ("auto", "torch", "flashinfer")
+BACKENDS = ("auto", "torch", "cpu_paged", "flashinfer")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -21,7 +21,8 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help=f"cpu, cuda or cuda:N (default: ${DEVICE_ENV}, else cpu)")
     p.add_argument("--attention-backend", default=None, choices=BACKENDS,
-                   help=f"torch, flashinfer, or auto: flashinfer on CUDA when importable, else torch "
+                   help=f"torch, cpu_paged (CPU), flashinfer (CUDA), or auto: flashinfer on CUDA when importable, "
+                        f"cpu_paged on CPU, else torch "
                         f"(default: ${BACKEND_ENV}, else auto)")
 
 
@@ -41,7 +42,7 @@ def resolve_device(requested: str | None) -> str:
 
 
 def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
-    """torch or flashinfer. `auto` picks flashinfer on CUDA when it imports and the KV dtype is float16 or
+    """torch, cpu_paged or flashinfer. `auto` picks cpu_paged on CPU, flashinfer on CUDA when it imports and the KV dtype is float16 or
     bfloat16 (its kernels have no float32 variant); an explicit flashinfer that cannot run is refused."""
     backend = (requested or os.environ.get(BACKEND_ENV) or "auto").strip()
     if backend not in BACKENDS:
@@ -49,7 +50,11 @@ def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
     on_gpu = device.startswith("cuda")
     half = dtype is None or str(dtype) in ("torch.float16", "torch.bfloat16")
     if backend == "auto":
-        return "flashinfer" if on_gpu and half and flashinfer_available() else "torch"
+        if not on_gpu:
+            return "cpu_paged"
+        return "flashinfer" if half and flashinfer_available() else "torch"
+    if backend == "cpu_paged" and on_gpu:
+        raise ValueError("attention backend 'cpu_paged' runs on CPU only; use torch or flashinfer with --device cuda")
     if backend == "flashinfer" and not on_gpu:
         raise ValueError("attention backend 'flashinfer' needs --device cuda (it has no CPU path)")
     if backend == "flashinfer" and not half:

@@ -34,8 +34,38 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--advertise-host", default=None,
                    help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
                         "if --host is a wildcard)")
+    add_rdma_args(p)
     from pdserve.discovery import add_discovery_args
     add_discovery_args(p)
+
+
+RDMA_FLAGS = {
+    "rdma_device": ("PDSERVE_RDMA_DEVICE", "RDMA device (NIC) name, e.g. mlx5_0 (default: the first device)"),
+    "rdma_port": ("PDSERVE_RDMA_PORT", "RDMA port number on the device (default 1)"),
+    "rdma_gid_index": ("PDSERVE_RDMA_GID_INDEX", "GID index for RoCE (default 0)"),
+    "rdma_qps": ("PDSERVE_RDMA_QPS", "RC queue pairs per receiver, used round robin (default 2)"),
+}
+"""--transport rdma settings: flag -> (the environment variable it sets for this process's CacheStore, help)."""
+
+
+def add_rdma_args(p: argparse.ArgumentParser) -> None:
+    for dest, (env, text) in RDMA_FLAGS.items():
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
+                       type=str if dest == "rdma_device" else int, help=f"{text}; default: ${env}")
+
+
+def apply_rdma_args(args: argparse.Namespace) -> None:
+    """Give the flags precedence over $PDSERVE_RDMA_* (which CacheStore reads when it sets up RDMA);
+    exits 2 on a negative or zero number where one is needed."""
+    import os
+    for dest, (env, _) in RDMA_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        least = 0 if dest == "rdma_gid_index" else 1
+        if dest != "rdma_device" and value < least:
+            raise SystemExit(f"error: --{dest.replace('_', '-')} must be >= {least}, got {value}")
+        os.environ[env] = str(value)
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -56,6 +86,7 @@ def node_options(args: argparse.Namespace):
     from pdserve.runtime.auth import resolve_secret
     from pdserve.runtime.node import NodeOptions
     import os
+    apply_rdma_args(args)
     transport = args.transport or os.environ.get("PDSERVE_TRANSPORT") or "tcp"
     if transport not in TRANSPORTS:
         raise SystemExit(f"error: PDSERVE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got {transport!r}")

@@ -45,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-keyfile", default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (400)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds open streams may finish after SIGTERM before they are cut (uvicorn)")
     p.add_argument("--token-timeout", type=float, default=2.0,
                    help="migrate a stream that gets no token for this long (raised to --itl-factor x the "
                         "observed inter-token latency on slow nodes)")
@@ -69,25 +71,29 @@ def run(args: argparse.Namespace) -> int:
     from engine.tokenizer import Tokenizer
     from pdserve.discovery import discovery_from_args
     from pdserve.runtime.auth import resolve_secret
+    from pdserve.runtime.node_metrics import add_process_collectors, served_model_name
     from router.app import create_app
     from router.cluster import Cluster
+    from router.cluster_metrics import ClusterCollector
     from router.deadlines import Deadlines
+    from router.request_metrics import RequestMetrics
     from router.serving import Server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     model_dir = args.model or default_model_dir()
-    name = args.served_model_name or ("pdserve-tiny" if args.model is None else os.path.basename(str(model_dir).rstrip("/")))
+    name = args.served_model_name or served_model_name(model_dir)
     keys = api_keys(args)
     if args.api_key:
         logging.getLogger("pdserve.router").warning(
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY")
-    registry = CollectorRegistry()
+    registry = add_process_collectors(CollectorRegistry())
     deadlines = Deadlines(args.token_timeout, args.itl_factor, args.first_token_timeout, args.health_timeout,
                           args.capacity_wait)
     cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret),
                       deadlines=deadlines, registry=registry)
     server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,
-                    args.max_prompt_tokens)
+                    args.max_prompt_tokens, metrics=RequestMetrics(registry, name))
+    ClusterCollector(cluster, name, registry)
     app = create_app(server, api_keys=keys, registry=registry)
 
     @app.on_event("startup")
@@ -105,5 +111,6 @@ def run(args: argparse.Namespace) -> int:
     from router.http_protocol import OpenAIErrorH11Protocol
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level.lower(),
                 http=OpenAIErrorH11Protocol,
-                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=False)
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=False,
+                timeout_graceful_shutdown=args.graceful_timeout)
     return 0

@@ -15,8 +15,9 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nacos-server", default="127.0.0.1:8848", help="nacos: server HOST:PORT")
     p.add_argument("--nacos-namespace", default="", help="nacos: namespace id")
     p.add_argument("--nacos-service", default="pdserve", help="nacos: service name prefix")
-    p.add_argument("--k8s-prefill-service", default="", help="k8s: headless service NAME:PORT of prefill nodes")
-    p.add_argument("--k8s-decode-service", default="", help="k8s: headless service NAME:PORT of decode nodes")
+    p.add_argument("--k8s-prefill-service", default="", help="k8s: headless service of prefill nodes: NAME:PORT (A records) or NAME / "
+                        "_PORTNAME._tcp.NAME (SRV records: port from the Service)")
+    p.add_argument("--k8s-decode-service", default="", help="k8s: headless service of decode nodes (same forms as --k8s-prefill-service)")
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:

@@ -8,18 +8,37 @@ stand-in can implement faithfully for tests. No Nacos server runs on these
 machines: the tests use such a stand-in, not a real server.
 
 Nodes register as ephemeral instances of `<service>-<role>` with their ports
-as metadata and send heartbeats; the router lists healthy instances every few
-seconds and keeps the last-known membership while the registry is unreachable.
+as metadata. Heartbeats are the SDK's own (`add_naming_instance(...,
+heartbeat_interval=)`): its beat carries the full metadata, so when the server
+has expired an instance (about 30 s without beats) and a beat re-creates it, no
+metadata is lost. The router watches with the SDK's own `subscribe` (healthy
+instances only) and applies its ADDED / MODIFIED / DELETED events. Two 2.0.x
+quirks are handled here: its first poll notifies nothing (so `start` lists once
+itself, and later ADDED events for known instances are idempotent), and its
+poll timer stops for good on the first failed poll (so we mark the timer to
+ignore errors: a registry outage keeps the last-known membership and the
+subscription resumes afterwards). A node that dies between the SDK's first and
+second poll raises no event; the router's own health checks cover that case.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from pdserve.discovery.base import ROLES, Discovery, Member
 
 log = logging.getLogger("pdserve.discovery")
+
+
+def _instance_id(host: dict) -> str:
+    """Nacos's id of an instance (the key of the SDK's events), derived as Nacos does when absent."""
+    return host.get("instanceId") or f"{host['ip']}#{host['port']}"
+
+
+def _member(role: str, host: dict) -> Member:
+    return Member(role, host["ip"], int(host["port"]), dict(host.get("metadata") or {}))
 
 
 class NacosDiscovery(Discovery):
@@ -33,7 +52,8 @@ class NacosDiscovery(Discovery):
         self.service = service
         self.interval = interval
         self.heartbeat = heartbeat
-        self._members: dict[str, list[Member]] = {}
+        self._lock = threading.Lock()  # subscription events arrive on the SDK's timer threads
+        self._members: dict[str, dict[str, Member]] = {}  # role -> instance id -> member
         self._registered: list[Member] = []
         self._tasks: list[asyncio.Task] = []
 
@@ -45,21 +65,20 @@ class NacosDiscovery(Discovery):
 
     async def start(self) -> None:
         await self.refresh()
-        self._tasks.append(asyncio.create_task(self._watch()))
+        self._tasks.append(asyncio.create_task(self._subscribe_all()))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.client.stop_subscribe()
         for member in list(self._registered):
             await self.deregister(member)
 
     async def register(self, member: Member) -> None:
         meta = {"role": member.role, **{k: str(v) for k, v in member.metadata.items()}}
         await self._call(self.client.add_naming_instance, self.service_name(member.role), member.host, member.port,
-                         metadata=meta, ephemeral=True)
+                         metadata=meta, ephemeral=True, heartbeat_interval=self.heartbeat)
         self._registered.append(member)
-        if len(self._registered) == 1:
-            self._tasks.append(asyncio.create_task(self._beat()))
 
     async def deregister(self, member: Member) -> None:
         try:
@@ -67,35 +86,53 @@ class NacosDiscovery(Discovery):
                              member.port, ephemeral=True)
         except Exception as e:  # the registry may be gone at shutdown; the instance then expires
             log.warning("nacos deregister of %s failed: %s", member.address, e)
+            # The SDK stops its beat thread only after a successful removal; stop it here too
+            # (its task table is keyed "service#ip#port" in 2.0.x).
+            task = self.client.heartbeats.pop(f"{self.service_name(member.role)}#{member.host}#{member.port}", None)
+            if task is not None:
+                task.stop()
         if member in self._registered:
             self._registered.remove(member)
 
-    async def _beat(self) -> None:
-        while self._registered:
-            await asyncio.sleep(self.heartbeat)
-            for m in list(self._registered):
-                try:
-                    await self._call(self.client.send_heartbeat, self.service_name(m.role), m.host, m.port,
-                                     metadata={"role": m.role}, ephemeral=True)
-                except Exception as e:
-                    log.warning("nacos heartbeat for %s failed: %s", m.address, e)
+    async def _subscribe_all(self) -> None:
+        """Subscribe to each role; a registry down now is retried (subscribe's first poll is synchronous)."""
+        from nacos.listener import SubscribeListener
+        pending = list(ROLES)
+        while pending:
+            role, name = pending[0], self.service_name(pending[0])
+            listener = SubscribeListener(lambda event, slc, role=role: self._on_event(role, event, slc), "pdserve")
+            try:
+                await self._call(self.client.subscribe, listener, self.interval, name, healthy_only=True)
+            except Exception as e:
+                log.warning("nacos subscribe to %s failed (%s); retrying", name, e)
+                await asyncio.sleep(self.interval)
+                continue
+            timer = self.client.subscribe_timer_manager.all_timers().get(f"service-subscribe-timer-{name}")
+            if timer is not None:
+                timer.set_ignore_ex(True)
+            pending.pop(0)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self.refresh()
+    def _on_event(self, role: str, event: str, slc) -> None:
+        with self._lock:
+            known = self._members.setdefault(role, {})
+            if event == "DELETED" or not slc.instance.get("enabled", True):
+                known.pop(slc.instance_id, None)
+            else:
+                known[slc.instance_id] = _member(role, slc.instance)
 
     async def refresh(self) -> None:
+        """One full healthy listing per role (at start; the subscription keeps it current after)."""
         for role in ROLES:
             try:
                 reply = await self._call(self.client.list_naming_instance, self.service_name(role), healthy_only=True)
             except Exception as e:
                 log.warning("nacos unreachable (%s); keeping %d known %s nodes", e,
-                            len(self._members.get(role, [])), role)
+                            len(self._members.get(role, {})), role)
                 continue
             hosts = reply.get("hosts", []) if isinstance(reply, dict) else []
-            self._members[role] = [Member(role, h["ip"], int(h["port"]), dict(h.get("metadata") or {}))
-                                   for h in hosts if h.get("enabled", True)]
+            with self._lock:
+                self._members[role] = {_instance_id(h): _member(role, h) for h in hosts if h.get("enabled", True)}
 
     def members(self, role: str) -> list[Member]:
-        return list(self._members.get(role, []))
+        with self._lock:
+            return sorted(self._members.get(role, {}).values(), key=lambda m: (m.host, m.port))

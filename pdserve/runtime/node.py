@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from pdserve.runtime.auth import SecretInterceptor
 from pdserve.runtime.convert import compatibility
 from pdserve.runtime.engine_loop import EngineLoop
-from pdserve.runtime.node_metrics import NodeMetrics
+from pdserve.runtime.node_metrics import NodeMetrics, served_model_name
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.node")
@@ -44,7 +44,8 @@ class NodeRuntime:
         self.options = options
         self.engine = LLMEngine(engine_config)
         self.compatibility = compatibility(self.engine)
-        self.metrics = NodeMetrics(role)
+        self.metrics = NodeMetrics(role, served_model_name(engine_config.model_dir),
+                                   transport_requested=options.transport)
         self.draining = False
         self.inflight = 0
         self.loop_thread: EngineLoop | None = None

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from cachestore import (CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials,
-                        TransferError, rdma)
+                        TransferError, rdma, rdma_verbs)
 from cachestore.verbs_emu import FABRIC
 from tests.cachestore.helpers import SECRET, block, pools, untouched_outside
 
@@ -62,7 +62,8 @@ async def test_rdma_transfer_is_bit_exact_and_the_engine_thread_never_polls(rdma
         for s, d in zip(src_blocks, dst_blocks):
             assert block(dst, GEO, layer, d) == block(src, GEO, layer, s)
     assert untouched_outside(dst, GEO, {(l, d) for l in range(GEO.num_layers) for d in dst_blocks})
-    assert tx._channel.poll_threads == {"cachestore-rdma"}  # posted and polled on the channel's thread only
+    # posted and polled on the lanes' own threads only, and round robin used both QPs
+    assert tx._channel.poll_threads == {"cachestore-rdma-0", "cachestore-rdma-1"}
 
 
 async def test_qp_forced_to_error_fails_that_request_and_the_next_gets_a_new_qp(rdma_pair):
@@ -72,26 +73,37 @@ async def test_qp_forced_to_error_fails_that_request_and_the_next_gets_a_new_qp(
     tx = client.open_transfer(SessionCredentials.from_bytes(creds.to_bytes()))
     _from_engine_thread(lambda: [tx.write_layer(layer, [5, 9]) for layer in range(GEO.num_layers)])
     channel = tx._channel
-    for _ in range(200):  # wait (bounded) until the channel's QP exists, then break it
-        if channel.qp is not None:
+    lane = channel.lanes[0]
+    for _ in range(500):  # wait (bounded) until the lane's QP is connected, then break it
+        if lane._peer is not None:
             break
         await asyncio.sleep(0.01)
-    channel.qp.to_error()
+    broken_qp = lane.qp.qp_num
+    lane.qp.to_error()
     with pytest.raises(TransferError, match="RDMA"):
         await tx.finish(20)
-    assert channel.broken
+    assert lane.broken
     session = server.get_session("broken")
     server.close_session("broken")
     await session.wait_safe_to_reuse(10)
     FABRIC.faults.write_delay_s = 0.0
-    tx2 = await _transfer(server, client, "next", [6], [12], range(GEO.num_layers))
-    assert tx2._channel is not channel and tx2._channel.qp.qp_num != channel.qp.qp_num
+    tx2 = await _transfer(server, client, "next", [6, 8], [12, 14], range(GEO.num_layers))
+    assert tx2._channel is channel and channel.replaced >= 1  # the failed lane was torn down and rebuilt
+    assert channel.lanes[0] is not lane and channel.lanes[0].qp.qp_num != broken_qp
     assert all(block(dst, GEO, layer, 12) == block(src, GEO, layer, 6) for layer in range(GEO.num_layers))
+    assert all(block(dst, GEO, layer, 14) == block(src, GEO, layer, 8) for layer in range(GEO.num_layers))
 
 
 async def test_lost_completion_fails_the_transfer_within_the_deadline(rdma_pair, monkeypatch):
     server, client, src, dst = rdma_pair
-    monkeypatch.setattr(rdma, "COMPLETION_TIMEOUT", 0.5)
+    monkeypatch.setattr(rdma_verbs, "COMPLETION_TIMEOUT", 0.5)
+    monkeypatch.setenv(rdma.QPS_ENV, "1")  # one lane: its grant is in place before the completion is lost
+    creds = server.open_session("lost", [2], GEO.num_layers, timeout=30)
+    tx = client.open_transfer(SessionCredentials.from_bytes(creds.to_bytes()))
+    _from_engine_thread(lambda: tx.write_layer(0, [1]))
+    await tx.finish(20)
     FABRIC.faults.drop_completions = 1
+    _from_engine_thread(lambda: tx.write_layer(1, [1]))
     with pytest.raises(TransferError, match="no completion"):
-        await _transfer(server, client, "lost", [1], [2], [0])
+        await tx.finish(20)
+    server.close_session("lost")

@@ -45,3 +45,11 @@ def test_qp_state_machine_and_attributes():
     assert rtr["dest_qp_num"] == 77 and rtr["rq_psn"] == 9 and rtr["ah"]["dlid"] == 3 and rtr["ah"]["is_global"]
     assert "REMOTE_WRITE" in qp_attr_values(QpState.INIT, None)["qp_access_flags"]
     assert qp_attr_values(QpState.RTS, None)["retry_cnt"] == 7
+
+
+def test_a_write_goes_only_under_a_granted_window_that_covers_it():
+    from cachestore.rdma import window_for
+    windows = [[1000, 512, 0x1201], [4096, 1024, 0x1302]]
+    assert window_for(windows, 1000, 512) == 0x1201 and window_for(windows, 4096 + 512, 512) == 0x1302
+    with pytest.raises(OSError, match="no granted window"):
+        window_for(windows, 1000, 513)  # one byte past the range: the sender refuses to post it

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -12,32 +14,116 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = ["cpu-demo", "gpu-rdma"]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").exists())
+# Components that only make sense with some overlays (the CPU HPA scales on CPU, meaningless on GPUs;
+# cpu-demo already includes it).
+ONLY_WITH = {"autoscaling-cpu": set(), "rdma-sriov": {"gpu-rdma"}}
+# Custom resources (no schema in kubernetes-validate), each checked in its own test.
+CUSTOM_GROUPS = {"monitoring.coreos.com/": "monitoring", "keda.sh/": "autoscaling-keda"}
 K8S_VERSION = "1.32.0"
 
 
-def render(overlay: str) -> list[dict]:
+def _kustomize(path: Path) -> list[dict]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl (with kustomize) is needed to render the manifests")
-    out = subprocess.run(["kubectl", "kustomize", str(ROOT / "deploy" / "k8s" / "overlays" / overlay)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
+
+
+def render(overlay: str, components: tuple[str, ...] = (), tmp: Path | None = None) -> list[dict]:
+    """Render an overlay, optionally with components added the way a user adds them (a kustomization
+    that lists the overlay as a resource and the components, in the overlay's namespace)."""
+    if not components:
+        return _kustomize(K8S / "overlays" / overlay)
+    assert tmp is not None
+    namespace = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())["namespace"]
+    rel = os.path.relpath(K8S, tmp)
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": namespace,
+        "resources": [f"{rel}/overlays/{overlay}"], "components": [f"{rel}/components/{c}" for c in components]}))
+    return _kustomize(tmp)
+
+
+def combinations() -> list[tuple[str, tuple[str, ...]]]:
+    out = []
+    for overlay in OVERLAYS:
+        built_in = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text()).get("components", [])
+        allowed = [c for c in COMPONENTS if overlay in ONLY_WITH.get(c, {overlay})
+                   and not any(b.endswith(f"/{c}") for b in built_in)]
+        for n in range(len(allowed) + 1):
+            out += [(overlay, combo) for combo in itertools.combinations(allowed, n)]
+    return out
 
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlay_renders_and_validates(overlay):
+@pytest.mark.parametrize("overlay,components", combinations(), ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
+def test_every_overlay_and_component_combination_validates(overlay, components, tmp_path):
     import kubernetes_validate
-    docs = render(overlay)
+    docs = render(overlay, components, tmp_path)
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            # a CRD without a published schema: check its structure ourselves
-            assert doc["kind"] == "ServiceMonitor" and doc["spec"]["endpoints"] and doc["spec"]["selector"]
-            continue
+        group = next((g for g in CUSTOM_GROUPS if doc["apiVersion"].startswith(g)), None)
+        if group is not None:
+            assert CUSTOM_GROUPS[group] in components, f"{doc['kind']} belongs in an opt-in component"
+            continue  # custom resources: validated in test_monitoring.py / test_keda_scaled_objects
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert doc["metadata"].get("namespace", overlay) != "default"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_is_ready_for_a_fresh_cluster(overlay):
+    docs = render(overlay)
+    (namespace,) = by_kind(docs, "Namespace").values()
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] in ("baseline", "privileged")
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "Namespace"} == {namespace["metadata"]["name"]}
+    assert not any(d["apiVersion"].startswith("monitoring.coreos.com/") for d in docs)  # base needs no operator
+    for name, dep in by_kind(docs, "Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for c in pod["containers"]:
+            assert c["imagePullPolicy"] == "IfNotPresent"
+            assert re.fullmatch(r"[a-z0-9./-]+:\d+\.\d+\.\d+", c["image"]), c["image"]
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            assert "startupProbe" in c
+            if "nvidia.com/gpu" in c["resources"]["limits"]:
+                assert c["resources"]["requests"] == c["resources"]["limits"], f"{name} is not Guaranteed"
+            else:
+                assert pod["securityContext"]["runAsNonRoot"] is True
+        if name != "pdserve-router":  # a large checkpoint may take 10-60 min to load
+            probe = pod["containers"][0]["startupProbe"]
+            assert probe["periodSeconds"] * probe["failureThreshold"] >= 3600
+    router = by_kind(docs, "Deployment")["pdserve-router"]["spec"]["template"]["spec"]
+    assert router["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    config = next(iter(by_kind(docs, "ConfigMap").values()))
+    assert router["terminationGracePeriodSeconds"] > 10 + float(config["data"]["PDSERVE_GRACEFUL_TIMEOUT"])
+    hpas = by_kind(docs, "HorizontalPodAutoscaler")
+    assert bool(hpas) == (overlay == "cpu-demo"), "only cpu-demo scales on CPU"
+
+
+def test_every_configmap_key_is_read():
+    """A ConfigMap key is either a PDSERVE_<FLAG> of a command that the pods run, or an env the code reads."""
+    import argparse
+
+    from pdserve.cli import build_parser
+    from pdserve.config import env_name
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {env_name(o) for p in sub.choices.values() for a in p._actions for o in a.option_strings if o.startswith("--")}
+    sources = "\n".join(p.read_text() for d in ("engine", "pdserve") for p in (ROOT / d).rglob("*.py"))
+    for overlay in OVERLAYS:
+        for cm in by_kind(render(overlay), "ConfigMap").values():
+            for key in cm["data"]:
+                assert key in flags or f'"{key}"' in sources, f"{key} in ConfigMap {cm['metadata']['name']} is never read"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nodes_and_router_are_wired_for_k8s_discovery(overlay):
+    docs = render(overlay)
     deployments = by_kind(docs, "Deployment")
     assert set(deployments) == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
     services = by_kind(docs, "Service")
@@ -52,7 +138,10 @@ def test_overlay_renders_and_validates(overlay):
         assert secret_env["valueFrom"]["secretKeyRef"]["name"] == "pdserve-secrets"
     router = deployments["pdserve-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert "pdserve-prefill:50061" in router["args"] and "pdserve-decode:50071" in router["args"]
+    for role, port in (("prefill", 50061), ("decode", 50071)):
+        # SRV discovery: `_grpc._tcp.<service>` needs a Service port named grpc (it supplies the port).
+        assert f"_grpc._tcp.pdserve-{role}" in router["args"]
+        assert {"name": "grpc", "port": port, "targetPort": "grpc"} in services[f"pdserve-{role}"]["spec"]["ports"]
 
 
 def test_gpu_rdma_requests_devices_and_ipc_lock():
@@ -65,6 +154,20 @@ def test_gpu_rdma_requests_devices_and_ipc_lock():
         assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
         assert c["args"][c["args"].index("--transport") + 1] == "rdma"
         assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in spec["volumes"])
+
+
+def test_gpu_rdma_model_volume_and_fill_job():
+    docs = render("gpu-rdma")
+    pvc = by_kind(docs, "PersistentVolumeClaim")["pdserve-models"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # read on every GPU host at once
+    job = by_kind(docs, "Job")["pdserve-model-fill"]["spec"]["template"]["spec"]
+    assert job["volumes"][0]["persistentVolumeClaim"] == {"claimName": "pdserve-models"}
+    fill = job["containers"][0]
+    assert not fill["volumeMounts"][0].get("readOnly") and "MODEL_SOURCE" in {e["name"] for e in fill["env"]}
+    assert "mv /models/model.partial /models/model" in fill["args"][0]  # atomic: never a half checkpoint
+    for role in ("prefill", "decode", "router"):
+        args = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--model") + 1] == "/models/model"
 
 
 def test_cpu_demo_scale_and_dev_secret():
@@ -85,3 +188,32 @@ def test_dashboard_queries_pdserve_metrics():
     for name in names:
         base = re.sub(r"_(total|bucket)$", "", name)
         assert f'"{base}"' in sources, f"{name} is not exported by pdserve"
+
+
+def test_keda_scaled_objects_target_real_deployments_and_known_series(tmp_path):
+    docs = render("gpu-rdma", ("autoscaling-keda", "monitoring"), tmp_path)
+    deployments = by_kind(docs, "Deployment")
+    rules = next(iter(by_kind(docs, "PrometheusRule").values()))
+    recorded = {r["record"] for g in rules["spec"]["groups"] for r in g["rules"] if "record" in r}
+    scaled = by_kind(docs, "ScaledObject")
+    assert set(scaled) == {"pdserve-decode", "pdserve-prefill"}
+    assert not by_kind(docs, "HorizontalPodAutoscaler"), "gpu-rdma must not inherit a CPU HPA"
+    for name, obj in scaled.items():
+        assert obj["spec"]["scaleTargetRef"]["name"] in deployments
+        for trigger in obj["spec"]["triggers"]:
+            assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+            for series in re.findall(r"\b([a-z_]+:[a-z_:]+|pdserve_[a-z_]+)\{", trigger["metadata"]["query"]):
+                assert series in recorded or series.startswith("pdserve_"), series
+                assert f'namespace="{obj["metadata"]["namespace"]}"' in trigger["metadata"]["query"]
+
+
+def test_network_host_and_rdma_sriov_components(tmp_path):
+    docs = render("gpu-rdma", ("network-host", "rdma-sriov"), tmp_path)
+    for role in ("prefill", "decode"):
+        pod = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        limits = pod["containers"][0]["resources"]["limits"]
+        assert "rdma/hca_shared_devices_a" not in limits and limits["nvidia.com/sriov_rdma_vf"] == 1
+        assert pod["containers"][0]["resources"]["requests"] == limits
+    router = by_kind(docs, "Deployment")["pdserve-router"]["spec"]["template"]["spec"]
+    assert "hostNetwork" not in router

@@ -19,15 +19,22 @@ NEW_TOKENS = 12
 LOGPROB_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=CASES)
+BACKENDS = ["torch", "cpu_paged"]
+
+
+@pytest.fixture(scope="module", params=[(c, b) for c in CASES for b in BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request, tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
-    if request.param == "builtin":
+    kind, backend = request.param
+    if kind == "builtin":
         model_dir = tiny_model_dir
     else:
-        model_dir = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), tiny_model_dir)
+        model_dir = build_checkpoint(kind, tmp_path_factory.mktemp(kind), tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(model_dir, num_kv_blocks=512, block_size=8, max_num_batched_tokens=96)
+    llm = LLM(model_dir, num_kv_blocks=512, block_size=8, max_num_batched_tokens=96, attention_backend=backend)
+    if backend == "cpu_paged":  # this machine has a compiler: the kernel must be what is tested
+        llm.engine.runner.attention.wait_ready()
+        assert llm.engine.runner.attention.uses_kernel
     return hf, llm
 
 

@@ -39,3 +39,21 @@ def test_stop_string_checker_truncates(tiny_model_dir):
         checker = StopStringChecker(IncrementalDetokenizer(tok), ("brown",), include)
         hit = [checker.check(t) for t in ids]
         assert any(hit) and checker.truncated_text == expected
+
+
+def test_every_model_token_id_decodes_to_text(tiny_model_dir):
+    """The built-in tokenizer covers the model's whole vocabulary (no id decodes to nothing)."""
+    import json
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(tiny_model_dir)
+    assert tok.vocab_size == vocab
+    special = {tok.encode(s, add_special_tokens=False)[0] for s in ("<|begin_of_text|>", "<|end_of_text|>",
+                                                                    "<|im_start|>", "<|im_end|>")}
+    empty = [i for i in range(vocab) if i not in special and tok.decode([i]) == ""]
+    assert empty == []
+
+
+def test_tokenizer_padding_is_deterministic_and_exact():
+    from engine.tiny_model import pad_tokenizer, train_tokenizer
+    a, b = pad_tokenizer(train_tokenizer(), 3000), pad_tokenizer(train_tokenizer(), 3000)
+    assert a.to_str() == b.to_str() and a.get_vocab_size(with_added_tokens=True) == 3000

@@ -54,4 +54,4 @@ async def test_one_gpu_cluster_over_tcp_equals_llm(gpu_cluster, tiny_model_dir):
         for i, p in enumerate(prompts)])
     for (tokens, _), exp in zip(results, expected):
         assert tokens == exp.outputs[0].token_ids
-    await all_free(gpu_cluster, within=10)
+    await all_free(gpu_cluster, nominal=10.0)

@@ -21,7 +21,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def test_defaults_and_environment(monkeypatch):
     monkeypatch.delenv("PDSERVE_DEVICE", raising=False)
     monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
-    assert device_options(_parse([])) == {"device": "cpu", "attention_backend": "torch"}
+    assert device_options(_parse([])) == {"device": "cpu", "attention_backend": "cpu_paged"}
     monkeypatch.setenv("PDSERVE_ATTENTION_BACKEND", "torch")
     monkeypatch.setenv("PDSERVE_DEVICE", "cpu")
     assert device_options(_parse([])) == {"device": "cpu", "attention_backend": "torch"}

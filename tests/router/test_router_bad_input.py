@@ -82,5 +82,5 @@ async def test_every_response_is_counted_including_500s(make_client):
         assert assert_openai_error(r, 500)["type"] == "server_error"
         await c.post(COMPLETIONS, content=b"{", headers={"content-type": "application/json"})
     count = lambda status: registry.get_sample_value(  # noqa: E731
-        "pdserve_router_requests_total", {"endpoint": COMPLETIONS, "status": status})
+        "pdserve_router_requests_total", {"model_name": "m", "route": COMPLETIONS, "status": status})
     assert count("500") == 1 and count("400") == 1

@@ -1,0 +1,204 @@
+"""The verbs layer shared by both sides of the rdma transport: device choice, QP state machine,
+the pool registration, QP connection, posting and completion polling.
+
+NOT EXERCISED on hardware (no InfiniBand/RoCE here); in CI it drives the emulated verbs device
+`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1). Every verbs call goes through `verbs()`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+import types
+from dataclasses import dataclass
+
+log = logging.getLogger("pdserve.cachestore")
+
+EMULATOR_ENV = "PDSERVE_RDMA_EMULATOR"
+COMPLETION_TIMEOUT = 30.0
+"""Seconds a posted batch may wait for its completion before the channel is torn down."""
+
+
+def verbs() -> types.SimpleNamespace | types.ModuleType:
+    """The verbs API in use: the emulated device when $PDSERVE_RDMA_EMULATOR=1, else pyverbs
+    (ImportError when it is not installed)."""
+    if os.environ.get(EMULATOR_ENV) == "1":
+        import cachestore.verbs_emu as emu
+        return emu
+    from pyverbs import enums
+    from pyverbs.addr import AHAttr, GlobalRoute
+    from pyverbs.cq import CQ
+    from pyverbs.device import Context, get_device_list
+    from pyverbs.mr import MR, MW, MWBindInfo
+    from pyverbs.pd import PD
+    from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+    from pyverbs.wr import SGE, SendWR
+    return types.SimpleNamespace(enums=enums, AHAttr=AHAttr, GlobalRoute=GlobalRoute, CQ=CQ, Context=Context,
+                                 get_device_list=get_device_list, MR=MR, MW=MW, MWBindInfo=MWBindInfo, PD=PD, QP=QP,
+                                 QPAttr=QPAttr, QPCap=QPCap,
+                                 QPInitAttr=QPInitAttr, SGE=SGE, SendWR=SendWR)
+
+
+def rdma_devices() -> list[str]:
+    """Names of RDMA devices, [] when pyverbs is missing or the host has none.
+
+    pyverbs' get_device_list() raises PyverbsRDMAError instead of returning []
+    on hosts without RDMA support, so any error means "no device"."""
+    try:
+        v = verbs()
+    except ImportError:
+        return []
+    try:
+        return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in v.get_device_list()]
+    except Exception as e:  # PyverbsRDMAError: "Failed to get devices list"
+        log.info("no RDMA devices: %s", e)
+        return []
+
+
+def device_choice() -> tuple[str, int, int]:
+    """(device, port, GID index) from PDSERVE_RDMA_DEVICE / _PORT / _GID_INDEX; OSError if absent."""
+    devices = rdma_devices()
+    name = os.environ.get("PDSERVE_RDMA_DEVICE") or (devices[0] if devices else "")
+    if name not in devices:
+        raise OSError(f"RDMA device {name!r} not found (devices: {', '.join(devices) or 'none'})")
+    return name, int(os.environ.get("PDSERVE_RDMA_PORT", "1")), int(os.environ.get("PDSERVE_RDMA_GID_INDEX", "0"))
+
+
+@dataclass(frozen=True)
+class QpInfo:
+    """What each side of an RC connection tells the other (over the TCP control channel)."""
+
+    qp_num: int
+    lid: int
+    gid: str
+    """Hex GID (RoCE needs it; IB can use the LID)."""
+    psn: int = 0
+
+
+class QpState(enum.IntEnum):
+    RESET = 0
+    INIT = 1
+    RTR = 2
+    RTS = 3
+    ERROR = 4
+
+
+_NEXT = {QpState.RESET: QpState.INIT, QpState.INIT: QpState.RTR, QpState.RTR: QpState.RTS}
+
+
+def next_state(state: QpState, target: QpState) -> QpState:
+    """RC QPs go RESET -> INIT -> RTR -> RTS in order; any state may drop to ERROR."""
+    if target == QpState.ERROR or _NEXT.get(state) == target:
+        return target
+    raise ValueError(f"illegal QP transition {state.name} -> {target.name}")
+
+
+def qp_attr_values(state: QpState, remote: QpInfo | None, *, port: int = 1, gid_index: int = 0,
+                   mtu: int = 5, max_rd_atomic: int = 1) -> dict:
+    """Attribute values for modify_qp into `state` (pure: what QPAttr is filled with)."""
+    if state == QpState.INIT:
+        # remote write is all the receiver's MR needs; local write for the sender's own MR
+        return {"qp_state": "INIT", "pkey_index": 0, "port_num": port, "qp_access_flags": ("LOCAL_WRITE", "REMOTE_WRITE")}
+    if state == QpState.RTR:
+        assert remote is not None, "RTR needs the peer's QP info"
+        return {"qp_state": "RTR", "path_mtu": mtu, "dest_qp_num": remote.qp_num, "rq_psn": remote.psn,
+                "max_dest_rd_atomic": max_rd_atomic, "min_rnr_timer": 12,
+                "ah": {"dlid": remote.lid, "port_num": port, "is_global": bool(remote.gid), "dgid": remote.gid,
+                       "sgid_index": gid_index, "hop_limit": 1}}
+    if state == QpState.RTS:
+        return {"qp_state": "RTS", "sq_psn": 0, "timeout": 14, "retry_cnt": 7, "rnr_retry": 7,
+                "max_rd_atomic": max_rd_atomic}
+    raise ValueError(f"no attributes for {state.name}")
+
+
+class RdmaResources:
+    """Device context, protection domain and ONE memory region over the whole pool.
+
+    Registering the pool once (not per block) is what makes per-request transfers cheap; the pool
+    must be a plain allocation (cudaMalloc / malloc), never a stream-ordered allocator region, which
+    GPUDirect cannot register. `remote_access` is what the pool MR itself grants: nothing remote on
+    either side (the receiver grants per-session windows or MRs, `cachestore.rdma_access`);
+    `mw_bind` lets the receiver bind type-2 windows to it."""
+
+    def __init__(self, device: str, address: int, length: int, port: int = 1, gid_index: int = 0,
+                 mw_bind: bool = False) -> None:
+        v = self.v = verbs()
+        self.port, self.gid_index = port, gid_index
+        self.address, self.length = address, length
+        self.ctx = v.Context(name=device)
+        self.pd = v.PD(self.ctx)
+        access = v.enums.IBV_ACCESS_LOCAL_WRITE | (v.enums.IBV_ACCESS_MW_BIND if mw_bind else 0)
+        self.mr = v.MR(self.pd, length, access, address=address)
+
+    def create_qp(self, max_send_wr: int = 256, cq_depth: int = 1024):
+        """An RC QP with its own CQ (one poller per QP: no CQ shared between threads)."""
+        v = self.v
+        cq = v.CQ(self.ctx, cq_depth, None, None, 0)
+        cap = v.QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        qp = v.QP(self.pd, v.QPInitAttr(qp_type=v.enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap))
+        return qp, cq
+
+    def local_info(self, qp) -> QpInfo:
+        port = self.ctx.query_port(self.port)
+        gid = self.ctx.query_gid(self.port, self.gid_index)
+        return QpInfo(qp_num=qp.qp_num, lid=port.lid, gid=str(gid))
+
+    def connect(self, qp, remote: QpInfo, responder: bool) -> None:
+        """Drive the RC QP RESET -> INIT -> RTR -> RTS towards `remote`. Only a responder (the
+        receiver) lets remote WRITEs in; the keys then decide where they may land."""
+        v, port = self.v, self.port
+        state = QpState.RESET
+        for target in (QpState.INIT, QpState.RTR, QpState.RTS):
+            state = next_state(state, target)
+            values = qp_attr_values(target, remote, port=port, gid_index=self.gid_index)
+            attr = v.QPAttr(port_num=port)
+            if target == QpState.INIT:
+                attr.qp_access_flags = v.enums.IBV_ACCESS_LOCAL_WRITE | (
+                    v.enums.IBV_ACCESS_REMOTE_WRITE if responder else 0)
+                qp.to_init(attr)
+            elif target == QpState.RTR:
+                ah = values["ah"]
+                gr = v.GlobalRoute(dgid=remote.gid, sgid_index=ah["sgid_index"]) if ah["is_global"] else None
+                attr.ah_attr = v.AHAttr(port_num=port, dlid=ah["dlid"], is_global=int(ah["is_global"]), gr=gr)
+                attr.dest_qp_num, attr.rq_psn = values["dest_qp_num"], values["rq_psn"]
+                attr.path_mtu, attr.max_dest_rd_atomic = values["path_mtu"], values["max_dest_rd_atomic"]
+                attr.min_rnr_timer = values["min_rnr_timer"]
+                qp.to_rtr(attr)
+            else:
+                for key in ("sq_psn", "timeout", "retry_cnt", "rnr_retry", "max_rd_atomic"):
+                    setattr(attr, key, values[key])
+                qp.to_rts(attr)
+
+    def close(self) -> None:
+        """Deregister the pool (the QPs using it are closed first by their owners)."""
+        if hasattr(self.mr, "close"):
+            self.mr.close()
+
+    def post_chain(self, qp, wrs: list) -> None:
+        """Post linked work requests; only the caller decides which are signaled."""
+        for a, b in zip(wrs, wrs[1:]):
+            a.set_next_wr(b)
+        qp.post_send(wrs[0])
+
+
+def wait_completion(v, cq, wr_id: int, timeout: float | None = None) -> None:
+    """Poll `cq` (on the calling thread, never the engine's) until `wr_id` completes; OSError on an
+    error completion or when none arrives in time (a lost completion: the QP's state is unknown)."""
+    timeout = timeout or COMPLETION_TIMEOUT
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while time.monotonic() < deadline:
+        n, wcs = cq.poll(1)
+        if not n:
+            spins += 1
+            time.sleep(0 if spins < 100 else 0.0005)  # spin briefly, then back off
+            continue
+        wc = wcs[0]
+        if wc.status != v.enums.IBV_WC_SUCCESS:
+            raise OSError(f"work request {wc.wr_id} failed with completion status {wc.status}"
+                          + (" (remote access error)" if wc.status == v.enums.IBV_WC_REM_ACCESS_ERR else ""))
+        if wc.wr_id == wr_id:
+            return
+    raise OSError(f"no completion for work request {wr_id} within {timeout:.0f}s")

@@ -1,0 +1,78 @@
+"""`cpu_paged`: paged attention that reads the KV pool in place (C++ op, CPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention import cpu_build
+from engine.attention.torch_backend import TorchAttention
+
+
+class CpuPagedAttention(AttentionBackend):
+    """Decode and prefix-cached prefill chunks through one C++ call per layer over the pages in place.
+
+    A prompt with no cached prefix attends only to its own fresh K/V, so it keeps
+    SDPA's GEMM-based causal kernel (the same as the torch backend). Until the op
+    is built (first use on a machine), or forever without a compiler, steps run
+    the torch backend's path (see `cpu_build`); the choice is made per step.
+    """
+
+    def __init__(self) -> None:
+        cpu_build.start_build()
+        self._op = cpu_build.current_op()
+        self._fallback = TorchAttention()
+        self._tables: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self._op is not None
+
+    def wait_ready(self) -> None:
+        self._op = cpu_build.load_paged_attention_op()
+
+    def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
+        self._op = cpu_build.current_op()  # picked once per step, so all layers of a step agree
+        # per-step int32 tables, built once and shared by every layer: only the sequences with cached
+        # context (decode tokens, later chunks) go to the kernel
+        b = meta.batch
+        paged = [i for i, (q, c) in enumerate(zip(b.query_lens, b.context_lens)) if q < c]
+        starts, table_rows, ctx = [0], [], []
+        width = max((len(b.block_tables[i]) for i in paged), default=0)
+        for i in paged:
+            starts.append(starts[-1] + b.query_lens[i])
+            table_rows.append(b.block_tables[i] + [0] * (width - len(b.block_tables[i])))
+            ctx.append(b.context_lens[i])
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        self._tables = (meta, i32(table_rows).reshape(len(paged), width), i32(starts), i32(ctx))
+        self._paged = paged
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self._op is None or q.device.type != "cpu":
+            return self._fallback.forward(q, k, v, kv_layer, meta, scale)
+        # kv_layer: [N, 2, Hkv, B, D]; write this step's K/V into the pages first
+        kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
+        kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
+        if self._tables is None or self._tables[0] is not meta:
+            self.begin_step(meta, kv_layer.shape)
+        _, table, starts, ctx = self._tables
+        b = meta.batch
+        if len(self._paged) == b.num_seqs:  # decode-only or all-chunked: one call, no copies
+            return self._op(q, kv_layer, table, starts, ctx, scale)
+        out = torch.empty_like(q)
+        offsets = [0]
+        for q_len in b.query_lens:
+            offsets.append(offsets[-1] + q_len)
+        rows = [r for i in self._paged for r in range(offsets[i], offsets[i + 1])]
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long)
+            out[idx] = self._op(q.index_select(0, idx), kv_layer, table, starts, ctx, scale)
+        for i, (q_len, c) in enumerate(zip(b.query_lens, b.context_lens)):
+            if q_len == c:  # fresh prompt: causal SDPA over its own K/V
+                s, e = offsets[i], offsets[i + 1]
+                qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                out[s:e] = oi.transpose(0, 1)
+        return out

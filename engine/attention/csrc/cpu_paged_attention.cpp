@@ -1,0 +1,158 @@
+// Paged attention on CPU that reads K/V pages of the pool in place.
+//
+// Pool layer layout (HND inside a block): kv[N, 2, Hkv, B, D].
+// For every sequence s, its query tokens q[query_start[s] .. query_start[s+1])
+// sit at the last positions of its context (context_lens[s]); query j attends
+// causally to keys 0 .. ctx - q_len + j, found through block_table[s].
+// One work item is (query token, kv head): the group's Hq/Hkv query heads share
+// each K/V row read. Softmax is exact (scores kept, then max/exp/sum) in float32.
+//
+// The inner loops are written so that the compiler vectorises them; on x86-64
+// with GCC they are compiled for AVX-512, AVX2 and baseline and picked at load
+// time (target_clones), so one build is correct on any x86-64 CPU.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PDS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PDS_CLONES
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// 16 partial sums: lets the compiler vectorise the reduction without -ffast-math
+PDS_CLONES float dot_f32(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = 0;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  return s;
+}
+
+PDS_CLONES float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * bf16_to_float(b[i + l]);
+  float s = 0;
+  for (; i < n; ++i) s += a[i] * bf16_to_float(b[i]);
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  return s;
+}
+
+PDS_CLONES void axpy_f32(float* y, float w, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+PDS_CLONES void axpy_bf16(float* y, float w, const uint16_t* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * bf16_to_float(x[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) { return dot_f32(a, b, n); }
+inline float dot(const float* a, const at::BFloat16* b, int64_t n) {
+  return dot_bf16(a, reinterpret_cast<const uint16_t*>(b), n);
+}
+inline void axpy(float* y, float w, const float* x, int64_t n) { axpy_f32(y, w, x, n); }
+inline void axpy(float* y, float w, const at::BFloat16* x, int64_t n) {
+  axpy_bf16(y, w, reinterpret_cast<const uint16_t*>(x), n);
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
+         const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const int64_t num_tokens = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = kv.size(2), bs = kv.size(3);
+  const int64_t group = hq / hkv, num_seqs = context_lens.size(0), max_pages = block_table.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kvp = kv.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* qstart = query_start.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  // strides of kv[N, 2, Hkv, B, D] (contiguous)
+  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
+  // token -> sequence, so work items can be flat over (token, kv head)
+  std::vector<int32_t> seq_of(num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int32_t t = qstart[s]; t < qstart[s + 1]; ++t) seq_of[t] = static_cast<int32_t>(s);
+
+  at::parallel_for(0, num_tokens * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / hkv, h = item % hkv, s = seq_of[t];
+      const int64_t q_len = qstart[s + 1] - qstart[s];
+      const int64_t n_keys = ctx[s] - q_len + (t - qstart[s]) + 1;  // causal: keys 0 .. own position
+      const int32_t* pages = table + s * max_pages;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i)
+          qf[g * d + i] = static_cast<float>(qp[(t * hq + h * group + g) * d + i]) * static_cast<float>(scale);
+      scores.resize(group * n_keys);
+      for (int64_t p = 0; p < n_keys; ++p) {
+        const T* krow = kvp + pages[p / bs] * s_block + h * s_head + (p % bs) * d;
+        for (int64_t g = 0; g < group; ++g) scores[g * n_keys + p] = dot(&qf[g * d], krow, d);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = &scores[g * n_keys];
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < n_keys; ++p) mx = sc[p] > mx ? sc[p] : mx;
+        float sum = 0;
+        for (int64_t p = 0; p < n_keys; ++p) { sc[p] = std::exp(sc[p] - mx); sum += sc[p]; }
+        const float inv = 1.0f / sum;
+        for (int64_t p = 0; p < n_keys; ++p) sc[p] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = 0; p < n_keys; ++p) {
+        const T* vrow = kvp + pages[p / bs] * s_block + s_kv + h * s_head + (p % bs) * d;
+        for (int64_t g = 0; g < group; ++g) axpy(&acc[g * d], scores[g * n_keys + p], vrow, d);
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) op[(t * hq + h * group + g) * d + i] = static_cast<T>(acc[g * d + i]);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                           const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "cpu_paged attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(1) == 2, "q [T,Hq,D], kv [N,2,Hkv,B,D] expected");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(q.size(2) == kv.size(4) && q.size(1) % kv.size(2) == 0, "head shapes do not match");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt, "index tensors must be int32");
+  TORCH_CHECK(kv.is_contiguous(), "kv layer must be contiguous");
+  at::Tensor qc = q.contiguous(), bt = block_table.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, out);
+  } else {
+    TORCH_CHECK(false, "cpu_paged attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor query_start, Tensor context_lens, "
+        "float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}

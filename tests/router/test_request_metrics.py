@@ -1,0 +1,71 @@
+"""Router request metrics observe the client's stream: tokens, finish reasons, latency, in-flight, cluster state."""
+
+from __future__ import annotations
+
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.discovery import Member
+from pdserve.v1 import common_pb2
+from router.balancer import NodeLoad
+from router.cluster import GenerateChunk, NodeState
+from router.cluster_metrics import ClusterCollector
+from router.request_metrics import RequestMetrics
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, {"model_name": "m", **labels})
+    assert value is not None, f"{name}{labels} not exported"
+    return value
+
+
+async def _stream(n: int, *, fail: bool = False, cached: int = 0):
+    for i in range(n):
+        last = i == n - 1
+        if fail and last:
+            raise RuntimeError("decode node vanished")
+        yield GenerateChunk([i], None, "length" if last else None,
+                            common_pb2.Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=cached) if last else None)
+
+
+async def test_tokens_reasons_and_latency():
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry, "m")
+    assert [c.token_ids async for c in metrics.track(_stream(3, cached=4))] == [[0], [1], [2]]
+    with pytest.raises(RuntimeError):
+        async for _ in metrics.track(_stream(3, fail=True)):
+            pass
+    early = metrics.track(_stream(3))
+    await early.__anext__()
+    assert _value(registry, "pdserve_router_requests_in_flight") == 1
+    await early.aclose()  # the client went away after one token
+    assert _value(registry, "pdserve_router_requests_in_flight") == 0
+    assert _value(registry, "pdserve_router_generation_tokens_total") == 3 + 2 + 1
+    assert _value(registry, "pdserve_router_prompt_tokens_total") == 5
+    assert _value(registry, "pdserve_router_prefix_cache_queries_total") == 5
+    assert _value(registry, "pdserve_router_prefix_cache_hits_total") == 4
+    for reason, count in (("length", 1), ("error", 1), ("abort", 1), ("stop", 0)):
+        assert _value(registry, "pdserve_router_requests_finished_total", finished_reason=reason) == count
+    assert _value(registry, "pdserve_router_time_to_first_token_seconds_count") == 3
+    assert _value(registry, "pdserve_router_inter_token_latency_seconds_count") == 2 + 1
+    assert _value(registry, "pdserve_router_e2e_request_latency_seconds_count") == 3
+
+
+def test_cluster_collector_counts_usable_nodes_per_role():
+    class Nodes:
+        nodes: dict = {}
+
+    def node(role: str, port: int, reported: bool, queued: int = 0) -> NodeState:
+        load = NodeLoad(f"127.0.0.1:{port}", queued_prefill_tokens=queued, report_time=1.0 if reported else None)
+        return NodeState(Member(role, "127.0.0.1", port, {}), None, None, None, load)
+
+    cluster = Nodes()
+    cluster.nodes = {("prefill", "a"): node("prefill", 1, True, 40), ("prefill", "b"): node("prefill", 2, False, 7),
+                     ("decode", "c"): node("decode", 3, True)}
+    registry = CollectorRegistry()
+    ClusterCollector(cluster, "m", registry)
+    assert _value(registry, "pdserve_router_healthy_nodes", role="prefill") == 1
+    assert _value(registry, "pdserve_router_nodes", role="prefill") == 2
+    assert _value(registry, "pdserve_router_healthy_nodes", role="decode") == 1
+    assert _value(registry, "pdserve_router_queued_prefill_tokens") == 40
