@@ -24,6 +24,7 @@ COMMANDS: tuple[str, ...] = (
     "up",
     "simulate",
     "stage",
+    "batch",
 )
 
 
