@@ -114,6 +114,8 @@ def result_line(item: BatchItem, output_ids: list[int], finish_reason: str, toke
     text = c.text.add(output_ids) + c.text.finish()
     if c.text.stopped:
         finish_reason = "stop"
+    else:  # all tokens are here at once: decode them whole, as engine.LLM does (keeps a trailing partial char)
+        text = tokenizer.decode(output_ids)
     prompt, completion = len(c.prompt_ids), len(output_ids)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
              "prompt_tokens_details": {"cached_tokens": 0}}

@@ -23,7 +23,8 @@ def test_layer_ranges_cover_the_model_contiguously() -> None:
         stage_layer_range(2, 3, 0)
 
 
-@pytest.mark.parametrize("num_stages,num_blocks", [(1, 256), (2, 256), (2, 12), (4, 256)])
+@pytest.mark.parametrize("num_stages,num_blocks",
+                         [(1, 256), (2, 256), (2, 12), pytest.param(4, 256, marks=pytest.mark.slow)])
 def test_pipeline_greedy_equals_llm(tiny_model_dir, num_stages, num_blocks) -> None:
     if num_stages > ModelConfig.from_dir(tiny_model_dir).num_hidden_layers:
         pytest.skip("tiny model has fewer layers than stages")
