@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow venv proto bench-quick clean
+.PHONY: serve test test-slow venv kernels proto bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,14 +19,21 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-serve: $(STAMP)
+# The CPU paged-attention op compiles once into the pdserve cache (about a minute the first time;
+# a quick load afterwards). Building it here, in one process, keeps node processes from each
+# compiling it at start. Without a compiler it reports the pure-torch fallback and succeeds.
+kernels: $(STAMP)
+	@$(BIN)/python -c "from engine.attention.cpu_build import load_paged_attention_op as b; \
+	print('cpu_paged attention op:', 'ready' if b() else 'unavailable, using the pure-torch fallback')"
+
+serve: kernels
 	$(BIN)/pdserve up
 
-test: $(STAMP)
+test: kernels
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
-test-slow: $(STAMP)
+test-slow: kernels
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no slow tests: failing"; exit 1; fi; exit $$rc
 

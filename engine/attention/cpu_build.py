@@ -69,12 +69,35 @@ def _build() -> Callable[..., torch.Tensor] | None:
     from torch.utils.cpp_extension import load
 
     out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    library = out / "pdserve_cpu_paged.so"
     try:
-        # torch's builder takes a file lock in `out`, so concurrent first uses build once
-        load(name="pdserve_cpu_paged", sources=[str(SOURCE)], build_directory=str(out),
+        if library.exists():  # built before, by this or another process
+            torch.ops.load_library(str(library))
+            return torch.ops.pdserve_cpu.paged_attention
+        # Build in a directory of this process's own, then rename it into place. torch's builder
+        # would share a lock file instead, and a process killed mid-build (a node SIGKILLed in
+        # its first minute) would leave that lock behind and stall every later build forever.
+        tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+        _remove_dead_builds(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        load(name="pdserve_cpu_paged", sources=[str(SOURCE)], build_directory=str(tmp),
              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        if out.exists() and not library.exists():  # debris of an interrupted build: not a result
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)  # atomic; fails if a concurrent build got there first, which is fine
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
     except Exception as exc:  # noqa: BLE001 — any build failure means "use the fallback"
         log.warning("building the cpu_paged attention op failed (%s): using the pure-torch fallback", exc)
         return None
     return torch.ops.pdserve_cpu.paged_attention
+
+
+def _remove_dead_builds(out: Path) -> None:
+    """Delete the private build directories of processes that no longer exist."""
+    for stale in out.parent.glob(f"{out.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
