@@ -24,6 +24,7 @@ class BatchJob:
         self.progress = None
         self.written = self.completed = self.errors = self.skipped = 0
         self._tokens = 0
+        self._phase_name = ""
 
     def _write(self, obj: dict) -> None:
         self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -33,6 +34,7 @@ class BatchJob:
             self.progress.update(1)
 
     def _phase(self, phase: str) -> None:
+        self._phase_name = phase
         if self.progress is not None:
             self.progress.set_postfix_str(phase, refresh=False)
 
@@ -76,7 +78,7 @@ class BatchJob:
             self.completed += 1
             if self.progress is not None:
                 rate = self._tokens / max(self.progress.format_dict["elapsed"], 1e-9)
-                self.progress.set_postfix_str(f"{rate:.1f} out tok/s", refresh=False)
+                self.progress.set_postfix_str(f"{self._phase_name} | {rate:.1f} out tok/s", refresh=False)
 
         cfg = StageConfig(self.model_dir, num_kv_blocks=self.args.num_kv_blocks, block_size=self.args.block_size,
                           device=self.device)

@@ -62,6 +62,7 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected) -
     assert stats["output_tokens"] == MAX_TOKENS * len(PROMPTS)
 
 
+@pytest.mark.slow  # ~25 s: a tiny-model job run twice (plus a reference run of engine.LLM)
 def test_batch_killed_then_resumed_answers_each_id_once(tmp_path, tiny_model_dir) -> None:
     # staggered lengths: requests retire one by one, so the kill after the first result lands mid-job
     lengths = {f"r{i}": 2 + 10 * i for i in range(len(PROMPTS))}
