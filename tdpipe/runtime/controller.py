@@ -70,6 +70,8 @@ class PipelineController:
         self.outbox = Outbox()
         self.stats = RunStats()
         self.inflight: deque[tuple[list[PipeRequest], torch.Tensor, object]] = deque()
+        self.phase = "starting"
+        """"prefill" or "decode" while running: read by `pdserve batch`'s progress bar."""
 
     def run(self, requests: list[PipeRequest], on_finish=None) -> None:
         """Generate every request to completion; `on_finish(req)` is called as each one ends."""
@@ -77,11 +79,13 @@ class PipelineController:
         resident: list[PipeRequest] = []
         while waiting or resident:
             self.stats.phase_switches += 1
+            self.phase = "prefill"
             resident += self._prefill_phase(waiting, bool(resident), on_finish)
             if not resident and waiting:
                 r = waiting[0]
                 raise ValueError(f"request {r.request_id} ({len(r.all_ids)} tokens) does not fit the KV capacity")
             self.stats.phase_switches += 1
+            self.phase = "decode"
             resident = self._decode_phase(resident, waiting, on_finish)
 
     def shutdown(self) -> list[list[tuple[float, float, int, str]]]:
