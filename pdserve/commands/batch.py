@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with out:
         job = BatchJob(args, model_dir, device, tokenizer, cfg.max_position_embeddings, out)
-        bar = tqdm(total=len(lines), desc="batch", unit="req", file=sys.stderr, dynamic_ncols=True)
+        # a terminal gets a live bar; a log (a Kubernetes pod) one line every 30 s
+        bar = tqdm(total=len(lines), desc="batch", unit="req", file=sys.stderr, dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 30.0)
         job.progress = bar
         watchdog = job.watchdog = StageWatchdog(bar)
         start = time.perf_counter()

@@ -81,6 +81,7 @@ class StageWatchdog:
         self._old_handlers: dict[int, object] = {}
         self._trouble_since: float | None = None
         self._lock = threading.Lock()
+        self._last_refresh = 0.0
         self._thread = threading.Thread(target=self._loop, name="batch-watchdog", daemon=True)
 
     def install(self) -> None:
@@ -156,9 +157,12 @@ class StageWatchdog:
                 self._hard_exit()
 
     def _refresh_progress(self) -> None:
-        bar, ctl = self.progress, self.controller
-        if bar is None or ctl is None:
+        """Phase and output tok/s even while no request finishes (a long decode phase); at most once
+        per the bar's mininterval, which is long when stderr is a log rather than a terminal."""
+        bar, ctl, now = self.progress, self.controller, time.monotonic()
+        if bar is None or ctl is None or now - self._last_refresh < bar.mininterval:
             return
+        self._last_refresh = now
         elapsed = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
         bar.set_postfix_str(f"{getattr(ctl, 'phase', '?')} | {ctl.stats.output_tokens / elapsed:.1f} out tok/s",
                             refresh=True)
