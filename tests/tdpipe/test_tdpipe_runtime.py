@@ -87,3 +87,19 @@ def test_every_policy_equals_llm_and_decides_as_in_the_simulator(tiny_model_dir,
     assert sim.decisions == runtime_log
     assert sim_stats.num_preemptions == runtime_stats.num_preemptions
     assert len(sim_stats.phase_switches) == len(runtime_stats.phase_switches)
+
+
+def test_sampled_requests_equal_llm_with_the_same_seed(tiny_model_dir) -> None:
+    """The last stage samples with each request's own parameters and seeded generator, so a
+    seeded, penalised, top-p request equals engine.LLM's, even through recompute preemption."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, repetition_penalty=1.2,
+                            seed=7, ignore_eos=True)
+    llm = LLM(tiny_model_dir)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    reqs = [PipeRequest(f"r{i}", llm.tokenizer.encode(p), MAX_TOKENS, params=params) for i, p in enumerate(PROMPTS)]
+    stats, _ = run_local_pipeline(StageConfig(str(tiny_model_dir), num_kv_blocks=18, block_size=4), 2, reqs,
+                                  max_batch_tokens=8, policy="tdpipe")
+    assert stats.num_preemptions > 0
+    assert [r.output_ids for r in reqs] == expected
+    assert any(out != greedy for out, greedy in zip(expected, [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]))  # really sampled
