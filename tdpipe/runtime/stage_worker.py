@@ -51,6 +51,20 @@ class StageConfig:
     """`cpu` or `cuda[:i]` (CUDA not exercised on these machines)."""
     dtype: str = "auto"
     num_threads: int = 1
+    attention_backend: str = "auto"
+    """`torch`, `flashinfer` (CUDA) or `auto` (flashinfer on CUDA when importable)."""
+
+
+def stage_device(device: str, rank: int) -> str:
+    """A bare `cuda` means one GPU per stage: $LOCAL_RANK's (a pod or launcher that sets it), else
+    stage k on GPU k modulo the visible count. `cuda:N` and `cpu` are taken as given."""
+    if device != "cuda":
+        return device
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        return f"cuda:{int(local)}"
+    import torch.cuda
+    return f"cuda:{(rank - 1) % max(1, torch.cuda.device_count())}"
 
 
 @dataclass(frozen=True)
@@ -126,7 +140,8 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     runner_cfg = Path(cfg.model_dir)
     from engine.model_config import ModelConfig
     num_layers = ModelConfig.from_dir(runner_cfg).num_hidden_layers
-    runner = ModelRunner(runner_cfg, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+    runner = ModelRunner(runner_cfg, dtype=cfg.dtype, device=stage_device(cfg.device, rank),
+                         attention_backend=cfg.attention_backend, block_size=cfg.block_size,
                          num_kv_blocks=cfg.num_kv_blocks, layer_range=stage_layer_range(num_layers, num_stages, stage),
                          num_threads=cfg.num_threads)
     hidden_size = runner.model_config.hidden_size
