@@ -22,7 +22,8 @@ from typing import TextIO
 
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, make_server, parse_line, result_line
-from tdpipe.runtime.controller import PipelineController, PipeRequest, RunStats
+from tdpipe.pipeline import SimStats
+from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.local import run_controller, run_local_pipeline
 from tdpipe.runtime.stage_worker import StageConfig
 
@@ -72,7 +73,7 @@ class StageWatchdog:
         self.dead: list[str] = []
         """Stages seen exited before the job ended, in the order they were noticed."""
         self.signum: int | None = None
-        self.controller: PipelineController | None = None
+        self.executor: StageExecutor | None = None
         self.progress = progress
         self._done = threading.Event()
         self._rfd, self._wfd = os.pipe()
@@ -159,13 +160,14 @@ class StageWatchdog:
     def _refresh_progress(self) -> None:
         """Phase and output tok/s even while no request finishes (a long decode phase); at most once
         per the bar's mininterval, which is long when stderr is a log rather than a terminal."""
-        bar, ctl, now = self.progress, self.controller, time.monotonic()
-        if bar is None or ctl is None or now - self._last_refresh < bar.mininterval:
+        bar, ex, now = self.progress, self.executor, time.monotonic()
+        if bar is None or ex is None or now - self._last_refresh < bar.mininterval:
             return
         self._last_refresh = now
         elapsed = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
-        bar.set_postfix_str(f"{getattr(ctl, 'phase', '?')} | {ctl.stats.output_tokens / elapsed:.1f} out tok/s",
-                            refresh=True)
+        decisions = ex.decisions  # the phase of the batch the policy submitted last
+        phase = decisions[-1][0] if decisions else "starting"
+        bar.set_postfix_str(f"{phase} | {ex.stats.output_tokens / elapsed:.1f} out tok/s", refresh=True)
 
     def _hard_exit(self) -> None:
         self._terminate_stages()
@@ -233,7 +235,7 @@ class BatchJob:
             items[item.custom_id] = item
         return items
 
-    def run(self, lines: list[tuple[int, str]], done: set[ResumeKey]) -> tuple[RunStats, list]:
+    def run(self, lines: list[tuple[int, str]], done: set[ResumeKey]) -> tuple[SimStats, list]:
         """Run the job; exceptions from the pipeline propagate (finished lines stay written)."""
         self._phase("validating")
         items = self.plan(lines, done)
@@ -241,7 +243,7 @@ class BatchJob:
         reqs = [PipeRequest(cid, it.choice.prompt_ids, it.choice.params.max_tokens,
                             frozenset() if it.body.ignore_eos else stops) for cid, it in items.items()]
         if not reqs:
-            return RunStats(), []
+            return SimStats(self.args.policy), []
         self._phase("starting stages")
 
         def on_finish(req: PipeRequest) -> None:
@@ -249,18 +251,18 @@ class BatchJob:
             self._write(result_line(items[req.request_id], req.output_ids, reason, self.tokenizer, self.model_name))
             self.completed += 1
 
-        def on_controller(controller: PipelineController) -> None:
+        def on_executor(executor: StageExecutor) -> None:
             if self.watchdog is not None:
-                self.watchdog.controller = controller
+                self.watchdog.executor = executor
 
         cfg = StageConfig(self.model_dir, num_kv_blocks=self.args.num_kv_blocks, block_size=self.args.block_size,
                           device=self.device)
         if getattr(self.args, "external_stages", False):
             return run_controller(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish,
-                                  on_controller=on_controller)
+                                  policy=self.args.policy, on_executor=on_executor)
         return run_local_pipeline(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish,
-                                  on_spawn=self.watchdog.watch if self.watchdog else None,
-                                  on_controller=on_controller)
+                                  policy=self.args.policy, on_spawn=self.watchdog.watch if self.watchdog else None,
+                                  on_executor=on_executor)
 
 
 def external_world(stages: int | None) -> int:
