@@ -54,8 +54,8 @@ def _wait_exit(proc: subprocess.Popen) -> int | None:
     """Block until `proc` exits, without reaping it (Popen still owns that); its Popen-style code."""
     try:
         info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-    except ChildProcessError:  # already reaped by Popen
-        return proc.returncode
+    except ChildProcessError:  # already reaped by Popen (in another thread): wait() returns its code
+        return proc.wait()
     if info is None:
         return proc.poll()
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
