@@ -112,6 +112,7 @@ class StageWatchdog:
     def close(self) -> None:
         self._done.set()
         self._thread.join(timeout=5)
+        self._refresh_progress(force=True)  # the bar's last line shows the final rate
         signal.set_wakeup_fd(self._old_wakeup)
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
@@ -157,11 +158,11 @@ class StageWatchdog:
             if self._trouble_since is not None and time.monotonic() - self._trouble_since > HARD_EXIT_GRACE_S:
                 self._hard_exit()
 
-    def _refresh_progress(self) -> None:
+    def _refresh_progress(self, force: bool = False) -> None:
         """Phase and output tok/s even while no request finishes (a long decode phase); at most once
         per the bar's mininterval, which is long when stderr is a log rather than a terminal."""
         bar, ex, now = self.progress, self.executor, time.monotonic()
-        if bar is None or ex is None or now - self._last_refresh < bar.mininterval:
+        if bar is None or ex is None or (now - self._last_refresh < bar.mininterval and not force):
             return
         self._last_refresh = now
         elapsed = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
