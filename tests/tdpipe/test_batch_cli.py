@@ -268,6 +268,38 @@ def test_batch_names_a_killed_stage_then_resumes(tmp_path, tiny_model_dir) -> No
     _finish_and_check(tmp_path, expected)
 
 
+WATCHDOG_SCRIPT = """
+import subprocess, sys, threading
+import pdserve.commands.batch_job as bj
+bj.HARD_EXIT_GRACE_S = 1.0
+wd = bj.StageWatchdog()
+wd.install()
+stages = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+wd.watch(stages)
+print(" ".join(str(p.pid) for p in stages), flush=True)
+lock = threading.Lock()
+lock.acquire()
+lock.acquire()  # a main thread that never returns to Python, like one stuck in a gloo receive
+"""
+
+
+def test_watchdog_ends_a_job_whose_main_thread_stays_blocked() -> None:
+    """The last resort: a stage died and the main thread does not unwind. The watchdog stops the
+    other stages and ends the process with exit 1, naming the dead stage."""
+    proc = subprocess.Popen([sys.executable, "-c", WATCHDOG_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read()
+        os.kill(pids[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=STOP_TIMEOUT)
+        assert proc.returncode == 1, err
+        assert f"stage rank 2 (pid {pids[1]}) was killed by SIGKILL" in err and "--resume" in err, err
+        assert _gone(pids, time.monotonic() + STOP_TIMEOUT), "the other stage was left running"
+    finally:
+        _stop(proc)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
