@@ -330,6 +330,37 @@ def test_batch_external_stages_runs_as_rank_0(tmp_path, tiny_model_dir, expected
     assert _texts(_results(tmp_path / "out.jsonl")) == expected
 
 
+@pytest.mark.slow  # ~30 s: as above, with long requests
+def test_batch_external_stages_stops_when_a_remote_stage_dies(tmp_path, tiny_model_dir) -> None:
+    """A stage the controller did not start dies mid-job: no hang, exit 1, what was written stays."""
+    (tmp_path / "in.jsonl").write_text("\n".join(_line(f"r{i}", p, max_tokens=2 + 40 * i)
+                                                 for i, p in enumerate(PROMPTS)) + "\n")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="3")
+    stage = [sys.executable, "-m", "pdserve.cli", "stage", "--model-dir", str(tiny_model_dir),
+             "--num-kv-blocks", "128", "--block-size", "4"]
+    stages = [subprocess.Popen(stage, env=dict(env, RANK=str(r)), stderr=subprocess.DEVNULL) for r in (1, 2)]
+    proc = subprocess.Popen(_cmd(tmp_path, "--external-stages", "--model", str(tiny_model_dir)),
+                            env=dict(env, RANK="0"), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out = tmp_path / "out.jsonl"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline and not (out.exists() and out.read_text()):
+            time.sleep(0.05)
+        assert proc.poll() is None, "the job ended before the stage could be killed"
+        stages[0].kill()  # rank 1: the error reaches the controller through rank 2
+        _, err = proc.communicate(timeout=STOP_TIMEOUT)
+        assert proc.returncode == 1, err
+        assert "check the logs of the `pdserve stage` ranks" in err and "--resume" in err, err
+        assert stages[1].wait(timeout=STOP_TIMEOUT) != 0  # the survivor fails too, it does not hang
+        assert 0 < len(_results(out)) < len(PROMPTS)
+    finally:
+        _stop(proc)
+        for s in stages:
+            if s.poll() is None:
+                s.kill()
+            s.wait()
+
+
 @pytest.mark.parametrize("env,message", [
     ({"MASTER_PORT": "1", "WORLD_SIZE": "3"}, "needs MASTER_ADDR"),
     ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "3", "RANK": "1"}, "RANK 0"),
