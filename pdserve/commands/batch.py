@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -24,7 +25,9 @@ DEFAULT_STAGES = 2
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("batch", help="offline batch job: OpenAI Batch JSONL in, results JSONL out")
     p.add_argument("-i", "--input", required=True, help="input JSONL (custom_id, method, url, body per line)")
-    p.add_argument("-o", "--output", required=True, help="output JSONL; each result is appended as it completes")
+    p.add_argument("-o", "--output", required=True,
+                   help="output JSONL; each result is appended as it completes (an existing non-empty file needs "
+                        "--resume)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--stages", type=int, default=None,
                    help=f"pipeline stages (processes), each holding a layer slice (default: {DEFAULT_STAGES}; "
@@ -110,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer(model_dir)
         with open(args.input, encoding="utf-8", errors="replace") as f:
             lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), start=1) if ln.strip()]
+        if not args.resume and os.path.exists(args.output) and os.path.getsize(args.output) > 0:
+            # rerunning after a crash without --resume would throw away every result written so far
+            raise ValueError(f"{args.output} already has results: add --resume to finish that job, or remove "
+                             f"the file to start over")
         done = _done_keys(args.output) if args.resume else set()
         out = open(args.output, "a" if args.resume else "w", encoding="utf-8")
     except (OSError, ValueError) as e:

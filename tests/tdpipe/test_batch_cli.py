@@ -379,6 +379,15 @@ def test_external_stages_refuses_a_bad_rendezvous_env(tmp_path, monkeypatch, cap
     assert not (tmp_path / "out.jsonl").exists()  # refused before anything is written
 
 
+def test_batch_refuses_to_overwrite_results_without_resume(tmp_path, capsys) -> None:
+    from pdserve.cli import main
+    (tmp_path / "in.jsonl").write_text(_line("a", "x") + "\n")
+    (tmp_path / "out.jsonl").write_text('{"id": "batch_req_1", "custom_id": "a"}\n')
+    assert main(_cmd(tmp_path)[3:]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (tmp_path / "out.jsonl").read_text() == '{"id": "batch_req_1", "custom_id": "a"}\n'
+
+
 def test_batch_help_lists_every_flag() -> None:
     from pdserve.cli import build_parser
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
