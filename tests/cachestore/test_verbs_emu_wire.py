@@ -150,3 +150,20 @@ def test_gid_carries_the_endpoint():
     gid = wire.make_gid("127.0.0.1", 4791)
     assert wire.parse_gid(gid) == ("127.0.0.1", 4791)
     assert wire.parse_gid("fe80:0000:0000:0000:0000:0000:0000:0001") is None  # a non-emulated GID
+
+
+def test_a_responder_qp_in_error_drops_packets_and_hooks_come_from_the_env(monkeypatch):
+    a, b = Requester(), Requester()
+    target = bytearray(SIZE)
+    mr = MR(b.pd, SIZE, LW | RW, address=addr(target))
+    connect(a.qp, LW, b.qp.qp_num, b.ctx.query_gid(1, 0))
+    connect(b.qp, LW | RW, a.qp.qp_num, a.ctx.query_gid(1, 0))
+    b.qp.to_error()  # fault hook on the responder's side: its packets are dropped, no NAK comes
+    write(a, mr.rkey, addr(target), wr_id=9)
+    assert poll(a.cq)[0].status == enums.IBV_WC_RETRY_EXC_ERR and target == bytearray(SIZE)
+    for qp in (a.qp, b.qp):
+        qp.close()
+    monkeypatch.setenv("PDSERVE_RDMA_EMU_WRITE_DELAY_S", "0.25")
+    monkeypatch.setenv("PDSERVE_RDMA_EMU_DROP_COMPLETIONS", "2")
+    hooks = type(FABRIC.faults).from_env()  # what a node process's fabric starts with
+    assert (hooks.write_delay_s, hooks.drop_completions) == (0.25, 2)
