@@ -1,11 +1,13 @@
 """RDMA transport, sender side: RDMA WRITE of coalesced runs over several RC QPs per receiver.
 
 Where it runs: on real hardware through pyverbs (NOT EXERCISED on hardware: the development and
-CI kernels have no InfiniBand/RoCE support), and in CI on the in-process emulated verbs device
-`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1), which follows the verbs rules for keys, bounds,
-access, QP states and completions. Install with `pip install pdserve[rdma]` on hosts whose
+CI kernels have no InfiniBand/RoCE support), and in CI on the EMULATED verbs device
+`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1), in one process or across processes (its WRITEs
+travel as packets over loopback sockets to the receiver's process), which follows the verbs rules
+for keys, bounds, access, QP states, ACK/NAK and completions: it proves this logic, not a NIC. Install with `pip install pdserve[rdma]` on hosts whose
 rdma-core matches the pyverbs build. The verbs layer is `cachestore.rdma_verbs`, the receiver's
-per-session remote access is `cachestore.rdma_access`.
+per-session remote access is `cachestore.rdma_access`, the memory registered for a (CUDA) pool,
+GPUDirect or pinned staging, is `cachestore.rdma_memory`.
 
 Protocol: a channel to a receiver holds `PDSERVE_RDMA_QPS` lanes (default 2), used round robin per
 run. A lane is one RC QP plus its TCP control connection (same handshake as the tcp transport),

@@ -1,8 +1,9 @@
 """The verbs layer shared by both sides of the rdma transport: device choice, QP state machine,
 the pool registration, QP connection, posting and completion polling.
 
-NOT EXERCISED on hardware (no InfiniBand/RoCE here); in CI it drives the emulated verbs device
-`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1). Every verbs call goes through `verbs()`.
+NOT EXERCISED on hardware (no InfiniBand/RoCE here); in CI it drives the EMULATED verbs device
+`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1; across processes too, the QP exchange's GID naming
+the peer's emulated device endpoint). Every verbs call goes through `verbs()`.
 """
 
 from __future__ import annotations
