@@ -237,7 +237,7 @@ class Responder:
         offset, header, last_psn = 0, first, psn
         while True:
             op, pkt_psn, _, _, _, nbytes, imm = header
-            if nbytes > MTU or pkt_psn != last_psn:
+            if nbytes > len(self.bounce) or pkt_psn != last_psn:
                 return False  # malformed stream
             view = self.bounce[:nbytes]
             if not recv_exact_into(self.conn, view):
