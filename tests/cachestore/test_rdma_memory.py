@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import types
 
-import pytest
 import torch
 
 from cachestore import (CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, rdma,
@@ -31,8 +30,8 @@ def device_like(tensor: torch.Tensor) -> MemoryRegion:
 class FakeVerbs:
     """A verbs provider whose MR registration of device memory succeeds or fails on demand."""
 
-    def __init__(self, accept_device: bool) -> None:
-        self.accept_device = accept_device
+    def __init__(self, accept_device: bool, device_address: int = -1) -> None:
+        self.accept_device, self.device_address = accept_device, device_address
         self.registered: list[int] = []
 
     def MR(self, pd, length, access, address):  # noqa: N802 (pyverbs' name)
@@ -53,12 +52,10 @@ def test_choice_host_pool_gpudirect_and_staging(monkeypatch):
     assert mode == rdma_memory.STAGING and "emulated" in reason
     # a peer-memory client present: GPUDirect if registering the pool succeeds, else staging
     monkeypatch.setattr(rdma_memory, "PEER_MEMORY_PATHS", ("/",))
-    v = FakeVerbs(accept_device=True)
-    v.device_address = pool.data_ptr()
+    v = FakeVerbs(accept_device=True, device_address=pool.data_ptr())
     reg = rdma_memory.register(v, None, region, 1, lanes=2, block_bytes=512)
     assert reg.mode == rdma_memory.GPUDIRECT and reg.address == pool.data_ptr() and reg.staging is None
-    v = FakeVerbs(accept_device=False)
-    v.device_address = pool.data_ptr()
+    v = FakeVerbs(accept_device=False, device_address=pool.data_ptr())
     reg = rdma_memory.register(v, None, region, 1, lanes=2, block_bytes=512)
     assert reg.mode == rdma_memory.STAGING and "failed" in reg.reason
     assert reg.slot_bytes == 4096 and reg.staging.numel() == 2 * 4096  # one slot per lane, capped at the pool
@@ -122,6 +119,5 @@ async def test_device_pools_are_staged_through_registered_host_buffers_bit_exact
 def test_host_pools_register_the_pool_itself():
     region = MemoryRegion.from_buffer(bytearray(2048))
     v = FakeVerbs(True)
-    v.device_address = -1
     reg = rdma_memory.register(v, None, region, 1, lanes=2)
     assert (reg.mode, reg.address, reg.staging) == (rdma_memory.HOST, region.address, None)
