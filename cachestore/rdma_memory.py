@@ -15,9 +15,10 @@ The choice is made at start (`choose`), logged, and exported as the label `mode`
 $PDSERVE_RDMA_GPUDIRECT=on) AND registering the CUDA pool succeeds; $PDSERVE_RDMA_GPUDIRECT=off
 forces staging. dma-buf registration (ibv_reg_dmabuf_mr) is not implemented.
 
-NOT EXERCISED on hardware: the GPUDirect and pinned-staging paths have never run on a GPU with an
-RDMA NIC. On CPU, the tests drive the staging path with a pool that reports itself as device
-memory, on the emulated verbs device (which has no peer-memory client, so it never takes GPUDirect).
+NOT EXERCISED on RDMA hardware: GPUDirect has never run, and nothing here has run on a GPU with an
+RDMA NIC. Pinned staging with real CUDA pools ran on an H100 over the emulated verbs device
+(`tests/gpu/test_cuda_rdma.py`); on CPU, the tests drive it with a pool that reports itself as
+device memory. The emulated device has no peer-memory client, so it never takes GPUDirect.
 """
 
 from __future__ import annotations
