@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 from pdserve.commands.device_args import add_device_args, device_options
 from tdpipe.simulator import CLI_NAMES
@@ -144,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
             if watchdog.signum is not None:  # the stages were stopped for a signal: that is the story
                 print(f"interrupted: {job.written} lines written; rerun with --resume to finish", file=sys.stderr)
                 return 128 + watchdog.signum
+            if not isinstance(e, RuntimeError):  # not a pipeline failure (those are RuntimeErrors): our bug
+                traceback.print_exc()
+                print(f"internal error: {type(e).__name__}: {e}. {job.written} lines written to {args.output}; "
+                      f"rerun with --resume to finish", file=sys.stderr)
+                return 1
             dead = watchdog.wait_for_dead(timeout=5.0)
             if dead:
                 why = "pipeline stage died: " + dead[0]

@@ -22,6 +22,7 @@ from typing import TextIO
 
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, make_server, parse_line, result_line
+from pdserve.runtime.convert import params_from_pb
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.local import run_controller, run_local_pipeline
@@ -206,7 +207,10 @@ class BatchJob:
 
     def plan(self, lines: list[tuple[int, str]], done: set[ResumeKey]) -> dict[str, tuple]:
         """Validate every (line number, text); write error lines; return custom_id -> BatchItem to run."""
-        items, claimed, capacity = {}, set(), self.args.num_kv_blocks * self.args.block_size
+        # PP's virtual engines each own 1/stages of the pool, and a request must fit one of them
+        share = self.args.stages if getattr(self.args, "policy", "tdpipe").startswith("pp") else 1
+        items, claimed = {}, set()
+        capacity = self.args.num_kv_blocks // share * self.args.block_size
         for line_no, line in lines:
             cid = custom_id_of(line)
             first = cid is not None and cid not in claimed
@@ -224,7 +228,8 @@ class BatchJob:
                 need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
                 if need > capacity:
                     raise LineError("prompt_too_long", f"prompt + max_tokens is {need} tokens; the pipeline's KV "
-                                                       f"holds {capacity} (raise --num-kv-blocks or --block-size)",
+                                                       f"holds {capacity}{' per virtual engine' if share > 1 else ''} "
+                                                       f"(raise --num-kv-blocks or --block-size)",
                                     status=400, param="max_tokens")
             except LineError as e:
                 if cid is not None:
@@ -240,9 +245,12 @@ class BatchJob:
         """Run the job; exceptions from the pipeline propagate (finished lines stay written)."""
         self._phase("validating")
         items = self.plan(lines, done)
-        stops = frozenset(self.tokenizer.eos_token_ids)
-        reqs = [PipeRequest(cid, it.choice.prompt_ids, it.choice.params.max_tokens,
-                            frozenset() if it.body.ignore_eos else stops) for cid, it in items.items()]
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        reqs = []
+        for cid, it in items.items():
+            params = params_from_pb(it.choice.params)  # the router's wire params, as the nodes convert them
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+            reqs.append(PipeRequest(cid, it.choice.prompt_ids, it.choice.params.max_tokens, stops, params=params))
         if not reqs:
             return SimStats(self.args.policy), []
         self._phase("starting stages")

@@ -71,21 +71,16 @@ def make_server(tokenizer: Tokenizer, model_name: str, max_model_len: int) -> Se
     return Server(_NoCluster(max_model_len), tokenizer, model_name, max_model_len)  # type: ignore[arg-type]
 
 
-def _check_greedy(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """The pipeline runtime samples greedily only: refuse what it would silently ignore."""
-    if body.temperature is None or body.temperature > 0:
-        raise _bad_body("unsupported_sampling", "the offline pipeline is greedy-only: set \"temperature\": 0",
-                        "temperature")
-    unsupported = [name for name, off in [("top_p", body.top_p in (None, 1.0)), ("top_k", body.top_k in (None, -1, 0)),
-                                          ("min_p", not body.min_p), ("presence_penalty", not body.presence_penalty),
-                                          ("frequency_penalty", not body.frequency_penalty),
-                                          ("repetition_penalty", body.repetition_penalty in (None, 1.0)),
-                                          ("min_tokens", not body.min_tokens), ("n", body.n == 1),
+def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse what the pipeline would silently ignore. It samples as the engine does (temperature,
+    top-k/p, min-p, penalties, seed: the last stage runs the engine's sampler), but returns one
+    choice per line, no logprobs and no stream, and has no minimum-length or suffix support."""
+    unsupported = [name for name, off in [("min_tokens", not body.min_tokens), ("n", body.n == 1),
                                           ("stream", not body.stream), ("logprobs", not body.logprobs)] if not off]
     if isinstance(body, CompletionRequest) and body.suffix:
         unsupported.append("suffix")
     if unsupported:
-        raise _bad_body("unsupported_sampling", f"the offline pipeline does not support: {', '.join(unsupported)}",
+        raise _bad_body("unsupported_parameter", f"the offline pipeline does not support: {', '.join(unsupported)}",
                         unsupported[0])
 
 
@@ -119,7 +114,7 @@ def parse_line(line: str, server: Server) -> BatchItem:
         req = model.model_validate({"model": server.model_name, **body})
     except ValidationError as e:
         raise _bad_body("invalid_body", *_validation_message(e)) from None
-    _check_greedy(req)
+    _check_supported(req)
     if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and len(req.prompt) > 1 \
             and not isinstance(req.prompt[0], int):
         raise _bad_body("invalid_body", "one prompt per line (a list of prompts is not supported in batch mode)",

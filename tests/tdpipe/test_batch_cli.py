@@ -64,7 +64,7 @@ def expected(tiny_model_dir) -> dict[str, str]:
     return {f"r{i}": o.outputs[0].text for i, o in enumerate(outs)}
 
 
-def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected) -> None:
+def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected, tiny_model_dir) -> None:
     envelope = {  # not a request at all: `"response": null, "error": {code, message, line}`
         "{not json": "invalid_json",
         "[1, 2]": "invalid_json",
@@ -77,7 +77,7 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected) -
     refused = {  # a request the endpoint refuses: `"response": {"status_code": 400, ...}, "error": null`
         json.dumps({"custom_id": "nob", "method": "POST", "url": "/v1/completions",
                     "body": {"max_tokens": 2, "temperature": 0}}): "invalid_body",
-        _line("hot", "sampled", temperature=0.8): "unsupported_sampling",
+        _line("many", "two choices", n=2): "unsupported_parameter",
         _line("long", "word " * 600): "prompt_too_long",  # over the pipeline's KV (128 x 4 tokens)
         _line("ctx", "hello", max_tokens=5000): "context_length_exceeded",  # over the model's context
     }
@@ -85,7 +85,8 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected) -
                        "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                                 "temperature": 0, "ignore_eos": True}})
     good = [_line(f"r{i}", p) for i, p in enumerate(PROMPTS)]
-    lines = good[:2] + list(envelope) + good[2:] + [chat, ""] + list(refused)  # a blank line is skipped
+    hot = _line("hot", "sampled", temperature=0.8, top_p=0.9, seed=3)  # the last stage samples like the engine
+    lines = good[:2] + list(envelope) + good[2:] + [chat, hot, ""] + list(refused)  # a blank line is skipped
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     proc = subprocess.run(_cmd(tmp_path, "--stats", str(tmp_path / "stats.json")), capture_output=True, text=True,
                           timeout=300)
@@ -93,7 +94,9 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected) -
     rows = _results(tmp_path / "out.jsonl")
     assert len(rows) == len(lines) - 1
     assert all(set(r) == {"id", "custom_id", "response", "error"} and r["id"].startswith("batch_req_") for r in rows)
-    assert _texts(rows) == {**expected, "chat": _texts(rows)["chat"]}
+    sampled = LLM(tiny_model_dir).generate("sampled", SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8,
+                                                                      top_p=0.9, seed=3, ignore_eos=True))
+    assert _texts(rows) == {**expected, "chat": _texts(rows)["chat"], "hot": sampled[0].outputs[0].text}
 
     by_line = {r["error"]["line"]: r for r in rows if r["error"]}
     assert len(by_line) == len(envelope)
@@ -127,8 +130,8 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected) -
     assert c["usage"]["completion_tokens"] == 5
 
     stats = json.loads((tmp_path / "stats.json").read_text())
-    assert stats["completed"] == len(PROMPTS) + 1 and stats["errors"] == len(envelope) + len(refused)
-    assert stats["output_tokens"] == MAX_TOKENS * len(PROMPTS) + 5
+    assert stats["completed"] == len(PROMPTS) + 2 and stats["errors"] == len(envelope) + len(refused)
+    assert stats["output_tokens"] == MAX_TOKENS * (len(PROMPTS) + 1) + 5  # the prompts, "hot", "chat"
     assert {"output_tokens_per_s", "phase_switches", "bubble_fraction", "preemptions"} <= set(stats)
 
 
