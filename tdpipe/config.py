@@ -47,7 +47,7 @@ class TDPipeOptions:
     starting batch size, capped at `ref_batch_size` (what a switch can restore when
     the KV capacity caps the batch); `fixed` = at `ref_batch_size` always (the
     paper's literal definition, and this simulator's behaviour before the fix:
-    it switched after ~10% of a phase finished, see docs/tdpipe.md)."""
+    it switched after a median 7% of a phase finished, see docs/tdpipe.md)."""
     temporal_refill: bool = True
     """Count the pipeline refill after the prefill phase in the temporal bubble
     (see `tdpipe.intensity.temporal_intensity`); False is the paper's bubble."""
