@@ -17,8 +17,9 @@
 #   DEBIAN_MIRROR    mirror for debootstrap (default: the first deb URI of this host's apt sources)
 #
 # Why these podman flags: crun refuses the cgroups of the sandboxes this project is developed in, so
-# every RUN step uses runc, with explicit ulimits (the inherited hard limits are above what runc may set
-# there); --network host lets pip reach the package index without a bridge network (no CNI here).
+# every RUN step uses runc, with explicit ulimits (without them runc fails here: "error setting rlimit
+# type 7: operation not permitted"); --network host lets pip in the RUN steps use the host's network
+# as it is, so the build does not depend on a container network being set up.
 set -Eeuo pipefail  # -E: the ERR trap below also fires inside functions
 cd "$(dirname "$0")/.."
 

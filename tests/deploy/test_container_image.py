@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # from PyPI) takes minutes; later builds reuse the base image and podman's layer cache.
 BUILD_TIMEOUT = 1800.0
 READY_TIMEOUT = 300.0
-# crun refuses this sandbox's cgroups; runc needs ulimits below the inherited hard limits.
+# crun refuses this sandbox's cgroups; runc fails to set the inherited NOFILE limit unless given explicit ones.
 RUN_FLAGS = ["--runtime", "runc", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"]
 
 
