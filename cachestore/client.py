@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -128,6 +129,12 @@ class CacheStoreClient:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.metrics = CacheStoreMetrics(self.active_transport, registry)
         self.faults = faults
+        if self.active_transport == "rdma":  # GPUDirect or staging, decided now (registered at first use)
+            from cachestore import rdma_memory
+            from cachestore.rdma_verbs import verbs
+            mode, reason = rdma_memory.choose(verbs(), region)
+            logging.getLogger("pdserve.cachestore").info("rdma sender will register %s memory (%s)", mode, reason)
+            self.metrics.set_pool_memory(mode)
         self._channels: dict[str, object] = {}
         self._lock = threading.Lock()
 

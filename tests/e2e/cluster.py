@@ -84,18 +84,18 @@ class Cluster:
 
 def start_cluster(num_prefill: int = 1, num_decode: int = 2, *, transport: str = "tcp", model: str | None = None,
                   secret: str = "e2e-secret", extra: list[str] | None = None,
-                  decode_extra: list[str] | None = None) -> Cluster:
+                  decode_extra: list[str] | None = None, env: dict[str, str] | None = None) -> Cluster:
     common = ["--port", "0", "--transport", transport, "--cluster-secret", secret, "--num-threads", "1",
               *(["--model", model] if model else []), *(extra or [])]
     started: list[Proc] = []
     try:
         prefills = []
         for _ in range(num_prefill):
-            prefills.append(start("prefill", common))
+            prefills.append(start("prefill", common, env))
             started.append(prefills[-1])
         decodes = []
         for _ in range(num_decode):
-            decodes.append(start("decode", common + (decode_extra or [])))
+            decodes.append(start("decode", common + (decode_extra or []), env))
             started.append(decodes[-1])
     except Exception:
         for p in started:
