@@ -27,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-decode", type=int, default=2)
     p.add_argument("--transport", default="tcp", choices=["auto", "tcp", "rdma"])
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the router binds (0.0.0.0 in a container whose port is published); "
+                        "the nodes always stay on 127.0.0.1")
     p.add_argument("--base-port", type=int, default=0,
                    help="first gRPC port for the nodes (0: let each pick a free port)")
     add_api_key_args(p)
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             m.start()
         p_addrs = [m.wait_ready(deadline) for m in prefills]
         d_addrs = [m.wait_ready(deadline) for m in decodes]
-        router_args = ["--host", "127.0.0.1", "--model", model, "--prefill", ",".join(p_addrs),
+        router_args = ["--host", args.host, "--model", model, "--prefill", ",".join(p_addrs),
                        "--decode", ",".join(d_addrs)]
         if args.model is None:
             router_args += ["--served-model-name", "pdserve-tiny"]
@@ -92,9 +95,11 @@ def run(args: argparse.Namespace) -> int:
                             router_env, policy())
         supervisor.members.append(router)
         router.start()
-        _wait_health(f"http://127.0.0.1:{args.port}/health", deadline, supervisor.members)
+        # a wildcard bind is reached (and shown) through loopback; a specific address through itself
+        reach = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        _wait_health(f"http://{reach}:{args.port}/health", deadline, supervisor.members)
         name = "pdserve-tiny" if args.model is None else os.path.basename(model.rstrip("/"))
-        print(f"pdserve is up: http://127.0.0.1:{args.port}/v1  (model: {name}; "
+        print(f"pdserve is up: http://{reach}:{args.port}/v1  (model: {name}; "
               f"{args.num_prefill} prefill, {args.num_decode} decode, transport {args.transport})", flush=True)
         for m in supervisor.members:
             print(f"  {m.name}: pid {m.child.popen.pid}, port {m.port}", flush=True)
