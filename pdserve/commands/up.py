@@ -32,6 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the nodes always stay on 127.0.0.1")
     p.add_argument("--base-port", type=int, default=0,
                    help="first gRPC port for the nodes (0: let each pick a free port)")
+    p.add_argument("--metrics-base-port", type=int, default=0,
+                   help="first Prometheus /metrics port for the nodes, one each in order prefill-0.., decode-0.. "
+                        "(0: nodes serve no metrics; the router always serves /metrics on --port)")
     add_api_key_args(p)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per node process")
     p.add_argument("--max-restarts", type=int, default=5,
@@ -68,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731
 
     def node(role: str, i: int, port: int) -> Supervised:
-        return Supervised(f"{role}-{i}", lambda p: base + [role, "--port", str(p)] + node_args, port, env, policy())
+        index = i if role == "prefill" else args.num_prefill + i
+        metrics = ["--metrics-port", str(args.metrics_base_port + index)] if args.metrics_base_port else []
+        return Supervised(f"{role}-{i}", lambda p: base + [role, "--port", str(p)] + node_args + metrics, port, env,
+                          policy())
 
     def shutdown(*_: object) -> None:
         stopping.set()
@@ -101,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
         name = "pdserve-tiny" if args.model is None else os.path.basename(model.rstrip("/"))
         print(f"pdserve is up: http://{reach}:{args.port}/v1  (model: {name}; "
               f"{args.num_prefill} prefill, {args.num_decode} decode, transport {args.transport})", flush=True)
-        for m in supervisor.members:
-            print(f"  {m.name}: pid {m.child.popen.pid}, port {m.port}", flush=True)
+        for k, m in enumerate(supervisor.members):
+            metrics = f", metrics :{args.metrics_base_port + k}/metrics" \
+                if args.metrics_base_port and m is not router else ""
+            print(f"  {m.name}: pid {m.child.popen.pid}, port {m.port}{metrics}", flush=True)
         print("Ctrl-C stops the cluster; a node that dies is restarted on its port.", flush=True)
         while not stopping.is_set():
             reason = supervisor.poll()
