@@ -89,7 +89,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         async with rt.request(rid, partial(self._end, rid), event="admit", prompt_tokens=len(prompt),
                               prefill=",".join(addresses) or "colocated") as scope:
             if addresses:
-                first = await self._remote_prefill(rid, prompt, params, addresses)
+                first = await self._remote_prefill(rid, prompt, params, request.params, addresses)
                 ttft = time.monotonic() - scope.started
                 rt.metrics.ttft.observe(ttft)
                 yield decode_pb2.GenerateEvent(token_ids=[first.first_token_id], ttft_seconds=ttft,
@@ -141,15 +141,18 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             await self.rt.loop_thread.call(self.rt.engine.abort, rid)
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
+                              params_pb: common_pb2.SamplingParams,
                               addresses: list[str]) -> prefill_pb2.PrefillResponse:
-        """Allocate, then try each prefill node in order until one fills the KV."""
+        """Allocate, then try each prefill node in order until one fills the KV. The prefill node
+        gets the request's own (already validated) sampling params: its first token is sampled
+        exactly as this node would have sampled it."""
         rt, engine = self.rt, self.rt.engine
         block_ids = await rt.loop_thread.call(engine.add_remote_prefill_request, rid, prompt, params)
         errors = []
         for address in addresses:
             creds = self.cachestore.open_session(rid, block_ids, timeout=rt.options.kv_timeout)
             session = self.cachestore.get_session(rid)
-            pb = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=_params_pb(params),
+            pb = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params_pb,
                                             kv_destination=creds.to_bytes(), compatibility=rt.compatibility)
             try:
                 response = await self.prefills.prefill(address, pb, timeout=rt.options.kv_timeout)
@@ -192,16 +195,3 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             if session.safe_to_reuse:
                 self._fencing.pop(rid, None)
 
-
-def _params_pb(p) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens or 1, min_tokens=p.min_tokens,
-        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        include_stop_str_in_output=p.include_stop_str_in_output)
-    if p.seed is not None:
-        pb.seed = p.seed
-    if p.logprobs is not None:
-        pb.logprobs = p.logprobs
-    return pb
