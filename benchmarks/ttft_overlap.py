@@ -132,7 +132,7 @@ def main() -> None:
                       f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms")
         except BaseException:  # a hung or failed run: show what the nodes said
             for name, node in (("prefill", prefill), ("decode", decode)):
-                print(f"--- {name} node log tail ---\n" + "\n".join(node.lines[-25:]), file=sys.stderr)
+                print(f"--- {name} node log tail ---\n" + node.tail(25), file=sys.stderr)
             raise
         finally:
             decode.stop()
