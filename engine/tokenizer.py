@@ -128,6 +128,19 @@ class IncrementalDetokenizer:
         return delta
 
 
+def cut_at_stop(text: str, stop: tuple[str, ...], include: bool, start: int = 0) -> str | None:
+    """`text` cut at its earliest stop string found at or after `start` (the stop string kept when
+    `include`), or None when there is none. Ties at one position go to the first in `stop`."""
+    best: int | None = None
+    for s in stop:
+        idx = text.find(s, start)
+        if idx != -1 and (best is None or idx < best):
+            best, match = idx, s
+    if best is None:
+        return None
+    return text[:best + len(match)] if include else text[:best]
+
+
 class StopStringChecker:
     """Watches a request's detokenized output for stop strings."""
 
@@ -144,13 +157,9 @@ class StopStringChecker:
         if not delta:
             return False
         text = self.detok.text
-        window_start = max(0, len(text) - len(delta) - self.max_len + 1)
-        best: int | None = None
-        for s in self.stop:
-            idx = text.find(s, window_start)
-            if idx != -1 and (best is None or idx < best):
-                best, match = idx, s
-        if best is None:
+        # only a match that ends in the new text can be new: search from max_len - 1 characters before it
+        cut = cut_at_stop(text, self.stop, self.include, start=max(0, len(text) - len(delta) - self.max_len + 1))
+        if cut is None:
             return False
-        self.truncated_text = text[:best + len(match)] if self.include else text[:best]
+        self.truncated_text = cut
         return True
