@@ -7,6 +7,7 @@ import time
 from functools import partial
 
 from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, Transfer
+from engine.block_manager import blocks_for
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.sampling_params import SamplingParams
@@ -55,8 +56,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             if tx is not None and last:
                 if ready is None:
                     ready = self._ready_event()
-                tx.write_layer(layer, table[:(ctx + self.geometry_block_size - 1) // self.geometry_block_size],
-                               ready_event=ready)
+                tx.write_layer(layer, table[:blocks_for(ctx, self.geometry_block_size)], ready_event=ready)
 
     def _ready_event(self):
         """On a CUDA pool: an event recorded now on the engine's stream, after this layer's KV writes.
