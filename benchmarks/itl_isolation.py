@@ -6,7 +6,7 @@ node process and their KV streamed in. Colocated: the same decode node
 computes them itself (`--colocated`, chunked prefill mixed into decode steps).
 Same model, same machine cores. Reports ITL p50/p99 of the steady streams.
 
-    python benchmarks/itl_isolation.py [--quick] [--model-size bench|tiny]
+    python -m benchmarks.itl_isolation [--quick] [--model-size bench|tiny]
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit, pct  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.cluster_procs import NodeProc
+from benchmarks.common import emit, pct
+from engine.builtin import default_model_dir
 
 SECRET = "bench"
 

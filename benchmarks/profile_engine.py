@@ -8,21 +8,19 @@ tdpipe/data/cpu-<model>.csv in the authors' format, so the simulator can run on 
 The reported ratio is the batching gain: N x time(1 token) / time(N tokens) at
 the largest N (how much cheaper a token gets in a big batch on this CPU).
 
-    .venv/bin/python benchmarks/profile_engine.py [--quick] [--model tiny|bench]
+    python -m benchmarks.profile_engine [--quick] [--model tiny|bench]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit
 
 
 def make_batch(num_tokens: int, decode: bool, context: int, block_size: int):

@@ -5,7 +5,7 @@ TTFT and inter-token latency percentiles (streaming /v1/completions), then the
 router's added latency at concurrency 32: the same requests through the router
 versus straight to a decode node over gRPC.
 
-    python benchmarks/serve.py [--quick] [--model-size bench|tiny]
+    python -m benchmarks.serve [--quick] [--model-size bench|tiny]
 """
 
 from __future__ import annotations
@@ -16,17 +16,13 @@ import json
 import random
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit, pct  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.cluster_procs import NodeProc
+from benchmarks.common import emit, pct
+from engine.builtin import default_model_dir
 
 SECRET = "bench"
 

@@ -13,7 +13,7 @@ with a real prefill node process:
   * disaggregated TTFT through a decode node (decode -> prefill -> KV -> first token);
   * exposed fraction = exposed transfer / transfer alone. Target: <= 25% at 2048.
 
-    python benchmarks/ttft_overlap.py [--quick]
+    python -m benchmarks.ttft_overlap [--quick]
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cachestore_tcp import cachestore_run  # noqa: E402
-from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry  # noqa: E402
-from engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.cachestore_tcp import cachestore_run
+from benchmarks.cluster_procs import NodeProc
+from benchmarks.common import emit
+from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
+from engine import EngineConfig, LLMEngine
+from engine.builtin import default_model_dir
 
 SECRET = "bench"
 
