@@ -52,8 +52,6 @@ class Tokenizer:
             gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
             eos_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
         self.eos_token_ids: list[int] = sorted({int(e) for e in eos_ids if e is not None})
-        self.special_ids = set(self._tok.get_added_tokens_decoder().keys()) if hasattr(
-            self._tok, "get_added_tokens_decoder") else set()
 
     @property
     def vocab_size(self) -> int:
@@ -68,9 +66,6 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` the way transformers' apply_chat_template(tokenize=False) does."""
