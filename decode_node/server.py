@@ -98,7 +98,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                 await rt.loop_thread.call(engine.add_request, rid, prompt, params)
             first_token_sent, last = bool(addresses), time.monotonic()
             while not scope.finished:
-                out = await scope.queue.get()
+                out = await scope.next_output()
                 now = time.monotonic()
                 if out.new_token_ids and first_token_sent:
                     rt.metrics.itl.observe(now - last)

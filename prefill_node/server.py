@@ -85,9 +85,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                               destination=creds.endpoint) as scope:
             self.transfers[rid] = tx
             await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True)
-            out = await scope.queue.get()
+            out = await scope.next_output()
             while not out.finished:
-                out = await scope.queue.get()
+                out = await scope.next_output()
             if out.finish_reason == "abort" or not out.new_token_ids:
                 raise RequestAborted(f"prefill of {rid} was aborted")
             prefill_seconds = time.monotonic() - scope.started

@@ -11,9 +11,11 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Histogram
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.request import StepOutput
 from pdserve.runtime.auth import SecretInterceptor
 from pdserve.runtime.convert import compatibility
 from pdserve.runtime.engine_loop import EngineLoop, Subscription
@@ -46,8 +48,20 @@ class RequestScope:
 
     request_id: str
     queue: Subscription
+    queue_time: Histogram
+    """pdserve_queue_time_seconds of this node, observed once per request."""
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
+    _queue_time_observed: bool = False
+
+    async def next_output(self) -> StepOutput:
+        """The request's next step output (EngineDeadError if the engine died); the first one that
+        knows how long the request waited before it ran records that wait."""
+        out = await self.queue.get()
+        if out.queue_seconds is not None and not self._queue_time_observed:
+            self.queue_time.observe(out.queue_seconds)
+            self._queue_time_observed = True
+        return out
 
 
 class NodeRuntime:
@@ -109,7 +123,7 @@ class NodeRuntime:
         so a drain waits for its blocks to be freed."""
         if self.draining:
             raise NodeUnavailable(f"{self.role} node is draining")
-        scope = RequestScope(request_id, self.loop_thread.subscribe(request_id))
+        scope = RequestScope(request_id, self.loop_thread.subscribe(request_id), self.metrics.queue_time)
         self.inflight += 1
         log.info("request_id=%s %s", request_id, " ".join(f"{k}={v}" for k, v in log_fields.items()))
         try:
