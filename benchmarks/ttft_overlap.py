@@ -45,7 +45,7 @@ async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: 
     """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver."""
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
     server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport="tcp",
                               secret=SECRET)
@@ -77,7 +77,7 @@ async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: 
 async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -> float:
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
     times = []
     async with grpc.aio.insecure_channel(decode) as ch:

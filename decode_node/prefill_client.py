@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.runtime.auth import cluster_metadata
+from pdserve.auth import cluster_metadata
 from pdserve.runtime.grpc_errors import IncompatiblePeer
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 

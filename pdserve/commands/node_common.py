@@ -87,7 +87,7 @@ def engine_config(args: argparse.Namespace, **overrides):
 
 
 def node_options(args: argparse.Namespace):
-    from pdserve.runtime.auth import resolve_secret
+    from pdserve.auth import resolve_secret
     from pdserve.runtime.node import NodeOptions
     import os
     apply_rdma_args(args)

@@ -16,7 +16,7 @@ from prometheus_client import Histogram
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
-from pdserve.runtime.auth import SecretInterceptor
+from pdserve.auth import SecretInterceptor
 from pdserve.runtime.convert import compatibility
 from pdserve.runtime.engine_loop import EngineLoop, Subscription
 from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
