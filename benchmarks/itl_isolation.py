@@ -11,14 +11,12 @@ Same model, same machine cores. Reports ITL p50/p99 of the steady streams.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
 
 from benchmarks.cluster_procs import NodeProc
-from benchmarks.common import emit, pct
-from engine.builtin import default_model_dir
+from benchmarks.common import emit, node_bench_args, pct
 
 SECRET = "bench"
 
@@ -66,13 +64,8 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
-    args = parser.parse_args()
-    model = str(default_model_dir(args.model_size))
+    args, _, common = node_bench_args(__doc__.splitlines()[0], SECRET)
     streams, tokens, long_len = (4, 40, 512) if args.quick else (8, 150, 1024)
-    common = ["--port", "0", "--model", model, "--cluster-secret", SECRET, "--num-threads", "1"]
     results = {}
     # disaggregated: 1 prefill + 1 decode process
     prefill = NodeProc("prefill", common)

@@ -10,7 +10,6 @@ versus straight to a decode node over gRPC.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -21,8 +20,7 @@ import time
 import httpx
 
 from benchmarks.cluster_procs import NodeProc
-from benchmarks.common import emit, pct
-from engine.builtin import default_model_dir
+from benchmarks.common import emit, node_bench_args, pct
 
 SECRET = "bench"
 
@@ -107,13 +105,8 @@ async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concur
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
-    args = parser.parse_args()
-    model = str(default_model_dir(args.model_size))
+    args, model, common = node_bench_args(__doc__.splitlines()[0], SECRET)
     n, max_tokens, rates = (12, 16, [0.5, 1.0, 2.0]) if args.quick else (40, 64, [0.25, 0.5, 1.0])
-    common = ["--port", "0", "--model", model, "--cluster-secret", SECRET, "--num-threads", "1"]
     procs = []
     try:
         procs.append(NodeProc("prefill", common))
