@@ -21,14 +21,10 @@ import os
 import random
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit, pct  # noqa: E402
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials  # noqa: E402
+from benchmarks.common import emit, pct
+from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
 
 SECRET = b"bench"
 

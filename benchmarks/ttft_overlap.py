@@ -14,7 +14,7 @@ say nothing about a NIC), with a real prefill node process:
   * disaggregated TTFT through a decode node (decode -> prefill -> KV -> first token);
   * exposed fraction = exposed transfer / transfer alone. Target: <= 25% at 2048.
 
-    python benchmarks/ttft_overlap.py [--quick] [--transport tcp|rdma]
+    python -m benchmarks.ttft_overlap [--quick] [--transport tcp|rdma]
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cachestore_tcp import cachestore_run  # noqa: E402
-from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry  # noqa: E402
-from engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.cachestore_tcp import cachestore_run
+from benchmarks.cluster_procs import NodeProc
+from benchmarks.common import emit
+from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
+from engine import EngineConfig, LLMEngine
+from engine.builtin import default_model_dir
 
 SECRET = "bench"
 
@@ -50,7 +48,7 @@ async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: 
     """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver."""
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
     server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport,
                               secret=SECRET)
@@ -82,7 +80,7 @@ async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: 
 async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -> float:
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
     times = []
     async with grpc.aio.insecure_channel(decode) as ch:
@@ -145,7 +143,7 @@ def main() -> None:
                       f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms")
         except BaseException:  # a hung or failed run: show what the nodes said
             for name, node in (("prefill", prefill), ("decode", decode)):
-                print(f"--- {name} node log tail ---\n" + "\n".join(node.lines[-25:]), file=sys.stderr)
+                print(f"--- {name} node log tail ---\n" + node.tail(25), file=sys.stderr)
             raise
         finally:
             decode.stop()

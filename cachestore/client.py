@@ -138,9 +138,6 @@ class CacheStoreClient:
         self._channels: dict[str, object] = {}
         self._lock = threading.Lock()
 
-    async def start(self) -> None:
-        """Nothing to do up front: connections open on first use and reopen after a failure."""
-
     async def close(self) -> None:
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}

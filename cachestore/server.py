@@ -43,7 +43,6 @@ class CacheStoreServer:
                              f"({geometry.total_bytes} bytes)")
         self.region = region
         self.geometry = geometry
-        self.requested_transport = transport
         self.active_transport = resolve_transport(transport)
         self.host, self.port = host, port
         self.secret = secret.encode() if isinstance(secret, str) else secret
@@ -106,7 +105,6 @@ class CacheStoreServer:
             session_id=secrets.token_hex(16), token=secrets.token_hex(16), num_layers=num_layers,
             block_bytes=self.geometry.block_bytes, block_ids=tuple(block_ids), rdma=rdma)
         session = Session(creds, self.geometry, timeout, self._loop)
-        session._registry = self
         with self._lock:
             if request_id in self._by_request:
                 raise ValueError(f"a CacheStore session for request {request_id!r} is already open")
@@ -145,8 +143,6 @@ class CacheStoreServer:
             for cut in cuts:
                 cut()
         return session
-
-    close = close_session
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)
