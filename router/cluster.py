@@ -44,6 +44,8 @@ class NodeState:
     max_model_len: int = 0
     responsive: bool = True
     """False after a probe missed the health deadline (a hung node), until a probe succeeds."""
+    silent_since: float | None = None
+    """When the current run of missed probes began (None while the node answers)."""
     probe: asyncio.Task | None = None
 
     @property
@@ -130,14 +132,20 @@ class Cluster:
                 log.warning("%s %s missed a health check (%s): no new requests until it answers",
                             node.member.role, node.member.address, e.code().name)
             node.responsive = False
+            if node.silent_since is None:
+                node.silent_since = time.monotonic()
             node.breaker.failure()
             return
-        node.responsive = True
+        node.responsive, node.silent_since = True, None
         node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
         node.max_model_len = report.max_model_len
         node.load.report(report.num_free_blocks, report.num_total_blocks, report.block_size or 16,
                          report.num_queued_prefill_tokens, time.monotonic())
         node.breaker.success()
+
+    def _hung(self, node: NodeState) -> bool:
+        """The node has missed every health probe for `hung_after` seconds."""
+        return node.silent_since is not None and time.monotonic() - node.silent_since >= self.deadlines.hung_after
 
     def _usable(self, role: str) -> list[NodeState]:
         return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
@@ -201,7 +209,7 @@ class Cluster:
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
             try:
-                async for event in events_within_deadline(call, self.token_deadline):
+                async for event in events_within_deadline(call, self.token_deadline, lambda: self._hung(node)):
                     if event.token_ids:
                         sent.extend(event.token_ids)
                     usage = None

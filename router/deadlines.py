@@ -7,7 +7,12 @@ into a failure the router can act on:
 - the health-check deadline: a probe that gets no answer in `health_timeout`
   seconds marks the node unresponsive, so new requests stop going to it;
 - the per-stream token deadline: a stream that gets no event for
-  `token_timeout` seconds after its first token is cancelled and migrated.
+  `token_timeout` seconds after its first token is cancelled and migrated;
+- the hung-node deadline: an attempt still waiting for its first event is
+  abandoned (and retried elsewhere) once its node has missed every health
+  probe for `hung_after` seconds. The first event itself may legitimately
+  take long (a long prompt's prefill), so it has no short clock of its own;
+  a node that stopped answering probes altogether is not computing it.
 
 The token deadline must not fire on a node that is merely slow (a loaded CI
 machine, a big model), so it is never shorter than `itl_factor` times the
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -36,12 +41,16 @@ class Deadlines:
     """Wait for the first event of an attempt (prefill of a long prompt can take long)."""
     health_timeout: float = 1.0
     """A health/load probe that takes longer marks the node unresponsive until a probe succeeds."""
+    hung_after: float = 10.0
+    """A node unresponsive this long (every probe missed) is hung: attempts waiting for its first
+    event are abandoned and retried elsewhere. Long enough that a loaded but live node answers a
+    probe in between."""
     capacity_wait: float = 30.0
     """How long a request (or a stream being migrated) waits for a usable decode + prefill pair that
     has room, e.g. while `pdserve up` restarts a node, before it fails with 503."""
 
     def __post_init__(self) -> None:
-        for name in ("token_timeout", "itl_factor", "first_token_timeout", "health_timeout"):
+        for name in ("token_timeout", "itl_factor", "first_token_timeout", "health_timeout", "hung_after"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.capacity_wait < 0:
@@ -69,16 +78,17 @@ class StreamStalled(Exception):
     """A node sent nothing within the stream's token deadline."""
 
 
-async def events_within_deadline(call, deadline: TokenDeadline) -> AsyncIterator:
+async def events_within_deadline(call, deadline: TokenDeadline,
+                                 hung: Callable[[], bool] | None = None) -> AsyncIterator:
     """The events of a gRPC response stream, each within the token deadline (else StreamStalled).
-    While the caller is not asking for the next event (a client that reads slowly) no clock runs."""
+    While waiting for the first event, `hung()` (the node missed its probes for too long) also
+    ends the wait. While the caller is not asking for the next event (a client that reads slowly)
+    no clock runs."""
     first, last = True, time.monotonic()
     while True:
         timeout = deadline.timeout(first)
-        try:
-            event = await asyncio.wait_for(call.read(), timeout)
-        except asyncio.TimeoutError:
-            raise StreamStalled(f"no event for {timeout:.1f} s") from None
+        event = await (_first_event(call, timeout, hung) if first and hung is not None
+                       else _next_event(call, timeout))
         if event is grpc.aio.EOF:
             return
         now = time.monotonic()
@@ -86,3 +96,33 @@ async def events_within_deadline(call, deadline: TokenDeadline) -> AsyncIterator
             deadline.observe(now - last)
         first, last = False, now
         yield event
+
+
+async def _next_event(call, timeout: float):
+    try:
+        return await asyncio.wait_for(call.read(), timeout)
+    except asyncio.TimeoutError:
+        raise StreamStalled(f"no event for {timeout:.1f} s") from None
+
+
+HUNG_CHECK_INTERVAL = 0.5
+"""How often a wait for a first event looks at its node's health."""
+
+
+async def _first_event(call, timeout: float, hung: Callable[[], bool]):
+    # One read, watched in slices: cancelling and re-issuing reads on a gRPC stream is not safe.
+    read = asyncio.ensure_future(call.read())
+    end = time.monotonic() + timeout
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise StreamStalled(f"no first event for {timeout:.1f} s")
+            done, _ = await asyncio.wait({read}, timeout=min(left, HUNG_CHECK_INTERVAL))
+            if done:
+                return read.result()
+            if hung():
+                raise StreamStalled("the node stopped answering its health probes before the first event")
+    finally:
+        if not read.done():
+            read.cancel()

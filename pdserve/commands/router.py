@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--first-token-timeout", type=float, default=120.0, help="wait this long for a first token")
     p.add_argument("--health-timeout", type=float, default=1.0,
                    help="a node that misses a health check by this long gets no new requests until it answers")
+    p.add_argument("--hung-after", type=float, default=10.0,
+                   help="a node that has missed every health check for this long is hung: requests still waiting "
+                        "for their first token on it are retried on another node")
     p.add_argument("--capacity-wait", type=float, default=30.0,
                    help="a request waits this long for a usable node with room before a 503 (0: fail at once)")
     p.add_argument("--log-level", default="info")
@@ -87,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("pdserve.router").warning(
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY")
     registry = add_process_collectors(CollectorRegistry())
-    deadlines = Deadlines(args.token_timeout, args.itl_factor, args.first_token_timeout, args.health_timeout,
-                          args.capacity_wait)
+    deadlines = Deadlines(token_timeout=args.token_timeout, itl_factor=args.itl_factor,
+                          first_token_timeout=args.first_token_timeout, health_timeout=args.health_timeout,
+                          hung_after=args.hung_after, capacity_wait=args.capacity_wait)
     cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret),
                       deadlines=deadlines, registry=registry)
     server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from router.deadlines import Deadlines, TokenDeadline
+from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 
 
 def test_token_deadline_has_a_floor_and_grows_with_observed_itl():
@@ -49,10 +51,6 @@ async def test_a_request_waits_for_capacity_then_fails_cleanly():
 
 
 async def test_a_stream_that_stops_sending_is_stalled_after_its_first_event():
-    import asyncio
-
-    from router.deadlines import StreamStalled, events_within_deadline
-
     class HungCall:
         """Two events, then silence (a SIGSTOPped node keeps its connection open)."""
 
@@ -70,3 +68,42 @@ async def test_a_stream_that_stops_sending_is_stalled_after_its_first_event():
         async for event in events_within_deadline(HungCall(), deadline):
             got.append(event)
     assert got == ["e1", "e2"]
+
+
+async def test_a_hung_node_ends_the_wait_for_a_first_event() -> None:
+    """Before the first token only a long deadline runs (prefill may be slow); a node that stopped
+    answering its probes ends the wait early, without re-issuing the stream's read."""
+    class SilentCall:
+        reads = 0
+
+        async def read(self):
+            SilentCall.reads += 1
+            await asyncio.Event().wait()
+
+    state = {"hung": False}
+    deadline = TokenDeadline(Deadlines(first_token_timeout=60.0))
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, state.update, {"hung": True})
+    start = loop.time()
+    with pytest.raises(StreamStalled, match="health probes"):
+        async for _ in events_within_deadline(SilentCall(), deadline, lambda: state["hung"]):
+            pass
+    assert loop.time() - start < 30  # far below the 60 s first-token deadline
+    assert SilentCall.reads == 1
+
+
+async def test_a_live_node_keeps_its_slow_first_event() -> None:
+    class SlowCall:
+        async def read(self):
+            await asyncio.sleep(1.2)  # longer than a hung-check interval
+            return "first"
+
+    deadline = TokenDeadline(Deadlines(first_token_timeout=60.0))
+    got = [e async for e in _take_one(events_within_deadline(SlowCall(), deadline, lambda: False))]
+    assert got == ["first"]
+
+
+async def _take_one(stream):
+    async for event in stream:
+        yield event
+        return
