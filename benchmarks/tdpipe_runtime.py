@@ -1,0 +1,270 @@
+"""TD-Pipe on the real stage runtime: TD-Pipe vs PP+SB vs PP+HB vs engine.LLM, and the simulator's prediction.
+
+Real processes on this machine: the `bench` model split into 2 `pdserve stage`
+processes with 1 torch thread each (`tdpipe.runtime.local.run_local_pipeline`),
+against plain `engine.LLM` (its `LLMEngine`) in one process with 2 threads — the
+same two cores. Workload: ShareGPT-like lengths from `tdpipe.workload.generate`
+(inputs <= 1023 tokens, outputs capped at `--max-output`, 256 by default, so the
+full run takes minutes on 2 cores; the cap leaves the median output, 180, in
+place), deterministic random token ids in the vocabulary, greedy, ignore_eos
+(max_tokens = the workload's output length), seed 0; the same requests for every
+run. Every runtime run and the engine get the same KV capacity in tokens.
+
+Simulator check: each stage is profiled alone (`tdpipe.runtime.profile`), the
+profile becomes a `CostTable`, and `tdpipe.simulator.simulate` runs each policy on
+the same requests with `predicted_len = output_len` (ignore_eos makes the output
+length exact, so a perfect predictor is the honest model). Predicted vs measured
+output tok/s per policy; target within ±20%. Target for the runtime: TD-Pipe >=
+1.3x PP+SB. Bubble: per stage 1 − busy/wall over the job's span, from the
+stages' own timelines, averaged over stages.
+
+Throughput is output tokens over the job's span (first batch start to last batch
+end over all stages), so process start-up and model loading are left out; the
+engine is timed from its first step to its last.
+
+    python benchmarks/tdpipe_runtime.py [--quick] [--plot timeline.png] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import emit  # noqa: E402
+from tdpipe.config import InstanceConfig  # noqa: E402
+from tdpipe.cost_table import CostTable  # noqa: E402
+from tdpipe.runtime.profile import build_cost_table, profile_stages  # noqa: E402
+from tdpipe.runtime.timeline import bubble_fraction, job_span, phase_switches, plot_timelines  # noqa: E402
+from tdpipe.simulator import simulate  # noqa: E402
+from tdpipe.workload import SimRequest, WorkloadConfig, generate  # noqa: E402
+
+POLICIES = {"tdpipe": "td-pipe", "pp-sb": "pp+sb", "pp-hb": "pp+hb"}
+"""Runtime policy name -> the simulator's name for the same policy object."""
+LABELS = {"tdpipe": "TD-Pipe", "pp-sb": "PP+SB", "pp-hb": "PP+HB", "llm": "engine.LLM (1 proc, 2 threads)"}
+NUM_STAGES = 2
+BLOCK_SIZE = 16
+MAX_BATCH_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    request_id: int
+    prompt_ids: list[int]
+    output_len: int
+
+
+def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: int = 0) -> list[BenchRequest]:
+    """ShareGPT-like lengths (tdpipe.workload) with deterministic random ids in [10, vocab)."""
+    lengths = generate(WorkloadConfig(num_requests=num, max_input=max_input, max_output=max_output, seed=seed))
+    rng = random.Random(seed + 1)
+    return [BenchRequest(r.request_id, [rng.randrange(10, vocab) for _ in range(r.input_len)], r.output_len)
+            for r in lengths]
+
+
+def mean_decode_context(reqs: list[BenchRequest]) -> int:
+    """KV length of the average decode token: the step that yields token g+1 of a request runs
+    over input + g tokens, g = 1 .. output − 1 (the first token comes from the prefill)."""
+    tokens = sum(r.output_len - 1 for r in reqs)
+    total = sum((r.output_len - 1) * len(r.prompt_ids) + (r.output_len - 1) * r.output_len // 2 for r in reqs)
+    return max(1, round(total / max(1, tokens)))
+
+
+def max_decode_batch(reqs: list[BenchRequest], kv_tokens: int) -> int:
+    """A bound on the decode batch any policy forms: a TD-Pipe batch is 1/NUM_STAGES of the resident
+    requests, a PP virtual engine holds 1/NUM_STAGES of the KV; both are at most what fits of the
+    shortest quarter of the requests, spread over the stages (x1.5 for work stealing's imbalance)."""
+    sizes = sorted(len(r.prompt_ids) + r.output_len for r in reqs)
+    short = sizes[len(sizes) // 4]
+    resident = min(len(reqs), kv_tokens // max(1, short))
+    return max(1, min(len(reqs), math.ceil(1.5 * resident / NUM_STAGES)))
+
+
+def profile_points(max_decode: int, max_tokens: int, quick: bool) -> tuple[list[int], list[int]]:
+    decode = sorted({1, max_decode} | {2 ** k for k in range(1, 12) if 2 ** k < max_decode}
+                    | ({3 * 2 ** k for k in range(0, 10) if 3 * 2 ** k < max_decode} if not quick else set()))
+    step = max_tokens // (4 if quick else 8)
+    prefill = sorted({n for n in range(step, max_tokens + 1, step) if n > max_decode} | {max_tokens})
+    return decode, prefill
+
+
+def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int) -> dict:
+    """engine.LLM's engine in this process: same requests, same KV tokens, 2 threads."""
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, num_threads=threads, num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
+              max_num_seqs=max(256, len(reqs)), max_num_batched_tokens=MAX_BATCH_TOKENS,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    engine.runner.attention.wait_ready()  # a first-use kernel build is not part of the measurement
+    for r in reqs:
+        engine.add_request(str(r.request_id), r.prompt_ids,
+                           SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+    produced = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - start
+    del llm, engine
+    return {"output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
+
+
+def _policy_supported() -> bool:
+    from tdpipe.runtime.local import run_local_pipeline
+    return "policy" in inspect.signature(run_local_pipeline).parameters
+
+
+def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str | None) -> dict:
+    """One job through 2 local stage processes (1 thread each); `policy=None` runs the runtime's
+    only schedule (a runtime without the policy argument)."""
+    from tdpipe.runtime.controller import PipeRequest
+    from tdpipe.runtime.local import run_local_pipeline
+    from tdpipe.runtime.stage_worker import StageConfig
+    cfg = StageConfig(str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1)
+    pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
+    kwargs = {} if policy is None else {"policy": policy}
+    stats, timelines = run_local_pipeline(cfg, NUM_STAGES, pipe_reqs, MAX_BATCH_TOKENS, **kwargs)
+    produced = sum(len(r.output_ids) for r in pipe_reqs)
+    expected = sum(r.output_len for r in reqs)
+    assert produced == expected, f"{policy}: {produced} output tokens != {expected}"
+    t0, t1 = job_span(timelines)
+    decode_sizes = [n for tl in timelines for _, _, n, p in tl if p == "decode"]
+    return {"output_tokens": produced, "seconds": t1 - t0, "tok_s": produced / (t1 - t0),
+            "bubble": bubble_fraction(timelines), "phase_switches": phase_switches(timelines[0]),
+            "preemptions": getattr(stats, "preemptions", None),
+            "max_decode_batch": max(decode_sizes, default=0), "timelines": timelines}
+
+
+def sim_requests(reqs: list[BenchRequest]) -> list[SimRequest]:
+    """The workload for the simulator; ignore_eos makes the output length exact, so predicted = true."""
+    return [SimRequest(r.request_id, len(r.prompt_ids), r.output_len, r.output_len) for r in reqs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="24 short requests, few profile points (< 1 minute on a quiet machine)")
+    parser.add_argument("--requests", type=int, default=None, help="default 256 (quick: 24)")
+    parser.add_argument("--max-output", type=int, default=None, help="output length cap (default 256; quick 24)")
+    parser.add_argument("--max-input", type=int, default=None, help="input length cap (default 1023; quick 192)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help=f"KV blocks of {BLOCK_SIZE} tokens per stage = the instance's capacity "
+                             "(default: room for about a quarter of the job's tokens)")
+    parser.add_argument("--skip-llm", action="store_true", help="leave out the engine.LLM baseline")
+    parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run")
+    args = parser.parse_args()
+
+    from engine.attention import cpu_build
+    from engine.builtin import default_model_dir
+    from engine.tokenizer import Tokenizer
+    wall0 = time.perf_counter()
+    model_dir = default_model_dir("bench")
+    cpu_build.load_paged_attention_op()  # build the kernel once here; the stage processes then only load it
+    num = args.requests or (24 if args.quick else 256)
+    max_output = args.max_output or (24 if args.quick else 256)
+    max_input = args.max_input or (192 if args.quick else 1023)
+    reqs = build_workload(num, max_input, max_output, Tokenizer(model_dir).vocab_size)
+    job_tokens = sum(len(r.prompt_ids) + r.output_len for r in reqs)
+    longest = max(len(r.prompt_ids) + r.output_len for r in reqs)
+    # The KV must bind for the policies to differ (the paper's memory-bound regime); a quarter of
+    # the job's tokens keeps many requests resident yet forces several phases and preemption.
+    kv_blocks = args.kv_blocks or max(-(-job_tokens // 4 // BLOCK_SIZE), -(-2 * longest // BLOCK_SIZE) + 2)
+    kv_tokens = kv_blocks * BLOCK_SIZE
+    ctx = mean_decode_context(reqs)
+    max_decode = max_decode_batch(reqs, kv_tokens)
+    print(f"workload: {num} requests, input mean {sum(len(r.prompt_ids) for r in reqs) / num:.0f} "
+          f"(max {max(len(r.prompt_ids) for r in reqs)}), output mean {sum(r.output_len for r in reqs) / num:.0f} "
+          f"(cap {max_output}), {sum(r.output_len for r in reqs)} output tokens; KV {kv_blocks} blocks x "
+          f"{BLOCK_SIZE} = {kv_tokens} tokens; mean decode context {ctx}", flush=True)
+
+    # 1. profile the stages and build the simulator's table
+    t0 = time.perf_counter()
+    decode_pts, prefill_pts = profile_points(max_decode, MAX_BATCH_TOKENS, args.quick)
+    profiles = profile_stages(model_dir, NUM_STAGES, decode_batches=decode_pts, prefill_tokens=prefill_pts,
+                              decode_context=ctx, prefill_prompt_len=max(1, round(median(len(r.prompt_ids)
+                                                                                         for r in reqs))),
+                              block_size=BLOCK_SIZE, num_threads=1, repeats=1 if args.quick else 3)
+    table = build_cost_table(profiles, "bench-2stage-1thread")
+    for p in profiles:
+        print(f"profile stage {p.stage} layers {p.layer_range}: decode@ctx{ctx} "
+              + " ".join(f"{b}:{t:.0f}" for b, t in p.decode_ms.items()) + " ms; prefill "
+              + " ".join(f"{n}:{t:.0f}" for n, t in p.prefill_ms.items()) + " ms", flush=True)
+    print(f"profiling took {time.perf_counter() - t0:.0f}s; table: {len(table.tokens)} rows, decode up to "
+          f"batch {max_decode}, prefill above", flush=True)
+
+    # 2. the simulator's prediction, on the same requests and capacity
+    inst = InstanceConfig(num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE,
+                          max_batch_tokens=MAX_BATCH_TOKENS)
+    predicted = {p: simulate(s, table, inst, sim_requests(reqs)) for p, s in POLICIES.items()}
+
+    # 3. the real runs
+    results: dict[str, dict] = {}
+    if not args.skip_llm:
+        results["llm"] = run_llm(model_dir, reqs, kv_blocks, threads=2)
+        print(f"engine.LLM: {results['llm']['tok_s']:.1f} tok/s ({results['llm']['seconds']:.1f}s)", flush=True)
+    supported = _policy_supported()
+    for policy in (POLICIES if supported else ["tdpipe"]):
+        results[policy] = run_pipeline(model_dir, reqs, kv_blocks, policy if supported else None)
+        r = results[policy]
+        print(f"{LABELS[policy]}: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s), bubble {r['bubble']:.1%}, "
+              f"predicted {predicted[policy].throughput:.1f}", flush=True)
+    if not supported:
+        print("NOTE: this runtime has no policy argument yet; its one schedule stands in for TD-Pipe and "
+              "PP+SB / PP+HB were not run", flush=True)
+
+    # 4. report
+    sb = results.get("pp-sb", {}).get("tok_s")
+    llm = results.get("llm", {}).get("tok_s")
+    print(f"\n{'policy':32s} {'tok/s':>8s} {'/PP+SB':>7s} {'/LLM':>6s} {'sim tok/s':>9s} {'sim err':>8s} "
+          f"{'bubble':>7s} {'sim bub':>7s} {'switch':>6s} {'preempt':>7s} {'max dec b':>9s}")
+    errors, bubbles = {}, {}
+    for name, r in results.items():
+        sim = predicted.get(name)
+        err = (sim.throughput - r["tok_s"]) / r["tok_s"] if sim else None
+        if sim:
+            errors[name] = round(err, 3)
+            bubbles[name] = round(r["bubble"], 3)
+        row = [f"{LABELS[name]:32s}", f"{r['tok_s']:8.1f}", f"{r['tok_s'] / sb:7.2f}" if sb else f"{'-':>7s}",
+               f"{r['tok_s'] / llm:6.2f}" if llm else f"{'-':>6s}",
+               f"{sim.throughput:9.1f}" if sim else f"{'-':>9s}", f"{err:+8.1%}" if sim else f"{'-':>8s}",
+               f"{r['bubble']:7.1%}" if "bubble" in r else f"{'-':>7s}",
+               f"{sim.summary()['bubble_frac']:7.1%}" if sim else f"{'-':>7s}",
+               f"{r.get('phase_switches', '-')!s:>6s}", f"{r.get('preemptions', '-')!s:>7s}",
+               f"{r.get('max_decode_batch', '-')!s:>9s}"]
+        print(" ".join(row))
+    over = {n: r["max_decode_batch"] for n, r in results.items() if r.get("max_decode_batch", 0) > max_decode}
+    if over:
+        print(f"WARNING: decode batches above the table's decode range ({max_decode}): {over}", flush=True)
+    if args.plot:
+        plot_timelines({LABELS[n]: r["timelines"] for n, r in results.items() if "timelines" in r}, args.plot)
+        print(f"wrote {args.plot}", flush=True)
+
+    td = results["tdpipe"]["tok_s"]
+    emit({"metric": "tdpipe_vs_ppsb_output_tok_s_ratio", "value": round(td / sb, 3) if sb else None,
+          "baseline": 1.0, "ratio": round(td / sb, 3) if sb else None, "target": 1.3,
+          "unit": "TD-Pipe output tok/s / PP+SB output tok/s (real 2-stage runtime)",
+          "policy_argument": supported, "quick": args.quick, "requests": num, "max_input": max_input,
+          "max_output": max_output, "output_tokens": sum(r.output_len for r in reqs), "kv_blocks": kv_blocks,
+          "block_size": BLOCK_SIZE, "max_batch_tokens": MAX_BATCH_TOKENS, "decode_context": ctx,
+          "table_decode_max_batch": max_decode,
+          "tok_s": {n: round(r["tok_s"], 1) for n, r in results.items()},
+          "vs_llm": {n: round(r["tok_s"] / llm, 3) for n, r in results.items()} if llm else None,
+          "sim_tok_s": {n: round(s.throughput, 1) for n, s in predicted.items()},
+          "sim_error": errors, "sim_target": 0.2,
+          "sim_within_target": {n: abs(e) <= 0.2 for n, e in errors.items()},
+          "bubble": bubbles, "sim_bubble": {n: s.summary()["bubble_frac"] for n, s in predicted.items()},
+          "phase_switches": {n: r["phase_switches"] for n, r in results.items() if "phase_switches" in r},
+          "preemptions": {n: r["preemptions"] for n, r in results.items() if "preemptions" in r},
+          "sim_preemptions": {n: s.num_preemptions for n, s in predicted.items()},
+          "wall_s": round(time.perf_counter() - wall0, 1)})
+
+
+if __name__ == "__main__":
+    main()
