@@ -49,10 +49,11 @@ from tdpipe.workload import SimRequest, WorkloadConfig, generate  # noqa: E402
 
 POLICIES = {"tdpipe": "td-pipe", "pp-sb": "pp+sb", "pp-hb": "pp+hb"}
 """Runtime policy name -> the simulator's name for the same policy object."""
-LABELS = {"tdpipe": "TD-Pipe", "pp-sb": "PP+SB", "pp-hb": "PP+HB", "llm": "engine.LLM (1 proc, 2 threads)"}
+LABELS = {"tdpipe": "TD-Pipe", "pp-sb": "PP+SB", "pp-hb": "PP+HB", "llm": "engine.LLM (1 process)"}
 NUM_STAGES = 2
 BLOCK_SIZE = 16
 MAX_BATCH_TOKENS = 2048
+"""Token budget of one prefill/hybrid batch (the runtime's and the simulator's default); --quick uses 512."""
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,18 @@ def max_decode_batch(reqs: list[BenchRequest], kv_tokens: int) -> int:
 
 
 def profile_points(max_decode: int, max_tokens: int, quick: bool) -> tuple[list[int], list[int]]:
-    decode = sorted({1, max_decode} | {2 ** k for k in range(1, 12) if 2 ** k < max_decode}
+    decode = sorted({1, max_decode} | {2 ** k for k in range(1, 12 if not quick else 3) if 2 ** k < max_decode}
                     | ({3 * 2 ** k for k in range(0, 10) if 3 * 2 ** k < max_decode} if not quick else set()))
-    step = max_tokens // (4 if quick else 8)
+    step = max_tokens // (2 if quick else 8)
     prefill = sorted({n for n in range(step, max_tokens + 1, step) if n > max_decode} | {max_tokens})
     return decode, prefill
 
 
-def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int) -> dict:
+def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int, max_batch_tokens: int) -> dict:
     """engine.LLM's engine in this process: same requests, same KV tokens, 2 threads."""
     from engine import LLM, SamplingParams
     llm = LLM(model_dir, num_threads=threads, num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
-              max_num_seqs=max(256, len(reqs)), max_num_batched_tokens=MAX_BATCH_TOKENS,
+              max_num_seqs=max(256, len(reqs)), max_num_batched_tokens=max_batch_tokens,
               enable_prefix_caching=False)
     engine = llm.engine
     engine.runner.attention.wait_ready()  # a first-use kernel build is not part of the measurement
@@ -121,7 +122,8 @@ def _policy_supported() -> bool:
     return "policy" in inspect.signature(run_local_pipeline).parameters
 
 
-def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str | None) -> dict:
+def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str | None,
+                 max_batch_tokens: int) -> dict:
     """One job through 2 local stage processes (1 thread each); `policy=None` runs the runtime's
     only schedule (a runtime without the policy argument)."""
     from tdpipe.runtime.controller import PipeRequest
@@ -130,7 +132,7 @@ def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, poli
     cfg = StageConfig(str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1)
     pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
     kwargs = {} if policy is None else {"policy": policy}
-    stats, timelines = run_local_pipeline(cfg, NUM_STAGES, pipe_reqs, MAX_BATCH_TOKENS, **kwargs)
+    stats, timelines = run_local_pipeline(cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, **kwargs)
     produced = sum(len(r.output_ids) for r in pipe_reqs)
     expected = sum(r.output_len for r in reqs)
     assert produced == expected, f"{policy}: {produced} output tokens != {expected}"
@@ -150,13 +152,17 @@ def sim_requests(reqs: list[BenchRequest]) -> list[SimRequest]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="24 short requests, few profile points (< 1 minute on a quiet machine)")
-    parser.add_argument("--requests", type=int, default=None, help="default 256 (quick: 24)")
-    parser.add_argument("--max-output", type=int, default=None, help="output length cap (default 256; quick 24)")
-    parser.add_argument("--max-input", type=int, default=None, help="input length cap (default 1023; quick 192)")
+                        help="16 short requests, 512-token batches, few profile points (< 1 minute on a quiet machine)")
+    parser.add_argument("--requests", type=int, default=None, help="default 256 (quick: 16)")
+    parser.add_argument("--max-output", type=int, default=None, help="output length cap (default 256; quick 16)")
+    parser.add_argument("--max-input", type=int, default=None, help="input length cap (default 1023; quick 128)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help=f"prefill batch token budget (default {MAX_BATCH_TOKENS}; quick 512)")
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help=f"KV blocks of {BLOCK_SIZE} tokens per stage = the instance's capacity "
                              "(default: room for about a quarter of the job's tokens)")
+    parser.add_argument("--llm-threads", type=int, default=2,
+                        help="torch threads of the engine.LLM baseline (2: the same two cores as the stages)")
     parser.add_argument("--skip-llm", action="store_true", help="leave out the engine.LLM baseline")
     parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run")
     args = parser.parse_args()
@@ -167,9 +173,12 @@ def main() -> None:
     wall0 = time.perf_counter()
     model_dir = default_model_dir("bench")
     cpu_build.load_paged_attention_op()  # build the kernel once here; the stage processes then only load it
-    num = args.requests or (24 if args.quick else 256)
-    max_output = args.max_output or (24 if args.quick else 256)
-    max_input = args.max_input or (192 if args.quick else 1023)
+    num = args.requests or (16 if args.quick else 256)
+    max_output = args.max_output or (16 if args.quick else 256)
+    max_input = args.max_input or (128 if args.quick else 1023)
+    max_batch = args.max_batch_tokens or (512 if args.quick else MAX_BATCH_TOKENS)
+    if max_input >= max_batch:
+        parser.error("--max-input must be below --max-batch-tokens (a prompt is prefilled whole)")
     reqs = build_workload(num, max_input, max_output, Tokenizer(model_dir).vocab_size)
     job_tokens = sum(len(r.prompt_ids) + r.output_len for r in reqs)
     longest = max(len(r.prompt_ids) + r.output_len for r in reqs)
@@ -186,7 +195,7 @@ def main() -> None:
 
     # 1. profile the stages and build the simulator's table
     t0 = time.perf_counter()
-    decode_pts, prefill_pts = profile_points(max_decode, MAX_BATCH_TOKENS, args.quick)
+    decode_pts, prefill_pts = profile_points(max_decode, max_batch, args.quick)
     profiles = profile_stages(model_dir, NUM_STAGES, decode_batches=decode_pts, prefill_tokens=prefill_pts,
                               decode_context=ctx, prefill_prompt_len=max(1, round(median(len(r.prompt_ids)
                                                                                          for r in reqs))),
@@ -201,17 +210,17 @@ def main() -> None:
 
     # 2. the simulator's prediction, on the same requests and capacity
     inst = InstanceConfig(num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE,
-                          max_batch_tokens=MAX_BATCH_TOKENS)
+                          max_batch_tokens=max_batch)
     predicted = {p: simulate(s, table, inst, sim_requests(reqs)) for p, s in POLICIES.items()}
 
     # 3. the real runs
     results: dict[str, dict] = {}
     if not args.skip_llm:
-        results["llm"] = run_llm(model_dir, reqs, kv_blocks, threads=2)
+        results["llm"] = run_llm(model_dir, reqs, kv_blocks, args.llm_threads, max_batch)
         print(f"engine.LLM: {results['llm']['tok_s']:.1f} tok/s ({results['llm']['seconds']:.1f}s)", flush=True)
     supported = _policy_supported()
     for policy in (POLICIES if supported else ["tdpipe"]):
-        results[policy] = run_pipeline(model_dir, reqs, kv_blocks, policy if supported else None)
+        results[policy] = run_pipeline(model_dir, reqs, kv_blocks, policy if supported else None, max_batch)
         r = results[policy]
         print(f"{LABELS[policy]}: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s), bubble {r['bubble']:.1%}, "
               f"predicted {predicted[policy].throughput:.1f}", flush=True)
@@ -252,7 +261,7 @@ def main() -> None:
           "unit": "TD-Pipe output tok/s / PP+SB output tok/s (real 2-stage runtime)",
           "policy_argument": supported, "quick": args.quick, "requests": num, "max_input": max_input,
           "max_output": max_output, "output_tokens": sum(r.output_len for r in reqs), "kv_blocks": kv_blocks,
-          "block_size": BLOCK_SIZE, "max_batch_tokens": MAX_BATCH_TOKENS, "decode_context": ctx,
+          "block_size": BLOCK_SIZE, "max_batch_tokens": max_batch, "decode_context": ctx,
           "table_decode_max_batch": max_decode,
           "tok_s": {n: round(r["tok_s"], 1) for n, r in results.items()},
           "vs_llm": {n: round(r["tok_s"] / llm, 3) for n, r in results.items()} if llm else None,

@@ -90,10 +90,13 @@ def _time_ms(runner: ModelRunner, batch: ForwardBatch, hidden: torch.Tensor | No
 
 def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: list[int], prefill_tokens: list[int],
                    decode_context: int, prefill_prompt_len: int = 256, block_size: int = 16,
-                   num_threads: int = 1, dtype: str = "auto", repeats: int = 3) -> list[StageProfile]:
+                   num_threads: int = 1, dtype: str = "auto", repeats: int = 3,
+                   attention_backend: str = "auto") -> list[StageProfile]:
     """Time every stage's slice on decode batches and prefill batches (see the module docstring).
 
     One stage at a time in this process with `num_threads` torch threads, as a stage process runs.
+    `attention_backend` must be what the stages use ("auto", as `StageConfig` gives them) for a
+    faithful table; tests pass "torch" to skip the C++ kernel's first-use build.
     """
     if not decode_batches or not prefill_tokens:
         raise ValueError("need at least one decode batch size and one prefill token count")
@@ -107,7 +110,8 @@ def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: li
         for stage in range(num_stages):
             layer_range = stage_layer_range(cfg.num_hidden_layers, num_stages, stage)
             runner = ModelRunner(model_dir, dtype=dtype, block_size=block_size, num_kv_blocks=need_blocks,
-                                 layer_range=layer_range, num_threads=num_threads)
+                                 layer_range=layer_range, num_threads=num_threads,
+                                 attention_backend=attention_backend)
             runner.attention.wait_ready()  # a first-use kernel build is not a forward time
             prof = StageProfile(stage, layer_range, decode_context)
 
