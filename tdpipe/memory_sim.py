@@ -60,9 +60,6 @@ class FutureMemory:
         self.points = config.points
         self.usage = [0] * len(self.points)
 
-    def reset(self) -> None:
-        self.usage = [0] * len(self.points)
-
     def _blocks(self, input_len: int, num_generated: int, predicted_len: int,
                 offset: int, from_step: int) -> list[tuple[int, int]]:
         """(point index, blocks) for a request that joins at step `offset`."""

@@ -69,9 +69,6 @@ class Pipeline:
         self.stats.makespan_ms = max(self.stats.makespan_ms, end)
         return end
 
-    def entry_free_ms(self) -> float:
-        return self.stage_free[0]
-
 
 class KVPool:
     """Block accounting for one instance (or one virtual engine of it)."""
@@ -87,15 +84,18 @@ class KVPool:
     def can_admit(self, num_tokens: int) -> bool:
         return self.used + blocks_for(num_tokens, self.block_size) <= self.capacity_blocks
 
-    def admit(self, req: SimRequest) -> None:
-        self.used += self.blocks(req)
+    def reserve(self, num_tokens: int) -> None:
+        """Account a newly admitted request that will hold `num_tokens` tokens after its prefill
+        (its prompt plus the slot of the first generated token, which the first decode writes)."""
+        self.used += blocks_for(num_tokens, self.block_size)
 
     def release(self, req: SimRequest) -> None:
         self.used -= self.blocks(req)
 
     def grow(self, req: SimRequest) -> None:
-        """Account one generated token for `req` (call before incrementing it)."""
-        self.used += blocks_for(req.kv_len + 1, self.block_size) - self.blocks(req)
+        """Account the token `req` just generated (call after its `num_generated` grew): the next
+        forward writes its KV, so the pool holds `kv_len` positions for it from now on."""
+        self.used += self.blocks(req) - blocks_for(req.kv_len - 1, self.block_size)
 
     @property
     def usage(self) -> float:

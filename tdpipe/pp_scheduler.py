@@ -13,7 +13,8 @@ from collections import deque
 
 from tdpipe.config import InstanceConfig
 from tdpipe.cost_table import CostTable
-from tdpipe.pipeline import KVPool, Pipeline, SimStats
+from tdpipe.executor import Batch, BatchItem, Executor, SimExecutor
+from tdpipe.pipeline import KVPool, SimStats
 from tdpipe.workload import SimRequest
 
 
@@ -25,102 +26,107 @@ class _VirtualEngine:
 
 
 class PPScheduler:
-    """PP with separate (prefill-first) batching, or with hybrid chunked-prefill batching."""
+    """PP with separate (prefill-first) batching, or with hybrid chunked-prefill batching.
+
+    Each virtual engine has at most one batch in flight; when it comes back the
+    engine retires, preempts and schedules its next batch. The same object runs on
+    the simulator (`SimExecutor`, the default) or on real stages (`StageExecutor`).
+    """
 
     def __init__(self, table: CostTable, inst: InstanceConfig, hybrid: bool) -> None:
         self.table, self.inst, self.hybrid = table, inst, hybrid
         self.stats = SimStats("pp+hb" if hybrid else "pp+sb")
-        self.pipe = Pipeline(table, inst.num_stages, self.stats)
+        self.ex: Executor = SimExecutor(table, inst.num_stages)
 
-    def run(self, requests: list[SimRequest]) -> SimStats:
+    def run(self, requests: list[SimRequest], executor: Executor | None = None) -> SimStats:
+        """Run `requests` to completion on `executor` (default: the simulator)."""
+        self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
+        self.ex.attach(self.stats)
         n = self.inst.num_stages
         engines = [_VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, requests[i::n])
                    for i in range(n)]
-        ready = [(0.0, i) for i in range(n)]  # (time the engine may schedule, engine index)
-        while ready:
-            t, i = heapq.heappop(ready)
-            ve = engines[i]
-            end = self._step_hybrid(ve, t) if self.hybrid else self._step_separate(ve, t)
-            if end is not None:
-                self.stats.kv_samples.append((end, sum(e.kv.used for e in engines) / self.inst.capacity_blocks))
-                heapq.heappush(ready, (end, i))
-            elif ve.waiting:
+        for i, ve in enumerate(engines):
+            self._schedule(i, ve, 0.0)
+        # Batches leave in the order they entered, so the oldest in flight is the next
+        # engine to become free (what the simulator's ready-time heap used to pick).
+        while self.ex.inflight:
+            done = self.ex.collect()
+            ve = engines[done.tag]
+            self._complete(ve, done)
+            self.stats.kv_samples.append((done.end_ms,
+                                          sum(e.kv.used for e in engines) / self.inst.capacity_blocks))
+            self._schedule(done.tag, ve, done.end_ms)
+        for ve in engines:
+            if ve.waiting:
                 r = ve.waiting[0]
                 raise ValueError(f"request {r.request_id} ({r.input_len} prompt tokens) does not fit "
                                  "in one virtual engine's KV share")
         return self.stats
+
+    def _schedule(self, index: int, ve: _VirtualEngine, t: float) -> None:
+        items, phase = self._plan_hybrid(ve) if self.hybrid else self._plan_separate(ve)
+        if items:
+            self.ex.submit(items, phase, t, tag=index)
 
     def _admit(self, ve: _VirtualEngine, budget: int, num_seqs: int) -> list[SimRequest]:
         new: list[SimRequest] = []
         while ve.waiting and num_seqs + len(new) < self.inst.max_num_seqs:
             r = ve.waiting[0]
             chunk = r.input_len if not self.hybrid else min(r.input_len, budget)
-            if chunk > budget or chunk <= 0 or not ve.kv.can_admit(r.input_len + 1):
+            # Separate batching runs a prompt longer than the budget alone (a preempted request's
+            # prompt grows by what it generated, so it can outgrow the budget it was admitted with).
+            oversize_alone = not self.hybrid and not new and budget == self.inst.max_batch_tokens
+            if (chunk > budget and not oversize_alone) or chunk <= 0 or not ve.kv.can_admit(r.input_len + 1):
                 break
             ve.waiting.popleft()
-            ve.kv.used += -(-(r.input_len + 1) // ve.kv.block_size)  # whole prompt reserved
+            ve.kv.reserve(r.input_len + 1)  # whole prompt reserved, and the first token's slot
             budget -= chunk
             new.append(r)
         return new
 
-    def _step_separate(self, ve: _VirtualEngine, t: float) -> float | None:
+    def _plan_separate(self, ve: _VirtualEngine) -> tuple[list[BatchItem], str]:
         new = self._admit(ve, self.inst.max_batch_tokens, len(ve.running))
         if new:  # prefill first
-            end = self.pipe.submit(sum(r.input_len for r in new), t)
-            for r in new:
-                r.num_generated, r.num_prefilled = 1, r.input_len
-            self.stats.output_tokens += len(new)
             ve.running += new
-            self._retire(ve, end)
-            return end
+            return [BatchItem(r, r.input_len, True) for r in new], "prefill"
         if not ve.running:
-            return None
+            return [], ""
         self._preempt_overflow(ve)
-        end = self.pipe.submit(len(ve.running), t)
-        self._decode_tokens(ve, ve.running, end)
-        return end
+        if not ve.running:  # everything was preempted: start over with prefills
+            return self._plan_separate(ve)
+        return [BatchItem(r, 1, True) for r in ve.running], "decode"
 
-    def _step_hybrid(self, ve: _VirtualEngine, t: float) -> float | None:
+    def _plan_hybrid(self, ve: _VirtualEngine) -> tuple[list[BatchItem], str]:
         self._preempt_overflow(ve)
         decoding = [r for r in ve.running if r.num_prefilled == r.input_len]
         budget = self.inst.max_batch_tokens - len(decoding)
-        chunks: list[tuple[SimRequest, int]] = []
+        items = [BatchItem(r, 1, True) for r in decoding]
         for r in ve.running:  # continue partially prefilled prompts first
             if r.num_prefilled < r.input_len and budget > 0:
                 c = min(budget, r.input_len - r.num_prefilled)
-                chunks.append((r, c))
+                items.append(BatchItem(r, c, r.num_prefilled + c == r.input_len))
                 budget -= c
         for r in self._admit(ve, budget, len(ve.running)):
             c = min(budget, r.input_len)
-            chunks.append((r, c))
+            items.append(BatchItem(r, c, c == r.input_len))  # the last chunk yields the first token
             budget -= c
             ve.running.append(r)
-        if not decoding and not chunks:
-            return None
-        end = self.pipe.submit(len(decoding) + sum(c for _, c in chunks), t)
-        self._decode_tokens(ve, decoding, end, retire=False)
-        for r, c in chunks:
-            r.num_prefilled += c
-            if r.num_prefilled == r.input_len:  # last chunk yields the first token
-                r.num_generated = 1
-                self.stats.output_tokens += 1
-        self._retire(ve, end)
-        return end
+        return items, "hybrid"
 
-    def _decode_tokens(self, ve: _VirtualEngine, batch: list[SimRequest], end: float, retire: bool = True) -> None:
-        for r in batch:
-            ve.kv.grow(r)
-            r.num_generated += 1
-        self.stats.output_tokens += len(batch)
-        if retire:
-            self._retire(ve, end)
-
-    def _retire(self, ve: _VirtualEngine, end: float) -> None:
+    def _complete(self, ve: _VirtualEngine, done: Batch) -> None:
+        """Account a returned batch: decode steps grow the KV, prompt chunks advance, finished requests leave."""
+        for item in done.items:
+            r = item.request
+            if r.num_prefilled == r.input_len:  # a decode step: one more token's KV
+                ve.kv.grow(r)
+            else:
+                r.num_prefilled += item.num_tokens
         live = []
         for r in ve.running:
             if r.num_generated and r.finished:
                 ve.kv.release(r)
-                r.finish_ms = end
+                r.finish_ms = done.end_ms
+                self.ex.finish(r)
             else:
                 live.append(r)
         ve.running = live
@@ -134,6 +140,7 @@ class PPScheduler:
             victim = ve.running.pop()
             ve.kv.used -= -(-(victim.input_len + 1) // ve.kv.block_size) if not victim.num_generated \
                 else ve.kv.blocks(victim)
+            self.ex.free(victim)
             victim.preempt()
             ve.waiting.appendleft(victim)
             self.stats.num_preemptions += 1

@@ -13,29 +13,41 @@ from tdpipe.pp_scheduler import PPScheduler
 from tdpipe.td_scheduler import TDPipeScheduler
 from tdpipe.workload import SimRequest
 
-Runner = Callable[[CostTable, InstanceConfig, list[SimRequest]], SimStats]
+Policy = TDPipeScheduler | PPScheduler
+"""A policy object: `policy.run(requests, executor=None) -> SimStats` (simulator by default)."""
+PolicyFactory = Callable[[CostTable, InstanceConfig], Policy]
 
 
-def _td(name: str, **opts: object) -> Runner:
-    return lambda table, inst, reqs: TDPipeScheduler(table, inst, TDPipeOptions(**opts), name).run(reqs)
+def _td(name: str, **opts: object) -> PolicyFactory:
+    return lambda table, inst: TDPipeScheduler(table, inst, TDPipeOptions(**opts), name)  # type: ignore[arg-type]
 
 
-POLICIES: dict[str, Runner] = {
+POLICIES: dict[str, PolicyFactory] = {
     "td-pipe": _td("td-pipe"),
     "td-pipe-no-stealing": _td("td-pipe-no-stealing", work_stealing=False),
     "td-pipe-kv-threshold": _td("td-pipe-kv-threshold", prefill_switch="kv_threshold"),
     "td-pipe-completion": _td("td-pipe-completion", decode_switch="completion"),
-    "pp+sb": lambda table, inst, reqs: PPScheduler(table, inst, hybrid=False).run(reqs),
-    "pp+hb": lambda table, inst, reqs: PPScheduler(table, inst, hybrid=True).run(reqs),
+    "pp+sb": lambda table, inst: PPScheduler(table, inst, hybrid=False),
+    "pp+hb": lambda table, inst: PPScheduler(table, inst, hybrid=True),
 }
 """Every policy the simulator compares; ablations change one TD-Pipe policy each."""
+
+CLI_NAMES = {"tdpipe": "td-pipe", "pp-sb": "pp+sb", "pp-hb": "pp+hb"}
+"""`pdserve batch --policy` names (shell-friendly) of the policies above."""
+
+
+def make_policy(policy: str, table: CostTable, inst: InstanceConfig) -> Policy:
+    """A fresh policy object by name (simulator name or `pdserve batch` name)."""
+    name = CLI_NAMES.get(policy, policy)
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)} or {sorted(CLI_NAMES)}")
+    return POLICIES[name](table, inst)
 
 
 def simulate(policy: str, table: CostTable, inst: InstanceConfig, requests: list[SimRequest]) -> SimStats:
     """Run `policy` on a private copy of `requests` (runs never share mutable state)."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
-    stats = POLICIES[policy](table, inst, copy.deepcopy(requests))
+    policy_obj = make_policy(policy, table, inst)
+    stats = policy_obj.run(copy.deepcopy(requests))
     expected = sum(r.output_len for r in requests)
     assert stats.output_tokens == expected, f"{policy}: {stats.output_tokens} tokens != {expected}"
     return stats

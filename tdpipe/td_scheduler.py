@@ -1,4 +1,4 @@
-"""TD-Pipe controller on the simulated pipeline: alternate whole prefill and decode phases."""
+"""TD-Pipe controller: alternate whole prefill and decode phases (on the simulator or on real stages)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,32 @@ from tdpipe.config import InstanceConfig, TDPipeOptions
 from tdpipe.cost_table import CostTable
 from tdpipe.intensity import decide
 from tdpipe.memory_sim import FutureMemory, FuturePointsConfig
-from tdpipe.pipeline import KVPool, Pipeline, SimStats, blocks_for
+from tdpipe.executor import BatchItem, Executor, SimExecutor
+from tdpipe.pipeline import KVPool, SimStats, blocks_for
 from tdpipe.work_stealing import WorkStealer
 from tdpipe.workload import SimRequest
 
 
 class TDPipeScheduler:
-    """Temporally disaggregated pipeline: prefill phases and decode phases in turn."""
+    """Temporally disaggregated pipeline: prefill phases and decode phases in turn.
+
+    The same object decides for the simulator (`SimExecutor`, the default) and for
+    the real stage processes (`tdpipe.runtime.controller.StageExecutor`).
+    """
 
     def __init__(self, table: CostTable, inst: InstanceConfig, opts: TDPipeOptions, name: str = "td-pipe") -> None:
         self.table, self.inst, self.opts = table, inst, opts
         self.stats = SimStats(name)
-        self.pipe = Pipeline(table, inst.num_stages, self.stats)
         self.kv = KVPool(inst.capacity_blocks, inst.block_size)
         self.future = FuturePointsConfig(inst.capacity_blocks, inst.block_size,
                                          opts.future_interval, opts.future_horizon)
-        self.ready_ms: dict[int, float] = {}
+        self.ready_ms: dict[int | str, float] = {}
+        self.ex: Executor = SimExecutor(table, inst.num_stages)
 
-    def run(self, requests: list[SimRequest]) -> SimStats:
+    def run(self, requests: list[SimRequest], executor: Executor | None = None) -> SimStats:
+        """Run `requests` to completion on `executor` (default: the simulator)."""
+        self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
+        self.ex.attach(self.stats)
         waiting: deque[SimRequest] = deque(requests)
         resident: list[SimRequest] = []
         now = 0.0
@@ -42,6 +50,11 @@ class TDPipeScheduler:
 
     def _sample(self, t: float) -> None:
         self.stats.kv_samples.append((t, self.kv.usage))
+
+    def _release(self, r: SimRequest, end: float) -> None:
+        self.kv.release(r)
+        r.finish_ms = end
+        self.ex.finish(r)
 
     def _prefill_phase(self, waiting: deque[SimRequest], resident: list[SimRequest], now: float) -> list[SimRequest]:
         self.stats.phase_switches.append((now, "prefill"))
@@ -63,38 +76,36 @@ class TDPipeScheduler:
                 break
             waiting.popleft()
             if batch and sum(b.input_len for b in batch) + r.input_len > self.inst.max_batch_tokens:
-                self._run_prefill(batch, now)
+                self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
                 batch = []
-            r.num_generated = 1  # prefill produces the first token
-            self.kv.admit(r)
+            self.kv.reserve(r.input_len + 1)  # the prompt, and the slot of the token its prefill yields
             memory.add(r.input_len, 1, r.predicted_len)
             batch.append(r)
             admitted.append(r)
         if batch:
-            self._run_prefill(batch, now)
-        live = [r for r in admitted if not r.finished]
+            self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
+        # The phase ends when every prefill is back: the first decode step needs each prompt's token.
+        while self.ex.inflight:
+            done = self.ex.collect()
+            for item in done.items:
+                self.ready_ms[item.request.request_id] = done.end_ms
+            self._sample(done.end_ms)
+        live = []
         for r in admitted:
             if r.finished:
-                self.kv.release(r)
+                self._release(r, self.ready_ms[r.request_id])
+            else:
+                live.append(r)
         return live
-
-    def _run_prefill(self, batch: list[SimRequest], now: float) -> None:
-        end = self.pipe.submit(sum(r.input_len for r in batch), now)
-        for r in batch:
-            self.ready_ms[r.request_id] = end
-            r.finish_ms = end if r.finished else -1.0
-        self.stats.output_tokens += len(batch)
-        self._sample(end)
 
     def _decode_phase(self, resident: list[SimRequest], waiting: deque[SimRequest]) -> tuple[list[SimRequest], float]:
         stealer: WorkStealer[SimRequest] = WorkStealer(self.inst.num_stages, self.opts.work_stealing)
-        inflight: deque[tuple[list[SimRequest], float]] = deque()
         batches = [b for b in stealer.start(resident) if b]
         # The phase starts when the first decode batch may enter: its requests' prefills are done.
         start = min(max(self.ready_ms[r.request_id] for r in b) for b in batches)
         self.stats.phase_switches.append((start, "decode"))
         for b in batches:
-            inflight.append((b, self._submit_decode(b, start)))
+            self._submit_decode(b, start)
         num_phase, num_done, num_returns = len(resident), 0, 0
         # Predicted KV at futurePoints counted from this phase's start; requests that
         # finish early leave it, so the pending prefills below are what greedy
@@ -105,23 +116,22 @@ class TDPipeScheduler:
             memory.add(*args)
         parked: list[SimRequest] = []
         switch_ms = -1.0
-        while inflight:
-            batch, end = inflight.popleft()
+        while self.ex.inflight:
+            done = self.ex.collect()
+            end = done.end_ms
             num_returns += 1
             step = num_returns // self.inst.num_stages
             remaining = []
-            for r in batch:
+            for item in done.items:
+                r = item.request
                 self.kv.grow(r)
-                r.num_generated += 1
                 self.ready_ms[r.request_id] = end
                 if r.finished:
-                    self.kv.release(r)
-                    r.finish_ms = end
+                    self._release(r, end)
                     num_done += 1
                     memory.remove(*joined[r.request_id], from_step=step)
                 else:
                     remaining.append(r)
-            self.stats.output_tokens += len(batch)
             for victim in self._preempt_overflow(remaining, stealer, waiting):
                 memory.remove(*joined[victim.request_id], from_step=step)
             self._sample(end)
@@ -135,13 +145,13 @@ class TDPipeScheduler:
                 continue
             nxt = stealer.rebalance(remaining)
             if nxt:
-                inflight.append((nxt, self._submit_decode(nxt, end)))
+                self._submit_decode(nxt, end)
         parked += stealer.drain_held()
         return parked, (switch_ms if switch_ms >= 0 else self.stats.makespan_ms)
 
-    def _submit_decode(self, batch: list[SimRequest], ready: float) -> float:
+    def _submit_decode(self, batch: list[SimRequest], ready: float) -> None:
         ready = max([ready] + [self.ready_ms[r.request_id] for r in batch])
-        return self.pipe.submit(len(batch), ready)
+        self.ex.submit([BatchItem(r, 1, True) for r in batch], "decode", ready)
 
     def _preempt_overflow(self, remaining: list[SimRequest], stealer: WorkStealer[SimRequest],
                           waiting: deque[SimRequest]) -> list[SimRequest]:
@@ -151,6 +161,7 @@ class TDPipeScheduler:
             victim = remaining.pop() if remaining else stealer.held.pop()
             victims.append(victim)
             self.kv.release(victim)
+            self.ex.free(victim)
             victim.preempt()
             waiting.appendleft(victim)
             self.stats.num_preemptions += 1

@@ -9,9 +9,10 @@ import sys
 import time
 
 from pdserve.commands.device_args import add_device_args, device_options
+from tdpipe.simulator import CLI_NAMES
 
-POLICIES = ("phase-alternate",)
-"""Only what the runtime controller implements; the simulator's TD-Pipe policies are not wired to it yet."""
+POLICIES = tuple(CLI_NAMES)
+"""The simulator's own policy objects, driving the real stages."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,9 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (processes), each holding a layer slice")
     p.add_argument("--policy", default=POLICIES[0], choices=POLICIES,
-                   help="schedule: phase-alternate (prefill phase, then decode with one batch in flight per stage) "
-                        "is the only one the runtime implements; the TD-Pipe policies of `pdserve simulate` "
-                        "are simulator-only")
+                   help="schedule: tdpipe (temporally disaggregated prefill and decode phases, one decode batch "
+                        "in flight per stage), pp-sb (pipeline parallelism with separate batching, vLLM-style "
+                        "virtual engines) or pp-hb (the same with chunked-prefill hybrid batches)")
     p.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per stage")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill batch")
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {"requests": len(lines), "skipped_resume": job.skipped, "completed": job.completed,
                "errors": job.errors, "output_tokens": stats.output_tokens, "seconds": round(elapsed, 3),
                "output_tokens_per_s": round(stats.output_tokens / elapsed, 2) if elapsed > 0 else None,
-               "phase_switches": stats.phase_switches, "preemptions": stats.preemptions,
+               "phase_switches": len(stats.phase_switches), "preemptions": stats.num_preemptions,
                "bubble_fraction": _bubble_fraction(timelines), "stages": args.stages, "policy": args.policy}
     print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
     if args.stats:

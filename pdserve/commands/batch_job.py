@@ -8,7 +8,8 @@ from typing import TextIO
 
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, make_server, parse_line, result_line
-from tdpipe.runtime.controller import PipeRequest, RunStats
+from tdpipe.pipeline import SimStats
+from tdpipe.runtime.controller import PipeRequest
 from tdpipe.runtime.local import run_local_pipeline
 from tdpipe.runtime.stage_worker import StageConfig
 
@@ -38,7 +39,7 @@ class BatchJob:
         if self.progress is not None:
             self.progress.set_postfix_str(phase, refresh=False)
 
-    def run(self, lines: list[str], done: set[str]) -> tuple[RunStats, list]:
+    def run(self, lines: list[str], done: set[str]) -> tuple[SimStats, list]:
         items, seen, capacity = {}, set(done), self.args.num_kv_blocks * self.args.block_size
         self._phase("validating")
         for line in lines:
@@ -68,7 +69,7 @@ class BatchJob:
         reqs = [PipeRequest(cid, it.choice.prompt_ids, it.choice.params.max_tokens,
                             frozenset() if it.body.ignore_eos else stops) for cid, it in items.items()]
         if not reqs:
-            return RunStats(), []
+            return SimStats(self.args.policy), []
         self._phase(f"running {len(reqs)} on {self.args.stages} stages")
 
         def on_finish(req: PipeRequest) -> None:
@@ -82,4 +83,5 @@ class BatchJob:
 
         cfg = StageConfig(self.model_dir, num_kv_blocks=self.args.num_kv_blocks, block_size=self.args.block_size,
                           device=self.device)
-        return run_local_pipeline(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish)
+        return run_local_pipeline(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish,
+                                  policy=self.args.policy)

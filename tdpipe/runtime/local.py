@@ -7,12 +7,20 @@ import socket
 import subprocess
 import sys
 from dataclasses import asdict
+from typing import Callable
 
 import torch.distributed as dist
 
-from tdpipe.runtime.controller import PipeRequest, PipelineController, RunStats
+from tdpipe.config import InstanceConfig
+from tdpipe.cost_table import CostTable
+from tdpipe.pipeline import SimStats
+from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.stage_worker import StageConfig
 from tdpipe.runtime.wire import init_process_group
+from tdpipe.simulator import make_policy
+
+Timelines = list[list[tuple[float, float, int, str]]]
+"""Per stage: (start, end, num_tokens, phase) of every batch, time.perf_counter seconds."""
 
 
 def _free_port() -> int:
@@ -29,21 +37,39 @@ def stage_command(cfg: StageConfig) -> list[str]:
     return args
 
 
+def run_policy(executor: StageExecutor, requests: list[PipeRequest], *, policy: str, num_stages: int,
+               num_kv_blocks: int, block_size: int, max_batch_tokens: int,
+               table: CostTable | None = None) -> SimStats:
+    """Drive joined stages with one of the simulator's policy objects (the controller's whole job)."""
+    inst = InstanceConfig(num_stages=num_stages, capacity_blocks=num_kv_blocks, block_size=block_size,
+                          max_batch_tokens=max_batch_tokens)
+    return make_policy(policy, table or CostTable.analytic(), inst).run(requests, executor)
+
+
 def run_local_pipeline(cfg: StageConfig, num_stages: int, requests: list[PipeRequest],
-                       max_batch_tokens: int = 2048, on_finish=None) -> tuple[RunStats, list]:
-    """Run `requests` through `num_stages` local stage processes; returns (stats, stage timelines)."""
+                       max_batch_tokens: int = 2048, on_finish: Callable[[PipeRequest], None] | None = None, *,
+                       policy: str = "tdpipe", table: CostTable | None = None,
+                       decisions: list | None = None) -> tuple[SimStats, Timelines]:
+    """Run `requests` through `num_stages` local stage processes under `policy`
+    (tdpipe | pp-sb | pp-hb, or any simulator policy name). `table` is the cost table the
+    TD-Pipe switch decisions read (default: the analytic one). Returns (stats, stage timelines);
+    `decisions`, when given, receives the executor's decision log."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(num_stages + 1))
     procs = [subprocess.Popen(stage_command(cfg), env=dict(env, RANK=str(k + 1))) for k in range(num_stages)]
     try:
         os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}, RANK="0")
         init_process_group(cfg.device)
-        controller = PipelineController(num_stages, cfg.num_kv_blocks, cfg.block_size, max_batch_tokens, procs)
-        controller.run(requests, on_finish)
-        timelines = controller.shutdown()
+        executor = StageExecutor(num_stages, cfg.num_kv_blocks, cfg.block_size, procs, on_finish)
+        stats = run_policy(executor, requests, policy=policy, num_stages=num_stages,
+                           num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
+                           max_batch_tokens=max_batch_tokens, table=table)
+        if decisions is not None:
+            decisions.extend(executor.decisions)
+        timelines = executor.shutdown()
         for proc in procs:
             proc.wait(timeout=60)
-        return controller.stats, timelines
+        return stats, timelines
     finally:
         for proc in procs:
             if proc.poll() is None:
