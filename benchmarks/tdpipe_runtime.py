@@ -11,7 +11,7 @@ place), deterministic random token ids in the vocabulary, greedy, ignore_eos
 run. Every runtime run and the engine get the same KV capacity in tokens.
 
 Simulator check: each stage is profiled alone (`tdpipe.runtime.profile`), the
-profile becomes a `CostTable`, and `tdpipe.simulator.simulate` runs each policy on
+profile becomes a `CostTable`, and the simulator runs each policy object (`SimExecutor`) on
 the same requests with `predicted_len = output_len` (ignore_eos makes the output
 length exact, so a perfect predictor is the honest model). Predicted vs measured
 output tok/s per policy; target within ±20%. Target for the runtime: TD-Pipe >=
@@ -28,8 +28,8 @@ engine is timed from its first step to its last.
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
+import os
 import random
 import sys
 import time
@@ -44,11 +44,13 @@ from tdpipe.config import InstanceConfig  # noqa: E402
 from tdpipe.cost_table import CostTable  # noqa: E402
 from tdpipe.runtime.profile import build_cost_table, profile_stages  # noqa: E402
 from tdpipe.runtime.timeline import bubble_fraction, job_span, phase_switches, plot_timelines  # noqa: E402
-from tdpipe.simulator import simulate  # noqa: E402
+from tdpipe.executor import SimExecutor  # noqa: E402
+from tdpipe.pipeline import SimStats  # noqa: E402
+from tdpipe.simulator import CLI_NAMES, make_policy  # noqa: E402
 from tdpipe.workload import SimRequest, WorkloadConfig, generate  # noqa: E402
 
-POLICIES = {"tdpipe": "td-pipe", "pp-sb": "pp+sb", "pp-hb": "pp+hb"}
-"""Runtime policy name -> the simulator's name for the same policy object."""
+POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")}
+"""Runtime (`pdserve batch --policy`) name -> the simulator's name of the same policy object."""
 LABELS = {"tdpipe": "TD-Pipe", "pp-sb": "PP+SB", "pp-hb": "PP+HB", "llm": "engine.LLM (1 process)"}
 NUM_STAGES = 2
 BLOCK_SIZE = 16
@@ -117,31 +119,36 @@ def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: 
     return {"output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
 
 
-def _policy_supported() -> bool:
-    from tdpipe.runtime.local import run_local_pipeline
-    return "policy" in inspect.signature(run_local_pipeline).parameters
-
-
-def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str | None,
-                 max_batch_tokens: int) -> dict:
-    """One job through 2 local stage processes (1 thread each); `policy=None` runs the runtime's
-    only schedule (a runtime without the policy argument)."""
+def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str,
+                 max_batch_tokens: int, table: CostTable) -> dict:
+    """One job through 2 local stage processes (1 thread each) under `policy`; TD-Pipe's switch
+    decisions read `table`, the same profiled table the simulator runs on."""
     from tdpipe.runtime.controller import PipeRequest
     from tdpipe.runtime.local import run_local_pipeline
     from tdpipe.runtime.stage_worker import StageConfig
     cfg = StageConfig(str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1)
+    # predicted_len defaults to max_tokens: exact under ignore_eos, as in sim_requests
     pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
-    kwargs = {} if policy is None else {"policy": policy}
-    stats, timelines = run_local_pipeline(cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, **kwargs)
+    decisions: list = []
+    stats, timelines = run_local_pipeline(cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, policy=policy,
+                                          table=table, decisions=decisions)
     produced = sum(len(r.output_ids) for r in pipe_reqs)
     expected = sum(r.output_len for r in reqs)
     assert produced == expected, f"{policy}: {produced} output tokens != {expected}"
     t0, t1 = job_span(timelines)
     decode_sizes = [n for tl in timelines for _, _, n, p in tl if p == "decode"]
     return {"output_tokens": produced, "seconds": t1 - t0, "tok_s": produced / (t1 - t0),
-            "bubble": bubble_fraction(timelines), "phase_switches": phase_switches(timelines[0]),
-            "preemptions": getattr(stats, "preemptions", None),
+            "bubble": bubble_fraction(timelines), "phase_switches": len(stats.phase_switches),
+            "preemptions": stats.num_preemptions, "batches": len(decisions), "decisions": decisions,
             "max_decode_batch": max(decode_sizes, default=0), "timelines": timelines}
+
+
+def predict(policy: str, table: CostTable, inst: InstanceConfig, reqs: list[BenchRequest]) -> tuple[SimStats, list]:
+    """The simulator's run of `policy` (the same policy object the runtime runs) and its decision log."""
+    executor = SimExecutor(table, inst.num_stages)
+    stats = make_policy(policy, table, inst).run(sim_requests(reqs), executor)
+    assert stats.output_tokens == sum(r.output_len for r in reqs), f"{policy}: simulated token count"
+    return stats, executor.decisions
 
 
 def sim_requests(reqs: list[BenchRequest]) -> list[SimRequest]:
@@ -160,7 +167,7 @@ def main() -> None:
                         help=f"prefill batch token budget (default {MAX_BATCH_TOKENS}; quick 512)")
     parser.add_argument("--kv-blocks", type=int, default=None,
                         help=f"KV blocks of {BLOCK_SIZE} tokens per stage = the instance's capacity "
-                             "(default: room for about a quarter of the job's tokens)")
+                             "(default: room for half of the job's tokens)")
     parser.add_argument("--llm-threads", type=int, default=2,
                         help="torch threads of the engine.LLM baseline (2: the same two cores as the stages)")
     parser.add_argument("--skip-llm", action="store_true", help="leave out the engine.LLM baseline")
@@ -182,9 +189,9 @@ def main() -> None:
     reqs = build_workload(num, max_input, max_output, Tokenizer(model_dir).vocab_size)
     job_tokens = sum(len(r.prompt_ids) + r.output_len for r in reqs)
     longest = max(len(r.prompt_ids) + r.output_len for r in reqs)
-    # The KV must bind for the policies to differ (the paper's memory-bound regime); a quarter of
-    # the job's tokens keeps many requests resident yet forces several phases and preemption.
-    kv_blocks = args.kv_blocks or max(-(-job_tokens // 4 // BLOCK_SIZE), -(-2 * longest // BLOCK_SIZE) + 2)
+    # The KV must bind for the policies to differ (the paper's memory-bound regime): room for half
+    # of the job's tokens keeps many requests resident, yet no policy can admit the whole job at once.
+    kv_blocks = args.kv_blocks or max(-(-job_tokens // 2 // BLOCK_SIZE), -(-2 * longest // BLOCK_SIZE) + 2)
     kv_tokens = kv_blocks * BLOCK_SIZE
     ctx = mean_decode_context(reqs)
     max_decode = max_decode_batch(reqs, kv_tokens)
@@ -211,22 +218,23 @@ def main() -> None:
     # 2. the simulator's prediction, on the same requests and capacity
     inst = InstanceConfig(num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE,
                           max_batch_tokens=max_batch)
-    predicted = {p: simulate(s, table, inst, sim_requests(reqs)) for p, s in POLICIES.items()}
+    sims = {p: predict(p, table, inst, reqs) for p in POLICIES}
+    predicted = {p: stats for p, (stats, _) in sims.items()}
 
     # 3. the real runs
     results: dict[str, dict] = {}
     if not args.skip_llm:
         results["llm"] = run_llm(model_dir, reqs, kv_blocks, args.llm_threads, max_batch)
         print(f"engine.LLM: {results['llm']['tok_s']:.1f} tok/s ({results['llm']['seconds']:.1f}s)", flush=True)
-    supported = _policy_supported()
-    for policy in (POLICIES if supported else ["tdpipe"]):
-        results[policy] = run_pipeline(model_dir, reqs, kv_blocks, policy if supported else None, max_batch)
-        r = results[policy]
+    same_decisions = {}
+    for policy in POLICIES:
+        results[policy] = r = run_pipeline(model_dir, reqs, kv_blocks, policy, max_batch, table)
+        # the runtime and the simulator run one policy object on one table: their decisions must agree,
+        # so the prediction error below is the cost model's, not a different schedule's
+        same_decisions[policy] = r.pop("decisions") == sims[policy][1]
         print(f"{LABELS[policy]}: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s), bubble {r['bubble']:.1%}, "
-              f"predicted {predicted[policy].throughput:.1f}", flush=True)
-    if not supported:
-        print("NOTE: this runtime has no policy argument yet; its one schedule stands in for TD-Pipe and "
-              "PP+SB / PP+HB were not run", flush=True)
+              f"predicted {predicted[policy].throughput:.1f}, {r['batches']} batches, "
+              f"decisions == simulator's: {same_decisions[policy]}", flush=True)
 
     # 4. report
     sb = results.get("pp-sb", {}).get("tok_s")
@@ -259,7 +267,7 @@ def main() -> None:
     emit({"metric": "tdpipe_vs_ppsb_output_tok_s_ratio", "value": round(td / sb, 3) if sb else None,
           "baseline": 1.0, "ratio": round(td / sb, 3) if sb else None, "target": 1.3,
           "unit": "TD-Pipe output tok/s / PP+SB output tok/s (real 2-stage runtime)",
-          "policy_argument": supported, "quick": args.quick, "requests": num, "max_input": max_input,
+          "quick": args.quick, "requests": num, "max_input": max_input,
           "max_output": max_output, "output_tokens": sum(r.output_len for r in reqs), "kv_blocks": kv_blocks,
           "block_size": BLOCK_SIZE, "max_batch_tokens": max_batch, "decode_context": ctx,
           "table_decode_max_batch": max_decode,
@@ -272,6 +280,9 @@ def main() -> None:
           "phase_switches": {n: r["phase_switches"] for n, r in results.items() if "phase_switches" in r},
           "preemptions": {n: r["preemptions"] for n, r in results.items() if "preemptions" in r},
           "sim_preemptions": {n: s.num_preemptions for n, s in predicted.items()},
+          "decisions_match_simulator": same_decisions,
+          # libgomp's default spin-wait makes 2-thread steps ~10x slower on an oversubscribed machine
+          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
           "wall_s": round(time.perf_counter() - wall0, 1)})
 
 
