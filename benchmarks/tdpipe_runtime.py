@@ -260,7 +260,8 @@ def main() -> None:
     if over:
         print(f"WARNING: decode batches above the table's decode range ({max_decode}): {over}", flush=True)
     if args.plot:
-        plot_timelines({LABELS[n]: r["timelines"] for n, r in results.items() if "timelines" in r}, args.plot)
+        plot_timelines({f"{LABELS[n]}, {r['tok_s']:.1f} tok/s": r["timelines"] for n, r in results.items()
+                        if "timelines" in r}, args.plot)
         print(f"wrote {args.plot}", flush=True)
 
     td = results["tdpipe"]["tok_s"]
