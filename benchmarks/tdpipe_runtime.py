@@ -207,19 +207,30 @@ def main() -> None:
                               decode_context=ctx, prefill_prompt_len=max(1, round(median(len(r.prompt_ids)
                                                                                          for r in reqs))),
                               block_size=BLOCK_SIZE, num_threads=1, repeats=1 if args.quick else 3)
-    table = build_cost_table(profiles, "bench-2stage-1thread")
     for p in profiles:
         print(f"profile stage {p.stage} layers {p.layer_range}: decode@ctx{ctx} "
               + " ".join(f"{b}:{t:.0f}" for b, t in p.decode_ms.items()) + " ms; prefill "
               + " ".join(f"{n}:{t:.0f}" for n, t in p.prefill_ms.items()) + " ms", flush=True)
-    print(f"profiling took {time.perf_counter() - t0:.0f}s; table: {len(table.tokens)} rows, decode up to "
-          f"batch {max_decode}, prefill above", flush=True)
 
-    # 2. the simulator's prediction, on the same requests and capacity
+    # 2. the simulator's prediction, on the same requests and capacity. The table's decode range is
+    # cut at the largest decode batch the policies form (prefills below the cut would be priced
+    # as decode steps); the simulator makes the runtime's decisions, so its batches are the
+    # runtime's batches and a few rounds find the cut.
     inst = InstanceConfig(num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE,
                           max_batch_tokens=max_batch)
-    sims = {p: predict(p, table, inst, reqs) for p in POLICIES}
+    cut = max_decode
+    for attempt in range(4):
+        table = build_cost_table(profiles, "bench-2stage-1thread", decode_max=cut)
+        sims = {p: predict(p, table, inst, reqs) for p in POLICIES}
+        # decode-only batches (PP+HB labels every batch "hybrid"): one new token per item
+        biggest = max((len(items) for _, log in sims.values() for _, items in log
+                       if all(n == 1 for _, n, _ in items)), default=1)
+        if biggest == cut or attempt == 3:
+            break
+        cut = biggest
     predicted = {p: stats for p, (stats, _) in sims.items()}
+    print(f"profiling took {time.perf_counter() - t0:.0f}s; table: {len(table.tokens)} rows, decode curve up to "
+          f"batch {cut} (largest simulated decode batch {biggest}), prefill curve above", flush=True)
 
     # 3. the real runs
     results: dict[str, dict] = {}
@@ -256,9 +267,9 @@ def main() -> None:
                f"{r.get('phase_switches', '-')!s:>6s}", f"{r.get('preemptions', '-')!s:>7s}",
                f"{r.get('max_decode_batch', '-')!s:>9s}"]
         print(" ".join(row))
-    over = {n: r["max_decode_batch"] for n, r in results.items() if r.get("max_decode_batch", 0) > max_decode}
+    over = {n: r["max_decode_batch"] for n, r in results.items() if r.get("max_decode_batch", 0) > cut}
     if over:
-        print(f"WARNING: decode batches above the table's decode range ({max_decode}): {over}", flush=True)
+        print(f"WARNING: decode batches above the table's decode range ({cut}): {over}", flush=True)
     if args.plot:
         plot_timelines({f"{LABELS[n]}, {r['tok_s']:.1f} tok/s": r["timelines"] for n, r in results.items()
                         if "timelines" in r}, args.plot)
@@ -271,7 +282,7 @@ def main() -> None:
           "quick": args.quick, "requests": num, "max_input": max_input,
           "max_output": max_output, "output_tokens": sum(r.output_len for r in reqs), "kv_blocks": kv_blocks,
           "block_size": BLOCK_SIZE, "max_batch_tokens": max_batch, "decode_context": ctx,
-          "table_decode_max_batch": max_decode,
+          "table_decode_max_batch": cut,
           "tok_s": {n: round(r["tok_s"], 1) for n, r in results.items()},
           "vs_llm": {n: round(r["tok_s"] / llm, 3) for n, r in results.items()} if llm else None,
           "sim_tok_s": {n: round(s.throughput, 1) for n, s in predicted.items()},

@@ -15,9 +15,10 @@ so a table entry is `S * max_k stage_k(n)`: `stage_ms` then returns the
 bottleneck stage's measured time. The table has one token dimension for both
 phases, so it holds the decode curve (a step of a batch of `n` requests, measured
 at one representative KV length — a real decode step grows with the KV length,
-the table cannot) for `n` up to the largest decode batch profiled, and the
-prefill curve (`n` prompt tokens in whole prompts) above it; `max(...)` keeps
-the table non-decreasing where the two curves meet.
+the table cannot) for `n` up to a cut, the largest decode batch the policies
+form, and the prefill curve (`n` prompt tokens in whole prompts) above it; a
+running max keeps the table non-decreasing where the two curves meet. Prefill
+batches below the cut are priced as decode steps (dearer per token on a CPU).
 """
 
 from __future__ import annotations
@@ -142,16 +143,37 @@ def bottleneck_curve(profiles: list[StageProfile], phase: str) -> dict[int, floa
     return {n: max(c[n] for c in curves) for n in sorted(keys)}
 
 
-def build_cost_table(profiles: list[StageProfile], name: str = "profiled") -> CostTable:
+def _interp(curve: dict[int, float], n: int) -> float:
+    """Linear interpolation of a profiled curve at `n` (clamped to its first/last point)."""
+    keys = sorted(curve)
+    if n <= keys[0]:
+        return curve[keys[0]]
+    for a, b in zip(keys, keys[1:]):
+        if a <= n <= b:
+            w = (n - a) / (b - a)
+            return curve[a] * (1 - w) + curve[b] * w
+    return curve[keys[-1]]
+
+
+def build_cost_table(profiles: list[StageProfile], name: str = "profiled",
+                     decode_max: int | None = None) -> CostTable:
     """A CostTable whose `stage_ms(n, len(profiles))` is the bottleneck stage's measured time:
-    decode curve up to the largest profiled decode batch, prefill curve above it (module docstring)."""
+    the decode curve for n <= `decode_max` (default: the largest profiled decode batch; between
+    profiled points it is interpolated), the prefill curve above it (module docstring).
+
+    Prefill batches smaller than `decode_max` tokens are priced as decode steps, which on a
+    CPU cost more per token (every sequence reads its KV): keep `decode_max` at the largest
+    decode batch the policies actually form (see `tdpipe_runtime.py`)."""
     if not profiles:
         raise ValueError("no stage profiles")
     num_stages = len(profiles)
     decode, prefill = bottleneck_curve(profiles, "decode"), bottleneck_curve(profiles, "prefill")
-    max_decode = max(decode)
-    rows: dict[int, float] = {n: t for n, t in decode.items()}
-    rows.update({n: t for n, t in prefill.items() if n > max_decode})
+    cut = max(decode) if decode_max is None else decode_max
+    if cut < 1:
+        raise ValueError(f"decode_max must be >= 1, got {decode_max}")
+    rows: dict[int, float] = {n: t for n, t in decode.items() if n < cut}
+    rows[cut] = _interp(decode, cut)
+    rows.update({n: t for n, t in prefill.items() if n > cut})
     tokens = sorted(rows)
     times, running = [], 0.0
     for n in tokens:

@@ -43,6 +43,11 @@ def test_table_semantics_from_synthetic_profiles() -> None:
     assert table.stage_ms(1, 2) == pytest.approx(12.0)
     assert table.stage_ms(8, 2) == pytest.approx(20.0)
     assert table.stage_ms(64, 2) == pytest.approx(50.0)
+    # a cut at the largest decode batch the policies form: decode interpolated there, prefill above
+    cut = build_cost_table([a, b], decode_max=4)
+    assert cut.tokens == (1, 4, 64)
+    assert cut.stage_ms(4, 2) == pytest.approx(12.0 + (20.0 - 12.0) * 3 / 7)
+    assert cut.stage_ms(64, 2) == pytest.approx(50.0)
     with pytest.raises(ValueError):
         build_cost_table([a, StageProfile(1, (2, 4), 100, decode_ms={1: 1.0}, prefill_ms={64: 1.0})])
 
