@@ -4,9 +4,11 @@ Real processes on this machine: the `bench` model split into 2 `pdserve stage`
 processes with 1 torch thread each (`tdpipe.runtime.local.run_local_pipeline`),
 against plain `engine.LLM` (its `LLMEngine`) in one process with 2 threads — the
 same two cores. Workload: ShareGPT-like lengths from `tdpipe.workload.generate`
-(inputs <= 1023 tokens, outputs capped at `--max-output`, 256 by default, so the
-full run takes minutes on 2 cores; the cap leaves the median output, 180, in
-place), deterministic random token ids in the vocabulary, greedy, ignore_eos
+(inputs <= 1023 tokens; outputs capped at `--max-output`, 256 by default: 37% of
+the requests sit at the cap and the median, 180, stays in place, whereas 128
+would pile 65% at the cap and flatten the length spread that the policies
+schedule around; the cost is ~44k output tokens per run, tens of minutes for the
+four runs on 2 cores — `--max-output 128` for a faster run), deterministic random token ids in the vocabulary, greedy, ignore_eos
 (max_tokens = the workload's output length), seed 0; the same requests for every
 run. Every runtime run and the engine get the same KV capacity in tokens.
 
