@@ -21,24 +21,20 @@ import os
 import random
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit, pct  # noqa: E402
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials  # noqa: E402
+from benchmarks.common import emit, pct
+from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
 
 SECRET = b"bench"
 
 
-def receiver(conn, geo_args) -> None:
+def receiver(conn, geo_args, transport: str = "tcp") -> None:
     """Child: a CacheStoreServer that opens sessions on request and reports completion."""
     geo = PoolGeometry(*geo_args)
 
     async def main() -> None:
-        server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport="tcp",
+        server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport,
                                   secret=SECRET)
         await server.start()
         conn.send(server.endpoint)
@@ -107,15 +103,16 @@ def layouts(num_blocks: int) -> dict[str, list[int]]:
 class CacheStorePair:
     """A CacheStoreServer in a child process and a CacheStoreClient here."""
 
-    def __init__(self, geo: PoolGeometry) -> None:
+    def __init__(self, geo: PoolGeometry, transport: str = "tcp") -> None:
         self.geo = geo
         ctx = mp.get_context("spawn")
         self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver, args=(child, (geo.num_layers, geo.num_blocks, geo.block_bytes)))
+        self.proc = ctx.Process(target=receiver, args=(child, (geo.num_layers, geo.num_blocks, geo.block_bytes),
+                                                       transport))
         self.proc.start()
         self.parent.recv()
         src = bytearray(os.urandom(1024)) * (geo.total_bytes // 1024)
-        self.client = CacheStoreClient(MemoryRegion.from_buffer(src), geo, transport="tcp", secret=SECRET)
+        self.client = CacheStoreClient(MemoryRegion.from_buffer(src), geo, transport=transport, secret=SECRET)
         self.n = 0
 
     async def transfer(self, src_blocks: list[int], dst_blocks: list[int]) -> float:
@@ -138,9 +135,11 @@ class CacheStorePair:
             self.proc.kill()
 
 
-async def cachestore_run(geo: PoolGeometry, rounds: int, small_rounds: int) -> tuple[float, list[float]]:
-    """Best GB/s of contiguous transfers and the small-transfer latencies, CacheStore alone."""
-    pair = CacheStorePair(geo)
+async def cachestore_run(geo: PoolGeometry, rounds: int, small_rounds: int,
+                         transport: str = "tcp") -> tuple[float, list[float]]:
+    """Best GB/s of contiguous transfers and the small-transfer latencies, CacheStore alone (the
+    receiver in a child process)."""
+    pair = CacheStorePair(geo, transport)
     blocks = list(range(geo.num_blocks))
     try:
         best = max([geo.total_bytes / await pair.transfer(blocks, blocks) / 1e9 for _ in range(rounds)], default=0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -27,6 +28,20 @@ def pct(xs: list[float], q: float) -> float:
 
 def emit(result: dict) -> None:
     """Print the result as the last stdout line (one JSON object), with command/date/machine."""
-    result = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    script = sys.argv[0]  # under `python -m benchmarks.X` this is the file's full path: name the module instead
+    run = f"-m benchmarks.{os.path.basename(script)[:-3]}" if script.endswith(".py") else script
+    result = {"command": " ".join(["python", run] + sys.argv[1:]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
               "machine": machine(), **result}
     print(json.dumps(result), flush=True)
+
+
+def node_bench_args(description: str, secret: str) -> tuple[argparse.Namespace, str, list[str]]:
+    """The flags of the benchmarks that start node processes (--quick, --model-size), the model
+    directory and the node flags they share (free port, that model, the secret, one torch thread)."""
+    from engine.builtin import default_model_dir
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
+    args = parser.parse_args()
+    model = str(default_model_dir(args.model_size))
+    return args, model, ["--port", "0", "--model", model, "--cluster-secret", secret, "--num-threads", "1"]

@@ -13,24 +13,21 @@ traffic. Both sides use the same dtype and thread count. Measured in one run:
 
 Targets: >= 2x Hugging Face's useful tokens/s; batch-1 decode within 2x of the bound.
 
-    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--quick]
+    python -m benchmarks.engine_throughput [--dtype float32|bfloat16] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit  # noqa: E402
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.common import emit
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.builtin import default_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def run_pdserve(model_dir: str, dtype: str, threads: int, reqs: list) -> dict:

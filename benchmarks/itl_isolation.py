@@ -6,23 +6,17 @@ node process and their KV streamed in. Colocated: the same decode node
 computes them itself (`--colocated`, chunked prefill mixed into decode steps).
 Same model, same machine cores. Reports ITL p50/p99 of the steady streams.
 
-    python benchmarks/itl_isolation.py [--quick] [--model-size bench|tiny]
+    python -m benchmarks.itl_isolation [--quick] [--model-size bench|tiny]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit, pct  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.cluster_procs import NodeProc
+from benchmarks.common import emit, node_bench_args, pct
 
 SECRET = "bench"
 
@@ -30,7 +24,7 @@ SECRET = "bench"
 async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, long_len: int) -> list[float]:
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
     meta = cluster_metadata(SECRET)
     gaps: list[float] = []
@@ -70,13 +64,8 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
-    args = parser.parse_args()
-    model = str(default_model_dir(args.model_size))
+    args, _, common = node_bench_args(__doc__.splitlines()[0], SECRET)
     streams, tokens, long_len = (4, 40, 512) if args.quick else (8, 150, 1024)
-    common = ["--port", "0", "--model", model, "--cluster-secret", SECRET, "--num-threads", "1"]
     results = {}
     # disaggregated: 1 prefill + 1 decode process
     prefill = NodeProc("prefill", common)

@@ -8,30 +8,29 @@ tdpipe/data/cpu-<model>.csv in the authors' format, so the simulator can run on 
 The reported ratio is the batching gain: N x time(1 token) / time(N tokens) at
 the largest N (how much cheaper a token gets in a big batch on this CPU).
 
-    .venv/bin/python benchmarks/profile_engine.py [--quick] [--model tiny|bench]
+    python -m benchmarks.profile_engine [--quick] [--model tiny|bench]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit
 
 
 def make_batch(num_tokens: int, decode: bool, context: int, block_size: int):
+    from engine.block_manager import blocks_for
     from engine.forward_batch import ForwardBatch
     seqs = [1] * num_tokens if decode else [min(512, num_tokens - i) for i in range(0, num_tokens, 512)]
     ctx = [context + 1 if decode else q for q in seqs]
     tables, next_block = [], 0
     for c in ctx:
-        n = -(-c // block_size)
+        n = blocks_for(c, block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
     return ForwardBatch([f"p{i}" for i in range(len(seqs))], [7] * sum(seqs), seqs, ctx, tables,

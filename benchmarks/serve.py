@@ -5,28 +5,22 @@ TTFT and inter-token latency percentiles (streaming /v1/completions), then the
 router's added latency at concurrency 32: the same requests through the router
 versus straight to a decode node over gRPC.
 
-    python benchmarks/serve.py [--quick] [--model-size bench|tiny]
+    python -m benchmarks.serve [--quick] [--model-size bench|tiny]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit, pct  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.cluster_procs import NodeProc
+from benchmarks.common import emit, node_bench_args, pct
 
 SECRET = "bench"
 
@@ -76,7 +70,7 @@ async def at_rate(url: str, rate: float, n: int, max_tokens: int, seed: int) -> 
 async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concurrency: int) -> tuple[float, float]:
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
     prompts = [f"request {i} about the old lighthouse" for i in range(concurrency)]
 
@@ -111,13 +105,8 @@ async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concur
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
-    args = parser.parse_args()
-    model = str(default_model_dir(args.model_size))
+    args, model, common = node_bench_args(__doc__.splitlines()[0], SECRET)
     n, max_tokens, rates = (12, 16, [0.5, 1.0, 2.0]) if args.quick else (40, 64, [0.25, 0.5, 1.0])
-    common = ["--port", "0", "--model", model, "--cluster-secret", SECRET, "--num-threads", "1"]
     procs = []
     try:
         procs.append(NodeProc("prefill", common))

@@ -1,38 +1,38 @@
 """How much of the KV transfer is hidden behind prefill compute (layer-wise streaming).
 
-For prompts of 512 and 2048 tokens on the `bench` model over the tcp transport,
-with a real prefill node process:
+For prompts of 512 and 2048 tokens on the `bench` model over the tcp transport (or
+`--transport rdma`: on a host without an RDMA NIC, the emulated verbs device, EMULATED: its timings
+say nothing about a NIC), with a real prefill node process:
   * prefill compute: `prefill_seconds` reported by the prefill node (request start to
     the first token sampled, i.e. all layers computed; its layer hook has been
     streaming each layer's blocks since layer 0 finished);
   * the Prefill RPC time: the node replies only after the receiver acknowledged
     every layer, so exposed transfer = RPC time - prefill compute (includes the
     RPC's own overhead, so it over-states the exposure);
-  * the transfer alone: CacheStore tcp moving the same layers x blocks between
-    two processes, with nothing else running;
+  * the transfer alone: CacheStore (same transport) moving the same layers x blocks
+    between two processes, with nothing else running;
   * disaggregated TTFT through a decode node (decode -> prefill -> KV -> first token);
   * exposed fraction = exposed transfer / transfer alone. Target: <= 25% at 2048.
 
-    python benchmarks/ttft_overlap.py [--quick]
+    python -m benchmarks.ttft_overlap [--quick] [--transport tcp|rdma]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.cachestore_tcp import cachestore_run  # noqa: E402
-from benchmarks.cluster_procs import NodeProc  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry  # noqa: E402
-from engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.builtin import default_model_dir  # noqa: E402
+from benchmarks.cachestore_tcp import cachestore_run
+from benchmarks.cluster_procs import NodeProc
+from benchmarks.common import emit
+from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
+from engine import EngineConfig, LLMEngine
+from engine.builtin import default_model_dir
 
 SECRET = "bench"
 
@@ -43,13 +43,14 @@ def kv_geometry(model_dir: Path, prompt_len: int, device: str = "cpu", dtype: st
     return PoolGeometry(pool.num_layers, (prompt_len + pool.block_size - 1) // pool.block_size, pool.block_bytes)
 
 
-async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: int) -> tuple[float, float]:
+async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: int,
+                      transport: str = "tcp") -> tuple[float, float]:
     """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver."""
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-    server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport="tcp",
+    server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport,
                               secret=SECRET)
     await server.start()
     rpc, compute = [], []
@@ -79,7 +80,7 @@ async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: 
 async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -> float:
     import grpc
 
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
     times = []
     async with grpc.aio.insecure_channel(decode) as ch:
@@ -106,10 +107,20 @@ def main() -> None:
                         help="attention backend of both nodes (auto: flashinfer on CUDA when importable)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="model dtype of both nodes (flashinfer needs float16 or bfloat16)")
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "rdma"],
+                        help="KV transport (rdma without a NIC here: the emulated verbs device, across processes)")
     args = parser.parse_args()
+    emulated = False
+    if args.transport == "rdma":
+        from cachestore.rdma_verbs import EMULATOR_ENV, rdma_devices
+        if not os.environ.get(EMULATOR_ENV) and not rdma_devices():
+            os.environ[EMULATOR_ENV] = "1"  # no NIC: the emulated device (inherited by the nodes and receivers)
+        emulated = os.environ.get(EMULATOR_ENV) == "1"
+    if emulated:
+        print("transport rdma on the EMULATED verbs device: timings say nothing about a NIC")
     model = default_model_dir("bench")
     lengths, reps = ([512, 1024], 1) if args.quick else ([512, 2048], 3)
-    node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", "tcp",
+    node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", args.transport,
                  "--device", args.device, "--attention-backend", args.attention_backend, "--dtype", args.dtype]
     prefill = NodeProc("prefill", node_args + ["--num-threads", str(args.threads)])
     rows = {}
@@ -119,8 +130,8 @@ def main() -> None:
             for n in lengths:
                 prompt = [10 + (i * 7919) % 1500 for i in range(n)]
                 geo = kv_geometry(model, n, args.device, args.dtype)
-                rpc, compute = asyncio.run(prefill_rpc(prefill.address, geo, prompt, reps))
-                best_gbps, _ = asyncio.run(cachestore_run(geo, max(reps, 2), 1))
+                rpc, compute = asyncio.run(prefill_rpc(prefill.address, geo, prompt, reps, args.transport))
+                best_gbps, _ = asyncio.run(cachestore_run(geo, max(reps, 2), 1, args.transport))
                 transfer = geo.total_bytes / (best_gbps * 1e9)
                 ttft = asyncio.run(decode_ttft(decode.address, prefill.address, prompt, reps))
                 exposed = max(0.0, rpc - compute)
@@ -132,7 +143,7 @@ def main() -> None:
                       f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms")
         except BaseException:  # a hung or failed run: show what the nodes said
             for name, node in (("prefill", prefill), ("decode", decode)):
-                print(f"--- {name} node log tail ---\n" + "\n".join(node.lines[-25:]), file=sys.stderr)
+                print(f"--- {name} node log tail ---\n" + node.tail(25), file=sys.stderr)
             raise
         finally:
             decode.stop()
@@ -141,6 +152,7 @@ def main() -> None:
     long = rows[lengths[-1]]
     emit({"metric": f"exposed_transfer_fraction_{lengths[-1]}", "value": long["exposed_fraction"],
           "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "device": args.device,
+          "transport": args.transport + (" (emulated)" if emulated else ""),
           "attention_backend": args.attention_backend, "dtype": args.dtype, "rows": rows})
 
 

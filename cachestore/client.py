@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -128,11 +129,14 @@ class CacheStoreClient:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.metrics = CacheStoreMetrics(self.active_transport, registry)
         self.faults = faults
+        if self.active_transport == "rdma":  # GPUDirect or staging, decided now (registered at first use)
+            from cachestore import rdma_memory
+            from cachestore.rdma_verbs import verbs
+            mode, reason = rdma_memory.choose(verbs(), region)
+            logging.getLogger("pdserve.cachestore").info("rdma sender will register %s memory (%s)", mode, reason)
+            self.metrics.set_pool_memory(mode)
         self._channels: dict[str, object] = {}
         self._lock = threading.Lock()
-
-    async def start(self) -> None:
-        """Nothing to do up front: connections open on first use and reopen after a failure."""
 
     async def close(self) -> None:
         with self._lock:

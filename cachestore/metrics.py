@@ -43,7 +43,16 @@ class CacheStoreMetrics:
         self.active = Gauge("pdserve_cachestore_active_transport", "1 for the transport in use",
                             ["transport"], registry=r)
         self.active.labels(t).set(1)
+        self.pool_memory = Gauge("pdserve_cachestore_rdma_pool_memory",
+                                 "1 for the memory the rdma transport registers: host (a host pool), "
+                                 "gpudirect (the CUDA pool itself) or staging (pinned host buffers)",
+                                 ["transport", "mode"], registry=r)
         self.transport = t
+
+    def set_pool_memory(self, mode: str) -> None:
+        """The rdma pool registration chosen at start (`cachestore.rdma_memory`): one label set to 1."""
+        for m in ("host", "gpudirect", "staging"):
+            self.pool_memory.labels(self.transport, m).set(1 if m == mode else 0)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.transport, reason).inc()

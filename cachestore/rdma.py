@@ -1,11 +1,13 @@
 """RDMA transport, sender side: RDMA WRITE of coalesced runs over several RC QPs per receiver.
 
 Where it runs: on real hardware through pyverbs (NOT EXERCISED on hardware: the development and
-CI kernels have no InfiniBand/RoCE support), and in CI on the in-process emulated verbs device
-`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1), which follows the verbs rules for keys, bounds,
-access, QP states and completions. Install with `pip install pdserve[rdma]` on hosts whose
+CI kernels have no InfiniBand/RoCE support), and in CI on the EMULATED verbs device
+`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1), in one process or across processes (its WRITEs
+travel as packets over loopback sockets to the receiver's process), which follows the verbs rules
+for keys, bounds, access, QP states, ACK/NAK and completions: it proves this logic, not a NIC. Install with `pip install pdserve[rdma]` on hosts whose
 rdma-core matches the pyverbs build. The verbs layer is `cachestore.rdma_verbs`, the receiver's
-per-session remote access is `cachestore.rdma_access`.
+per-session remote access is `cachestore.rdma_access`, the memory registered for a (CUDA) pool,
+GPUDirect or pinned staging, is `cachestore.rdma_memory`.
 
 Protocol: a channel to a receiver holds `PDSERVE_RDMA_QPS` lanes (default 2), used round robin per
 run. A lane is one RC QP plus its TCP control connection (same handshake as the tcp transport),
@@ -27,6 +29,7 @@ import queue
 import threading
 from dataclasses import asdict
 
+from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
 from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for  # noqa: F401
 from cachestore.rdma_verbs import (COMPLETION_TIMEOUT, EMULATOR_ENV, QpInfo, QpState, RdmaResources,  # noqa: F401
@@ -45,6 +48,9 @@ class RdmaLane:
 
     def __init__(self, client, creds, index: int, resources, reroute=None) -> None:
         self.client, self.endpoint = client, creds.endpoint
+        self.index = index
+        self._staging = None
+        """This lane's slot of the registered staging buffer (CUDA pool without GPUDirect), reused."""
         self._resources = resources
         """Returns the channel's RdmaResources (pool registered once, shared by its lanes)."""
         self._reroute = reroute
@@ -135,23 +141,51 @@ class RdmaLane:
 
     def _write(self, layer: int, run: Run, ready_event, creds, windows: list) -> None:
         """Post the run's WRITEs (each under the window covering it) and wait for their completion."""
+        self.poll_threads.add(threading.current_thread().name)
+        client = self.client
+        remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes)
+        reg = self.res.registration
+        if reg.mode == rdma_memory.STAGING:
+            self._write_staged(layer, run, ready_event, remote, int(creds.rdma["address"]), windows)
+            return
         if ready_event is not None:
             ready_event.synchronize()  # this thread waits for the layer's kernels, not the engine
-        self.poll_threads.add(threading.current_thread().name)
-        v, client = self.res.v, self.client
-        remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes)
-        for batch in plan_writes(layer, [run], client.geometry, client.region.address, remote,
+        for batch in plan_writes(layer, [run], client.geometry, self.res.address, remote,
                                  int(creds.rdma["address"]), first_wr_id=self._wr_ids):
-            self._wr_ids += len(batch)
-            wrs = []
-            for i, w in enumerate(batch):
-                wr = v.SendWR(wr_id=w.wr_id, opcode=v.enums.IBV_WR_RDMA_WRITE, num_sge=1,
-                              sg=[v.SGE(w.local_addr, w.length, self.res.mr.lkey)],
-                              send_flags=v.enums.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0)
-                wr.set_wr_rdma(window_for(windows, w.remote_addr, w.length), w.remote_addr)
-                wrs.append(wr)
-            self.res.post_chain(self.qp, wrs)
-            wait_completion(v, self.cq, batch[-1].wr_id)
+            self._post(batch, windows)
+
+    def _post(self, batch: list, windows: list) -> None:
+        """Post one chain of WRITEs (only the last signaled) and wait for its completion."""
+        v = self.res.v
+        self._wr_ids += len(batch)
+        wrs = []
+        for i, w in enumerate(batch):
+            wr = v.SendWR(wr_id=w.wr_id, opcode=v.enums.IBV_WR_RDMA_WRITE, num_sge=1,
+                          sg=[v.SGE(w.local_addr, w.length, self.res.mr.lkey)],
+                          send_flags=v.enums.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0)
+            wr.set_wr_rdma(window_for(windows, w.remote_addr, w.length), w.remote_addr)
+            wrs.append(wr)
+        self.res.post_chain(self.qp, wrs)
+        wait_completion(v, self.cq, batch[-1].wr_id)
+
+    def _write_staged(self, layer: int, run: Run, ready_event, remote: PoolGeometry, remote_base: int,
+                      windows: list) -> None:
+        """CUDA pool without GPUDirect: copy the run (in slot-sized pieces) device-to-host into this
+        lane's registered slot, after the layer's CUDA event (a GPU-side wait on the staging stream,
+        on this thread), and WRITE from there. The slot is reused once the WRITE completed."""
+        from cachestore.staging import HostStaging
+        reg, geometry = self.res.registration, self.client.geometry
+        if self._staging is None:
+            slot = reg.staging[self.index * reg.slot_bytes:(self.index + 1) * reg.slot_bytes]
+            self._staging = HostStaging(buffer=slot)
+        slot_address = reg.address + self.index * reg.slot_bytes
+        per = max(1, reg.slot_bytes // geometry.block_bytes)
+        for first in range(0, run.count, per):
+            piece = Run(run.src_block + first, run.dst_block + first, min(per, run.count - first))
+            (w,), = plan_writes(layer, [piece], geometry, 0, remote, remote_base, first_wr_id=self._wr_ids)
+            self._staging.gather(self.client.region.tensor, [(w.local_addr, w.length)], ready_event)
+            ready_event = None  # waited on once per run
+            self._post([w._replace(local_addr=slot_address)], windows)
 
     def _fail(self, reason: str) -> None:
         """Mark the lane broken (its channel replaces it). Runs still queued here were never posted:
@@ -205,8 +239,9 @@ class RdmaChannel:
         with self._res_lock:
             if self._res is None:
                 device, port, gid_index = device_choice()
-                region = self.client.region
-                self._res = RdmaResources(device, region.address, len(region), port=port, gid_index=gid_index)
+                self._res = RdmaResources(device, self.client.region, port=port, gid_index=gid_index,
+                                          lanes=self.num_qps, block_bytes=self.client.geometry.block_bytes)
+                rdma_memory.report(self._res.registration, self.client.metrics, "sender")
             return self._res
 
     def _reroute(self, transfer, layer: int, run: Run, ready_event) -> None:

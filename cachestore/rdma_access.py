@@ -21,6 +21,7 @@ import os
 import threading
 from dataclasses import asdict
 
+from cachestore import rdma_memory
 from cachestore.credentials import SessionCredentials
 from cachestore.geometry import PoolGeometry
 from cachestore.rdma_verbs import QpInfo, RdmaResources, wait_completion
@@ -147,8 +148,11 @@ class RdmaReceiver:
 
     def __init__(self, server, device: str, port: int = 1, gid_index: int = 0) -> None:
         self.server = server
-        region = server.region
-        self.res = RdmaResources(device, region.address, len(region), port=port, gid_index=gid_index, mw_bind=True)
+        # the pool itself, or (CUDA pool without GPUDirect) a registered host mirror of it whose
+        # landed blocks `landed` copies into the pool before a NOTIFY is acknowledged
+        self.res = RdmaResources(device, server.region, port=port, gid_index=gid_index, mw_bind=True)
+        self.staged = self.res.registration.mode == rdma_memory.STAGING
+        rdma_memory.report(self.res.registration, server.metrics, "receiver")
         self.use_mw = use_memory_windows(self.res)
         self._responders: dict[int, Responder] = {}
         self._lock = threading.Lock()
@@ -172,6 +176,21 @@ class RdmaReceiver:
             self._responders[responder.qp.qp_num] = responder
         return wire.OK, responder.reply
 
+    @property
+    def remote_base(self) -> int:
+        """The address senders WRITE the pool at (the pool's own, or its host mirror's)."""
+        return self.res.address
+
+    def landed(self, layer: int, block_ids) -> None:
+        """A NOTIFY passed its checks: with a staged (CUDA) pool, copy the blocks from the host mirror
+        into the pool before the NOTIFY is acknowledged; nothing to do otherwise."""
+        if not self.staged:
+            return
+        from cachestore.tcp_receiver import dest_runs
+        geometry = self.server.geometry
+        rdma_memory.commit(self.res.registration, self.server.region.tensor,
+                           [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in dest_runs(block_ids)])
+
     def close(self) -> None:
         """Server stop: responders close with their connections; the pool registration goes here."""
         self.res.close()
@@ -186,7 +205,7 @@ class RdmaReceiver:
         if session is None:
             self.server.reject(status)
             return status, b""
-        grant = Grant(responder, session_ranges(self.server.geometry, session.creds, self.server.region.address),
+        grant = Grant(responder, session_ranges(self.server.geometry, session.creds, self.res.address),
                       self.use_mw)
         if not self.server.add_grant(session, grant.revoke):  # closed while binding, or too many grants
             grant.revoke()

@@ -1,8 +1,9 @@
 """The verbs layer shared by both sides of the rdma transport: device choice, QP state machine,
 the pool registration, QP connection, posting and completion polling.
 
-NOT EXERCISED on hardware (no InfiniBand/RoCE here); in CI it drives the emulated verbs device
-`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1). Every verbs call goes through `verbs()`.
+NOT EXERCISED on hardware (no InfiniBand/RoCE here); in CI it drives the EMULATED verbs device
+`cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1; across processes too, the QP exchange's GID naming
+the peer's emulated device endpoint). Every verbs call goes through `verbs()`.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def qp_attr_values(state: QpState, remote: QpInfo | None, *, port: int = 1, gid_
 
 
 class RdmaResources:
-    """Device context, protection domain and ONE memory region over the whole pool.
+    """Device context, protection domain and ONE memory region over the whole pool (or over its
+    pinned host staging buffer, `cachestore.rdma_memory`).
 
     Registering the pool once (not per block) is what makes per-request transfers cheap; the pool
     must be a plain allocation (cudaMalloc / malloc), never a stream-ordered allocator region, which
@@ -122,15 +124,19 @@ class RdmaResources:
     either side (the receiver grants per-session windows or MRs, `cachestore.rdma_access`);
     `mw_bind` lets the receiver bind type-2 windows to it."""
 
-    def __init__(self, device: str, address: int, length: int, port: int = 1, gid_index: int = 0,
-                 mw_bind: bool = False) -> None:
+    def __init__(self, device: str, region, port: int = 1, gid_index: int = 0, mw_bind: bool = False,
+                 lanes: int = 0, block_bytes: int = 1) -> None:
+        from cachestore import rdma_memory
         v = self.v = verbs()
         self.port, self.gid_index = port, gid_index
-        self.address, self.length = address, length
         self.ctx = v.Context(name=device)
         self.pd = v.PD(self.ctx)
         access = v.enums.IBV_ACCESS_LOCAL_WRITE | (v.enums.IBV_ACCESS_MW_BIND if mw_bind else 0)
-        self.mr = v.MR(self.pd, length, access, address=address)
+        # the pool itself (host memory, or a CUDA pool through GPUDirect) or a pinned staging buffer
+        self.registration = rdma_memory.register(v, self.pd, region, access, lanes=lanes, block_bytes=block_bytes)
+        self.mr = self.registration.mr
+        self.address, self.length = self.registration.address, self.registration.length
+        """What the QPs read from / write into: the pool's addresses, or the staging buffer's."""
 
     def create_qp(self, max_send_wr: int = 256, cq_depth: int = 1024):
         """An RC QP with its own CQ (one poller per QP: no CQ shared between threads)."""

@@ -43,7 +43,6 @@ class CacheStoreServer:
                              f"({geometry.total_bytes} bytes)")
         self.region = region
         self.geometry = geometry
-        self.requested_transport = transport
         self.active_transport = resolve_transport(transport)
         self.host, self.port = host, port
         self.secret = secret.encode() if isinstance(secret, str) else secret
@@ -100,13 +99,12 @@ class CacheStoreServer:
             raise ValueError(f"block ids must be in [0, {self.geometry.num_blocks})")
         rdma = {}
         if self._rdma is not None:  # the pool's layout; the keys come per sender QP (`rdma_access`)
-            rdma = {"address": self.region.address, "num_blocks": self.geometry.num_blocks}
+            rdma = {"address": self._rdma.remote_base, "num_blocks": self.geometry.num_blocks}
         creds = SessionCredentials(
             request_id=request_id, endpoint=self.endpoint, transport=self.active_transport,
             session_id=secrets.token_hex(16), token=secrets.token_hex(16), num_layers=num_layers,
             block_bytes=self.geometry.block_bytes, block_ids=tuple(block_ids), rdma=rdma)
         session = Session(creds, self.geometry, timeout, self._loop)
-        session._registry = self
         with self._lock:
             if request_id in self._by_request:
                 raise ValueError(f"a CacheStore session for request {request_id!r} is already open")
@@ -145,8 +143,6 @@ class CacheStoreServer:
             for cut in cuts:
                 cut()
         return session
-
-    close = close_session
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)
@@ -214,6 +210,10 @@ class CacheStoreServer:
     def rdma_control(self, conn, hello: bytes) -> tuple[int, bytes]:
         """A CONNECT message of the rdma transport (QP exchange or grant request)."""
         return self._rdma.control(conn, hello)
+
+    def rdma_landed(self, layer: int, block_ids: Sequence[int]) -> None:
+        """A validated NOTIFY: make the WRITEs it reports visible in the pool (`RdmaReceiver.landed`)."""
+        self._rdma.landed(layer, block_ids)
 
     def check_grant(self, session_id: str, token: str) -> tuple[Session | None, int]:
         """The open session a grant request names, if its token matches."""

@@ -159,10 +159,3 @@ class Session:
     @property
     def safe_to_reuse(self) -> bool:
         return self.closed and self.active_writers == 0 and not self._grants
-
-    def close(self) -> None:
-        """Stop accepting writes (the registry drops it; in-flight writes finish or fail)."""
-        if self._registry is not None:
-            self._registry.close(self.request_id)
-
-    _registry = None

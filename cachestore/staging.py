@@ -19,15 +19,21 @@ import torch
 class HostStaging:
     """A reusable host buffer plus the copies between it and a device-resident pool tensor."""
 
-    def __init__(self, capacity: int = 0) -> None:
-        self._buf: torch.Tensor | None = None
+    def __init__(self, capacity: int = 0, buffer: torch.Tensor | None = None) -> None:
+        self._buf: torch.Tensor | None = buffer
+        self._fixed = buffer is not None
+        """A caller-owned buffer (e.g. registered for RDMA): never re-allocated, frames must fit."""
         self._stream = None
         self.allocations = 0
         """How many times the buffer was (re)allocated: stays 1 while frames fit (tests read it)."""
-        if capacity:
+        if capacity and not self._fixed:
             self._ensure(capacity)
 
     def _ensure(self, nbytes: int) -> torch.Tensor:
+        if self._fixed:
+            if nbytes > self._buf.numel():
+                raise ValueError(f"{nbytes} bytes do not fit the fixed staging buffer of {self._buf.numel()}")
+            return self._buf
         if self._buf is None or self._buf.numel() < nbytes:
             # grow geometrically so a slowly growing run size does not re-pin on every frame
             size = max(nbytes, 2 * self._buf.numel() if self._buf is not None else 0)

@@ -127,7 +127,11 @@ class FrameWorker:
             return status
         ok = False
         try:
-            ok = not expects_payload or self._receive_payload(conn, h, block_ids, session.deadline, fence)
+            if expects_payload:
+                ok = self._receive_payload(conn, h, block_ids, session.deadline, fence)
+            else:  # an RDMA NOTIFY: the WRITEs completed; a staged CUDA pool copies them in first
+                server.rdma_landed(h.layer, block_ids)
+                ok = True
         finally:
             accepted = server.end_write(session, writer, h.layer, block_ids, ok)
         if not ok or fence.cut_off:

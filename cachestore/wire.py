@@ -48,12 +48,11 @@ BAD_TOKEN = 2
 BAD_LAYER = 3
 BAD_BLOCK = 4
 BAD_LENGTH = 5
-INJECTED_FAULT = 6
+# 6 is not used (it was an "injected fault" status nothing sent); not reused, so a code keeps one meaning
 SESSION_CLOSED = 7
 """The session ended while the write was in flight: its bytes do not count."""
 REASONS = {UNKNOWN_SESSION: "unknown_session", BAD_TOKEN: "bad_token", BAD_LAYER: "bad_layer",
-           BAD_BLOCK: "bad_block", BAD_LENGTH: "bad_length", INJECTED_FAULT: "injected_fault",
-           SESSION_CLOSED: "session_closed"}
+           BAD_BLOCK: "bad_block", BAD_LENGTH: "bad_length", SESSION_CLOSED: "session_closed"}
 
 
 class Header(NamedTuple):

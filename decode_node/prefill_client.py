@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.runtime.auth import cluster_metadata
+from pdserve.auth import cluster_metadata
+from pdserve.runtime.grpc_errors import IncompatiblePeer
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
-
-class IncompatiblePeer(Exception):
-    """The prefill node runs another model, dtype, block size or layout."""
+__all__ = ["IncompatiblePeer", "PrefillClients"]
 
 
 class PrefillClients:

@@ -5,21 +5,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
+from typing import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, Session, SessionError
-from decode_node.prefill_client import IncompatiblePeer, PrefillClients
+from decode_node.prefill_client import PrefillClients
 from engine.config import EngineConfig
-from engine.request import AdmissionError
+from engine.request import StepOutput
+from engine.sampling_params import SamplingParams
 from pdserve.runtime import convert
-from pdserve.runtime.node import NodeOptions, NodeRuntime
+from pdserve.runtime.grpc_errors import NodeUnavailable
+from pdserve.runtime.node import NodeOptions, NodeRuntime, RequestScope
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
 FENCE_WAIT = 5.0
 """Seconds a cut-off writer normally needs to leave the blocks (a shut-down socket wakes it at once)."""
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+"""A prefill node's answers that no other prefill node would change: passed on, not retried elsewhere."""
 
 
 class DecodeNode(decode_pb2_grpc.DecodeServicer):
@@ -65,131 +71,108 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         await self.rt.health.set("", health_pb2.HealthCheckResponse.SERVING if up
                                  else health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    async def stop(self) -> None:
-        await self.rt.stop()
+    def discovery_meta(self) -> dict[str, str]:
+        return {"cachestore_port": self.cachestore.endpoint.rsplit(":", 1)[-1]}
+
+    async def stop(self, drain: bool = False) -> None:
+        await self.rt.stop(drain)
         await self.cachestore.stop()
         await self.prefills.close()
 
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:
         return await self.rt.load_report()
 
-    async def Generate(self, request: decode_pb2.GenerateRequest, context):
+    async def Generate(self, request: decode_pb2.GenerateRequest, context) -> AsyncIterator[decode_pb2.GenerateEvent]:
         rt, engine = self.rt, self.rt.engine
-        if rt.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode node is draining")
-        try:
-            rid = convert.check_request_id(request.request_id)
-            prompt = convert.check_prompt(request.prompt_token_ids, engine.max_model_len, engine.model_config.vocab_size)
-            params = convert.params_from_pb(request.params)
-            if len(request.prefill_addresses) > convert.MAX_PREFILL_ADDRESSES:
-                raise ValueError(f"at most {convert.MAX_PREFILL_ADDRESSES} prefill_addresses")
-            if not request.prefill_addresses and not self.colocated:
-                raise ValueError("no prefill_addresses given and this decode node does not run colocated prefill")
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rt.inflight += 1
-        started = time.monotonic()
-        queue = rt.loop_thread.subscribe(rid)
-        state = {"finished": False, "remote": False}
-        log.info("request_id=%s event=admit prompt_tokens=%d prefill=%s", rid, len(prompt),
-                 ",".join(request.prefill_addresses) or "colocated")
-        try:
-            if request.prefill_addresses:
-                first = await self._remote_prefill(rid, prompt, params, list(request.prefill_addresses), context, state)
-                ttft = time.monotonic() - started
+        rid, prompt, params = self._parse(request)
+        addresses = list(request.prefill_addresses)
+        async with rt.request(rid, partial(self._end, rid), event="admit", prompt_tokens=len(prompt),
+                              prefill=",".join(addresses) or "colocated") as scope:
+            if addresses:
+                first = await self._remote_prefill(rid, prompt, params, request.params, addresses)
+                ttft = time.monotonic() - scope.started
                 rt.metrics.ttft.observe(ttft)
                 yield decode_pb2.GenerateEvent(token_ids=[first.first_token_id], ttft_seconds=ttft,
                                                logprobs=[first.first_logprob] if first.HasField("first_logprob") else [])
-                first_token_sent = True
             else:
-                try:
-                    await rt.loop_thread.call(engine.add_request, rid, prompt, params)
-                except ValueError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                first_token_sent = False
-            last = time.monotonic()
-            while True:
-                out = await queue.get()
+                await rt.loop_thread.call(engine.add_request, rid, prompt, params)
+            first_token_sent, last = bool(addresses), time.monotonic()
+            while not scope.finished:
+                out = await scope.next_output()
                 now = time.monotonic()
-                if not first_token_sent and out.new_token_ids:
-                    rt.metrics.ttft.observe(now - started)
-                    first_token_sent = True
-                elif out.new_token_ids:
+                if out.new_token_ids and first_token_sent:
                     rt.metrics.itl.observe(now - last)
+                elif out.new_token_ids:
+                    rt.metrics.ttft.observe(now - scope.started)
+                    first_token_sent = True
                 last = now
-                event = decode_pb2.GenerateEvent(
-                    token_ids=out.new_token_ids,
-                    logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs or []])
-                if out.finished:
-                    state["finished"] = True
-                    event.finish_reason = out.finish_reason or "stop"
-                    event.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
-                                                          completion_tokens=out.num_output_tokens,
-                                                          cached_tokens=out.num_cached_tokens))
-                    rt.metrics.e2e.observe(now - started)
-                    yield event
-                    return
-                yield event
-        finally:
-            rt.loop_thread.unsubscribe(rid)
-            # One place ends the request, whatever ended the stream; shielded so that a cancelled
-            # stream still frees its blocks exactly once and the in-flight count stays true.
-            await asyncio.shield(asyncio.ensure_future(self._finish(rid, state["finished"], started)))
+                scope.finished = out.finished
+                yield self._event(out, scope)
 
-    async def _finish(self, rid: str, finished: bool, started: float) -> None:
-        try:
-            if finished:
-                log.info("request_id=%s event=finish after_s=%.3f", rid, time.monotonic() - started)
-            else:
-                log.info("request_id=%s event=abort after_s=%.3f", rid, time.monotonic() - started)
-                await self._close_session(rid)  # no writer can touch the blocks after this
-                await self.rt.loop_thread.call(self.rt.engine.abort, rid)
-        finally:
-            self.rt.inflight -= 1
+    def _event(self, out: StepOutput, scope: RequestScope) -> decode_pb2.GenerateEvent:
+        """One step's output as a stream event; the last one carries the finish reason and usage."""
+        event = decode_pb2.GenerateEvent(token_ids=out.new_token_ids,
+                                         logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs or []])
+        if out.finished:
+            event.finish_reason = out.finish_reason or "stop"
+            event.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
+                                                  completion_tokens=out.num_output_tokens,
+                                                  cached_tokens=out.num_cached_tokens))
+            self.rt.metrics.e2e.observe(time.monotonic() - scope.started)
+        return event
 
-    async def _remote_prefill(self, rid: str, prompt: list[int], params, addresses: list[str], context,
-                              state: dict) -> prefill_pb2.PrefillResponse:
-        """Allocate, then try each prefill node in order until one fills the KV."""
+    def _parse(self, request: decode_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+        """The request's id, prompt and sampling params; ValueError (INVALID_ARGUMENT) for anything out of bounds."""
+        engine = self.rt.engine
+        rid = convert.check_request_id(request.request_id)
+        prompt = convert.check_prompt(request.prompt_token_ids, engine.max_model_len, engine.model_config.vocab_size)
+        params = convert.params_from_pb(request.params)
+        if len(request.prefill_addresses) > convert.MAX_PREFILL_ADDRESSES:
+            raise ValueError(f"at most {convert.MAX_PREFILL_ADDRESSES} prefill_addresses")
+        if not request.prefill_addresses and not self.colocated:
+            raise ValueError("no prefill_addresses given and this decode node does not run colocated prefill")
+        return rid, prompt, params
+
+    async def _end(self, rid: str, finished: bool) -> None:
+        """The one place a request leaves this node: a finished request has already left the engine;
+        any other is cut off from its KV writers first, then aborted (its blocks freed)."""
+        if not finished:
+            await self._close_session(rid)  # no writer can touch the blocks after this
+            await self.rt.loop_thread.call(self.rt.engine.abort, rid)
+
+    async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
+                              params_pb: common_pb2.SamplingParams,
+                              addresses: list[str]) -> prefill_pb2.PrefillResponse:
+        """Allocate, then try each prefill node in order until one fills the KV. The prefill node
+        gets the request's own (already validated) sampling params: its first token is sampled
+        exactly as this node would have sampled it."""
         rt, engine = self.rt, self.rt.engine
-        try:
-            block_ids = await rt.loop_thread.call(engine.add_remote_prefill_request, rid, prompt, params)
-        except AdmissionError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        state["remote"] = True
+        block_ids = await rt.loop_thread.call(engine.add_remote_prefill_request, rid, prompt, params)
         errors = []
         for address in addresses:
             creds = self.cachestore.open_session(rid, block_ids, timeout=rt.options.kv_timeout)
             session = self.cachestore.get_session(rid)
-            pb = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=_params_pb(params),
+            pb = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params_pb,
                                             kv_destination=creds.to_bytes(), compatibility=rt.compatibility)
             try:
                 response = await self.prefills.prefill(address, pb, timeout=rt.options.kv_timeout)
                 await session.wait_complete(timeout=rt.options.kv_timeout)
-            except IncompatiblePeer as e:
-                await self._close_session(rid)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except grpc.aio.AioRpcError as e:
-                await self._close_session(rid)
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.details() or "invalid request")
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.details() or "incompatible prefill node")
+                if e.code() in REFUSALS:
+                    raise  # any prefill node would refuse it: the caller's error (`_end` closes the session)
                 errors.append(f"{address}: {e.code().name} {e.details()}")
                 log.warning("request_id=%s event=prefill_failed prefill=%s code=%s", rid, address, e.code().name)
-                continue
+                response = None
             except (SessionError, asyncio.TimeoutError) as e:
-                await self._close_session(rid)
                 errors.append(f"{address}: KV did not arrive ({e})")
-                continue
+                response = None
             await self._close_session(rid)
-            await rt.loop_thread.call(engine.complete_remote_prefill, rid, response.first_token_id,
-                                      convert.logprob_from_pb(response.first_logprob)
-                                      if response.HasField("first_logprob") else None)
-            state["remote"] = False
-            return response
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "every prefill node failed: " + "; ".join(errors))
+            if response is not None:
+                await rt.loop_thread.call(engine.complete_remote_prefill, rid, response.first_token_id,
+                                          convert.logprob_from_pb(response.first_logprob)
+                                          if response.HasField("first_logprob") else None)
+                return response
+        raise NodeUnavailable("every prefill node failed: " + "; ".join(errors))
 
     async def _close_session(self, rid: str) -> None:
         """End the request's CacheStore session and wait until no writer is inside its blocks.
@@ -212,16 +195,3 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             if session.safe_to_reuse:
                 self._fencing.pop(rid, None)
 
-
-def _params_pb(p) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, max_tokens=p.max_tokens or 1, min_tokens=p.min_tokens,
-        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        include_stop_str_in_output=p.include_stop_str_in_output)
-    if p.seed is not None:
-        pb.seed = p.seed
-    if p.logprobs is not None:
-        pb.logprobs = p.logprobs
-    return pb

@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestStatus": "engine.request",
     "TokenLogprob": "engine.request",
     "AdmissionError": "engine.request",
+    "blocks_for": "engine.block_manager",
     "Tokenizer": "engine.tokenizer",
     "IncrementalDetokenizer": "engine.tokenizer",
 }

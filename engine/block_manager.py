@@ -12,6 +12,11 @@ def chain_hash(parent: BlockHash | None, tokens: list[int] | tuple[int, ...]) ->
     return hash((parent, tuple(tokens)))
 
 
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold `num_tokens` tokens (the one ceiling division of tokens into blocks)."""
+    return (num_tokens + block_size - 1) // block_size
+
 class BlockManager:
     """Owns block ids [0, num_blocks) of one KV pool.
 
@@ -37,7 +42,7 @@ class BlockManager:
         return len(self.free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
+        return blocks_for(num_tokens, self.block_size)
 
     def prefix_hits(self, token_ids: list[int]) -> list[int]:
         """Cached blocks holding a prefix of `token_ids` (never the block of the last token,

@@ -44,11 +44,3 @@ class KVPool:
     def layer(self, local_layer: int) -> torch.Tensor:
         """[num_blocks, 2, num_kv_heads, block_size, head_dim] view of one layer."""
         return self.tensor[local_layer]
-
-    def byte_offset(self, local_layer: int, block_id: int) -> int:
-        """Offset of (layer, block) from the start of the pool, in bytes."""
-        return (local_layer * self.num_blocks + block_id) * self.block_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_layers * self.num_blocks * self.block_bytes

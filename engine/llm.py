@@ -9,6 +9,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import cut_at_stop
 
 
 class LLM:
@@ -86,11 +87,8 @@ class LLM:
 
     def _text(self, token_ids: list[int], params: SamplingParams) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in params.stop if s in text]
-        if hits:
-            idx, s = min(hits)
-            text = text[:idx + len(s)] if params.include_stop_str_in_output else text[:idx]
-        return text
+        cut = cut_at_stop(text, params.stop, params.include_stop_str_in_output)
+        return text if cut is None else cut
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

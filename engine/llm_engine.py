@@ -119,7 +119,7 @@ class LLMEngine:
         req = self.remote.pop(request_id)
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
-        req.status = RequestStatus.RUNNING
+        req.start_running()
         self.scheduler.running.append(req)
         self._append_token(req, first_token_id, first_logprobs)
         req.num_emitted = 1  # the node streams the first token itself, straight from the prefill reply
@@ -173,7 +173,7 @@ class LLMEngine:
         lps = req.output_logprobs[req.num_emitted:] if req.params.logprobs is not None else None
         req.num_emitted = len(req.output_token_ids)
         return StepOutput(req.request_id, new, lps, req.status.is_finished, req.status.finish_reason,
-                          req.num_prompt_tokens, req.num_cached_tokens, len(req.output_token_ids))
+                          req.num_prompt_tokens, req.num_cached_tokens, len(req.output_token_ids), req.queue_seconds)
 
     def _finish(self, req: Request) -> None:
         self.scheduler.remove(req)

@@ -62,10 +62,18 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    queue_seconds: float | None = None
+    """Seconds from arrival until the request first ran (decode nodes: until its remote KV landed)."""
     stop_checker: object | None = None
     """StopStringChecker when the request has stop strings (engine.stop_strings)."""
     num_emitted: int = 0
     """Output tokens already reported by step() (for deltas)."""
+
+    def start_running(self) -> None:
+        """Waiting (for a slot or for remote KV) -> RUNNING; the first time also fixes queue_seconds."""
+        self.status = RequestStatus.RUNNING
+        if self.queue_seconds is None:
+            self.queue_seconds = time.monotonic() - self.arrival_time
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -91,6 +99,8 @@ class StepOutput(NamedTuple):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    queue_seconds: float | None = None
+    """Seconds the request waited before it first ran (None until it has run)."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 
@@ -43,7 +43,6 @@ class SamplingParams:
     """None: no logprobs; k: the sampled token's logprob plus the top k (k <= 20)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -67,7 +67,7 @@ class Scheduler:
             req.block_ids, cached = self.bm.allocate(req.all_token_ids)
             req.num_computed_tokens = req.num_cached_tokens = cached
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
+            req.start_running()
             self.running.append(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             scheduled.append((req, num_new))

@@ -52,8 +52,6 @@ class Tokenizer:
             gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
             eos_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
         self.eos_token_ids: list[int] = sorted({int(e) for e in eos_ids if e is not None})
-        self.special_ids = set(self._tok.get_added_tokens_decoder().keys()) if hasattr(
-            self._tok, "get_added_tokens_decoder") else set()
 
     @property
     def vocab_size(self) -> int:
@@ -68,9 +66,6 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` the way transformers' apply_chat_template(tokenize=False) does."""
@@ -128,6 +123,19 @@ class IncrementalDetokenizer:
         return delta
 
 
+def cut_at_stop(text: str, stop: tuple[str, ...], include: bool, start: int = 0) -> str | None:
+    """`text` cut at its earliest stop string found at or after `start` (the stop string kept when
+    `include`), or None when there is none. Ties at one position go to the first in `stop`."""
+    best: int | None = None
+    for s in stop:
+        idx = text.find(s, start)
+        if idx != -1 and (best is None or idx < best):
+            best, match = idx, s
+    if best is None:
+        return None
+    return text[:best + len(match)] if include else text[:best]
+
+
 class StopStringChecker:
     """Watches a request's detokenized output for stop strings."""
 
@@ -144,13 +152,9 @@ class StopStringChecker:
         if not delta:
             return False
         text = self.detok.text
-        window_start = max(0, len(text) - len(delta) - self.max_len + 1)
-        best: int | None = None
-        for s in self.stop:
-            idx = text.find(s, window_start)
-            if idx != -1 and (best is None or idx < best):
-                best, match = idx, s
-        if best is None:
+        # only a match that ends in the new text can be new: search from max_len - 1 characters before it
+        cut = cut_at_stop(text, self.stop, self.include, start=max(0, len(text) - len(delta) - self.max_len + 1))
+        if cut is None:
             return False
-        self.truncated_text = text[:best + len(match)] if self.include else text[:best]
+        self.truncated_text = cut
         return True

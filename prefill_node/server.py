@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from functools import partial
 
-import grpc
-
-from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, TransferError
+from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, Transfer
+from engine.block_manager import blocks_for
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
+from engine.sampling_params import SamplingParams
 from pdserve.runtime import convert
+from pdserve.runtime.grpc_errors import IncompatiblePeer, RequestAborted
 from pdserve.runtime.node import NodeOptions, NodeRuntime
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -32,14 +33,17 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                                        transport=options.transport, secret=options.cluster_secret,
                                        registry=self.rt.metrics.registry,
                                        faults=FaultInjector.from_env())  # None unless a chaos test sets it
-        self.transfers: dict[str, object] = {}
+        self.transfers: dict[str, Transfer] = {}
         """request id -> Transfer; read by the engine thread in the layer hook."""
 
     async def start(self) -> str:
         return await self.rt.start(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(self, server))
 
-    async def stop(self) -> None:
-        await self.rt.stop()
+    def discovery_meta(self) -> dict[str, str]:
+        return {}
+
+    async def stop(self, drain: bool = False) -> None:
+        await self.rt.stop(drain)
         await self.client.close()
 
     def _layer_hook(self, layer: int, batch: ForwardBatch) -> None:
@@ -52,8 +56,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             if tx is not None and last:
                 if ready is None:
                     ready = self._ready_event()
-                tx.write_layer(layer, table[:(ctx + self.geometry_block_size - 1) // self.geometry_block_size],
-                               ready_event=ready)
+                tx.write_layer(layer, table[:blocks_for(ctx, self.geometry_block_size)], ready_event=ready)
 
     def _ready_event(self):
         """On a CUDA pool: an event recorded now on the engine's stream, after this layer's KV writes.
@@ -76,56 +79,48 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rt, engine = self.rt, self.rt.engine
-        if rt.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node is draining")
-        if request.compatibility != rt.compatibility:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"incompatible peer: decode has {request.compatibility!r}, prefill has {rt.compatibility!r}")
-        try:
-            rid = convert.check_request_id(request.request_id)
-            prompt = convert.check_prompt(request.prompt_token_ids, engine.max_model_len, engine.model_config.vocab_size)
-            params = convert.params_from_pb(request.params)
-            creds = SessionCredentials.from_bytes(request.kv_destination)
-            if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(prompt):
-                raise ValueError("kv_destination does not cover the prompt's layers and blocks")
-            tx = self.client.open_transfer(creds)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rt.inflight += 1
-        started = time.monotonic()
-        log.info("request_id=%s event=prefill prompt_tokens=%d destination=%s", rid, len(prompt), creds.endpoint)
-        queue = rt.loop_thread.subscribe(rid)
-        self.transfers[rid] = tx
-        finished = False
-        try:
-            try:
-                await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True)
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            out = await queue.get()
+        rid, prompt, params, creds = self._parse(request)
+        tx = self.client.open_transfer(creds)
+        async with rt.request(rid, partial(self._end, rid, tx), event="prefill", prompt_tokens=len(prompt),
+                              destination=creds.endpoint) as scope:
+            self.transfers[rid] = tx
+            await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True)
+            out = await scope.next_output()
             while not out.finished:
-                out = await queue.get()
+                out = await scope.next_output()
             if out.finish_reason == "abort" or not out.new_token_ids:
-                await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
-            prefill_seconds = time.monotonic() - started
-            try:
-                transfer_seconds = await tx.finish(timeout=rt.options.kv_timeout)
-            except TransferError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            finished = True
-            rt.metrics.ttft.observe(time.monotonic() - started)
+                raise RequestAborted(f"prefill of {rid} was aborted")
+            prefill_seconds = time.monotonic() - scope.started
+            transfer_seconds = await tx.finish(timeout=rt.options.kv_timeout)  # TransferError: UNAVAILABLE
+            scope.finished = True
+            rt.metrics.ttft.observe(time.monotonic() - scope.started)
             response = prefill_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
                                                    num_cached_tokens=out.num_cached_tokens,
                                                    prefill_seconds=prefill_seconds, transfer_seconds=transfer_seconds)
             if out.new_logprobs:
                 response.first_logprob.CopyFrom(convert.logprob_to_pb(out.new_logprobs[0]))
             return response
-        finally:
-            # success: release keeps the blocks prefix-cached; failure/cancel: abort frees them too
-            self.transfers.pop(rid, None)
-            if not finished:
-                log.info("request_id=%s event=abort", rid)
-                tx.abort("prefill cancelled or failed")
-            rt.loop_thread.unsubscribe(rid)
-            await asyncio.shield(rt.loop_thread.call(engine.release if finished else engine.abort, rid))
-            rt.inflight -= 1
+
+    def _parse(self, request: prefill_pb2.PrefillRequest) -> tuple[str, list[int], SamplingParams,
+                                                                    SessionCredentials]:
+        """Id, prompt, params and KV destination; IncompatiblePeer or ValueError when they cannot be served."""
+        rt = self.rt
+        if request.compatibility != rt.compatibility:
+            raise IncompatiblePeer(f"incompatible peer: decode has {request.compatibility!r}, "
+                                   f"prefill has {rt.compatibility!r}")
+        rid = convert.check_request_id(request.request_id)
+        prompt = convert.check_prompt(request.prompt_token_ids, rt.engine.max_model_len,
+                                      rt.engine.model_config.vocab_size)
+        params = convert.params_from_pb(request.params)
+        creds = SessionCredentials.from_bytes(request.kv_destination)
+        if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(prompt):
+            raise ValueError("kv_destination does not cover the prompt's layers and blocks")
+        return rid, prompt, params, creds
+
+    async def _end(self, rid: str, tx: Transfer, finished: bool) -> None:
+        """Success: release keeps the blocks prefix-cached; failure or cancel: the transfer is aborted
+        and abort frees the blocks too."""
+        self.transfers.pop(rid, None)
+        if not finished:
+            tx.abort("prefill cancelled or failed")
+        await self.rt.loop_thread.call(self.rt.engine.release if finished else self.rt.engine.abort, rid)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.block_manager import blocks_for
+
 
 @dataclass
 class NodeLoad:
@@ -27,7 +29,7 @@ class NodeLoad:
         return self.free_blocks - self.inflight_blocks
 
     def blocks_for(self, tokens: int) -> int:
-        return (tokens + self.block_size - 1) // self.block_size
+        return blocks_for(tokens, self.block_size)
 
     def report(self, free_blocks: int, total_blocks: int, block_size: int, queued: int, now: float) -> None:
         self.free_blocks, self.total_blocks, self.block_size = free_blocks, total_blocks, block_size

@@ -19,6 +19,11 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFi
 from router.request_metrics import RequestMetrics
 from router.text import ChoiceText, chat_logprob_entry, completion_logprobs
 
+SHARED_SAMPLING_FIELDS = tuple(sorted(
+    {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields} & set(SamplingFields.model_fields)
+    - {"max_tokens", "stop"}))
+"""OpenAI request fields that travel unchanged in the proto field of the same name (and meaning);
+max_tokens and stop are checked and resolved first, logprobs differs between the two endpoints."""
 STREAM_QUEUE_CHUNKS = 32
 """Chunks buffered per choice between the node stream and the HTTP response. When a client stops
 reading, the queue fills, the node stream is no longer read, and gRPC flow control holds the rest
@@ -70,14 +75,12 @@ class Server:
             stop = req.stop_list()
         except ValueError as e:
             raise BadRequest(str(e), "stop") from None
-        p = common_pb2.SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), min_p=req.min_p or 0.0,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=req.repetition_penalty or 1.0, max_tokens=max_tokens, min_tokens=req.min_tokens,
-            stop=stop, ignore_eos=req.ignore_eos)
-        if req.seed is not None:
-            p.seed = req.seed
+        # OpenAI's default temperature is 1; an unset proto3 temperature would mean greedy
+        p = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop=stop)
+        for name in SHARED_SAMPLING_FIELDS:
+            value = getattr(req, name)
+            if value is not None:  # unset: the engine's default
+                setattr(p, name, value)
         if logprobs is not None:
             p.logprobs = logprobs
         return p

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, cut_at_stop
 
 
 class ChoiceText:
@@ -14,7 +14,7 @@ class ChoiceText:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self.stop = stop
+        self.stop = tuple(stop)
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -24,9 +24,10 @@ class ChoiceText:
         if self.stopped:
             return ""
         self.text += self.detok.add(token_ids)
-        cut = self._stop_index()
+        # a stop string not found before cannot start earlier than the longest one before `emitted`
+        cut = cut_at_stop(self.text, self.stop, include=False, start=max(0, self.emitted - self.hold - 1))
         if cut is not None:
-            self.text = self.text[:cut]
+            self.text = cut
             self.stopped = True
             return self._emit(len(self.text))
         return self._emit(max(self.emitted, len(self.text) - self.hold))
@@ -34,10 +35,6 @@ class ChoiceText:
     def finish(self) -> str:
         """Everything not yet emitted (the held-back tail)."""
         return self._emit(len(self.text))
-
-    def _stop_index(self) -> int | None:
-        hits = [i for i in (self.text.find(s, max(0, self.emitted - len(s))) for s in self.stop) if i != -1]
-        return min(hits) if hits else None
 
     def _emit(self, upto: int) -> str:
         delta = self.text[self.emitted:upto]

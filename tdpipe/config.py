@@ -42,6 +42,15 @@ class TDPipeOptions:
     future_horizon: int = 1024
     ref_batch_size: int = 256
     """Batch size whose per-request throughput counts as peak (spatial intensity)."""
+    spatial_peak: Literal["phase", "fixed"] = "phase"
+    """Peak of the spatial intensity: `phase` = the throughput at the decode phase's
+    starting batch size, capped at `ref_batch_size` (what a switch can restore when
+    the KV capacity caps the batch); `fixed` = at `ref_batch_size` always (the
+    paper's literal definition, and this simulator's behaviour before the fix:
+    it switched after a median 7% of a phase finished, see docs/tdpipe.md)."""
+    temporal_refill: bool = True
+    """Count the pipeline refill after the prefill phase in the temporal bubble
+    (see `tdpipe.intensity.temporal_intensity`); False is the paper's bubble."""
 
     def __post_init__(self) -> None:
         if self.prefill_switch not in ("greedy", "kv_threshold"):
@@ -52,5 +61,7 @@ class TDPipeOptions:
             raise ValueError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")
         if not 0.0 < self.completion_threshold <= 1.0:
             raise ValueError(f"completion_threshold must be in (0, 1], got {self.completion_threshold}")
+        if self.spatial_peak not in ("phase", "fixed"):
+            raise ValueError(f"spatial_peak must be 'phase' or 'fixed', got {self.spatial_peak!r}")
         if self.ref_batch_size <= 0:
             raise ValueError(f"ref_batch_size must be > 0, got {self.ref_batch_size}")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from engine.block_manager import blocks_for
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ def request_blocks_at(input_len: int, num_generated: int, predicted_len: int,
     remaining = max(predicted_len - num_generated, 1)
     if step > remaining:
         return 0
-    return _ceil_div(input_len + num_generated + step, block_size)
+    return blocks_for(input_len + num_generated + step, block_size)
 
 
 class FutureMemory:
@@ -103,7 +101,7 @@ def brute_force_usage(requests: list[tuple[int, int, int]], config: FuturePoints
                     blocks = 0
                     break
                 generated += 1
-                blocks = _ceil_div(input_len + generated, config.block_size)
+                blocks = blocks_for(input_len + generated, config.block_size)
             total += blocks
         usage.append(total)
     return usage

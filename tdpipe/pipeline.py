@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.block_manager import blocks_for
 from tdpipe.cost_table import CostTable
 from tdpipe.workload import SimRequest
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass

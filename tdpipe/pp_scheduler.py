@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+from engine.block_manager import blocks_for
 from tdpipe.config import InstanceConfig
 from tdpipe.cost_table import CostTable
 from tdpipe.executor import Batch, BatchItem, Executor, SimExecutor
@@ -134,11 +135,11 @@ class PPScheduler:
     def _preempt_overflow(self, ve: _VirtualEngine) -> None:
         """Recompute-preempt the newest requests until the next decode step fits."""
         def need() -> int:
-            return sum(-(-(r.kv_len + 1) // ve.kv.block_size) - ve.kv.blocks(r)
+            return sum(blocks_for(r.kv_len + 1, ve.kv.block_size) - ve.kv.blocks(r)
                        for r in ve.running if r.num_generated)
         while ve.running and ve.kv.used + need() > ve.kv.capacity_blocks:
             victim = ve.running.pop()
-            ve.kv.used -= -(-(victim.input_len + 1) // ve.kv.block_size) if not victim.num_generated \
+            ve.kv.used -= blocks_for(victim.input_len + 1, ve.kv.block_size) if not victim.num_generated \
                 else ve.kv.blocks(victim)
             self.ex.free(victim)
             victim.preempt()

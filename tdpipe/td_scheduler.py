@@ -196,5 +196,10 @@ class TDPipeScheduler:
         for args in added:
             memory.remove(*args, offset=step)
         step_ms = self.table.stage_ms(batch_size, self.inst.num_stages)
+        # With `phase`, peak is the batch this phase started with: the KV capacity, not the
+        # device, caps the decode batch (about 115 per batch for Llama-13B on 4x L20), and
+        # against 256 the spatial intensity is ~0.6 from the first step, so any modest
+        # pending prefill won (median switch after 7% of a phase, see docs/tdpipe.md).
+        phase = done_ratio if self.opts.spatial_peak == "phase" else None
         return decide(self.table, batch_size, pending, step_ms, self.inst.num_stages,
-                      self.opts.ref_batch_size).switch_to_prefill
+                      self.opts.ref_batch_size, self.opts.temporal_refill, phase).switch_to_prefill

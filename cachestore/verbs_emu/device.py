@@ -1,12 +1,17 @@
-"""The emulated device and its fabric: an in-process registry of QPs and remote keys, plus fault hooks.
+"""The emulated device and its fabric: this process's QPs and remote keys, its wire endpoint, fault hooks.
 
-One process holds one fabric, so every Context opened here reaches every other one, as two ports
-on one switch would. Remote keys are looked up at the responder on every access, exactly when a
+EMULATED (proves verbs logic, not a NIC). One process holds one fabric, i.e. one emulated device
+(every Context opened here is another open of it). QPs connected with an emulated GID (what
+`Context.query_gid` returns, and what the rdma transport exchanges) reach their peer over the wire
+(`verbs_emu.wire`: a loopback socket per QP connection), in this process or another one. QPs moved
+to RTR without a GID reach a QP of this process by number alone (the in-process path the unit tests
+of the verbs rules use). Remote keys are looked up at the responder on every access, exactly when a
 NIC checks them, so a key invalidated between post and execution is refused.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -21,6 +26,13 @@ class FaultHooks:
     """Each RDMA WRITE waits this long in its QP's send engine before it executes (in order)."""
     drop_completions: int = 0
     """The next N completions that would be queued are lost (a NIC/driver losing a CQE)."""
+
+    @classmethod
+    def from_env(cls) -> "FaultHooks":
+        """Hooks for a child process (a cluster node): $PDSERVE_RDMA_EMU_WRITE_DELAY_S and
+        $PDSERVE_RDMA_EMU_DROP_COMPLETIONS (test-only, like the tcp fault env)."""
+        return cls(write_delay_s=float(os.environ.get("PDSERVE_RDMA_EMU_WRITE_DELAY_S", "0") or 0),
+                   drop_completions=int(os.environ.get("PDSERVE_RDMA_EMU_DROP_COMPLETIONS", "0") or 0))
 
     def take_drop(self) -> bool:
         if self.drop_completions > 0:
@@ -37,7 +49,16 @@ class Fabric:
         self._qps: dict[int, object] = {}
         self._keys: dict[int, object] = {}
         self._next_qpn = 0x40
-        self.faults = FaultHooks()
+        self.faults = FaultHooks.from_env()
+        self._endpoint = None
+
+    def endpoint(self):
+        """This device's wire endpoint (`verbs_emu.wire.DeviceEndpoint`), started on first use."""
+        with self._lock:
+            if self._endpoint is None:
+                from cachestore.verbs_emu.wire import DeviceEndpoint
+                self._endpoint = DeviceEndpoint(self)
+            return self._endpoint
 
     def add_qp(self, qp) -> int:
         with self._lock:
@@ -103,20 +124,22 @@ class Context:
         return PortAttr(lid=1)
 
     def query_gid(self, port: int, index: int) -> str:
+        """GID index 0 of port 1: it names this process's device endpoint (`verbs_emu.wire.make_gid`)."""
         if port != 1 or index != 0:
             raise OSError(f"no GID at port {port} index {index} on {self.name}")
-        return "fe80:0000:0000:0000:0000:0000:0000:0001"
+        return self.fabric.endpoint().gid
 
 
 class GlobalRoute:
-    """GRH fields of an address handle (RoCE): the emulated fabric routes by QP number alone."""
+    """GRH fields of an address handle (RoCE): an emulated destination GID names the peer's device
+    endpoint (`verbs_emu.wire`)."""
 
     def __init__(self, dgid=None, sgid_index: int = 0) -> None:
         self.dgid, self.sgid_index = dgid, sgid_index
 
 
 class AHAttr:
-    """Address-handle attributes carried into RTR; kept for API compatibility, not used for routing."""
+    """Address-handle attributes carried into RTR: with a GRH (is_global), its dgid routes the QP."""
 
     def __init__(self, port_num: int = 1, dlid: int = 0, is_global: int = 0, gr: GlobalRoute | None = None) -> None:
         self.port_num, self.dlid, self.is_global, self.gr = port_num, dlid, is_global, gr

@@ -11,6 +11,12 @@ ibv_poll_cq(3)):
     and every WR still queued (and any posted later) completes with WR_FLUSH_ERR.
   * WRITE_WITH_IMM consumes a receive WR at the responder (none posted: RNR retries exhausted) and
     delivers the immediate in a RECV_RDMA_WITH_IMM completion there.
+  * At the responder, a key/range/access violation is a class C error: NAK "remote access error"
+    (IBV_WC_REM_ACCESS_ERR at the requester), and the responder QP moves to ERR too; a responder QP
+    without REMOTE_WRITE access answers NAK "invalid request" (IBV_WC_REM_INV_REQ_ERR), also class C.
+
+A QP moved to RTR with an emulated destination GID talks to its peer over the wire
+(`verbs_emu.wire`, possibly another process); without one, to a QP of this process by number.
 """
 
 from __future__ import annotations
@@ -110,6 +116,8 @@ class QPAttr:
         self.qp_state, self.port_num = qp_state, port_num
         self.qp_access_flags = 0
         self.dest_qp_num = 0
+        self.ah_attr = None
+        self.rq_psn = self.sq_psn = 0
 
 
 class QP:
@@ -122,6 +130,10 @@ class QP:
         self.scq, self.rcq, self.cap = init_attr.scq, init_attr.rcq, init_attr.cap
         self.qp_state = enums.IBV_QPS_RESET
         self.dest_qp_num = 0
+        self.remote: tuple[str, int] | None = None
+        """The peer's device endpoint when connected through an emulated GID (the wire path)."""
+        self._link = None
+        self._rq_psn = 0
         self.access = 0
         self.qp_num = self.fabric.add_qp(self)
         self._sq: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,8 +155,16 @@ class QP:
                 self.access = attr.qp_access_flags
             if target == enums.IBV_QPS_RTR:
                 self.dest_qp_num = attr.dest_qp_num
+                self.remote, self._rq_psn = _wire_address(attr), int(getattr(attr, "rq_psn", 0) or 0)
+            if target == enums.IBV_QPS_RTS and self.remote is not None:
+                from cachestore.verbs_emu.wire import RequesterLink
+                self._link = RequesterLink(self, self.remote, int(getattr(attr, "sq_psn", 0) or 0))
             if target == enums.IBV_QPS_RESET:
                 self._rq.clear()
+                self.remote = None
+                link, self._link = self._link, None
+                if link is not None:
+                    link.close()
             self.qp_state = target
 
     def to_init(self, attr: QPAttr) -> None:
@@ -180,6 +200,9 @@ class QP:
         self._closed = True
         self.fabric.remove_qp(self.qp_num)
         self._sq.put(None)
+        link = self._link
+        if link is not None:
+            link.close()
 
     # the send engine --------------------------------------------------------------------------------
     def _engine(self) -> None:
@@ -188,6 +211,8 @@ class QP:
             if wr is None or self._closed:
                 return
             if self.qp_state == enums.IBV_QPS_ERR:
+                if self._link is not None:
+                    self._link.close()  # an ERR QP sends nothing more
                 self._complete(wr, enums.IBV_WC_WR_FLUSH_ERR, 0)
                 continue
             status, nbytes = self._execute(wr)
@@ -222,18 +247,27 @@ class QP:
             mr = self.fabric.key(s.lkey)
             if not isinstance(mr, MR) or not mr.valid or mr.pd is not self.pd or not mr.covers(s.addr, s.length):
                 return enums.IBV_WC_LOC_PROT_ERR, 0
+        if self._link is not None:  # the wire: the responder (maybe in another process) checks and answers
+            imm = wr.imm_data if wr.opcode == enums.IBV_WR_RDMA_WRITE_WITH_IMM else None
+            status = self._link.write(wr.sg, wr.rkey, wr.remote_addr, imm)
+            return status, length if status == enums.IBV_WC_SUCCESS else 0
         responder = self.fabric.qp(self.dest_qp_num)
         if responder is None or responder.qp_state not in (enums.IBV_QPS_RTR, enums.IBV_QPS_RTS):
             return enums.IBV_WC_RETRY_EXC_ERR, 0  # no ACK ever comes back
+        if not responder.access & enums.IBV_ACCESS_REMOTE_WRITE:
+            responder.to_error()  # class C at the responder too
+            return enums.IBV_WC_REM_INV_REQ_ERR, 0
         # the responder checks the rkey, the range and the access at execution time, and the key
         # cannot be invalidated between that check and the copy (its lock)
         target = self.fabric.key(wr.rkey)
         lock = getattr(target, "lock", None)
-        if lock is None or not responder.access & enums.IBV_ACCESS_REMOTE_WRITE:
+        if lock is None:
+            responder.to_error()
             return enums.IBV_WC_REM_ACCESS_ERR, 0
         with lock:
             if self.fabric.key(wr.rkey) is not target or not remote_target(
                     target, responder, wr.remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE):
+                responder.to_error()
                 return enums.IBV_WC_REM_ACCESS_ERR, 0
             return self._land(wr, responder, length)
 
@@ -251,3 +285,11 @@ class QP:
             responder.rcq.push(WC(recv.wr_id, enums.IBV_WC_SUCCESS, enums.IBV_WC_RECV_RDMA_WITH_IMM,
                                   responder.qp_num, length, wr.imm_data))
         return enums.IBV_WC_SUCCESS, length
+
+
+def _wire_address(attr: QPAttr) -> tuple[str, int] | None:
+    """The peer's device endpoint from RTR's address handle, if it carries an emulated GID."""
+    from cachestore.verbs_emu.wire import parse_gid
+    ah = getattr(attr, "ah_attr", None)
+    gr = getattr(ah, "gr", None) if ah is not None and getattr(ah, "is_global", 0) else None
+    return parse_gid(gr.dgid) if gr is not None and gr.dgid else None

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.block_manager import blocks_for
 
 
 class TorchAttention(AttentionBackend):
@@ -65,7 +66,7 @@ class TorchAttention(AttentionBackend):
 def _gather(k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int], ctx: int,
             block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first `ctx` cached K/V as [Hkv, ctx, D] each."""
-    n = (ctx + block_size - 1) // block_size
+    n = blocks_for(ctx, block_size)
     idx = torch.tensor(table[:n], dtype=torch.long, device=k_pages.device)
     hkv, d = k_pages.shape[1], k_pages.shape[-1]
     ki = k_pages[idx].permute(1, 0, 2, 3).reshape(hkv, n * block_size, d)[:, :ctx]

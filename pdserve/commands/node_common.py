@@ -6,11 +6,15 @@ import argparse
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from pdserve.commands.device_args import add_device_args, device_options
+from pdserve.commands.generate import add_model_args
+
+if TYPE_CHECKING:  # the CLI imports no node code until a node runs
+    from pdserve.runtime.node import Node
 
 TRANSPORTS = ("auto", "tcp", "rdma", "local")
-from pdserve.commands.generate import add_model_args
 
 
 def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -83,7 +87,7 @@ def engine_config(args: argparse.Namespace, **overrides):
 
 
 def node_options(args: argparse.Namespace):
-    from pdserve.runtime.auth import resolve_secret
+    from pdserve.auth import resolve_secret
     from pdserve.runtime.node import NodeOptions
     import os
     apply_rdma_args(args)
@@ -105,7 +109,7 @@ def advertise_host(args: argparse.Namespace) -> str:
     return socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
 
 
-def serve(node, role: str, args: argparse.Namespace) -> int:
+def serve(node: Node, role: str, args: argparse.Namespace) -> int:
     """Start `node`, register it with discovery, print READY, run until SIGTERM/SIGINT, then
     deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     logging.basicConfig(level=args.log_level.upper(),
@@ -115,9 +119,7 @@ def serve(node, role: str, args: argparse.Namespace) -> int:
         from pdserve.discovery import Member, discovery_from_args
         address = await node.start()
         host = advertise_host(args)
-        meta = {"node_id": node.rt.node_id, "metrics_port": str(args.metrics_port)}
-        if hasattr(node, "cachestore"):
-            meta["cachestore_port"] = node.cachestore.endpoint.rsplit(":", 1)[-1]
+        meta = {"node_id": node.rt.node_id, "metrics_port": str(args.metrics_port), **node.discovery_meta()}
         member = Member(role, host, int(address.rsplit(":", 1)[1]), meta)
         discovery = discovery_from_args(args)
         await discovery.register(member)  # a no-op for static and k8s (the platform lists the pods)
@@ -132,9 +134,7 @@ def serve(node, role: str, args: argparse.Namespace) -> int:
         logging.getLogger("pdserve").info("%s %s", "stopping failed" if failed else "draining", role)
         await discovery.deregister(member)
         await discovery.stop()
-        await (node.rt.stop() if failed else node.rt.drain_and_stop())  # a dead engine has nothing to drain
-        if hasattr(node, "cachestore"):
-            await node.cachestore.stop()
+        await node.stop(drain=not failed)  # a dead engine has nothing to drain
         return 1 if failed else 0
 
     try:

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
     from pdserve.discovery import discovery_from_args
-    from pdserve.runtime.auth import resolve_secret
+    from pdserve.auth import resolve_secret
     from pdserve.runtime.node_metrics import add_process_collectors, served_model_name
     from router.app import create_app
     from router.cluster import Cluster

@@ -1,1 +1,1 @@
-"""Pieces shared by the node processes: engine thread, auth, metrics, request conversion."""
+"""Pieces shared by the node processes: engine thread, request scope, error mapping, metrics, conversion."""

@@ -37,22 +37,24 @@ def check_prompt(token_ids, max_model_len: int, vocab_size: int) -> list[int]:
 
 
 def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
-    """ValueError (-> INVALID_ARGUMENT) for anything out of bounds."""
+    """The engine's SamplingParams from the wire; ValueError (-> INVALID_ARGUMENT) for anything out of bounds.
+
+    The proto mirrors SamplingParams field for field, so this copies every field by name rather
+    than listing them again: a set field (or a plain proto3 scalar) is passed on, an unset
+    `optional` one leaves the engine's default."""
     if len(p.stop) > MAX_STOP_STRINGS or any(len(s.encode()) > MAX_STOP_BYTES for s in p.stop):
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_BYTES} bytes")
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
-    if p.max_tokens == 0:
-        raise ValueError("invalid sampling parameter max_tokens: must be >= 1")
-    return SamplingParams(
-        max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature,
-        top_k=p.top_k, top_p=p.top_p if p.top_p else 1.0, min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
-        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-        include_stop_str_in_output=p.include_stop_str_in_output)
+    if not p.HasField("max_tokens"):  # decode nodes reserve KV for every token a request may generate
+        raise ValueError("invalid sampling parameter max_tokens: it is required")
+    values = {}
+    for f in p.DESCRIPTOR.fields:
+        if f.has_presence and not p.HasField(f.name):
+            continue
+        value = getattr(p, f.name)
+        values[f.name] = tuple(value) if f.is_repeated else value
+    return SamplingParams(**values)
 
 
 def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:

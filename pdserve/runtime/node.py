@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Histogram
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from pdserve.runtime.auth import SecretInterceptor
+from engine.request import StepOutput
+from pdserve.auth import SecretInterceptor
 from pdserve.runtime.convert import compatibility
-from pdserve.runtime.engine_loop import EngineLoop
+from pdserve.runtime.engine_loop import EngineLoop, Subscription
+from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from pdserve.runtime.node_metrics import NodeMetrics, served_model_name
 from pdserve.v1 import common_pb2
 
@@ -34,6 +39,29 @@ class NodeOptions:
     drain_timeout: float = 30.0
     kv_timeout: float = 60.0
     """Seconds a KV transfer / session may take."""
+
+
+@dataclass
+class RequestScope:
+    """One request's time on a node: its output queue, when it was admitted, and whether it ended
+    with its result (else it is aborted when the scope closes)."""
+
+    request_id: str
+    queue: Subscription
+    queue_time: Histogram
+    """pdserve_queue_time_seconds of this node, observed once per request."""
+    started: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    _queue_time_observed: bool = False
+
+    async def next_output(self) -> StepOutput:
+        """The request's next step output (EngineDeadError if the engine died); the first one that
+        knows how long the request waited before it ran records that wait."""
+        out = await self.queue.get()
+        if out.queue_seconds is not None and not self._queue_time_observed:
+            self.queue_time.observe(out.queue_seconds)
+            self._queue_time_observed = True
+        return out
 
 
 class NodeRuntime:
@@ -64,7 +92,7 @@ class NodeRuntime:
         self.loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
         self.loop_thread.start()
         self.server = grpc.aio.server(
-            interceptors=[SecretInterceptor(self.options.cluster_secret)],
+            interceptors=[SecretInterceptor(self.options.cluster_secret), ErrorInterceptor()],
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         register_services(self.server)
@@ -84,6 +112,34 @@ class NodeRuntime:
         asyncio.ensure_future(self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
         self.failed.set()
 
+    @contextlib.asynccontextmanager
+    async def request(self, request_id: str, end: Callable[[bool], Awaitable[None]],
+                      **log_fields: object) -> AsyncIterator[RequestScope]:
+        """Admit one (already validated) request for the duration of the block: refuse it while
+        draining, subscribe to its outputs, count it in flight and log its admission and end.
+
+        However the block ends (result, error, cancelled stream), `end(finished)` runs exactly once,
+        shielded from the cancellation, and only then does the request stop counting as in flight,
+        so a drain waits for its blocks to be freed."""
+        if self.draining:
+            raise NodeUnavailable(f"{self.role} node is draining")
+        scope = RequestScope(request_id, self.loop_thread.subscribe(request_id), self.metrics.queue_time)
+        self.inflight += 1
+        log.info("request_id=%s %s", request_id, " ".join(f"{k}={v}" for k, v in log_fields.items()))
+        try:
+            yield scope
+        finally:
+            self.loop_thread.unsubscribe(request_id)
+            await asyncio.shield(asyncio.ensure_future(self._end(scope, end)))
+
+    async def _end(self, scope: RequestScope, end: Callable[[bool], Awaitable[None]]) -> None:
+        try:
+            log.info("request_id=%s event=%s after_s=%.3f", scope.request_id,
+                     "finish" if scope.finished else "abort", time.monotonic() - scope.started)
+            await end(scope.finished)
+        finally:
+            self.inflight -= 1
+
     async def load_report(self) -> common_pb2.LoadReport:
         load = await self.loop_thread.call(self.engine.load)
         self.metrics.observe_load(load)
@@ -96,6 +152,19 @@ class NodeRuntime:
 
     async def drain_and_stop(self) -> None:
         """Stop admitting, let in-flight requests finish for up to drain_timeout, then stop."""
+        await self.stop(drain=True)
+
+    async def stop(self, drain: bool = False) -> None:
+        """Stop the gRPC server and the engine thread; with `drain`, first stop admitting and let
+        in-flight requests finish for up to drain_timeout."""
+        if drain:
+            await self._drain()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self.loop_thread is not None:
+            self.loop_thread.stop()
+
+    async def _drain(self) -> None:
         self.draining = True
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.options.drain_timeout
@@ -103,10 +172,18 @@ class NodeRuntime:
             await asyncio.sleep(0.05)
         if self.inflight:
             log.warning("drain timeout: aborting %d in-flight requests", self.inflight)
-        await self.stop()
 
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
-        if self.loop_thread is not None:
-            self.loop_thread.stop()
+
+class Node(Protocol):
+    """What `pdserve prefill|decode` runs (`node_common.serve`): a servicer around a NodeRuntime."""
+
+    rt: NodeRuntime
+
+    async def start(self) -> str:
+        """Start serving; returns the gRPC address."""
+
+    def discovery_meta(self) -> dict[str, str]:
+        """What this node adds to its discovery registration (beyond node id and metrics port)."""
+
+    async def stop(self, drain: bool = False) -> None:
+        """Stop serving (draining in-flight requests first when asked) and release what the node holds."""

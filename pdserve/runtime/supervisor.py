@@ -9,6 +9,7 @@ again would only hide the failure, so the supervisor reports it and `up` stops.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import signal
@@ -22,25 +23,36 @@ LOG_TAIL_LINES = 200
 
 
 class Child:
-    """One process whose output is scanned for its READY line; only a bounded tail is kept."""
+    """One process in its own process group whose output is scanned for its READY line.
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+    The one way pdserve starts and stops its processes: `pdserve up`, the end-to-end tests
+    (`tests/e2e/cluster.py`) and the benchmarks (`benchmarks/cluster_procs.py`) all use it.
+    The READY line's last word is the address; `stop()` signals the whole group (a node's own
+    children too), then kills it if it lingers. The child also gets SIGTERM if we die."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], *, cwd: str | os.PathLike | None = None,
+                 ready_prefix: str = "READY ", max_lines: int | None = LOG_TAIL_LINES,
+                 echo_errors: bool = True) -> None:
+        """`max_lines`: how much output to keep (None: all of it, for tests that count log lines);
+        `echo_errors`: print the child's ERROR and Traceback lines as they come (for `up`)."""
         self.name = name
         self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      start_new_session=True, preexec_fn=_die_with_parent)
+                                      cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
         self.address = ""
         self.ready = threading.Event()
-        self.lines: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.ready_prefix = ready_prefix
+        self.echo_errors = echo_errors
+        self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
         threading.Thread(target=self._read, name=f"log-{name}", daemon=True).start()
 
     def _read(self) -> None:
         for line in self.popen.stdout:
             line = line.rstrip()
             self.lines.append(line)
-            if line.startswith("READY "):
+            if line.startswith(self.ready_prefix):
                 self.address = line.split()[-1]
                 self.ready.set()
-            elif "ERROR" in line or "Traceback" in line:
+            elif self.echo_errors and ("ERROR" in line or "Traceback" in line):
                 print(f"[{self.name}] {line}", flush=True)
         self.ready.set()
 
@@ -57,17 +69,18 @@ class Child:
     def exited(self) -> bool:
         return self.popen.poll() is not None
 
-    def stop(self, grace: float = 10.0) -> None:
-        if self.exited:
-            return
-        try:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            self.popen.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(5)
-        except ProcessLookupError:
-            pass
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 10.0) -> int | None:
+        """Send `sig` to the process group, wait up to `grace` s, then SIGKILL it; the exit code."""
+        if not self.exited:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        return self.popen.returncode
 
 
 try:  # looked up once here: between fork and exec (other threads running) only the call itself runs

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from engine.tokenizer import Tokenizer
-from router.errors import RouterError
+from router.errors import RouterError, error_body
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Choice, Server
 
@@ -22,11 +22,29 @@ URLS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatComple
 
 
 class LineError(ValueError):
-    """One input line cannot run; becomes an error line, the job goes on."""
+    """One input line cannot run; it becomes an error line and the job goes on.
 
-    def __init__(self, code: str, message: str) -> None:
+    Two kinds, shaped the way OpenAI's Batch API reports them:
+
+    - `status=None`: the line is not a request at all (not JSON, no custom_id, a method other
+      than POST, an unknown url, a repeated custom_id). OpenAI rejects such a file while
+      validating it, before any request runs, so no HTTP response exists: the output line has
+      `"response": null` and `"error": {"code", "message", "line"}` (`line`, 1-based, as in
+      OpenAI's batch validation errors; it also lets `--resume` recognise lines without an id).
+    - `status=400`: the request reached the endpoint, which refused its body (invalid fields,
+      prompt over the context or the pipeline's KV, sampling the runtime cannot do). OpenAI puts
+      such answers in the output as an HTTP response: `"response": {"status_code": 400,
+      "request_id", "body": {"error": {message, type, param, code}}}` with `"error": null`; the
+      body is what the router's HTTP API returns for the same request.
+    """
+
+    def __init__(self, code: str, message: str, *, status: int | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.status, self.param = code, status, param
+
+
+def _bad_body(code: str, message: str, param: str | None = None) -> LineError:
+    return LineError(code, message, status=400, param=param)
 
 
 class _NoCluster:
@@ -53,49 +71,61 @@ def make_server(tokenizer: Tokenizer, model_name: str, max_model_len: int) -> Se
     return Server(_NoCluster(max_model_len), tokenizer, model_name, max_model_len)  # type: ignore[arg-type]
 
 
-def _check_greedy(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """The pipeline runtime samples greedily only: refuse what it would silently ignore."""
-    if body.temperature is None or body.temperature > 0:
-        raise LineError("unsupported_sampling", "the offline pipeline is greedy-only: set \"temperature\": 0")
-    unsupported = [name for name, off in [("top_p", body.top_p in (None, 1.0)), ("top_k", body.top_k in (None, -1, 0)),
-                                          ("min_p", not body.min_p), ("presence_penalty", not body.presence_penalty),
-                                          ("frequency_penalty", not body.frequency_penalty),
-                                          ("repetition_penalty", body.repetition_penalty in (None, 1.0)),
-                                          ("min_tokens", not body.min_tokens), ("n", body.n == 1),
+def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse what the pipeline would silently ignore. It samples as the engine does (temperature,
+    top-k/p, min-p, penalties, seed: the last stage runs the engine's sampler), but returns one
+    choice per line, no logprobs and no stream, and has no minimum-length or suffix support."""
+    unsupported = [name for name, off in [("min_tokens", not body.min_tokens), ("n", body.n == 1),
                                           ("stream", not body.stream), ("logprobs", not body.logprobs)] if not off]
     if isinstance(body, CompletionRequest) and body.suffix:
         unsupported.append("suffix")
     if unsupported:
-        raise LineError("unsupported_sampling", f"the offline pipeline does not support: {', '.join(unsupported)}")
+        raise _bad_body("unsupported_parameter", f"the offline pipeline does not support: {', '.join(unsupported)}",
+                        unsupported[0])
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """The first pydantic error as the router's HTTP API words it (`loc: msg`, param = loc)."""
+    first = e.errors()[0] if e.errors() else {}
+    loc = ".".join(str(x) for x in first.get("loc", []))
+    return f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
 
 
 def parse_line(line: str, server: Server) -> BatchItem:
-    """Validate one input line; LineError (with the custom_id when known) otherwise."""
+    """Validate one input line; LineError (see its kinds) otherwise."""
     try:
         obj = json.loads(line)
     except ValueError as e:
         raise LineError("invalid_json", f"line is not JSON: {e}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
-        raise LineError("invalid_request", "line needs a non-empty string custom_id")
-    if obj.get("method", "POST") != "POST":
-        raise LineError("invalid_request", f"method must be POST, not {obj.get('method')!r}")
+    if not isinstance(obj, dict):
+        raise LineError("invalid_json", "line must be a JSON object with custom_id, method, url and body")
+    if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
+        raise LineError("missing_custom_id", "line needs a non-empty string custom_id")
+    if obj.get("method") != "POST":
+        raise LineError("invalid_method", f"method must be \"POST\", not {obj.get('method')!r}")
     model = URLS.get(obj.get("url"))
     if model is None:
-        raise LineError("invalid_url", f"url must be one of {sorted(URLS)}, not {obj.get('url')!r}")
+        raise LineError("invalid_url", f"url must be one of {', '.join(sorted(URLS))}, not {obj.get('url')!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _bad_body("invalid_body", f"body must be a JSON object, not {type(body).__name__}")
     try:
-        body = model.model_validate({"model": server.model_name, **(obj.get("body") or {})})
-    except (ValidationError, TypeError) as e:
-        raise LineError("invalid_body", f"invalid body: {e}") from None
-    _check_greedy(body)
-    if isinstance(body, CompletionRequest) and isinstance(body.prompt, list) and len(body.prompt) != 1 \
-            and not isinstance(body.prompt[0], int):
-        raise LineError("invalid_body", "one prompt per line (a list of prompts is not supported in batch mode)")
+        # `model` is optional here: the job runs one model, whatever a line names
+        req = model.model_validate({"model": server.model_name, **body})
+    except ValidationError as e:
+        raise _bad_body("invalid_body", *_validation_message(e)) from None
+    _check_supported(req)
+    if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and len(req.prompt) > 1 \
+            and not isinstance(req.prompt[0], int):
+        raise _bad_body("invalid_body", "one prompt per line (a list of prompts is not supported in batch mode)",
+                        "prompt")
     try:
-        choices = server.chat_choices(body) if isinstance(body, ChatCompletionRequest) else \
-            server.completion_choices(body)
+        choices = server.chat_choices(req) if isinstance(req, ChatCompletionRequest) else \
+            server.completion_choices(req)
     except RouterError as e:
-        raise LineError("invalid_body", str(e)) from None
-    return BatchItem(obj["custom_id"], obj["url"], body, choices[0])
+        code = e.code or ("context_length_exceeded" if "context" in e.message else "invalid_body")
+        raise _bad_body(code, e.message, e.param) from None
+    return BatchItem(obj["custom_id"], obj["url"], req, choices[0])
 
 
 def custom_id_of(line: str) -> str | None:
@@ -134,6 +164,20 @@ def result_line(item: BatchItem, output_ids: list[int], finish_reason: str, toke
             "response": {"status_code": 200, "request_id": body["id"], "body": body}}
 
 
-def error_line(custom_id: str | None, code: str, message: str) -> dict:
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
+def error_line(custom_id: str | None, err: LineError, line_no: int) -> dict:
+    """The output line of an input line that cannot run (`line_no` is 1-based); see LineError."""
+    if err.status is None:
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+                "error": {"code": err.code, "message": str(err), "line": line_no}}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "error": None,
+            "response": {"status_code": err.status, "request_id": f"req_{uuid.uuid4().hex}",
+                         "body": error_body(str(err), "invalid_request_error", err.param, err.code)}}
+
+
+def resume_key(row: dict) -> tuple[str, object] | None:
+    """What an output line answers, for `--resume`: ("id", custom_id), or ("line", n) for an
+    error line without a usable custom_id or about a repeated one (its id belongs to another line)."""
+    err = row.get("error")
+    if isinstance(err, dict) and (row.get("custom_id") is None or err.get("code") == "duplicate_custom_id"):
+        return ("line", err.get("line"))
+    return ("id", row["custom_id"]) if isinstance(row.get("custom_id"), str) else None

@@ -1,5 +1,7 @@
-"""The rdma transport end to end on the emulated verbs device (cachestore.verbs_emu, in-process).
+"""The rdma transport end to end on the emulated verbs device (cachestore.verbs_emu).
 
+Sender and receiver share this process, but their QPs are connected through emulated GIDs, so every
+WRITE goes over the emulated wire (a loopback socket to the device endpoint), as between two nodes.
 EMULATED: this proves the transport's logic against the verbs rules, not a NIC.
 """
 
@@ -57,6 +59,7 @@ async def _transfer(server, client, rid, src_blocks, dst_blocks, layers, timeout
 async def test_rdma_transfer_is_bit_exact_and_the_engine_thread_never_polls(rdma_pair):
     server, client, src, dst = rdma_pair
     src_blocks, dst_blocks = [3, 4, 5, 9, 20], [7, 8, 9, 1, 30]
+    wire_connections = FABRIC.endpoint().connections
     tx = await _transfer(server, client, "r1", src_blocks, dst_blocks, [2, 0, 3, 1])
     for layer in range(GEO.num_layers):
         for s, d in zip(src_blocks, dst_blocks):
@@ -64,6 +67,7 @@ async def test_rdma_transfer_is_bit_exact_and_the_engine_thread_never_polls(rdma
     assert untouched_outside(dst, GEO, {(l, d) for l in range(GEO.num_layers) for d in dst_blocks})
     # posted and polled on the lanes' own threads only, and round robin used both QPs
     assert tx._channel.poll_threads == {"cachestore-rdma-0", "cachestore-rdma-1"}
+    assert FABRIC.endpoint().connections >= wire_connections + 2  # one wire connection per lane's QP
 
 
 async def test_qp_forced_to_error_fails_that_request_and_the_next_gets_a_new_qp(rdma_pair):

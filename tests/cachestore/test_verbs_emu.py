@@ -62,6 +62,14 @@ def pair():
         s.qp.close()
 
 
+def reconnect(src: Side, dst: Side) -> None:
+    """ERR -> RESET -> RTS on both ends (a class C error moves the responder's QP to ERR too)."""
+    for side in (src, dst):
+        side.qp.modify(QPAttr(enums.IBV_QPS_RESET))
+    src.connect(dst)
+    dst.connect(src)
+
+
 def write(src: Side, rkey: int, remote: int, length: int = 256, wr_id: int = 1, signaled: bool = True,
           opcode: int = enums.IBV_WR_RDMA_WRITE, imm: int = 0) -> None:
     wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[SGE(addr(src.buf), length, src.mr.lkey)],
@@ -97,6 +105,7 @@ def test_write_lands_only_with_valid_key_bounds_and_access(pair):
     wcs = poll(src.cq, 2)
     assert [(w.wr_id, w.status) for w in wcs] == [(3, enums.IBV_WC_REM_ACCESS_ERR), (4, enums.IBV_WC_WR_FLUSH_ERR)]
     assert bytes(dst.buf) == before and src.qp.qp_state == enums.IBV_QPS_ERR
+    assert dst.qp.qp_state == enums.IBV_QPS_ERR  # class C: the responder's QP goes to ERR as well
 
 
 def test_mr_without_remote_write_refuses():
@@ -105,6 +114,16 @@ def test_mr_without_remote_write_refuses():
     dst.connect(src)
     write(src, dst.mr.rkey, addr(dst.buf))
     assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf == bytearray(SIZE)
+
+
+def test_responder_qp_without_remote_write_answers_invalid_request():
+    """The QP's own access flags are checked before any key (a NAK "invalid request", class C)."""
+    src, dst = Side(LW), Side(LW | RW, remote_access=LW)
+    src.connect(dst)
+    dst.connect(src)
+    write(src, dst.mr.rkey, addr(dst.buf))
+    assert poll(src.cq)[0].status == enums.IBV_WC_REM_INV_REQ_ERR and dst.buf == bytearray(SIZE)
+    assert dst.qp.qp_state == enums.IBV_QPS_ERR
 
 
 def _bind(dst: Side, mw: MW, start: int, length: int, wr_id: int = 9) -> int:
@@ -119,13 +138,13 @@ def test_type2_window_grants_its_range_through_its_qp_until_invalidated(pair):
     mw = MW(dst.pd, enums.IBV_MW_TYPE_2)
     write(src, mw.rkey, addr(dst.buf))  # unbound window: nothing
     assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR
-    src.qp.modify(QPAttr(enums.IBV_QPS_RESET))
-    src.connect(dst)
+    reconnect(src, dst)
     assert _bind(dst, mw, 1024, 512) == enums.IBV_WC_SUCCESS
     write(src, mw.rkey, addr(dst.buf) + 1024, length=512)
     assert poll(src.cq)[0].status == enums.IBV_WC_SUCCESS and dst.buf[1024:1536] == src.buf[:512]
     write(src, mw.rkey, addr(dst.buf) + 1536, wr_id=5)  # just past the window
     assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[1536:1792] == bytearray(256)
+    reconnect(src, dst)
     # invalidate: the old rkey now names nothing, a new bind gets a different rkey
     stale = mw.rkey
     inv = SendWR(wr_id=10, opcode=enums.IBV_WR_LOCAL_INV, send_flags=enums.IBV_SEND_SIGNALED)
@@ -133,8 +152,6 @@ def test_type2_window_grants_its_range_through_its_qp_until_invalidated(pair):
     dst.qp.post_send(inv)
     assert poll(dst.cq)[0].status == enums.IBV_WC_SUCCESS
     assert _bind(dst, mw, 0, 256) == enums.IBV_WC_SUCCESS and mw.rkey != stale
-    src.qp.modify(QPAttr(enums.IBV_QPS_RESET))
-    src.connect(dst)
     dst.buf[1024:1536] = bytes(512)
     write(src, stale, addr(dst.buf) + 1024)
     assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[1024:1536] == bytearray(512)
@@ -156,6 +173,7 @@ def test_write_with_imm_needs_a_receive_and_delivers_the_immediate(pair):
     src, dst = pair
     write(src, dst.mr.rkey, addr(dst.buf), opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, imm=7)
     assert poll(src.cq)[0].status == enums.IBV_WC_RNR_RETRY_EXC_ERR
+    assert dst.qp.qp_state == enums.IBV_QPS_RTS  # class B: the responder's QP stays usable
     src.qp.modify(QPAttr(enums.IBV_QPS_RESET))
     src.connect(dst)
     dst.qp.post_recv(RecvWR(wr_id=77))

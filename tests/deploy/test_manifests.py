@@ -15,7 +15,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+ALL_OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+# Offline batch mode: an Indexed Job of `pdserve batch --external-stages` + `pdserve stage`, none of
+# the serving objects (so no serving component applies to it either).
+OFFLINE = {"offline"}
+OVERLAYS = [o for o in ALL_OVERLAYS if o not in OFFLINE]
+"""The serving overlays (router, prefill and decode Deployments)."""
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").exists())
 # Components that only make sense with some overlays (the CPU HPA scales on CPU, meaningless on GPUs;
 # cpu-demo already includes it).
@@ -48,7 +53,7 @@ def render(overlay: str, components: tuple[str, ...] = (), tmp: Path | None = No
 
 
 def combinations() -> list[tuple[str, tuple[str, ...]]]:
-    out = []
+    out = [(overlay, ()) for overlay in ALL_OVERLAYS if overlay in OFFLINE]
     for overlay in OVERLAYS:
         built_in = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text()).get("components", [])
         allowed = [c for c in COMPONENTS if overlay in ONLY_WITH.get(c, {overlay})
@@ -115,7 +120,7 @@ def test_every_configmap_key_is_read():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = {env_name(o) for p in sub.choices.values() for a in p._actions for o in a.option_strings if o.startswith("--")}
     sources = "\n".join(p.read_text() for d in ("engine", "pdserve") for p in (ROOT / d).rglob("*.py"))
-    for overlay in OVERLAYS:
+    for overlay in ALL_OVERLAYS:
         for cm in by_kind(render(overlay), "ConfigMap").values():
             for key in cm["data"]:
                 assert key in flags or f'"{key}"' in sources, f"{key} in ConfigMap {cm['metadata']['name']} is never read"
@@ -217,3 +222,60 @@ def test_network_host_and_rdma_sriov_components(tmp_path):
         assert pod["containers"][0]["resources"]["requests"] == limits
     router = by_kind(docs, "Deployment")["pdserve-router"]["spec"]["template"]["spec"]
     assert "hostNetwork" not in router
+
+
+def test_offline_overlay_is_an_indexed_pipeline_job(monkeypatch):
+    """Index 0 runs the controller (`pdserve batch --external-stages`), the others `pdserve stage`;
+    RANK is the completion index, the rendezvous is pod 0's name under the headless Service, and
+    both command lines parse with the ConfigMap's settings (the flags exist; required ones are set)."""
+    from pdserve.cli import build_parser
+    docs = render("offline")
+    (namespace,) = by_kind(docs, "Namespace").values()
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "Namespace"} == {namespace["metadata"]["name"]}
+    assert not by_kind(docs, "Deployment"), "offline mode runs no serving objects"
+    (job,) = by_kind(docs, "Job").values()
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    world = int(env["WORLD_SIZE"]["value"])
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == world >= 2
+    assert spec["suspend"] is True  # started once the input is on the volume
+    assert env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    svc = by_kind(docs, "Service")[pod["subdomain"]]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert env["MASTER_ADDR"]["value"] == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert int(env["MASTER_PORT"]["value"]) in {p["port"] for p in svc["spec"]["ports"]}
+
+    pvc = next(iter(by_kind(docs, "PersistentVolumeClaim")))
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    data = next(m for m in c["volumeMounts"] if volumes[m["name"]].get("persistentVolumeClaim"))
+    assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == pvc
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    for container in pod["containers"] + pod.get("initContainers", []):
+        assert container["imagePullPolicy"] == "IfNotPresent"
+        assert re.fullmatch(r"[a-z0-9./-]+:\d+\.\d+\.\d+", container["image"]), container["image"]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+
+    script = c["args"][0]
+    commands = re.findall(r"exec pdserve (.+)", script)
+    assert len(commands) == 2 and 'if [ "$RANK" = 0 ]' in script
+    batch, stage = (cmd.split() for cmd in commands)
+    assert batch[0] == "batch" and "--external-stages" in batch and "--resume" in batch and stage[0] == "stage"
+    for flag in ("-i", "-o", "--stats"):
+        assert batch[batch.index(flag) + 1].startswith(data["mountPath"] + "/")
+    (config,) = by_kind(docs, "ConfigMap").values()
+    for key in [k for k in os.environ if k.startswith("PDSERVE_")]:
+        monkeypatch.delenv(key)
+    for key, value in config["data"].items():
+        monkeypatch.setenv(key, value)
+    parser = build_parser()
+    assert parser.parse_args(batch).external_stages
+    args = parser.parse_args(stage)
+    assert args.model_dir == config["data"]["PDSERVE_MODEL"]  # the stages load what the controller reads
+    assert args.num_kv_blocks == int(config["data"]["PDSERVE_NUM_KV_BLOCKS"])

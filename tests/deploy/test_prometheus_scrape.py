@@ -1,4 +1,4 @@
-"""A real Prometheus scrapes a running cluster on loopback (slow; needs the apt `prometheus` package).
+"""A real Prometheus scrapes a running `pdserve up` on loopback (slow; needs the apt `prometheus` package).
 
 It checks what an SRE relies on: every process's /metrics passes `promtool check metrics`,
 every target is up, and after a few requests every recording rule of the monitoring
@@ -7,7 +7,11 @@ component and every dashboard query returns data.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
+import threading
 import time
 import urllib.request
 
@@ -16,11 +20,9 @@ import pytest
 import yaml
 
 from tests.deploy.test_monitoring import RULE_FILE, dashboard_exprs
-from tests.e2e.cluster import start, stop
 from tests.e2e.router_cluster import API_KEY, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-SECRET = "prom-secret"
 # Series that exist only after something went wrong (no rejected frame in a healthy run).
 ONLY_ON_FAILURE = ("pdserve_cachestore_rejected_frames",)
 
@@ -40,21 +42,40 @@ def _wait(cond, what: str, timeout: float = 120.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _wait_banner(up: subprocess.Popen, timeout: float = 240.0) -> None:
+    """Read `pdserve up`'s output until its ready banner (model build + three processes on a loaded machine)."""
+    lines: list[str] = []
+    found = threading.Event()
+
+    def reader() -> None:
+        assert up.stdout is not None
+        for line in up.stdout:  # keep draining after the banner, or the pipe fills and blocks `up`
+            lines.append(line)
+            if line.startswith("pdserve is up"):
+                found.set()
+    threading.Thread(target=reader, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found.is_set():
+        assert up.poll() is None, "pdserve up exited:\n" + "".join(lines[-40:])
+        assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(lines[-40:])
+        time.sleep(0.5)
+
+
 def test_prometheus_scrapes_every_process_and_every_query_has_data(tmp_path, tiny_model_dir):
     if subprocess.run(["which", "prometheus", "promtool"], capture_output=True).returncode != 0:
         pytest.skip("prometheus/promtool not installed (scripts/install_ops_tools.sh installs them)")
-    procs = []
+    up = None
     prom = None
     try:
-        node_ports = {"prefill": free_port(), "decode": free_port()}
-        common = ["--port", "0", "--cluster-secret", SECRET, "--num-threads", "1", "--model", str(tiny_model_dir)]
-        nodes = {role: start(role, common + ["--metrics-port", str(port)]) for role, port in node_ports.items()}
-        procs += nodes.values()
-        http_port = free_port()
-        procs.append(start("router", ["--port", str(http_port), "--model", str(tiny_model_dir), "--cluster-secret",
-                                      SECRET, "--api-key", API_KEY, "--prefill", nodes["prefill"].address,
-                                      "--decode", nodes["decode"].address], ready_prefix="READY router "))
-        targets = [f"127.0.0.1:{p}" for p in (*node_ports.values(), http_port)]
+        http_port, metrics_base = free_port(), free_port()
+        while metrics_base + 1 == http_port:  # the two node metrics ports follow metrics_base
+            metrics_base = free_port()
+        up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_model_dir),
+                               "--num-prefill", "1", "--num-decode", "1", "--port", str(http_port),
+                               "--metrics-base-port", str(metrics_base), "--api-key", API_KEY],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        _wait_banner(up)
+        targets = [f"127.0.0.1:{p}" for p in (metrics_base, metrics_base + 1, http_port)]
 
         for target in targets:  # the exposition itself passes promtool's linter
             body = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read()
@@ -108,5 +129,10 @@ def test_prometheus_scrapes_every_process_and_every_query_has_data(tmp_path, tin
         if prom is not None:
             prom.terminate()
             prom.wait(15)
-        for p in reversed(procs):
-            stop(p)
+        if up is not None:
+            os.killpg(up.pid, signal.SIGTERM)  # `up` stops its nodes and router
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait(15)

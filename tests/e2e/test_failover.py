@@ -50,7 +50,14 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
                 if len(progress) >= 20 * 10:
                     break
                 await asyncio.sleep(0.01)
-            stop(cluster.decodes[0], signal.SIGKILL)
+            # Kill the decode node holding the most KV: on a loaded machine the router may have
+            # routed every stream to one node (a missed health deadline), and killing the idle
+            # one would migrate nothing.
+            reports = [await load(d.address, cluster.secret, d.role) for d in cluster.decodes]
+            used = [r.num_total_blocks - r.num_free_blocks for r in reports]
+            victim = used.index(max(used))
+            survivor = cluster.decodes[1 - victim]
+            stop(cluster.decodes[victim], signal.SIGKILL)
             results = await asyncio.gather(*tasks)
         assert results == reference
         assert all(finish == "length" for _, finish in results)
@@ -63,7 +70,7 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
             again = await asyncio.gather(*[stream_text(client, base, p, 300) for p in prompts[:4]])
         assert again == reference[:4]
         await asyncio.sleep(0.5)
-        for proc in (cluster.decodes[1], cluster.prefills[1]):
+        for proc in (survivor, cluster.prefills[1]):
             report = await load(proc.address, cluster.secret, proc.role)
             assert report.num_free_blocks == report.num_total_blocks
     finally:

@@ -92,7 +92,7 @@ async def test_first_token_stop_finishes_with_one_token(cluster, reference):
     (lambda r: r.params.stop.extend(["x"] * 40), grpc.StatusCode.INVALID_ARGUMENT),
 ])
 async def test_bad_input_gets_clear_status(cluster, mutate, code):
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import decode_pb2, decode_pb2_grpc
     req = decode_pb2.GenerateRequest(request_id="bad", prompt_token_ids=[5, 6, 7], params=greedy(4),
                                      prefill_addresses=[cluster.prefills[0].address])
@@ -120,7 +120,7 @@ async def test_wrong_secret_and_oversized_message_are_refused(cluster):
 
 
 async def test_incompatible_peer_is_refused(cluster):
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     async with grpc.aio.insecure_channel(cluster.prefills[0].address) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
@@ -131,7 +131,7 @@ async def test_incompatible_peer_is_refused(cluster):
 
 
 async def test_abort_during_decode_frees_blocks(cluster):
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import decode_pb2, decode_pb2_grpc
     async with grpc.aio.insecure_channel(cluster.decodes[0].address) as ch:
         call = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
@@ -149,7 +149,7 @@ async def test_abort_during_decode_frees_blocks(cluster):
 async def test_abort_during_prefill_frees_blocks(cluster):
     """A cancel while the prefill node computes a long prompt frees every block on both nodes: the
     prefill node's abort runs at its next chunk boundary (the engine's step), not after the prompt."""
-    from pdserve.runtime.auth import cluster_metadata
+    from pdserve.auth import cluster_metadata
     from pdserve.v1 import decode_pb2, decode_pb2_grpc
     prefill = cluster.prefills[0]
 

@@ -145,3 +145,23 @@ def test_abort_in_every_state(make_engine):
     outs = run_all(engine)
     assert "held" in engine.held and engine.abort("held")
     assert set(outs) >= {"running", "waiting", "remote"}
+
+
+def test_outputs_report_how_long_a_request_waited_before_it_ran(make_engine):
+    """Local requests wait for a slot; a remote-prefill request waits for its KV (pdserve_queue_time_seconds)."""
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    engine.add_request("b", [4, 5, 6], GREEDY)  # waits until "a" finishes: one slot
+    waited = {}
+    for _ in range(100):
+        for out in engine.step():
+            assert out.queue_seconds is not None and out.queue_seconds >= 0
+            waited.setdefault(out.request_id, out.queue_seconds)
+        if not engine.has_unfinished_requests():
+            break
+    assert waited["b"] > waited["a"]
+    engine.add_remote_prefill_request("r", [7, 8, 9], GREEDY)
+    engine.complete_remote_prefill("r", 10)
+    outs = [o for o in engine.step() if o.request_id == "r"]
+    assert outs and outs[0].queue_seconds is not None
+    run_all(engine)

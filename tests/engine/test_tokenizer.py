@@ -57,3 +57,14 @@ def test_tokenizer_padding_is_deterministic_and_exact():
     from engine.tiny_model import pad_tokenizer, train_tokenizer
     a, b = pad_tokenizer(train_tokenizer(), 3000), pad_tokenizer(train_tokenizer(), 3000)
     assert a.to_str() == b.to_str() and a.get_vocab_size(with_added_tokens=True) == 3000
+
+
+def test_cut_at_stop_is_the_one_stop_string_rule():
+    """Engine checker, offline LLM text and the router's stream all cut with engine.tokenizer.cut_at_stop."""
+    from engine.tokenizer import cut_at_stop
+    assert cut_at_stop("a cat. a dog.", ("dog", "."), include=False) == "a cat"  # the earliest match wins
+    assert cut_at_stop("a cat. a dog.", ("dog", "."), include=True) == "a cat."
+    assert cut_at_stop("a cat. a dog.", (".",), include=False, start=6) == "a cat. a dog"
+    assert cut_at_stop("abc", ("ab", "a"), include=True) == "ab"  # a tie goes to the first listed
+    assert cut_at_stop("abc", ("x",), include=False) is None
+    assert cut_at_stop("abc", (), include=False) is None

@@ -43,11 +43,15 @@ def test_every_value_flag_of_every_command_reads_env_and_config(tmp_path, monkey
     for command in (c.replace("_", "-") for c in COMMANDS):
         sub = subparsers[command]
         # Positional arguments are not flags; give each a placeholder so the command parses.
-        argv = [command] + ["placeholder" for a in sub._actions if not a.option_strings and a.required]
+        positional = ["placeholder" for a in sub._actions if not a.option_strings and a.required]
+        required = [a for a in sub._actions if a.option_strings and a.required]  # e.g. batch -i/-o, stage --model-dir
         for action in _value_flags(sub):
             flag = action.option_strings[-1]
             if action.type not in (None, str, int, float):
                 continue  # a custom parser type: its own tests cover values
+            # every other required flag on the command line, so that only `flag` comes from env/config
+            argv = [command] + positional + [x for r in required if r is not action
+                                             for x in (r.option_strings[-1], _sample(r)[0])]
             text, parsed = _sample(action)
             monkeypatch.setenv(env_name(flag), text)
             assert getattr(build_parser().parse_args(argv), action.dest) == parsed, (command, flag, "env")

@@ -61,7 +61,8 @@ sys.exit(main())
 
 
 def test_node_process_exits_nonzero_when_its_engine_dies(tiny_model_dir):
-    """A colocated decode node with a broken step: the request fails fast and the process exits 1."""
+    """A colocated decode node with a broken step: the request fails fast with UNAVAILABLE and the
+    process exits 1."""
     import grpc
 
     from tests.e2e.grpc_client import generate, greedy
@@ -76,8 +77,11 @@ def test_node_process_exits_nonzero_when_its_engine_dies(tiny_model_dir):
                 address = line.split()[-1]
                 break
         assert address, "decode node never became ready"
-        with pytest.raises(grpc.aio.AioRpcError):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
             asyncio.run(asyncio.wait_for(generate(address, "", "r1", [1, 2, 3], greedy(4), []), 60))
+        # UNAVAILABLE (not UNKNOWN): the router counts it against the node and retries elsewhere
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine thread" in failed.value.details()
         assert proc.wait(60) == 1
         assert "engine thread died" in proc.stdout.read()
     finally:

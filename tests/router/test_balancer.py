@@ -3,7 +3,7 @@ from __future__ import annotations
 from collections import Counter
 
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
-from router.health import BreakerState, CircuitBreaker
+from router.circuit_breaker import BreakerState, CircuitBreaker
 
 
 def nodes(*free: int, now: float = 100.0) -> list[NodeLoad]:

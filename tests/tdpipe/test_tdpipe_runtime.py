@@ -66,23 +66,25 @@ def test_tdpipe_greedy_equals_llm(tiny_model_dir, expected, num_stages, num_bloc
     assert [p for _, p in stats.phase_switches[:2]] == ["prefill", "decode"]
 
 
+@pytest.mark.parametrize("num_stages", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", ["tdpipe", "pp-sb", "pp-hb"])
-def test_every_policy_equals_llm_and_decides_as_in_the_simulator(tiny_model_dir, expected, policy) -> None:
+def test_every_policy_equals_llm_and_decides_as_in_the_simulator(tiny_model_dir, expected, policy,
+                                                                  num_stages) -> None:
     """Greedy output equals engine.LLM under preemption, and the recorded decision log (every
     batch: phase, requests, new tokens, sampling) on real stages equals the log of the same policy
     driven by the simulator on requests of the same lengths."""
-    # 18 blocks of 4 tokens cannot hold 8 prompts of ~5 tokens plus 24 outputs each, so requests
-    # are recompute-preempted (one request still fits a PP virtual engine's half of the pool);
+    # 9 blocks of 4 tokens per stage cannot hold 8 prompts of ~5 tokens plus 24 outputs each, so requests
+    # are recompute-preempted (one request still fits a PP virtual engine's share of the pool);
     # an 8-token budget makes PP+HB chunk its prompts.
-    blocks, budget = 18, 8
-    runtime_stats, runtime_log = _run(tiny_model_dir, expected, 2, blocks, policy, max_batch_tokens=budget)
+    blocks, budget = 9 * num_stages, 8
+    runtime_stats, runtime_log = _run(tiny_model_dir, expected, num_stages, blocks, policy, max_batch_tokens=budget)
     assert runtime_stats.num_preemptions > 0, policy
     if policy == "pp-hb":
         assert any(n > 1 and not sample for _, items in runtime_log for _, n, sample in items)  # a non-final chunk
     prompts, _ = expected
     sim_reqs = [SimRequest(f"r{i}", len(p), MAX_TOKENS, MAX_TOKENS) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
-    inst = InstanceConfig(num_stages=2, capacity_blocks=blocks, block_size=4, max_batch_tokens=budget)
-    sim = SimExecutor(CostTable.analytic(), 2)
+    inst = InstanceConfig(num_stages=num_stages, capacity_blocks=blocks, block_size=4, max_batch_tokens=budget)
+    sim = SimExecutor(CostTable.analytic(), num_stages)
     sim_stats = make_policy(policy, CostTable.analytic(), inst).run(copy.deepcopy(sim_reqs), sim)
     assert sim.decisions == runtime_log
     assert sim_stats.num_preemptions == runtime_stats.num_preemptions

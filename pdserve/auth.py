@@ -1,4 +1,7 @@
-"""Cluster-secret authentication of gRPC calls (metadata `x-pdserve-cluster-secret`)."""
+"""Cluster-secret authentication of gRPC calls (metadata `x-pdserve-cluster-secret`).
+
+Shared by the router (client side) and the nodes (server side), so it lives outside both:
+the router imports no node-runtime code."""
 
 from __future__ import annotations
 

@@ -1,0 +1,49 @@
+"""NodeRuntime.request(): one request's admission, in-flight count, queue-time metric and single end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from pdserve.runtime.grpc_errors import NodeUnavailable
+from pdserve.runtime.node import NodeOptions, NodeRuntime
+
+
+def queue_time_count(rt: NodeRuntime) -> float:
+    return rt.metrics.registry.get_sample_value("pdserve_queue_time_seconds_count",
+                                                {"role": rt.role, "model_name": "pdserve-tiny"})
+
+
+async def test_a_request_is_counted_observed_once_and_ended_once(tiny_model_dir):
+    rt = NodeRuntime("decode", EngineConfig(tiny_model_dir, num_kv_blocks=64), NodeOptions())
+    await rt.start(lambda server: None)
+    ends: list[bool] = []
+
+    async def end(finished: bool) -> None:
+        ends.append(finished)
+
+    try:
+        async with rt.request("r1", end, event="admit") as scope:
+            assert rt.inflight == 1
+            await rt.loop_thread.call(rt.engine.add_request, "r1", [1, 2, 3],
+                                      SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+            while not scope.finished:
+                scope.finished = (await asyncio.wait_for(scope.next_output(), 30)).finished
+        assert rt.inflight == 0 and ends == [True]
+        assert queue_time_count(rt) == 1  # once per request, not per output
+
+        with pytest.raises(RuntimeError):
+            async with rt.request("r2", end):
+                raise RuntimeError("the servicer failed")
+        assert rt.inflight == 0 and ends == [True, False]  # not finished: the node aborts it
+
+        rt.draining = True
+        with pytest.raises(NodeUnavailable, match="draining"):
+            async with rt.request("r3", end):
+                pass
+        assert ends == [True, False]  # never admitted, nothing to end
+    finally:
+        await rt.stop()
