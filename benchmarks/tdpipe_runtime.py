@@ -1,0 +1,304 @@
+"""TD-Pipe on the real stage runtime: TD-Pipe vs PP+SB vs PP+HB vs engine.LLM, and the simulator's prediction.
+
+Real processes on this machine: the `bench` model split into 2 `pdserve stage`
+processes with 1 torch thread each (`tdpipe.runtime.local.run_local_pipeline`),
+against plain `engine.LLM` (its `LLMEngine`) in one process with 2 threads — the
+same two cores. Workload: ShareGPT-like lengths from `tdpipe.workload.generate`
+(inputs <= 1023 tokens; outputs capped at `--max-output`, 256 by default: 37% of
+the requests sit at the cap and the median, 180, stays in place, whereas 128
+would pile 65% at the cap and flatten the length spread that the policies
+schedule around; the cost is ~44k output tokens per run, tens of minutes for the
+four runs on 2 cores — `--max-output 128` for a faster run), deterministic random token ids in the vocabulary, greedy, ignore_eos
+(max_tokens = the workload's output length), seed 0; the same requests for every
+run. Every runtime run and the engine get the same KV capacity in tokens.
+
+Simulator check: each stage is profiled alone (`tdpipe.runtime.profile`), the
+profile becomes a `CostTable`, and the simulator runs each policy object (`SimExecutor`) on
+the same requests with `predicted_len = output_len` (ignore_eos makes the output
+length exact, so a perfect predictor is the honest model). Predicted vs measured
+output tok/s per policy; target within ±20%. Target for the runtime: TD-Pipe >=
+1.3x PP+SB. Bubble: per stage 1 − busy/wall over the job's span, from the
+stages' own timelines, averaged over stages.
+
+Throughput is output tokens over the job's span (first batch start to last batch
+end over all stages), so process start-up and model loading are left out; the
+engine is timed from its first step to its last.
+
+    python benchmarks/tdpipe_runtime.py [--quick] [--plot timeline.png] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import emit  # noqa: E402
+from tdpipe.config import InstanceConfig  # noqa: E402
+from tdpipe.cost_table import CostTable  # noqa: E402
+from tdpipe.runtime.profile import build_cost_table, profile_stages  # noqa: E402
+from tdpipe.runtime.timeline import bubble_fraction, job_span, phase_switches, plot_timelines  # noqa: E402
+from tdpipe.executor import SimExecutor  # noqa: E402
+from tdpipe.pipeline import SimStats  # noqa: E402
+from tdpipe.simulator import CLI_NAMES, make_policy  # noqa: E402
+from tdpipe.workload import SimRequest, WorkloadConfig, generate  # noqa: E402
+
+POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")}
+"""Runtime (`pdserve batch --policy`) name -> the simulator's name of the same policy object."""
+LABELS = {"tdpipe": "TD-Pipe", "pp-sb": "PP+SB", "pp-hb": "PP+HB", "llm": "engine.LLM (1 process)"}
+NUM_STAGES = 2
+BLOCK_SIZE = 16
+MAX_BATCH_TOKENS = 2048
+"""Token budget of one prefill/hybrid batch (the runtime's and the simulator's default); --quick uses 512."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    request_id: int
+    prompt_ids: list[int]
+    output_len: int
+
+
+def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: int = 0) -> list[BenchRequest]:
+    """ShareGPT-like lengths (tdpipe.workload) with deterministic random ids in [10, vocab)."""
+    lengths = generate(WorkloadConfig(num_requests=num, max_input=max_input, max_output=max_output, seed=seed))
+    rng = random.Random(seed + 1)
+    return [BenchRequest(r.request_id, [rng.randrange(10, vocab) for _ in range(r.input_len)], r.output_len)
+            for r in lengths]
+
+
+def mean_decode_context(reqs: list[BenchRequest]) -> int:
+    """KV length of the average decode token: the step that yields token g+1 of a request runs
+    over input + g tokens, g = 1 .. output − 1 (the first token comes from the prefill)."""
+    tokens = sum(r.output_len - 1 for r in reqs)
+    total = sum((r.output_len - 1) * len(r.prompt_ids) + (r.output_len - 1) * r.output_len // 2 for r in reqs)
+    return max(1, round(total / max(1, tokens)))
+
+
+def max_decode_batch(reqs: list[BenchRequest], kv_tokens: int) -> int:
+    """A bound on the decode batch any policy forms: a TD-Pipe batch is 1/NUM_STAGES of the resident
+    requests, a PP virtual engine holds 1/NUM_STAGES of the KV; both are at most what fits of the
+    shortest quarter of the requests, spread over the stages (x1.5 for work stealing's imbalance)."""
+    sizes = sorted(len(r.prompt_ids) + r.output_len for r in reqs)
+    short = sizes[len(sizes) // 4]
+    resident = min(len(reqs), kv_tokens // max(1, short))
+    return max(1, min(len(reqs), math.ceil(1.5 * resident / NUM_STAGES)))
+
+
+def profile_points(max_decode: int, max_tokens: int, quick: bool) -> tuple[list[int], list[int]]:
+    decode = sorted({1, max_decode} | {2 ** k for k in range(1, 12 if not quick else 3) if 2 ** k < max_decode}
+                    | ({3 * 2 ** k for k in range(0, 10) if 3 * 2 ** k < max_decode} if not quick else set()))
+    step = max_tokens // (2 if quick else 8)
+    prefill = sorted({n for n in range(step, max_tokens + 1, step) if n > max_decode} | {max_tokens})
+    return decode, prefill
+
+
+def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int, max_batch_tokens: int) -> dict:
+    """engine.LLM's engine in this process: same requests, same KV tokens, 2 threads."""
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, num_threads=threads, num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
+              max_num_seqs=max(256, len(reqs)), max_num_batched_tokens=max_batch_tokens,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    engine.runner.attention.wait_ready()  # a first-use kernel build is not part of the measurement
+    for r in reqs:
+        engine.add_request(str(r.request_id), r.prompt_ids,
+                           SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+    produced = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - start
+    del llm, engine
+    return {"output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
+
+
+def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str,
+                 max_batch_tokens: int, table: CostTable) -> dict:
+    """One job through 2 local stage processes (1 thread each) under `policy`; TD-Pipe's switch
+    decisions read `table`, the same profiled table the simulator runs on."""
+    from tdpipe.runtime.controller import PipeRequest
+    from tdpipe.runtime.local import run_local_pipeline
+    from tdpipe.runtime.stage_worker import StageConfig
+    cfg = StageConfig(str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1)
+    # predicted_len defaults to max_tokens: exact under ignore_eos, as in sim_requests
+    pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
+    decisions: list = []
+    stats, timelines = run_local_pipeline(cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, policy=policy,
+                                          table=table, decisions=decisions)
+    produced = sum(len(r.output_ids) for r in pipe_reqs)
+    expected = sum(r.output_len for r in reqs)
+    assert produced == expected, f"{policy}: {produced} output tokens != {expected}"
+    t0, t1 = job_span(timelines)
+    decode_sizes = [n for tl in timelines for _, _, n, p in tl if p == "decode"]
+    return {"output_tokens": produced, "seconds": t1 - t0, "tok_s": produced / (t1 - t0),
+            "bubble": bubble_fraction(timelines), "phase_switches": len(stats.phase_switches),
+            "preemptions": stats.num_preemptions, "batches": len(decisions), "decisions": decisions,
+            "max_decode_batch": max(decode_sizes, default=0), "timelines": timelines}
+
+
+def predict(policy: str, table: CostTable, inst: InstanceConfig, reqs: list[BenchRequest]) -> tuple[SimStats, list]:
+    """The simulator's run of `policy` (the same policy object the runtime runs) and its decision log."""
+    executor = SimExecutor(table, inst.num_stages)
+    stats = make_policy(policy, table, inst).run(sim_requests(reqs), executor)
+    assert stats.output_tokens == sum(r.output_len for r in reqs), f"{policy}: simulated token count"
+    return stats, executor.decisions
+
+
+def sim_requests(reqs: list[BenchRequest]) -> list[SimRequest]:
+    """The workload for the simulator; ignore_eos makes the output length exact, so predicted = true."""
+    return [SimRequest(r.request_id, len(r.prompt_ids), r.output_len, r.output_len) for r in reqs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="16 short requests, 512-token batches, few profile points (< 1 minute on a quiet machine)")
+    parser.add_argument("--requests", type=int, default=None, help="default 256 (quick: 16)")
+    parser.add_argument("--max-output", type=int, default=None, help="output length cap (default 256; quick 16)")
+    parser.add_argument("--max-input", type=int, default=None, help="input length cap (default 1023; quick 128)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help=f"prefill batch token budget (default {MAX_BATCH_TOKENS}; quick 512)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help=f"KV blocks of {BLOCK_SIZE} tokens per stage = the instance's capacity "
+                             "(default: room for half of the job's tokens)")
+    parser.add_argument("--llm-threads", type=int, default=2,
+                        help="torch threads of the engine.LLM baseline (2: the same two cores as the stages)")
+    parser.add_argument("--skip-llm", action="store_true", help="leave out the engine.LLM baseline")
+    parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run")
+    args = parser.parse_args()
+
+    from engine.attention import cpu_build
+    from engine.builtin import default_model_dir
+    from engine.tokenizer import Tokenizer
+    wall0 = time.perf_counter()
+    model_dir = default_model_dir("bench")
+    cpu_build.load_paged_attention_op()  # build the kernel once here; the stage processes then only load it
+    num = args.requests or (16 if args.quick else 256)
+    max_output = args.max_output or (16 if args.quick else 256)
+    max_input = args.max_input or (128 if args.quick else 1023)
+    max_batch = args.max_batch_tokens or (512 if args.quick else MAX_BATCH_TOKENS)
+    if max_input >= max_batch:
+        parser.error("--max-input must be below --max-batch-tokens (a prompt is prefilled whole)")
+    reqs = build_workload(num, max_input, max_output, Tokenizer(model_dir).vocab_size)
+    job_tokens = sum(len(r.prompt_ids) + r.output_len for r in reqs)
+    longest = max(len(r.prompt_ids) + r.output_len for r in reqs)
+    # The KV must bind for the policies to differ (the paper's memory-bound regime): room for half
+    # of the job's tokens keeps many requests resident, yet no policy can admit the whole job at once.
+    kv_blocks = args.kv_blocks or max(-(-job_tokens // 2 // BLOCK_SIZE), -(-2 * longest // BLOCK_SIZE) + 2)
+    kv_tokens = kv_blocks * BLOCK_SIZE
+    ctx = mean_decode_context(reqs)
+    max_decode = max_decode_batch(reqs, kv_tokens)
+    print(f"workload: {num} requests, input mean {sum(len(r.prompt_ids) for r in reqs) / num:.0f} "
+          f"(max {max(len(r.prompt_ids) for r in reqs)}), output mean {sum(r.output_len for r in reqs) / num:.0f} "
+          f"(cap {max_output}), {sum(r.output_len for r in reqs)} output tokens; KV {kv_blocks} blocks x "
+          f"{BLOCK_SIZE} = {kv_tokens} tokens; mean decode context {ctx}", flush=True)
+
+    # 1. profile the stages and build the simulator's table
+    t0 = time.perf_counter()
+    decode_pts, prefill_pts = profile_points(max_decode, max_batch, args.quick)
+    profiles = profile_stages(model_dir, NUM_STAGES, decode_batches=decode_pts, prefill_tokens=prefill_pts,
+                              decode_context=ctx, prefill_prompt_len=max(1, round(median(len(r.prompt_ids)
+                                                                                         for r in reqs))),
+                              block_size=BLOCK_SIZE, num_threads=1, repeats=1 if args.quick else 3)
+    for p in profiles:
+        print(f"profile stage {p.stage} layers {p.layer_range}: decode@ctx{ctx} "
+              + " ".join(f"{b}:{t:.0f}" for b, t in p.decode_ms.items()) + " ms; prefill "
+              + " ".join(f"{n}:{t:.0f}" for n, t in p.prefill_ms.items()) + " ms", flush=True)
+
+    # 2. the simulator's prediction, on the same requests and capacity. The table's decode range is
+    # cut at the largest decode batch the policies form (prefills below the cut would be priced
+    # as decode steps); the simulator makes the runtime's decisions, so its batches are the
+    # runtime's batches and a few rounds find the cut.
+    inst = InstanceConfig(num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE,
+                          max_batch_tokens=max_batch)
+    cut = max_decode
+    for attempt in range(4):
+        table = build_cost_table(profiles, "bench-2stage-1thread", decode_max=cut)
+        sims = {p: predict(p, table, inst, reqs) for p in POLICIES}
+        # decode-only batches (PP+HB labels every batch "hybrid"): one new token per item
+        biggest = max((len(items) for _, log in sims.values() for _, items in log
+                       if all(n == 1 for _, n, _ in items)), default=1)
+        if biggest == cut or attempt == 3:
+            break
+        cut = biggest
+    predicted = {p: stats for p, (stats, _) in sims.items()}
+    print(f"profiling took {time.perf_counter() - t0:.0f}s; table: {len(table.tokens)} rows, decode curve up to "
+          f"batch {cut} (largest simulated decode batch {biggest}), prefill curve above", flush=True)
+
+    # 3. the real runs
+    results: dict[str, dict] = {}
+    if not args.skip_llm:
+        results["llm"] = run_llm(model_dir, reqs, kv_blocks, args.llm_threads, max_batch)
+        print(f"engine.LLM: {results['llm']['tok_s']:.1f} tok/s ({results['llm']['seconds']:.1f}s)", flush=True)
+    same_decisions = {}
+    for policy in POLICIES:
+        results[policy] = r = run_pipeline(model_dir, reqs, kv_blocks, policy, max_batch, table)
+        # the runtime and the simulator run one policy object on one table: their decisions must agree,
+        # so the prediction error below is the cost model's, not a different schedule's
+        same_decisions[policy] = r.pop("decisions") == sims[policy][1]
+        print(f"{LABELS[policy]}: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s), bubble {r['bubble']:.1%}, "
+              f"predicted {predicted[policy].throughput:.1f}, {r['batches']} batches, "
+              f"decisions == simulator's: {same_decisions[policy]}", flush=True)
+
+    # 4. report
+    sb = results.get("pp-sb", {}).get("tok_s")
+    llm = results.get("llm", {}).get("tok_s")
+    print(f"\n{'policy':32s} {'tok/s':>8s} {'/PP+SB':>7s} {'/LLM':>6s} {'sim tok/s':>9s} {'sim err':>8s} "
+          f"{'bubble':>7s} {'sim bub':>7s} {'switch':>6s} {'preempt':>7s} {'max dec b':>9s}")
+    errors, bubbles = {}, {}
+    for name, r in results.items():
+        sim = predicted.get(name)
+        err = (sim.throughput - r["tok_s"]) / r["tok_s"] if sim else None
+        if sim:
+            errors[name] = round(err, 3)
+            bubbles[name] = round(r["bubble"], 3)
+        row = [f"{LABELS[name]:32s}", f"{r['tok_s']:8.1f}", f"{r['tok_s'] / sb:7.2f}" if sb else f"{'-':>7s}",
+               f"{r['tok_s'] / llm:6.2f}" if llm else f"{'-':>6s}",
+               f"{sim.throughput:9.1f}" if sim else f"{'-':>9s}", f"{err:+8.1%}" if sim else f"{'-':>8s}",
+               f"{r['bubble']:7.1%}" if "bubble" in r else f"{'-':>7s}",
+               f"{sim.summary()['bubble_frac']:7.1%}" if sim else f"{'-':>7s}",
+               f"{r.get('phase_switches', '-')!s:>6s}", f"{r.get('preemptions', '-')!s:>7s}",
+               f"{r.get('max_decode_batch', '-')!s:>9s}"]
+        print(" ".join(row))
+    over = {n: r["max_decode_batch"] for n, r in results.items() if r.get("max_decode_batch", 0) > cut}
+    if over:
+        print(f"WARNING: decode batches above the table's decode range ({cut}): {over}", flush=True)
+    if args.plot:
+        plot_timelines({f"{LABELS[n]}, {r['tok_s']:.1f} tok/s": r["timelines"] for n, r in results.items()
+                        if "timelines" in r}, args.plot)
+        print(f"wrote {args.plot}", flush=True)
+
+    td = results["tdpipe"]["tok_s"]
+    emit({"metric": "tdpipe_vs_ppsb_output_tok_s_ratio", "value": round(td / sb, 3) if sb else None,
+          "baseline": 1.0, "ratio": round(td / sb, 3) if sb else None, "target": 1.3,
+          "unit": "TD-Pipe output tok/s / PP+SB output tok/s (real 2-stage runtime)",
+          "quick": args.quick, "requests": num, "max_input": max_input,
+          "max_output": max_output, "output_tokens": sum(r.output_len for r in reqs), "kv_blocks": kv_blocks,
+          "block_size": BLOCK_SIZE, "max_batch_tokens": max_batch, "decode_context": ctx,
+          "table_decode_max_batch": cut,
+          "tok_s": {n: round(r["tok_s"], 1) for n, r in results.items()},
+          "vs_llm": {n: round(r["tok_s"] / llm, 3) for n, r in results.items()} if llm else None,
+          "sim_tok_s": {n: round(s.throughput, 1) for n, s in predicted.items()},
+          "sim_error": errors, "sim_target": 0.2,
+          "sim_within_target": {n: abs(e) <= 0.2 for n, e in errors.items()},
+          "bubble": bubbles, "sim_bubble": {n: s.summary()["bubble_frac"] for n, s in predicted.items()},
+          "phase_switches": {n: r["phase_switches"] for n, r in results.items() if "phase_switches" in r},
+          "preemptions": {n: r["preemptions"] for n, r in results.items() if "preemptions" in r},
+          "sim_preemptions": {n: s.num_preemptions for n, s in predicted.items()},
+          "decisions_match_simulator": same_decisions,
+          # libgomp's default spin-wait makes 2-thread steps ~10x slower on an oversubscribed machine
+          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+          "wall_s": round(time.perf_counter() - wall0, 1)})
+
+
+if __name__ == "__main__":
+    main()

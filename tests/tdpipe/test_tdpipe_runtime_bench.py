@@ -1,0 +1,78 @@
+"""The runtime benchmark's pieces: stage profiling -> CostTable, timeline bubble maths, and (slow) --quick.
+
+Never asserts speed: timings on the shared CI machines mean nothing; only shape and semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tdpipe.runtime.profile import StageProfile, build_cost_table, profile_stages
+from tdpipe.runtime.timeline import bubble_fraction, bubble_fractions, job_span, phase_switches, plot_timelines
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir) -> None:
+    profiles = profile_stages(tiny_model_dir, 2, decode_batches=[1, 2, 4], prefill_tokens=[4, 16, 32],
+                              decode_context=20, prefill_prompt_len=8, block_size=4, repeats=1, attention_backend="torch")
+    assert [p.layer_range for p in profiles] == [(0, 2), (2, 4)]
+    for p in profiles:
+        assert sorted(p.decode_ms) == [1, 2, 4] and sorted(p.prefill_ms) == [4, 16, 32]
+        assert all(t > 0 for t in [*p.decode_ms.values(), *p.prefill_ms.values()])
+    table = build_cost_table(profiles, "tiny")
+    # decode rows up to the largest decode batch, prefill rows strictly above it
+    assert table.tokens == (1, 2, 4, 16, 32)
+    assert all(a <= b for a, b in zip(table.times_ms, table.times_ms[1:]))
+    # stage_ms is the bottleneck stage's measured time (or the running max that keeps the table monotone)
+    assert table.stage_ms(1, 2) == pytest.approx(max(p.decode_ms[1] for p in profiles))
+    assert table.stage_ms(32, 2) >= max(p.prefill_ms[32] for p in profiles) - 1e-9
+
+
+def test_table_semantics_from_synthetic_profiles() -> None:
+    a = StageProfile(0, (0, 2), 100, decode_ms={1: 10.0, 8: 20.0}, prefill_ms={4: 1.0, 64: 50.0})
+    b = StageProfile(1, (2, 4), 100, decode_ms={1: 12.0, 8: 18.0}, prefill_ms={4: 2.0, 64: 40.0})
+    table = build_cost_table([a, b])
+    assert table.tokens == (1, 8, 64)  # the prefill point at 4 <= the largest decode batch is left out
+    assert table.stage_ms(1, 2) == pytest.approx(12.0)
+    assert table.stage_ms(8, 2) == pytest.approx(20.0)
+    assert table.stage_ms(64, 2) == pytest.approx(50.0)
+    # a cut at the largest decode batch the policies form: decode interpolated there, prefill above
+    cut = build_cost_table([a, b], decode_max=4)
+    assert cut.tokens == (1, 4, 64)
+    assert cut.stage_ms(4, 2) == pytest.approx(12.0 + (20.0 - 12.0) * 3 / 7)
+    assert cut.stage_ms(64, 2) == pytest.approx(50.0)
+    with pytest.raises(ValueError):
+        build_cost_table([a, StageProfile(1, (2, 4), 100, decode_ms={1: 1.0}, prefill_ms={64: 1.0})])
+
+
+def test_bubble_and_switches_from_timelines(tmp_path) -> None:
+    # stage 0 busy 0-2 and 3-4 (3 of 4 s); stage 1 busy 1-3 (2 of 4 s)
+    timelines = [[(10.0, 12.0, 64, "prefill"), (13.0, 14.0, 2, "decode")], [(11.0, 13.0, 64, "prefill")]]
+    assert job_span(timelines) == (10.0, 14.0)
+    assert bubble_fractions(timelines) == pytest.approx([0.25, 0.5])
+    assert bubble_fraction(timelines) == pytest.approx(0.375)
+    assert phase_switches(timelines[0]) == 1 and phase_switches(timelines[1]) == 0
+    pytest.importorskip("matplotlib")
+    plot_timelines({"run": timelines}, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_quick_benchmark_prints_json(tmp_path) -> None:
+    png = tmp_path / "timeline.png"
+    out = subprocess.run([sys.executable, "benchmarks/tdpipe_runtime.py", "--quick", "--plot", str(png)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("metric", "value", "baseline", "ratio", "target", "sim_error", "bubble", "tok_s"):
+        assert key in result
+    assert result["target"] == 1.3 and "tdpipe" in result["tok_s"] and "tdpipe" in result["sim_error"]
+    assert png.is_file()
