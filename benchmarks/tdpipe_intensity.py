@@ -31,21 +31,17 @@ import argparse
 import contextlib
 import copy
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import tdpipe.td_scheduler as td_scheduler  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
-from tdpipe.config import InstanceConfig, TDPipeOptions  # noqa: E402
-from tdpipe.cost_table import CostTable  # noqa: E402
-from tdpipe.intensity import IntensityDecision  # noqa: E402
-from tdpipe.td_scheduler import TDPipeScheduler  # noqa: E402
-from tdpipe.workload import SimRequest, WorkloadConfig, generate  # noqa: E402
+import tdpipe.td_scheduler as td_scheduler
+from benchmarks.common import emit
+from tdpipe.config import InstanceConfig, TDPipeOptions
+from tdpipe.cost_table import CostTable
+from tdpipe.intensity import IntensityDecision
+from tdpipe.td_scheduler import TDPipeScheduler
+from tdpipe.workload import SimRequest, WorkloadConfig, generate
 
 TABLES = ("L20-Llama-13B", "L20-Qwen2.5-32B", "L20-opt-125m")
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

@@ -24,32 +24,27 @@ Throughput is output tokens over the job's span (first batch start to last batch
 end over all stages), so process start-up and model loading are left out; the
 engine is timed from its first step to its last.
 
-    python benchmarks/tdpipe_runtime.py [--quick] [--plot timeline.png] [--requests N]
+    python -m benchmarks.tdpipe_runtime [--quick] [--plot timeline.png] [--requests N] [--model-size tiny|bench]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit  # noqa: E402
-from tdpipe.config import InstanceConfig  # noqa: E402
-from tdpipe.cost_table import CostTable  # noqa: E402
-from tdpipe.runtime.profile import build_cost_table, profile_stages  # noqa: E402
-from tdpipe.runtime.timeline import bubble_fraction, job_span, phase_switches, plot_timelines  # noqa: E402
-from tdpipe.executor import SimExecutor  # noqa: E402
-from tdpipe.pipeline import SimStats  # noqa: E402
-from tdpipe.simulator import CLI_NAMES, make_policy  # noqa: E402
-from tdpipe.workload import SimRequest, WorkloadConfig, generate  # noqa: E402
+from benchmarks.common import emit
+from tdpipe.config import InstanceConfig
+from tdpipe.cost_table import CostTable
+from tdpipe.executor import SimExecutor
+from tdpipe.pipeline import SimStats
+from tdpipe.runtime.profile import build_cost_table, plan_profile, profile_stages
+from tdpipe.runtime.timeline import bubble_fraction, job_span, plot_timelines
+from tdpipe.simulator import CLI_NAMES, make_policy
+from tdpipe.workload import SimRequest, WorkloadConfig, generate
 
 POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")}
 """Runtime (`pdserve batch --policy`) name -> the simulator's name of the same policy object."""
@@ -73,32 +68,6 @@ def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: 
     rng = random.Random(seed + 1)
     return [BenchRequest(r.request_id, [rng.randrange(10, vocab) for _ in range(r.input_len)], r.output_len)
             for r in lengths]
-
-
-def mean_decode_context(reqs: list[BenchRequest]) -> int:
-    """KV length of the average decode token: the step that yields token g+1 of a request runs
-    over input + g tokens, g = 1 .. output − 1 (the first token comes from the prefill)."""
-    tokens = sum(r.output_len - 1 for r in reqs)
-    total = sum((r.output_len - 1) * len(r.prompt_ids) + (r.output_len - 1) * r.output_len // 2 for r in reqs)
-    return max(1, round(total / max(1, tokens)))
-
-
-def max_decode_batch(reqs: list[BenchRequest], kv_tokens: int) -> int:
-    """A bound on the decode batch any policy forms: a TD-Pipe batch is 1/NUM_STAGES of the resident
-    requests, a PP virtual engine holds 1/NUM_STAGES of the KV; both are at most what fits of the
-    shortest quarter of the requests, spread over the stages (x1.5 for work stealing's imbalance)."""
-    sizes = sorted(len(r.prompt_ids) + r.output_len for r in reqs)
-    short = sizes[len(sizes) // 4]
-    resident = min(len(reqs), kv_tokens // max(1, short))
-    return max(1, min(len(reqs), math.ceil(1.5 * resident / NUM_STAGES)))
-
-
-def profile_points(max_decode: int, max_tokens: int, quick: bool) -> tuple[list[int], list[int]]:
-    decode = sorted({1, max_decode} | {2 ** k for k in range(1, 12 if not quick else 3) if 2 ** k < max_decode}
-                    | ({3 * 2 ** k for k in range(0, 10) if 3 * 2 ** k < max_decode} if not quick else set()))
-    step = max_tokens // (2 if quick else 8)
-    prefill = sorted({n for n in range(step, max_tokens + 1, step) if n > max_decode} | {max_tokens})
-    return decode, prefill
 
 
 def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int, max_batch_tokens: int) -> dict:
@@ -162,6 +131,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="16 short requests, 512-token batches, few profile points (< 1 minute on a quiet machine)")
+    parser.add_argument("--model-size", choices=("tiny", "bench"), default=None,
+                        help="built-in model (default bench; quick: tiny, so that it ends within a minute)")
     parser.add_argument("--requests", type=int, default=None, help="default 256 (quick: 16)")
     parser.add_argument("--max-output", type=int, default=None, help="output length cap (default 256; quick 16)")
     parser.add_argument("--max-input", type=int, default=None, help="input length cap (default 1023; quick 128)")
@@ -180,7 +151,7 @@ def main() -> None:
     from engine.builtin import default_model_dir
     from engine.tokenizer import Tokenizer
     wall0 = time.perf_counter()
-    model_dir = default_model_dir("bench")
+    model_dir = default_model_dir(args.model_size or ("tiny" if args.quick else "bench"))
     cpu_build.load_paged_attention_op()  # build the kernel once here; the stage processes then only load it
     num = args.requests or (16 if args.quick else 256)
     max_output = args.max_output or (16 if args.quick else 256)
@@ -195,8 +166,9 @@ def main() -> None:
     # of the job's tokens keeps many requests resident, yet no policy can admit the whole job at once.
     kv_blocks = args.kv_blocks or max(-(-job_tokens // 2 // BLOCK_SIZE), -(-2 * longest // BLOCK_SIZE) + 2)
     kv_tokens = kv_blocks * BLOCK_SIZE
-    ctx = mean_decode_context(reqs)
-    max_decode = max_decode_batch(reqs, kv_tokens)
+    plan = plan_profile([len(r.prompt_ids) for r in reqs], [r.output_len for r in reqs], kv_tokens=kv_tokens,
+                        num_stages=NUM_STAGES, max_batch_tokens=max_batch, quick=args.quick)
+    ctx = plan.decode_context
     print(f"workload: {num} requests, input mean {sum(len(r.prompt_ids) for r in reqs) / num:.0f} "
           f"(max {max(len(r.prompt_ids) for r in reqs)}), output mean {sum(r.output_len for r in reqs) / num:.0f} "
           f"(cap {max_output}), {sum(r.output_len for r in reqs)} output tokens; KV {kv_blocks} blocks x "
@@ -204,11 +176,10 @@ def main() -> None:
 
     # 1. profile the stages and build the simulator's table
     t0 = time.perf_counter()
-    decode_pts, prefill_pts = profile_points(max_decode, max_batch, args.quick)
-    profiles = profile_stages(model_dir, NUM_STAGES, decode_batches=decode_pts, prefill_tokens=prefill_pts,
-                              decode_context=ctx, prefill_prompt_len=max(1, round(median(len(r.prompt_ids)
-                                                                                         for r in reqs))),
-                              block_size=BLOCK_SIZE, num_threads=1, repeats=1 if args.quick else 3)
+    profiles = profile_stages(model_dir, NUM_STAGES, decode_batches=plan.decode_batches,
+                              prefill_tokens=plan.prefill_tokens, decode_context=ctx,
+                              prefill_prompt_len=plan.prefill_prompt_len, block_size=BLOCK_SIZE, num_threads=1,
+                              repeats=1 if args.quick else 3)
     for p in profiles:
         print(f"profile stage {p.stage} layers {p.layer_range}: decode@ctx{ctx} "
               + " ".join(f"{b}:{t:.0f}" for b, t in p.decode_ms.items()) + " ms; prefill "
@@ -220,9 +191,9 @@ def main() -> None:
     # runtime's batches and a few rounds find the cut.
     inst = InstanceConfig(num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE,
                           max_batch_tokens=max_batch)
-    cut = max_decode
+    cut = plan.decode_max
     for attempt in range(4):
-        table = build_cost_table(profiles, "bench-2stage-1thread", decode_max=cut)
+        table = build_cost_table(profiles, f"{model_dir.name}-2stage-1thread", decode_max=cut)
         sims = {p: predict(p, table, inst, reqs) for p in POLICIES}
         # decode-only batches (PP+HB labels every batch "hybrid"): one new token per item
         biggest = max((len(items) for _, log in sims.values() for _, items in log
@@ -278,10 +249,10 @@ def main() -> None:
         print(f"wrote {args.plot}", flush=True)
 
     td = results["tdpipe"]["tok_s"]
-    emit({"metric": "tdpipe_vs_ppsb_output_tok_s_ratio", "value": round(td / sb, 3) if sb else None,
-          "baseline": 1.0, "ratio": round(td / sb, 3) if sb else None, "target": 1.3,
-          "unit": "TD-Pipe output tok/s / PP+SB output tok/s (real 2-stage runtime)",
-          "quick": args.quick, "requests": num, "max_input": max_input,
+    emit({"metric": "tdpipe_output_tok_s", "value": round(td, 2), "baseline": round(sb, 2) if sb else None,
+          "ratio": round(td / sb, 3) if sb else None, "target": 1.3,
+          "unit": "output tok/s of the real 2-stage runtime; baseline PP+SB, target TD-Pipe/PP+SB >= 1.3",
+          "model": model_dir.name, "quick": args.quick, "requests": num, "max_input": max_input,
           "max_output": max_output, "output_tokens": sum(r.output_len for r in reqs), "kv_blocks": kv_blocks,
           "block_size": BLOCK_SIZE, "max_batch_tokens": max_batch, "decode_context": ctx,
           "table_decode_max_batch": cut,

@@ -6,23 +6,19 @@ workload (inputs <= 1023 tokens; no dataset can be downloaded here, see
 tdpipe/workload.py for the parameters). The metric is TD-Pipe's output-token
 throughput; the baseline is PP+SB in the same run; the paper's target is 2.73x.
 
-    .venv/bin/python benchmarks/tdpipe_sim.py [--quick] [--plot kv.png]
+    python -m benchmarks.tdpipe_sim [--quick] [--plot kv.png]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit  # noqa: E402
-from tdpipe.config import InstanceConfig  # noqa: E402
-from tdpipe.cost_table import CostTable  # noqa: E402
-from tdpipe.simulator import POLICIES, plot_kv_usage, simulate  # noqa: E402
-from tdpipe.workload import WorkloadConfig, generate  # noqa: E402
+from benchmarks.common import emit
+from tdpipe.config import InstanceConfig
+from tdpipe.cost_table import CostTable
+from tdpipe.simulator import POLICIES, plot_kv_usage, simulate
+from tdpipe.workload import WorkloadConfig, generate
 
 
 def main() -> None:

@@ -50,6 +50,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "`pdserve stage` ranks 1..WORLD_SIZE-1 run elsewhere, meeting at MASTER_ADDR:MASTER_PORT "
                         "(e.g. the Kubernetes offline overlay); RANK must be 0 or unset. The stages must be "
                         "started with the same --num-kv-blocks and --block-size")
+    p.add_argument("--cost-table", default="auto",
+                   help="forward-time table the schedule is planned on: profile (time each stage's layer slice "
+                        "on this job's batch sizes before starting; a few seconds to a minute), analytic (a "
+                        "GPU-like fixed + per-token cost), a named table (e.g. L20-Llama-13B, see "
+                        "tdpipe/data/README.md) or a CSV path (`Total Length,Execute Time` rows, ms); auto: "
+                        "profile for local CPU stages, analytic otherwise")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype of the stages (auto: float32 on CPU, the checkpoint's on GPU)")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per stage process")
     add_device_args(p)
     p.set_defaults(func=run)
 
@@ -97,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.builtin import default_model_dir
     from engine.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
-    from pdserve.commands.batch_job import BatchJob, StageWatchdog, external_world
+    from pdserve.commands.batch_job import BatchJob, StageWatchdog, external_world, table_choice
 
     model_dir = str(args.model or default_model_dir())
     try:
@@ -107,7 +116,11 @@ def run(args: argparse.Namespace) -> int:
             args.stages = DEFAULT_STAGES
         if args.stages < 1:
             raise ValueError(f"--stages must be at least 1, got {args.stages}")
-        device = device_options(args)["device"]
+        if args.num_threads < 1:
+            raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
+        args.model = model_dir  # device_options reads the checkpoint's dtype for the backend choice
+        device = device_options(args)
+        table_choice(args.cost_table, device["device"], args.external_stages)  # a bad name fails before any work
         cfg = ModelConfig.from_dir(model_dir)
         if args.stages > cfg.num_hidden_layers:
             raise ValueError(f"--stages {args.stages} is more than the model's {cfg.num_hidden_layers} layers")
@@ -170,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                "errors": job.errors, "output_tokens": stats.output_tokens, "seconds": round(elapsed, 3),
                "output_tokens_per_s": round(stats.output_tokens / elapsed, 2) if elapsed > 0 else None,
                "phase_switches": len(stats.phase_switches), "preemptions": stats.num_preemptions,
-               "bubble_fraction": _bubble_fraction(timelines), "stages": args.stages, "policy": args.policy}
+               "bubble_fraction": _bubble_fraction(timelines), "stages": args.stages, "policy": args.policy,
+               "cost_table": job.table_name}
     print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
     if args.stats:
         with open(args.stats, "w", encoding="utf-8") as f:

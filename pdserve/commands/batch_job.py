@@ -23,9 +23,11 @@ from typing import TextIO
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, make_server, parse_line, result_line
 from pdserve.runtime.convert import params_from_pb
+from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.local import run_controller, run_local_pipeline
+from tdpipe.runtime.profile import plan_profile, profiled_table
 from tdpipe.runtime.stage_worker import StageConfig
 
 ResumeKey = tuple[str, object]
@@ -182,10 +184,32 @@ class StageWatchdog:
         os._exit(code)
 
 
+def table_choice(choice: str, device: str, external: bool) -> CostTable | str:
+    """What `--cost-table` names: "profile", or a table loaded now (ValueError for an unknown name or
+    an unreadable CSV). `auto` profiles local CPU stages; on a GPU, or with stages elsewhere whose
+    hardware this process may not share, it takes the GPU-shaped analytic table."""
+    choice = choice.strip()
+    if choice == "auto":
+        choice = "profile" if device == "cpu" and not external else "analytic"
+    if choice == "profile":
+        if external:
+            raise ValueError("--cost-table profile times the stages in this process, but with --external-stages "
+                             "they run elsewhere: pass a CSV profiled on their hardware, or analytic")
+        return choice
+    if choice == "analytic":
+        return CostTable.analytic()
+    if choice.endswith(".csv") or "/" in choice:
+        try:
+            return CostTable.from_csv(choice)
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"--cost-table {choice}: cannot read a `Total Length,Execute Time` table: {e}") from None
+    return CostTable.builtin(choice)
+
+
 class BatchJob:
     """One batch run: error lines are written at once, results as the pipeline retires requests."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: str, device: str, tokenizer: Tokenizer,
+    def __init__(self, args: argparse.Namespace, model_dir: str, device: dict[str, str], tokenizer: Tokenizer,
                  max_model_len: int, out: TextIO) -> None:
         self.args, self.model_dir, self.device, self.tokenizer, self.out = args, model_dir, device, tokenizer, out
         self.model_name = model_dir.rstrip("/").rsplit("/", 1)[-1]
@@ -193,6 +217,8 @@ class BatchJob:
         self.progress = None
         self.watchdog: StageWatchdog | None = None
         self.written = self.completed = self.errors = self.skipped = 0
+        self.table_name: str | None = None
+        """The cost table the policy planned on (set once the job starts)."""
 
     def _write(self, obj: dict) -> None:
         self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -265,13 +291,34 @@ class BatchJob:
                 self.watchdog.executor = executor
 
         cfg = StageConfig(self.model_dir, num_kv_blocks=self.args.num_kv_blocks, block_size=self.args.block_size,
-                          device=self.device)
-        if getattr(self.args, "external_stages", False):
+                          dtype=self.args.dtype, num_threads=self.args.num_threads, **self.device)
+        external = getattr(self.args, "external_stages", False)
+        table = self.cost_table(cfg, reqs, external)
+        if external:
             return run_controller(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish,
-                                  policy=self.args.policy, on_executor=on_executor)
+                                  policy=self.args.policy, table=table, on_executor=on_executor)
         return run_local_pipeline(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish,
-                                  policy=self.args.policy, on_spawn=self.watchdog.watch if self.watchdog else None,
-                                  on_executor=on_executor)
+                                  policy=self.args.policy, table=table,
+                                  on_spawn=self.watchdog.watch if self.watchdog else None, on_executor=on_executor)
+
+    def cost_table(self, cfg: StageConfig, reqs: list[PipeRequest], external: bool) -> CostTable:
+        """The table the policy plans on (`--cost-table`); profiling times this job's stages here."""
+        choice = table_choice(self.args.cost_table, cfg.device, external)
+        if isinstance(choice, CostTable):
+            self.table_name = choice.name
+            return choice
+        self._phase("profiling stages")
+        t0 = time.perf_counter()
+        plan = plan_profile([len(r.prompt_ids) for r in reqs], [r.predicted_len for r in reqs],
+                            kv_tokens=cfg.num_kv_blocks * cfg.block_size, num_stages=self.args.stages,
+                            max_batch_tokens=self.args.max_batch_tokens)
+        table = profiled_table(cfg.model_dir, self.args.stages, plan, block_size=cfg.block_size,
+                               num_threads=cfg.num_threads, dtype=cfg.dtype, attention_backend=cfg.attention_backend,
+                               device=cfg.device, repeats=2, name="profiled")
+        print(f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
+              f"{len(plan.prefill_tokens)} prefill points in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        self.table_name = table.name
+        return table
 
 
 def external_world(stages: int | None) -> int:

@@ -23,6 +23,7 @@ batches below the cut are priced as decode steps (dearer per token on a CPU).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -80,11 +81,16 @@ def prefill_batch(num_tokens: int, prompt_len: int, block_size: int, vocab_size:
 
 def _time_ms(runner: ModelRunner, batch: ForwardBatch, hidden: torch.Tensor | None, repeats: int) -> float:
     times = []
+    on_gpu = runner.device.type == "cuda"
     for _ in range(repeats + 1):  # the first run warms caches and allocator; dropped
+        if on_gpu:
+            torch.cuda.synchronize(runner.device)
         t0 = time.perf_counter()
         out = runner.run(batch, hidden_states=hidden)
         if runner.is_last_stage:
-            out.argmax(dim=-1)  # the stage worker samples greedily inside its span
+            out = out.argmax(dim=-1)  # the stage worker samples greedily inside its span
+        if on_gpu:  # kernels are asynchronous: the forward ends when the device says so
+            torch.cuda.synchronize(runner.device)
         times.append((time.perf_counter() - t0) * 1000.0)
     return statistics.median(times[1:])
 
@@ -92,10 +98,11 @@ def _time_ms(runner: ModelRunner, batch: ForwardBatch, hidden: torch.Tensor | No
 def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: list[int], prefill_tokens: list[int],
                    decode_context: int, prefill_prompt_len: int = 256, block_size: int = 16,
                    num_threads: int = 1, dtype: str = "auto", repeats: int = 3,
-                   attention_backend: str = "auto") -> list[StageProfile]:
+                   attention_backend: str = "auto", device: str = "cpu") -> list[StageProfile]:
     """Time every stage's slice on decode batches and prefill batches (see the module docstring).
 
-    One stage at a time in this process with `num_threads` torch threads, as a stage process runs.
+    One stage at a time in this process with `num_threads` torch threads, as a stage process runs
+    (on `device`: CUDA timings synchronise the device; not exercised on a GPU here).
     `attention_backend` must be what the stages use ("auto", as `StageConfig` gives them) for a
     faithful table; tests pass "torch" to skip the C++ kernel's first-use build.
     """
@@ -110,8 +117,8 @@ def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: li
     try:
         for stage in range(num_stages):
             layer_range = stage_layer_range(cfg.num_hidden_layers, num_stages, stage)
-            runner = ModelRunner(model_dir, dtype=dtype, block_size=block_size, num_kv_blocks=need_blocks,
-                                 layer_range=layer_range, num_threads=num_threads,
+            runner = ModelRunner(model_dir, dtype=dtype, device=device, block_size=block_size,
+                                 num_kv_blocks=need_blocks, layer_range=layer_range, num_threads=num_threads,
                                  attention_backend=attention_backend)
             runner.attention.wait_ready()  # a first-use kernel build is not a forward time
             prof = StageProfile(stage, layer_range, decode_context)
@@ -119,7 +126,7 @@ def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: li
             def hidden(n: int) -> torch.Tensor | None:
                 if runner.is_first_stage:
                     return None
-                return torch.randn(n, cfg.hidden_size, dtype=runner.dtype) * 0.1
+                return torch.randn(n, cfg.hidden_size, dtype=runner.dtype, device=runner.device) * 0.1
 
             for b in sorted(set(decode_batches)):
                 prof.decode_ms[b] = _time_ms(runner, decode_batch(b, decode_context, block_size, cfg.vocab_size),
@@ -129,6 +136,8 @@ def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: li
                                                                     cfg.vocab_size), hidden(n), repeats)
             profiles.append(prof)
             del runner
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()  # the stages load right after: give their memory back
     finally:
         torch.set_num_threads(previous_threads)
     return profiles
@@ -180,3 +189,66 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled",
         running = max(running, rows[n])  # a bigger batch never costs less (noise can say otherwise)
         times.append(running * num_stages)
     return CostTable(name, tuple(tokens), tuple(times))
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """Where to profile the stages for one job, derived from its requests and KV capacity."""
+
+    decode_batches: list[int]
+    """Decode batch sizes to time, up to `decode_max`."""
+    prefill_tokens: list[int]
+    """Prefill sizes (total prompt tokens) to time, up to the batch token budget."""
+    decode_context: int
+    """KV length of the job's average decode token."""
+    prefill_prompt_len: int
+    """Median prompt length: prefill batches are timed as whole prompts of this length."""
+    decode_max: int
+    """A bound on the decode batch the policies form: the table's decode/prefill cut."""
+
+
+def mean_decode_context(prompt_lens: list[int], output_lens: list[int]) -> int:
+    """KV length of the average decode token: the step that yields token g+1 of a request runs
+    over input + g tokens, g = 1 .. output - 1 (the first token comes from the prefill)."""
+    tokens = sum(o - 1 for o in output_lens)
+    total = sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens))
+    return max(1, round(total / max(1, tokens)))
+
+
+def max_decode_batch(prompt_lens: list[int], output_lens: list[int], kv_tokens: int, num_stages: int) -> int:
+    """A bound on the decode batch any policy forms: a TD-Pipe batch is 1/num_stages of the resident
+    requests, a PP virtual engine holds 1/num_stages of the KV; both are at most what fits of the
+    shortest quarter of the requests, spread over the stages (x1.5 for work stealing's imbalance)."""
+    sizes = sorted(p + o for p, o in zip(prompt_lens, output_lens))
+    short = sizes[len(sizes) // 4]
+    resident = min(len(sizes), kv_tokens // max(1, short))
+    return max(1, min(len(sizes), math.ceil(1.5 * resident / num_stages)))
+
+
+def plan_profile(prompt_lens: list[int], output_lens: list[int], *, kv_tokens: int, num_stages: int,
+                 max_batch_tokens: int, quick: bool = False) -> ProfilePlan:
+    """Profile points for a job: decode batches in powers of two (and 3 * 2^k) up to the largest
+    decode batch the policies can form, prefill sizes in eighths of the batch budget (halves
+    when `quick`)."""
+    if not prompt_lens or len(prompt_lens) != len(output_lens):
+        raise ValueError("need one output length per prompt, and at least one request")
+    top = max_decode_batch(prompt_lens, output_lens, kv_tokens, num_stages)
+    decode = {1, top} | {2 ** k for k in range(1, 3 if quick else 12) if 2 ** k < top}
+    if not quick:
+        decode |= {3 * 2 ** k for k in range(10) if 3 * 2 ** k < top}
+    step = max(1, max_batch_tokens // (2 if quick else 8))
+    prefill = {n for n in range(step, max_batch_tokens + 1, step) if n > top} | {max_batch_tokens}
+    return ProfilePlan(sorted(decode), sorted(prefill), mean_decode_context(prompt_lens, output_lens),
+                       max(1, round(statistics.median(prompt_lens))), top)
+
+
+def profiled_table(model_dir: str | Path, num_stages: int, plan: ProfilePlan, *, block_size: int = 16,
+                   num_threads: int = 1, dtype: str = "auto", attention_backend: str = "auto",
+                   device: str = "cpu", repeats: int = 3, name: str = "profiled") -> CostTable:
+    """Profile the stages at `plan`'s points and build the table the policies schedule on."""
+    profiles = profile_stages(model_dir, num_stages, decode_batches=plan.decode_batches,
+                              prefill_tokens=plan.prefill_tokens, decode_context=plan.decode_context,
+                              prefill_prompt_len=plan.prefill_prompt_len, block_size=block_size,
+                              num_threads=num_threads, dtype=dtype, repeats=repeats,
+                              attention_backend=attention_backend, device=device)
+    return build_cost_table(profiles, name, decode_max=plan.decode_max)

@@ -133,6 +133,8 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected, t
     assert stats["completed"] == len(PROMPTS) + 2 and stats["errors"] == len(envelope) + len(refused)
     assert stats["output_tokens"] == MAX_TOKENS * (len(PROMPTS) + 1) + 5  # the prompts, "hot", "chat"
     assert {"output_tokens_per_s", "phase_switches", "bubble_fraction", "preemptions"} <= set(stats)
+    assert stats["cost_table"] == "profiled"  # auto: local CPU stages are profiled before the job
+    assert "cost table: profiled 2 stage(s)" in proc.stderr
 
 
 def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tiny_model_dir) -> None:
@@ -391,6 +393,34 @@ def test_batch_refuses_to_overwrite_results_without_resume(tmp_path, capsys) -> 
     assert (tmp_path / "out.jsonl").read_text() == '{"id": "batch_req_1", "custom_id": "a"}\n'
 
 
+def test_cost_table_choices(tmp_path, capsys) -> None:
+    from pdserve.cli import main
+    from pdserve.commands.batch_job import table_choice
+    from tdpipe.cost_table import CostTable
+    assert table_choice("auto", "cpu", external=False) == "profile"
+    # a GPU, or stages on hardware this process may not share: the GPU-shaped analytic table
+    assert table_choice("auto", "cuda", external=False).name == "analytic-gpu"
+    assert table_choice("auto", "cpu", external=True).name == "analytic-gpu"
+    assert table_choice("profile", "cuda:1", external=False) == "profile"
+    with pytest.raises(ValueError, match="--external-stages"):
+        table_choice("profile", "cpu", external=True)
+    csv = tmp_path / "mine.csv"
+    csv.write_text("Total Length,Execute Time\n1,10.0\n64,20.0\n")
+    table = table_choice(str(csv), "cpu", external=False)
+    assert isinstance(table, CostTable) and table.name == "mine" and table.tokens == (1, 64)
+    for bad, why in ((str(tmp_path / "missing.csv"), "cannot read"), ("no-such-table", "unknown cost table")):
+        with pytest.raises(ValueError, match=why):
+            table_choice(bad, "cpu", external=False)
+    (tmp_path / "broken.csv").write_text("tokens,ms\n1,2\n")
+    with pytest.raises(ValueError, match="cannot read"):
+        table_choice(str(tmp_path / "broken.csv"), "cpu", external=False)
+    # the CLI refuses a bad table before it reads the input or writes anything
+    (tmp_path / "in.jsonl").write_text(_line("a", "x") + "\n")
+    assert main(_cmd(tmp_path, "--cost-table", "no-such-table")[3:]) == 2
+    assert "unknown cost table 'no-such-table'" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_batch_help_lists_every_flag() -> None:
     from pdserve.cli import build_parser
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
@@ -398,6 +428,7 @@ def test_batch_help_lists_every_flag() -> None:
     text = parser.format_help()
     flags = [opt for a in parser._actions for opt in a.option_strings]
     assert {"--input", "--output", "--model", "--stages", "--policy", "--resume", "--stats", "--external-stages",
-            "--num-kv-blocks", "--block-size", "--max-batch-tokens", "--device"} <= set(flags)
+            "--num-kv-blocks", "--block-size", "--max-batch-tokens", "--device", "--attention-backend",
+            "--cost-table", "--dtype", "--num-threads"} <= set(flags)
     assert all(flag in text for flag in flags)
     assert all(a.help for a in parser._actions), [a.option_strings for a in parser._actions if not a.help]

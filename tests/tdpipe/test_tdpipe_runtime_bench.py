@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tdpipe.runtime.profile import StageProfile, build_cost_table, profile_stages
+from tdpipe.runtime.profile import (StageProfile, build_cost_table, mean_decode_context, plan_profile,
+                                    profile_stages)
 from tdpipe.runtime.timeline import bubble_fraction, bubble_fractions, job_span, phase_switches, plot_timelines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,20 @@ def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir) -> None:
     # stage_ms is the bottleneck stage's measured time (or the running max that keeps the table monotone)
     assert table.stage_ms(1, 2) == pytest.approx(max(p.decode_ms[1] for p in profiles))
     assert table.stage_ms(32, 2) >= max(p.prefill_ms[32] for p in profiles) - 1e-9
+
+
+def test_profile_plan_follows_the_job() -> None:
+    # request 1: prompt 10, 3 outputs -> decode tokens 2 and 3 run over 11 and 12 tokens of KV
+    assert mean_decode_context([10], [3]) == round((11 + 12) / 2)
+    prompts, outputs = [100] * 8, [20] * 8
+    plan = plan_profile(prompts, outputs, kv_tokens=480, num_stages=2, max_batch_tokens=512)
+    # 480 tokens hold 4 of the 120-token requests; 1.5 x 4 / 2 stages = 3
+    assert plan.decode_max == 3 and plan.decode_batches == [1, 2, 3]
+    assert plan.prefill_tokens == [64 * k for k in range(1, 9)] and plan.prefill_prompt_len == 100
+    quick = plan_profile(prompts, outputs, kv_tokens=480, num_stages=2, max_batch_tokens=512, quick=True)
+    assert quick.prefill_tokens == [256, 512]
+    with pytest.raises(ValueError):
+        plan_profile([], [], kv_tokens=1, num_stages=1, max_batch_tokens=1)
 
 
 def test_table_semantics_from_synthetic_profiles() -> None:
@@ -67,7 +82,7 @@ def test_bubble_and_switches_from_timelines(tmp_path) -> None:
 @pytest.mark.slow
 def test_quick_benchmark_prints_json(tmp_path) -> None:
     png = tmp_path / "timeline.png"
-    out = subprocess.run([sys.executable, "benchmarks/tdpipe_runtime.py", "--quick", "--plot", str(png)],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tdpipe_runtime", "--quick", "--plot", str(png)],
                          cwd=ROOT, capture_output=True, text=True, timeout=1200,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -75,4 +90,8 @@ def test_quick_benchmark_prints_json(tmp_path) -> None:
     for key in ("metric", "value", "baseline", "ratio", "target", "sim_error", "bubble", "tok_s"):
         assert key in result
     assert result["target"] == 1.3 and "tdpipe" in result["tok_s"] and "tdpipe" in result["sim_error"]
+    # value and baseline are the two policies' measured rates, the ratio is theirs
+    assert result["value"] == pytest.approx(result["tok_s"]["tdpipe"], abs=0.1)
+    assert result["baseline"] == pytest.approx(result["tok_s"]["pp-sb"], abs=0.1)
+    assert result["ratio"] == pytest.approx(result["value"] / result["baseline"], abs=2e-3)
     assert png.is_file()
