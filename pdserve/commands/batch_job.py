@@ -219,6 +219,8 @@ class BatchJob:
         self.written = self.completed = self.errors = self.skipped = 0
         self.table_name: str | None = None
         """The cost table the policy planned on (set once the job starts)."""
+        self.profile_seconds = 0.0
+        """Time spent profiling the stages for the cost table (0 for a given table)."""
 
     def _write(self, obj: dict) -> None:
         self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -314,9 +316,11 @@ class BatchJob:
                             max_batch_tokens=self.args.max_batch_tokens)
         table = profiled_table(cfg.model_dir, self.args.stages, plan, block_size=cfg.block_size,
                                num_threads=cfg.num_threads, dtype=cfg.dtype, attention_backend=cfg.attention_backend,
-                               device=cfg.device, repeats=2, name="profiled")
+                               device=cfg.device, repeats=1, name="profiled")
+        self.profile_seconds = time.perf_counter() - t0
         print(f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
-              f"{len(plan.prefill_tokens)} prefill points in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+              f"{len(plan.prefill_tokens)} prefill points in {self.profile_seconds:.1f} s (--cost-table analytic "
+              f"or a CSV skips this)", file=sys.stderr)
         self.table_name = table.name
         return table
 

@@ -228,16 +228,17 @@ def max_decode_batch(prompt_lens: list[int], output_lens: list[int], kv_tokens: 
 def plan_profile(prompt_lens: list[int], output_lens: list[int], *, kv_tokens: int, num_stages: int,
                  max_batch_tokens: int, quick: bool = False) -> ProfilePlan:
     """Profile points for a job: decode batches in powers of two (and 3 * 2^k) up to the largest
-    decode batch the policies can form, prefill sizes in eighths of the batch budget (halves
-    when `quick`)."""
+    decode batch the policies can form, prefill sizes in eighths (halves when `quick`) of the
+    largest prefill batch the job can form (the batch budget, or all its prompts if fewer)."""
     if not prompt_lens or len(prompt_lens) != len(output_lens):
         raise ValueError("need one output length per prompt, and at least one request")
     top = max_decode_batch(prompt_lens, output_lens, kv_tokens, num_stages)
     decode = {1, top} | {2 ** k for k in range(1, 3 if quick else 12) if 2 ** k < top}
     if not quick:
         decode |= {3 * 2 ** k for k in range(10) if 3 * 2 ** k < top}
-    step = max(1, max_batch_tokens // (2 if quick else 8))
-    prefill = {n for n in range(step, max_batch_tokens + 1, step) if n > top} | {max_batch_tokens}
+    budget = min(max_batch_tokens, sum(prompt_lens))  # a small job never forms a bigger prefill batch
+    step = max(1, budget // (2 if quick else 8))
+    prefill = {n for n in range(step, budget + 1, step) if n > top} | {budget}
     return ProfilePlan(sorted(decode), sorted(prefill), mean_decode_context(prompt_lens, output_lens),
                        max(1, round(statistics.median(prompt_lens))), top)
 

@@ -134,6 +134,7 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected, t
     assert stats["output_tokens"] == MAX_TOKENS * (len(PROMPTS) + 1) + 5  # the prompts, "hot", "chat"
     assert {"output_tokens_per_s", "phase_switches", "bubble_fraction", "preemptions"} <= set(stats)
     assert stats["cost_table"] == "profiled"  # auto: local CPU stages are profiled before the job
+    assert 0 < stats["profile_seconds"] < stats["seconds"]
     assert "cost table: profiled 2 stage(s)" in proc.stderr
 
 

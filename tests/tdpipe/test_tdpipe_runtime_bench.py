@@ -46,6 +46,8 @@ def test_profile_plan_follows_the_job() -> None:
     assert plan.prefill_tokens == [64 * k for k in range(1, 9)] and plan.prefill_prompt_len == 100
     quick = plan_profile(prompts, outputs, kv_tokens=480, num_stages=2, max_batch_tokens=512, quick=True)
     assert quick.prefill_tokens == [256, 512]
+    # a job whose prompts total 20 tokens never forms a bigger prefill batch: no time spent above it
+    assert max(plan_profile([10, 10], [5, 5], kv_tokens=1000, num_stages=2, max_batch_tokens=512).prefill_tokens) == 20
     with pytest.raises(ValueError):
         plan_profile([], [], kv_tokens=1, num_stages=1, max_batch_tokens=1)
 
