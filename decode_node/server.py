@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, Session, SessionError
 from decode_node.prefill_client import PrefillClients
+from engine.prompt_check import check_prompt
 from engine.request import StepOutput
 from engine.sampling_params import SamplingParams
 from pdserve.runtime import convert
@@ -125,7 +126,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         """The request's id, prompt and sampling params; ValueError (INVALID_ARGUMENT) for anything out of bounds."""
         engine = self.rt.engine
         rid = convert.check_request_id(request.request_id)
-        prompt = convert.check_prompt(request.prompt_token_ids, engine.max_model_len, engine.model_config.vocab_size)
+        prompt = check_prompt(request.prompt_token_ids, engine.model_config.vocab_size, engine.max_model_len)
         params = convert.params_from_pb(request.params)
         if len(request.prefill_addresses) > convert.MAX_PREFILL_ADDRESSES:
             raise ValueError(f"at most {convert.MAX_PREFILL_ADDRESSES} prefill_addresses")

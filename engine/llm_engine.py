@@ -10,6 +10,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.llama import LayerHook
 from engine.model_runner import ModelRunner
+from engine.prompt_check import check_max_tokens, check_prompt
 from engine.request import AdmissionError, Request, RequestStatus, StepOutput, TokenLogprob
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
@@ -67,19 +68,10 @@ class LLMEngine:
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is required")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+        check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
         room = self.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+        if params.max_tokens is not None:
+            check_max_tokens(len(prompt), params.max_tokens, self.max_model_len)
         max_tokens = params.max_tokens or room
         if self.block_manager.blocks_for(len(prompt) + max_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request needs more KV blocks than the pool has ({self.block_manager.num_blocks})")

@@ -9,6 +9,7 @@ from functools import partial
 from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, Transfer
 from engine.block_manager import blocks_for
 from engine.forward_batch import ForwardBatch
+from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from pdserve.runtime import convert
 from pdserve.runtime.grpc_errors import IncompatiblePeer, RequestAborted
@@ -109,8 +110,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             raise IncompatiblePeer(f"incompatible peer: decode has {request.compatibility!r}, "
                                    f"prefill has {rt.compatibility!r}")
         rid = convert.check_request_id(request.request_id)
-        prompt = convert.check_prompt(request.prompt_token_ids, rt.engine.max_model_len,
-                                      rt.engine.model_config.vocab_size)
+        prompt = check_prompt(request.prompt_token_ids, rt.engine.model_config.vocab_size, rt.engine.max_model_len)
         params = convert.params_from_pb(request.params)
         creds = SessionCredentials.from_bytes(request.kv_destination)
         if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(prompt):

@@ -24,18 +24,6 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def check_prompt(token_ids, max_model_len: int, vocab_size: int) -> list[int]:
-    ids = list(token_ids)
-    if not ids:
-        raise ValueError("prompt_token_ids is empty")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}")
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
-    return ids
-
-
 def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams from the wire; ValueError (-> INVALID_ARGUMENT) for anything out of bounds.
 
