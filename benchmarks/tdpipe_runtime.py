@@ -8,7 +8,8 @@ same two cores. Workload: ShareGPT-like lengths from `tdpipe.workload.generate`
 the requests sit at the cap and the median, 180, stays in place, whereas 128
 would pile 65% at the cap and flatten the length spread that the policies
 schedule around; the cost is ~44k output tokens per run, tens of minutes for the
-four runs on 2 cores — `--max-output 128` for a faster run), deterministic random token ids in the vocabulary, greedy, ignore_eos
+four runs on 2 cores — `--max-output 128` for a faster run), deterministic random token ids in the
+vocabulary, greedy, ignore_eos
 (max_tokens = the workload's output length), seed 0; the same requests for every
 run. Every runtime run and the engine get the same KV capacity in tokens.
 
@@ -45,7 +46,7 @@ from benchmarks.common import emit  # noqa: E402
 from tdpipe.config import InstanceConfig  # noqa: E402
 from tdpipe.cost_table import CostTable  # noqa: E402
 from tdpipe.runtime.profile import build_cost_table, profile_stages  # noqa: E402
-from tdpipe.runtime.timeline import bubble_fraction, job_span, phase_switches, plot_timelines  # noqa: E402
+from tdpipe.runtime.timeline import bubble_fraction, job_span, plot_timelines  # noqa: E402
 from tdpipe.executor import SimExecutor  # noqa: E402
 from tdpipe.pipeline import SimStats  # noqa: E402
 from tdpipe.simulator import CLI_NAMES, make_policy  # noqa: E402

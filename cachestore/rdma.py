@@ -4,7 +4,8 @@ Where it runs: on real hardware through pyverbs (NOT EXERCISED on hardware: the 
 CI kernels have no InfiniBand/RoCE support), and in CI on the EMULATED verbs device
 `cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1), in one process or across processes (its WRITEs
 travel as packets over loopback sockets to the receiver's process), which follows the verbs rules
-for keys, bounds, access, QP states, ACK/NAK and completions: it proves this logic, not a NIC. Install with `pip install pdserve[rdma]` on hosts whose
+for keys, bounds, access, QP states, ACK/NAK and completions: it proves this logic, not a NIC.
+Install with `pip install pdserve[rdma]` on hosts whose
 rdma-core matches the pyverbs build. The verbs layer is `cachestore.rdma_verbs`, the receiver's
 per-session remote access is `cachestore.rdma_access`, the memory registered for a (CUDA) pool,
 GPUDirect or pinned staging, is `cachestore.rdma_memory`.

@@ -94,7 +94,8 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                 ttft = time.monotonic() - scope.started
                 rt.metrics.ttft.observe(ttft)
                 yield decode_pb2.GenerateEvent(token_ids=[first.first_token_id], ttft_seconds=ttft,
-                                               logprobs=[first.first_logprob] if first.HasField("first_logprob") else [])
+                                               logprobs=[first.first_logprob] if first.HasField("first_logprob")
+                                               else [])
             else:
                 await rt.loop_thread.call(engine.add_request, rid, prompt, params)
             first_token_sent, last = bool(addresses), time.monotonic()

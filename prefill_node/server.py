@@ -113,7 +113,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         prompt = check_prompt(request.prompt_token_ids, rt.engine.model_config.vocab_size, rt.engine.max_model_len)
         params = convert.params_from_pb(request.params)
         creds = SessionCredentials.from_bytes(request.kv_destination)
-        if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(prompt):
+        if (creds.num_layers != self.geometry.num_layers
+                or len(creds.block_ids) * self.geometry_block_size < len(prompt)):
             raise ValueError("kv_destination does not cover the prompt's layers and blocks")
         return rid, prompt, params, creds
 

@@ -242,7 +242,8 @@ class Server:
             except RouterError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
             except Exception as e:  # a stream that already started can only report in-band
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                error = {"message": str(e), "type": "server_error", "param": None, "code": None}
+                yield f"data: {json.dumps({'error': error})}\n\n"
             yield "data: [DONE]\n\n"
 
         return gen()

@@ -46,8 +46,9 @@ def resolve_device(requested: str | None) -> str:
 
 
 def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
-    """torch, cpu_paged or flashinfer. `auto` picks cpu_paged on CPU, flashinfer on CUDA when it imports and the KV dtype is float16 or
-    bfloat16 (its kernels have no float32 variant); an explicit flashinfer that cannot run is refused."""
+    """torch, cpu_paged or flashinfer. `auto` picks cpu_paged on CPU, flashinfer on CUDA when it imports and
+    the KV dtype is float16 or bfloat16 (its kernels have no float32 variant); an explicit flashinfer that
+    cannot run is refused."""
     backend = (requested or _DEFAULT_BACKEND).strip()
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

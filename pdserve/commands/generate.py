@@ -46,5 +46,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for prompt, out in zip(prompts, outputs):
         comp = out.outputs[0]
-        print(f"### prompt: {prompt!r}\n{comp.text}\n[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}]")
+        print(f"### prompt: {prompt!r}\n{comp.text}\n"
+              f"[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}]")
     return 0

@@ -78,7 +78,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     from router.config import ClusterOptions, RouterConfig
     from router.deadlines import Deadlines
     try:
-        cluster = ClusterOptions(**flag_values(args, ClusterOptions, deadlines=None), deadlines=Deadlines(**flag_values(args, Deadlines)))
+        cluster = ClusterOptions(**flag_values(args, ClusterOptions, deadlines=None),
+                                 deadlines=Deadlines(**flag_values(args, Deadlines)))
         top = flag_values(args, RouterConfig, model_dir="model", cluster=None, discovery=None)
         top.setdefault("model_dir", default_model_dir())
         return RouterConfig(**top, api_keys=tuple(api_keys(args)), cluster=cluster,

@@ -42,9 +42,11 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nacos-server", default=None, help="nacos: server HOST:PORT (default 127.0.0.1:8848)")
     p.add_argument("--nacos-namespace", default=None, help="nacos: namespace id")
     p.add_argument("--nacos-service", default=None, help="nacos: service name prefix (default pdserve)")
-    p.add_argument("--k8s-prefill-service", default=None, help="k8s: headless service of prefill nodes: NAME:PORT (A records) or NAME / "
+    p.add_argument("--k8s-prefill-service", default=None,
+                   help="k8s: headless service of prefill nodes: NAME:PORT (A records) or NAME / "
                         "_PORTNAME._tcp.NAME (SRV records: port from the Service)")
-    p.add_argument("--k8s-decode-service", default=None, help="k8s: headless service of decode nodes (same forms as --k8s-prefill-service)")
+    p.add_argument("--k8s-decode-service", default=None,
+                   help="k8s: headless service of decode nodes (same forms as --k8s-prefill-service)")
 
 
 def discovery_from_config(config: DiscoveryConfig) -> Discovery:
