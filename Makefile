@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow venv kernels proto bench-quick clean
+.PHONY: serve test test-slow lint venv kernels proto bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ test: kernels
 test-slow: kernels
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no slow tests: failing"; exit 1; fi; exit $$rc
+
+# ruff (pycodestyle + pyflakes) over the repository, mypy over the two self-contained packages;
+# both are configured in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy engine cachestore
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

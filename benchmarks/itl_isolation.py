@@ -33,7 +33,8 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
         stub = decode_pb2_grpc.DecodeStub(ch)
 
         async def steady(i: int) -> None:
-            req = decode_pb2.GenerateRequest(request_id=f"s{i}-{time.monotonic_ns()}", prompt_token_ids=[10 + i, 11, 12],
+            req = decode_pb2.GenerateRequest(request_id=f"s{i}-{time.monotonic_ns()}",
+                                             prompt_token_ids=[10 + i, 11, 12],
                                              params=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
                                                                               ignore_eos=True),
                                              prefill_addresses=prefill)
@@ -72,7 +73,8 @@ def main() -> None:
     try:
         decode = NodeProc("decode", common)
         try:
-            results["disaggregated"] = asyncio.run(run_mode(decode.address, [prefill.address], streams, tokens, long_len))
+            results["disaggregated"] = asyncio.run(
+                run_mode(decode.address, [prefill.address], streams, tokens, long_len))
         finally:
             decode.stop()
     finally:

@@ -18,9 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
 from benchmarks.common import emit
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_batch(num_tokens: int, decode: bool, context: int, block_size: int):

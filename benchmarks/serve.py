@@ -25,7 +25,8 @@ from benchmarks.common import emit, node_bench_args, pct
 SECRET = "bench"
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+async def one_stream(client: httpx.AsyncClient, url: str, prompt: str,
+                     max_tokens: int) -> tuple[float, list[float], int]:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -78,7 +79,8 @@ async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concur
         async with httpx.AsyncClient() as client:
             start = time.perf_counter()
             await asyncio.gather(*[client.post(url.replace("/v1/completions", "/v1/completions"), timeout=300, json={
-                "model": "bench", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}) for p in prompts])
+                "model": "bench", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+              for p in prompts])
             return time.perf_counter() - start
 
     async def direct() -> float:

@@ -215,7 +215,8 @@ def main() -> None:
     for name in names:
         table = CostTable.builtin(name)
         chosen = {v: o for v, o in variants(args.quick).items()
-                  if args.variants is None or v in args.variants or v.startswith("completion-") or v in ("before", "after")}
+                  if args.variants is None or v in args.variants or v.startswith("completion-")
+                  or v in ("before", "after")}
         rows = [run_one(table, inst, requests, v, opts, extra) for v, (opts, extra) in chosen.items()]
         best = max((r for r in rows if r["variant"].startswith("completion-")), key=lambda r: r["tok_s"])
         for r in rows:

@@ -8,7 +8,8 @@ same two cores. Workload: ShareGPT-like lengths from `tdpipe.workload.generate`
 the requests sit at the cap and the median, 180, stays in place, whereas 128
 would pile 65% at the cap and flatten the length spread that the policies
 schedule around; the cost is ~44k output tokens per run, tens of minutes for the
-four runs on 2 cores — `--max-output 128` for a faster run), deterministic random token ids in the vocabulary, greedy, ignore_eos
+four runs on 2 cores — `--max-output 128` for a faster run), deterministic random token ids in the
+vocabulary, greedy, ignore_eos
 (max_tokens = the workload's output length), seed 0; the same requests for every
 run. Every runtime run and the engine get the same KV capacity in tokens.
 

@@ -135,7 +135,8 @@ def main() -> None:
                 transfer = geo.total_bytes / (best_gbps * 1e9)
                 ttft = asyncio.run(decode_ttft(decode.address, prefill.address, prompt, reps))
                 exposed = max(0.0, rpc - compute)
-                rows[n] = {"compute_s": round(compute, 4), "rpc_s": round(rpc, 4), "transfer_alone_s": round(transfer, 4),
+                rows[n] = {"compute_s": round(compute, 4), "rpc_s": round(rpc, 4),
+                           "transfer_alone_s": round(transfer, 4),
                            "exposed_s": round(exposed, 4), "exposed_fraction": round(exposed / transfer, 3),
                            "disaggregated_ttft_s": round(ttft, 4), "kv_mib": round(geo.total_bytes / 2**20, 1)}
                 print(f"prompt {n}: compute {compute * 1e3:.0f} ms, Prefill RPC {rpc * 1e3:.0f} ms, transfer alone "
@@ -151,7 +152,8 @@ def main() -> None:
         prefill.stop()
     long = rows[lengths[-1]]
     emit({"metric": f"exposed_transfer_fraction_{lengths[-1]}", "value": long["exposed_fraction"],
-          "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads, "device": args.device,
+          "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads,
+          "device": args.device,
           "transport": args.transport + (" (emulated)" if emulated else ""),
           "attention_backend": args.attention_backend, "dtype": args.dtype, "rows": rows})
 

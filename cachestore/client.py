@@ -13,7 +13,7 @@ from cachestore.credentials import SessionCredentials
 from cachestore.faults import FaultInjector
 from cachestore.geometry import MemoryRegion, PoolGeometry, Run, coalesce
 from cachestore.metrics import CacheStoreMetrics
-from cachestore.transport import resolve_transport
+from cachestore.transport import Channel, resolve_transport
 
 
 class TransferError(Exception):
@@ -54,11 +54,7 @@ class Transfer:
             if self.started_at is None:
                 self.started_at = time.monotonic()
             self.expected += len(runs)
-        if getattr(self._channel, "one_frame_per_layer", False):
-            self._channel.submit_layer(self, layer, runs, ready_event)
-        else:
-            for run in runs:
-                self._channel.submit(self, layer, run, ready_event)
+        self._channel.submit_layer(self, layer, runs, ready_event)
 
     # called by channel threads ---------------------------------------------------------------
     def _on_ack(self, ok: bool, reason: str = "", num_runs: int = 1) -> None:
@@ -135,7 +131,7 @@ class CacheStoreClient:
             mode, reason = rdma_memory.choose(verbs(), region)
             logging.getLogger("pdserve.cachestore").info("rdma sender will register %s memory (%s)", mode, reason)
             self.metrics.set_pool_memory(mode)
-        self._channels: dict[str, object] = {}
+        self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
 
     async def close(self) -> None:
@@ -154,7 +150,7 @@ class CacheStoreClient:
         start = self.geometry.offset(layer, run.src_block)
         return self.region.view[start:start + run.count * self.geometry.block_bytes]
 
-    def _channel_for(self, creds: SessionCredentials):
+    def _channel_for(self, creds: SessionCredentials) -> Channel:
         with self._lock:
             ch = self._channels.get(creds.endpoint)
             if ch is None or ch.broken:
@@ -162,7 +158,7 @@ class CacheStoreClient:
                 self._channels[creds.endpoint] = ch
             return ch
 
-    def _make_channel(self, creds: SessionCredentials):
+    def _make_channel(self, creds: SessionCredentials) -> Channel:
         if creds.transport == "local":
             from cachestore.local import LocalChannel
             return LocalChannel(self, creds.endpoint)

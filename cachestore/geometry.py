@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Run(NamedTuple):
 
     src_block: int
     dst_block: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: the name every caller uses
 
 
 def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
@@ -57,7 +60,7 @@ class MemoryRegion:
     on a GPU machine by the tests marked `gpu`).
     """
 
-    def __init__(self, view: memoryview, tensor: object | None = None, is_device: bool | None = None) -> None:
+    def __init__(self, view: memoryview, tensor: torch.Tensor | None = None, is_device: bool | None = None) -> None:
         self.view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         self.tensor = tensor
         self.is_device = (tensor is not None and getattr(tensor, "is_cuda", False)) if is_device is None else is_device
@@ -84,4 +87,7 @@ class MemoryRegion:
         return ctypes.addressof(ctypes.c_char.from_buffer(self.view)) if not self.view.readonly else 0
 
     def __len__(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size() if self.is_device else len(self.view)
+        if self.is_device:
+            assert self.tensor is not None, "a device region is reached through its tensor"
+            return self.tensor.numel() * self.tensor.element_size()
+        return len(self.view)

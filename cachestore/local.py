@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import TYPE_CHECKING
 
 from cachestore import wire
 from cachestore.geometry import Run
 
-_servers: dict[str, object] = {}
+if TYPE_CHECKING:
+    from cachestore.server import CacheStoreServer
+
+_servers: dict[str, CacheStoreServer] = {}
 _lock = threading.Lock()
 _ids = itertools.count(1)
 
@@ -66,6 +70,10 @@ class LocalChannel:
             return
         self.client.metrics.add_bytes("send", nbytes)
         transfer._on_ack(True)
+
+    def submit_layer(self, transfer, layer: int, runs: list[Run], ready_event) -> None:
+        for run in runs:
+            self.submit(transfer, layer, run, ready_event)
 
     def close(self) -> None:
         """Nothing to release."""

@@ -4,7 +4,8 @@ Where it runs: on real hardware through pyverbs (NOT EXERCISED on hardware: the 
 CI kernels have no InfiniBand/RoCE support), and in CI on the EMULATED verbs device
 `cachestore.verbs_emu` (PDSERVE_RDMA_EMULATOR=1), in one process or across processes (its WRITEs
 travel as packets over loopback sockets to the receiver's process), which follows the verbs rules
-for keys, bounds, access, QP states, ACK/NAK and completions: it proves this logic, not a NIC. Install with `pip install pdserve[rdma]` on hosts whose
+for keys, bounds, access, QP states, ACK/NAK and completions: it proves this logic, not a NIC.
+Install with `pip install pdserve[rdma]` on hosts whose
 rdma-core matches the pyverbs build. The verbs layer is `cachestore.rdma_verbs`, the receiver's
 per-session remote access is `cachestore.rdma_access`, the memory registered for a (CUDA) pool,
 GPUDirect or pinned staging, is `cachestore.rdma_memory`.
@@ -28,12 +29,17 @@ import os
 import queue
 import threading
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
 from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for  # noqa: F401
 from cachestore.rdma_verbs import (COMPLETION_TIMEOUT, EMULATOR_ENV, QpInfo, QpState, RdmaResources,  # noqa: F401
                                    device_choice, next_state, qp_attr_values, rdma_devices, verbs, wait_completion)
+
+if TYPE_CHECKING:  # loaded on first use (staging imports torch)
+    from cachestore.staging import HostStaging
+    from cachestore.tcp_sender import TcpChannel
 
 log = logging.getLogger("pdserve.cachestore")
 QPS_ENV = "PDSERVE_RDMA_QPS"
@@ -49,7 +55,7 @@ class RdmaLane:
     def __init__(self, client, creds, index: int, resources, reroute=None) -> None:
         self.client, self.endpoint = client, creds.endpoint
         self.index = index
-        self._staging = None
+        self._staging: HostStaging | None = None
         """This lane's slot of the registered staging buffer (CUDA pool without GPUDirect), reused."""
         self._resources = resources
         """Returns the channel's RdmaResources (pool registered once, shared by its lanes)."""
@@ -63,7 +69,11 @@ class RdmaLane:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wr_ids = 0
         self._grants: collections.OrderedDict[str, list] = collections.OrderedDict()
-        self.res = self.qp = self.cq = self.control = None
+        # set by _setup on the lane's thread; qp and cq are verbs objects (pyverbs has no types)
+        self.res: RdmaResources | None = None
+        self.qp: Any = None
+        self.cq: Any = None
+        self.control: TcpChannel | None = None
         self._peer: QpInfo | None = None
         self._thread = threading.Thread(target=self._run, name=f"cachestore-rdma-{index}", daemon=True)
         self._thread.start()
@@ -77,14 +87,15 @@ class RdmaLane:
 
     def _setup(self) -> None:
         from cachestore.tcp_sender import TcpChannel
-        self.res = self._resources()
-        self.qp, self.cq = self.res.create_qp()
-        ours = self.res.local_info(self.qp)
-        self.control = TcpChannel(self.client, self.endpoint, hello=json.dumps(asdict(ours)).encode())
-        if self.control.broken:
-            raise OSError(self.control._connect_error)
-        self._peer = QpInfo(**json.loads(self.control.peer_hello))
-        self.res.connect(self.qp, self._peer, responder=False)
+        res = self.res = self._resources()
+        self.qp, self.cq = res.create_qp()
+        ours = res.local_info(self.qp)
+        control = self.control = TcpChannel(self.client, self.endpoint, hello=json.dumps(asdict(ours)).encode())
+        if control.broken:
+            raise OSError(control._connect_error)
+        assert control.peer_hello is not None, "a channel opened with a hello has the peer's"
+        self._peer = QpInfo(**json.loads(control.peer_hello))
+        res.connect(self.qp, self._peer, responder=False)
 
     def _grant(self, creds) -> list:
         """The windows of `creds`' session for this QP (asked for once per session)."""
@@ -93,6 +104,7 @@ class RdmaLane:
             return windows
         from cachestore import wire
         from cachestore.tcp_sender import connect, control_request
+        assert self._peer is not None, "grants follow the QP exchange"
         request = {"grant": {"session_id": creds.session_id, "token": creds.token, "qp_num": self._peer.qp_num}}
         sock = connect(self.endpoint, self.client.secret)
         try:
@@ -113,6 +125,8 @@ class RdmaLane:
         except Exception as e:  # OSError, or a verbs error: fail what is queued, never the caller
             self._fail(f"cannot set up RDMA to {self.endpoint}: {e}")
             return
+        control = self.control
+        assert control is not None
         while True:
             item = self._queue.get()
             if item is None:
@@ -137,35 +151,37 @@ class RdmaLane:
                 self._fail(f"RDMA lane to {self.endpoint} failed: {e}")
                 return
             self.client.metrics.add_bytes("send", run.count * self.client.geometry.block_bytes)
-            self.control.submit(transfer, layer, run, None, notify=True)
+            control.submit(transfer, layer, run, None, notify=True)
 
     def _write(self, layer: int, run: Run, ready_event, creds, windows: list) -> None:
         """Post the run's WRITEs (each under the window covering it) and wait for their completion."""
         self.poll_threads.add(threading.current_thread().name)
         client = self.client
         remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes)
-        reg = self.res.registration
+        res = self._ready()
+        reg = res.registration
         if reg.mode == rdma_memory.STAGING:
             self._write_staged(layer, run, ready_event, remote, int(creds.rdma["address"]), windows)
             return
         if ready_event is not None:
             ready_event.synchronize()  # this thread waits for the layer's kernels, not the engine
-        for batch in plan_writes(layer, [run], client.geometry, self.res.address, remote,
+        for batch in plan_writes(layer, [run], client.geometry, res.address, remote,
                                  int(creds.rdma["address"]), first_wr_id=self._wr_ids):
             self._post(batch, windows)
 
     def _post(self, batch: list, windows: list) -> None:
         """Post one chain of WRITEs (only the last signaled) and wait for its completion."""
-        v = self.res.v
+        res = self._ready()
+        v = res.v
         self._wr_ids += len(batch)
         wrs = []
         for i, w in enumerate(batch):
             wr = v.SendWR(wr_id=w.wr_id, opcode=v.enums.IBV_WR_RDMA_WRITE, num_sge=1,
-                          sg=[v.SGE(w.local_addr, w.length, self.res.mr.lkey)],
+                          sg=[v.SGE(w.local_addr, w.length, res.mr.lkey)],
                           send_flags=v.enums.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0)
             wr.set_wr_rdma(window_for(windows, w.remote_addr, w.length), w.remote_addr)
             wrs.append(wr)
-        self.res.post_chain(self.qp, wrs)
+        res.post_chain(self.qp, wrs)
         wait_completion(v, self.cq, batch[-1].wr_id)
 
     def _write_staged(self, layer: int, run: Run, ready_event, remote: PoolGeometry, remote_base: int,
@@ -174,18 +190,25 @@ class RdmaLane:
         lane's registered slot, after the layer's CUDA event (a GPU-side wait on the staging stream,
         on this thread), and WRITE from there. The slot is reused once the WRITE completed."""
         from cachestore.staging import HostStaging
-        reg, geometry = self.res.registration, self.client.geometry
+        reg, geometry = self._ready().registration, self.client.geometry
+        assert reg.staging is not None, "staged writes go through the registered staging buffer"
         if self._staging is None:
             slot = reg.staging[self.index * reg.slot_bytes:(self.index + 1) * reg.slot_bytes]
             self._staging = HostStaging(buffer=slot)
+        staging, pool = self._staging, self.client.region.tensor
+        assert pool is not None, "staging serves a device pool"
         slot_address = reg.address + self.index * reg.slot_bytes
         per = max(1, reg.slot_bytes // geometry.block_bytes)
         for first in range(0, run.count, per):
             piece = Run(run.src_block + first, run.dst_block + first, min(per, run.count - first))
             (w,), = plan_writes(layer, [piece], geometry, 0, remote, remote_base, first_wr_id=self._wr_ids)
-            self._staging.gather(self.client.region.tensor, [(w.local_addr, w.length)], ready_event)
+            staging.gather(pool, [(w.local_addr, w.length)], ready_event)
             ready_event = None  # waited on once per run
             self._post([w._replace(local_addr=slot_address)], windows)
+
+    def _ready(self) -> RdmaResources:
+        assert self.res is not None, "the lane writes only after its setup"
+        return self.res
 
     def _fail(self, reason: str) -> None:
         """Mark the lane broken (its channel replaces it). Runs still queued here were never posted:
@@ -264,6 +287,10 @@ class RdmaChannel:
             transfer._on_ack(False, "RDMA channel closed")
         else:
             lane.submit(transfer, layer, run, ready_event, rerouted)
+
+    def submit_layer(self, transfer, layer: int, runs: list[Run], ready_event) -> None:
+        for run in runs:
+            self.submit(transfer, layer, run, ready_event)
 
     @property
     def poll_threads(self) -> set[str]:

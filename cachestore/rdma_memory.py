@@ -26,6 +26,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("pdserve.cachestore")
 
@@ -67,11 +71,12 @@ class PoolRegistration:
 
     mode: str
     reason: str
-    mr: object
+    mr: Any
+    """The verbs MR (pyverbs has no types)."""
     address: int
     """Base address of the registered memory (the pool's, or the staging buffer's)."""
     length: int
-    staging: object | None = None
+    staging: torch.Tensor | None = None
     """The host buffer (a uint8 tensor) in mode "staging"."""
     slot_bytes: int = 0
     """Sender: bytes of each lane's slot of `staging` (0 on the receiver: `staging` mirrors the pool)."""
@@ -114,6 +119,7 @@ def commit(reg: PoolRegistration, tensor, spans: list[tuple[int, int]]) -> None:
     """Receiver, staging: copy the landed pool byte spans (start, nbytes) from the host mirror into the
     device pool; returns once the copies are done (the NOTIFY is acknowledged after)."""
     import torch
+    assert reg.staging is not None, "commit() serves the staging mode"
     flat = tensor.view(torch.uint8).view(-1)
     if flat.is_cuda:
         stream = _streams.get(flat.device)

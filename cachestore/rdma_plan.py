@@ -20,7 +20,8 @@ class WriteRequest(NamedTuple):
 
 
 def plan_writes(layer: int, runs: list[Run], local: PoolGeometry, local_base: int, remote: PoolGeometry,
-                remote_base: int, first_wr_id: int = 0, max_per_post: int = MAX_WR_PER_POST) -> list[list[WriteRequest]]:
+                remote_base: int, first_wr_id: int = 0,
+                max_per_post: int = MAX_WR_PER_POST) -> list[list[WriteRequest]]:
     """Work requests for `runs` of `layer`, batched into chains of at most `max_per_post`."""
     assert local.block_bytes == remote.block_bytes, "geometries disagree on block size"
     wrs = [WriteRequest(first_wr_id + i, local_base + local.offset(layer, r.src_block), r.count * local.block_bytes,

@@ -101,7 +101,8 @@ def qp_attr_values(state: QpState, remote: QpInfo | None, *, port: int = 1, gid_
     """Attribute values for modify_qp into `state` (pure: what QPAttr is filled with)."""
     if state == QpState.INIT:
         # remote write is all the receiver's MR needs; local write for the sender's own MR
-        return {"qp_state": "INIT", "pkey_index": 0, "port_num": port, "qp_access_flags": ("LOCAL_WRITE", "REMOTE_WRITE")}
+        return {"qp_state": "INIT", "pkey_index": 0, "port_num": port,
+                "qp_access_flags": ("LOCAL_WRITE", "REMOTE_WRITE")}
     if state == QpState.RTR:
         assert remote is not None, "RTR needs the peer's QP info"
         return {"qp_state": "RTR", "path_mtu": mtu, "dest_qp_num": remote.qp_num, "rq_psn": remote.psn,

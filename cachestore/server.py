@@ -7,6 +7,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -18,6 +19,10 @@ from cachestore.metrics import CacheStoreMetrics
 from cachestore.session import Session, SessionState
 from cachestore.tcp_listener import TcpLimits
 from cachestore.transport import resolve_transport
+
+if TYPE_CHECKING:  # both load on start() for their transport
+    from cachestore.rdma_access import RdmaReceiver
+    from cachestore.tcp_listener import TcpListener
 
 log = logging.getLogger("pdserve.cachestore")
 MAX_GRANTS_PER_SESSION = 64
@@ -55,8 +60,8 @@ class CacheStoreServer:
         self._by_request: dict[str, Session] = {}
         self._by_id: dict[bytes, Session] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._listener = None
-        self._rdma = None
+        self._listener: TcpListener | None = None
+        self._rdma: RdmaReceiver | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.endpoint = ""
 
@@ -71,8 +76,8 @@ class CacheStoreServer:
                 from cachestore.rdma_verbs import device_choice
                 self._rdma = RdmaReceiver(self, *device_choice())
             from cachestore.tcp_listener import TcpListener
-            self._listener = TcpListener(self, self.host, self.port, self.tcp_limits)
-            self.endpoint = self._listener.start()
+            listener = self._listener = TcpListener(self, self.host, self.port, self.tcp_limits)
+            self.endpoint = listener.start()
         log.info("cachestore receiver on %s (transport=%s)", self.endpoint, self.active_transport)
 
     async def stop(self) -> None:
@@ -97,7 +102,7 @@ class CacheStoreServer:
             raise ValueError("block_ids must be a non-empty list of distinct blocks")
         if min(block_ids) < 0 or max(block_ids) >= self.geometry.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.geometry.num_blocks})")
-        rdma = {}
+        rdma: dict[str, int] = {}
         if self._rdma is not None:  # the pool's layout; the keys come per sender QP (`rdma_access`)
             rdma = {"address": self._rdma.remote_base, "num_blocks": self.geometry.num_blocks}
         creds = SessionCredentials(
@@ -196,6 +201,7 @@ class CacheStoreServer:
         elif ok:
             self.reject("session_closed")
         if completed:
+            assert session.completed_at is not None
             self.metrics.all_layers.observe(session.completed_at - session.opened_at)
             if session.first_layer_at is not None:
                 self.metrics.first_layer.observe(session.first_layer_at - session.opened_at)
@@ -209,10 +215,12 @@ class CacheStoreServer:
     # --- rdma: per-session remote keys (`cachestore.rdma_access`) ----------------------------
     def rdma_control(self, conn, hello: bytes) -> tuple[int, bytes]:
         """A CONNECT message of the rdma transport (QP exchange or grant request)."""
+        assert self._rdma is not None, "CONNECT frames are accepted only by an rdma receiver"
         return self._rdma.control(conn, hello)
 
     def rdma_landed(self, layer: int, block_ids: Sequence[int]) -> None:
         """A validated NOTIFY: make the WRITEs it reports visible in the pool (`RdmaReceiver.landed`)."""
+        assert self._rdma is not None, "NOTIFY frames are accepted only by an rdma receiver"
         self._rdma.landed(layer, block_ids)
 
     def check_grant(self, session_id: str, token: str) -> tuple[Session | None, int]:

@@ -23,7 +23,7 @@ class HostStaging:
         self._buf: torch.Tensor | None = buffer
         self._fixed = buffer is not None
         """A caller-owned buffer (e.g. registered for RDMA): never re-allocated, frames must fit."""
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self.allocations = 0
         """How many times the buffer was (re)allocated: stays 1 while frames fit (tests read it)."""
         if capacity and not self._fixed:
@@ -31,6 +31,7 @@ class HostStaging:
 
     def _ensure(self, nbytes: int) -> torch.Tensor:
         if self._fixed:
+            assert self._buf is not None
             if nbytes > self._buf.numel():
                 raise ValueError(f"{nbytes} bytes do not fit the fixed staging buffer of {self._buf.numel()}")
             return self._buf
@@ -69,7 +70,7 @@ class HostStaging:
                     stream.wait_event(ready_event)  # GPU-side wait: the layer's KV writes come first
                 self._copy_out(buf, flat, spans, True)
             stream.synchronize()
-        return memoryview(buf[:total].numpy())
+        return buf[:total].numpy().data
 
     @staticmethod
     def _copy_out(buf: torch.Tensor, flat: torch.Tensor, spans: list[tuple[int, int]], non_blocking: bool) -> None:
@@ -80,7 +81,7 @@ class HostStaging:
 
     def landing(self, nbytes: int) -> memoryview:
         """A host view of `nbytes` to receive a payload into (then `scatter` it)."""
-        return memoryview(self._ensure(nbytes)[:nbytes].numpy())
+        return self._ensure(nbytes)[:nbytes].numpy().data
 
     def commit(self, tensor: torch.Tensor, start: int, nbytes: int) -> None:
         """Copy the landed `nbytes` into pool bytes [start, start+nbytes)."""
@@ -89,6 +90,7 @@ class HostStaging:
     def scatter(self, tensor: torch.Tensor, spans: list[tuple[int, int]]) -> None:
         """Copy the landed bytes, back to back, into each pool span; returns once the copies are done."""
         flat, stream = self._flat(tensor), self._side_stream(tensor)
+        assert self._buf is not None, "scatter follows landing()"
         ctx = torch.cuda.stream(stream) if stream is not None else None
         if ctx is not None:
             ctx.__enter__()

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import logging
 import socket
+from typing import TYPE_CHECKING
 
 from cachestore import wire
+
+if TYPE_CHECKING:
+    from cachestore.rdma_access import Responder
 
 log = logging.getLogger("pdserve.cachestore")
 IOV_MAX = 1024
@@ -62,7 +66,7 @@ class Connection:
         self.busy = False
         """A worker holds it (the poller neither reads it nor enforces its header deadline)."""
         self.closed = False
-        self.attached: object | None = None
+        self.attached: Responder | None = None
         """What lives as long as the connection (the rdma transport's responder QP); closed with it."""
 
     def pending_view(self) -> memoryview:

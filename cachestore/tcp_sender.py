@@ -5,11 +5,15 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+from typing import TYPE_CHECKING
 
 from cachestore import wire
 from cachestore.geometry import Run
 from cachestore.staging import HostStaging
 from cachestore.tcp import IOV_MAX, advance_views, recv_exact, recv_exact_into
+
+if TYPE_CHECKING:
+    from cachestore.client import Transfer
 
 CONNECT_TIMEOUT = 5.0
 
@@ -55,7 +59,7 @@ class TcpChannel:
         self.endpoint = endpoint
         self.broken = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, tuple[object, int]] = {}
+        self._pending: dict[int, tuple[Transfer, int]] = {}
         """seq -> (transfer, runs in the frame), in send order (acks are cumulative)."""
         self._lock = threading.Lock()
         self._seq = 0
@@ -63,7 +67,7 @@ class TcpChannel:
         self._staging = HostStaging(client.geometry.block_bytes) if client.region.is_device else None
         try:
             self.sock = connect(endpoint, client.secret)
-            self.peer_hello = None
+            self.peer_hello: bytes | None = None
             if hello is not None:
                 status, self.peer_hello = control_request(self.sock, hello)
                 if status != wire.OK:
@@ -76,15 +80,12 @@ class TcpChannel:
         threading.Thread(target=self._send_loop, name="cachestore-send", daemon=True).start()
         threading.Thread(target=self._ack_loop, name="cachestore-acks", daemon=True).start()
 
-    one_frame_per_layer = True
-    """`Transfer` hands over a whole layer: one WRITEV frame and one ack for all its runs."""
-
     def submit(self, transfer, layer: int, run: Run, ready_event, notify: bool = False) -> None:
         """Queue a WRITE of `run` (or, with notify, a NOTIFY that RDMA already wrote it)."""
         self._put(transfer, layer, [run], ready_event, notify)
 
     def submit_layer(self, transfer, layer: int, runs: list[Run], ready_event) -> None:
-        """Queue one WRITEV frame carrying every run of `layer`, whatever the block layout."""
+        """Queue one WRITEV frame carrying every run of `layer`, whatever the block layout (one ack for all)."""
         self._put(transfer, layer, runs, ready_event, False)
 
     def _put(self, transfer, layer: int, runs: list[Run], ready_event, notify: bool) -> None:
@@ -115,7 +116,8 @@ class TcpChannel:
             sid, token = bytes.fromhex(creds.session_id), bytes.fromhex(creds.token)
             if notify:
                 (run,) = runs
-                buffers = [wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0).pack()]
+                notice = wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0)
+                buffers: list[bytes | memoryview] = [notice.pack()]
             else:
                 ids = [b for r in runs for b in range(r.dst_block, r.dst_block + r.count)]
                 header = wire.Header(wire.KIND_WRITEV, 0, sid, token, layer, 0, len(ids), seq, len(ids) * block_bytes)

@@ -62,7 +62,7 @@ class Header(NamedTuple):
     token: bytes
     layer: int
     dst_block: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: the frame field's name
     seq: int
     payload_len: int
 

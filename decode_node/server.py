@@ -13,12 +13,13 @@ from grpc_health.v1 import health_pb2
 
 from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, Session, SessionError
 from decode_node.prefill_client import PrefillClients
-from engine.config import EngineConfig
+from engine.prompt_check import check_prompt
 from engine.request import StepOutput
 from engine.sampling_params import SamplingParams
 from pdserve.runtime import convert
 from pdserve.runtime.grpc_errors import NodeUnavailable
-from pdserve.runtime.node import NodeOptions, NodeRuntime, RequestScope
+from pdserve.runtime.node import NodeRuntime, RequestScope
+from pdserve.runtime.node_config import NodeConfig
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
@@ -35,18 +36,18 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
     The Generate stream is the request's session: however it ends, the CacheStore session is
     closed, the node waits until no writer can touch the blocks, and only then frees them."""
 
-    def __init__(self, engine_config: EngineConfig, options: NodeOptions, cachestore_port: int = 0,
-                 colocated: bool = False, advertise_host: str | None = None) -> None:
-        self.rt = NodeRuntime("decode", engine_config, options)
-        self.colocated = colocated
-        self.advertise_host = advertise_host
+    def __init__(self, config: NodeConfig) -> None:
+        self.rt = NodeRuntime("decode", config)
+        self.colocated = config.node.colocated
+        self.advertise_host = config.node.advertise_host
         """Host prefill nodes use to reach our CacheStore listener (needed when bound to 0.0.0.0)."""
         pool = self.rt.engine.runner.kv_pool
         self.cachestore = CacheStoreServer(
             MemoryRegion.from_tensor(pool.tensor), PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes),
-            transport=options.transport, host=options.host, port=cachestore_port, secret=options.cluster_secret,
+            transport=config.transfer.transport, host=config.node.host, port=config.transfer.cachestore_port,
+            secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry)
-        self.prefills = PrefillClients(options.cluster_secret, self.rt.compatibility)
+        self.prefills = PrefillClients(config.node.cluster_secret, self.rt.compatibility)
         self._fencing: dict[str, Session] = {}
         """request id -> a closed session whose writers may not have left its blocks yet."""
 
@@ -93,7 +94,8 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                 ttft = time.monotonic() - scope.started
                 rt.metrics.ttft.observe(ttft)
                 yield decode_pb2.GenerateEvent(token_ids=[first.first_token_id], ttft_seconds=ttft,
-                                               logprobs=[first.first_logprob] if first.HasField("first_logprob") else [])
+                                               logprobs=[first.first_logprob] if first.HasField("first_logprob")
+                                               else [])
             else:
                 await rt.loop_thread.call(engine.add_request, rid, prompt, params)
             first_token_sent, last = bool(addresses), time.monotonic()
@@ -125,7 +127,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         """The request's id, prompt and sampling params; ValueError (INVALID_ARGUMENT) for anything out of bounds."""
         engine = self.rt.engine
         rid = convert.check_request_id(request.request_id)
-        prompt = convert.check_prompt(request.prompt_token_ids, engine.max_model_len, engine.model_config.vocab_size)
+        prompt = check_prompt(request.prompt_token_ids, engine.model_config.vocab_size, engine.max_model_len)
         params = convert.params_from_pb(request.params)
         if len(request.prefill_addresses) > convert.MAX_PREFILL_ADDRESSES:
             raise ValueError(f"at most {convert.MAX_PREFILL_ADDRESSES} prefill_addresses")
@@ -150,13 +152,13 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         block_ids = await rt.loop_thread.call(engine.add_remote_prefill_request, rid, prompt, params)
         errors = []
         for address in addresses:
-            creds = self.cachestore.open_session(rid, block_ids, timeout=rt.options.kv_timeout)
+            creds = self.cachestore.open_session(rid, block_ids, timeout=rt.config.transfer.kv_timeout)
             session = self.cachestore.get_session(rid)
             pb = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params_pb,
                                             kv_destination=creds.to_bytes(), compatibility=rt.compatibility)
             try:
-                response = await self.prefills.prefill(address, pb, timeout=rt.options.kv_timeout)
-                await session.wait_complete(timeout=rt.options.kv_timeout)
+                response = await self.prefills.prefill(address, pb, timeout=rt.config.transfer.kv_timeout)
+                await session.wait_complete(timeout=rt.config.transfer.kv_timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() in REFUSALS:
                     raise  # any prefill node would refuse it: the caller's error (`_end` closes the session)

@@ -67,7 +67,12 @@ class LlamaModel:
                 layer_hook: LayerHook | None) -> torch.Tensor:
         """Returns hidden states [T, H] after this slice's layers (final norm applied on the last slice)."""
         cfg = self.config
-        x = F.embedding(input_ids, self.embed) if self.is_first else hidden
+        if self.is_first:
+            assert input_ids is not None and self.embed is not None, "the first slice embeds token ids"
+            x = F.embedding(input_ids, self.embed)
+        else:
+            assert hidden is not None, "a later slice continues the previous slice's hidden states"
+            x = hidden
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         attn.begin_step(meta, kv_pool.layer(0).shape)
@@ -87,9 +92,11 @@ class LlamaModel:
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
         if self.is_last:
+            assert self.norm is not None, "the last slice holds the final norm"
             x = rms_norm(x, self.norm, cfg.rms_norm_eps)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> float32 logits [S, V]."""
+        assert self.lm_head is not None, "only the last slice has an lm_head"
         return F.linear(hidden, self.lm_head).float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import cast
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -36,7 +37,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast("list[list[dict]]", [messages] if messages and isinstance(messages[0], dict) else messages)
         token_lists = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
         return self._run(token_lists, [None] * len(token_lists), sampling_params or SamplingParams(), False)
 
@@ -69,7 +70,7 @@ class LLM:
             for out in engine.step():
                 comp = results[out.request_id]
                 comp.token_ids += out.new_token_ids
-                if want_lp and out.new_logprobs:
+                if comp.logprobs is not None and out.new_logprobs:  # a list exactly when logprobs are wanted
                     comp.logprobs += out.new_logprobs
                 if out.finished:
                     comp.finish_reason = out.finish_reason

@@ -10,6 +10,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.llama import LayerHook
 from engine.model_runner import ModelRunner
+from engine.prompt_check import check_max_tokens, check_prompt
 from engine.request import AdmissionError, Request, RequestStatus, StepOutput, TokenLogprob
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
@@ -56,10 +57,12 @@ class LLMEngine:
         self.sampler = Sampler()
         self.layer_hook = layer_hook
         self.requests: dict[str, Request] = {}
-        self.remote: dict[str, Request] = {}
-        """Decode node: requests whose KV a prefill node is writing."""
-        self.held: dict[str, Request] = {}
-        """Prefill node: finished prefill_only requests whose blocks a transfer still reads."""
+        """Every request the engine owns. Its status alone says who holds its blocks (`check_integrity`
+        proves it): WAITING/PREEMPTED are queued in the scheduler (no blocks), RUNNING the scheduler
+        runs; the other two are `parked`, holding blocks the scheduler neither runs nor frees:
+        WAITING_FOR_REMOTE_KV (decode node: a prefill node is filling them, until
+        `complete_remote_prefill`) and finished (prefill node: a prefill_only request whose blocks a
+        KV transfer still reads, pinned until `release`). A request leaves when its blocks are freed."""
         self.generators: dict[str, torch.Generator] = {}
         self._finished: list[StepOutput] = []
 
@@ -67,19 +70,10 @@ class LLMEngine:
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is required")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
+        check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
         room = self.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+        if params.max_tokens is not None:
+            check_max_tokens(len(prompt), params.max_tokens, self.max_model_len)
         max_tokens = params.max_tokens or room
         if self.block_manager.blocks_for(len(prompt) + max_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request needs more KV blocks than the pool has ({self.block_manager.num_blocks})")
@@ -101,7 +95,7 @@ class LLMEngine:
                                    params: SamplingParams) -> list[int]:
         """Decode node: allocate blocks for the whole prompt now; a prefill node fills them."""
         req = self._validate(request_id, prompt_token_ids, params)
-        holders = self.scheduler.running + list(self.remote.values()) + list(self.scheduler.waiting)
+        holders = self.scheduler.running + self.parked() + list(self.scheduler.waiting)
         reserve = self.scheduler.reserved_blocks(holders) + self.scheduler.future_blocks_after_alloc(req)
         bm = self.block_manager
         if bm.blocks_for(req.num_tokens) + reserve > bm.num_free_blocks:
@@ -110,13 +104,14 @@ class LLMEngine:
         req.block_ids = [bm.append_block() for _ in range(bm.blocks_for(req.num_tokens))]
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._register(req)
-        self.remote[request_id] = req
         return list(req.block_ids)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
                                 first_logprobs: TokenLogprob | None = None) -> None:
         """The prompt's KV has landed: the request runs with its first token already sampled."""
-        req = self.remote.pop(request_id)
+        req = self.requests[request_id]
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
         req.start_running()
@@ -135,8 +130,7 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one model step; return what changed (token deltas, finishes)."""
-        holders = list(self.remote.values()) + list(self.held.values())
-        scheduled, batch = self.scheduler.schedule(holders)
+        scheduled, batch = self.scheduler.schedule(self.parked)
         if batch is not None:
             logits = self.runner.run(batch, layer_hook=self.layer_hook)
             sampled = iter(self.sampler(logits, [r for r, s in zip(scheduled, batch.sample_mask) if s],
@@ -179,30 +173,34 @@ class LLMEngine:
         self.scheduler.remove(req)
         self.generators.pop(req.request_id, None)
         if req.prefill_only and req.status != RequestStatus.FINISHED_ABORTED:
-            self.held[req.request_id] = req  # a KV transfer still reads these blocks
-            return
+            return  # parked: a KV transfer still reads these blocks, until release()
         self.requests.pop(req.request_id, None)
         self.block_manager.free_blocks(req.block_ids)
         req.block_ids = []
 
     # --- lifecycle ----------------------------------------------------------------------------
+    def parked(self) -> list[Request]:
+        """Requests holding blocks outside the scheduler: waiting for remote KV, or finished and
+        pinned until `release` (see `requests`)."""
+        return [r for r in self.requests.values()
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KV or r.status.is_finished]
+
     def release(self, request_id: str) -> None:
         """Prefill node: the transfer is done (or failed); free (and keep cached) the blocks."""
-        req = self.held.pop(request_id, None)
-        if req is not None:
-            self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
+        if req is not None and req.status.is_finished:
+            self.requests.pop(request_id)
             self.block_manager.free_blocks(req.block_ids)
             req.block_ids = []
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks. False if unknown."""
-        if request_id in self.held:
-            self.release(request_id)
-            return True
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self.remote.pop(request_id, None)
+        if req.status.is_finished:  # pinned: its output was reported when it finished
+            self.release(request_id)
+            return True
         req.status = RequestStatus.FINISHED_ABORTED
         self._finish(req)
         self._finished.append(self._output(req))
@@ -213,9 +211,19 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         s = self.scheduler
+        num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
         return EngineLoad(self.block_manager.num_free_blocks, self.block_manager.num_blocks, len(s.running),
-                          len(s.waiting) + len(self.remote), s.num_queued_prefill_tokens())
+                          len(s.waiting) + num_remote, s.num_queued_prefill_tokens())
 
     def check_integrity(self) -> None:
+        """Blocks are owned exactly as the requests' statuses say (between steps)."""
+        running, waiting = {id(r) for r in self.scheduler.running}, {id(r) for r in self.scheduler.waiting}
+        for rid, r in self.requests.items():
+            where = "running" if id(r) in running else "waiting" if id(r) in waiting else "parked"
+            expected = {RequestStatus.RUNNING: "running", RequestStatus.WAITING: "waiting",
+                        RequestStatus.PREEMPTED: "waiting"}.get(r.status, "parked")
+            assert where == expected, f"request {rid!r} is {r.status.name} but {where}"
+            assert not r.status.is_finished or r.prefill_only, f"finished request {rid!r} was not freed"
+        assert len(running) + len(waiting) + len(self.parked()) == len(self.requests), "a request the engine lost"
         owners = {rid: r.block_ids for rid, r in self.requests.items()}
         self.block_manager.check_integrity(owners)

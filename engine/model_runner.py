@@ -61,7 +61,8 @@ class ModelRunner:
         input_ids = None
         if self.is_first_stage:
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-            assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, "token id out of range"
+            assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, \
+                "token id out of range"
         meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device)
         hidden = self.model.forward(batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook)
         if not self.is_last_stage:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import StopStringChecker
 
 
 class AdmissionError(Exception):
@@ -64,7 +67,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     queue_seconds: float | None = None
     """Seconds from arrival until the request first ran (decode nodes: until its remote KV landed)."""
-    stop_checker: object | None = None
+    stop_checker: StopStringChecker | None = None
     """StopStringChecker when the request has stop strings (engine.stop_strings)."""
     num_emitted: int = 0
     """Output tokens already reported by step() (for deltas)."""

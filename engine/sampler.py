@@ -37,6 +37,7 @@ class Sampler:
         for i, (token, r) in enumerate(zip(tokens, requests)):
             lp = None
             if want_lp[i]:
+                assert raw_lp is not None
                 row = raw_lp[i]
                 k = r.params.logprobs
                 top = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from engine.block_manager import BlockManager
 from engine.forward_batch import ForwardBatch
@@ -46,8 +47,11 @@ class Scheduler:
         return max(0, self.bm.blocks_for(req.num_prompt_tokens + req.max_tokens) - self.bm.blocks_for(req.num_tokens))
 
     # --- the step ------------------------------------------------------------------------
-    def schedule(self, holders: list[Request]) -> tuple[list[Request], ForwardBatch | None]:
-        """Pick this step's requests; `holders` are other block holders (remote-KV, held prefill)."""
+    def schedule(self, parked: Callable[[], list[Request]]) -> tuple[list[Request], ForwardBatch | None]:
+        """Pick this step's requests. `parked()` lists the other block holders (waiting for remote KV,
+        pinned after a prefill); asked only under never-preempt, the one policy that reserves for them,
+        so that an offline queue of thousands is not walked every step."""
+        holders = parked() if self.never_preempt else []
         scheduled: list[tuple[Request, int]] = []
         budget = self.budget
         for req in list(self.running):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -26,7 +27,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {  # config.json values (vocab_size None: fitted to the tokenizer)
     # tiny: loads in milliseconds; used by tests and `pdserve up` by default
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=None, max_position_embeddings=4096),

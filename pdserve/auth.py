@@ -6,19 +6,12 @@ the router imports no node-runtime code."""
 from __future__ import annotations
 
 import hmac
-import os
 
 import grpc
 
 SECRET_METADATA_KEY = "x-pdserve-cluster-secret"
-SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/",)
 """Kubernetes gRPC probes carry no secret."""
-
-
-def resolve_secret(flag: str | None) -> str:
-    """--cluster-secret wins, then $PDSERVE_CLUSTER_SECRET; empty means no authentication (dev only)."""
-    return flag if flag is not None else os.environ.get(SECRET_ENV, "")
 
 
 def cluster_metadata(secret: str) -> tuple[tuple[str, str], ...]:

@@ -8,12 +8,13 @@ from functools import partial
 
 from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, Transfer
 from engine.block_manager import blocks_for
-from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
+from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from pdserve.runtime import convert
 from pdserve.runtime.grpc_errors import IncompatiblePeer, RequestAborted
-from pdserve.runtime.node import NodeOptions, NodeRuntime
+from pdserve.runtime.node import NodeRuntime
+from pdserve.runtime.node_config import NodeConfig
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
@@ -24,13 +25,13 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
     layer's blocks to the request's CacheStore transfer, so the transfer of layer i overlaps the
     compute of layer i+1. The first token is returned only once every layer is acknowledged."""
 
-    def __init__(self, engine_config: EngineConfig, options: NodeOptions) -> None:
-        self.rt = NodeRuntime("prefill", engine_config, options)
+    def __init__(self, config: NodeConfig) -> None:
+        self.rt = NodeRuntime("prefill", config)
         self.rt.engine.layer_hook = self._layer_hook
         pool = self.rt.engine.runner.kv_pool
         self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
         self.client = CacheStoreClient(MemoryRegion.from_tensor(pool.tensor), self.geometry,
-                                       transport=options.transport, secret=options.cluster_secret,
+                                       transport=config.transfer.transport, secret=config.node.cluster_secret,
                                        registry=self.rt.metrics.registry,
                                        faults=FaultInjector.from_env())  # None unless a chaos test sets it
         self.transfers: dict[str, Transfer] = {}
@@ -91,7 +92,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             if out.finish_reason == "abort" or not out.new_token_ids:
                 raise RequestAborted(f"prefill of {rid} was aborted")
             prefill_seconds = time.monotonic() - scope.started
-            transfer_seconds = await tx.finish(timeout=rt.options.kv_timeout)  # TransferError: UNAVAILABLE
+            transfer_seconds = await tx.finish(timeout=rt.config.transfer.kv_timeout)  # TransferError: UNAVAILABLE
             scope.finished = True
             rt.metrics.ttft.observe(time.monotonic() - scope.started)
             response = prefill_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
@@ -109,11 +110,11 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             raise IncompatiblePeer(f"incompatible peer: decode has {request.compatibility!r}, "
                                    f"prefill has {rt.compatibility!r}")
         rid = convert.check_request_id(request.request_id)
-        prompt = convert.check_prompt(request.prompt_token_ids, rt.engine.max_model_len,
-                                      rt.engine.model_config.vocab_size)
+        prompt = check_prompt(request.prompt_token_ids, rt.engine.model_config.vocab_size, rt.engine.max_model_len)
         params = convert.params_from_pb(request.params)
         creds = SessionCredentials.from_bytes(request.kv_destination)
-        if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(prompt):
+        if (creds.num_layers != self.geometry.num_layers
+                or len(creds.block_ids) * self.geometry_block_size < len(prompt)):
             raise ValueError("kv_destination does not cover the prompt's layers and blocks")
         return rid, prompt, params, creds
 

@@ -101,7 +101,8 @@ class Cluster:
         for key, member in current.items():
             if key not in self.nodes:
                 channel = grpc.aio.insecure_channel(member.address)
-                stub = (decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub)(channel)
+                stub_class = decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub
+                stub = stub_class(channel)
                 self.nodes[key] = NodeState(member, channel, stub, health_pb2_grpc.HealthStub(channel),
                                             NodeLoad(member.address))
 

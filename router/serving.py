@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
+from engine.prompt_check import EMPTY_PROMPT, PromptError, check_max_tokens, check_prompt
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from router.cluster import Cluster
@@ -63,14 +64,13 @@ class Server:
     # --- requests -> choices --------------------------------------------------------------
     def _params(self, req: SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None,
                 default_max: int | None) -> common_pb2.SamplingParams:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise BadRequest(f"prompt has {prompt_len} tokens, more than this model's context of {limit}", "prompt")
+        limit = self.max_model_len  # the prompt fits (_check_ids)
         if max_tokens is None:
             max_tokens = min(default_max or limit, limit - prompt_len)
-        if prompt_len + max_tokens > limit:
-            raise BadRequest(f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
-                             f"and max_tokens is {max_tokens}", "max_tokens")
+        try:
+            check_max_tokens(prompt_len, max_tokens, limit)
+        except PromptError as e:
+            raise BadRequest(str(e), e.param) from None
         try:
             stop = req.stop_list()
         except ValueError as e:
@@ -86,27 +86,23 @@ class Server:
         return p
 
     def _check_ids(self, ids: list[int]) -> list[int]:
-        if not ids:
-            raise BadRequest("prompt is empty", "prompt")
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in ids if t < 0 or t >= vocab), None)
-        if bad is not None:
-            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
-        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
-            raise BadRequest(f"prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt_tokens}",
-                             "prompt")
-        return ids
+        """The prompt checked as every boundary checks it (engine.prompt_check), against the cluster's
+        context and --max-prompt-tokens; a 400 naming the field otherwise."""
+        try:
+            return check_prompt(ids, self.tokenizer.vocab_size, self.max_model_len, self.max_prompt_tokens)
+        except PromptError as e:
+            raise BadRequest(str(e), e.param) from None
 
     def completion_choices(self, req: CompletionRequest) -> list[Choice]:
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
-            raise BadRequest("prompt is empty", "prompt")
+            raise BadRequest(EMPTY_PROMPT, "prompt")
         choices = []
         for p in prompts:
             if isinstance(p, str) and not p:
-                raise BadRequest("prompt is empty", "prompt")
+                raise BadRequest(EMPTY_PROMPT, "prompt")
             text = p if isinstance(p, str) else None
             ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
@@ -246,7 +242,8 @@ class Server:
             except RouterError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
             except Exception as e:  # a stream that already started can only report in-band
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                error = {"message": str(e), "type": "server_error", "param": None, "code": None}
+                yield f"data: {json.dumps({'error': error})}\n\n"
             yield "data: [DONE]\n\n"
 
         return gen()

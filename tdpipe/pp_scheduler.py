@@ -8,7 +8,6 @@ its previous one has left the last stage (the decode data dependency).
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 from engine.block_manager import blocks_for

@@ -37,6 +37,7 @@ from cachestore.verbs_emu.queues import CQ, QP, WC, QPAttr, QPCap, QPInitAttr, R
 EMULATED = True
 """Marks this verbs provider as the emulation (no peer-memory client: CUDA pools are staged)."""
 
-__all__ = ["EMULATED", "AHAttr", "CQ", "Context", "DEVICE_NAME", "FABRIC", "Fabric", "FaultHooks", "GlobalRoute", "MR", "MW", "MWBindInfo", "PD", "QP",
+__all__ = ["EMULATED", "AHAttr", "CQ", "Context", "DEVICE_NAME", "FABRIC", "Fabric", "FaultHooks", "GlobalRoute", "MR",
+           "MW", "MWBindInfo", "PD", "QP",
            "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "SGE", "SendWR", "VerbsError", "WC", "enums",
            "get_device_list"]

@@ -100,7 +100,8 @@ class MW:
         mr = info.mr
         if (not mr.valid or mr.pd is not self.pd or qp.pd is not self.pd or not mr.access & enums.IBV_ACCESS_MW_BIND
                 or not mr.covers(info.addr, info.length)
-                or (info.mw_access_flags & enums.IBV_ACCESS_REMOTE_WRITE and not mr.access & enums.IBV_ACCESS_LOCAL_WRITE)):
+                or (info.mw_access_flags & enums.IBV_ACCESS_REMOTE_WRITE
+                    and not mr.access & enums.IBV_ACCESS_LOCAL_WRITE)):
             return enums.IBV_WC_MW_BIND_ERR
         with self.lock:
             self._rekey()

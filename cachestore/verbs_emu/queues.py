@@ -26,9 +26,13 @@ import ctypes
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from cachestore.verbs_emu import enums
-from cachestore.verbs_emu.memory import MR, MW, VerbsError, remote_target
+from cachestore.verbs_emu.memory import MR, MW, MWBindInfo, VerbsError, remote_target
+
+if TYPE_CHECKING:
+    from cachestore.verbs_emu.wire import RequesterLink
 
 _ORDER = {enums.IBV_QPS_RESET: enums.IBV_QPS_INIT, enums.IBV_QPS_INIT: enums.IBV_QPS_RTR,
           enums.IBV_QPS_RTR: enums.IBV_QPS_RTS}
@@ -79,7 +83,7 @@ class SendWR:
         self.wr_id, self.opcode, self.sg, self.send_flags, self.imm_data = wr_id, opcode, sg or [], send_flags, imm_data
         self.rkey = self.remote_addr = 0
         self.mw: MW | None = None
-        self.bind_info = None
+        self.bind_info: MWBindInfo | None = None
         self.invalidate_rkey = 0
         self.next: SendWR | None = None
 
@@ -126,13 +130,17 @@ class QP:
     def __init__(self, pd, init_attr: QPInitAttr) -> None:
         if init_attr.qp_type != enums.IBV_QPT_RC:
             raise VerbsError("this emulated device creates RC QPs only")
+        if init_attr.scq is None or init_attr.rcq is None:
+            raise VerbsError("ibv_create_qp: an RC QP needs a send and a receive CQ (EINVAL)")
         self.pd, self.fabric = pd, pd.ctx.fabric
-        self.scq, self.rcq, self.cap = init_attr.scq, init_attr.rcq, init_attr.cap
+        self.scq: CQ = init_attr.scq
+        self.rcq: CQ = init_attr.rcq
+        self.cap = init_attr.cap
         self.qp_state = enums.IBV_QPS_RESET
         self.dest_qp_num = 0
         self.remote: tuple[str, int] | None = None
         """The peer's device endpoint when connected through an emulated GID (the wire path)."""
-        self._link = None
+        self._link: RequesterLink | None = None
         self._rq_psn = 0
         self.access = 0
         self.qp_num = self.fabric.add_qp(self)
@@ -187,9 +195,10 @@ class QP:
     def post_send(self, wr: SendWR) -> None:
         if self.qp_state in (enums.IBV_QPS_RESET, enums.IBV_QPS_INIT, enums.IBV_QPS_RTR):
             raise VerbsError("ibv_post_send: QP is not in RTS (EINVAL)")
-        while wr is not None:
-            self._sq.put(wr)
-            wr = wr.next
+        chain: SendWR | None = wr
+        while chain is not None:
+            self._sq.put(chain)
+            chain = chain.next
 
     def post_recv(self, wr: RecvWR) -> None:
         if self.qp_state == enums.IBV_QPS_RESET:
@@ -229,7 +238,9 @@ class QP:
 
     def _execute(self, wr: SendWR) -> tuple[int, int]:
         if wr.opcode == enums.IBV_WR_BIND_MW:
-            return (wr.mw.bind(self, wr.bind_info) if wr.mw is not None else enums.IBV_WC_MW_BIND_ERR), 0
+            if wr.mw is None or wr.bind_info is None:  # set together by set_bind_wr
+                return enums.IBV_WC_MW_BIND_ERR, 0
+            return wr.mw.bind(self, wr.bind_info), 0
         if wr.opcode == enums.IBV_WR_LOCAL_INV:
             mw = self.fabric.key(wr.invalidate_rkey)
             if not isinstance(mw, MW) or mw.pd is not self.pd:
@@ -291,5 +302,5 @@ def _wire_address(attr: QPAttr) -> tuple[str, int] | None:
     """The peer's device endpoint from RTR's address handle, if it carries an emulated GID."""
     from cachestore.verbs_emu.wire import parse_gid
     ah = getattr(attr, "ah_attr", None)
-    gr = getattr(ah, "gr", None) if ah is not None and getattr(ah, "is_global", 0) else None
+    gr = getattr(ah, "gr", None) if ah is not None and getattr(ah, "is_global", False) else None
     return parse_gid(gr.dgid) if gr is not None and gr.dgid else None

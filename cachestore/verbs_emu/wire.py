@@ -39,8 +39,12 @@ import os
 import socket
 import struct
 import threading
+from typing import TYPE_CHECKING
 
 from cachestore.verbs_emu import enums
+
+if TYPE_CHECKING:
+    from cachestore.verbs_emu.queues import QP
 
 log = logging.getLogger("pdserve.cachestore.verbs_emu")
 
@@ -179,7 +183,8 @@ class Responder:
         self._bounce_buf = bytearray(MTU)
         self.bounce = memoryview(self._bounce_buf)
         self._bounce_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._bounce_buf))
-        self.qp = None
+        self.qp: QP | None = None
+        """The responder QP, once the hello named it."""
         self.psn = 0
         self.dropping = False
         """True once the responder QP went to ERROR: every later packet is dropped unanswered."""
@@ -211,6 +216,7 @@ class Responder:
 
     def _usable(self) -> bool:
         qp = self.qp
+        assert qp is not None, "packets follow the hello"
         return (not qp._closed and self.fabric.qp(qp.qp_num) is qp
                 and qp.qp_state in (enums.IBV_QPS_RTR, enums.IBV_QPS_RTS))
 
@@ -221,6 +227,7 @@ class Responder:
         if self.dropping or not self._usable():
             return False  # a QP in ERROR (or gone) drops packets: the requester's retries run out
         qp, syndrome, target = self.qp, SYN_NONE, None
+        assert qp is not None, "packets follow the hello"
         if (opcode & 0x0F) not in (OP_FIRST, OP_ONLY) or psn != self.psn:
             syndrome = SYN_PSN_SEQ  # (over a TCP stream this means a broken requester)
         elif not qp.access & enums.IBV_ACCESS_REMOTE_WRITE:

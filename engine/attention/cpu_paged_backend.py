@@ -57,6 +57,7 @@ class CpuPagedAttention(AttentionBackend):
         kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
         if self._tables is None or self._tables[0] is not meta:
             self.begin_step(meta, kv_layer.shape)
+        assert self._tables is not None
         _, table, starts, ctx = self._tables
         b = meta.batch
         if len(self._paged) == b.num_seqs:  # decode-only or all-chunked: one call, no copies

@@ -10,6 +10,8 @@ Install with `pip install pdserve[gpu]`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -28,10 +30,11 @@ class FlashInferAttention(AttentionBackend):
         import flashinfer  # imported here so the core never needs the [gpu] extra
 
         self._fi = flashinfer
-        self._wrappers: dict[str, object] = {}
-        self._active: object | None = None
+        # flashinfer's wrappers (the library has no type information)
+        self._wrappers: dict[str, Any] = {}
+        self._active: Any = None
 
-    def _wrapper(self, kind: str, device: torch.device) -> object:
+    def _wrapper(self, kind: str, device: torch.device) -> Any:
         if kind not in self._wrappers:
             workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             cls = (self._fi.BatchDecodeWithPagedKVCacheWrapper if kind == "decode"

@@ -328,22 +328,24 @@ class BatchJob:
 def external_world(stages: int | None) -> int:
     """For `--external-stages`: check the torch.distributed env names this process rank 0 and
     return the number of stages (WORLD_SIZE - 1); ValueError with what to set otherwise."""
-    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if not os.environ.get(v)]
+    from pdserve.config import process_env
+    env = process_env().rendezvous
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if not env.get(v)]
     if missing:
         raise ValueError(f"--external-stages needs {', '.join(missing)} in the environment (the rendezvous the "
                          f"`pdserve stage` workers use)")
-    if os.environ.get("RANK", "0") != "0":
-        raise ValueError(f"--external-stages runs the controller, which is RANK 0; RANK is {os.environ['RANK']} "
+    if env.get("RANK", "0") != "0":
+        raise ValueError(f"--external-stages runs the controller, which is RANK 0; RANK is {env['RANK']} "
                          f"(ranks 1..WORLD_SIZE-1 run `pdserve stage`)")
     try:
-        world = int(os.environ["WORLD_SIZE"])
+        world = int(env["WORLD_SIZE"])
     except ValueError:
-        raise ValueError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
+        raise ValueError(f"WORLD_SIZE must be an integer, got {env['WORLD_SIZE']!r}") from None
     if world < 2:
         raise ValueError(f"WORLD_SIZE is {world}: it counts the controller plus at least one stage")
     if stages is not None and stages != world - 1:
         raise ValueError(f"--stages {stages} disagrees with WORLD_SIZE {world} (= 1 controller + {world - 1} stages)")
-    os.environ["RANK"] = "0"
+    os.environ["RANK"] = "0"  # for torch.distributed, which this process joins as the controller
     print(f"external stages: waiting for {world - 1} `pdserve stage` ranks at "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", file=sys.stderr)
+          f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", file=sys.stderr)
     return world - 1

@@ -1,17 +1,21 @@
 """`--device` and `--attention-backend`: where the engine runs, shared by every command that loads a model.
 
-Each flag falls back to an environment variable (PDSERVE_DEVICE, PDSERVE_ATTENTION_BACKEND) so a
-container image or a Kubernetes ConfigMap can select the GPU without editing the command line.
+Like every flag, each is also settable from the environment (PDSERVE_DEVICE, PDSERVE_ATTENTION_BACKEND:
+see pdserve/config.py), so a container image or a Kubernetes ConfigMap can select the GPU without
+editing the command line. Unset, they take EngineConfig's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
+
+from engine.config import EngineConfig
 
 DEVICE_ENV = "PDSERVE_DEVICE"
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
+_DEFAULT_DEVICE = EngineConfig.device
+_DEFAULT_BACKEND = EngineConfig.attention_backend
 BACKENDS = ("auto", "torch", "cpu_paged", "flashinfer")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -28,7 +32,7 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_device(requested: str | None) -> str:
     """The torch device string to run on; ValueError for a malformed name or a missing GPU."""
-    device = (requested or os.environ.get(DEVICE_ENV) or "cpu").strip()
+    device = (requested or _DEFAULT_DEVICE).strip()
     if not _DEVICE_RE.match(device):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda"):
@@ -42,9 +46,10 @@ def resolve_device(requested: str | None) -> str:
 
 
 def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
-    """torch, cpu_paged or flashinfer. `auto` picks cpu_paged on CPU, flashinfer on CUDA when it imports and the KV dtype is float16 or
-    bfloat16 (its kernels have no float32 variant); an explicit flashinfer that cannot run is refused."""
-    backend = (requested or os.environ.get(BACKEND_ENV) or "auto").strip()
+    """torch, cpu_paged or flashinfer. `auto` picks cpu_paged on CPU, flashinfer on CUDA when it imports and
+    the KV dtype is float16 or bfloat16 (its kernels have no float32 variant); an explicit flashinfer that
+    cannot run is refused."""
+    backend = (requested or _DEFAULT_BACKEND).strip()
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     on_gpu = device.startswith("cuda")
@@ -71,7 +76,7 @@ def flashinfer_available() -> bool:
 
 
 def device_options(args: argparse.Namespace) -> dict[str, str]:
-    """EngineConfig keyword arguments {device, attention_backend} from parsed flags and the environment."""
+    """EngineConfig keyword arguments {device, attention_backend} from parsed flags."""
     device = resolve_device(getattr(args, "device", None))
     dtype = None
     if device.startswith("cuda"):  # the dtype decides whether flashinfer can run (cheap: reads config.json)
@@ -81,7 +86,8 @@ def device_options(args: argparse.Namespace) -> dict[str, str]:
         from engine.model_config import ModelConfig
         from engine.weights import resolve_dtype
         model_dir = getattr(args, "model", None) or default_model_dir()
-        dtype = resolve_dtype(getattr(args, "dtype", "auto"), ModelConfig.from_dir(model_dir), torch.device(device))
+        dtype = resolve_dtype(getattr(args, "dtype", None) or EngineConfig.dtype, ModelConfig.from_dir(model_dir),
+                              torch.device(device))
     backend = resolve_backend(getattr(args, "attention_backend", None), device, dtype)
     return {"device": device, "attention_backend": backend}
 

@@ -10,7 +10,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--dtype, shared by every command that loads a model."""
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (float32 on CPU, the checkpoint's dtype on GPU; the default), float32, bfloat16, float16")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype, **device_options(args))
+        dtype = {"dtype": args.dtype} if args.dtype else {}  # unset: EngineConfig's default
+        llm = LLM(args.model, **dtype, **device_options(args))
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:
@@ -44,5 +46,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for prompt, out in zip(prompts, outputs):
         comp = out.outputs[0]
-        print(f"### prompt: {prompt!r}\n{comp.text}\n[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}]")
+        print(f"### prompt: {prompt!r}\n{comp.text}\n"
+              f"[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}]")
     return 0

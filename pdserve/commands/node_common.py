@@ -6,35 +6,44 @@ import argparse
 import asyncio
 import logging
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.commands.device_args import add_device_args, device_options
 from pdserve.commands.generate import add_model_args
 
 if TYPE_CHECKING:  # the CLI imports no node code until a node runs
     from pdserve.runtime.node import Node
+    from pdserve.runtime.node_config import NodeConfig
 
-TRANSPORTS = ("auto", "tcp", "rdma", "local")
+CLI_TRANSPORTS = ("auto", "tcp", "rdma")
+"""--transport choices; `local` (both ends in one process) is for tests through the Python API."""
+
+ROLE_ENGINE_DEFAULTS = {
+    "prefill": {"max_num_batched_tokens": 8192},  # prompts up to this size run in one step
+    "decode": {"preemption": "never"},  # a decode node never drops KV to make room: it refuses admission
+}
+"""Where a node role departs from EngineConfig's defaults (a flag still overrides them)."""
+ROLE_PORTS = {"prefill": 50061, "decode": 50071}
+"""Each role's default gRPC port, so that one of each runs on a host without flags."""
 
 
-def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
+def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
+    """Flags of NodeConfig, one per field (EngineConfig's are named after its fields, `--model` for
+    model_dir); every default is None so that the dataclass default applies (see node_config)."""
     add_model_args(p)
     add_device_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=default_port, help="gRPC port (0: pick a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--transport", default=None, choices=TRANSPORTS,
-                   help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp; "
-                        "default: $PDSERVE_TRANSPORT, else tcp)")
+    add_engine_args(p)
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"gRPC port (0: pick a free one; default {ROLE_PORTS[role]})")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default 0: off)")
+    p.add_argument("--transport", default=None, choices=CLI_TRANSPORTS,
+                   help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp; default tcp)")
     p.add_argument("--cluster-secret", default=None, help="shared secret (default: $PDSERVE_CLUSTER_SECRET)")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
-    p.add_argument("--kv-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to finish requests on SIGTERM (default 30)")
+    p.add_argument("--kv-timeout", type=float, default=None, help="seconds a KV transfer may take (default 60)")
+    p.add_argument("--log-level", default=None, help="default INFO")
     p.add_argument("--advertise-host", default=None,
                    help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
                         "if --host is a wildcard)")
@@ -43,85 +52,94 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_discovery_args(p)
 
 
-RDMA_FLAGS = {
-    "rdma_device": ("PDSERVE_RDMA_DEVICE", "RDMA device (NIC) name, e.g. mlx5_0 (default: the first device)"),
-    "rdma_port": ("PDSERVE_RDMA_PORT", "RDMA port number on the device (default 1)"),
-    "rdma_gid_index": ("PDSERVE_RDMA_GID_INDEX", "GID index for RoCE (default 0)"),
-    "rdma_qps": ("PDSERVE_RDMA_QPS", "RC queue pairs per receiver, used round robin (default 2)"),
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The EngineConfig fields not covered by add_model_args/add_device_args (layer_range is for
+    pipeline stages, not nodes)."""
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV pool budget in bytes when --num-kv-blocks is unset (default 512 MiB on CPU)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step; longer prompts are prefilled in chunks "
+                        "(default: 8192 on prefill nodes, 2048 on decode nodes)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of cached prompt prefixes (default on)")
+    p.add_argument("--preemption", default=None, choices=("recompute", "never"),
+                   help="under KV pressure: recompute (free the newest request, rerun it later; prefill default) "
+                        "or never (admission reserves every block; the only choice on decode nodes)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed of the engine (default 0)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+
+
+RDMA_HELP = {
+    "rdma_device": "RDMA device (NIC) name, e.g. mlx5_0 (default: the first device)",
+    "rdma_port": "RDMA port number on the device (default 1)",
+    "rdma_gid_index": "GID index for RoCE (default 0)",
+    "rdma_qps": "RC queue pairs per receiver, used round robin (default 2)",
 }
-"""--transport rdma settings: flag -> (the environment variable it sets for this process's CacheStore, help)."""
+"""--transport rdma settings (TransferOptions fields) and their help."""
 
 
 def add_rdma_args(p: argparse.ArgumentParser) -> None:
-    for dest, (env, text) in RDMA_FLAGS.items():
+    from pdserve.runtime.node_config import RDMA_ENV
+    for dest, text in RDMA_HELP.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
-                       type=str if dest == "rdma_device" else int, help=f"{text}; default: ${env}")
+                       type=str if dest == "rdma_device" else int, help=f"{text}; default: ${RDMA_ENV[dest]}")
 
 
-def apply_rdma_args(args: argparse.Namespace) -> None:
-    """Give the flags precedence over $PDSERVE_RDMA_* (which CacheStore reads when it sets up RDMA);
-    exits 2 on a negative or zero number where one is needed."""
-    import os
-    for dest, (env, _) in RDMA_FLAGS.items():
-        value = getattr(args, dest, None)
-        if value is None:
-            continue
-        least = 0 if dest == "rdma_gid_index" else 1
-        if dest != "rdma_device" and value < least:
-            raise SystemExit(f"error: --{dest.replace('_', '-')} must be >= {least}, got {value}")
-        os.environ[env] = str(value)
-
-
-def engine_config(args: argparse.Namespace, **overrides):
-    """EngineConfig from the node flags; a bad --device/--attention-backend exits 2 with the reason."""
+def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
+    """The one NodeConfig of a `pdserve prefill|decode` process, from its parsed flags (which
+    configargparse already merged with PDSERVE_* and --config). A bad value exits 2 with the reason."""
     from engine.builtin import default_model_dir
     from engine.config import EngineConfig
+    from pdserve.config import flag_values
+    from pdserve.discovery import DiscoveryConfig
+    from pdserve.runtime.node_config import NodeConfig, NodeOptions, TransferOptions
     try:
-        device = device_options(args)
+        engine = {**ROLE_ENGINE_DEFAULTS[role], **flag_values(args, EngineConfig, model_dir="model"),
+                  **device_options(args)}
+        engine.setdefault("model_dir", default_model_dir())
+        if role == "decode" and engine["preemption"] != "never":
+            raise ValueError(f"a decode node needs --preemption never (it must never drop a request's KV), "
+                             f"got {engine['preemption']!r}")
+        node = {"port": ROLE_PORTS[role], **flag_values(args, NodeOptions)}
+        node["advertise_host"] = advertise_host(args.advertise_host, node.get("host", NodeOptions.host))
+        return NodeConfig(engine=EngineConfig(**engine), node=NodeOptions(**node),
+                          transfer=TransferOptions(**flag_values(args, TransferOptions)),
+                          discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    return EngineConfig(**device, model_dir=args.model or default_model_dir(), dtype=args.dtype,
-                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        num_threads=args.num_threads, **overrides)
 
 
-def node_options(args: argparse.Namespace):
-    from pdserve.auth import resolve_secret
-    from pdserve.runtime.node import NodeOptions
-    import os
-    apply_rdma_args(args)
-    transport = args.transport or os.environ.get("PDSERVE_TRANSPORT") or "tcp"
-    if transport not in TRANSPORTS:
-        raise SystemExit(f"error: PDSERVE_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-    return NodeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                       cluster_secret=resolve_secret(args.cluster_secret), transport=transport,
-                       drain_timeout=args.drain_timeout, kv_timeout=args.kv_timeout)
-
-
-def advertise_host(args: argparse.Namespace) -> str:
+def advertise_host(requested: str | None, host: str) -> str:
     """The address peers should dial: --advertise-host, $POD_IP (Kubernetes downward API), --host,
     or this machine's hostname when --host is a wildcard."""
-    import os
     import socket
-    if args.advertise_host or os.environ.get("POD_IP"):
-        return args.advertise_host or os.environ["POD_IP"]
-    return socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
+
+    from pdserve.config import process_env
+    if requested or process_env().pod_ip:
+        return requested or process_env().pod_ip
+    return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
 
-def serve(node: Node, role: str, args: argparse.Namespace) -> int:
-    """Start `node`, register it with discovery, print READY, run until SIGTERM/SIGINT, then
-    deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
-    logging.basicConfig(level=args.log_level.upper(),
+def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]) -> int:
+    """Build the node, start it, register it with discovery, print READY, run until SIGTERM/SIGINT,
+    then deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
+    config.transfer.export_env()
+    node = make_node(config)
+    logging.basicConfig(level=config.node.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
     async def main() -> None:
-        from pdserve.discovery import Member, discovery_from_args
+        from pdserve.discovery import Member, discovery_from_config
         address = await node.start()
-        host = advertise_host(args)
-        meta = {"node_id": node.rt.node_id, "metrics_port": str(args.metrics_port), **node.discovery_meta()}
+        host = config.node.advertise_host or config.node.host
+        meta = {"node_id": node.rt.node_id, "metrics_port": str(config.node.metrics_port), **node.discovery_meta()}
         member = Member(role, host, int(address.rsplit(":", 1)[1]), meta)
-        discovery = discovery_from_args(args)
+        discovery = discovery_from_config(config.discovery)
         await discovery.register(member)  # a no-op for static and k8s (the platform lists the pods)
         print(f"READY {role} {address}", flush=True)
         stop = asyncio.Event()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
+from typing import TYPE_CHECKING
 
 from pdserve.commands.generate import add_model_args
+from pdserve.config import API_KEYS_ENV
 
-API_KEYS_ENV = "PDSERVE_API_KEYS"
-"""Comma-separated Bearer keys (PDSERVE_API_KEY holds a single one)."""
+if TYPE_CHECKING:
+    from router.config import RouterConfig
+
+__all__ = ["API_KEYS_ENV", "add_api_key_args", "api_keys", "register", "router_config", "run"]
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
@@ -27,8 +30,8 @@ def api_keys(args: argparse.Namespace) -> list[str]:
                 keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
         except OSError as e:
             raise SystemExit(f"error: cannot read --api-key-file {path}: {e.strerror}") from None
-    keys.append(os.environ.get("PDSERVE_API_KEY", ""))
-    keys += os.environ.get(API_KEYS_ENV, "").split(",")
+    from pdserve.config import process_env
+    keys += process_env().api_keys
     return [k.strip() for k in keys if k.strip()]
 
 
@@ -37,30 +40,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("router", help="run the OpenAI-compatible router")
     add_model_args(p)
     add_discovery_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: model dir name)")
     add_api_key_args(p)
     p.add_argument("--cluster-secret", default=None, help="shared node secret (default: $PDSERVE_CLUSTER_SECRET)")
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-keyfile", default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (400)")
-    p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="seconds open streams may finish after SIGTERM before they are cut (uvicorn)")
-    p.add_argument("--token-timeout", type=float, default=2.0,
+    p.add_argument("--graceful-timeout", type=float, default=None,
+                   help="seconds open streams may finish after SIGTERM before they are cut (uvicorn; default 30)")
+    p.add_argument("--token-timeout", type=float, default=None,
                    help="migrate a stream that gets no token for this long (raised to --itl-factor x the "
-                        "observed inter-token latency on slow nodes)")
-    p.add_argument("--itl-factor", type=float, default=20.0)
-    p.add_argument("--first-token-timeout", type=float, default=120.0, help="wait this long for a first token")
-    p.add_argument("--health-timeout", type=float, default=1.0,
-                   help="a node that misses a health check by this long gets no new requests until it answers")
-    p.add_argument("--hung-after", type=float, default=10.0,
+                        "observed inter-token latency on slow nodes; default 2)")
+    p.add_argument("--itl-factor", type=float, default=None, help="default 20")
+    p.add_argument("--first-token-timeout", type=float, default=None,
+                   help="wait this long for a first token (default 120)")
+    p.add_argument("--health-timeout", type=float, default=None,
+                   help="a node that misses a health check by this long gets no new requests until it answers "
+                        "(default 1)")
+    p.add_argument("--hung-after", type=float, default=None,
                    help="a node that has missed every health check for this long is hung: requests still waiting "
-                        "for their first token on it are retried on another node")
-    p.add_argument("--capacity-wait", type=float, default=30.0,
-                   help="a request waits this long for a usable node with room before a 503 (0: fail at once)")
-    p.add_argument("--log-level", default="info")
+                        "for their first token on it are retried on another node (default 10)")
+    p.add_argument("--capacity-wait", type=float, default=None,
+                   help="a request waits this long for a usable node with room before a 503 (0: fail at once; "
+                        "default 30)")
+    p.add_argument("--log-level", default=None, help="default info")
     p.set_defaults(func=run)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The one RouterConfig of a `pdserve router` process, from its parsed flags (which configargparse
+    already merged with PDSERVE_* and --config); a bad value exits 2 with the reason."""
+    from engine.builtin import default_model_dir
+    from pdserve.config import flag_values
+    from pdserve.discovery import DiscoveryConfig
+    from router.config import ClusterOptions, RouterConfig
+    from router.deadlines import Deadlines
+    try:
+        cluster = ClusterOptions(**flag_values(args, ClusterOptions, deadlines=None),
+                                 deadlines=Deadlines(**flag_values(args, Deadlines)))
+        top = flag_values(args, RouterConfig, model_dir="model", cluster=None, discovery=None)
+        top.setdefault("model_dir", default_model_dir())
+        return RouterConfig(**top, api_keys=tuple(api_keys(args)), cluster=cluster,
+                            discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,42 +94,37 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from engine.builtin import default_model_dir
     from engine.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
-    from pdserve.discovery import discovery_from_args
-    from pdserve.auth import resolve_secret
+    from pdserve.discovery import discovery_from_config
     from pdserve.runtime.node_metrics import add_process_collectors, served_model_name
     from router.app import create_app
     from router.cluster import Cluster
     from router.cluster_metrics import ClusterCollector
-    from router.deadlines import Deadlines
     from router.request_metrics import RequestMetrics
     from router.serving import Server
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
-    model_dir = args.model or default_model_dir()
-    name = args.served_model_name or served_model_name(model_dir)
-    keys = api_keys(args)
+    config = router_config(args)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    name = config.served_model_name or served_model_name(config.model_dir)
     if args.api_key:
         logging.getLogger("pdserve.router").warning(
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY")
     registry = add_process_collectors(CollectorRegistry())
-    deadlines = Deadlines(token_timeout=args.token_timeout, itl_factor=args.itl_factor,
-                          first_token_timeout=args.first_token_timeout, health_timeout=args.health_timeout,
-                          hung_after=args.hung_after, capacity_wait=args.capacity_wait)
-    cluster = Cluster(discovery_from_args(args), cluster_secret=resolve_secret(args.cluster_secret),
-                      deadlines=deadlines, registry=registry)
-    server = Server(cluster, Tokenizer(model_dir), name, ModelConfig.from_dir(model_dir).max_position_embeddings,
-                    args.max_prompt_tokens, metrics=RequestMetrics(registry, name))
+    cluster = Cluster(discovery_from_config(config.discovery), cluster_secret=config.cluster.cluster_secret,
+                      deadlines=config.cluster.deadlines, registry=registry)
+    server = Server(cluster, Tokenizer(config.model_dir), name,
+                    ModelConfig.from_dir(config.model_dir).max_position_embeddings,
+                    config.max_prompt_tokens, metrics=RequestMetrics(registry, name))
     ClusterCollector(cluster, name, registry)
-    app = create_app(server, api_keys=keys, registry=registry)
+    app = create_app(server, api_keys=list(config.api_keys), registry=registry)
 
     @app.on_event("startup")
     async def _start() -> None:
         await cluster.start()
-        scheme = "https" if args.ssl_certfile else "http"
-        print(f"READY router {scheme}://{args.host}:{args.port}", flush=True)
+        scheme = "https" if config.ssl_certfile else "http"
+        print(f"READY router {scheme}://{config.host}:{config.port}", flush=True)
 
     @app.on_event("shutdown")
     async def _stop() -> None:
@@ -113,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     import importlib.util
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     from router.http_protocol import OpenAIErrorH11Protocol
-    uvicorn.run(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level.lower(),
+    uvicorn.run(app, host=config.host, port=config.port, loop=loop, log_level=config.log_level.lower(),
                 http=OpenAIErrorH11Protocol,
-                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, access_log=False,
-                timeout_graceful_shutdown=args.graceful_timeout)
+                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, access_log=False,
+                timeout_graceful_shutdown=config.graceful_timeout)
     return 0

@@ -12,7 +12,8 @@ import time
 import urllib.request
 
 from pdserve.commands.generate import add_model_args
-from pdserve.commands.router import API_KEYS_ENV, add_api_key_args, api_keys
+from pdserve.commands.router import add_api_key_args, api_keys
+from pdserve.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
 from pdserve.runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
 READY_TIMEOUT = 180.0
@@ -63,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.commands.device_args import device_flags
     model = args.model or str(default_model_dir())  # build the built-in model once, before the children start
     secret = secrets.token_hex(16)
-    env = {**os.environ, "PDSERVE_CLUSTER_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, CLUSTER_SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
     base = [sys.executable, "-m", "pdserve.cli"]
-    node_args = ["--host", "127.0.0.1", "--model", model, "--dtype", args.dtype, "--transport", args.transport,
-                 "--num-threads", str(args.num_threads)] + device_flags(args)
+    node_args = ["--host", "127.0.0.1", "--model", model, "--transport", args.transport,
+                 "--num-threads", str(args.num_threads)] + (["--dtype", args.dtype] if args.dtype else []) \
+        + device_flags(args)
     stopping = threading.Event()
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731
 
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             router_args += ["--served-model-name", "pdserve-tiny"]
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
-        router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), "PDSERVE_API_KEY": ""}
+        router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised("router", lambda p: base + ["router", "--port", str(p)] + router_args, args.port,
                             router_env, policy())
         supervisor.members.append(router)

@@ -24,18 +24,6 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def check_prompt(token_ids, max_model_len: int, vocab_size: int) -> list[int]:
-    ids = list(token_ids)
-    if not ids:
-        raise ValueError("prompt_token_ids is empty")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}")
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
-    return ids
-
-
 def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams from the wire; ValueError (-> INVALID_ARGUMENT) for anything out of bounds.
 
@@ -69,6 +57,7 @@ def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
 def compatibility(engine) -> str:
     """Two nodes may exchange KV only when these strings are equal."""
     cfg, pool = engine.model_config, engine.runner.kv_pool
-    return (f"model={cfg.name};arch={cfg.architecture};vocab={cfg.vocab_size};dtype={str(pool.dtype).replace('torch.', '')};"
+    return (f"model={cfg.name};arch={cfg.architecture};vocab={cfg.vocab_size};"
+            f"dtype={str(pool.dtype).replace('torch.', '')};"
             f"block_size={pool.block_size};layout=HND;layers={cfg.num_hidden_layers};"
             f"kv_heads={cfg.num_key_value_heads};head_dim={cfg.head_dim}")

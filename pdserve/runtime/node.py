@@ -13,32 +13,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
 from pdserve.auth import SecretInterceptor
 from pdserve.runtime.convert import compatibility
 from pdserve.runtime.engine_loop import EngineLoop, Subscription
 from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
+from pdserve.runtime.node_config import NodeConfig
 from pdserve.runtime.node_metrics import NodeMetrics, served_model_name
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.node")
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class NodeOptions:
-    """Process-level options of a node (the engine's own live in EngineConfig)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    cluster_secret: str = ""
-    transport: str = "tcp"
-    drain_timeout: float = 30.0
-    kv_timeout: float = 60.0
-    """Seconds a KV transfer / session may take."""
 
 
 @dataclass
@@ -67,13 +53,13 @@ class RequestScope:
 class NodeRuntime:
     """Owns the engine thread and the grpc.aio server of one node process."""
 
-    def __init__(self, role: str, engine_config: EngineConfig, options: NodeOptions) -> None:
+    def __init__(self, role: str, config: NodeConfig) -> None:
         self.role = role
-        self.options = options
-        self.engine = LLMEngine(engine_config)
+        self.config = config
+        self.engine = LLMEngine(config.engine)
         self.compatibility = compatibility(self.engine)
-        self.metrics = NodeMetrics(role, served_model_name(engine_config.model_dir),
-                                   transport_requested=options.transport)
+        self.metrics = NodeMetrics(role, served_model_name(config.engine.model_dir),
+                                   transport_requested=config.transfer.transport)
         self.draining = False
         self.inflight = 0
         self.loop_thread: EngineLoop | None = None
@@ -85,24 +71,24 @@ class NodeRuntime:
         """Set when the engine thread has died: the process must exit non-zero (see node_common.serve)."""
 
     async def start(self, register_services) -> str:
-        if not self.options.cluster_secret:
+        if not self.config.node.cluster_secret:
             log.warning("no cluster secret (--cluster-secret / $PDSERVE_CLUSTER_SECRET): every gRPC and CacheStore "
                         "peer that can reach this node is trusted; set one outside local development")
         self.failed = asyncio.Event()
         self.loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
         self.loop_thread.start()
         self.server = grpc.aio.server(
-            interceptors=[SecretInterceptor(self.options.cluster_secret), ErrorInterceptor()],
+            interceptors=[SecretInterceptor(self.config.node.cluster_secret), ErrorInterceptor()],
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         register_services(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        port = self.server.add_insecure_port(f"{self.config.node.host}:{self.config.node.port}")
         await self.server.start()
-        self.address = f"{self.options.host}:{port}"
+        self.address = f"{self.config.node.host}:{port}"
         self.node_id = f"{self.role}@{self.address}#{int(time.time() * 1000) % 10**9}"
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.metrics.serve(self.options.host, self.options.metrics_port)
+        self.metrics.serve(self.config.node.host, self.config.node.metrics_port)
         return self.address
 
     def _engine_died(self, error: BaseException) -> None:
@@ -167,7 +153,7 @@ class NodeRuntime:
     async def _drain(self) -> None:
         self.draining = True
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + self.options.drain_timeout
+        deadline = time.monotonic() + self.config.node.drain_timeout
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.inflight:

@@ -123,7 +123,7 @@ def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: li
             runner.attention.wait_ready()  # a first-use kernel build is not a forward time
             prof = StageProfile(stage, layer_range, decode_context)
 
-            def hidden(n: int) -> torch.Tensor | None:
+            def hidden(n: int, runner: ModelRunner = runner) -> torch.Tensor | None:  # this stage's runner
                 if runner.is_first_stage:
                     return None
                 return torch.randn(n, cfg.hidden_size, dtype=runner.dtype, device=runner.device) * 0.1

@@ -27,8 +27,8 @@ def block(buf: bytearray, geo: PoolGeometry, layer: int, b: int) -> bytes:
 def untouched_outside(dst: bytearray, geo: PoolGeometry, allowed: set[tuple[int, int]]) -> bool:
     """Every byte of every (layer, block) not in `allowed` still holds the canary."""
     canary = bytes([CANARY]) * geo.block_bytes
-    return all(block(dst, geo, l, b) == canary for l in range(geo.num_layers) for b in range(geo.num_blocks)
-               if (l, b) not in allowed)
+    return all(block(dst, geo, layer, b) == canary for layer in range(geo.num_layers) for b in range(geo.num_blocks)
+               if (layer, b) not in allowed)
 
 
 def raw_connect(endpoint: str, secret: bytes = SECRET) -> socket.socket:

@@ -190,6 +190,6 @@ async def test_scattered_layer_lands_in_place(server):
     for layer in range(GEO.num_layers):
         for s, d in zip([5, 1, 14, 8], [11, 3, 7, 0]):
             assert block(dst, GEO, layer, d) == block(src, GEO, layer, s)
-    assert untouched_outside(dst, GEO, {(l, d) for l in range(GEO.num_layers) for d in [11, 3, 7, 0]})
+    assert untouched_outside(dst, GEO, {(layer, d) for layer in range(GEO.num_layers) for d in [11, 3, 7, 0]})
     server.close_session("scattered")
     await client.close()

@@ -64,7 +64,7 @@ async def test_rdma_transfer_is_bit_exact_and_the_engine_thread_never_polls(rdma
     for layer in range(GEO.num_layers):
         for s, d in zip(src_blocks, dst_blocks):
             assert block(dst, GEO, layer, d) == block(src, GEO, layer, s)
-    assert untouched_outside(dst, GEO, {(l, d) for l in range(GEO.num_layers) for d in dst_blocks})
+    assert untouched_outside(dst, GEO, {(layer, d) for layer in range(GEO.num_layers) for d in dst_blocks})
     # posted and polled on the lanes' own threads only, and round robin used both QPs
     assert tx._channel.poll_threads == {"cachestore-rdma-0", "cachestore-rdma-1"}
     assert FABRIC.endpoint().connections >= wire_connections + 2  # one wire connection per lane's QP

@@ -105,7 +105,8 @@ async def test_device_pools_are_staged_through_registered_host_buffers_bit_exact
         channel = tx._channel
         reg = channel._res.registration
         assert reg.mode == rdma_memory.STAGING and reg.slot_bytes == 2 * GEO.block_bytes
-        assert all(lane._staging is None or lane._staging.allocations == 0 for lane in channel.lanes)  # never re-allocated
+        # never re-allocated
+        assert all(lane._staging is None or lane._staging.allocations == 0 for lane in channel.lanes)
         assert gathers and all(name.startswith("cachestore-rdma-") for name in gathers)  # never the engine thread
         text = "\n".join(f"{m.name} {s.labels} {s.value}" for m in client.metrics.registry.collect() for s in m.samples)
         assert "'mode': 'staging'} 1.0" in text and "'mode': 'gpudirect'} 0.0" in text

@@ -32,7 +32,7 @@ async def test_several_layers_out_of_order_bit_exact(pair):
     for layer in range(GEO.num_layers):
         for s, d in zip(src_blocks, dst_blocks):
             assert block(dst, GEO, layer, d) == block(src, GEO, layer, s)
-    assert untouched_outside(dst, GEO, {(l, d) for l in range(GEO.num_layers) for d in dst_blocks})
+    assert untouched_outside(dst, GEO, {(layer, d) for layer in range(GEO.num_layers) for d in dst_blocks})
 
 
 async def test_fifty_concurrent_sessions_share_the_connection_pool(pair):

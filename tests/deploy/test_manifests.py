@@ -118,12 +118,14 @@ def test_every_configmap_key_is_read():
     from pdserve.cli import build_parser
     from pdserve.config import env_name
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    flags = {env_name(o) for p in sub.choices.values() for a in p._actions for o in a.option_strings if o.startswith("--")}
+    flags = {env_name(o) for p in sub.choices.values() for a in p._actions for o in a.option_strings
+             if o.startswith("--")}
     sources = "\n".join(p.read_text() for d in ("engine", "pdserve") for p in (ROOT / d).rglob("*.py"))
     for overlay in ALL_OVERLAYS:
         for cm in by_kind(render(overlay), "ConfigMap").values():
             for key in cm["data"]:
-                assert key in flags or f'"{key}"' in sources, f"{key} in ConfigMap {cm['metadata']['name']} is never read"
+                assert key in flags or f'"{key}"' in sources, \
+                    f"{key} in ConfigMap {cm['metadata']['name']} is never read"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -189,7 +191,8 @@ def test_dashboard_queries_pdserve_metrics():
     assert exprs and all(re.search(r"\bpdserve_[a-z0-9_]+", e) for e in exprs)
     names = {m for e in exprs for m in re.findall(r"\bpdserve_[a-z0-9_]+", e)}
     # every series the dashboard reads is one the code exports
-    sources = "\n".join(p.read_text() for d in ("engine", "cachestore", "router", "pdserve") for p in (ROOT / d).rglob("*.py"))
+    sources = "\n".join(p.read_text() for d in ("engine", "cachestore", "router", "pdserve")
+                        for p in (ROOT / d).rglob("*.py"))
     for name in names:
         base = re.sub(r"_(total|bucket)$", "", name)
         assert f'"{base}"' in sources, f"{name} is not exported by pdserve"

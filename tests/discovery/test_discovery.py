@@ -63,7 +63,8 @@ class NacosStandIn(BaseHTTPRequestHandler):
         return {k: v[0] for k, v in q.items()}
 
     def _reply(self, body, status: int = 200) -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode() if not isinstance(body, str) else body.encode()
+        data = body if isinstance(body, bytes) else \
+            json.dumps(body).encode() if not isinstance(body, str) else body.encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()

@@ -26,7 +26,8 @@ PROBE = textwrap.dedent("""
     from pdserve.discovery.k8s import K8sDnsDiscovery
 
     async def main():
-        d = K8sDnsDiscovery({"decode": "pdserve-decode", "prefill": "_metrics._tcp.pdserve-prefill.pd.svc.cluster.local",
+        d = K8sDnsDiscovery({"decode": "pdserve-decode",
+                             "prefill": "_metrics._tcp.pdserve-prefill.pd.svc.cluster.local",
                              "missing": "pdserve-none"})
         await d.refresh()
         print(json.dumps({r: sorted([m.host, m.port] for m in d.members(r)) for r in ("decode", "prefill", "missing")}))
@@ -54,8 +55,10 @@ def test_srv_records_give_members_and_ports(tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     zone = "pd.svc.cluster.local"
     dnsmasq = [DNSMASQ, "--keep-in-foreground", "--no-resolv", "--no-hosts", "--listen-address=127.0.0.1",
-               "--bind-interfaces", "--port=53", "--local=/cluster.local/", f"--pid-file={tmp_path}/dnsmasq.pid", "--user=root",
-               f"--host-record=d-0.pdserve-decode.{zone},127.0.0.2", f"--host-record=d-1.pdserve-decode.{zone},127.0.0.3",
+               "--bind-interfaces", "--port=53", "--local=/cluster.local/", f"--pid-file={tmp_path}/dnsmasq.pid",
+               "--user=root",
+               f"--host-record=d-0.pdserve-decode.{zone},127.0.0.2",
+               f"--host-record=d-1.pdserve-decode.{zone},127.0.0.3",
                f"--host-record=p-0.pdserve-prefill.{zone},127.0.0.4",
                f"--srv-host=_grpc._tcp.pdserve-decode.{zone},d-0.pdserve-decode.{zone},50071",
                f"--srv-host=_grpc._tcp.pdserve-decode.{zone},d-1.pdserve-decode.{zone},50072",

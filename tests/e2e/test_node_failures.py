@@ -11,7 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from pdserve.runtime.node import NodeOptions
+from pdserve.runtime.node_config import NodeConfig, NodeOptions, TransferOptions
 from pdserve.auth import cluster_metadata
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.e2e.cluster import start_cluster, stop
@@ -80,9 +80,10 @@ async def test_in_process_cluster_over_local_transport(tiny_model_dir):
     """Prefill and decode nodes in this process, KV copied by the in-process `local` transport."""
     from decode_node import DecodeNode
     from prefill_node import PrefillNode
-    opts = NodeOptions(transport="local", cluster_secret="s")
-    prefill = PrefillNode(EngineConfig(tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=4096), opts)
-    decode = DecodeNode(EngineConfig(tiny_model_dir, num_kv_blocks=256, preemption="never"), opts)
+    node, transfer = NodeOptions(cluster_secret="s"), TransferOptions(transport="local")
+    prefill = PrefillNode(NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=4096),
+                                     node, transfer))
+    decode = DecodeNode(NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=256, preemption="never"), node, transfer))
     p_addr = await prefill.start()
     d_addr = await decode.start()
     try:
@@ -107,8 +108,8 @@ async def test_decode_health_follows_the_cachestore_listener(tiny_model_dir):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from decode_node import DecodeNode
-    decode = DecodeNode(EngineConfig(tiny_model_dir, num_kv_blocks=64, preemption="never"),
-                        NodeOptions(transport="tcp", cluster_secret="s"))
+    decode = DecodeNode(NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64, preemption="never"),
+                                   NodeOptions(cluster_secret="s"), TransferOptions(transport="tcp")))
     address = await decode.start()
     try:
         async with grpc.aio.insecure_channel(address) as ch:

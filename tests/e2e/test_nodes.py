@@ -60,7 +60,8 @@ async def test_concurrent_greedy_equals_llm(cluster, reference, round_):
     expected = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     prefill = [cluster.prefills[0].address]
     results = await asyncio.gather(*[
-        generate(cluster.decodes[i % 2].address, cluster.secret, f"r{round_}-{i}", p, greedy(24, ignore_eos=True), prefill)
+        generate(cluster.decodes[i % 2].address, cluster.secret, f"r{round_}-{i}", p, greedy(24, ignore_eos=True),
+                 prefill)
         for i, p in enumerate(prompts)])
     for (tokens, events), exp in zip(results, expected):
         assert tokens == exp.outputs[0].token_ids
@@ -110,7 +111,8 @@ async def test_bad_input_gets_clear_status(cluster, mutate, code):
 
 async def test_wrong_secret_and_oversized_message_are_refused(cluster):
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await generate(cluster.decodes[0].address, "wrong", "nosecret", [5, 6], greedy(2), [cluster.prefills[0].address])
+        await generate(cluster.decodes[0].address, "wrong", "nosecret", [5, 6], greedy(2),
+                       [cluster.prefills[0].address])
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(cluster.decodes[0].address, cluster.secret, "huge", [1000] * 3_000_000, greedy(2),

@@ -140,7 +140,8 @@ def test_chat_bad_input_invalid_json_unknown_model_and_keys(stack):
     r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                         "logprobs": True, "top_logprobs": 21}, headers=auth)
     assert r.status_code == 400
-    r = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={**auth, "content-type": "application/json"})
+    r = httpx.post(f"{base}/v1/chat/completions", content=b"{not json",
+                   headers={**auth, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": "hello"}, headers=auth)
     assert r.status_code == 400

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.e2e
 
 def chat(port: int) -> httpx.Response:
     return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-        "model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16, "temperature": 0})
+        "model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16,
+        "temperature": 0})
 
 
 def wait_for(pred, timeout: float, what: str) -> None:

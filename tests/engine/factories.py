@@ -28,7 +28,8 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     torch.manual_seed(1234)
     model = cls(cfg).to(torch.float32)
     with torch.no_grad():  # sharper logits than the default init, so greedy has clear margins
-        model.lm_head.weight.normal_(0.0, 0.3) if not cfg.tie_word_embeddings else model.model.embed_tokens.weight.normal_(0.0, 0.3)
+        head = model.lm_head.weight if not cfg.tie_word_embeddings else model.model.embed_tokens.weight
+        head.normal_(0.0, 0.3)
     model.save_pretrained(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer_src / name, out_dir / name)

@@ -112,7 +112,7 @@ def test_remote_prefill_flow(make_engine, tiny_model_dir):
     pre.add_request("x", [9, 10, 11, 12, 13], GREEDY, prefill_only=True)
     out = pre.step()
     assert out[0].new_token_ids == expected[:1] and out[0].finished
-    held = pre.held["x"].block_ids
+    held = pre.requests["x"].block_ids  # parked: finished, pinned until release
     # "decode node": allocate, receive the KV (copied here by hand), complete
     dec = make_engine()
     blocks = dec.add_remote_prefill_request("x", [9, 10, 11, 12, 13], GREEDY)
@@ -143,7 +143,8 @@ def test_abort_in_every_state(make_engine):
     assert engine.abort("running") and engine.abort("waiting") and engine.abort("remote")
     assert not engine.abort("nope")
     outs = run_all(engine)
-    assert "held" in engine.held and engine.abort("held")
+    assert engine.requests["held"].status.is_finished and engine.parked() == [engine.requests["held"]]
+    assert engine.abort("held") and "held" not in engine.requests
     assert set(outs) >= {"running", "waiting", "remote"}
 
 
@@ -164,4 +165,23 @@ def test_outputs_report_how_long_a_request_waited_before_it_ran(make_engine):
     engine.complete_remote_prefill("r", 10)
     outs = [o for o in engine.step() if o.request_id == "r"]
     assert outs and outs[0].queue_seconds is not None
+    run_all(engine)
+
+
+def test_integrity_check_follows_each_request_status(make_engine):
+    """Who holds blocks is answered by status alone: a status that disagrees with the request's place fails."""
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    engine.add_request("b", [5, 6, 8], GREEDY)
+    engine.add_remote_prefill_request("r", [5, 6, 9], GREEDY)
+    engine.step()
+    engine.check_integrity()
+    assert engine.parked() == [engine.requests["r"]]
+    engine.requests["b"].status = RequestStatus.WAITING_FOR_REMOTE_KV
+    with pytest.raises(AssertionError, match="'b' is WAITING_FOR_REMOTE_KV but waiting"):
+        engine.check_integrity()
+    engine.requests["b"].status = RequestStatus.WAITING
+    with pytest.raises(KeyError, match="not waiting for remote KV"):
+        engine.complete_remote_prefill("a", 1)
+    assert engine.abort("r")
     run_all(engine)

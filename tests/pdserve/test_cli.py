@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import socket
 
 import pytest
@@ -22,12 +21,11 @@ def test_every_command_has_help(capsys):
 
 def test_advertise_host(monkeypatch):
     monkeypatch.delenv("POD_IP", raising=False)
-    ns = lambda **kw: argparse.Namespace(**{"advertise_host": None, "host": "127.0.0.1", **kw})  # noqa: E731
-    assert advertise_host(ns()) == "127.0.0.1"
-    assert advertise_host(ns(host="0.0.0.0")) == socket.gethostname()
-    assert advertise_host(ns(advertise_host="node-a")) == "node-a"
+    assert advertise_host(None, "127.0.0.1") == "127.0.0.1"
+    assert advertise_host(None, "0.0.0.0") == socket.gethostname()
+    assert advertise_host("node-a", "127.0.0.1") == "node-a"
     monkeypatch.setenv("POD_IP", "10.1.2.3")
-    assert advertise_host(ns(host="0.0.0.0")) == "10.1.2.3"
+    assert advertise_host(None, "0.0.0.0") == "10.1.2.3"
 
 
 def test_api_keys_come_from_flags_files_and_env_so_they_can_stay_out_of_ps(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""--device/--attention-backend and their PDSERVE_* environment fallbacks (CPU host: CUDA is refused)."""
+"""--device/--attention-backend, also set by PDSERVE_DEVICE/PDSERVE_ATTENTION_BACKEND (CPU host: CUDA is refused)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import argparse
 import pytest
 import torch
 
-from pdserve.commands.device_args import add_device_args, device_flags, device_options, resolve_backend
+from pdserve.cli import build_parser
+from pdserve.commands.device_args import device_flags, device_options, resolve_backend
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_device_args(p)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="auto")
-    return p.parse_args(argv)
+    """`pdserve generate ARGV`: the environment reaches the flags through pdserve/config.py."""
+    return build_parser().parse_args(["generate"] + argv)
 
 
 def test_defaults_and_environment(monkeypatch):

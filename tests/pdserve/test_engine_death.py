@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from pdserve.runtime.engine_loop import EngineDeadError
-from pdserve.runtime.node import NodeOptions, NodeRuntime
+from pdserve.runtime.node import NodeRuntime
+from pdserve.runtime.node_config import NodeConfig
 from tests.e2e.cluster import ROOT
 
 
@@ -24,7 +25,7 @@ def broken_step(self):
 
 
 async def test_engine_death_fails_waiters_and_reports_not_serving(tiny_model_dir, monkeypatch, caplog):
-    rt = NodeRuntime("decode", EngineConfig(tiny_model_dir, num_kv_blocks=64), NodeOptions())
+    rt = NodeRuntime("decode", NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64)))
     with caplog.at_level(logging.WARNING, logger="pdserve.node"):
         await rt.start(lambda server: None)
     assert any("every gRPC and CacheStore peer" in r.getMessage() for r in caplog.records)

@@ -9,7 +9,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from pdserve.runtime.grpc_errors import NodeUnavailable
-from pdserve.runtime.node import NodeOptions, NodeRuntime
+from pdserve.runtime.node import NodeRuntime
+from pdserve.runtime.node_config import NodeConfig
 
 
 def queue_time_count(rt: NodeRuntime) -> float:
@@ -18,7 +19,7 @@ def queue_time_count(rt: NodeRuntime) -> float:
 
 
 async def test_a_request_is_counted_observed_once_and_ended_once(tiny_model_dir):
-    rt = NodeRuntime("decode", EngineConfig(tiny_model_dir, num_kv_blocks=64), NodeOptions())
+    rt = NodeRuntime("decode", NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64)))
     await rt.start(lambda server: None)
     ends: list[bool] = []
 

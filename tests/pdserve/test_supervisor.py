@@ -69,7 +69,8 @@ def test_children_die_with_a_killed_supervisor():
     import signal
     import subprocess
     code = ("import sys, time; from pdserve.runtime.supervisor import Child; "
-            "c = Child('x', [sys.executable, '-c', 'import time; print(\"READY x 1\", flush=True); time.sleep(60)'], {}); "
+            "c = Child('x', [sys.executable, '-c', "
+            "'import time; print(\"READY x 1\", flush=True); time.sleep(60)'], {}); "
             "c.wait_ready(time.monotonic() + 30); print(c.popen.pid, flush=True); time.sleep(60)")
     sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

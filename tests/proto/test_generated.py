@@ -23,6 +23,7 @@ def test_every_proto_field_has_a_comment() -> None:
         lines = proto.read_text().splitlines()
         for i, line in enumerate(lines):
             stripped = line.strip()
-            is_field = stripped.endswith(";") and "=" in stripped and not stripped.startswith(("syntax", "option", "//"))
+            is_field = (stripped.endswith(";") and "=" in stripped
+                        and not stripped.startswith(("syntax", "option", "//")))
             if is_field:
                 assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} has no comment: {stripped}"

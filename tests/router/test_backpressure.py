@@ -6,7 +6,6 @@ import asyncio
 import threading
 
 from engine.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2
 from router.cluster import GenerateChunk
 from router.protocol import CompletionRequest
 from router.serving import STREAM_QUEUE_CHUNKS, Server

@@ -26,7 +26,8 @@ async def _stream(n: int, *, fail: bool = False, cached: int = 0):
         if fail and last:
             raise RuntimeError("decode node vanished")
         yield GenerateChunk([i], None, "length" if last else None,
-                            common_pb2.Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=cached) if last else None)
+                            common_pb2.Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=cached) if last
+                            else None)
 
 
 async def test_tokens_reasons_and_latency():

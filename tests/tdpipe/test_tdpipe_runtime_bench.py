@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir) -> None:
     profiles = profile_stages(tiny_model_dir, 2, decode_batches=[1, 2, 4], prefill_tokens=[4, 16, 32],
-                              decode_context=20, prefill_prompt_len=8, block_size=4, repeats=1, attention_backend="torch")
+                              decode_context=20, prefill_prompt_len=8, block_size=4, repeats=1,
+                              attention_backend="torch")
     assert [p.layer_range for p in profiles] == [(0, 2), (2, 4)]
     for p in profiles:
         assert sorted(p.decode_ms) == [1, 2, 4] and sorted(p.prefill_ms) == [4, 16, 32]

@@ -1,0 +1,93 @@
+"""NodeConfig: everything one prefill or decode node process is built from.
+
+Composed, not inherited: the engine's own options (`EngineConfig`), the node's process options
+(`NodeOptions`), how KV moves (`TransferOptions`) and how the node registers (`DiscoveryConfig`).
+`pdserve prefill|decode` build it once from the parsed flags (`node_common.node_config`); tests
+build it directly, e.g. with the in-process `local` transport that the CLI does not offer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from pdserve.discovery import DiscoveryConfig
+
+TRANSPORTS = ("auto", "tcp", "rdma", "local")
+"""auto: RDMA if a device exists, else tcp. local: both ends in one process (tests only)."""
+
+RDMA_ENV = {
+    "rdma_device": "PDSERVE_RDMA_DEVICE",
+    "rdma_port": "PDSERVE_RDMA_PORT",
+    "rdma_gid_index": "PDSERVE_RDMA_GID_INDEX",
+    "rdma_qps": "PDSERVE_RDMA_QPS",
+}
+"""TransferOptions field -> the variable CacheStore's RDMA setup reads (see `export_env`)."""
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """Process-level options of a node (the engine's own live in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server (and a decode node's CacheStore listener) binds."""
+    port: int = 0
+    """gRPC port (0: pick a free one)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0: off)."""
+    cluster_secret: str = ""
+    """Shared secret on gRPC calls and CacheStore connections (empty: no authentication, dev only)."""
+    drain_timeout: float = 30.0
+    """Seconds in-flight requests may finish after SIGTERM."""
+    advertise_host: str | None = None
+    """Host peers use to reach this node (None: `host`); a decode node puts it in KV credentials."""
+    colocated: bool = False
+    """Decode node: also run prompts locally when a request names no prefill node."""
+    log_level: str = "INFO"
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """How this node's KV cache moves (CacheStore)."""
+
+    transport: str = "tcp"
+    """One of TRANSPORTS."""
+    kv_timeout: float = 60.0
+    """Seconds a KV transfer / session may take."""
+    cachestore_port: int = 0
+    """Decode node: CacheStore listener port (0: pick a free one)."""
+    rdma_device: str | None = None
+    """RDMA device (NIC) name, e.g. mlx5_0 (None: $PDSERVE_RDMA_DEVICE, else the first device)."""
+    rdma_port: int | None = None
+    """Port number on the RDMA device (None: $PDSERVE_RDMA_PORT, else 1)."""
+    rdma_gid_index: int | None = None
+    """GID index for RoCE (None: $PDSERVE_RDMA_GID_INDEX, else 0)."""
+    rdma_qps: int | None = None
+    """RC queue pairs per receiver, used round robin (None: $PDSERVE_RDMA_QPS, else 2)."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        for name, least in (("rdma_port", 1), ("rdma_gid_index", 0), ("rdma_qps", 1)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+
+    def export_env(self) -> None:
+        """Hand the RDMA settings to CacheStore, which reads them from the environment when it sets
+        up RDMA (it imports nothing from pdserve); a setting left None keeps the variable as it is."""
+        for name, env in RDMA_ENV.items():
+            value = getattr(self, name)
+            if value is not None:
+                os.environ[env] = str(value)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One node process: engine + node + transfer + discovery options."""
+
+    engine: EngineConfig
+    node: NodeOptions = field(default_factory=NodeOptions)
+    transfer: TransferOptions = field(default_factory=TransferOptions)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)

@@ -1,0 +1,46 @@
+"""RouterConfig: everything one router process is built from.
+
+Composed, not inherited: the HTTP front end's own options, how it talks to nodes
+(`ClusterOptions`) and how it finds them (`DiscoveryConfig`). `pdserve router` builds it once from
+the parsed flags (`pdserve/commands/router.py::router_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.discovery import DiscoveryConfig
+from router.deadlines import Deadlines
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """How the router calls nodes."""
+
+    cluster_secret: str = ""
+    """Shared secret sent on every node call (empty: none, dev only)."""
+    deadlines: Deadlines = field(default_factory=Deadlines)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """One router process: HTTP options + cluster + discovery."""
+
+    model_dir: str | Path
+    """Checkpoint directory: the router needs its tokenizer, chat template and context length."""
+    served_model_name: str | None = None
+    """Model id clients use (None: the model directory's name)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    """Accepted Bearer keys; none: the API is open."""
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_prompt_tokens: int | None = None
+    """Refuse longer prompts with a 400 (None: only the model's context length bounds them)."""
+    graceful_timeout: float = 30.0
+    """Seconds open streams may finish after SIGTERM before they are cut (uvicorn)."""
+    log_level: str = "info"
+    cluster: ClusterOptions = field(default_factory=ClusterOptions)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
