@@ -19,12 +19,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The CPU paged-attention op compiles once into the pdserve cache (about a minute the first time;
+# The CPU ops (paged attention, fused RMSNorm/rotary/SiLU-mul) compile once into the pdserve cache (about a minute the first time;
 # a quick load afterwards). Building it here, in one process, keeps node processes from each
 # compiling it at start. Without a compiler it reports the pure-torch fallback and succeeds.
 kernels: $(STAMP)
 	@$(BIN)/python -c "from engine.attention.cpu_build import load_paged_attention_op as b; \
-	print('cpu_paged attention op:', 'ready' if b() else 'unavailable, using the pure-torch fallback')"
+	print('cpu ops (paged attention, fused elementwise):', 'ready' if b() else 'unavailable, using the pure-torch fallback')"
 
 serve: kernels
 	$(BIN)/pdserve up

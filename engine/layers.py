@@ -1,10 +1,12 @@
-"""Small numeric building blocks of the Llama family: RMSNorm and rotary embeddings."""
+"""Small numeric building blocks of the Llama family: RMSNorm, rotary embeddings, and the
+elementwise steps of a layer (eager torch, or fused C++ ops on CPU)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 from engine.model_config import ModelConfig, RopeScaling
 
@@ -56,3 +58,50 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class EagerOps:
+    """The elementwise steps of a decoder layer in plain torch ops: the reference, on any device."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += residual (in place, x: [T, H]); returns rms_norm(x)."""
+        if residual is not None:
+            x.add_(residual)
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I] -> silu(gate) * up: [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+                  d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv: [T, (Hq + 2Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D] rotated, v [T, Hkv, D]."""
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        return apply_rotary(q.view(-1, hq, d), cos, sin), apply_rotary(k.view(-1, hkv, d), cos, sin), v.view(-1, hkv, d)
+
+
+class CpuFusedOps:
+    """The same steps as `EagerOps`, one C++ pass each (`torch.ops.pdserve_cpu`, built by
+    `engine.attention.cpu_build`); equal to EagerOps up to float rounding order."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.add_rms_norm(x, residual, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.silu_mul(gate_up)
+
+    @staticmethod
+    def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+                  d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # q and k heads sit side by side in each qkv row: one in-place pass rotates both
+        torch.ops.pdserve_cpu.rotary(qkv, cos[:, 0], sin[:, 0], hq + hkv, d)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)

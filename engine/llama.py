@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
-from engine.layers import RotaryEmbedding, apply_rotary, rms_norm
+from engine.layers import CpuFusedOps, EagerOps, RotaryEmbedding
 from engine.model_config import ModelConfig
 
 LayerHook = Callable[[int, ForwardBatch], None]
@@ -39,8 +39,9 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], layer_range: tuple[int, int],
-                 device: torch.device) -> None:
+                 device: torch.device, fused_ops: bool = True) -> None:
         self.config = config
+        self.fused_ops = fused_ops  # use CpuFusedOps on steps that run the compiled CPU ops
         self.start, self.end = layer_range
         self.is_first = self.start == 0
         self.is_last = self.end == config.num_hidden_layers
@@ -67,34 +68,35 @@ class LlamaModel:
                 layer_hook: LayerHook | None) -> torch.Tensor:
         """Returns hidden states [T, H] after this slice's layers (final norm applied on the last slice)."""
         cfg = self.config
+        # x is the residual stream, updated in place, so never the caller's tensor
         if self.is_first:
             assert input_ids is not None and self.embed is not None, "the first slice embeds token ids"
             x = F.embedding(input_ids, self.embed)
         else:
             assert hidden is not None, "a later slice continues the previous slice's hidden states"
-            x = hidden
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            x = hidden.clone()
         attn.begin_step(meta, kv_pool.layer(0).shape)
-        for local, layer in enumerate(self.layers):
-            # attention block: x [T, H] -> qkv [T, (Hq + 2Hkv) * D]
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        ops = CpuFusedOps if self.fused_ops and attn.uses_kernel and x.device.type == "cpu" else EagerOps
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        # the norm after each residual add, so every add is fused into the norm that reads it
+        norms_after_mlp = [layer.input_norm for layer in self.layers[1:]] + [self.norm if self.is_last else None]
+        h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
+        for local, (layer, next_norm) in enumerate(zip(self.layers, norms_after_mlp)):
+            # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = apply_rotary(q.view(-1, hq, d), cos, sin)
-            k = apply_rotary(k.view(-1, hkv, d), cos, sin)
-            o = attn.forward(q, k, v.view(-1, hkv, d), kv_pool.layer(local), meta, self.scale)
+            q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
+            o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
             if layer_hook is not None:
                 layer_hook(self.start + local, batch)
-            x = x + F.linear(o.reshape(-1, hq * d), layer.o_proj)
-            # MLP block: SiLU-gated
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        if self.is_last:
-            assert self.norm is not None, "the last slice holds the final norm"
-            x = rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return x
+            h = ops.add_rms_norm(x, F.linear(o.reshape(-1, hq * d), layer.o_proj), layer.post_norm, eps)
+            # MLP block: SiLU-gated, gate_up [T, 2I] -> [T, I]
+            mlp = F.linear(ops.silu_mul(F.linear(h, layer.gate_up)), layer.down)
+            if next_norm is None:  # a non-last pipeline stage hands on the un-normed stream
+                x.add_(mlp)
+            else:
+                h = ops.add_rms_norm(x, mlp, next_norm, eps)
+        return h if self.is_last else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> float32 logits [S, V]."""

@@ -19,13 +19,14 @@ class ModelRunner:
 
     With `layer_range`, only those layers are loaded (a pipeline stage); a
     non-last stage returns hidden states instead of logits and a non-first stage
-    takes `hidden_states` instead of token ids.
+    takes `hidden_states` instead of token ids. `fused_ops=False` keeps the eager
+    elementwise ops even where the compiled CPU ops run (the A/B of benchmarks/profile_step.py).
     """
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  layer_range: tuple[int, int] | None = None, attention_backend: str = "auto",
-                 max_model_len: int | None = None, num_threads: int | None = None) -> None:
+                 max_model_len: int | None = None, num_threads: int | None = None, fused_ops: bool = True) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -38,7 +39,7 @@ class ModelRunner:
         self.layer_range = (start, end)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
-        self.model = LlamaModel(cfg, tensors, self.layer_range, self.device)
+        self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops)
         self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device,
                               num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes)
         self.attention = make_backend(resolve_backend(attention_backend, self.device.type))

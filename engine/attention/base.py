@@ -37,6 +37,12 @@ class AttentionBackend(ABC):
     def wait_ready(self) -> None:
         """Block until optional compiled kernels are loaded (benchmarks, tests); most backends have none."""
 
+    @property
+    def uses_kernel(self) -> bool:
+        """True while steps run the compiled CPU ops of `cpu_build`; the model then uses its fused
+        elementwise ops too (decided per step, after `begin_step`)."""
+        return False
+
     def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
         """Per-step planning (flashinfer plans its wrappers here); the torch backend needs none."""
 

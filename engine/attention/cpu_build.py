@@ -1,4 +1,7 @@
-"""Builds (once, cached) and loads the C++ paged-attention op for CPU.
+"""Builds (once, cached) and loads the C++ ops for CPU: paged attention and the fused elementwise ops.
+
+Both sources compile into one library (`torch.ops.pdserve_cpu.*`), so there is
+one build, one cache entry and one fallback decision for all of them.
 
 The op is compiled on first use with `torch.utils.cpp_extension`, into a cache
 directory keyed by the source digest and the torch version, so later processes
@@ -22,7 +25,8 @@ from typing import Callable
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp",
+           Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp")
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
 _lock = threading.Lock()
@@ -32,7 +36,7 @@ _thread: threading.Thread | None = None
 def build_dir() -> Path:
     """Cache location of the built op: `$PDSERVE_CACHE_DIR/kernels/<digest>` (default ~/.cache/pdserve)."""
     root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode()).hexdigest()[:12]
     return root / "kernels" / f"cpu_paged-{digest}"
 
 
@@ -81,7 +85,7 @@ def _build() -> Callable[..., torch.Tensor] | None:
         _remove_dead_builds(out)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        load(name="pdserve_cpu_paged", sources=[str(SOURCE)], build_directory=str(tmp),
+        load(name="pdserve_cpu_paged", sources=[str(s) for s in SOURCES], build_directory=str(tmp),
              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if out.exists() and not library.exists():  # debris of an interrupted build: not a result
             shutil.rmtree(out, ignore_errors=True)

@@ -53,8 +53,7 @@ class CpuPagedAttention(AttentionBackend):
         if self._op is None or q.device.type != "cpu":
             return self._fallback.forward(q, k, v, kv_layer, meta, scale)
         # kv_layer: [N, 2, Hkv, B, D]; write this step's K/V into the pages first
-        kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
-        kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
+        torch.ops.pdserve_cpu.store_kv(kv_layer, k, v, meta.slot_blocks, meta.slot_offsets)
         if self._tables is None or self._tables[0] is not meta:
             self.begin_step(meta, kv_layer.shape)
         assert self._tables is not None

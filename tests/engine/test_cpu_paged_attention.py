@@ -97,3 +97,22 @@ def test_backend_falls_back_without_the_op(monkeypatch):
     backend = CpuPagedAttention()
     backend.wait_ready()  # the background build has decided (and will not run again)
     assert not backend.uses_kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_equals_index_assignment(op, dtype):
+    """The op's KV write equals torch's advanced-index assignment, for strided k/v row views."""
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(9, 2, 3, 8, 17, generator=g).to(dtype)
+    qkv = torch.randn(11, (5 + 2 * 3) * 17, generator=g).to(dtype)  # k, v: row views of a fused projection
+    k = qkv[:, 5 * 17:8 * 17].view(11, 3, 17)
+    v = qkv[:, 8 * 17:].view(11, 3, 17)
+    slots = torch.randperm(9 * 8, generator=g)[:11]
+    blocks, offsets = slots // 8, slots % 8
+    expected = kv.clone()
+    expected[:, 0][blocks, :, offsets] = k
+    expected[:, 1][blocks, :, offsets] = v
+    torch.ops.pdserve_cpu.store_kv(kv, k, v, blocks, offsets)
+    assert torch.equal(kv, expected)
+    with pytest.raises(RuntimeError, match="slot out of the pool"):
+        torch.ops.pdserve_cpu.store_kv(kv, k[:1], v[:1], torch.tensor([9]), torch.tensor([0]))

@@ -33,7 +33,9 @@ def test_pipeline_slices_compose_to_the_full_model(tiny_model_dir):
     tail = ModelRunner(tiny_model_dir, num_kv_blocks=8, block_size=4, layer_range=(2, 4))
     hidden = head.run(batch)
     assert hidden.shape == (5, head.model_config.hidden_size) and tail.kv_pool.num_layers == 2
+    sent = hidden.clone()
     assert torch.allclose(tail.run(batch, hidden_states=hidden), full, atol=1e-5)
+    assert torch.equal(hidden, sent), "a stage updates its residual stream in place, never the caller's tensor"
 
 
 def test_rejects_unsupported_architecture_and_rope():

@@ -81,6 +81,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   const int64_t hkv = kv.size(2), bs = kv.size(3);
   const int64_t group = hq / hkv, num_seqs = context_lens.size(0), max_pages = block_table.size(1);
   const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0);  // q may be a row view of the fused qkv projection
   const T* kvp = kv.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int32_t* table = block_table.data_ptr<int32_t>();
@@ -90,10 +91,18 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
   // token -> sequence, so work items can be flat over (token, kv head)
   std::vector<int32_t> seq_of(num_tokens);
+  int64_t total_keys = 0;
   for (int64_t s = 0; s < num_seqs; ++s)
-    for (int32_t t = qstart[s]; t < qstart[s + 1]; ++t) seq_of[t] = static_cast<int32_t>(s);
+    for (int32_t t = qstart[s]; t < qstart[s + 1]; ++t) {
+      seq_of[t] = static_cast<int32_t>(s);
+      total_keys += ctx[s] - (qstart[s + 1] - t) + 1;
+    }
+  // Work items per thread chunk: about 256K K/V values read. A batch-1 decode step reads far fewer,
+  // and waking the other OpenMP threads can cost a scheduler time slice on a loaded machine.
+  const int64_t values_per_item = std::max<int64_t>(1, 2 * d * total_keys / std::max<int64_t>(num_tokens, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / values_per_item);
 
-  at::parallel_for(0, num_tokens * hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tokens * hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / hkv, h = item % hkv, s = seq_of[t];
@@ -102,7 +111,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
       const int32_t* pages = table + s * max_pages;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
-          qf[g * d + i] = static_cast<float>(qp[(t * hq + h * group + g) * d + i]) * static_cast<float>(scale);
+          qf[g * d + i] = static_cast<float>(qp[t * q_row + (h * group + g) * d + i]) * static_cast<float>(scale);
       scores.resize(group * n_keys);
       for (int64_t p = 0; p < n_keys; ++p) {
         const T* krow = kvp + pages[p / bs] * s_block + h * s_head + (p % bs) * d;
@@ -137,8 +146,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
   TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
                   context_lens.scalar_type() == at::kInt, "index tensors must be int32");
   TORCH_CHECK(kv.is_contiguous(), "kv layer must be contiguous");
-  at::Tensor qc = q.contiguous(), bt = block_table.contiguous();
-  at::Tensor out = at::empty_like(qc);
+  // a view with contiguous heads (a slice of the qkv projection) is read in place
+  at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+  at::Tensor bt = block_table.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
     run<float>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
@@ -149,10 +160,42 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
   return out;
 }
 
+// kv[slot_blocks[t], 0/1, :, slot_offsets[t]] = k[t] / v[t] for every new token t. One serial
+// pass of row copies: torch's advanced-index assignment costs two parallel index_put_ per layer.
+void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_blocks,
+              const at::Tensor& slot_offsets) {
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.is_contiguous(), "kv [N,2,Hkv,B,D] contiguous expected");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv.size(2) && k.size(2) == kv.size(4),
+              "k/v [T,Hkv,D] matching the pool expected");
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(), "k/v dtype differs");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v rows must be contiguous");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_blocks.numel() == k.size(0) && slot_offsets.numel() == k.size(0), "int64 slots [T] expected");
+  const int64_t num_tokens = k.size(0), hkv = kv.size(2), bs = kv.size(3), d = kv.size(4);
+  const int64_t num_blocks = kv.size(0), item = kv.element_size();
+  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
+  at::Tensor blocks = slot_blocks.contiguous(), offsets = slot_offsets.contiguous();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  char* base = static_cast<char*>(kv.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(bp[t] >= 0 && bp[t] < num_blocks && op[t] >= 0 && op[t] < bs, "slot out of the pool");
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t dst = bp[t] * s_block + h * s_head + op[t] * d;
+      std::memcpy(base + dst * item, kp + (t * k.stride(0) + h * k.stride(1)) * item, d * item);
+      std::memcpy(base + (dst + s_kv) * item, vp + (t * v.stride(0) + h * v.stride(1)) * item, d * item);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor query_start, Tensor context_lens, "
         "float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def("store_kv(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
 }
