@@ -6,7 +6,8 @@ with the real CacheStoreClient/CacheStoreServer into destination blocks laid out
 `random` (a seeded shuffle), and the same bytes with a plain socket pair sending
 one buffer per layer (sendall / recv_into a preallocated buffer, the strongest
 socket baseline), rounds interleaved so both see the same machine load. Also
-measures the latency of a small transfer (1 block x 32 layers).
+measures the latency of a small transfer (1 block x 32 layers), and the plain socket's for the
+same bytes (one sendall per layer), interleaved.
 Targets: >= 0.85x the plain socket on every layout; small transfer p50 <= 1.3 ms.
 
     python -m benchmarks.cachestore_tcp [--quick] [--layout contiguous|scattered|random|all]
@@ -55,38 +56,51 @@ def receiver(conn, geo_args, transport: str = "tcp") -> None:
 
 
 
-def plain_receiver(port_conn, total: int, rounds: int) -> None:
-    """Child: accept one connection, recv_into a preallocated buffer `rounds` times, ack each."""
+def plain_receiver(port_conn, sizes: list[tuple[int, int]]) -> None:
+    """Child: accept one connection; for each (bytes, rounds), recv_into a preallocated buffer `rounds`
+    times and ack each round with one byte."""
     srv = socket.create_server(("127.0.0.1", 0))
     port_conn.send(srv.getsockname()[1])
     conn, _ = srv.accept()
-    buf = memoryview(bytearray(total))
-    for _ in range(rounds):
-        got = 0
-        while got < total:
-            got += conn.recv_into(buf[got:], min(total - got, 4 << 20))
-        conn.sendall(b"k")
+    buf = memoryview(bytearray(max(total for total, _ in sizes)))
+    for total, rounds in sizes:
+        for _ in range(rounds):
+            got = 0
+            while got < total:
+                got += conn.recv_into(buf[got:total], min(total - got, 4 << 20))
+            conn.sendall(b"k")
     conn.close()
 
 
 class PlainSocket:
-    """The baseline: one sendall per layer into a receiver process that acks each round."""
+    """The baseline: one sendall per layer into a receiver process that acks each round (one warm-up
+    round first, untimed, as CacheStore gets one). `small` rounds move one block per layer."""
 
-    def __init__(self, total: int, rounds: int, chunk: int) -> None:
+    def __init__(self, geo: PoolGeometry, rounds: int, small_rounds: int) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=plain_receiver, args=(child, total, rounds))
+        self.total, self.chunk = geo.total_bytes, geo.total_bytes // geo.num_layers
+        self.small_total, self.small_chunk = geo.num_layers * geo.block_bytes, geo.block_bytes
+        sizes = [(self.total, rounds + 1), (self.small_total, small_rounds)]
+        self.proc = ctx.Process(target=plain_receiver, args=(child, sizes))
         self.proc.start()
         self.sock = socket.create_connection(("127.0.0.1", parent.recv()))
-        self.data = memoryview(bytearray(os.urandom(1024)) * (total // 1024))
-        self.total, self.chunk = total, chunk
+        self.data = memoryview(bytearray(os.urandom(1024)) * (self.total // 1024))
+        self.round_seconds(self.total, self.chunk)  # warm-up
+
+    def round_seconds(self, total: int, chunk: int) -> float:
+        t0 = time.perf_counter()
+        for off in range(0, total, chunk):
+            self.sock.sendall(self.data[off:off + chunk])
+        self.sock.recv(1)
+        return time.perf_counter() - t0
 
     def round_gbps(self) -> float:
-        t0 = time.perf_counter()
-        for off in range(0, self.total, self.chunk):
-            self.sock.sendall(self.data[off:off + self.chunk])
-        self.sock.recv(1)
-        return self.total / (time.perf_counter() - t0) / 1e9
+        return self.total / self.round_seconds(self.total, self.chunk) / 1e9
+
+    def small_seconds(self) -> float:
+        """1 block x num_layers: one sendall per layer, then the receiver's ack."""
+        return self.round_seconds(self.small_total, self.small_chunk)
 
     def close(self) -> None:
         self.sock.close()
@@ -150,22 +164,28 @@ async def cachestore_run(geo: PoolGeometry, rounds: int, small_rounds: int,
 
 
 async def run(geo: PoolGeometry, names: list[str], rounds: int, small_rounds: int):
-    """Best GB/s per layout and for the plain socket (rounds interleaved), and small-transfer latencies."""
-    plain = PlainSocket(geo.total_bytes, rounds, chunk=geo.total_bytes // geo.num_layers)
+    """Best GB/s per layout and for the plain socket (rounds interleaved), and small-transfer latencies
+    of CacheStore and of the plain socket (interleaved too). Both sides get one untimed warm-up round
+    (connection set-up, first touch of the destination pages)."""
+    plain = PlainSocket(geo, rounds, small_rounds)
     pair = CacheStorePair(geo)
     src, dst_of = list(range(geo.num_blocks)), layouts(geo.num_blocks)
     best = {name: 0.0 for name in ["plain", *names]}
+    latencies: list[float] = []
+    plain_latencies: list[float] = []
     try:
+        await pair.transfer(src, src)  # warm-up
         for _ in range(rounds):
             best["plain"] = max(best["plain"], plain.round_gbps())
             for name in names:
                 best[name] = max(best[name], geo.total_bytes / await pair.transfer(src, dst_of[name]) / 1e9)
-        latencies = [await pair.transfer([i % geo.num_blocks], [(7 * i) % geo.num_blocks])
-                     for i in range(small_rounds)]
+        for i in range(small_rounds):
+            plain_latencies.append(plain.small_seconds())
+            latencies.append(await pair.transfer([i % geo.num_blocks], [(7 * i) % geo.num_blocks]))
     finally:
         plain.close()
         await pair.close()
-    return best, latencies
+    return best, latencies, plain_latencies
 
 
 def main() -> None:
@@ -179,8 +199,9 @@ def main() -> None:
     geo = PoolGeometry(args.layers, args.blocks, args.block_kib * 1024)
     rounds, small = (3, 50) if args.quick else (8, 300)
     names = ["contiguous", "scattered", "random"] if args.layout == "all" else [args.layout]
-    best, lat = asyncio.run(run(geo, names, rounds, small))
+    best, lat, plain_lat = asyncio.run(run(geo, names, rounds, small))
     lat_ms = [x * 1e3 for x in lat]
+    plain_lat_ms = [x * 1e3 for x in plain_lat]
     plain = best["plain"]
     worst = min(names, key=lambda n: best[n])
     for name in names:
@@ -193,9 +214,13 @@ def main() -> None:
         **{f"{n}_gbps": round(best[n], 3) for n in names},
         "small_transfer_p50_ms": round(statistics.median(lat_ms), 3),
         "small_transfer_p99_ms": round(pct(lat_ms, 0.99), 3), "small_transfer_p50_target_ms": 1.3,
+        "small_transfer_plain_p50_ms": round(statistics.median(plain_lat_ms), 3),
+        "small_transfer_plain_p99_ms": round(pct(plain_lat_ms, 0.99), 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
-    print(f"1 block x {args.layers} layers: p50 {result['small_transfer_p50_ms']} ms, "
-          f"p99 {result['small_transfer_p99_ms']} ms (machine shared with other jobs)")
+    print(f"1 block x {args.layers} layers: cachestore p50 {result['small_transfer_p50_ms']} ms, "
+          f"p99 {result['small_transfer_p99_ms']} ms; plain socket p50 {result['small_transfer_plain_p50_ms']} ms, "
+          f"p99 {result['small_transfer_plain_p99_ms']} ms (load average {result['load_average_1m']})")
     emit(result)
 
 
