@@ -29,7 +29,7 @@ kernels: $(STAMP)
 serve: kernels
 	$(BIN)/pdserve up
 
-test: kernels
+test: lint kernels
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
@@ -41,6 +41,7 @@ test-slow: kernels
 # both are configured in pyproject.toml.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy engine cachestore
 
 proto: $(STAMP)

@@ -35,8 +35,9 @@ def receiver(conn, geo_args, transport: str = "tcp") -> None:
     geo = PoolGeometry(*geo_args)
 
     async def main() -> None:
-        server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport,
-                                  secret=SECRET)
+        server = CacheStoreServer(
+            MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport, secret=SECRET
+        )
         await server.start()
         conn.send(server.endpoint)
         loop = asyncio.get_running_loop()
@@ -52,8 +53,6 @@ def receiver(conn, geo_args, transport: str = "tcp") -> None:
         await server.stop()
 
     asyncio.run(main())
-
-
 
 
 def plain_receiver(port_conn, sizes: list[tuple[int, int]]) -> None:
@@ -91,7 +90,7 @@ class PlainSocket:
     def round_seconds(self, total: int, chunk: int) -> float:
         t0 = time.perf_counter()
         for off in range(0, total, chunk):
-            self.sock.sendall(self.data[off:off + chunk])
+            self.sock.sendall(self.data[off : off + chunk])
         self.sock.recv(1)
         return time.perf_counter() - t0
 
@@ -109,9 +108,11 @@ class PlainSocket:
 
 def layouts(num_blocks: int) -> dict[str, list[int]]:
     """Destination block ids per layout (the source blocks are always 0..N-1)."""
-    return {"contiguous": list(range(num_blocks)),
-            "scattered": [37 * i % num_blocks for i in range(num_blocks)],
-            "random": random.Random(0).sample(range(num_blocks), num_blocks)}
+    return {
+        "contiguous": list(range(num_blocks)),
+        "scattered": [37 * i % num_blocks for i in range(num_blocks)],
+        "random": random.Random(0).sample(range(num_blocks), num_blocks),
+    }
 
 
 class CacheStorePair:
@@ -121,8 +122,9 @@ class CacheStorePair:
         self.geo = geo
         ctx = mp.get_context("spawn")
         self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver, args=(child, (geo.num_layers, geo.num_blocks, geo.block_bytes),
-                                                       transport))
+        self.proc = ctx.Process(
+            target=receiver, args=(child, (geo.num_layers, geo.num_blocks, geo.block_bytes), transport)
+        )
         self.proc.start()
         self.parent.recv()
         src = bytearray(os.urandom(1024)) * (geo.total_bytes // 1024)
@@ -149,8 +151,9 @@ class CacheStorePair:
             self.proc.kill()
 
 
-async def cachestore_run(geo: PoolGeometry, rounds: int, small_rounds: int,
-                         transport: str = "tcp") -> tuple[float, list[float]]:
+async def cachestore_run(
+    geo: PoolGeometry, rounds: int, small_rounds: int, transport: str = "tcp"
+) -> tuple[float, list[float]]:
     """Best GB/s of contiguous transfers and the small-transfer latencies, CacheStore alone (the
     receiver in a child process)."""
     pair = CacheStorePair(geo, transport)
@@ -205,22 +208,31 @@ def main() -> None:
     plain = best["plain"]
     worst = min(names, key=lambda n: best[n])
     for name in names:
-        print(f"{name:>10}: cachestore tcp {best[name]:.2f} GB/s, plain socket {plain:.2f} GB/s, "
-              f"ratio {best[name] / plain:.2f}")
+        print(
+            f"{name:>10}: cachestore tcp {best[name]:.2f} GB/s, plain socket {plain:.2f} GB/s, "
+            f"ratio {best[name] / plain:.2f}"
+        )
     result = {
         "metric": "cachestore_tcp_gbps_" + ("worst_layout" if args.layout == "all" else args.layout),
-        "value": round(best[worst], 3), "baseline": round(plain, 3), "ratio": round(best[worst] / plain, 3),
-        "target": 0.85, "worst_layout": worst, "transfer_mib": geo.total_bytes / 2**20,
+        "value": round(best[worst], 3),
+        "baseline": round(plain, 3),
+        "ratio": round(best[worst] / plain, 3),
+        "target": 0.85,
+        "worst_layout": worst,
+        "transfer_mib": geo.total_bytes / 2**20,
         **{f"{n}_gbps": round(best[n], 3) for n in names},
         "small_transfer_p50_ms": round(statistics.median(lat_ms), 3),
-        "small_transfer_p99_ms": round(pct(lat_ms, 0.99), 3), "small_transfer_p50_target_ms": 1.3,
+        "small_transfer_p99_ms": round(pct(lat_ms, 0.99), 3),
+        "small_transfer_p50_target_ms": 1.3,
         "small_transfer_plain_p50_ms": round(statistics.median(plain_lat_ms), 3),
         "small_transfer_plain_p99_ms": round(pct(plain_lat_ms, 0.99), 3),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
-    print(f"1 block x {args.layers} layers: cachestore p50 {result['small_transfer_p50_ms']} ms, "
-          f"p99 {result['small_transfer_p99_ms']} ms; plain socket p50 {result['small_transfer_plain_p50_ms']} ms, "
-          f"p99 {result['small_transfer_plain_p99_ms']} ms (load average {result['load_average_1m']})")
+    print(
+        f"1 block x {args.layers} layers: cachestore p50 {result['small_transfer_p50_ms']} ms, "
+        f"p99 {result['small_transfer_p99_ms']} ms; plain socket p50 {result['small_transfer_plain_p50_ms']} ms, "
+        f"p99 {result['small_transfer_plain_p99_ms']} ms (load average {result['load_average_1m']})"
+    )
     emit(result)
 
 

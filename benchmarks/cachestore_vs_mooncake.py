@@ -32,6 +32,7 @@ def _engine(site: str | None):
     if site:
         sys.path.append(site)
     from mooncake.engine import TransferEngine
+
     te = TransferEngine()
     if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
         raise RuntimeError("Mooncake TransferEngine.initialize failed")
@@ -129,8 +130,10 @@ def main() -> None:
     result: dict = {}
     for name in names:
         cs, m = best[f"cachestore_{name}"], best[f"mooncake_{name}"]
-        print(f"{name:>10}: cachestore {cs:.2f} GB/s, mooncake {m:.2f} GB/s, plain socket {best['plain']:.2f} GB/s, "
-              f"cachestore/mooncake {cs / m:.2f}")
+        print(
+            f"{name:>10}: cachestore {cs:.2f} GB/s, mooncake {m:.2f} GB/s, plain socket {best['plain']:.2f} GB/s, "
+            f"cachestore/mooncake {cs / m:.2f}"
+        )
         result.update({f"cachestore_{name}_gbps": round(cs, 3), f"mooncake_{name}_gbps": round(m, 3)})
     for side, xs in lat.items():
         ms = [x * 1e3 for x in xs]
@@ -139,10 +142,19 @@ def main() -> None:
         print(f"1 block x 32 layers, {side}: p50 {p50} ms, p99 {p99} ms")
     worst = min(names, key=lambda n: best[f"cachestore_{n}"] / best[f"mooncake_{n}"])
     ratio = best[f"cachestore_{worst}"] / best[f"mooncake_{worst}"]
-    emit({"metric": "cachestore_vs_mooncake_worst_layout_ratio", "value": round(ratio, 3),
-          "baseline": "mooncake TE tcp batch_transfer_sync_write", "ratio": round(ratio, 3), "target": 1.5,
-          "worst_layout": worst, "plain_gbps": round(best["plain"], 3), **result,
-          "load_average_1m": round(os.getloadavg()[0], 2)})
+    emit(
+        {
+            "metric": "cachestore_vs_mooncake_worst_layout_ratio",
+            "value": round(ratio, 3),
+            "baseline": "mooncake TE tcp batch_transfer_sync_write",
+            "ratio": round(ratio, 3),
+            "target": 1.5,
+            "worst_layout": worst,
+            "plain_gbps": round(best["plain"], 3),
+            **result,
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        }
+    )
 
 
 if __name__ == "__main__":

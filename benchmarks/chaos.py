@@ -40,9 +40,15 @@ class Up:
     def __init__(self, port: int, env: dict[str, str]) -> None:
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--num-prefill", "2",
-                                      "--num-decode", "2", "--port", str(port)], cwd=ROOT, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "up", "--num-prefill", "2", "--num-decode", "2", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -83,8 +89,14 @@ class Up:
 
 async def one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, cancel_after: int | None):
     """('ok'|'error'|'cancelled', text). An error is an HTTP error or an in-band error chunk."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     text, chunks = "", 0
     try:
         async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
@@ -109,8 +121,9 @@ async def one(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int
     return "ok", text
 
 
-async def run_load(up: Up, prompts: list[str], max_tokens: int, concurrency: int, cancels: dict[int, int],
-                   on_progress=None) -> list[tuple[str, str]]:
+async def run_load(
+    up: Up, prompts: list[str], max_tokens: int, concurrency: int, cancels: dict[int, int], on_progress=None
+) -> list[tuple[str, str]]:
     done = 0
     sem = asyncio.Semaphore(concurrency)
 
@@ -134,8 +147,11 @@ class Schedule:
         self.up = up
         self.stop_seconds = stop_seconds
         at = sorted(rng.uniform(0.1, 0.6) for _ in range(3))
-        self.events = [(int(at[0] * total), "kill decode-0"), (int(at[1] * total), "kill prefill-1"),
-                       (int(at[2] * total), "stop decode-1")]
+        self.events = [
+            (int(at[0] * total), "kill decode-0"),
+            (int(at[1] * total), "kill prefill-1"),
+            (int(at[2] * total), "stop decode-1"),
+        ]
         self.log: list[str] = []
         self.threads: list[threading.Thread] = []
 
@@ -243,18 +259,38 @@ def main() -> None:
     for message in sorted(set(ERRORS)):
         print(f"error x{ERRORS.count(message)}: {message}")
     print(f"baseline (no faults): {base_ok}/{total} ok in {baseline_seconds:.1f} s")
-    print(f"chaos: {identical}/{len(counted)} identical, {clean_errors} clean errors, {wrong} wrong, "
-          f"{cancelled}/{len(cancels)} cancelled, {leaked} blocks not free at the end, {restarts} restarts by up, "
-          f"still serving: {still_serving}, router retries {retries:.0f}, migrations {migrations:.0f}, "
-          f"in {chaos_seconds:.1f} s (machine shared with other work)")
-    emit({"metric": "chaos_completed_identical_fraction", "value": round(value, 4), "baseline": round(baseline, 4),
-          "ratio": round(value / baseline, 4) if baseline else None, "target": 0.95, "requests": total,
-          "counted": len(counted), "identical": identical, "clean_errors": clean_errors, "wrong_outputs": wrong,
-          "cancels": len(cancels), "blocks_not_free": leaked, "all_nodes_usable": all_usable,
-          "restarts_by_up": restarts, "still_serving": still_serving,
-          "router_retries": retries, "router_migrations": migrations, "up_exit_code": exit_code,
-          "schedule": schedule.log, "fail_rate": args.fail_rate, "seed": args.seed,
-          "met": wrong == 0 and leaked == 0 and value >= 0.95 and still_serving})
+    print(
+        f"chaos: {identical}/{len(counted)} identical, {clean_errors} clean errors, {wrong} wrong, "
+        f"{cancelled}/{len(cancels)} cancelled, {leaked} blocks not free at the end, {restarts} restarts by up, "
+        f"still serving: {still_serving}, router retries {retries:.0f}, migrations {migrations:.0f}, "
+        f"in {chaos_seconds:.1f} s (machine shared with other work)"
+    )
+    emit(
+        {
+            "metric": "chaos_completed_identical_fraction",
+            "value": round(value, 4),
+            "baseline": round(baseline, 4),
+            "ratio": round(value / baseline, 4) if baseline else None,
+            "target": 0.95,
+            "requests": total,
+            "counted": len(counted),
+            "identical": identical,
+            "clean_errors": clean_errors,
+            "wrong_outputs": wrong,
+            "cancels": len(cancels),
+            "blocks_not_free": leaked,
+            "all_nodes_usable": all_usable,
+            "restarts_by_up": restarts,
+            "still_serving": still_serving,
+            "router_retries": retries,
+            "router_migrations": migrations,
+            "up_exit_code": exit_code,
+            "schedule": schedule.log,
+            "fail_rate": args.fail_rate,
+            "seed": args.seed,
+            "met": wrong == 0 and leaked == 0 and value >= 0.95 and still_serving,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -16,12 +16,16 @@ class NodeProc(Child):
     """`pdserve ROLE ARGS`, started and READY (its address known); always stop() it."""
 
     def __init__(self, role: str, args: list[str], timeout: float = 180.0) -> None:
-        super().__init__(role, [sys.executable, "-m", "pdserve.cli", role, *args],
-                         {**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, ready_prefix=f"READY {role} ",
-                         echo_errors=False)
+        super().__init__(
+            role,
+            [sys.executable, "-m", "pdserve.cli", role, *args],
+            {**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=ROOT,
+            ready_prefix=f"READY {role} ",
+            echo_errors=False,
+        )
         try:
             self.wait_ready(time.monotonic() + timeout)
         except RuntimeError:
             self.stop()
             raise
-

@@ -30,8 +30,12 @@ def emit(result: dict) -> None:
     """Print the result as the last stdout line (one JSON object), with command/date/machine."""
     script = sys.argv[0]  # under `python -m benchmarks.X` this is the file's full path: name the module instead
     run = f"-m benchmarks.{os.path.basename(script)[:-3]}" if script.endswith(".py") else script
-    result = {"command": " ".join(["python", run] + sys.argv[1:]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-              "machine": machine(), **result}
+    result = {
+        "command": " ".join(["python", run] + sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": machine(),
+        **result,
+    }
     print(json.dumps(result), flush=True)
 
 
@@ -39,6 +43,7 @@ def node_bench_args(description: str, secret: str) -> tuple[argparse.Namespace, 
     """The flags of the benchmarks that start node processes (--quick, --model-size), the model
     directory and the node flags they share (free port, that model, the secret, one torch thread)."""
     from engine.builtin import default_model_dir
+
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])

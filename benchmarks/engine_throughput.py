@@ -34,14 +34,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int = 0):
     rng = random.Random(seed)
-    return [([rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*out_range))
-            for _ in range(n)]
+    return [
+        ([rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*out_range))
+        for _ in range(n)
+    ]
 
 
 def run_pdserve(model_dir: Path, dtype: str, threads: int, reqs) -> tuple[float, int]:
     need = sum(len(p) + o for p, o in reqs)
-    engine = LLMEngine(EngineConfig(model_dir, dtype=dtype, num_threads=threads, max_num_seqs=128,
-                                    max_num_batched_tokens=2048, num_kv_blocks=need // 16 + 2 * len(reqs) + 64))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir,
+            dtype=dtype,
+            num_threads=threads,
+            max_num_seqs=128,
+            max_num_batched_tokens=2048,
+            num_kv_blocks=need // 16 + 2 * len(reqs) + 64,
+        )
+    )
     engine.runner.attention.wait_ready()  # a first-use kernel build is not part of the measurement
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(reqs):
@@ -54,20 +64,27 @@ def run_pdserve(model_dir: Path, dtype: str, threads: int, reqs) -> tuple[float,
 
 def run_hf(model_dir: Path, dtype: str, threads: int, reqs, batch: int) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
     pad = 0
     start = time.perf_counter()
     useful = 0
     for i in range(0, len(reqs), batch):
-        group = reqs[i:i + batch]
+        group = reqs[i : i + batch]
         width = max(len(p) for p, _ in group)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
         longest = max(o for _, o in group)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         useful += sum(o for _, o in group)
     return time.perf_counter() - start, useful
 
@@ -91,14 +108,19 @@ def _timed(fn) -> float:
 def decode_step_seconds(model_dir: Path, dtype: str, threads: int, steps: int) -> tuple[float, int]:
     engine = LLMEngine(EngineConfig(model_dir, dtype=dtype, num_threads=threads, num_kv_blocks=64))
     engine.runner.attention.wait_ready()
-    engine.add_request("b1", list(range(10, 138)), SamplingParams(temperature=0.0, max_tokens=steps + 1,
-                                                                  ignore_eos=True))
+    engine.add_request(
+        "b1", list(range(10, 138)), SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    )
     engine.step()  # prefill
     times = []
     while engine.has_unfinished_requests():
         times.append(_timed(engine.step))
-    weight_bytes = sum(t.numel() * t.element_size() for layer in engine.runner.model.layers
-                       for t in vars(layer).values() if isinstance(t, torch.Tensor))
+    weight_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in engine.runner.model.layers
+        for t in vars(layer).values()
+        if isinstance(t, torch.Tensor)
+    )
     m = engine.runner.model
     weight_bytes += m.lm_head.numel() * m.lm_head.element_size() + m.norm.numel() * m.norm.element_size()
     times.sort()
@@ -113,6 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = default_model_dir("bench")
     from engine.tokenizer import Tokenizer
+
     vocab = Tokenizer(model_dir).vocab_size
     if args.quick:
         reqs, batch, steps = workload(16, (16, 96), (8, 32), vocab), 64, 16
@@ -124,16 +147,33 @@ def main() -> None:
     bw = memcpy_gbps()
     bound = weight_bytes / (bw * 1e9)
     ours, hf = n_ours / t_ours, n_hf / t_hf
-    print(f"pdserve: {n_ours} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; HF generate (padded batches of {batch}): "
-          f"{n_hf} useful tokens in {t_hf:.1f} s = {hf:.1f} tok/s; ratio {ours / hf:.2f}")
-    print(f"batch-1 decode step {step * 1e3:.1f} ms vs bound {bound * 1e3:.1f} ms "
-          f"({weight_bytes / 1e6:.0f} MB of weights at {bw:.1f} GB/s copied): {step / bound:.2f}x "
-          f"(counting a copy's read and write traffic, the bound is {bound * 500:.1f} ms: {2 * step / bound:.2f}x)")
-    emit({"metric": "output_tokens_per_s", "value": round(ours, 2), "baseline": round(hf, 2),
-          "ratio": round(ours / hf, 3), "target": 2.0, "dtype": args.dtype, "threads": args.threads,
-          "requests": len(reqs), "decode_step_ms": round(step * 1e3, 2), "decode_bound_ms": round(bound * 1e3, 2),
-          "decode_step_vs_bound": round(step / bound, 3), "decode_target": 2.0, "memcpy_gbps": round(bw, 2),
-          "decode_step_vs_read_write_bound": round(2 * step / bound, 3)})
+    print(
+        f"pdserve: {n_ours} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; HF generate (padded batches of {batch}): "
+        f"{n_hf} useful tokens in {t_hf:.1f} s = {hf:.1f} tok/s; ratio {ours / hf:.2f}"
+    )
+    print(
+        f"batch-1 decode step {step * 1e3:.1f} ms vs bound {bound * 1e3:.1f} ms "
+        f"({weight_bytes / 1e6:.0f} MB of weights at {bw:.1f} GB/s copied): {step / bound:.2f}x "
+        f"(counting a copy's read and write traffic, the bound is {bound * 500:.1f} ms: {2 * step / bound:.2f}x)"
+    )
+    emit(
+        {
+            "metric": "output_tokens_per_s",
+            "value": round(ours, 2),
+            "baseline": round(hf, 2),
+            "ratio": round(ours / hf, 3),
+            "target": 2.0,
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "requests": len(reqs),
+            "decode_step_ms": round(step * 1e3, 2),
+            "decode_bound_ms": round(bound * 1e3, 2),
+            "decode_step_vs_bound": round(step / bound, 3),
+            "decode_target": 2.0,
+            "memcpy_gbps": round(bw, 2),
+            "decode_step_vs_read_write_bound": round(2 * step / bound, 3),
+        }
+    )
 
 
 if __name__ == "__main__":

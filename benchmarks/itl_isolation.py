@@ -26,6 +26,7 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
 
     from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
     meta = cluster_metadata(SECRET)
     gaps: list[float] = []
     done = asyncio.Event()
@@ -33,11 +34,12 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
         stub = decode_pb2_grpc.DecodeStub(ch)
 
         async def steady(i: int) -> None:
-            req = decode_pb2.GenerateRequest(request_id=f"s{i}-{time.monotonic_ns()}",
-                                             prompt_token_ids=[10 + i, 11, 12],
-                                             params=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                                              ignore_eos=True),
-                                             prefill_addresses=prefill)
+            req = decode_pb2.GenerateRequest(
+                request_id=f"s{i}-{time.monotonic_ns()}",
+                prompt_token_ids=[10 + i, 11, 12],
+                params=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                prefill_addresses=prefill,
+            )
             last = None
             async for event in stub.Generate(req, metadata=meta, timeout=600):
                 now = time.perf_counter()
@@ -49,9 +51,12 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
             k = 0
             while not done.is_set():
                 prompt = [10 + (k * 31 + j) % 1500 for j in range(long_len)]
-                req = decode_pb2.GenerateRequest(request_id=f"long-{k}-{time.monotonic_ns()}", prompt_token_ids=prompt,
-                                                 params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
-                                                 prefill_addresses=prefill)
+                req = decode_pb2.GenerateRequest(
+                    request_id=f"long-{k}-{time.monotonic_ns()}",
+                    prompt_token_ids=prompt,
+                    params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
+                    prefill_addresses=prefill,
+                )
                 async for _ in stub.Generate(req, metadata=meta, timeout=600):
                     pass
                 k += 1
@@ -74,7 +79,8 @@ def main() -> None:
         decode = NodeProc("decode", common)
         try:
             results["disaggregated"] = asyncio.run(
-                run_mode(decode.address, [prefill.address], streams, tokens, long_len))
+                run_mode(decode.address, [prefill.address], streams, tokens, long_len)
+            )
         finally:
             decode.stop()
     finally:
@@ -85,14 +91,28 @@ def main() -> None:
         results["colocated"] = asyncio.run(run_mode(colo.address, [], streams, tokens, long_len))
     finally:
         colo.stop()
-    summary = {mode: {"itl_p50_ms": round(statistics.median(g) * 1e3, 2), "itl_p99_ms": round(pct(g, 0.99) * 1e3, 2),
-                      "samples": len(g)} for mode, g in results.items()}
+    summary = {
+        mode: {
+            "itl_p50_ms": round(statistics.median(g) * 1e3, 2),
+            "itl_p99_ms": round(pct(g, 0.99) * 1e3, 2),
+            "samples": len(g),
+        }
+        for mode, g in results.items()
+    }
     d, c = summary["disaggregated"], summary["colocated"]
     for mode, s in summary.items():
         print(f"{mode}: ITL p50 {s['itl_p50_ms']} ms, p99 {s['itl_p99_ms']} ms ({s['samples']} gaps)")
-    emit({"metric": "itl_p99_ms_disaggregated", "value": d["itl_p99_ms"], "baseline": c["itl_p99_ms"],
-          "ratio": round(d["itl_p99_ms"] / c["itl_p99_ms"], 3), "target": "< 1 (lower is better)",
-          "model": args.model_size, **{f"{m}_{k}": v for m, s in summary.items() for k, v in s.items()}})
+    emit(
+        {
+            "metric": "itl_p99_ms_disaggregated",
+            "value": d["itl_p99_ms"],
+            "baseline": c["itl_p99_ms"],
+            "ratio": round(d["itl_p99_ms"] / c["itl_p99_ms"], 3),
+            "target": "< 1 (lower is better)",
+            "model": args.model_size,
+            **{f"{m}_{k}": v for m, s in summary.items() for k, v in s.items()},
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def make_batch(num_tokens: int, decode: bool, context: int, block_size: int):
     from engine.block_manager import blocks_for
     from engine.forward_batch import ForwardBatch
+
     seqs = [1] * num_tokens if decode else [min(512, num_tokens - i) for i in range(0, num_tokens, 512)]
     ctx = [context + 1 if decode else q for q in seqs]
     tables, next_block = [], 0
@@ -33,8 +34,9 @@ def make_batch(num_tokens: int, decode: bool, context: int, block_size: int):
         n = blocks_for(c, block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    return ForwardBatch([f"p{i}" for i in range(len(seqs))], [7] * sum(seqs), seqs, ctx, tables,
-                        [True] * len(seqs)), next_block
+    return ForwardBatch(
+        [f"p{i}" for i in range(len(seqs))], [7] * sum(seqs), seqs, ctx, tables, [True] * len(seqs)
+    ), next_block
 
 
 def time_forward(runner, batch, repeats: int) -> float:
@@ -59,13 +61,14 @@ def main() -> None:
     from engine.builtin import default_model_dir
     from engine.model_runner import ModelRunner
 
-    grid = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, args.max_decode}
-                  | (set() if args.quick else set(range(32, args.max_tokens + 1, 32))))
+    grid = sorted(
+        {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, args.max_decode}
+        | (set() if args.quick else set(range(32, args.max_tokens + 1, 32)))
+    )
     grid = [n for n in grid if n <= args.max_tokens]
     block_size = 16
     need = max(make_batch(n, n <= args.max_decode, args.context, block_size)[1] for n in grid)
-    runner = ModelRunner(default_model_dir(args.model), dtype="float32", block_size=block_size,
-                         num_kv_blocks=need + 1)
+    runner = ModelRunner(default_model_dir(args.model), dtype="float32", block_size=block_size, num_kv_blocks=need + 1)
     rows = []
     for n in grid:
         batch, _ = make_batch(n, n <= args.max_decode, args.context, block_size)
@@ -74,9 +77,19 @@ def main() -> None:
     out = Path(args.out or ROOT / "tdpipe" / "data" / f"cpu-{args.model}.csv")
     out.write_text("Total Length,Execute Time\n" + "".join(f"{n},{ms}\n" for n, ms in rows))
     n_max, t_max = rows[-1]
-    emit({"metric": "cpu_batching_gain", "value": round(t_max, 2), "baseline": round(n_max * rows[0][1], 2),
-          "ratio": round(n_max * rows[0][1] / t_max, 2), "target": None, "unit": "ms per forward",
-          "model": args.model, "tokens": n_max, "csv": str(out)})
+    emit(
+        {
+            "metric": "cpu_batching_gain",
+            "value": round(t_max, 2),
+            "baseline": round(n_max * rows[0][1], 2),
+            "ratio": round(n_max * rows[0][1] / t_max, 2),
+            "target": None,
+            "unit": "ms per forward",
+            "model": args.model,
+            "tokens": n_max,
+            "csv": str(out),
+        }
+    )
 
 
 if __name__ == "__main__":

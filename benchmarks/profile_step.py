@@ -25,8 +25,14 @@ from benchmarks.profile_engine import make_batch
 def make_runner(model: str, dtype: str, blocks: int, fused_ops: bool):
     from engine.builtin import default_model_dir
     from engine.model_runner import ModelRunner
-    runner = ModelRunner(default_model_dir(model), dtype=dtype, num_kv_blocks=blocks + 1,
-                         attention_backend="cpu_paged", fused_ops=fused_ops)
+
+    runner = ModelRunner(
+        default_model_dir(model),
+        dtype=dtype,
+        num_kv_blocks=blocks + 1,
+        attention_backend="cpu_paged",
+        fused_ops=fused_ops,
+    )
     runner.attention.wait_ready()
     return runner
 
@@ -36,10 +42,17 @@ def step_batch(args):
         return make_batch(args.batch, True, args.context, 16)
     from engine.block_manager import blocks_for
     from engine.forward_batch import ForwardBatch
+
     n = blocks_for(args.prompt, 16)
     tables = [list(range(i * n, (i + 1) * n)) for i in range(args.batch)]
-    batch = ForwardBatch([f"p{i}" for i in range(args.batch)], [7] * (args.prompt * args.batch),
-                         [args.prompt] * args.batch, [args.prompt] * args.batch, tables, [True] * args.batch)
+    batch = ForwardBatch(
+        [f"p{i}" for i in range(args.batch)],
+        [7] * (args.prompt * args.batch),
+        [args.prompt] * args.batch,
+        [args.prompt] * args.batch,
+        tables,
+        [True] * args.batch,
+    )
     return batch, n * args.batch
 
 
@@ -83,9 +96,20 @@ def main() -> None:
             if r:  # round 0 is the warm-up
                 out.append(t)
     a, b = statistics.median(a_ms), statistics.median(b_ms)
-    emit({"metric": f"{args.phase}_step_fused_ops", "value": round(b, 2), "baseline": round(a, 2),
-          "ratio": round(a / b, 3), "target": None, "unit": "ms per step (median)", "dtype": args.dtype,
-          "batch": args.batch, "rounds": args.rounds, "model": args.model})
+    emit(
+        {
+            "metric": f"{args.phase}_step_fused_ops",
+            "value": round(b, 2),
+            "baseline": round(a, 2),
+            "ratio": round(a / b, 3),
+            "target": None,
+            "unit": "ms per step (median)",
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "rounds": args.rounds,
+            "model": args.model,
+        }
+    )
 
 
 if __name__ == "__main__":

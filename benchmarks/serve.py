@@ -25,10 +25,18 @@ from benchmarks.common import emit, node_bench_args, pct
 SECRET = "bench"
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, prompt: str,
-                     max_tokens: int) -> tuple[float, list[float], int]:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def one_stream(
+    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
+) -> tuple[float, list[float], int]:
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     ttft, last, gaps, tokens = None, None, [], 0
     async with client.stream("POST", url, json=body, timeout=600) as r:
@@ -54,8 +62,10 @@ async def at_rate(url: str, rate: float, n: int, max_tokens: int, seed: int) -> 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
         tasks, start = [], time.perf_counter()
         for i in range(n):
-            words = " ".join(rng.choice(["river", "lighthouse", "keeper", "bread", "village", "storm"])
-                             for _ in range(rng.randint(8, 120)))
+            words = " ".join(
+                rng.choice(["river", "lighthouse", "keeper", "bread", "village", "storm"])
+                for _ in range(rng.randint(8, 120))
+            )
             tasks.append(asyncio.create_task(one_stream(client, url, f"{i}: {words}", max_tokens)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
@@ -63,9 +73,15 @@ async def at_rate(url: str, rate: float, n: int, max_tokens: int, seed: int) -> 
     ttfts = [r[0] for r in results]
     gaps = [g for r in results for g in r[1]]
     tokens = sum(r[2] for r in results)
-    return {"rate": rate, "req_per_s": round(n / elapsed, 3), "output_tok_per_s": round(tokens / elapsed, 1),
-            "ttft_p50_ms": round(pct(ttfts, 0.5) * 1e3, 1), "ttft_p99_ms": round(pct(ttfts, 0.99) * 1e3, 1),
-            "itl_p50_ms": round(pct(gaps, 0.5) * 1e3, 1), "itl_p99_ms": round(pct(gaps, 0.99) * 1e3, 1)}
+    return {
+        "rate": rate,
+        "req_per_s": round(n / elapsed, 3),
+        "output_tok_per_s": round(tokens / elapsed, 1),
+        "ttft_p50_ms": round(pct(ttfts, 0.5) * 1e3, 1),
+        "ttft_p99_ms": round(pct(ttfts, 0.99) * 1e3, 1),
+        "itl_p50_ms": round(pct(gaps, 0.5) * 1e3, 1),
+        "itl_p99_ms": round(pct(gaps, 0.99) * 1e3, 1),
+    }
 
 
 async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concurrency: int) -> tuple[float, float]:
@@ -73,14 +89,22 @@ async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concur
 
     from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
     prompts = [f"request {i} about the old lighthouse" for i in range(concurrency)]
 
     async def via_router() -> float:
         async with httpx.AsyncClient() as client:
             start = time.perf_counter()
-            await asyncio.gather(*[client.post(url.replace("/v1/completions", "/v1/completions"), timeout=300, json={
-                "model": "bench", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-              for p in prompts])
+            await asyncio.gather(
+                *[
+                    client.post(
+                        url.replace("/v1/completions", "/v1/completions"),
+                        timeout=300,
+                        json={"model": "bench", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                    )
+                    for p in prompts
+                ]
+            )
             return time.perf_counter() - start
 
     async def direct() -> float:
@@ -88,13 +112,15 @@ async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concur
             stub = decode_pb2_grpc.DecodeStub(ch)
 
             async def one(i: int, p: str) -> None:
-                req = decode_pb2.GenerateRequest(request_id=f"d{i}-{time.monotonic_ns()}",
-                                                 prompt_token_ids=tokenizer.encode(p),
-                                                 params=common_pb2.SamplingParams(temperature=0, max_tokens=8,
-                                                                                  ignore_eos=True),
-                                                 prefill_addresses=[prefill])
+                req = decode_pb2.GenerateRequest(
+                    request_id=f"d{i}-{time.monotonic_ns()}",
+                    prompt_token_ids=tokenizer.encode(p),
+                    params=common_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                    prefill_addresses=[prefill],
+                )
                 async for _ in stub.Generate(req, metadata=cluster_metadata(SECRET), timeout=300):
                     pass
+
             start = time.perf_counter()
             await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
             return time.perf_counter() - start
@@ -116,9 +142,25 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs.append(NodeProc("router", ["--port", str(port), "--model", model, "--served-model-name", "bench",
-                                         "--cluster-secret", SECRET, "--prefill", procs[0].address,
-                                         "--decode", f"{procs[1].address},{procs[2].address}"]))
+        procs.append(
+            NodeProc(
+                "router",
+                [
+                    "--port",
+                    str(port),
+                    "--model",
+                    model,
+                    "--served-model-name",
+                    "bench",
+                    "--cluster-secret",
+                    SECRET,
+                    "--prefill",
+                    procs[0].address,
+                    "--decode",
+                    f"{procs[1].address},{procs[2].address}",
+                ],
+            )
+        )
         base = f"http://127.0.0.1:{port}"
         for _ in range(100):
             try:
@@ -131,15 +173,26 @@ def main() -> None:
         for row in rows:
             print(json.dumps(row))
         from engine.tokenizer import Tokenizer
-        r, d = asyncio.run(router_overhead(f"{base}/v1/completions", procs[1].address, procs[0].address,
-                                           Tokenizer(model), 32))
+
+        r, d = asyncio.run(
+            router_overhead(f"{base}/v1/completions", procs[1].address, procs[0].address, Tokenizer(model), 32)
+        )
     finally:
         for p in reversed(procs):
             p.stop()
     print(f"router vs direct at concurrency 32: {r * 1e3:.0f} ms vs {d * 1e3:.0f} ms")
-    emit({"metric": "router_latency_ratio_c32", "value": round(r, 4), "baseline": round(d, 4),
-          "ratio": round(r / d, 3), "target": "<= 1.10", "router_added_ms": round((r - d) * 1e3, 1),
-          "model": args.model_size, "rates": rows})
+    emit(
+        {
+            "metric": "router_latency_ratio_c32",
+            "value": round(r, 4),
+            "baseline": round(d, 4),
+            "ratio": round(r / d, 3),
+            "target": "<= 1.10",
+            "router_added_ms": round((r - d) * 1e3, 1),
+            "model": args.model_size,
+            "rates": rows,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,15 @@ class ProbedScheduler(TDPipeScheduler):
     """TDPipeScheduler with its decode→prefill decisions recorded (and the two
     experiment-only variants: `remaining` batch size, `per_round` checks)."""
 
-    def __init__(self, table: TracingTable, inst: InstanceConfig, opts: TDPipeOptions, name: str,
-                 remaining: bool = False, per_round: bool = False) -> None:
+    def __init__(
+        self,
+        table: TracingTable,
+        inst: InstanceConfig,
+        opts: TDPipeOptions,
+        name: str,
+        remaining: bool = False,
+        per_round: bool = False,
+    ) -> None:
         super().__init__(table, inst, opts, name)
         self.probe = Probe()
         self.remaining, self.per_round = remaining, per_round
@@ -100,8 +107,15 @@ class ProbedScheduler(TDPipeScheduler):
         self.last: IntensityDecision | None = None
         object.__setattr__(table, "phase", lambda: self.stats.phase_switches[-1][1])
 
-    def _should_prefill(self, stealer: Any, remaining: list[SimRequest], waiting: Any,  # type: ignore[override]
-                        done_ratio: float, memory: Any, step: int) -> bool:
+    def _should_prefill(
+        self,
+        stealer: Any,
+        remaining: list[SimRequest],
+        waiting: Any,  # type: ignore[override]
+        done_ratio: float,
+        memory: Any,
+        step: int,
+    ) -> bool:
         if self.per_round:
             if self._round == (id(stealer), step):
                 return False
@@ -109,8 +123,9 @@ class ProbedScheduler(TDPipeScheduler):
         self.last = None
         object.__setattr__(self.table, "muted", True)
         try:
-            switch = super()._should_prefill(_RemainingStealer(stealer) if self.remaining else stealer,
-                                             remaining, waiting, done_ratio, memory, step)
+            switch = super()._should_prefill(
+                _RemainingStealer(stealer) if self.remaining else stealer, remaining, waiting, done_ratio, memory, step
+            )
         finally:
             object.__setattr__(self.table, "muted", False)
         self.probe.checks += 1
@@ -145,20 +160,28 @@ def variants(quick: bool) -> dict[str, tuple[TDPipeOptions, dict[str, bool]]]:
         "after": (TDPipeOptions(), {}),
     }
     if not quick:
-        v.update({
-            "no-refill": (TDPipeOptions(spatial_peak="fixed", temporal_refill=False), {}),
-            "after-no-refill": (TDPipeOptions(temporal_refill=False), {}),
-            "remaining": (TDPipeOptions(spatial_peak="fixed"), {"remaining": True}),
-            "per-round": (TDPipeOptions(spatial_peak="fixed"), {"per_round": True}),
-            "ref-128": (TDPipeOptions(spatial_peak="fixed", ref_batch_size=128), {}),
-        })
-    for r in ((0.3, 0.5) if quick else RATIOS):
+        v.update(
+            {
+                "no-refill": (TDPipeOptions(spatial_peak="fixed", temporal_refill=False), {}),
+                "after-no-refill": (TDPipeOptions(temporal_refill=False), {}),
+                "remaining": (TDPipeOptions(spatial_peak="fixed"), {"remaining": True}),
+                "per-round": (TDPipeOptions(spatial_peak="fixed"), {"per_round": True}),
+                "ref-128": (TDPipeOptions(spatial_peak="fixed", ref_batch_size=128), {}),
+            }
+        )
+    for r in (0.3, 0.5) if quick else RATIOS:
         v[f"completion-{r}"] = (TDPipeOptions(decode_switch="completion", completion_threshold=r), {})
     return v
 
 
-def run_one(table: CostTable, inst: InstanceConfig, requests: list[SimRequest], name: str,
-            opts: TDPipeOptions, extra: dict[str, bool]) -> dict[str, Any]:
+def run_one(
+    table: CostTable,
+    inst: InstanceConfig,
+    requests: list[SimRequest],
+    name: str,
+    opts: TDPipeOptions,
+    extra: dict[str, bool],
+) -> dict[str, Any]:
     traced = TracingTable(table.name, table.tokens, table.times_ms)
     sched = ProbedScheduler(traced, inst, opts, name, **extra)
     t0 = time.perf_counter()
@@ -173,18 +196,39 @@ def run_one(table: CostTable, inst: InstanceConfig, requests: list[SimRequest], 
         return round(statistics.median(vals), 3) if vals else None
 
     s = stats.summary()
-    return {"variant": name, "tok_s": s["throughput_tok_s"], "cycles": sum(1 for _, p in stats.phase_switches
-                                                                           if p == "decode"),
-            "bubble": s["bubble_frac"], "preempt": stats.num_preemptions,
-            "decode_batch": round(sum(decode) / max(1, len(decode)), 1),
-            "decode_ms_tok": round(sum(table.forward_ms(n) for n in decode) / max(1, sum(decode)), 3),
-            "sw_done": med("done"), "sw_batch": med("batch"), "sw_kv": med("kv"),
-            "sw_spatial": med("spatial"), "sw_temporal": med("temporal"),
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "variant": name,
+        "tok_s": s["throughput_tok_s"],
+        "cycles": sum(1 for _, p in stats.phase_switches if p == "decode"),
+        "bubble": s["bubble_frac"],
+        "preempt": stats.num_preemptions,
+        "decode_batch": round(sum(decode) / max(1, len(decode)), 1),
+        "decode_ms_tok": round(sum(table.forward_ms(n) for n in decode) / max(1, sum(decode)), 3),
+        "sw_done": med("done"),
+        "sw_batch": med("batch"),
+        "sw_kv": med("kv"),
+        "sw_spatial": med("spatial"),
+        "sw_temporal": med("temporal"),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
 
 
-COLUMNS = ("variant", "tok_s", "x_best_ratio", "cycles", "bubble", "preempt", "decode_batch", "decode_ms_tok",
-           "sw_done", "sw_batch", "sw_kv", "sw_spatial", "sw_temporal", "wall_s")
+COLUMNS = (
+    "variant",
+    "tok_s",
+    "x_best_ratio",
+    "cycles",
+    "bubble",
+    "preempt",
+    "decode_batch",
+    "decode_ms_tok",
+    "sw_done",
+    "sw_batch",
+    "sw_kv",
+    "sw_spatial",
+    "sw_temporal",
+    "wall_s",
+)
 
 
 def print_table(name: str, rows: list[dict[str, Any]]) -> None:
@@ -197,14 +241,25 @@ def print_table(name: str, rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="L20-Llama-13B only, 1,200 requests, before/after and ratios 0.3/0.5 (< 1 min)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="L20-Llama-13B only, 1,200 requests, before/after and ratios 0.3/0.5 (< 1 min)",
+    )
     parser.add_argument("--requests", type=int, default=None, help="default 5,000 (1,200 with --quick)")
-    parser.add_argument("--tables", nargs="+", default=None,
-                        help=f"cost tables (default: {' '.join(TABLES)}; with --quick the first only)")
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        default=None,
+        help=f"cost tables (default: {' '.join(TABLES)}; with --quick the first only)",
+    )
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help="run only these intensity variants (the completion ratios always run)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="run only these intensity variants (the completion ratios always run)",
+    )
     args = parser.parse_args()
     num = args.requests or (1200 if args.quick else 5000)
     names = args.tables or (TABLES[:1] if args.quick else TABLES)
@@ -214,25 +269,43 @@ def main() -> None:
     summary: dict[str, dict[str, float]] = {}
     for name in names:
         table = CostTable.builtin(name)
-        chosen = {v: o for v, o in variants(args.quick).items()
-                  if args.variants is None or v in args.variants or v.startswith("completion-")
-                  or v in ("before", "after")}
+        chosen = {
+            v: o
+            for v, o in variants(args.quick).items()
+            if args.variants is None or v in args.variants or v.startswith("completion-") or v in ("before", "after")
+        }
         rows = [run_one(table, inst, requests, v, opts, extra) for v, (opts, extra) in chosen.items()]
         best = max((r for r in rows if r["variant"].startswith("completion-")), key=lambda r: r["tok_s"])
         for r in rows:
             r["x_best_ratio"] = round(r["tok_s"] / best["tok_s"], 3)
         print_table(name, rows)
         by = {r["variant"]: r for r in rows}
-        summary[name] = {"before": by["before"]["tok_s"], "after": by["after"]["tok_s"],
-                         "best_ratio": best["tok_s"], "best_ratio_at": float(best["variant"].split("-")[1]),
-                         "completion_0.5": by["completion-0.5"]["tok_s"],
-                         "before_x_best": by["before"]["x_best_ratio"], "after_x_best": by["after"]["x_best_ratio"],
-                         "cycles_before": by["before"]["cycles"], "cycles_after": by["after"]["cycles"]}
+        summary[name] = {
+            "before": by["before"]["tok_s"],
+            "after": by["after"]["tok_s"],
+            "best_ratio": best["tok_s"],
+            "best_ratio_at": float(best["variant"].split("-")[1]),
+            "completion_0.5": by["completion-0.5"]["tok_s"],
+            "before_x_best": by["before"]["x_best_ratio"],
+            "after_x_best": by["after"]["x_best_ratio"],
+            "cycles_before": by["before"]["cycles"],
+            "cycles_after": by["after"]["cycles"],
+        }
     head = summary[names[0]]
-    emit({"metric": "tdpipe_intensity_switch_tok_s", "value": head["after"], "baseline": head["best_ratio"],
-          "ratio": round(head["after"] / head["best_ratio"], 3), "target": 1.0,
-          "unit": "output tok/s (simulated), intensity switch after the fix vs best fixed completion ratio",
-          "table": names[0], "requests": num, "stages": args.stages, "per_table": summary})
+    emit(
+        {
+            "metric": "tdpipe_intensity_switch_tok_s",
+            "value": head["after"],
+            "baseline": head["best_ratio"],
+            "ratio": round(head["after"] / head["best_ratio"], 3),
+            "target": 1.0,
+            "unit": "output tok/s (simulated), intensity switch after the fix vs best fixed completion ratio",
+            "table": names[0],
+            "requests": num,
+            "stages": args.stages,
+            "per_table": summary,
+        }
+    )
 
 
 if __name__ == "__main__":

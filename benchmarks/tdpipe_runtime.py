@@ -67,21 +67,31 @@ def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: 
     """ShareGPT-like lengths (tdpipe.workload) with deterministic random ids in [10, vocab)."""
     lengths = generate(WorkloadConfig(num_requests=num, max_input=max_input, max_output=max_output, seed=seed))
     rng = random.Random(seed + 1)
-    return [BenchRequest(r.request_id, [rng.randrange(10, vocab) for _ in range(r.input_len)], r.output_len)
-            for r in lengths]
+    return [
+        BenchRequest(r.request_id, [rng.randrange(10, vocab) for _ in range(r.input_len)], r.output_len)
+        for r in lengths
+    ]
 
 
 def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int, max_batch_tokens: int) -> dict:
     """engine.LLM's engine in this process: same requests, same KV tokens, 2 threads."""
     from engine import LLM, SamplingParams
-    llm = LLM(model_dir, num_threads=threads, num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE,
-              max_num_seqs=max(256, len(reqs)), max_num_batched_tokens=max_batch_tokens,
-              enable_prefix_caching=False)
+
+    llm = LLM(
+        model_dir,
+        num_threads=threads,
+        num_kv_blocks=kv_blocks,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max(256, len(reqs)),
+        max_num_batched_tokens=max_batch_tokens,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     engine.runner.attention.wait_ready()  # a first-use kernel build is not part of the measurement
     for r in reqs:
-        engine.add_request(str(r.request_id), r.prompt_ids,
-                           SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+        engine.add_request(
+            str(r.request_id), r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        )
     produced = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -91,28 +101,39 @@ def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: 
     return {"output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
 
 
-def run_pipeline(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str,
-                 max_batch_tokens: int, table: CostTable) -> dict:
+def run_pipeline(
+    model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str, max_batch_tokens: int, table: CostTable
+) -> dict:
     """One job through 2 local stage processes (1 thread each) under `policy`; TD-Pipe's switch
     decisions read `table`, the same profiled table the simulator runs on."""
     from tdpipe.runtime.controller import PipeRequest
     from tdpipe.runtime.local import run_local_pipeline
     from tdpipe.runtime.stage_worker import StageConfig
+
     cfg = StageConfig(str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1)
     # predicted_len defaults to max_tokens: exact under ignore_eos, as in sim_requests
     pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
     decisions: list = []
-    stats, timelines = run_local_pipeline(cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, policy=policy,
-                                          table=table, decisions=decisions)
+    stats, timelines = run_local_pipeline(
+        cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, policy=policy, table=table, decisions=decisions
+    )
     produced = sum(len(r.output_ids) for r in pipe_reqs)
     expected = sum(r.output_len for r in reqs)
     assert produced == expected, f"{policy}: {produced} output tokens != {expected}"
     t0, t1 = job_span(timelines)
     decode_sizes = [n for tl in timelines for _, _, n, p in tl if p == "decode"]
-    return {"output_tokens": produced, "seconds": t1 - t0, "tok_s": produced / (t1 - t0),
-            "bubble": bubble_fraction(timelines), "phase_switches": len(stats.phase_switches),
-            "preemptions": stats.num_preemptions, "batches": len(decisions), "decisions": decisions,
-            "max_decode_batch": max(decode_sizes, default=0), "timelines": timelines}
+    return {
+        "output_tokens": produced,
+        "seconds": t1 - t0,
+        "tok_s": produced / (t1 - t0),
+        "bubble": bubble_fraction(timelines),
+        "phase_switches": len(stats.phase_switches),
+        "preemptions": stats.num_preemptions,
+        "batches": len(decisions),
+        "decisions": decisions,
+        "max_decode_batch": max(decode_sizes, default=0),
+        "timelines": timelines,
+    }
 
 
 def predict(policy: str, table: CostTable, inst: InstanceConfig, reqs: list[BenchRequest]) -> tuple[SimStats, list]:
@@ -130,20 +151,39 @@ def sim_requests(reqs: list[BenchRequest]) -> list[SimRequest]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="16 short requests, 512-token batches, few profile points (< 1 minute on a quiet machine)")
-    parser.add_argument("--model-size", choices=("tiny", "bench"), default=None,
-                        help="built-in model (default bench; quick: tiny, so that it ends within a minute)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 short requests, 512-token batches, few profile points (< 1 minute on a quiet machine)",
+    )
+    parser.add_argument(
+        "--model-size",
+        choices=("tiny", "bench"),
+        default=None,
+        help="built-in model (default bench; quick: tiny, so that it ends within a minute)",
+    )
     parser.add_argument("--requests", type=int, default=None, help="default 256 (quick: 16)")
     parser.add_argument("--max-output", type=int, default=None, help="output length cap (default 256; quick 16)")
     parser.add_argument("--max-input", type=int, default=None, help="input length cap (default 1023; quick 128)")
-    parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help=f"prefill batch token budget (default {MAX_BATCH_TOKENS}; quick 512)")
-    parser.add_argument("--kv-blocks", type=int, default=None,
-                        help=f"KV blocks of {BLOCK_SIZE} tokens per stage = the instance's capacity "
-                             "(default: room for half of the job's tokens)")
-    parser.add_argument("--llm-threads", type=int, default=2,
-                        help="torch threads of the engine.LLM baseline (2: the same two cores as the stages)")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help=f"prefill batch token budget (default {MAX_BATCH_TOKENS}; quick 512)",
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help=f"KV blocks of {BLOCK_SIZE} tokens per stage = the instance's capacity "
+        "(default: room for half of the job's tokens)",
+    )
+    parser.add_argument(
+        "--llm-threads",
+        type=int,
+        default=2,
+        help="torch threads of the engine.LLM baseline (2: the same two cores as the stages)",
+    )
     parser.add_argument("--skip-llm", action="store_true", help="leave out the engine.LLM baseline")
     parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run")
     args = parser.parse_args()
@@ -151,6 +191,7 @@ def main() -> None:
     from engine.attention import cpu_build
     from engine.builtin import default_model_dir
     from engine.tokenizer import Tokenizer
+
     wall0 = time.perf_counter()
     model_dir = default_model_dir(args.model_size or ("tiny" if args.quick else "bench"))
     cpu_build.load_paged_attention_op()  # build the kernel once here; the stage processes then only load it
@@ -167,44 +208,70 @@ def main() -> None:
     # of the job's tokens keeps many requests resident, yet no policy can admit the whole job at once.
     kv_blocks = args.kv_blocks or max(-(-job_tokens // 2 // BLOCK_SIZE), -(-2 * longest // BLOCK_SIZE) + 2)
     kv_tokens = kv_blocks * BLOCK_SIZE
-    plan = plan_profile([len(r.prompt_ids) for r in reqs], [r.output_len for r in reqs], kv_tokens=kv_tokens,
-                        num_stages=NUM_STAGES, max_batch_tokens=max_batch, quick=args.quick)
+    plan = plan_profile(
+        [len(r.prompt_ids) for r in reqs],
+        [r.output_len for r in reqs],
+        kv_tokens=kv_tokens,
+        num_stages=NUM_STAGES,
+        max_batch_tokens=max_batch,
+        quick=args.quick,
+    )
     ctx = plan.decode_context
-    print(f"workload: {num} requests, input mean {sum(len(r.prompt_ids) for r in reqs) / num:.0f} "
-          f"(max {max(len(r.prompt_ids) for r in reqs)}), output mean {sum(r.output_len for r in reqs) / num:.0f} "
-          f"(cap {max_output}), {sum(r.output_len for r in reqs)} output tokens; KV {kv_blocks} blocks x "
-          f"{BLOCK_SIZE} = {kv_tokens} tokens; mean decode context {ctx}", flush=True)
+    print(
+        f"workload: {num} requests, input mean {sum(len(r.prompt_ids) for r in reqs) / num:.0f} "
+        f"(max {max(len(r.prompt_ids) for r in reqs)}), output mean {sum(r.output_len for r in reqs) / num:.0f} "
+        f"(cap {max_output}), {sum(r.output_len for r in reqs)} output tokens; KV {kv_blocks} blocks x "
+        f"{BLOCK_SIZE} = {kv_tokens} tokens; mean decode context {ctx}",
+        flush=True,
+    )
 
     # 1. profile the stages and build the simulator's table
     t0 = time.perf_counter()
-    profiles = profile_stages(model_dir, NUM_STAGES, decode_batches=plan.decode_batches,
-                              prefill_tokens=plan.prefill_tokens, decode_context=ctx,
-                              prefill_prompt_len=plan.prefill_prompt_len, block_size=BLOCK_SIZE, num_threads=1,
-                              repeats=1 if args.quick else 3)
+    profiles = profile_stages(
+        model_dir,
+        NUM_STAGES,
+        decode_batches=plan.decode_batches,
+        prefill_tokens=plan.prefill_tokens,
+        decode_context=ctx,
+        prefill_prompt_len=plan.prefill_prompt_len,
+        block_size=BLOCK_SIZE,
+        num_threads=1,
+        repeats=1 if args.quick else 3,
+    )
     for p in profiles:
-        print(f"profile stage {p.stage} layers {p.layer_range}: decode@ctx{ctx} "
-              + " ".join(f"{b}:{t:.0f}" for b, t in p.decode_ms.items()) + " ms; prefill "
-              + " ".join(f"{n}:{t:.0f}" for n, t in p.prefill_ms.items()) + " ms", flush=True)
+        print(
+            f"profile stage {p.stage} layers {p.layer_range}: decode@ctx{ctx} "
+            + " ".join(f"{b}:{t:.0f}" for b, t in p.decode_ms.items())
+            + " ms; prefill "
+            + " ".join(f"{n}:{t:.0f}" for n, t in p.prefill_ms.items())
+            + " ms",
+            flush=True,
+        )
 
     # 2. the simulator's prediction, on the same requests and capacity. The table's decode range is
     # cut at the largest decode batch the policies form (prefills below the cut would be priced
     # as decode steps); the simulator makes the runtime's decisions, so its batches are the
     # runtime's batches and a few rounds find the cut.
-    inst = InstanceConfig(num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE,
-                          max_batch_tokens=max_batch)
+    inst = InstanceConfig(
+        num_stages=NUM_STAGES, capacity_blocks=kv_blocks, block_size=BLOCK_SIZE, max_batch_tokens=max_batch
+    )
     cut = plan.decode_max
     for attempt in range(4):
         table = build_cost_table(profiles, f"{model_dir.name}-2stage-1thread", decode_max=cut)
         sims = {p: predict(p, table, inst, reqs) for p in POLICIES}
         # decode-only batches (PP+HB labels every batch "hybrid"): one new token per item
-        biggest = max((len(items) for _, log in sims.values() for _, items in log
-                       if all(n == 1 for _, n, _ in items)), default=1)
+        biggest = max(
+            (len(items) for _, log in sims.values() for _, items in log if all(n == 1 for _, n, _ in items)), default=1
+        )
         if biggest == cut or attempt == 3:
             break
         cut = biggest
     predicted = {p: stats for p, (stats, _) in sims.items()}
-    print(f"profiling took {time.perf_counter() - t0:.0f}s; table: {len(table.tokens)} rows, decode curve up to "
-          f"batch {cut} (largest simulated decode batch {biggest}), prefill curve above", flush=True)
+    print(
+        f"profiling took {time.perf_counter() - t0:.0f}s; table: {len(table.tokens)} rows, decode curve up to "
+        f"batch {cut} (largest simulated decode batch {biggest}), prefill curve above",
+        flush=True,
+    )
 
     # 3. the real runs
     results: dict[str, dict] = {}
@@ -217,15 +284,20 @@ def main() -> None:
         # the runtime and the simulator run one policy object on one table: their decisions must agree,
         # so the prediction error below is the cost model's, not a different schedule's
         same_decisions[policy] = r.pop("decisions") == sims[policy][1]
-        print(f"{LABELS[policy]}: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s), bubble {r['bubble']:.1%}, "
-              f"predicted {predicted[policy].throughput:.1f}, {r['batches']} batches, "
-              f"decisions == simulator's: {same_decisions[policy]}", flush=True)
+        print(
+            f"{LABELS[policy]}: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s), bubble {r['bubble']:.1%}, "
+            f"predicted {predicted[policy].throughput:.1f}, {r['batches']} batches, "
+            f"decisions == simulator's: {same_decisions[policy]}",
+            flush=True,
+        )
 
     # 4. report
     sb = results.get("pp-sb", {}).get("tok_s")
     llm = results.get("llm", {}).get("tok_s")
-    print(f"\n{'policy':32s} {'tok/s':>8s} {'/PP+SB':>7s} {'/LLM':>6s} {'sim tok/s':>9s} {'sim err':>8s} "
-          f"{'bubble':>7s} {'sim bub':>7s} {'switch':>6s} {'preempt':>7s} {'max dec b':>9s}")
+    print(
+        f"\n{'policy':32s} {'tok/s':>8s} {'/PP+SB':>7s} {'/LLM':>6s} {'sim tok/s':>9s} {'sim err':>8s} "
+        f"{'bubble':>7s} {'sim bub':>7s} {'switch':>6s} {'preempt':>7s} {'max dec b':>9s}"
+    )
     errors, bubbles = {}, {}
     for name, r in results.items():
         sim = predicted.get(name)
@@ -233,43 +305,67 @@ def main() -> None:
         if sim:
             errors[name] = round(err, 3)
             bubbles[name] = round(r["bubble"], 3)
-        row = [f"{LABELS[name]:32s}", f"{r['tok_s']:8.1f}", f"{r['tok_s'] / sb:7.2f}" if sb else f"{'-':>7s}",
-               f"{r['tok_s'] / llm:6.2f}" if llm else f"{'-':>6s}",
-               f"{sim.throughput:9.1f}" if sim else f"{'-':>9s}", f"{err:+8.1%}" if sim else f"{'-':>8s}",
-               f"{r['bubble']:7.1%}" if "bubble" in r else f"{'-':>7s}",
-               f"{sim.summary()['bubble_frac']:7.1%}" if sim else f"{'-':>7s}",
-               f"{r.get('phase_switches', '-')!s:>6s}", f"{r.get('preemptions', '-')!s:>7s}",
-               f"{r.get('max_decode_batch', '-')!s:>9s}"]
+        row = [
+            f"{LABELS[name]:32s}",
+            f"{r['tok_s']:8.1f}",
+            f"{r['tok_s'] / sb:7.2f}" if sb else f"{'-':>7s}",
+            f"{r['tok_s'] / llm:6.2f}" if llm else f"{'-':>6s}",
+            f"{sim.throughput:9.1f}" if sim else f"{'-':>9s}",
+            f"{err:+8.1%}" if sim else f"{'-':>8s}",
+            f"{r['bubble']:7.1%}" if "bubble" in r else f"{'-':>7s}",
+            f"{sim.summary()['bubble_frac']:7.1%}" if sim else f"{'-':>7s}",
+            f"{r.get('phase_switches', '-')!s:>6s}",
+            f"{r.get('preemptions', '-')!s:>7s}",
+            f"{r.get('max_decode_batch', '-')!s:>9s}",
+        ]
         print(" ".join(row))
     over = {n: r["max_decode_batch"] for n, r in results.items() if r.get("max_decode_batch", 0) > cut}
     if over:
         print(f"WARNING: decode batches above the table's decode range ({cut}): {over}", flush=True)
     if args.plot:
-        plot_timelines({f"{LABELS[n]}, {r['tok_s']:.1f} tok/s": r["timelines"] for n, r in results.items()
-                        if "timelines" in r}, args.plot)
+        plot_timelines(
+            {f"{LABELS[n]}, {r['tok_s']:.1f} tok/s": r["timelines"] for n, r in results.items() if "timelines" in r},
+            args.plot,
+        )
         print(f"wrote {args.plot}", flush=True)
 
     td = results["tdpipe"]["tok_s"]
-    emit({"metric": "tdpipe_output_tok_s", "value": round(td, 2), "baseline": round(sb, 2) if sb else None,
-          "ratio": round(td / sb, 3) if sb else None, "target": 1.3,
-          "unit": "output tok/s of the real 2-stage runtime; baseline PP+SB, target TD-Pipe/PP+SB >= 1.3",
-          "model": model_dir.name, "quick": args.quick, "requests": num, "max_input": max_input,
-          "max_output": max_output, "output_tokens": sum(r.output_len for r in reqs), "kv_blocks": kv_blocks,
-          "block_size": BLOCK_SIZE, "max_batch_tokens": max_batch, "decode_context": ctx,
-          "table_decode_max_batch": cut,
-          "tok_s": {n: round(r["tok_s"], 1) for n, r in results.items()},
-          "vs_llm": {n: round(r["tok_s"] / llm, 3) for n, r in results.items()} if llm else None,
-          "sim_tok_s": {n: round(s.throughput, 1) for n, s in predicted.items()},
-          "sim_error": errors, "sim_target": 0.2,
-          "sim_within_target": {n: abs(e) <= 0.2 for n, e in errors.items()},
-          "bubble": bubbles, "sim_bubble": {n: s.summary()["bubble_frac"] for n, s in predicted.items()},
-          "phase_switches": {n: r["phase_switches"] for n, r in results.items() if "phase_switches" in r},
-          "preemptions": {n: r["preemptions"] for n, r in results.items() if "preemptions" in r},
-          "sim_preemptions": {n: s.num_preemptions for n, s in predicted.items()},
-          "decisions_match_simulator": same_decisions,
-          # libgomp's default spin-wait makes 2-thread steps ~10x slower on an oversubscribed machine
-          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-          "wall_s": round(time.perf_counter() - wall0, 1)})
+    emit(
+        {
+            "metric": "tdpipe_output_tok_s",
+            "value": round(td, 2),
+            "baseline": round(sb, 2) if sb else None,
+            "ratio": round(td / sb, 3) if sb else None,
+            "target": 1.3,
+            "unit": "output tok/s of the real 2-stage runtime; baseline PP+SB, target TD-Pipe/PP+SB >= 1.3",
+            "model": model_dir.name,
+            "quick": args.quick,
+            "requests": num,
+            "max_input": max_input,
+            "max_output": max_output,
+            "output_tokens": sum(r.output_len for r in reqs),
+            "kv_blocks": kv_blocks,
+            "block_size": BLOCK_SIZE,
+            "max_batch_tokens": max_batch,
+            "decode_context": ctx,
+            "table_decode_max_batch": cut,
+            "tok_s": {n: round(r["tok_s"], 1) for n, r in results.items()},
+            "vs_llm": {n: round(r["tok_s"] / llm, 3) for n, r in results.items()} if llm else None,
+            "sim_tok_s": {n: round(s.throughput, 1) for n, s in predicted.items()},
+            "sim_error": errors,
+            "sim_target": 0.2,
+            "sim_within_target": {n: abs(e) <= 0.2 for n, e in errors.items()},
+            "bubble": bubbles,
+            "sim_bubble": {n: s.summary()["bubble_frac"] for n, s in predicted.items()},
+            "phase_switches": {n: r["phase_switches"] for n, r in results.items() if "phase_switches" in r},
+            "preemptions": {n: r["preemptions"] for n, r in results.items() if "preemptions" in r},
+            "sim_preemptions": {n: s.num_preemptions for n, s in predicted.items()},
+            "decisions_match_simulator": same_decisions,
+            # libgomp's default spin-wait makes 2-thread steps ~10x slower on an oversubscribed machine
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "wall_s": round(time.perf_counter() - wall0, 1),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,000 requests instead of 5,000")
     parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--table", default="L20-Llama-13B",
-                        help="cost table name (L20-Llama-13B must be downloaded first: see tdpipe/data/README.md) "
-                             "or 'analytic'")
+    parser.add_argument(
+        "--table",
+        default="L20-Llama-13B",
+        help="cost table name (L20-Llama-13B must be downloaded first: see tdpipe/data/README.md) or 'analytic'",
+    )
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--plot", default=None, help="write a KV-usage PNG (paper Fig. 12 style)")
     args = parser.parse_args()
@@ -44,17 +46,27 @@ def main() -> None:
         plot_kv_usage([results["td-pipe"], results["pp+sb"], results["pp+hb"]], args.plot)
     tput = {p: round(s.throughput, 1) for p, s in results.items()}
     td, sb = tput["td-pipe"], tput["pp+sb"]
-    emit({"metric": "tdpipe_sim_output_tokens_per_s", "value": td, "baseline": sb,
-          "ratio": round(td / sb, 3), "target": 2.73, "unit": "output tok/s (simulated)",
-          "requests": num, "stages": args.stages, "table": args.table,
-          "throughput": tput,
-          "td_over_pp_hb": round(td / tput["pp+hb"], 3),
-          "work_stealing_gain": round(td / tput["td-pipe-no-stealing"], 3),
-          "greedy_over_kv_threshold": round(td / tput["td-pipe-kv-threshold"], 3),
-          "intensity_over_completion_ratio": round(td / tput["td-pipe-completion"], 3),
-          "phase_switches": {p: len(s.phase_switches) for p, s in results.items()},
-          "bubble_frac": {p: s.summary()["bubble_frac"] for p, s in results.items()},
-          "preemptions": {p: s.num_preemptions for p, s in results.items()}})
+    emit(
+        {
+            "metric": "tdpipe_sim_output_tokens_per_s",
+            "value": td,
+            "baseline": sb,
+            "ratio": round(td / sb, 3),
+            "target": 2.73,
+            "unit": "output tok/s (simulated)",
+            "requests": num,
+            "stages": args.stages,
+            "table": args.table,
+            "throughput": tput,
+            "td_over_pp_hb": round(td / tput["pp+hb"], 3),
+            "work_stealing_gain": round(td / tput["td-pipe-no-stealing"], 3),
+            "greedy_over_kv_threshold": round(td / tput["td-pipe-kv-threshold"], 3),
+            "intensity_over_completion_ratio": round(td / tput["td-pipe-completion"], 3),
+            "phase_switches": {p: len(s.phase_switches) for p, s in results.items()},
+            "bubble_frac": {p: s.summary()["bubble_frac"] for p, s in results.items()},
+            "preemptions": {p: s.num_preemptions for p, s in results.items()},
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -43,15 +43,18 @@ def kv_geometry(model_dir: Path, prompt_len: int, device: str = "cpu", dtype: st
     return PoolGeometry(pool.num_layers, (prompt_len + pool.block_size - 1) // pool.block_size, pool.block_bytes)
 
 
-async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: int,
-                      transport: str = "tcp") -> tuple[float, float]:
+async def prefill_rpc(
+    prefill: str, geo: PoolGeometry, prompt: list[int], reps: int, transport: str = "tcp"
+) -> tuple[float, float]:
     """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver."""
     import grpc
 
     from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-    server = CacheStoreServer(MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport,
-                              secret=SECRET)
+
+    server = CacheStoreServer(
+        MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport, secret=SECRET
+    )
     await server.start()
     rpc, compute = [], []
     try:
@@ -63,9 +66,12 @@ async def prefill_rpc(prefill: str, geo: PoolGeometry, prompt: list[int], reps: 
                 rid = f"p{len(prompt)}-{i}"
                 creds = server.open_session(rid, list(range(geo.num_blocks)), timeout=300)
                 req = prefill_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=[t + i for t in prompt],  # no prefix-cache hits
+                    request_id=rid,
+                    prompt_token_ids=[t + i for t in prompt],  # no prefix-cache hits
                     params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
-                    kv_destination=creds.to_bytes(), compatibility=compat)
+                    kv_destination=creds.to_bytes(),
+                    compatibility=compat,
+                )
                 start = time.perf_counter()
                 reply = await stub.Prefill(req, metadata=meta, timeout=600)
                 rpc.append(time.perf_counter() - start)
@@ -82,13 +88,17 @@ async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -
 
     from pdserve.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
     times = []
     async with grpc.aio.insecure_channel(decode) as ch:
         stub = decode_pb2_grpc.DecodeStub(ch)
         for i in range(reps + 1):
             req = decode_pb2.GenerateRequest(
-                request_id=f"t{len(prompt)}-{i}", prompt_token_ids=[t + 100 + i for t in prompt],
-                params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1), prefill_addresses=[prefill])
+                request_id=f"t{len(prompt)}-{i}",
+                prompt_token_ids=[t + 100 + i for t in prompt],
+                params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
+                prefill_addresses=[prefill],
+            )
             start = time.perf_counter()
             async for _ in stub.Generate(req, metadata=cluster_metadata(SECRET), timeout=600):
                 times.append(time.perf_counter() - start)
@@ -100,19 +110,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a shorter long prompt")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the prefill node")
-    parser.add_argument("--device", default="cpu",
-                        help="device of both nodes (cuda: one GPU shared; the prefill node records a CUDA event "
-                             "per layer and stages through pinned host memory)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
-                        help="attention backend of both nodes (auto: flashinfer on CUDA when importable)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="model dtype of both nodes (flashinfer needs float16 or bfloat16)")
-    parser.add_argument("--transport", default="tcp", choices=["tcp", "rdma"],
-                        help="KV transport (rdma without a NIC here: the emulated verbs device, across processes)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="device of both nodes (cuda: one GPU shared; the prefill node records a CUDA event "
+        "per layer and stages through pinned host memory)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "flashinfer"],
+        help="attention backend of both nodes (auto: flashinfer on CUDA when importable)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype of both nodes (flashinfer needs float16 or bfloat16)",
+    )
+    parser.add_argument(
+        "--transport",
+        default="tcp",
+        choices=["tcp", "rdma"],
+        help="KV transport (rdma without a NIC here: the emulated verbs device, across processes)",
+    )
     args = parser.parse_args()
     emulated = False
     if args.transport == "rdma":
         from cachestore.rdma_verbs import EMULATOR_ENV, rdma_devices
+
         if not os.environ.get(EMULATOR_ENV) and not rdma_devices():
             os.environ[EMULATOR_ENV] = "1"  # no NIC: the emulated device (inherited by the nodes and receivers)
         emulated = os.environ.get(EMULATOR_ENV) == "1"
@@ -120,8 +146,22 @@ def main() -> None:
         print("transport rdma on the EMULATED verbs device: timings say nothing about a NIC")
     model = default_model_dir("bench")
     lengths, reps = ([512, 1024], 1) if args.quick else ([512, 2048], 3)
-    node_args = ["--port", "0", "--model", str(model), "--cluster-secret", SECRET, "--transport", args.transport,
-                 "--device", args.device, "--attention-backend", args.attention_backend, "--dtype", args.dtype]
+    node_args = [
+        "--port",
+        "0",
+        "--model",
+        str(model),
+        "--cluster-secret",
+        SECRET,
+        "--transport",
+        args.transport,
+        "--device",
+        args.device,
+        "--attention-backend",
+        args.attention_backend,
+        "--dtype",
+        args.dtype,
+    ]
     prefill = NodeProc("prefill", node_args + ["--num-threads", str(args.threads)])
     rows = {}
     try:
@@ -135,13 +175,20 @@ def main() -> None:
                 transfer = geo.total_bytes / (best_gbps * 1e9)
                 ttft = asyncio.run(decode_ttft(decode.address, prefill.address, prompt, reps))
                 exposed = max(0.0, rpc - compute)
-                rows[n] = {"compute_s": round(compute, 4), "rpc_s": round(rpc, 4),
-                           "transfer_alone_s": round(transfer, 4),
-                           "exposed_s": round(exposed, 4), "exposed_fraction": round(exposed / transfer, 3),
-                           "disaggregated_ttft_s": round(ttft, 4), "kv_mib": round(geo.total_bytes / 2**20, 1)}
-                print(f"prompt {n}: compute {compute * 1e3:.0f} ms, Prefill RPC {rpc * 1e3:.0f} ms, transfer alone "
-                      f"{transfer * 1e3:.1f} ms ({rows[n]['kv_mib']} MiB), exposed {exposed * 1e3:.1f} ms "
-                      f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms")
+                rows[n] = {
+                    "compute_s": round(compute, 4),
+                    "rpc_s": round(rpc, 4),
+                    "transfer_alone_s": round(transfer, 4),
+                    "exposed_s": round(exposed, 4),
+                    "exposed_fraction": round(exposed / transfer, 3),
+                    "disaggregated_ttft_s": round(ttft, 4),
+                    "kv_mib": round(geo.total_bytes / 2**20, 1),
+                }
+                print(
+                    f"prompt {n}: compute {compute * 1e3:.0f} ms, Prefill RPC {rpc * 1e3:.0f} ms, transfer alone "
+                    f"{transfer * 1e3:.1f} ms ({rows[n]['kv_mib']} MiB), exposed {exposed * 1e3:.1f} ms "
+                    f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms"
+                )
         except BaseException:  # a hung or failed run: show what the nodes said
             for name, node in (("prefill", prefill), ("decode", decode)):
                 print(f"--- {name} node log tail ---\n" + node.tail(25), file=sys.stderr)
@@ -151,11 +198,21 @@ def main() -> None:
     finally:
         prefill.stop()
     long = rows[lengths[-1]]
-    emit({"metric": f"exposed_transfer_fraction_{lengths[-1]}", "value": long["exposed_fraction"],
-          "baseline": 1.0, "ratio": long["exposed_fraction"], "target": 0.25, "threads": args.threads,
-          "device": args.device,
-          "transport": args.transport + (" (emulated)" if emulated else ""),
-          "attention_backend": args.attention_backend, "dtype": args.dtype, "rows": rows})
+    emit(
+        {
+            "metric": f"exposed_transfer_fraction_{lengths[-1]}",
+            "value": long["exposed_fraction"],
+            "baseline": 1.0,
+            "ratio": long["exposed_fraction"],
+            "target": 0.25,
+            "threads": args.threads,
+            "device": args.device,
+            "transport": args.transport + (" (emulated)" if emulated else ""),
+            "attention_backend": args.attention_backend,
+            "dtype": args.dtype,
+            "rows": rows,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ def main(model_dir: str, dtype: str, threads: int, workload_path: str, out_path:
 
     with open(workload_path) as f:
         reqs = json.load(f)
-    llm = LLM(model=model_dir, dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=1024,
-              seed=0)
+    llm = LLM(model=model_dir, dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=1024, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     start = time.perf_counter()

@@ -31,6 +31,19 @@ from cachestore.server import CacheStoreServer
 from cachestore.session import Session, SessionError, SessionState
 from cachestore.transport import resolve_transport
 
-__all__ = ["CacheStoreClient", "CacheStoreServer", "FaultInjector", "MemoryRegion", "PoolGeometry", "Run",
-           "Session", "SessionCredentials", "SessionError", "SessionState", "Transfer", "TransferError",
-           "coalesce", "resolve_transport"]
+__all__ = [
+    "CacheStoreClient",
+    "CacheStoreServer",
+    "FaultInjector",
+    "MemoryRegion",
+    "PoolGeometry",
+    "Run",
+    "Session",
+    "SessionCredentials",
+    "SessionError",
+    "SessionState",
+    "Transfer",
+    "TransferError",
+    "coalesce",
+    "resolve_transport",
+]

@@ -49,7 +49,7 @@ class Transfer:
             raise ValueError(f"{len(src_block_ids)} source blocks but the session has {len(self.creds.block_ids)}")
         if not 0 <= layer < self.creds.num_layers:
             raise ValueError(f"layer {layer} outside the session's {self.creds.num_layers} layers")
-        runs = coalesce(list(src_block_ids), list(self.creds.block_ids[:len(src_block_ids)]))
+        runs = coalesce(list(src_block_ids), list(self.creds.block_ids[: len(src_block_ids)]))
         with self._lock:
             if self.started_at is None:
                 self.started_at = time.monotonic()
@@ -116,9 +116,15 @@ class Transfer:
 class CacheStoreClient:
     """A pool of connections to receivers, shared by all transfers of a sender."""
 
-    def __init__(self, region: MemoryRegion, geometry: PoolGeometry, transport: str = "tcp",
-                 secret: bytes | str = b"", registry: CollectorRegistry | None = None,
-                 faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        region: MemoryRegion,
+        geometry: PoolGeometry,
+        transport: str = "tcp",
+        secret: bytes | str = b"",
+        registry: CollectorRegistry | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.region = region
         self.geometry = geometry
         self.active_transport = resolve_transport(transport)
@@ -128,6 +134,7 @@ class CacheStoreClient:
         if self.active_transport == "rdma":  # GPUDirect or staging, decided now (registered at first use)
             from cachestore import rdma_memory
             from cachestore.rdma_verbs import verbs
+
             mode, reason = rdma_memory.choose(verbs(), region)
             logging.getLogger("pdserve.cachestore").info("rdma sender will register %s memory (%s)", mode, reason)
             self.metrics.set_pool_memory(mode)
@@ -142,13 +149,15 @@ class CacheStoreClient:
 
     def open_transfer(self, creds: SessionCredentials) -> Transfer:
         if creds.block_bytes != self.geometry.block_bytes:
-            raise ValueError(f"incompatible KV geometry: receiver blocks are {creds.block_bytes} bytes, "
-                             f"ours are {self.geometry.block_bytes}")
+            raise ValueError(
+                f"incompatible KV geometry: receiver blocks are {creds.block_bytes} bytes, "
+                f"ours are {self.geometry.block_bytes}"
+            )
         return Transfer(self, creds, asyncio.get_running_loop())
 
     def source(self, layer: int, run: Run) -> memoryview:
         start = self.geometry.offset(layer, run.src_block)
-        return self.region.view[start:start + run.count * self.geometry.block_bytes]
+        return self.region.view[start : start + run.count * self.geometry.block_bytes]
 
     def _channel_for(self, creds: SessionCredentials) -> Channel:
         with self._lock:
@@ -161,9 +170,12 @@ class CacheStoreClient:
     def _make_channel(self, creds: SessionCredentials) -> Channel:
         if creds.transport == "local":
             from cachestore.local import LocalChannel
+
             return LocalChannel(self, creds.endpoint)
         if creds.transport == "rdma":
             from cachestore.rdma import RdmaChannel
+
             return RdmaChannel(self, creds)
         from cachestore.tcp_sender import TcpChannel
+
         return TcpChannel(self, creds.endpoint)

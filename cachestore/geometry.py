@@ -69,6 +69,7 @@ class MemoryRegion:
     @classmethod
     def from_tensor(cls, tensor) -> "MemoryRegion":
         import torch
+
         assert tensor.is_contiguous(), "KV pool must be one contiguous allocation"
         if tensor.is_cuda:
             return cls(memoryview(bytearray(0)), tensor)
@@ -84,6 +85,7 @@ class MemoryRegion:
         if self.tensor is not None:
             return int(self.tensor.data_ptr())
         import ctypes
+
         return ctypes.addressof(ctypes.c_char.from_buffer(self.view)) if not self.view.readonly else 0
 
     def __len__(self) -> int:

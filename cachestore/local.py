@@ -51,8 +51,17 @@ class LocalChannel:
             ready_event.synchronize()
         creds = transfer.creds
         nbytes = run.count * self.client.geometry.block_bytes
-        h = wire.Header(wire.KIND_WRITE, 0, bytes.fromhex(creds.session_id), bytes.fromhex(creds.token), layer,
-                        run.dst_block, run.count, 0, nbytes)
+        h = wire.Header(
+            wire.KIND_WRITE,
+            0,
+            bytes.fromhex(creds.session_id),
+            bytes.fromhex(creds.token),
+            layer,
+            run.dst_block,
+            run.count,
+            0,
+            nbytes,
+        )
         block_ids = range(run.dst_block, run.dst_block + run.count)
         session, status, writer = server.begin_write(h, block_ids)
         if session is None:

@@ -18,35 +18,62 @@ class CacheStoreMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r, t = self.registry, transport
         self.bytes = Counter("pdserve_cachestore_bytes", "KV bytes moved", ["transport", "side"], registry=r)
-        self.transfer_seconds = Histogram("pdserve_cachestore_transfer_seconds", "first write to last ack",
-                                          ["transport"], buckets=LATENCY_BUCKETS, registry=r).labels(t)
-        self.first_layer = Histogram("pdserve_cachestore_first_layer_ready_seconds",
-                                     "session open to first complete layer", ["transport"],
-                                     buckets=LATENCY_BUCKETS, registry=r).labels(t)
-        self.all_layers = Histogram("pdserve_cachestore_all_layers_ready_seconds",
-                                    "session open to all layers landed", ["transport"],
-                                    buckets=LATENCY_BUCKETS, registry=r).labels(t)
-        self.rejected = Counter("pdserve_cachestore_rejected_frames", "frames refused", ["transport", "reason"],
-                                registry=r)
-        self.failed = Counter("pdserve_cachestore_sessions_failed", "sessions or transfers that failed",
-                              ["transport"], registry=r).labels(t)
-        self.expired = Counter("pdserve_cachestore_sessions_expired", "sessions that timed out",
-                               ["transport"], registry=r).labels(t)
-        self.fenced = Counter("pdserve_cachestore_writers_cut", "writers cut off because their session ended first",
-                              ["transport"], registry=r).labels(t)
-        self.accept_errors = Counter("pdserve_cachestore_accept_errors", "listener accept() failures (e.g. EMFILE)",
-                                     ["transport"], registry=r).labels(t)
-        self.listener_up = Gauge("pdserve_cachestore_listener_up", "1 while the listener accepts connections",
-                                 ["transport"], registry=r).labels(t)
-        self.connections = Gauge("pdserve_cachestore_connections", "open sender connections",
-                                 ["transport"], registry=r).labels(t)
-        self.active = Gauge("pdserve_cachestore_active_transport", "1 for the transport in use",
-                            ["transport"], registry=r)
+        self.transfer_seconds = Histogram(
+            "pdserve_cachestore_transfer_seconds",
+            "first write to last ack",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(t)
+        self.first_layer = Histogram(
+            "pdserve_cachestore_first_layer_ready_seconds",
+            "session open to first complete layer",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(t)
+        self.all_layers = Histogram(
+            "pdserve_cachestore_all_layers_ready_seconds",
+            "session open to all layers landed",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(t)
+        self.rejected = Counter(
+            "pdserve_cachestore_rejected_frames", "frames refused", ["transport", "reason"], registry=r
+        )
+        self.failed = Counter(
+            "pdserve_cachestore_sessions_failed", "sessions or transfers that failed", ["transport"], registry=r
+        ).labels(t)
+        self.expired = Counter(
+            "pdserve_cachestore_sessions_expired", "sessions that timed out", ["transport"], registry=r
+        ).labels(t)
+        self.fenced = Counter(
+            "pdserve_cachestore_writers_cut",
+            "writers cut off because their session ended first",
+            ["transport"],
+            registry=r,
+        ).labels(t)
+        self.accept_errors = Counter(
+            "pdserve_cachestore_accept_errors", "listener accept() failures (e.g. EMFILE)", ["transport"], registry=r
+        ).labels(t)
+        self.listener_up = Gauge(
+            "pdserve_cachestore_listener_up", "1 while the listener accepts connections", ["transport"], registry=r
+        ).labels(t)
+        self.connections = Gauge(
+            "pdserve_cachestore_connections", "open sender connections", ["transport"], registry=r
+        ).labels(t)
+        self.active = Gauge(
+            "pdserve_cachestore_active_transport", "1 for the transport in use", ["transport"], registry=r
+        )
         self.active.labels(t).set(1)
-        self.pool_memory = Gauge("pdserve_cachestore_rdma_pool_memory",
-                                 "1 for the memory the rdma transport registers: host (a host pool), "
-                                 "gpudirect (the CUDA pool itself) or staging (pinned host buffers)",
-                                 ["transport", "mode"], registry=r)
+        self.pool_memory = Gauge(
+            "pdserve_cachestore_rdma_pool_memory",
+            "1 for the memory the rdma transport registers: host (a host pool), "
+            "gpudirect (the CUDA pool itself) or staging (pinned host buffers)",
+            ["transport", "mode"],
+            registry=r,
+        )
         self.transport = t
 
     def set_pool_memory(self, mode: str) -> None:

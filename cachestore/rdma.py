@@ -33,9 +33,20 @@ from typing import TYPE_CHECKING, Any
 
 from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
-from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for  # noqa: F401
-from cachestore.rdma_verbs import (COMPLETION_TIMEOUT, EMULATOR_ENV, QpInfo, QpState, RdmaResources,  # noqa: F401
-                                   device_choice, next_state, qp_attr_values, rdma_devices, verbs, wait_completion)
+from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for
+from cachestore.rdma_verbs import (
+    COMPLETION_TIMEOUT,
+    EMULATOR_ENV,
+    QpInfo,
+    QpState,
+    RdmaResources,
+    device_choice,
+    next_state,
+    qp_attr_values,
+    rdma_devices,
+    verbs,
+    wait_completion,
+)
 
 if TYPE_CHECKING:  # loaded on first use (staging imports torch)
     from cachestore.staging import HostStaging
@@ -87,6 +98,7 @@ class RdmaLane:
 
     def _setup(self) -> None:
         from cachestore.tcp_sender import TcpChannel
+
         res = self.res = self._resources()
         self.qp, self.cq = res.create_qp()
         ours = res.local_info(self.qp)
@@ -104,6 +116,7 @@ class RdmaLane:
             return windows
         from cachestore import wire
         from cachestore.tcp_sender import connect, control_request
+
         assert self._peer is not None, "grants follow the QP exchange"
         request = {"grant": {"session_id": creds.session_id, "token": creds.token, "qp_num": self._peer.qp_num}}
         sock = connect(self.endpoint, self.client.secret)
@@ -120,6 +133,7 @@ class RdmaLane:
 
     def _run(self) -> None:
         from cachestore import wire
+
         try:
             self._setup()
         except Exception as e:  # OSError, or a verbs error: fail what is queued, never the caller
@@ -165,8 +179,9 @@ class RdmaLane:
             return
         if ready_event is not None:
             ready_event.synchronize()  # this thread waits for the layer's kernels, not the engine
-        for batch in plan_writes(layer, [run], client.geometry, res.address, remote,
-                                 int(creds.rdma["address"]), first_wr_id=self._wr_ids):
+        for batch in plan_writes(
+            layer, [run], client.geometry, res.address, remote, int(creds.rdma["address"]), first_wr_id=self._wr_ids
+        ):
             self._post(batch, windows)
 
     def _post(self, batch: list, windows: list) -> None:
@@ -176,24 +191,30 @@ class RdmaLane:
         self._wr_ids += len(batch)
         wrs = []
         for i, w in enumerate(batch):
-            wr = v.SendWR(wr_id=w.wr_id, opcode=v.enums.IBV_WR_RDMA_WRITE, num_sge=1,
-                          sg=[v.SGE(w.local_addr, w.length, res.mr.lkey)],
-                          send_flags=v.enums.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0)
+            wr = v.SendWR(
+                wr_id=w.wr_id,
+                opcode=v.enums.IBV_WR_RDMA_WRITE,
+                num_sge=1,
+                sg=[v.SGE(w.local_addr, w.length, res.mr.lkey)],
+                send_flags=v.enums.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0,
+            )
             wr.set_wr_rdma(window_for(windows, w.remote_addr, w.length), w.remote_addr)
             wrs.append(wr)
         res.post_chain(self.qp, wrs)
         wait_completion(v, self.cq, batch[-1].wr_id)
 
-    def _write_staged(self, layer: int, run: Run, ready_event, remote: PoolGeometry, remote_base: int,
-                      windows: list) -> None:
+    def _write_staged(
+        self, layer: int, run: Run, ready_event, remote: PoolGeometry, remote_base: int, windows: list
+    ) -> None:
         """CUDA pool without GPUDirect: copy the run (in slot-sized pieces) device-to-host into this
         lane's registered slot, after the layer's CUDA event (a GPU-side wait on the staging stream,
         on this thread), and WRITE from there. The slot is reused once the WRITE completed."""
         from cachestore.staging import HostStaging
+
         reg, geometry = self._ready().registration, self.client.geometry
         assert reg.staging is not None, "staged writes go through the registered staging buffer"
         if self._staging is None:
-            slot = reg.staging[self.index * reg.slot_bytes:(self.index + 1) * reg.slot_bytes]
+            slot = reg.staging[self.index * reg.slot_bytes : (self.index + 1) * reg.slot_bytes]
             self._staging = HostStaging(buffer=slot)
         staging, pool = self._staging, self.client.region.tensor
         assert pool is not None, "staging serves a device pool"
@@ -201,7 +222,7 @@ class RdmaLane:
         per = max(1, reg.slot_bytes // geometry.block_bytes)
         for first in range(0, run.count, per):
             piece = Run(run.src_block + first, run.dst_block + first, min(per, run.count - first))
-            (w,), = plan_writes(layer, [piece], geometry, 0, remote, remote_base, first_wr_id=self._wr_ids)
+            ((w,),) = plan_writes(layer, [piece], geometry, 0, remote, remote_base, first_wr_id=self._wr_ids)
             staging.gather(pool, [(w.local_addr, w.length)], ready_event)
             ready_event = None  # waited on once per run
             self._post([w._replace(local_addr=slot_address)], windows)
@@ -262,8 +283,14 @@ class RdmaChannel:
         with self._res_lock:
             if self._res is None:
                 device, port, gid_index = device_choice()
-                self._res = RdmaResources(device, self.client.region, port=port, gid_index=gid_index,
-                                          lanes=self.num_qps, block_bytes=self.client.geometry.block_bytes)
+                self._res = RdmaResources(
+                    device,
+                    self.client.region,
+                    port=port,
+                    gid_index=gid_index,
+                    lanes=self.num_qps,
+                    block_bytes=self.client.geometry.block_bytes,
+                )
                 rdma_memory.report(self._res.registration, self.client.metrics, "sender")
             return self._res
 

@@ -42,8 +42,11 @@ def session_ranges(geometry: PoolGeometry, creds: SessionCredentials, base: int)
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((b, 1))
-    return [(base + geometry.offset(layer, first), count * geometry.block_bytes)
-            for layer in range(creds.num_layers) for first, count in runs]
+    return [
+        (base + geometry.offset(layer, first), count * geometry.block_bytes)
+        for layer in range(creds.num_layers)
+        for first, count in runs
+    ]
 
 
 class Responder:
@@ -160,6 +163,7 @@ class RdmaReceiver:
     def control(self, conn, hello: bytes) -> tuple[int, bytes]:
         """One CONNECT message from an authenticated connection: (wire status, JSON reply)."""
         from cachestore import wire
+
         try:
             msg = json.loads(hello)
             if "grant" in msg:
@@ -187,9 +191,13 @@ class RdmaReceiver:
         if not self.staged:
             return
         from cachestore.tcp_receiver import dest_runs
+
         geometry = self.server.geometry
-        rdma_memory.commit(self.res.registration, self.server.region.tensor,
-                           [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in dest_runs(block_ids)])
+        rdma_memory.commit(
+            self.res.registration,
+            self.server.region.tensor,
+            [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in dest_runs(block_ids)],
+        )
 
     def close(self) -> None:
         """Server stop: responders close with their connections; the pool registration goes here."""
@@ -197,6 +205,7 @@ class RdmaReceiver:
 
     def _grant(self, session_id: str, token: str, qp_num: int) -> tuple[int, bytes]:
         from cachestore import wire
+
         with self._lock:
             responder = self._responders.get(qp_num)
         if responder is None or responder.closed:
@@ -205,8 +214,7 @@ class RdmaReceiver:
         if session is None:
             self.server.reject(status)
             return status, b""
-        grant = Grant(responder, session_ranges(self.server.geometry, session.creds, self.res.address),
-                      self.use_mw)
+        grant = Grant(responder, session_ranges(self.server.geometry, session.creds, self.res.address), self.use_mw)
         if not self.server.add_grant(session, grant.revoke):  # closed while binding, or too many grants
             grant.revoke()
             return wire.SESSION_CLOSED, b""

@@ -84,6 +84,7 @@ class PoolRegistration:
 
 def _host_buffer(nbytes: int):
     import torch
+
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
@@ -98,8 +99,9 @@ def register(v, pd, region, access: int, *, lanes: int = 0, block_bytes: int = 1
         except Exception as e:  # PyverbsRDMAError: the driver refused device memory
             mode, reason = STAGING, f"registering the CUDA pool failed ({e})"
     if mode == HOST:
-        return PoolRegistration(mode, reason, v.MR(pd, len(region), access, address=region.address),
-                                region.address, len(region))
+        return PoolRegistration(
+            mode, reason, v.MR(pd, len(region), access, address=region.address), region.address, len(region)
+        )
     if lanes:
         slot = int(os.environ.get(STAGING_ENV, DEFAULT_STAGING_BYTES))
         slot = max(block_bytes, min(slot, len(region)) // block_bytes * block_bytes)
@@ -107,8 +109,9 @@ def register(v, pd, region, access: int, *, lanes: int = 0, block_bytes: int = 1
     else:
         slot, buf = 0, _host_buffer(len(region))
     address = int(buf.data_ptr())
-    return PoolRegistration(mode, reason, v.MR(pd, buf.numel(), access, address=address), address, buf.numel(),
-                            buf, slot)
+    return PoolRegistration(
+        mode, reason, v.MR(pd, buf.numel(), access, address=address), address, buf.numel(), buf, slot
+    )
 
 
 _streams: dict = {}
@@ -119,6 +122,7 @@ def commit(reg: PoolRegistration, tensor, spans: list[tuple[int, int]]) -> None:
     """Receiver, staging: copy the landed pool byte spans (start, nbytes) from the host mirror into the
     device pool; returns once the copies are done (the NOTIFY is acknowledged after)."""
     import torch
+
     assert reg.staging is not None, "commit() serves the staging mode"
     flat = tensor.view(torch.uint8).view(-1)
     if flat.is_cuda:
@@ -127,11 +131,11 @@ def commit(reg: PoolRegistration, tensor, spans: list[tuple[int, int]]) -> None:
             stream = _streams[flat.device] = torch.cuda.Stream(device=flat.device)
         with torch.cuda.stream(stream):
             for start, n in spans:
-                flat[start:start + n].copy_(reg.staging[start:start + n], non_blocking=True)
+                flat[start : start + n].copy_(reg.staging[start : start + n], non_blocking=True)
         stream.synchronize()
     else:
         for start, n in spans:
-            flat[start:start + n].copy_(reg.staging[start:start + n])
+            flat[start : start + n].copy_(reg.staging[start : start + n])
 
 
 def report(reg: PoolRegistration, metrics, side: str) -> None:

@@ -19,14 +19,28 @@ class WriteRequest(NamedTuple):
     remote_addr: int
 
 
-def plan_writes(layer: int, runs: list[Run], local: PoolGeometry, local_base: int, remote: PoolGeometry,
-                remote_base: int, first_wr_id: int = 0,
-                max_per_post: int = MAX_WR_PER_POST) -> list[list[WriteRequest]]:
+def plan_writes(
+    layer: int,
+    runs: list[Run],
+    local: PoolGeometry,
+    local_base: int,
+    remote: PoolGeometry,
+    remote_base: int,
+    first_wr_id: int = 0,
+    max_per_post: int = MAX_WR_PER_POST,
+) -> list[list[WriteRequest]]:
     """Work requests for `runs` of `layer`, batched into chains of at most `max_per_post`."""
     assert local.block_bytes == remote.block_bytes, "geometries disagree on block size"
-    wrs = [WriteRequest(first_wr_id + i, local_base + local.offset(layer, r.src_block), r.count * local.block_bytes,
-                        remote_base + remote.offset(layer, r.dst_block)) for i, r in enumerate(runs)]
-    return [wrs[i:i + max_per_post] for i in range(0, len(wrs), max_per_post)]
+    wrs = [
+        WriteRequest(
+            first_wr_id + i,
+            local_base + local.offset(layer, r.src_block),
+            r.count * local.block_bytes,
+            remote_base + remote.offset(layer, r.dst_block),
+        )
+        for i, r in enumerate(runs)
+    ]
+    return [wrs[i : i + max_per_post] for i in range(0, len(wrs), max_per_post)]
 
 
 def window_for(windows: list[list[int]], address: int, length: int) -> int:

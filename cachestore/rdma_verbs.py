@@ -27,6 +27,7 @@ def verbs() -> types.SimpleNamespace | types.ModuleType:
     (ImportError when it is not installed)."""
     if os.environ.get(EMULATOR_ENV) == "1":
         import cachestore.verbs_emu as emu
+
         return emu
     from pyverbs import enums
     from pyverbs.addr import AHAttr, GlobalRoute
@@ -36,10 +37,25 @@ def verbs() -> types.SimpleNamespace | types.ModuleType:
     from pyverbs.pd import PD
     from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
     from pyverbs.wr import SGE, SendWR
-    return types.SimpleNamespace(enums=enums, AHAttr=AHAttr, GlobalRoute=GlobalRoute, CQ=CQ, Context=Context,
-                                 get_device_list=get_device_list, MR=MR, MW=MW, MWBindInfo=MWBindInfo, PD=PD, QP=QP,
-                                 QPAttr=QPAttr, QPCap=QPCap,
-                                 QPInitAttr=QPInitAttr, SGE=SGE, SendWR=SendWR)
+
+    return types.SimpleNamespace(
+        enums=enums,
+        AHAttr=AHAttr,
+        GlobalRoute=GlobalRoute,
+        CQ=CQ,
+        Context=Context,
+        get_device_list=get_device_list,
+        MR=MR,
+        MW=MW,
+        MWBindInfo=MWBindInfo,
+        PD=PD,
+        QP=QP,
+        QPAttr=QPAttr,
+        QPCap=QPCap,
+        QPInitAttr=QPInitAttr,
+        SGE=SGE,
+        SendWR=SendWR,
+    )
 
 
 def rdma_devices() -> list[str]:
@@ -96,22 +112,45 @@ def next_state(state: QpState, target: QpState) -> QpState:
     raise ValueError(f"illegal QP transition {state.name} -> {target.name}")
 
 
-def qp_attr_values(state: QpState, remote: QpInfo | None, *, port: int = 1, gid_index: int = 0,
-                   mtu: int = 5, max_rd_atomic: int = 1) -> dict:
+def qp_attr_values(
+    state: QpState, remote: QpInfo | None, *, port: int = 1, gid_index: int = 0, mtu: int = 5, max_rd_atomic: int = 1
+) -> dict:
     """Attribute values for modify_qp into `state` (pure: what QPAttr is filled with)."""
     if state == QpState.INIT:
         # remote write is all the receiver's MR needs; local write for the sender's own MR
-        return {"qp_state": "INIT", "pkey_index": 0, "port_num": port,
-                "qp_access_flags": ("LOCAL_WRITE", "REMOTE_WRITE")}
+        return {
+            "qp_state": "INIT",
+            "pkey_index": 0,
+            "port_num": port,
+            "qp_access_flags": ("LOCAL_WRITE", "REMOTE_WRITE"),
+        }
     if state == QpState.RTR:
         assert remote is not None, "RTR needs the peer's QP info"
-        return {"qp_state": "RTR", "path_mtu": mtu, "dest_qp_num": remote.qp_num, "rq_psn": remote.psn,
-                "max_dest_rd_atomic": max_rd_atomic, "min_rnr_timer": 12,
-                "ah": {"dlid": remote.lid, "port_num": port, "is_global": bool(remote.gid), "dgid": remote.gid,
-                       "sgid_index": gid_index, "hop_limit": 1}}
+        return {
+            "qp_state": "RTR",
+            "path_mtu": mtu,
+            "dest_qp_num": remote.qp_num,
+            "rq_psn": remote.psn,
+            "max_dest_rd_atomic": max_rd_atomic,
+            "min_rnr_timer": 12,
+            "ah": {
+                "dlid": remote.lid,
+                "port_num": port,
+                "is_global": bool(remote.gid),
+                "dgid": remote.gid,
+                "sgid_index": gid_index,
+                "hop_limit": 1,
+            },
+        }
     if state == QpState.RTS:
-        return {"qp_state": "RTS", "sq_psn": 0, "timeout": 14, "retry_cnt": 7, "rnr_retry": 7,
-                "max_rd_atomic": max_rd_atomic}
+        return {
+            "qp_state": "RTS",
+            "sq_psn": 0,
+            "timeout": 14,
+            "retry_cnt": 7,
+            "rnr_retry": 7,
+            "max_rd_atomic": max_rd_atomic,
+        }
     raise ValueError(f"no attributes for {state.name}")
 
 
@@ -125,9 +164,18 @@ class RdmaResources:
     either side (the receiver grants per-session windows or MRs, `cachestore.rdma_access`);
     `mw_bind` lets the receiver bind type-2 windows to it."""
 
-    def __init__(self, device: str, region, port: int = 1, gid_index: int = 0, mw_bind: bool = False,
-                 lanes: int = 0, block_bytes: int = 1) -> None:
+    def __init__(
+        self,
+        device: str,
+        region,
+        port: int = 1,
+        gid_index: int = 0,
+        mw_bind: bool = False,
+        lanes: int = 0,
+        block_bytes: int = 1,
+    ) -> None:
         from cachestore import rdma_memory
+
         v = self.v = verbs()
         self.port, self.gid_index = port, gid_index
         self.ctx = v.Context(name=device)
@@ -163,7 +211,8 @@ class RdmaResources:
             attr = v.QPAttr(port_num=port)
             if target == QpState.INIT:
                 attr.qp_access_flags = v.enums.IBV_ACCESS_LOCAL_WRITE | (
-                    v.enums.IBV_ACCESS_REMOTE_WRITE if responder else 0)
+                    v.enums.IBV_ACCESS_REMOTE_WRITE if responder else 0
+                )
                 qp.to_init(attr)
             elif target == QpState.RTR:
                 ah = values["ah"]
@@ -204,8 +253,10 @@ def wait_completion(v, cq, wr_id: int, timeout: float | None = None) -> None:
             continue
         wc = wcs[0]
         if wc.status != v.enums.IBV_WC_SUCCESS:
-            raise OSError(f"work request {wc.wr_id} failed with completion status {wc.status}"
-                          + (" (remote access error)" if wc.status == v.enums.IBV_WC_REM_ACCESS_ERR else ""))
+            raise OSError(
+                f"work request {wc.wr_id} failed with completion status {wc.status}"
+                + (" (remote access error)" if wc.status == v.enums.IBV_WC_REM_ACCESS_ERR else "")
+            )
         if wc.wr_id == wr_id:
             return
     raise OSError(f"no completion for work request {wr_id} within {timeout:.0f}s")

@@ -40,12 +40,22 @@ class CacheStoreServer:
     timeout (a timer per session, no polling).
     """
 
-    def __init__(self, region: MemoryRegion, geometry: PoolGeometry, transport: str = "tcp", host: str = "127.0.0.1",
-                 port: int = 0, secret: bytes | str = b"", registry: CollectorRegistry | None = None,
-                 faults: FaultInjector | None = None, tcp_limits: TcpLimits | None = None) -> None:
+    def __init__(
+        self,
+        region: MemoryRegion,
+        geometry: PoolGeometry,
+        transport: str = "tcp",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | str = b"",
+        registry: CollectorRegistry | None = None,
+        faults: FaultInjector | None = None,
+        tcp_limits: TcpLimits | None = None,
+    ) -> None:
         if len(region) < geometry.total_bytes:
-            raise ValueError(f"memory region of {len(region)} bytes is smaller than the pool geometry "
-                             f"({geometry.total_bytes} bytes)")
+            raise ValueError(
+                f"memory region of {len(region)} bytes is smaller than the pool geometry ({geometry.total_bytes} bytes)"
+            )
         self.region = region
         self.geometry = geometry
         self.active_transport = resolve_transport(transport)
@@ -69,13 +79,16 @@ class CacheStoreServer:
         self._loop = asyncio.get_running_loop()
         if self.active_transport == "local":
             from cachestore.local import register_server
+
             self.endpoint = register_server(self)
         else:  # tcp, and rdma's control channel
             if self.active_transport == "rdma":
                 from cachestore.rdma_access import RdmaReceiver
                 from cachestore.rdma_verbs import device_choice
+
                 self._rdma = RdmaReceiver(self, *device_choice())
             from cachestore.tcp_listener import TcpListener
+
             listener = self._listener = TcpListener(self, self.host, self.port, self.tcp_limits)
             self.endpoint = listener.start()
         log.info("cachestore receiver on %s (transport=%s)", self.endpoint, self.active_transport)
@@ -89,11 +102,13 @@ class CacheStoreServer:
             self._rdma.close()
         if self.active_transport == "local":
             from cachestore.local import unregister_server
+
             unregister_server(self.endpoint)
 
     # --- sessions -----------------------------------------------------------------------
-    def open_session(self, request_id: str, block_ids: list[int], num_layers: int | None = None,
-                     timeout: float = 30.0) -> SessionCredentials:
+    def open_session(
+        self, request_id: str, block_ids: list[int], num_layers: int | None = None, timeout: float = 30.0
+    ) -> SessionCredentials:
         """Accept writes of `num_layers` x `block_ids` for `request_id` until `timeout` seconds pass."""
         num_layers = self.geometry.num_layers if num_layers is None else num_layers
         if not 0 < num_layers <= self.geometry.num_layers:
@@ -106,9 +121,16 @@ class CacheStoreServer:
         if self._rdma is not None:  # the pool's layout; the keys come per sender QP (`rdma_access`)
             rdma = {"address": self._rdma.remote_base, "num_blocks": self.geometry.num_blocks}
         creds = SessionCredentials(
-            request_id=request_id, endpoint=self.endpoint, transport=self.active_transport,
-            session_id=secrets.token_hex(16), token=secrets.token_hex(16), num_layers=num_layers,
-            block_bytes=self.geometry.block_bytes, block_ids=tuple(block_ids), rdma=rdma)
+            request_id=request_id,
+            endpoint=self.endpoint,
+            transport=self.active_transport,
+            session_id=secrets.token_hex(16),
+            token=secrets.token_hex(16),
+            num_layers=num_layers,
+            block_bytes=self.geometry.block_bytes,
+            block_ids=tuple(block_ids),
+            rdma=rdma,
+        )
         session = Session(creds, self.geometry, timeout, self._loop)
         with self._lock:
             if request_id in self._by_request:
@@ -142,8 +164,11 @@ class CacheStoreServer:
                 (self.metrics.expired if state == SessionState.EXPIRED else self.metrics.failed).inc()
             self._revoke_grants(session)
             if cuts:
-                log.warning("cachestore session %s ended with %d writer(s) inside its blocks: cutting them off",
-                            request_id, len(cuts))
+                log.warning(
+                    "cachestore session %s ended with %d writer(s) inside its blocks: cutting them off",
+                    request_id,
+                    len(cuts),
+                )
                 self.metrics.fenced.inc(len(cuts))
             for cut in cuts:
                 cut()
@@ -171,8 +196,9 @@ class CacheStoreServer:
             return len(self._by_request)
 
     # --- the write path (any transport) ------------------------------------------------------
-    def begin_write(self, h: wire.Header, block_ids: Sequence[int],
-                    cut: Callable[[], None] | None = None) -> tuple[Session | None, int, int]:
+    def begin_write(
+        self, h: wire.Header, block_ids: Sequence[int], cut: Callable[[], None] | None = None
+    ) -> tuple[Session | None, int, int]:
         """Validate a write of `h.payload_len` bytes into `block_ids` of layer `h.layer`.
         On success the session counts one more active writer, which `cut` stops if the session
         ends first. Returns (session or None, wire status, writer id)."""
@@ -210,7 +236,7 @@ class CacheStoreServer:
     def destination(self, layer: int, first_block: int, count: int) -> memoryview:
         """The pool bytes of `count` consecutive blocks of one layer (a validated write lands there)."""
         start = self.geometry.offset(layer, first_block)
-        return self.region.view[start:start + count * self.geometry.block_bytes]
+        return self.region.view[start : start + count * self.geometry.block_bytes]
 
     # --- rdma: per-session remote keys (`cachestore.rdma_access`) ----------------------------
     def rdma_control(self, conn, hello: bytes) -> tuple[int, bytes]:
@@ -256,6 +282,7 @@ class CacheStoreServer:
                     log.exception("revoking an RDMA grant of session %s failed", session.request_id)
                 with self._lock:
                     session.end_grant(grant_id)
+
         threading.Thread(target=revoke_all, name="cachestore-revoke", daemon=True).start()
 
     def reject(self, status: int | str) -> None:

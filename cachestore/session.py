@@ -41,8 +41,9 @@ class Session:
     writers: the session is safe to reuse only once every grant's revocation has completed.
     """
 
-    def __init__(self, creds: SessionCredentials, geometry: PoolGeometry, timeout: float,
-                 loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(
+        self, creds: SessionCredentials, geometry: PoolGeometry, timeout: float, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
         self.creds = creds
         self.request_id = creds.request_id
         self.geometry = geometry
@@ -142,18 +143,24 @@ class Session:
 
     async def wait_complete(self, timeout: float | None = None) -> None:
         """Wait (by notification, no polling) until every (layer, block) has landed."""
+
         async def done() -> None:
             await self._wait(lambda: self.state != SessionState.OPEN)
+
         await asyncio.wait_for(done(), timeout)
         if self.state != SessionState.COMPLETE:
-            raise SessionError(f"KV session {self.request_id} {self.state.value} before all layers landed "
-                               f"({len(self.landed)}/{self.expected} blocks)")
+            raise SessionError(
+                f"KV session {self.request_id} {self.state.value} before all layers landed "
+                f"({len(self.landed)}/{self.expected} blocks)"
+            )
 
     async def wait_safe_to_reuse(self, timeout: float | None = None) -> None:
         """Wait until the session is over and no writer can still touch its blocks: every TCP writer
         is out and every RDMA grant's keys are invalidated (after which a posted WRITE fails)."""
+
         async def idle() -> None:
             await self._wait(lambda: self.safe_to_reuse)
+
         await asyncio.wait_for(idle(), timeout)
 
     @property

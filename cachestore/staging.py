@@ -76,7 +76,7 @@ class HostStaging:
     def _copy_out(buf: torch.Tensor, flat: torch.Tensor, spans: list[tuple[int, int]], non_blocking: bool) -> None:
         at = 0
         for start, n in spans:
-            buf[at:at + n].copy_(flat[start:start + n], non_blocking=non_blocking)
+            buf[at : at + n].copy_(flat[start : start + n], non_blocking=non_blocking)
             at += n
 
     def landing(self, nbytes: int) -> memoryview:
@@ -97,7 +97,7 @@ class HostStaging:
         try:
             at = 0
             for start, n in spans:
-                flat[start:start + n].copy_(self._buf[at:at + n], non_blocking=stream is not None)
+                flat[start : start + n].copy_(self._buf[at : at + n], non_blocking=stream is not None)
                 at += n
         finally:
             if ctx is not None:

@@ -31,6 +31,8 @@ def advance_views(views: list[memoryview], i: int, n: int) -> int:
             views[i] = views[i][n:]
             n = 0
     return i
+
+
 """Most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)."""
 
 
@@ -71,7 +73,7 @@ class Connection:
 
     def pending_view(self) -> memoryview:
         want = wire.HEADER_BYTES if self.authenticated else wire.MAC_BYTES
-        return memoryview(self.buf)[self.filled:want]
+        return memoryview(self.buf)[self.filled : want]
 
     def shutdown(self) -> None:
         try:

@@ -171,7 +171,7 @@ class TcpListener:
         c.filled += n
         if not c.authenticated:
             if c.filled == wire.MAC_BYTES:
-                if not hmac.compare_digest(bytes(c.buf[:wire.MAC_BYTES]), wire.auth_tag(self.server.secret, c.nonce)):
+                if not hmac.compare_digest(bytes(c.buf[: wire.MAC_BYTES]), wire.auth_tag(self.server.secret, c.nonce)):
                     self.server.reject("bad_secret")
                     self._close(c)
                     return

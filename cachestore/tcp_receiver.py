@@ -37,6 +37,7 @@ def _worker_staging():
     staging = getattr(_local, "staging", None)
     if staging is None:
         from cachestore.staging import HostStaging
+
         staging = _local.staging = HostStaging()
     return staging
 
@@ -57,7 +58,7 @@ class FrameWorker:
         layers costs one ack, and a block is never acknowledged before its bytes landed. A refusal
         is acknowledged on its own, after the OKs before it."""
         sock = c.sock
-        header = memoryview(c.buf)[:wire.HEADER_BYTES]
+        header = memoryview(c.buf)[: wire.HEADER_BYTES]
         ok_through: int | None = None
         unacked = 0
         while True:
@@ -88,7 +89,7 @@ class FrameWorker:
             sock.settimeout(LINGER_SECONDS)
             try:
                 while c.filled < wire.HEADER_BYTES:
-                    n = sock.recv_into(header[c.filled:])
+                    n = sock.recv_into(header[c.filled :])
                     if n == 0:
                         return False
                     c.filled += n
@@ -118,7 +119,9 @@ class FrameWorker:
         fence = Fence(conn)
         session, status, writer = server.begin_write(
             h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
-            block_ids, fence.cut)
+            block_ids,
+            fence.cut,
+        )
         if session is None:
             server.reject(status)
             # well-formed but refused: skip its payload, keep the stream in sync, tell the sender
@@ -150,8 +153,9 @@ class FrameWorker:
         zero = b"\0" * 16
         c.sock.sendall(wire.Header(wire.KIND_CONNECT, status, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
 
-    def _receive_payload(self, conn: socket.socket, h: wire.Header, block_ids: Sequence[int], deadline: float,
-                         fence: Fence) -> bool:
+    def _receive_payload(
+        self, conn: socket.socket, h: wire.Header, block_ids: Sequence[int], deadline: float, fence: Fence
+    ) -> bool:
         """Land the payload in the (validated) destination blocks before the session's deadline;
         False if the peer closed, the deadline passed, or the session ended and cut this writer off."""
         server = self.server
@@ -165,8 +169,9 @@ class FrameWorker:
             if not _recv_fenced(conn, [staging.landing(h.payload_len)], fence):
                 return False
             block_bytes = server.geometry.block_bytes
-            staging.scatter(server.region.tensor,
-                            [(server.geometry.offset(h.layer, b), n * block_bytes) for b, n in runs])
+            staging.scatter(
+                server.region.tensor, [(server.geometry.offset(h.layer, b), n * block_bytes) for b, n in runs]
+            )
             return True
         except TimeoutError:
             log.warning("cachestore write missed its session deadline: connection dropped")
@@ -206,7 +211,7 @@ def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> 
     while i < len(views):
         if fence.cut_off:
             return False
-        n = conn.recvmsg_into(views[i:i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
+        n = conn.recvmsg_into(views[i : i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
         if n == 0:
             return False
         i = advance_views(views, i, n)  # past what landed
@@ -214,5 +219,4 @@ def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> 
 
 
 def _ack(h: wire.Header, status: int, seq: int) -> bytes:
-    return wire.Header(wire.KIND_ACK, status, h.session_id, b"\0" * 16, h.layer, h.dst_block, h.count,
-                       seq, 0).pack()
+    return wire.Header(wire.KIND_ACK, status, h.session_id, b"\0" * 16, h.layer, h.dst_block, h.count, seq, 0).pack()

@@ -156,8 +156,9 @@ class TcpChannel:
                 else:
                     done = [(h.seq, self._pending.pop(h.seq))] if h.seq in self._pending else []
             for _, (transfer, num_runs) in done:
-                transfer._on_ack(ok, "" if ok else f"receiver refused the write ({wire.REASONS.get(h.status)})",
-                                 num_runs)
+                transfer._on_ack(
+                    ok, "" if ok else f"receiver refused the write ({wire.REASONS.get(h.status)})", num_runs
+                )
 
     def _fail_all(self, reason: str) -> None:
         self.broken = True
@@ -193,5 +194,5 @@ def _sendmsg_all(sock: socket.socket, buffers: list) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     i = 0
     while i < len(views):
-        n = sock.sendmsg(views[i:i + IOV_MAX])
+        n = sock.sendmsg(views[i : i + IOV_MAX])
         i = advance_views(views, i, n)

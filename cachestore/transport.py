@@ -30,6 +30,7 @@ class Channel(Protocol):
     def close(self) -> None:
         """Stop sending; queued runs fail."""
 
+
 TRANSPORTS = ("tcp", "rdma", "local", "auto")
 
 
@@ -40,11 +41,14 @@ def resolve_transport(requested: str) -> str:
     if requested != "auto":
         if requested == "rdma":
             from cachestore.rdma import rdma_devices
+
             if not rdma_devices():
-                raise ValueError("transport 'rdma' requested but no RDMA device is available "
-                                 "(use 'auto' to fall back to tcp)")
+                raise ValueError(
+                    "transport 'rdma' requested but no RDMA device is available (use 'auto' to fall back to tcp)"
+                )
         return requested
     from cachestore.rdma import rdma_devices
+
     devices = rdma_devices()
     if devices:
         return "rdma"

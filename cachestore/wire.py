@@ -51,8 +51,14 @@ BAD_LENGTH = 5
 # 6 is not used (it was an "injected fault" status nothing sent); not reused, so a code keeps one meaning
 SESSION_CLOSED = 7
 """The session ended while the write was in flight: its bytes do not count."""
-REASONS = {UNKNOWN_SESSION: "unknown_session", BAD_TOKEN: "bad_token", BAD_LAYER: "bad_layer",
-           BAD_BLOCK: "bad_block", BAD_LENGTH: "bad_length", SESSION_CLOSED: "session_closed"}
+REASONS = {
+    UNKNOWN_SESSION: "unknown_session",
+    BAD_TOKEN: "bad_token",
+    BAD_LAYER: "bad_layer",
+    BAD_BLOCK: "bad_block",
+    BAD_LENGTH: "bad_length",
+    SESSION_CLOSED: "session_closed",
+}
 
 
 class Header(NamedTuple):
@@ -67,8 +73,19 @@ class Header(NamedTuple):
     payload_len: int
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, VERSION, self.kind, self.status, self.session_id, self.token, self.layer,
-                           self.dst_block, self.count, self.seq, self.payload_len)
+        return HEADER.pack(
+            MAGIC,
+            VERSION,
+            self.kind,
+            self.status,
+            self.session_id,
+            self.token,
+            self.layer,
+            self.dst_block,
+            self.count,
+            self.seq,
+            self.payload_len,
+        )
 
 
 class CorruptFrame(Exception):

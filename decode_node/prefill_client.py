@@ -34,12 +34,15 @@ class PrefillClients:
             return
         report = await self.stub(address).GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=timeout)
         if report.compatibility != self.compatibility:
-            raise IncompatiblePeer(f"prefill node {address} is incompatible: it has {report.compatibility!r}, "
-                                   f"this decode node has {self.compatibility!r}")
+            raise IncompatiblePeer(
+                f"prefill node {address} is incompatible: it has {report.compatibility!r}, "
+                f"this decode node has {self.compatibility!r}"
+            )
         self._checked.add(address)
 
-    async def prefill(self, address: str, request: prefill_pb2.PrefillRequest,
-                      timeout: float) -> prefill_pb2.PrefillResponse:
+    async def prefill(
+        self, address: str, request: prefill_pb2.PrefillRequest, timeout: float
+    ) -> prefill_pb2.PrefillResponse:
         await self.check(address)
         return await self.stub(address).Prefill(request, metadata=self.metadata, timeout=timeout)
 

@@ -43,10 +43,14 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         """Host prefill nodes use to reach our CacheStore listener (needed when bound to 0.0.0.0)."""
         pool = self.rt.engine.runner.kv_pool
         self.cachestore = CacheStoreServer(
-            MemoryRegion.from_tensor(pool.tensor), PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes),
-            transport=config.transfer.transport, host=config.node.host, port=config.transfer.cachestore_port,
+            MemoryRegion.from_tensor(pool.tensor),
+            PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes),
+            transport=config.transfer.transport,
+            host=config.node.host,
+            port=config.transfer.cachestore_port,
             secret=config.node.cluster_secret,
-            registry=self.rt.metrics.registry)
+            registry=self.rt.metrics.registry,
+        )
         self.prefills = PrefillClients(config.node.cluster_secret, self.rt.compatibility)
         self._fencing: dict[str, Session] = {}
         """request id -> a closed session whose writers may not have left its blocks yet."""
@@ -54,7 +58,8 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
         self.cachestore.on_listener_change = lambda up: loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._report_listener()))
+            lambda: asyncio.ensure_future(self._report_listener())
+        )
         await self.cachestore.start()
         if self.advertise_host and self.cachestore.active_transport != "local":
             # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
@@ -69,8 +74,9 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         up = self.cachestore.listening
         if not up:
             log.error("cachestore listener is not accepting: health NOT_SERVING")
-        await self.rt.health.set("", health_pb2.HealthCheckResponse.SERVING if up
-                                 else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.rt.health.set(
+            "", health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
     def discovery_meta(self) -> dict[str, str]:
         return {"cachestore_port": self.cachestore.endpoint.rsplit(":", 1)[-1]}
@@ -87,15 +93,22 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         rt, engine = self.rt, self.rt.engine
         rid, prompt, params = self._parse(request)
         addresses = list(request.prefill_addresses)
-        async with rt.request(rid, partial(self._end, rid), event="admit", prompt_tokens=len(prompt),
-                              prefill=",".join(addresses) or "colocated") as scope:
+        async with rt.request(
+            rid,
+            partial(self._end, rid),
+            event="admit",
+            prompt_tokens=len(prompt),
+            prefill=",".join(addresses) or "colocated",
+        ) as scope:
             if addresses:
                 first = await self._remote_prefill(rid, prompt, params, request.params, addresses)
                 ttft = time.monotonic() - scope.started
                 rt.metrics.ttft.observe(ttft)
-                yield decode_pb2.GenerateEvent(token_ids=[first.first_token_id], ttft_seconds=ttft,
-                                               logprobs=[first.first_logprob] if first.HasField("first_logprob")
-                                               else [])
+                yield decode_pb2.GenerateEvent(
+                    token_ids=[first.first_token_id],
+                    ttft_seconds=ttft,
+                    logprobs=[first.first_logprob] if first.HasField("first_logprob") else [],
+                )
             else:
                 await rt.loop_thread.call(engine.add_request, rid, prompt, params)
             first_token_sent, last = bool(addresses), time.monotonic()
@@ -113,13 +126,18 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
 
     def _event(self, out: StepOutput, scope: RequestScope) -> decode_pb2.GenerateEvent:
         """One step's output as a stream event; the last one carries the finish reason and usage."""
-        event = decode_pb2.GenerateEvent(token_ids=out.new_token_ids,
-                                         logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs or []])
+        event = decode_pb2.GenerateEvent(
+            token_ids=out.new_token_ids, logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs or []]
+        )
         if out.finished:
             event.finish_reason = out.finish_reason or "stop"
-            event.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
-                                                  completion_tokens=out.num_output_tokens,
-                                                  cached_tokens=out.num_cached_tokens))
+            event.usage.CopyFrom(
+                common_pb2.Usage(
+                    prompt_tokens=out.num_prompt_tokens,
+                    completion_tokens=out.num_output_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
+            )
             self.rt.metrics.e2e.observe(time.monotonic() - scope.started)
         return event
 
@@ -142,9 +160,14 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             await self._close_session(rid)  # no writer can touch the blocks after this
             await self.rt.loop_thread.call(self.rt.engine.abort, rid)
 
-    async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
-                              params_pb: common_pb2.SamplingParams,
-                              addresses: list[str]) -> prefill_pb2.PrefillResponse:
+    async def _remote_prefill(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        params_pb: common_pb2.SamplingParams,
+        addresses: list[str],
+    ) -> prefill_pb2.PrefillResponse:
         """Allocate, then try each prefill node in order until one fills the KV. The prefill node
         gets the request's own (already validated) sampling params: its first token is sampled
         exactly as this node would have sampled it."""
@@ -154,8 +177,13 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         for address in addresses:
             creds = self.cachestore.open_session(rid, block_ids, timeout=rt.config.transfer.kv_timeout)
             session = self.cachestore.get_session(rid)
-            pb = prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params_pb,
-                                            kv_destination=creds.to_bytes(), compatibility=rt.compatibility)
+            pb = prefill_pb2.PrefillRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                params=params_pb,
+                kv_destination=creds.to_bytes(),
+                compatibility=rt.compatibility,
+            )
             try:
                 response = await self.prefills.prefill(address, pb, timeout=rt.config.transfer.kv_timeout)
                 await session.wait_complete(timeout=rt.config.transfer.kv_timeout)
@@ -170,9 +198,12 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                 response = None
             await self._close_session(rid)
             if response is not None:
-                await rt.loop_thread.call(engine.complete_remote_prefill, rid, response.first_token_id,
-                                          convert.logprob_from_pb(response.first_logprob)
-                                          if response.HasField("first_logprob") else None)
+                await rt.loop_thread.call(
+                    engine.complete_remote_prefill,
+                    rid,
+                    response.first_token_id,
+                    convert.logprob_from_pb(response.first_logprob) if response.HasField("first_logprob") else None,
+                )
                 return response
         raise NodeUnavailable("every prefill node failed: " + "; ".join(errors))
 
@@ -190,10 +221,10 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         try:
             await session.wait_safe_to_reuse(timeout=FENCE_WAIT)
         except asyncio.TimeoutError:
-            log.error("request_id=%s event=writer_still_inside after_s=%.1f: blocks held until it leaves",
-                      rid, FENCE_WAIT)
+            log.error(
+                "request_id=%s event=writer_still_inside after_s=%.1f: blocks held until it leaves", rid, FENCE_WAIT
+            )
             await session.wait_safe_to_reuse()
         finally:
             if session.safe_to_reuse:
                 self._fencing.pop(rid, None)
-

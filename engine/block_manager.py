@@ -12,10 +12,10 @@ def chain_hash(parent: BlockHash | None, tokens: list[int] | tuple[int, ...]) ->
     return hash((parent, tuple(tokens)))
 
 
-
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks that hold `num_tokens` tokens (the one ceiling division of tokens into blocks)."""
     return (num_tokens + block_size - 1) // block_size
+
 
 class BlockManager:
     """Owns block ids [0, num_blocks) of one KV pool.
@@ -53,7 +53,7 @@ class BlockManager:
         parent: BlockHash | None = None
         num_full = (len(token_ids) - 1) // self.block_size
         for i in range(num_full):
-            parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = self.hash_to_block.get(parent)
             if block is None:
                 break
@@ -98,7 +98,7 @@ class BlockManager:
         parent: BlockHash | None = None
         for i in range(min(num_computed // self.block_size, len(block_ids))):
             block = block_ids[i]
-            parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             if self.block_hash[block] is None and parent not in self.hash_to_block:
                 self.block_hash[block] = parent
                 self.hash_to_block[parent] = block

@@ -20,8 +20,16 @@ class KVPool:
     never a stream-ordered allocator region, which GPUDirect RDMA cannot register.
     """
 
-    def __init__(self, config: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int | None = None, budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_layers: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int | None = None,
+        budget_bytes: int | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_layers = num_layers
@@ -38,8 +46,8 @@ class KVPool:
             raise ValueError(f"KV pool too small: {num_blocks} blocks (raise num_kv_blocks or kv_cache_bytes)")
         self.num_blocks = int(num_blocks)
         self.tensor = torch.zeros(
-            (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim),
-            dtype=dtype, device=device)
+            (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim), dtype=dtype, device=device
+        )
 
     def layer(self, local_layer: int) -> torch.Tensor:
         """[num_blocks, 2, num_kv_heads, block_size, head_dim] view of one layer."""

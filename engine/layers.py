@@ -34,7 +34,8 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -64,8 +65,7 @@ class EagerOps:
     """The elementwise steps of a decoder layer in plain torch ops: the reference, on any device."""
 
     @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += residual (in place, x: [T, H]); returns rms_norm(x)."""
         if residual is not None:
             x.add_(residual)
@@ -78,8 +78,9 @@ class EagerOps:
         return F.silu(gate) * up
 
     @staticmethod
-    def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
-                  d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rotate_qk(
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv: [T, (Hq + 2Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D] rotated, v [T, Hkv, D]."""
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         return apply_rotary(q.view(-1, hq, d), cos, sin), apply_rotary(k.view(-1, hkv, d), cos, sin), v.view(-1, hkv, d)
@@ -90,8 +91,7 @@ class CpuFusedOps:
     `engine.attention.cpu_build`); equal to EagerOps up to float rounding order."""
 
     @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.pdserve_cpu.add_rms_norm(x, residual, weight, eps)
 
     @staticmethod
@@ -99,8 +99,9 @@ class CpuFusedOps:
         return torch.ops.pdserve_cpu.silu_mul(gate_up)
 
     @staticmethod
-    def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
-                  d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rotate_qk(
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # q and k heads sit side by side in each qkv row: one in-place pass rotates both
         torch.ops.pdserve_cpu.rotary(qkv, cos[:, 0], sin[:, 0], hq + hkv, d)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)

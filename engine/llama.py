@@ -38,8 +38,14 @@ class LlamaModel:
     last, so pipeline stages hold just what they compute.
     """
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], layer_range: tuple[int, int],
-                 device: torch.device, fused_ops: bool = True) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        layer_range: tuple[int, int],
+        device: torch.device,
+        fused_ops: bool = True,
+    ) -> None:
         self.config = config
         self.fused_ops = fused_ops  # use CpuFusedOps on steps that run the compiled CPU ops
         self.start, self.end = layer_range
@@ -50,7 +56,7 @@ class LlamaModel:
         self.lm_head = tensors.get("lm_head.weight", self.embed) if self.is_last else None
         self.layers = [self._fuse(tensors, i) for i in range(self.start, self.end)]
         self.rotary = RotaryEmbedding(config, device)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
 
     @staticmethod
     def _fuse(t: dict[str, torch.Tensor], i: int) -> DecoderLayer:
@@ -60,12 +66,26 @@ class LlamaModel:
         if p + "self_attn.q_proj.bias" in t:
             bias = torch.cat([t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         gate_up = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
-        return DecoderLayer(t.pop(p + "input_layernorm.weight"), t.pop(p + "post_attention_layernorm.weight"),
-                            qkv, bias, t.pop(p + "self_attn.o_proj.weight"), gate_up, t.pop(p + "mlp.down_proj.weight"))
+        return DecoderLayer(
+            t.pop(p + "input_layernorm.weight"),
+            t.pop(p + "post_attention_layernorm.weight"),
+            qkv,
+            bias,
+            t.pop(p + "self_attn.o_proj.weight"),
+            gate_up,
+            t.pop(p + "mlp.down_proj.weight"),
+        )
 
-    def forward(self, batch: ForwardBatch, input_ids: torch.Tensor | None, hidden: torch.Tensor | None,
-                kv_pool: KVPool, attn: AttentionBackend, meta: AttentionMetadata,
-                layer_hook: LayerHook | None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        kv_pool: KVPool,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+        layer_hook: LayerHook | None,
+    ) -> torch.Tensor:
         """Returns hidden states [T, H] after this slice's layers (final norm applied on the last slice)."""
         cfg = self.config
         # x is the residual stream, updated in place, so never the caller's tensor

@@ -22,27 +22,37 @@ class LLM:
     def __init__(self, model_dir: str | Path | None = None, **engine_kwargs) -> None:
         if model_dir is None:
             from engine.builtin import default_model_dir
+
             model_dir = default_model_dir()
         self.engine = LLMEngine(EngineConfig(model_dir=model_dir, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text or token ids)
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(token_lists, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         conversations = cast("list[list[dict]]", [messages] if messages and isinstance(messages[0], dict) else messages)
         token_lists = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
         return self._run(token_lists, [None] * len(token_lists), sampling_params or SamplingParams(), False)
 
-    def _run(self, token_lists: list[list[int]], texts: list[str | None], params: SamplingParams,
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, token_lists: list[list[int]], texts: list[str | None], params: SamplingParams, use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.engine
         seqs: dict[str, tuple[int, int]] = {}
         added: list[str] = []
@@ -94,6 +104,7 @@ class LLM:
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     from dataclasses import replace
+
     return replace(params, seed=seed)
 
 
@@ -107,4 +118,5 @@ def _progress(total: int, enabled: bool):
     if not enabled:
         return _NoProgress()
     from tqdm import tqdm
+
     return tqdm(total=total, desc="generate")

@@ -36,24 +36,35 @@ class LLMEngine:
     blocks allocated up front, filled by a prefill node, then `complete_remote_prefill`).
     """
 
-    def __init__(self, config: EngineConfig, *, layer_hook: LayerHook | None = None,
-                 runner: ModelRunner | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, layer_hook: LayerHook | None = None, runner: ModelRunner | None = None
+    ) -> None:
         self.config = config
         torch.manual_seed(config.seed)
         self.runner = runner or ModelRunner(
-            config.model_dir, dtype=config.dtype, device=config.device, block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=config.kv_cache_bytes,
-            layer_range=config.layer_range, attention_backend=config.attention_backend,
-            max_model_len=config.max_model_len, num_threads=config.num_threads)
+            config.model_dir,
+            dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_bytes=config.kv_cache_bytes,
+            layer_range=config.layer_range,
+            attention_backend=config.attention_backend,
+            max_model_len=config.max_model_len,
+            num_threads=config.num_threads,
+        )
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.tokenizer = Tokenizer(config.model_dir)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         pool = self.runner.kv_pool
         self.block_manager = BlockManager(pool.num_blocks, pool.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   preemption=config.preemption)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            preemption=config.preemption,
+        )
         self.sampler = Sampler()
         self.layer_hook = layer_hook
         self.requests: dict[str, Request] = {}
@@ -83,31 +94,36 @@ class LLMEngine:
             req.stop_checker = StopStringChecker(detok, params.stop, params.include_stop_str_in_output)
         return req
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, prefill_only: bool = False) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+    ) -> None:
         """Queue a request; ValueError (clear message) if it can never be served."""
         req = self._validate(request_id, prompt_token_ids, params)
         req.prefill_only = prefill_only
         self._register(req)
         self.scheduler.waiting.append(req)
 
-    def add_remote_prefill_request(self, request_id: str, prompt_token_ids: list[int],
-                                   params: SamplingParams) -> list[int]:
+    def add_remote_prefill_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int]:
         """Decode node: allocate blocks for the whole prompt now; a prefill node fills them."""
         req = self._validate(request_id, prompt_token_ids, params)
         holders = self.scheduler.running + self.parked() + list(self.scheduler.waiting)
         reserve = self.scheduler.reserved_blocks(holders) + self.scheduler.future_blocks_after_alloc(req)
         bm = self.block_manager
         if bm.blocks_for(req.num_tokens) + reserve > bm.num_free_blocks:
-            raise AdmissionError(f"no KV room: request needs {bm.blocks_for(req.num_tokens + req.max_tokens)} "
-                                 f"blocks, {bm.num_free_blocks} free, {reserve} reserved")
+            raise AdmissionError(
+                f"no KV room: request needs {bm.blocks_for(req.num_tokens + req.max_tokens)} "
+                f"blocks, {bm.num_free_blocks} free, {reserve} reserved"
+            )
         req.block_ids = [bm.append_block() for _ in range(bm.blocks_for(req.num_tokens))]
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._register(req)
         return list(req.block_ids)
 
-    def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                first_logprobs: TokenLogprob | None = None) -> None:
+    def complete_remote_prefill(
+        self, request_id: str, first_token_id: int, first_logprobs: TokenLogprob | None = None
+    ) -> None:
         """The prompt's KV has landed: the request runs with its first token already sampled."""
         req = self.requests[request_id]
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -133,8 +149,9 @@ class LLMEngine:
         scheduled, batch = self.scheduler.schedule(self.parked)
         if batch is not None:
             logits = self.runner.run(batch, layer_hook=self.layer_hook)
-            sampled = iter(self.sampler(logits, [r for r, s in zip(scheduled, batch.sample_mask) if s],
-                                        self.generators))
+            sampled = iter(
+                self.sampler(logits, [r for r, s in zip(scheduled, batch.sample_mask) if s], self.generators)
+            )
             for req, q_len, sample in zip(scheduled, batch.query_lens, batch.sample_mask):
                 req.num_computed_tokens += q_len
                 self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
@@ -163,11 +180,20 @@ class LLMEngine:
             req.status = RequestStatus.FINISHED_LENGTH
 
     def _output(self, req: Request) -> StepOutput:
-        new = req.output_token_ids[req.num_emitted:]
-        lps = req.output_logprobs[req.num_emitted:] if req.params.logprobs is not None else None
+        new = req.output_token_ids[req.num_emitted :]
+        lps = req.output_logprobs[req.num_emitted :] if req.params.logprobs is not None else None
         req.num_emitted = len(req.output_token_ids)
-        return StepOutput(req.request_id, new, lps, req.status.is_finished, req.status.finish_reason,
-                          req.num_prompt_tokens, req.num_cached_tokens, len(req.output_token_ids), req.queue_seconds)
+        return StepOutput(
+            req.request_id,
+            new,
+            lps,
+            req.status.is_finished,
+            req.status.finish_reason,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+            len(req.output_token_ids),
+            req.queue_seconds,
+        )
 
     def _finish(self, req: Request) -> None:
         self.scheduler.remove(req)
@@ -182,8 +208,9 @@ class LLMEngine:
     def parked(self) -> list[Request]:
         """Requests holding blocks outside the scheduler: waiting for remote KV, or finished and
         pinned until `release` (see `requests`)."""
-        return [r for r in self.requests.values()
-                if r.status == RequestStatus.WAITING_FOR_REMOTE_KV or r.status.is_finished]
+        return [
+            r for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV or r.status.is_finished
+        ]
 
     def release(self, request_id: str) -> None:
         """Prefill node: the transfer is done (or failed); free (and keep cached) the blocks."""
@@ -212,16 +239,24 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         s = self.scheduler
         num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
-        return EngineLoad(self.block_manager.num_free_blocks, self.block_manager.num_blocks, len(s.running),
-                          len(s.waiting) + num_remote, s.num_queued_prefill_tokens())
+        return EngineLoad(
+            self.block_manager.num_free_blocks,
+            self.block_manager.num_blocks,
+            len(s.running),
+            len(s.waiting) + num_remote,
+            s.num_queued_prefill_tokens(),
+        )
 
     def check_integrity(self) -> None:
         """Blocks are owned exactly as the requests' statuses say (between steps)."""
         running, waiting = {id(r) for r in self.scheduler.running}, {id(r) for r in self.scheduler.waiting}
         for rid, r in self.requests.items():
             where = "running" if id(r) in running else "waiting" if id(r) in waiting else "parked"
-            expected = {RequestStatus.RUNNING: "running", RequestStatus.WAITING: "waiting",
-                        RequestStatus.PREEMPTED: "waiting"}.get(r.status, "parked")
+            expected = {
+                RequestStatus.RUNNING: "running",
+                RequestStatus.WAITING: "waiting",
+                RequestStatus.PREEMPTED: "waiting",
+            }.get(r.status, "parked")
             assert where == expected, f"request {rid!r} is {r.status.name} but {where}"
             assert not r.status.is_finished or r.prefill_only, f"finished request {rid!r} was not freed"
         assert len(running) + len(waiting) + len(self.parked()) == len(self.requests), "a request the engine lost"

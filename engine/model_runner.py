@@ -23,10 +23,21 @@ class ModelRunner:
     elementwise ops even where the compiled CPU ops run (the A/B of benchmarks/profile_step.py).
     """
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu", block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 layer_range: tuple[int, int] | None = None, attention_backend: str = "auto",
-                 max_model_len: int | None = None, num_threads: int | None = None, fused_ops: bool = True) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        layer_range: tuple[int, int] | None = None,
+        attention_backend: str = "auto",
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+        fused_ops: bool = True,
+    ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -40,8 +51,9 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
         self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops)
-        self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device,
-                              num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes)
+        self.kv_pool = KVPool(
+            cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes
+        )
         self.attention = make_backend(resolve_backend(attention_backend, self.device.type))
         if hasattr(self.attention, "configure"):  # flashinfer plans need head count and dtype
             self.attention.configure(cfg.num_attention_heads, self.dtype)
@@ -55,15 +67,17 @@ class ModelRunner:
         return self.model.is_last
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch, *, layer_hook: LayerHook | None = None,
-            hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, batch: ForwardBatch, *, layer_hook: LayerHook | None = None, hidden_states: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Last stage: float32 logits [num_sampled, vocab] (rows of sample_mask, in order); else hidden [T, H]."""
         assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
         input_ids = None
         if self.is_first_stage:
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-            assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, \
+            assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, (
                 "token id out of range"
+            )
         meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device)
         hidden = self.model.forward(batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook)
         if not self.is_last_stage:

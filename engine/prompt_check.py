@@ -24,8 +24,9 @@ class PromptError(ValueError):
         self.param = param
 
 
-def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int,
-                 max_prompt_tokens: int | None = None) -> list[int]:
+def check_prompt(
+    token_ids: Sequence[int], vocab_size: int, max_model_len: int, max_prompt_tokens: int | None = None
+) -> list[int]:
     """The prompt as a list, if it is non-empty, every id is an int in [0, vocab_size), it is
     within `max_prompt_tokens` (a server's own cap, when set) and it leaves room in max_model_len
     for at least one generated token; else PromptError."""
@@ -38,13 +39,18 @@ def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int,
     if max_prompt_tokens and len(ids) > max_prompt_tokens:
         raise PromptError(f"prompt has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}")
     if len(ids) >= max_model_len:
-        raise PromptError(f"prompt has {len(ids)} tokens, more than this model's context of {max_model_len} "
-                          f"(max_model_len: the prompt plus at least one generated token must fit)")
+        raise PromptError(
+            f"prompt has {len(ids)} tokens, more than this model's context of {max_model_len} "
+            f"(max_model_len: the prompt plus at least one generated token must fit)"
+        )
     return ids
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     """PromptError (param max_tokens) when the prompt plus max_tokens cannot fit in max_model_len."""
     if num_prompt_tokens + max_tokens > max_model_len:
-        raise PromptError(f"this model's maximum context length is {max_model_len} tokens (max_model_len); "
-                          f"the prompt has {num_prompt_tokens} and max_tokens is {max_tokens}", "max_tokens")
+        raise PromptError(
+            f"this model's maximum context length is {max_model_len} tokens (max_model_len); "
+            f"the prompt has {num_prompt_tokens} and max_tokens is {max_tokens}",
+            "max_tokens",
+        )

@@ -17,8 +17,9 @@ def make_generator(seed: int | None) -> torch.Generator:
 class Sampler:
     """Turns float32 logits [S, V] of one step into one token (and logprobs) per request."""
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 generators: dict[str, torch.Generator]) -> list[tuple[int, TokenLogprob | None]]:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator]
+    ) -> list[tuple[int, TokenLogprob | None]]:
         # logprobs are of the raw model distribution (before penalties/temperature), like vLLM
         want_lp = [r.params.logprobs is not None for r in requests]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
@@ -30,9 +31,10 @@ class Sampler:
         if all(r.params.greedy for r in requests):
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            tokens = [int(logits[i].argmax()) if r.params.greedy
-                      else sample_one(logits[i], r, generators[r.request_id])
-                      for i, r in enumerate(requests)]
+            tokens = [
+                int(logits[i].argmax()) if r.params.greedy else sample_one(logits[i], r, generators[r.request_id])
+                for i, r in enumerate(requests)
+            ]
         results: list[tuple[int, TokenLogprob | None]] = []
         for i, (token, r) in enumerate(zip(tokens, requests)):
             lp = None

@@ -21,8 +21,9 @@ class Scheduler:
     requests never lose their KV and new ones wait (or are refused) instead.
     """
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption: str) -> None:
+    def __init__(
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, preemption: str
+    ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -107,7 +108,7 @@ class Scheduler:
         input_ids: list[int] = []
         for req, num_new in scheduled:
             start = req.num_computed_tokens
-            input_ids += req.all_token_ids[start:start + num_new]
+            input_ids += req.all_token_ids[start : start + num_new]
         return ForwardBatch(
             request_ids=[r.request_id for r, _ in scheduled],
             input_ids=input_ids,
@@ -126,5 +127,6 @@ class Scheduler:
 
     def num_queued_prefill_tokens(self) -> int:
         pending = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        return pending + sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.running
-                             if r.num_tokens - r.num_computed_tokens > 1)
+        return pending + sum(
+            r.num_tokens - r.num_computed_tokens - 1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+        )

@@ -29,11 +29,25 @@ CHAT_TEMPLATE = (
 
 SIZES: dict[str, dict[str, Any]] = {  # config.json values (vocab_size None: fitted to the tokenizer)
     # tiny: loads in milliseconds; used by tests and `pdserve up` by default
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=None, max_position_embeddings=4096),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=None,
+        max_position_embeddings=4096,
+    ),
     # bench: ~110M parameters, for benchmarks
-    "bench": dict(hidden_size=768, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096),
+    "bench": dict(
+        hidden_size=768,
+        intermediate_size=1536,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
 }
 
 
@@ -42,12 +56,18 @@ def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     text = CORPUS.read_text(encoding="utf-8")
     tok.train_from_iterator(text.split("\n"), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
     return tok
 
 
@@ -87,7 +107,7 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = h // hq
-    std = h ** -0.5
+    std = h**-0.5
 
     def rand(*shape: int, scale: float = std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
@@ -98,10 +118,10 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         t[p + "self_attn.q_proj.weight"] = rand(hq * d, h)
         t[p + "self_attn.k_proj.weight"] = rand(hkv * d, h)
         t[p + "self_attn.v_proj.weight"] = rand(hkv * d, h)
-        t[p + "self_attn.o_proj.weight"] = rand(h, hq * d, scale=std / layers ** 0.5)
+        t[p + "self_attn.o_proj.weight"] = rand(h, hq * d, scale=std / layers**0.5)
         t[p + "mlp.gate_proj.weight"] = rand(inter, h)
         t[p + "mlp.up_proj.weight"] = rand(inter, h)
-        t[p + "mlp.down_proj.weight"] = rand(h, inter, scale=inter ** -0.5 / layers ** 0.5)
+        t[p + "mlp.down_proj.weight"] = rand(h, inter, scale=inter**-0.5 / layers**0.5)
         t[p + "input_layernorm.weight"] = torch.ones(h)
         t[p + "post_attention_layernorm.weight"] = torch.ones(h)
     t["model.norm.weight"] = torch.ones(h)
@@ -122,19 +142,34 @@ def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> P
     tok = pad_tokenizer(tok, spec["vocab_size"])  # every model id decodes to text
     bos, eos, im_end = tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(IM_END)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **spec,
-        "head_dim": spec["hidden_size"] // spec["num_attention_heads"], "hidden_act": "silu",
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": False,
-        "mlp_bias": False, "bos_token_id": bos, "eos_token_id": [eos, im_end], "torch_dtype": "float32",
-        "initializer_range": 0.02, "use_cache": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **spec,
+        "head_dim": spec["hidden_size"] // spec["num_attention_heads"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": [eos, im_end],
+        "torch_dtype": "float32",
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen_config = {"bos_token_id": bos, "eos_token_id": [eos, im_end], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2, sort_keys=True) + "\n")
     tok.save(str(out / "tokenizer.json"))
     tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": IM_END, "pad_token": EOS,
-        "add_bos_token": True, "model_max_length": spec["max_position_embeddings"], "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": IM_END,
+        "pad_token": EOS,
+        "add_bos_token": True,
+        "model_max_length": spec["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")

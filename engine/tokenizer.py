@@ -71,8 +71,13 @@ class Tokenizer:
         """Render `messages` the way transformers' apply_chat_template(tokenize=False) does."""
         if self._compiled is None:
             raise ValueError("this model has no chat template (tokenizer_config.json lacks chat_template)")
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        return self._compiled.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # the template already writes any BOS, so no special tokens are added on top
@@ -84,8 +89,9 @@ def _raise(message: str) -> None:
 
 
 def _compile(template: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise
     return env.from_string(template)
@@ -99,8 +105,9 @@ class IncrementalDetokenizer:
     sequence split across byte-level tokens) nothing is emitted.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids or [])[-6:]  # a little left context for correct spacing
@@ -113,10 +120,10 @@ class IncrementalDetokenizer:
         delta = ""
         for tid in token_ids:
             self.ids.append(tid)
-            prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
-            full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+            full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                delta += full[len(prefix):]
+                delta += full[len(prefix) :]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
         self.text += delta
@@ -133,7 +140,7 @@ def cut_at_stop(text: str, stop: tuple[str, ...], include: bool, start: int = 0)
             best, match = idx, s
     if best is None:
         return None
-    return text[:best + len(match)] if include else text[:best]
+    return text[: best + len(match)] if include else text[:best]
 
 
 class StopStringChecker:

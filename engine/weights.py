@@ -58,8 +58,9 @@ def needed_tensor_names(config: ModelConfig, layer_range: tuple[int, int]) -> li
     return names
 
 
-def load_tensors(model_dir: str | Path, config: ModelConfig, layer_range: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def load_tensors(
+    model_dir: str | Path, config: ModelConfig, layer_range: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
     """Read exactly the tensors of `layer_range` (plus embeddings / norm / lm_head at the ends)."""
     files = _tensor_files(Path(model_dir))
     wanted = needed_tensor_names(config, layer_range)

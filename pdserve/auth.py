@@ -37,6 +37,7 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
 def _deny() -> grpc.RpcMethodHandler:
     """A handler that only aborts; gRPC sends the status before any message, so it serves
     unary and streaming methods alike."""
+
     async def deny(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
 

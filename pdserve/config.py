@@ -95,9 +95,11 @@ class ProcessEnv(NamedTuple):
 
 
 def process_env() -> ProcessEnv:
-    return ProcessEnv(api_keys=[os.environ.get(API_KEY_ENV, "")] + os.environ.get(API_KEYS_ENV, "").split(","),
-                      pod_ip=os.environ.get(POD_IP_ENV, ""),
-                      rendezvous={v: os.environ[v] for v in RENDEZVOUS_ENV if v in os.environ})
+    return ProcessEnv(
+        api_keys=[os.environ.get(API_KEY_ENV, "")] + os.environ.get(API_KEYS_ENV, "").split(","),
+        pod_ip=os.environ.get(POD_IP_ENV, ""),
+        rendezvous={v: os.environ[v] for v in RENDEZVOUS_ENV if v in os.environ},
+    )
 
 
 def flag_values(args: argparse.Namespace, cls: type, **dests: str | None) -> dict[str, Any]:

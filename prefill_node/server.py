@@ -30,10 +30,14 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.rt.engine.layer_hook = self._layer_hook
         pool = self.rt.engine.runner.kv_pool
         self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
-        self.client = CacheStoreClient(MemoryRegion.from_tensor(pool.tensor), self.geometry,
-                                       transport=config.transfer.transport, secret=config.node.cluster_secret,
-                                       registry=self.rt.metrics.registry,
-                                       faults=FaultInjector.from_env())  # None unless a chaos test sets it
+        self.client = CacheStoreClient(
+            MemoryRegion.from_tensor(pool.tensor),
+            self.geometry,
+            transport=config.transfer.transport,
+            secret=config.node.cluster_secret,
+            registry=self.rt.metrics.registry,
+            faults=FaultInjector.from_env(),
+        )  # None unless a chaos test sets it
         self.transfers: dict[str, Transfer] = {}
         """request id -> Transfer; read by the engine thread in the layer hook."""
 
@@ -51,13 +55,12 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         """Engine thread, after `layer` wrote its KV: ship it for every request whose prompt
         completes in this step (earlier chunks' layers are final by then too)."""
         ready = None
-        for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables,
-                                         batch.sample_mask):
+        for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables, batch.sample_mask):
             tx = self.transfers.get(rid)
             if tx is not None and last:
                 if ready is None:
                     ready = self._ready_event()
-                tx.write_layer(layer, table[:blocks_for(ctx, self.geometry_block_size)], ready_event=ready)
+                tx.write_layer(layer, table[: blocks_for(ctx, self.geometry_block_size)], ready_event=ready)
 
     def _ready_event(self):
         """On a CUDA pool: an event recorded now on the engine's stream, after this layer's KV writes.
@@ -67,6 +70,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         if not pool.is_cuda:
             return None
         import torch
+
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(pool.device))
         return event
@@ -82,8 +86,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         rt, engine = self.rt, self.rt.engine
         rid, prompt, params, creds = self._parse(request)
         tx = self.client.open_transfer(creds)
-        async with rt.request(rid, partial(self._end, rid, tx), event="prefill", prompt_tokens=len(prompt),
-                              destination=creds.endpoint) as scope:
+        async with rt.request(
+            rid, partial(self._end, rid, tx), event="prefill", prompt_tokens=len(prompt), destination=creds.endpoint
+        ) as scope:
             self.transfers[rid] = tx
             await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True)
             out = await scope.next_output()
@@ -95,26 +100,30 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             transfer_seconds = await tx.finish(timeout=rt.config.transfer.kv_timeout)  # TransferError: UNAVAILABLE
             scope.finished = True
             rt.metrics.ttft.observe(time.monotonic() - scope.started)
-            response = prefill_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
-                                                   num_cached_tokens=out.num_cached_tokens,
-                                                   prefill_seconds=prefill_seconds, transfer_seconds=transfer_seconds)
+            response = prefill_pb2.PrefillResponse(
+                first_token_id=out.new_token_ids[0],
+                num_cached_tokens=out.num_cached_tokens,
+                prefill_seconds=prefill_seconds,
+                transfer_seconds=transfer_seconds,
+            )
             if out.new_logprobs:
                 response.first_logprob.CopyFrom(convert.logprob_to_pb(out.new_logprobs[0]))
             return response
 
-    def _parse(self, request: prefill_pb2.PrefillRequest) -> tuple[str, list[int], SamplingParams,
-                                                                    SessionCredentials]:
+    def _parse(self, request: prefill_pb2.PrefillRequest) -> tuple[str, list[int], SamplingParams, SessionCredentials]:
         """Id, prompt, params and KV destination; IncompatiblePeer or ValueError when they cannot be served."""
         rt = self.rt
         if request.compatibility != rt.compatibility:
-            raise IncompatiblePeer(f"incompatible peer: decode has {request.compatibility!r}, "
-                                   f"prefill has {rt.compatibility!r}")
+            raise IncompatiblePeer(
+                f"incompatible peer: decode has {request.compatibility!r}, prefill has {rt.compatibility!r}"
+            )
         rid = convert.check_request_id(request.request_id)
         prompt = check_prompt(request.prompt_token_ids, rt.engine.model_config.vocab_size, rt.engine.max_model_len)
         params = convert.params_from_pb(request.params)
         creds = SessionCredentials.from_bytes(request.kv_destination)
-        if (creds.num_layers != self.geometry.num_layers
-                or len(creds.block_ids) * self.geometry_block_size < len(prompt)):
+        if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(
+            prompt
+        ):
             raise ValueError("kv_destination does not cover the prompt's layers and blocks")
         return rid, prompt, params, creds
 

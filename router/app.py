@@ -23,11 +23,19 @@ log = logging.getLogger("pdserve.router")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
-def create_app(server: Server, *, api_keys: list[str] | None = None, registry: CollectorRegistry | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    server: Server,
+    *,
+    api_keys: list[str] | None = None,
+    registry: CollectorRegistry | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
     """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
-    app = FastAPI(title="pdserve router", version=pdserve.__version__,
-                  description="OpenAI-compatible API of a disaggregated prefill/decode cluster")
+    app = FastAPI(
+        title="pdserve router",
+        version=pdserve.__version__,
+        description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
+    )
     registry = registry or CollectorRegistry()
     http_metrics = HttpMetrics(registry, server.model_name)
     keys = [k.encode() for k in (api_keys or []) if k]
@@ -79,8 +87,18 @@ def create_app(server: Server, *, api_keys: list[str] | None = None, registry: C
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "pdserve", "max_model_len": server.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pdserve",
+                    "max_model_len": server.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

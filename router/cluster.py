@@ -21,8 +21,14 @@ from router.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from router.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger("pdserve.router")
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN,
-             grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED)
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 class GenerateChunk(NamedTuple):
@@ -60,10 +66,19 @@ class NodeState:
 class Cluster:
     """Watches the members from discovery, polls their load and health, and runs requests."""
 
-    def __init__(self, discovery: Discovery, *, cluster_secret: str = "", refresh_interval: float = 0.5,
-                 max_retries: int = 5, max_migrations: int = 3, backoff: float = 0.1,
-                 request_timeout: float = 600.0, deadlines: Deadlines | None = None,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        discovery: Discovery,
+        *,
+        cluster_secret: str = "",
+        refresh_interval: float = 0.5,
+        max_retries: int = 5,
+        max_migrations: int = 3,
+        backoff: float = 0.1,
+        request_timeout: float = 600.0,
+        deadlines: Deadlines | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.discovery = discovery
         self.metadata = cluster_metadata(cluster_secret)
         self.refresh_interval = refresh_interval
@@ -103,8 +118,9 @@ class Cluster:
                 channel = grpc.aio.insecure_channel(member.address)
                 stub_class = decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub
                 stub = stub_class(channel)
-                self.nodes[key] = NodeState(member, channel, stub, health_pb2_grpc.HealthStub(channel),
-                                            NodeLoad(member.address))
+                self.nodes[key] = NodeState(
+                    member, channel, stub, health_pb2_grpc.HealthStub(channel), NodeLoad(member.address)
+                )
 
     async def _loop(self) -> None:
         while True:
@@ -130,8 +146,12 @@ class Cluster:
             report = await node.stub.GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if node.responsive:
-                log.warning("%s %s missed a health check (%s): no new requests until it answers",
-                            node.member.role, node.member.address, e.code().name)
+                log.warning(
+                    "%s %s missed a health check (%s): no new requests until it answers",
+                    node.member.role,
+                    node.member.address,
+                    e.code().name,
+                )
             node.responsive = False
             if node.silent_since is None:
                 node.silent_since = time.monotonic()
@@ -140,8 +160,13 @@ class Cluster:
         node.responsive, node.silent_since = True, None
         node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
         node.max_model_len = report.max_model_len
-        node.load.report(report.num_free_blocks, report.num_total_blocks, report.block_size or 16,
-                         report.num_queued_prefill_tokens, time.monotonic())
+        node.load.report(
+            report.num_free_blocks,
+            report.num_total_blocks,
+            report.block_size or 16,
+            report.num_queued_prefill_tokens,
+            time.monotonic(),
+        )
         node.breaker.success()
 
     def _hung(self, node: NodeState) -> bool:
@@ -161,9 +186,17 @@ class Cluster:
         return min(lens) if lens else None
 
     def snapshot(self) -> list[dict]:
-        return [{"role": r, "address": a, "usable": n.usable, "breaker": n.breaker.state.value,
-                 "free_blocks": n.load.free_blocks, "total_blocks": n.load.total_blocks}
-                for (r, a), n in self.nodes.items()]
+        return [
+            {
+                "role": r,
+                "address": a,
+                "usable": n.usable,
+                "breaker": n.breaker.state.value,
+                "free_blocks": n.load.free_blocks,
+                "total_blocks": n.load.total_blocks,
+            }
+            for (r, a), n in self.nodes.items()
+        ]
 
     def _choose(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:
         usable = self._usable("decode")
@@ -191,8 +224,9 @@ class Cluster:
                     raise
             await asyncio.sleep(min(0.2, self.refresh_interval))
 
-    async def generate(self, request_id: str, prompt: list[int],
-                       params: common_pb2.SamplingParams) -> AsyncIterator[GenerateChunk]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: common_pb2.SamplingParams
+    ) -> AsyncIterator[GenerateChunk]:
         """Stream one request; retries before the first token, migrates after it (no gap, no duplicate)."""
         sent: list[int] = []
         tried: set[str] = set()
@@ -204,9 +238,12 @@ class Cluster:
             attempt.CopyFrom(params)
             attempt.max_tokens = remaining
             attempt.min_tokens = max(0, params.min_tokens - len(sent))
-            req = decode_pb2.GenerateRequest(request_id=f"{request_id}-{retries}-{migrations}",
-                                             prompt_token_ids=prompt + sent, params=attempt,
-                                             prefill_addresses=prefills)
+            req = decode_pb2.GenerateRequest(
+                request_id=f"{request_id}-{retries}-{migrations}",
+                prompt_token_ids=prompt + sent,
+                params=attempt,
+                prefill_addresses=prefills,
+            )
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
             try:
@@ -215,11 +252,15 @@ class Cluster:
                         sent.extend(event.token_ids)
                     usage = None
                     if event.finish_reason:
-                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=len(sent),
-                                                 cached_tokens=event.usage.cached_tokens)
+                        usage = common_pb2.Usage(
+                            prompt_tokens=len(prompt),
+                            completion_tokens=len(sent),
+                            cached_tokens=event.usage.cached_tokens,
+                        )
                     if event.token_ids or event.finish_reason:
-                        yield GenerateChunk(list(event.token_ids), list(event.logprobs) or None,
-                                            event.finish_reason or None, usage)
+                        yield GenerateChunk(
+                            list(event.token_ids), list(event.logprobs) or None, event.finish_reason or None, usage
+                        )
                     if event.finish_reason:
                         return
                 raise UpstreamError(f"decode node {node.member.address} ended the stream without finishing")

@@ -26,18 +26,23 @@ class ClusterCollector(Collector):
         registry.register(self)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        healthy = GaugeMetricFamily("pdserve_router_healthy_nodes", "nodes the router may route to, by role",
-                                    labels=["model_name", "role"])
-        known = GaugeMetricFamily("pdserve_router_nodes", "nodes discovery lists, by role",
-                                  labels=["model_name", "role"])
+        healthy = GaugeMetricFamily(
+            "pdserve_router_healthy_nodes", "nodes the router may route to, by role", labels=["model_name", "role"]
+        )
+        known = GaugeMetricFamily(
+            "pdserve_router_nodes", "nodes discovery lists, by role", labels=["model_name", "role"]
+        )
         nodes = list(self.cluster.nodes.items())
         for role in ROLES:
             mine = [n for (r, _), n in nodes if r == role]
             healthy.add_metric([self.model_name, role], sum(1 for n in mine if n.usable))
             known.add_metric([self.model_name, role], len(mine))
-        queued = GaugeMetricFamily("pdserve_router_queued_prefill_tokens",
-                                   "prompt tokens queued on healthy prefill nodes (last load reports)",
-                                   labels=["model_name"])
-        queued.add_metric([self.model_name], sum(n.load.queued_prefill_tokens
-                                                 for (r, _), n in nodes if r == "prefill" and n.usable))
+        queued = GaugeMetricFamily(
+            "pdserve_router_queued_prefill_tokens",
+            "prompt tokens queued on healthy prefill nodes (last load reports)",
+            labels=["model_name"],
+        )
+        queued.add_metric(
+            [self.model_name], sum(n.load.queued_prefill_tokens for (r, _), n in nodes if r == "prefill" and n.usable)
+        )
         yield from (healthy, known, queued)

@@ -78,8 +78,9 @@ class StreamStalled(Exception):
     """A node sent nothing within the stream's token deadline."""
 
 
-async def events_within_deadline(call, deadline: TokenDeadline,
-                                 hung: Callable[[], bool] | None = None) -> AsyncIterator:
+async def events_within_deadline(
+    call, deadline: TokenDeadline, hung: Callable[[], bool] | None = None
+) -> AsyncIterator:
     """The events of a gRPC response stream, each within the token deadline (else StreamStalled).
     While waiting for the first event, `hung()` (the node missed its probes for too long) also
     ends the wait. While the caller is not asking for the next event (a client that reads slowly)
@@ -87,8 +88,7 @@ async def events_within_deadline(call, deadline: TokenDeadline,
     first, last = True, time.monotonic()
     while True:
         timeout = deadline.timeout(first)
-        event = await (_first_event(call, timeout, hung) if first and hung is not None
-                       else _next_event(call, timeout))
+        event = await (_first_event(call, timeout, hung) if first and hung is not None else _next_event(call, timeout))
         if event is grpc.aio.EOF:
             return
         now = time.monotonic()

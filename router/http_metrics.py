@@ -33,8 +33,12 @@ class HttpMetrics:
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.model_name = model_name
-        self.requests = Counter("pdserve_router_requests", "HTTP requests by route template and status code",
-                                ["model_name", "route", "status"], registry=registry)
+        self.requests = Counter(
+            "pdserve_router_requests",
+            "HTTP requests by route template and status code",
+            ["model_name", "route", "status"],
+            registry=registry,
+        )
 
     def observe(self, routes: list[BaseRoute], scope: Scope, status: int) -> None:
         """Count one finished HTTP request."""

@@ -16,11 +16,18 @@ class OpenAIErrorH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         # msg is uvicorn's generic "Invalid HTTP request received."; say what usually causes it
-        body = json.dumps(BadRequest("the request is not valid HTTP/1.1 (a malformed Content-Length, "
-                                     "header or chunk)").body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                      h11.EndOfMessage()):
+        body = json.dumps(
+            BadRequest("the request is not valid HTTP/1.1 (a malformed Content-Length, header or chunk)").body()
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
             self.transport.write(self.conn.send(event))
         self.transport.close()

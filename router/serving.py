@@ -20,9 +20,12 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFi
 from router.request_metrics import RequestMetrics
 from router.text import ChoiceText, chat_logprob_entry, completion_logprobs
 
-SHARED_SAMPLING_FIELDS = tuple(sorted(
-    {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields} & set(SamplingFields.model_fields)
-    - {"max_tokens", "stop"}))
+SHARED_SAMPLING_FIELDS = tuple(
+    sorted(
+        {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
+        & set(SamplingFields.model_fields) - {"max_tokens", "stop"}
+    )
+)
 """OpenAI request fields that travel unchanged in the proto field of the same name (and meaning);
 max_tokens and stop are checked and resolved first, logprobs differs between the two endpoints."""
 STREAM_QUEUE_CHUNKS = 32
@@ -48,8 +51,15 @@ class Choice:
 class Server:
     """Builds engine-level requests from OpenAI bodies and shapes the answers."""
 
-    def __init__(self, cluster: Cluster, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 max_prompt_tokens: int | None = None, metrics: RequestMetrics | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        max_prompt_tokens: int | None = None,
+        metrics: RequestMetrics | None = None,
+    ) -> None:
         self.cluster = cluster
         self.metrics = metrics or RequestMetrics(CollectorRegistry(), model_name)
         self.tokenizer = tokenizer
@@ -62,8 +72,14 @@ class Server:
         return self.cluster.max_model_len() or self.default_max_model_len
 
     # --- requests -> choices --------------------------------------------------------------
-    def _params(self, req: SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None,
-                default_max: int | None) -> common_pb2.SamplingParams:
+    def _params(
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        prompt_len: int,
+        logprobs: int | None,
+        default_max: int | None,
+    ) -> common_pb2.SamplingParams:
         limit = self.max_model_len  # the prompt fits (_check_ids)
         if max_tokens is None:
             max_tokens = min(default_max or limit, limit - prompt_len)
@@ -107,8 +123,9 @@ class Server:
             ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
             for _ in range(req.n):
-                choices.append(Choice(len(choices), ids, text, params,
-                                      ChoiceText(self.tokenizer, ids, list(params.stop))))
+                choices.append(
+                    Choice(len(choices), ids, text, params, ChoiceText(self.tokenizer, ids, list(params.stop)))
+                )
         return choices
 
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
@@ -120,8 +137,7 @@ class Server:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, len(ids), logprobs, default_max=None)
-        return [Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop)))
-                for i in range(req.n)]
+        return [Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop))) for i in range(req.n)]
 
     async def choices(self, req: SamplingFields, chat: bool) -> list[Choice]:
         """Validate and tokenize in a worker thread: a multi-megabyte prompt must not stall every other
@@ -170,8 +186,12 @@ class Server:
         prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
         completion = sum(c.usage.completion_tokens if c.usage else 0 for c in choices)
         cached = sum(c.usage.cached_tokens if c.usage else 0 for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     async def completion(self, req: CompletionRequest) -> dict:
         choices = await self.choices(req, chat=False)
@@ -182,21 +202,42 @@ class Server:
         for c in choices:
             prefix = (c.prompt_text or self.tokenizer.decode(c.prompt_ids)) if req.echo else ""
             lp = completion_logprobs(self.tokenizer, c.logprobs, len(prefix)) if req.logprobs is not None else None
-            out.append({"index": c.index, "text": prefix + texts[c.index], "logprobs": lp,
-                        "finish_reason": c.finish_reason})
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": out, "usage": self.usage(choices)}
+            out.append(
+                {"index": c.index, "text": prefix + texts[c.index], "logprobs": lp, "finish_reason": c.finish_reason}
+            )
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": out,
+            "usage": self.usage(choices),
+        }
 
     async def chat(self, req: ChatCompletionRequest) -> dict:
         choices = await self.choices(req, chat=True)
         texts = {c.index: "" for c in choices}
         async for c, delta, _ in self.run(choices):
             texts[c.index] += delta
-        out = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
+        out = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": texts[c.index]},
                 "logprobs": {"content": [chat_logprob_entry(self.tokenizer, lp) for lp in c.logprobs]}
-                if req.logprobs else None, "finish_reason": c.finish_reason} for c in choices]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": out, "usage": self.usage(choices)}
+                if req.logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": out,
+            "usage": self.usage(choices),
+        }
 
     async def stream(self, req: SamplingFields, chat: bool) -> AsyncIterator[str]:
         """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
@@ -216,23 +257,49 @@ class Server:
             try:
                 if chat:
                     for c in choices:
-                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                        yield chunk(
+                            [
+                                {
+                                    "index": c.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
                 elif req.echo:
                     for c in choices:
-                        yield chunk([{"index": c.index, "text": c.prompt_text or self.tokenizer.decode(c.prompt_ids),
-                                      "logprobs": None, "finish_reason": None}])
+                        yield chunk(
+                            [
+                                {
+                                    "index": c.index,
+                                    "text": c.prompt_text or self.tokenizer.decode(c.prompt_ids),
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
                 offsets = {c.index: 0 for c in choices}
                 async for c, delta, lps in self.run(choices):
                     finish = c.finish_reason
                     if chat:
-                        lp = ({"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]}
-                              if req.logprobs and lps else None)
-                        body = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                                "finish_reason": finish}
+                        lp = (
+                            {"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]}
+                            if req.logprobs and lps
+                            else None
+                        )
+                        body = {
+                            "index": c.index,
+                            "delta": {"content": delta} if delta else {},
+                            "logprobs": lp,
+                            "finish_reason": finish,
+                        }
                     else:
-                        lp = (completion_logprobs(self.tokenizer, lps, offsets[c.index])
-                              if req.logprobs is not None and lps else None)
+                        lp = (
+                            completion_logprobs(self.tokenizer, lps, offsets[c.index])
+                            if req.logprobs is not None and lps
+                            else None
+                        )
                         body = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
                     offsets[c.index] += len(delta)
                     if delta or finish or lp:

@@ -37,7 +37,7 @@ class ChoiceText:
         return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
-        delta = self.text[self.emitted:upto]
+        delta = self.text[self.emitted : upto]
         self.emitted = max(self.emitted, upto)
         return delta
 
@@ -45,9 +45,19 @@ class ChoiceText:
 def chat_logprob_entry(tokenizer: Tokenizer, lp) -> dict:
     """One OpenAI chat `logprobs.content` entry from a pb TokenLogprob."""
     token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
-            "top_logprobs": [{"token": (t := tokenizer.decode([x.token_id], skip_special_tokens=False)),
-                              "logprob": x.logprob, "bytes": list(t.encode())} for x in lp.top]}
+    return {
+        "token": token,
+        "logprob": lp.logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [
+            {
+                "token": (t := tokenizer.decode([x.token_id], skip_special_tokens=False)),
+                "logprob": x.logprob,
+                "bytes": list(t.encode()),
+            }
+            for x in lp.top
+        ],
+    }
 
 
 def completion_logprobs(tokenizer: Tokenizer, lps: list, offset: int) -> dict:

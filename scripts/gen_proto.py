@@ -49,8 +49,11 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        stale = [f.name for f in fresh if not (target / f.name).exists()
-                 or not filecmp.cmp(f, target / f.name, shallow=False)]
+        stale = [
+            f.name
+            for f in fresh
+            if not (target / f.name).exists() or not filecmp.cmp(f, target / f.name, shallow=False)
+        ]
     if stale:
         print("generated protobuf code is stale: run `make proto`: " + ", ".join(stale))
         return 1

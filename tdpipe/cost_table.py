@@ -11,8 +11,9 @@ import os
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TABLES_ENV = "PDSERVE_TDPIPE_TABLES"
-PUBLISHED_SOURCE = ("https://github.com/MLSysU/TD-Pipe, directory profiler-results/ "
-                    "(commit c8c531645bbc7b7b8a95345c44edd19359e27fda)")
+PUBLISHED_SOURCE = (
+    "https://github.com/MLSysU/TD-Pipe, directory profiler-results/ (commit c8c531645bbc7b7b8a95345c44edd19359e27fda)"
+)
 
 
 def table_dirs() -> list[Path]:
@@ -73,13 +74,20 @@ class CostTable:
             if (d / f"{name}.csv").is_file():
                 return cls.from_csv(d / f"{name}.csv")
         known = sorted({p.stem for d in table_dirs() if d.is_dir() for p in d.glob("*.csv")})
-        hint = (f"; the published L20 tables are not shipped: download {name}.csv from {PUBLISHED_SOURCE} "
-                f"into tdpipe/data/ or a folder named by ${TABLES_ENV}") if name.startswith("L20") else ""
+        hint = (
+            (
+                f"; the published L20 tables are not shipped: download {name}.csv from {PUBLISHED_SOURCE} "
+                f"into tdpipe/data/ or a folder named by ${TABLES_ENV}"
+            )
+            if name.startswith("L20")
+            else ""
+        )
         raise ValueError(f"unknown cost table {name!r}; known: {known}{hint}")
 
     @classmethod
-    def analytic(cls, name: str = "analytic-gpu", fixed_ms: float = 33.0, per_token_ms: float = 0.2,
-                 max_tokens: int = 2048) -> "CostTable":
+    def analytic(
+        cls, name: str = "analytic-gpu", fixed_ms: float = 33.0, per_token_ms: float = 0.2, max_tokens: int = 2048
+    ) -> "CostTable":
         """A GPU-like table: a fixed cost per forward (weights read once) plus a per-token cost.
         Used by tests and when no profiled table is at hand."""
         tokens = tuple(range(1, max_tokens + 1))

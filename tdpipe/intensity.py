@@ -43,8 +43,9 @@ def phase_peak_batch_size(batch_size: int, done_ratio: float) -> int:
     return max(1, round(batch_size / (1.0 - max(0.0, done_ratio))))
 
 
-def temporal_intensity(pending_prefill_ms: list[float], decode_step_ms: float,
-                       num_stages: int, refill: bool = True) -> float:
+def temporal_intensity(
+    pending_prefill_ms: list[float], decode_step_ms: float, num_stages: int, refill: bool = True
+) -> float:
     """1 − bubble/total for switching to prefill now (paper §3.5), per-stage times.
 
     bubble = (longest pending prefill − current decode step), what downstream stages
@@ -66,9 +67,16 @@ def temporal_intensity(pending_prefill_ms: list[float], decode_step_ms: float,
     return 1.0 - bubble / total
 
 
-def decide(table: CostTable, batch_size: int, pending_prefill_ms: list[float],
-           decode_step_ms: float, num_stages: int, ref_batch_size: int = 256,
-           refill: bool = True, phase_done_ratio: float | None = None) -> IntensityDecision:
+def decide(
+    table: CostTable,
+    batch_size: int,
+    pending_prefill_ms: list[float],
+    decode_step_ms: float,
+    num_stages: int,
+    ref_batch_size: int = 256,
+    refill: bool = True,
+    phase_done_ratio: float | None = None,
+) -> IntensityDecision:
     """Switch to prefill when spatial intensity < temporal intensity.
 
     With `phase_done_ratio` (the fraction of this decode phase's requests that have

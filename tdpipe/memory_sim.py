@@ -33,8 +33,7 @@ class FuturePointsConfig:
         return tuple(range(self.interval, self.horizon + 1, self.interval))
 
 
-def request_blocks_at(input_len: int, num_generated: int, predicted_len: int,
-                      step: int, block_size: int) -> int:
+def request_blocks_at(input_len: int, num_generated: int, predicted_len: int, step: int, block_size: int) -> int:
     """Blocks a request holds `step` decode steps from now (0 once it has finished).
 
     A request that has already reached its prediction is assumed to need one more
@@ -58,30 +57,36 @@ class FutureMemory:
         self.points = config.points
         self.usage = [0] * len(self.points)
 
-    def _blocks(self, input_len: int, num_generated: int, predicted_len: int,
-                offset: int, from_step: int) -> list[tuple[int, int]]:
+    def _blocks(
+        self, input_len: int, num_generated: int, predicted_len: int, offset: int, from_step: int
+    ) -> list[tuple[int, int]]:
         """(point index, blocks) for a request that joins at step `offset`."""
         bs = self.config.block_size
-        return [(i, request_blocks_at(input_len, num_generated, predicted_len, step - offset, bs))
-                for i, step in enumerate(self.points) if step >= max(offset, from_step)]
+        return [
+            (i, request_blocks_at(input_len, num_generated, predicted_len, step - offset, bs))
+            for i, step in enumerate(self.points)
+            if step >= max(offset, from_step)
+        ]
 
     def add(self, input_len: int, num_generated: int, predicted_len: int, offset: int = 0) -> None:
         """Account a request that is resident from decode step `offset` of this phase."""
         for i, blocks in self._blocks(input_len, num_generated, predicted_len, offset, 0):
             self.usage[i] += blocks
 
-    def remove(self, input_len: int, num_generated: int, predicted_len: int,
-               offset: int = 0, from_step: int = 0) -> None:
+    def remove(
+        self, input_len: int, num_generated: int, predicted_len: int, offset: int = 0, from_step: int = 0
+    ) -> None:
         """Undo `add` for the points at or after `from_step` (the request finished early)."""
         for i, blocks in self._blocks(input_len, num_generated, predicted_len, offset, from_step):
             self.usage[i] -= blocks
 
-    def would_overflow(self, input_len: int, num_generated: int, predicted_len: int,
-                       offset: int = 0) -> bool:
+    def would_overflow(self, input_len: int, num_generated: int, predicted_len: int, offset: int = 0) -> bool:
         """True when adding this request (at step `offset`) makes a futurePoint exceed capacity."""
         cap = self.config.capacity_blocks
-        return any(self.usage[i] + blocks > cap
-                   for i, blocks in self._blocks(input_len, num_generated, predicted_len, offset, 0))
+        return any(
+            self.usage[i] + blocks > cap
+            for i, blocks in self._blocks(input_len, num_generated, predicted_len, offset, 0)
+        )
 
     def overflows(self) -> bool:
         return any(u > self.config.capacity_blocks for u in self.usage)

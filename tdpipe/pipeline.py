@@ -9,8 +9,6 @@ from tdpipe.cost_table import CostTable
 from tdpipe.workload import SimRequest
 
 
-
-
 @dataclass
 class SimStats:
     """What one simulated run produced."""
@@ -37,11 +35,15 @@ class SimStats:
         return self.num_stages * self.makespan_ms - self.busy_ms
 
     def summary(self) -> dict:
-        return {"policy": self.name, "throughput_tok_s": round(self.throughput, 1),
-                "makespan_s": round(self.makespan_ms / 1000, 2),
-                "bubble_frac": round(self.bubble_ms / max(1e-9, self.num_stages * self.makespan_ms), 4),
-                "phase_switches": len(self.phase_switches), "preemptions": self.num_preemptions,
-                "mean_kv_usage": round(sum(u for _, u in self.kv_samples) / max(1, len(self.kv_samples)), 4)}
+        return {
+            "policy": self.name,
+            "throughput_tok_s": round(self.throughput, 1),
+            "makespan_s": round(self.makespan_ms / 1000, 2),
+            "bubble_frac": round(self.bubble_ms / max(1e-9, self.num_stages * self.makespan_ms), 4),
+            "phase_switches": len(self.phase_switches),
+            "preemptions": self.num_preemptions,
+            "mean_kv_usage": round(sum(u for _, u in self.kv_samples) / max(1, len(self.kv_samples)), 4),
+        }
 
 
 class Pipeline:

@@ -43,8 +43,9 @@ class PPScheduler:
         self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
         self.ex.attach(self.stats)
         n = self.inst.num_stages
-        engines = [_VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, requests[i::n])
-                   for i in range(n)]
+        engines = [
+            _VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, requests[i::n]) for i in range(n)
+        ]
         for i, ve in enumerate(engines):
             self._schedule(i, ve, 0.0)
         # Batches leave in the order they entered, so the oldest in flight is the next
@@ -53,14 +54,15 @@ class PPScheduler:
             done = self.ex.collect()
             ve = engines[done.tag]
             self._complete(ve, done)
-            self.stats.kv_samples.append((done.end_ms,
-                                          sum(e.kv.used for e in engines) / self.inst.capacity_blocks))
+            self.stats.kv_samples.append((done.end_ms, sum(e.kv.used for e in engines) / self.inst.capacity_blocks))
             self._schedule(done.tag, ve, done.end_ms)
         for ve in engines:
             if ve.waiting:
                 r = ve.waiting[0]
-                raise ValueError(f"request {r.request_id} ({r.input_len} prompt tokens) does not fit "
-                                 "in one virtual engine's KV share")
+                raise ValueError(
+                    f"request {r.request_id} ({r.input_len} prompt tokens) does not fit "
+                    "in one virtual engine's KV share"
+                )
         return self.stats
 
     def _schedule(self, index: int, ve: _VirtualEngine, t: float) -> None:
@@ -133,13 +135,17 @@ class PPScheduler:
 
     def _preempt_overflow(self, ve: _VirtualEngine) -> None:
         """Recompute-preempt the newest requests until the next decode step fits."""
+
         def need() -> int:
-            return sum(blocks_for(r.kv_len + 1, ve.kv.block_size) - ve.kv.blocks(r)
-                       for r in ve.running if r.num_generated)
+            return sum(
+                blocks_for(r.kv_len + 1, ve.kv.block_size) - ve.kv.blocks(r) for r in ve.running if r.num_generated
+            )
+
         while ve.running and ve.kv.used + need() > ve.kv.capacity_blocks:
             victim = ve.running.pop()
-            ve.kv.used -= blocks_for(victim.input_len + 1, ve.kv.block_size) if not victim.num_generated \
-                else ve.kv.blocks(victim)
+            ve.kv.used -= (
+                blocks_for(victim.input_len + 1, ve.kv.block_size) if not victim.num_generated else ve.kv.blocks(victim)
+            )
             self.ex.free(victim)
             victim.preempt()
             ve.waiting.appendleft(victim)

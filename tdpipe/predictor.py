@@ -61,8 +61,14 @@ def bucket_of(length: int, edges: list[float]) -> int:
 class BucketPredictor:
     """[CLS]-feature → Linear-ReLU-Linear classifier; a bucket predicts its training mean."""
 
-    def __init__(self, feature_name: str, edges: list[float], means: list[float],
-                 head: torch.nn.Sequential, feature_fn: FeatureFn | None = None) -> None:
+    def __init__(
+        self,
+        feature_name: str,
+        edges: list[float],
+        means: list[float],
+        head: torch.nn.Sequential,
+        feature_fn: FeatureFn | None = None,
+    ) -> None:
         self.feature_name = feature_name
         self.edges = edges
         self.means = means
@@ -70,9 +76,16 @@ class BucketPredictor:
         self.feature_fn = feature_fn or features_by_name(feature_name)
 
     @classmethod
-    def train(cls, prompts: list[str], lengths: list[int], feature_name: str = "hashing",
-              epochs: int = 200, hidden: int = 64, seed: int = 0,
-              feature_fn: FeatureFn | None = None) -> "BucketPredictor":
+    def train(
+        cls,
+        prompts: list[str],
+        lengths: list[int],
+        feature_name: str = "hashing",
+        epochs: int = 200,
+        hidden: int = 64,
+        seed: int = 0,
+        feature_fn: FeatureFn | None = None,
+    ) -> "BucketPredictor":
         if len(prompts) != len(lengths) or len(prompts) < 8:
             raise ValueError("need at least 8 (prompt, output_len) pairs of equal count")
         fn = feature_fn or features_by_name(feature_name)
@@ -88,8 +101,9 @@ class BucketPredictor:
         means = [s / c if c else overall for s, c in zip(sums, counts)]
         x = fn(prompts)
         torch.manual_seed(seed)
-        head = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.ReLU(),
-                                   torch.nn.Linear(hidden, num_classes))
+        head = torch.nn.Sequential(
+            torch.nn.Linear(x.shape[1], hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, num_classes)
+        )
         opt = torch.optim.Adam(head.parameters(), lr=1e-2)
         for _ in range(epochs):
             opt.zero_grad()
@@ -120,8 +134,7 @@ class BucketPredictor:
             raise ValueError(f"{d}: no predictor.json (train one first)")
         meta = json.loads((d / "predictor.json").read_text())
         n_in, hidden, n_out = meta["dims"]
-        head = torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.ReLU(),
-                                   torch.nn.Linear(hidden, n_out))
+        head = torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, n_out))
         head.load_state_dict(torch.load(d / "head.pt", weights_only=True))
         return cls(meta["feature"], meta["edges"], meta["means"], head, feature_fn)
 
@@ -129,4 +142,3 @@ class BucketPredictor:
 def mean_abs_error(predictor: LengthPredictor, prompts: list[str], lengths: list[int]) -> float:
     preds = predictor.predict(prompts)
     return statistics.fmean(abs(p - n) for p, n in zip(preds, lengths))
-

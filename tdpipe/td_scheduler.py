@@ -25,8 +25,9 @@ class TDPipeScheduler:
         self.table, self.inst, self.opts = table, inst, opts
         self.stats = SimStats(name)
         self.kv = KVPool(inst.capacity_blocks, inst.block_size)
-        self.future = FuturePointsConfig(inst.capacity_blocks, inst.block_size,
-                                         opts.future_interval, opts.future_horizon)
+        self.future = FuturePointsConfig(
+            inst.capacity_blocks, inst.block_size, opts.future_interval, opts.future_horizon
+        )
         self.ready_ms: dict[int | str, float] = {}
         self.ex: Executor = SimExecutor(table, inst.num_stages)
 
@@ -42,8 +43,10 @@ class TDPipeScheduler:
                 resident += self._prefill_phase(waiting, resident, now)
             if not resident:
                 if waiting:
-                    raise ValueError(f"request {waiting[0].request_id} ({waiting[0].input_len} prompt tokens) "
-                                     "does not fit in the KV capacity")
+                    raise ValueError(
+                        f"request {waiting[0].request_id} ({waiting[0].input_len} prompt tokens) "
+                        "does not fit in the KV capacity"
+                    )
                 break
             resident, now = self._decode_phase(resident, waiting)
         return self.stats
@@ -138,8 +141,7 @@ class TDPipeScheduler:
             if switch_ms >= 0:
                 parked += remaining
                 continue
-            if waiting and self._should_prefill(stealer, remaining, waiting, num_done / num_phase,
-                                                memory, step):
+            if waiting and self._should_prefill(stealer, remaining, waiting, num_done / num_phase, memory, step):
                 switch_ms = end
                 parked += remaining + stealer.drain_held()
                 continue
@@ -153,8 +155,9 @@ class TDPipeScheduler:
         ready = max([ready] + [self.ready_ms[r.request_id] for r in batch])
         self.ex.submit([BatchItem(r, 1, True) for r in batch], "decode", ready)
 
-    def _preempt_overflow(self, remaining: list[SimRequest], stealer: WorkStealer[SimRequest],
-                          waiting: deque[SimRequest]) -> list[SimRequest]:
+    def _preempt_overflow(
+        self, remaining: list[SimRequest], stealer: WorkStealer[SimRequest], waiting: deque[SimRequest]
+    ) -> list[SimRequest]:
         """Out of KV (a prediction was too short): recompute-preempt the newest requests."""
         victims = []
         while self.kv.used > self.kv.capacity_blocks and (remaining or stealer.held):
@@ -167,9 +170,15 @@ class TDPipeScheduler:
             self.stats.num_preemptions += 1
         return victims
 
-    def _should_prefill(self, stealer: WorkStealer[SimRequest], remaining: list[SimRequest],
-                        waiting: deque[SimRequest], done_ratio: float,
-                        memory: FutureMemory, step: int) -> bool:
+    def _should_prefill(
+        self,
+        stealer: WorkStealer[SimRequest],
+        remaining: list[SimRequest],
+        waiting: deque[SimRequest],
+        done_ratio: float,
+        memory: FutureMemory,
+        step: int,
+    ) -> bool:
         if self.opts.decode_switch == "completion":
             return done_ratio >= self.opts.completion_threshold
         batch_size = stealer.average(len(remaining)) if self.opts.work_stealing else len(remaining)
@@ -201,5 +210,13 @@ class TDPipeScheduler:
         # against 256 the spatial intensity is ~0.6 from the first step, so any modest
         # pending prefill won (median switch after 7% of a phase, see docs/tdpipe.md).
         phase = done_ratio if self.opts.spatial_peak == "phase" else None
-        return decide(self.table, batch_size, pending, step_ms, self.inst.num_stages,
-                      self.opts.ref_batch_size, self.opts.temporal_refill, phase).switch_to_prefill
+        return decide(
+            self.table,
+            batch_size,
+            pending,
+            step_ms,
+            self.inst.num_stages,
+            self.opts.ref_batch_size,
+            self.opts.temporal_refill,
+            phase,
+        ).switch_to_prefill

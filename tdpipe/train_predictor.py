@@ -19,8 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("history", help="JSONL of {prompt, output_len}")
     parser.add_argument("-o", "--output", required=True, help="directory to save the predictor in")
-    parser.add_argument("--feature", default="minilm", choices=["minilm", "hashing"],
-                        help="minilm needs the [predictor] extra; hashing needs nothing")
+    parser.add_argument(
+        "--feature",
+        default="minilm",
+        choices=["minilm", "hashing"],
+        help="minilm needs the [predictor] extra; hashing needs nothing",
+    )
     parser.add_argument("--epochs", type=int, default=200)
     args = parser.parse_args(argv)
     try:

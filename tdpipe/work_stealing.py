@@ -30,7 +30,7 @@ class WorkStealer(Generic[T]):
         """Split the decode-phase requests into `num_stages` batches of equal size."""
         self.window.clear()
         self.held = []
-        batches = [requests[i::self.num_stages] for i in range(self.num_stages)]
+        batches = [requests[i :: self.num_stages] for i in range(self.num_stages)]
         for b in batches:
             self.window.append(len(b))
         return batches

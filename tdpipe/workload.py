@@ -77,9 +77,13 @@ def _lognormal(rng: random.Random, median: int, sigma: float, lo: int, hi: int) 
 
 def generate(config: WorkloadConfig) -> list[SimRequest]:
     rng = random.Random(config.seed)
-    pairs = [(_lognormal(rng, config.input_median, config.input_sigma, 4, config.max_input),
-              _lognormal(rng, config.output_median, config.output_sigma, 1, config.max_output))
-             for _ in range(config.num_requests)]
+    pairs = [
+        (
+            _lognormal(rng, config.input_median, config.input_sigma, 4, config.max_input),
+            _lognormal(rng, config.output_median, config.output_sigma, 1, config.max_output),
+        )
+        for _ in range(config.num_requests)
+    ]
     outputs = sorted(o for _, o in pairs)
     edges = [outputs[min(len(outputs) - 1, int(p / 100 * len(outputs)))] for p in (25, 50, 75, 90, 99)]
     buckets: list[list[int]] = [[] for _ in range(len(edges) + 1)]

@@ -15,4 +15,5 @@ os.environ.setdefault("PDSERVE_CACHE_DIR", str(ROOT / ".cache" / "pdserve"))
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from engine.builtin import default_model_dir
+
     return default_model_dir("tiny")

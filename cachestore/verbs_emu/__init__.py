@@ -29,15 +29,45 @@ an RNR NAK fails at once with RNR_RETRY_EXC_ERR).
 from __future__ import annotations
 
 from cachestore.verbs_emu import enums
-from cachestore.verbs_emu.device import (DEVICE_NAME, FABRIC, AHAttr, Context, Fabric, FaultHooks, GlobalRoute,
-                                        get_device_list)
+from cachestore.verbs_emu.device import (
+    DEVICE_NAME,
+    FABRIC,
+    AHAttr,
+    Context,
+    Fabric,
+    FaultHooks,
+    GlobalRoute,
+    get_device_list,
+)
 from cachestore.verbs_emu.memory import MR, MW, PD, MWBindInfo, VerbsError
 from cachestore.verbs_emu.queues import CQ, QP, WC, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR, SGE
 
 EMULATED = True
 """Marks this verbs provider as the emulation (no peer-memory client: CUDA pools are staged)."""
 
-__all__ = ["EMULATED", "AHAttr", "CQ", "Context", "DEVICE_NAME", "FABRIC", "Fabric", "FaultHooks", "GlobalRoute", "MR",
-           "MW", "MWBindInfo", "PD", "QP",
-           "QPAttr", "QPCap", "QPInitAttr", "RecvWR", "SGE", "SendWR", "VerbsError", "WC", "enums",
-           "get_device_list"]
+__all__ = [
+    "EMULATED",
+    "AHAttr",
+    "CQ",
+    "Context",
+    "DEVICE_NAME",
+    "FABRIC",
+    "Fabric",
+    "FaultHooks",
+    "GlobalRoute",
+    "MR",
+    "MW",
+    "MWBindInfo",
+    "PD",
+    "QP",
+    "QPAttr",
+    "QPCap",
+    "QPInitAttr",
+    "RecvWR",
+    "SGE",
+    "SendWR",
+    "VerbsError",
+    "WC",
+    "enums",
+    "get_device_list",
+]

@@ -31,8 +31,10 @@ class FaultHooks:
     def from_env(cls) -> "FaultHooks":
         """Hooks for a child process (a cluster node): $PDSERVE_RDMA_EMU_WRITE_DELAY_S and
         $PDSERVE_RDMA_EMU_DROP_COMPLETIONS (test-only, like the tcp fault env)."""
-        return cls(write_delay_s=float(os.environ.get("PDSERVE_RDMA_EMU_WRITE_DELAY_S", "0") or 0),
-                   drop_completions=int(os.environ.get("PDSERVE_RDMA_EMU_DROP_COMPLETIONS", "0") or 0))
+        return cls(
+            write_delay_s=float(os.environ.get("PDSERVE_RDMA_EMU_WRITE_DELAY_S", "0") or 0),
+            drop_completions=int(os.environ.get("PDSERVE_RDMA_EMU_DROP_COMPLETIONS", "0") or 0),
+        )
 
     def take_drop(self) -> bool:
         if self.drop_completions > 0:
@@ -57,6 +59,7 @@ class Fabric:
         with self._lock:
             if self._endpoint is None:
                 from cachestore.verbs_emu.wire import DeviceEndpoint
+
                 self._endpoint = DeviceEndpoint(self)
             return self._endpoint
 

@@ -46,8 +46,10 @@ class MR:
     """Registered memory [address, address+length) with access flags; lkey and rkey name it."""
 
     def __init__(self, pd: PD, length: int, access: int, address: int) -> None:
-        if access & (enums.IBV_ACCESS_REMOTE_WRITE | enums.IBV_ACCESS_REMOTE_ATOMIC) and \
-                not access & enums.IBV_ACCESS_LOCAL_WRITE:
+        if (
+            access & (enums.IBV_ACCESS_REMOTE_WRITE | enums.IBV_ACCESS_REMOTE_ATOMIC)
+            and not access & enums.IBV_ACCESS_LOCAL_WRITE
+        ):
             raise VerbsError("ibv_reg_mr: REMOTE_WRITE requires LOCAL_WRITE (EINVAL)")
         if length <= 0 or not address:
             raise VerbsError("ibv_reg_mr: empty or unmapped range (EINVAL)")
@@ -98,10 +100,14 @@ class MW:
     def bind(self, qp, info: MWBindInfo) -> int:
         """Executed by the QP's send engine for a BIND_MW WR; returns a wc status."""
         mr = info.mr
-        if (not mr.valid or mr.pd is not self.pd or qp.pd is not self.pd or not mr.access & enums.IBV_ACCESS_MW_BIND
-                or not mr.covers(info.addr, info.length)
-                or (info.mw_access_flags & enums.IBV_ACCESS_REMOTE_WRITE
-                    and not mr.access & enums.IBV_ACCESS_LOCAL_WRITE)):
+        if (
+            not mr.valid
+            or mr.pd is not self.pd
+            or qp.pd is not self.pd
+            or not mr.access & enums.IBV_ACCESS_MW_BIND
+            or not mr.covers(info.addr, info.length)
+            or (info.mw_access_flags & enums.IBV_ACCESS_REMOTE_WRITE and not mr.access & enums.IBV_ACCESS_LOCAL_WRITE)
+        ):
             return enums.IBV_WC_MW_BIND_ERR
         with self.lock:
             self._rekey()
@@ -126,10 +132,20 @@ class MW:
 def remote_target(key_owner, responder_qp, address: int, length: int, access: int) -> bool:
     """True if `key_owner` (MR or MW found by rkey) lets `responder_qp` access the range with `access`."""
     if isinstance(key_owner, MR):
-        return (key_owner.valid and key_owner.pd is responder_qp.pd and key_owner.access & access == access
-                and key_owner.covers(address, length))
+        return (
+            key_owner.valid
+            and key_owner.pd is responder_qp.pd
+            and key_owner.access & access == access
+            and key_owner.covers(address, length)
+        )
     if isinstance(key_owner, MW):
         b = key_owner.bound
-        return (b is not None and key_owner.qp is responder_qp and b.mr.valid and b.mw_access_flags & access == access
-                and b.addr <= address and address + length <= b.addr + b.length)
+        return (
+            b is not None
+            and key_owner.qp is responder_qp
+            and b.mr.valid
+            and b.mw_access_flags & access == access
+            and b.addr <= address
+            and address + length <= b.addr + b.length
+        )
     return False

@@ -34,8 +34,11 @@ from cachestore.verbs_emu.memory import MR, MW, MWBindInfo, VerbsError, remote_t
 if TYPE_CHECKING:
     from cachestore.verbs_emu.wire import RequesterLink
 
-_ORDER = {enums.IBV_QPS_RESET: enums.IBV_QPS_INIT, enums.IBV_QPS_INIT: enums.IBV_QPS_RTR,
-          enums.IBV_QPS_RTR: enums.IBV_QPS_RTS}
+_ORDER = {
+    enums.IBV_QPS_RESET: enums.IBV_QPS_INIT,
+    enums.IBV_QPS_INIT: enums.IBV_QPS_RTR,
+    enums.IBV_QPS_RTR: enums.IBV_QPS_RTS,
+}
 
 
 class WC:
@@ -78,8 +81,15 @@ class SGE:
 class SendWR:
     """A send-queue work request: RDMA WRITE (+IMM), BIND_MW or LOCAL_INV."""
 
-    def __init__(self, wr_id: int = 0, opcode: int = enums.IBV_WR_RDMA_WRITE, num_sge: int = 0,
-                 sg: list[SGE] | None = None, send_flags: int = 0, imm_data: int = 0) -> None:
+    def __init__(
+        self,
+        wr_id: int = 0,
+        opcode: int = enums.IBV_WR_RDMA_WRITE,
+        num_sge: int = 0,
+        sg: list[SGE] | None = None,
+        send_flags: int = 0,
+        imm_data: int = 0,
+    ) -> None:
         self.wr_id, self.opcode, self.sg, self.send_flags, self.imm_data = wr_id, opcode, sg or [], send_flags, imm_data
         self.rkey = self.remote_addr = 0
         self.mw: MW | None = None
@@ -108,8 +118,9 @@ class QPCap:
 
 
 class QPInitAttr:
-    def __init__(self, qp_type: int = enums.IBV_QPT_RC, scq: CQ | None = None, rcq: CQ | None = None,
-                 cap: QPCap | None = None) -> None:
+    def __init__(
+        self, qp_type: int = enums.IBV_QPT_RC, scq: CQ | None = None, rcq: CQ | None = None, cap: QPCap | None = None
+    ) -> None:
         self.qp_type, self.scq, self.rcq, self.cap = qp_type, scq, rcq, cap or QPCap()
 
 
@@ -155,8 +166,11 @@ class QP:
     def modify(self, attr: QPAttr) -> None:
         target = attr.qp_state
         with self._lock:
-            ok = (target == enums.IBV_QPS_ERR or _ORDER.get(self.qp_state) == target
-                  or (target == enums.IBV_QPS_RESET and self.qp_state == enums.IBV_QPS_ERR))
+            ok = (
+                target == enums.IBV_QPS_ERR
+                or _ORDER.get(self.qp_state) == target
+                or (target == enums.IBV_QPS_RESET and self.qp_state == enums.IBV_QPS_ERR)
+            )
             if not ok:
                 raise VerbsError(f"ibv_modify_qp: illegal transition {self.qp_state} -> {target} (EINVAL)")
             if target == enums.IBV_QPS_INIT:
@@ -166,6 +180,7 @@ class QP:
                 self.remote, self._rq_psn = _wire_address(attr), int(getattr(attr, "rq_psn", 0) or 0)
             if target == enums.IBV_QPS_RTS and self.remote is not None:
                 from cachestore.verbs_emu.wire import RequesterLink
+
                 self._link = RequesterLink(self, self.remote, int(getattr(attr, "sq_psn", 0) or 0))
             if target == enums.IBV_QPS_RESET:
                 self._rq.clear()
@@ -232,8 +247,9 @@ class QP:
     def _complete(self, wr: SendWR, status: int, nbytes: int) -> None:
         if status == enums.IBV_WC_SUCCESS and not wr.send_flags & enums.IBV_SEND_SIGNALED:
             return
-        opcode = {enums.IBV_WR_BIND_MW: enums.IBV_WC_BIND_MW,
-                  enums.IBV_WR_LOCAL_INV: enums.IBV_WC_LOCAL_INV}.get(wr.opcode, enums.IBV_WC_RDMA_WRITE)
+        opcode = {enums.IBV_WR_BIND_MW: enums.IBV_WC_BIND_MW, enums.IBV_WR_LOCAL_INV: enums.IBV_WC_LOCAL_INV}.get(
+            wr.opcode, enums.IBV_WC_RDMA_WRITE
+        )
         self.scq.push(WC(wr.wr_id, status, opcode, self.qp_num, nbytes))
 
     def _execute(self, wr: SendWR) -> tuple[int, int]:
@@ -277,7 +293,8 @@ class QP:
             return enums.IBV_WC_REM_ACCESS_ERR, 0
         with lock:
             if self.fabric.key(wr.rkey) is not target or not remote_target(
-                    target, responder, wr.remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE):
+                target, responder, wr.remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE
+            ):
                 responder.to_error()
                 return enums.IBV_WC_REM_ACCESS_ERR, 0
             return self._land(wr, responder, length)
@@ -293,14 +310,23 @@ class QP:
             ctypes.memmove(dst, s.addr, s.length)
             dst += s.length
         if recv is not None:
-            responder.rcq.push(WC(recv.wr_id, enums.IBV_WC_SUCCESS, enums.IBV_WC_RECV_RDMA_WITH_IMM,
-                                  responder.qp_num, length, wr.imm_data))
+            responder.rcq.push(
+                WC(
+                    recv.wr_id,
+                    enums.IBV_WC_SUCCESS,
+                    enums.IBV_WC_RECV_RDMA_WITH_IMM,
+                    responder.qp_num,
+                    length,
+                    wr.imm_data,
+                )
+            )
         return enums.IBV_WC_SUCCESS, length
 
 
 def _wire_address(attr: QPAttr) -> tuple[str, int] | None:
     """The peer's device endpoint from RTR's address handle, if it carries an emulated GID."""
     from cachestore.verbs_emu.wire import parse_gid
+
     ah = getattr(attr, "ah_attr", None)
     gr = getattr(ah, "gr", None) if ah is not None and getattr(ah, "is_global", False) else None
     return parse_gid(gr.dgid) if gr is not None and gr.dgid else None

@@ -70,8 +70,12 @@ OP_WITH_IMM = 0x10
 ACK, NAK = 0, 1
 # NAK syndromes (AETH)
 SYN_NONE, SYN_PSN_SEQ, SYN_RNR, SYN_INVALID_REQ, SYN_REMOTE_ACCESS = 0, 1, 2, 3, 4
-SYNDROME_STATUS = {SYN_PSN_SEQ: enums.IBV_WC_RETRY_EXC_ERR, SYN_RNR: enums.IBV_WC_RNR_RETRY_EXC_ERR,
-                   SYN_INVALID_REQ: enums.IBV_WC_REM_INV_REQ_ERR, SYN_REMOTE_ACCESS: enums.IBV_WC_REM_ACCESS_ERR}
+SYNDROME_STATUS = {
+    SYN_PSN_SEQ: enums.IBV_WC_RETRY_EXC_ERR,
+    SYN_RNR: enums.IBV_WC_RNR_RETRY_EXC_ERR,
+    SYN_INVALID_REQ: enums.IBV_WC_REM_INV_REQ_ERR,
+    SYN_REMOTE_ACCESS: enums.IBV_WC_REM_ACCESS_ERR,
+}
 """The requester's completion status for each NAK."""
 
 
@@ -161,8 +165,9 @@ class DeviceEndpoint:
                 return
             self.connections += 1
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name=f"emu-rdma-resp-{self.connections}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name=f"emu-rdma-resp-{self.connections}", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -217,12 +222,14 @@ class Responder:
     def _usable(self) -> bool:
         qp = self.qp
         assert qp is not None, "packets follow the hello"
-        return (not qp._closed and self.fabric.qp(qp.qp_num) is qp
-                and qp.qp_state in (enums.IBV_QPS_RTR, enums.IBV_QPS_RTS))
+        return (
+            not qp._closed and self.fabric.qp(qp.qp_num) is qp and qp.qp_state in (enums.IBV_QPS_RTR, enums.IBV_QPS_RTS)
+        )
 
     def _message(self, first: tuple) -> bool:
         """One RDMA WRITE message starting with packet `first`; False to drop the connection."""
         from cachestore.verbs_emu.memory import remote_target
+
         opcode, psn, va, rkey, dma_len, nbytes, imm = first
         if self.dropping or not self._usable():
             return False  # a QP in ERROR (or gone) drops packets: the requester's retries run out
@@ -239,7 +246,8 @@ class Responder:
         else:  # the RETH check, for the whole DMA range, before any byte lands
             target = self.fabric.key(rkey)
             if getattr(target, "lock", None) is None or not remote_target(
-                    target, qp, va, dma_len, enums.IBV_ACCESS_REMOTE_WRITE):
+                target, qp, va, dma_len, enums.IBV_ACCESS_REMOTE_WRITE
+            ):
                 syndrome, target = SYN_REMOTE_ACCESS, None
         offset, header, last_psn = 0, first, psn
         while True:
@@ -271,8 +279,10 @@ class Responder:
                 syndrome = SYN_RNR
             else:
                 from cachestore.verbs_emu.queues import WC
-                qp.rcq.push(WC(recv.wr_id, enums.IBV_WC_SUCCESS, enums.IBV_WC_RECV_RDMA_WITH_IMM, qp.qp_num,
-                               dma_len, header[6]))
+
+                qp.rcq.push(
+                    WC(recv.wr_id, enums.IBV_WC_SUCCESS, enums.IBV_WC_RECV_RDMA_WITH_IMM, qp.qp_num, dma_len, header[6])
+                )
         self.conn.sendall(RESPONSE.pack(ACK if syndrome == SYN_NONE else NAK, syndrome, last_psn))
         if syndrome in (SYN_INVALID_REQ, SYN_REMOTE_ACCESS):
             self.dropping = True  # class C: the responder QP goes to ERROR after the NAK
@@ -282,9 +292,11 @@ class Responder:
     def _land(self, target, rkey: int, address: int, view: memoryview) -> int:
         """Copy one packet's payload into the target memory, the key looked up again under its lock."""
         from cachestore.verbs_emu.memory import remote_target
+
         with target.lock:
             if self.fabric.key(rkey) is not target or not remote_target(
-                    target, self.qp, address, len(view), enums.IBV_ACCESS_REMOTE_WRITE):
+                target, self.qp, address, len(view), enums.IBV_ACCESS_REMOTE_WRITE
+            ):
                 return SYN_REMOTE_ACCESS  # invalidated mid-message: the rest lands nowhere
             ctypes.memmove(address, self._bounce_addr, len(view))  # view is bounce[:n]
         return SYN_NONE
@@ -318,8 +330,11 @@ class RequesterLink:
                 chunks = [(0, 0)]
             first_psn = self.psn
             for i, (addr, n) in enumerate(chunks):
-                op = (OP_ONLY if len(chunks) == 1 else OP_FIRST) if i == 0 else (
-                    OP_LAST if i == len(chunks) - 1 else OP_MIDDLE)
+                op = (
+                    (OP_ONLY if len(chunks) == 1 else OP_FIRST)
+                    if i == 0
+                    else (OP_LAST if i == len(chunks) - 1 else OP_MIDDLE)
+                )
                 if imm is not None and op in (OP_LAST, OP_ONLY):
                     op |= OP_WITH_IMM
                 header = REQUEST.pack(op, self.psn, va, rkey, length, n, imm or 0)

@@ -9,7 +9,7 @@ BACKENDS = ("torch", "cpu_paged", "flashinfer")
 
 
 def resolve_backend(name: str, device_type: str) -> str:
-    """"auto" is `cpu_paged` on CPU (faster than `torch`, same results) and `torch` elsewhere."""
+    """ "auto" is `cpu_paged` on CPU (faster than `torch`, same results) and `torch` elsewhere."""
     if name == "auto":
         return "cpu_paged" if device_type == "cpu" else "torch"
     return name
@@ -19,12 +19,15 @@ def make_backend(name: str) -> AttentionBackend:
     """Build the backend called `name` (one of BACKENDS)."""
     if name == "torch":
         from engine.attention.torch_backend import TorchAttention
+
         return TorchAttention()
     if name == "cpu_paged":
         from engine.attention.cpu_paged_backend import CpuPagedAttention
+
         return CpuPagedAttention()
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttention
+
         return FlashInferAttention()
     raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
 

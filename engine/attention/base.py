@@ -47,6 +47,13 @@ class AttentionBackend(ABC):
         """Per-step planning (flashinfer plans its wrappers here); the torch backend needs none."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D], kv_layer: [N, 2, Hkv, B, D] -> out [T, Hq, D]."""

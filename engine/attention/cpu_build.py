@@ -25,8 +25,10 @@ from typing import Callable
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = (Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp",
-           Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp")
+SOURCES = (
+    Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp",
+    Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp",
+)
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
 _lock = threading.Lock()
@@ -85,8 +87,15 @@ def _build() -> Callable[..., torch.Tensor] | None:
         _remove_dead_builds(out)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        load(name="pdserve_cpu_paged", sources=[str(s) for s in SOURCES], build_directory=str(tmp),
-             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load(
+            name="pdserve_cpu_paged",
+            sources=[str(s) for s in SOURCES],
+            build_directory=str(tmp),
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
         if out.exists() and not library.exists():  # debris of an interrupted build: not a result
             shutil.rmtree(out, ignore_errors=True)
         try:

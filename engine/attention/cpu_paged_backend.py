@@ -48,8 +48,15 @@ class CpuPagedAttention(AttentionBackend):
         self._tables = (meta, i32(table_rows).reshape(len(paged), width), i32(starts), i32(ctx))
         self._paged = paged
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if self._op is None or q.device.type != "cpu":
             return self._fallback.forward(q, k, v, kv_layer, meta, scale)
         # kv_layer: [N, 2, Hkv, B, D]; write this step's K/V into the pages first

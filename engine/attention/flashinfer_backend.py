@@ -37,8 +37,11 @@ class FlashInferAttention(AttentionBackend):
     def _wrapper(self, kind: str, device: torch.device) -> Any:
         if kind not in self._wrappers:
             workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            cls = (self._fi.BatchDecodeWithPagedKVCacheWrapper if kind == "decode"
-                   else self._fi.BatchPrefillWithPagedKVCacheWrapper)
+            cls = (
+                self._fi.BatchDecodeWithPagedKVCacheWrapper
+                if kind == "decode"
+                else self._fi.BatchPrefillWithPagedKVCacheWrapper
+            )
             self._wrappers[kind] = cls(workspace, kv_layout="HND", backend=KERNEL_BACKEND)
         return self._wrappers[kind]
 
@@ -50,28 +53,58 @@ class FlashInferAttention(AttentionBackend):
         dev = meta.positions.device
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
         hq = self.num_qo_heads
-        self._scale = d ** -0.5  # what the plan bakes in; forward() checks the model asks for the same
+        self._scale = d**-0.5  # what the plan bakes in; forward() checks the model asks for the same
         if b.is_decode_only:
             w = self._wrapper("decode", dev)
-            w.plan(as_i32(plan.kv_indptr), as_i32(plan.kv_indices), as_i32(plan.kv_last_page_len),
-                   hq, hkv, d, page, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
+            w.plan(
+                as_i32(plan.kv_indptr),
+                as_i32(plan.kv_indices),
+                as_i32(plan.kv_last_page_len),
+                hq,
+                hkv,
+                d,
+                page,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                sm_scale=self._scale,
+            )
         else:
             w = self._wrapper("prefill", dev)
-            w.plan(as_i32(plan.qo_indptr), as_i32(plan.kv_indptr), as_i32(plan.kv_indices),
-                   as_i32(plan.kv_last_page_len), hq, hkv, d, page, causal=True,
-                   q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
+            w.plan(
+                as_i32(plan.qo_indptr),
+                as_i32(plan.kv_indptr),
+                as_i32(plan.kv_indices),
+                as_i32(plan.kv_last_page_len),
+                hq,
+                hkv,
+                d,
+                page,
+                causal=True,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                sm_scale=self._scale,
+            )
         self._active = w
 
     def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
         """Facts the plan needs that the pool shape does not carry."""
         if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the flashinfer backend runs float16 or bfloat16 KV, not {dtype} "
-                             "(use dtype bfloat16 or the torch backend)")
+            raise ValueError(
+                f"the flashinfer backend runs float16 or bfloat16 KV, not {dtype} "
+                "(use dtype bfloat16 or the torch backend)"
+            )
         self.num_qo_heads = num_qo_heads
         self.dtype = dtype
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         # write this step's K/V into the pages first: kv_layer [N, 2, Hkv, B, D]
         kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
         kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v

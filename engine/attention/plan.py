@@ -26,8 +26,9 @@ def num_pages(context_len: int, page_size: int) -> int:
     return (context_len + page_size - 1) // page_size
 
 
-def paged_plan(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-               page_size: int) -> PagedPlan:
+def paged_plan(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], page_size: int
+) -> PagedPlan:
     """CSR page tables for flashinfer's BatchPrefill/BatchDecode wrappers."""
     qo_indptr, kv_indptr, indices, last = [0], [0], [], []
     for q, ctx, table in zip(query_lens, context_lens, block_tables):
@@ -40,8 +41,9 @@ def paged_plan(query_lens: list[int], context_lens: list[int], block_tables: lis
     return PagedPlan(qo_indptr, kv_indptr, indices, last)
 
 
-def slot_mapping(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                 block_size: int) -> tuple[list[int], list[int], list[int]]:
+def slot_mapping(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> tuple[list[int], list[int], list[int]]:
     """(block id, offset in block, position) of every new token, in batch order."""
     blocks, offsets, positions = [], [], []
     for q, ctx, table in zip(query_lens, context_lens, block_tables):

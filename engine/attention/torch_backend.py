@@ -17,8 +17,15 @@ class TorchAttention(AttentionBackend):
     prefix attends causally over its own fresh K/V without touching the pool).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         # kv_layer: [N, 2, Hkv, B, D]; k_pages/v_pages: [N, Hkv, B, D] views
         k_pages, v_pages = kv_layer[:, 0], kv_layer[:, 1]
         k_pages[meta.slot_blocks, :, meta.slot_offsets] = k
@@ -44,8 +51,9 @@ class TorchAttention(AttentionBackend):
             start = end
         return out
 
-    def _decode(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         batch, bs = meta.batch, meta.block_size
         ctx = torch.tensor(batch.context_lens, device=q.device)
         max_pages = (int(ctx.max()) + bs - 1) // bs
@@ -58,13 +66,15 @@ class TorchAttention(AttentionBackend):
         keys = k_pages[table].permute(0, 2, 1, 3, 4).reshape(s, hkv, max_pages * bs, d)
         values = v_pages[table].permute(0, 2, 1, 3, 4).reshape(s, hkv, max_pages * bs, d)
         valid = torch.arange(max_pages * bs, device=q.device)[None, :] < ctx[:, None]  # [S, P*B]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :],
-                                             scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        )
         return out[:, :, 0, :]
 
 
-def _gather(k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int], ctx: int,
-            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, table: list[int], ctx: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first `ctx` cached K/V as [Hkv, ctx, D] each."""
     n = blocks_for(ctx, block_size)
     idx = torch.tensor(table[:n], dtype=torch.long, device=k_pages.device)

@@ -26,38 +26,64 @@ DEFAULT_STAGES = 2
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("batch", help="offline batch job: OpenAI Batch JSONL in, results JSONL out")
     p.add_argument("-i", "--input", required=True, help="input JSONL (custom_id, method, url, body per line)")
-    p.add_argument("-o", "--output", required=True,
-                   help="output JSONL; each result is appended as it completes (an existing non-empty file needs "
-                        "--resume)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="output JSONL; each result is appended as it completes (an existing non-empty file needs --resume)",
+    )
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--stages", type=int, default=None,
-                   help=f"pipeline stages (processes), each holding a layer slice (default: {DEFAULT_STAGES}; "
-                        f"with --external-stages, WORLD_SIZE - 1)")
-    p.add_argument("--policy", default=POLICIES[0], choices=POLICIES,
-                   help="schedule: tdpipe (temporally disaggregated prefill and decode phases, one decode batch "
-                        "in flight per stage), pp-sb (pipeline parallelism with separate batching, vLLM-style "
-                        "virtual engines) or pp-hb (the same with chunked-prefill hybrid batches)")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help=f"pipeline stages (processes), each holding a layer slice (default: {DEFAULT_STAGES}; "
+        f"with --external-stages, WORLD_SIZE - 1)",
+    )
+    p.add_argument(
+        "--policy",
+        default=POLICIES[0],
+        choices=POLICIES,
+        help="schedule: tdpipe (temporally disaggregated prefill and decode phases, one decode batch "
+        "in flight per stage), pp-sb (pipeline parallelism with separate batching, vLLM-style "
+        "virtual engines) or pp-hb (the same with chunked-prefill hybrid batches)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per stage")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill batch")
-    p.add_argument("--resume", action="store_true",
-                   help="append to the output, skipping input lines it already answers (after a crash or a stop)")
-    p.add_argument("--stats", default=None,
-                   help="write the job summary as JSON to this file (throughput, phase switches, bubble "
-                        "fraction, preemptions)")
-    p.add_argument("--external-stages", action="store_true",
-                   help="do not start local stages: act as rank 0 (the controller) of a pipeline whose "
-                        "`pdserve stage` ranks 1..WORLD_SIZE-1 run elsewhere, meeting at MASTER_ADDR:MASTER_PORT "
-                        "(e.g. the Kubernetes offline overlay); RANK must be 0 or unset. The stages must be "
-                        "started with the same --num-kv-blocks and --block-size")
-    p.add_argument("--cost-table", default="auto",
-                   help="forward-time table the schedule is planned on: profile (time each stage's layer slice "
-                        "on this job's batch sizes before starting; a few seconds to a minute), analytic (a "
-                        "GPU-like fixed + per-token cost), a named table (e.g. L20-Llama-13B, see "
-                        "tdpipe/data/README.md) or a CSV path (`Total Length,Execute Time` rows, ms); auto: "
-                        "profile for local CPU stages, analytic otherwise")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype of the stages (auto: float32 on CPU, the checkpoint's on GPU)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="append to the output, skipping input lines it already answers (after a crash or a stop)",
+    )
+    p.add_argument(
+        "--stats",
+        default=None,
+        help="write the job summary as JSON to this file (throughput, phase switches, bubble fraction, preemptions)",
+    )
+    p.add_argument(
+        "--external-stages",
+        action="store_true",
+        help="do not start local stages: act as rank 0 (the controller) of a pipeline whose "
+        "`pdserve stage` ranks 1..WORLD_SIZE-1 run elsewhere, meeting at MASTER_ADDR:MASTER_PORT "
+        "(e.g. the Kubernetes offline overlay); RANK must be 0 or unset. The stages must be "
+        "started with the same --num-kv-blocks and --block-size",
+    )
+    p.add_argument(
+        "--cost-table",
+        default="auto",
+        help="forward-time table the schedule is planned on: profile (time each stage's layer slice "
+        "on this job's batch sizes before starting; a few seconds to a minute), analytic (a "
+        "GPU-like fixed + per-token cost), a named table (e.g. L20-Llama-13B, see "
+        "tdpipe/data/README.md) or a CSV path (`Total Length,Execute Time` rows, ms); auto: "
+        "profile for local CPU stages, analytic otherwise",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV dtype of the stages (auto: float32 on CPU, the checkpoint's on GPU)",
+    )
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per stage process")
     add_device_args(p)
     p.set_defaults(func=run)
@@ -67,6 +93,7 @@ def _done_keys(path: str) -> set:
     """What the output already answers (see batch_io.resume_key); a torn last line (killed
     mid-write) is cut off the file so that the rerun appends after the last whole line."""
     from tdpipe.runtime.batch_io import resume_key
+
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -129,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
             lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), start=1) if ln.strip()]
         if not args.resume and os.path.exists(args.output) and os.path.getsize(args.output) > 0:
             # rerunning after a crash without --resume would throw away every result written so far
-            raise ValueError(f"{args.output} already has results: add --resume to finish that job, or remove "
-                             f"the file to start over")
+            raise ValueError(
+                f"{args.output} already has results: add --resume to finish that job, or remove the file to start over"
+            )
         done = _done_keys(args.output) if args.resume else set()
         out = open(args.output, "a" if args.resume else "w", encoding="utf-8")
     except (OSError, ValueError) as e:
@@ -139,8 +167,14 @@ def run(args: argparse.Namespace) -> int:
     with out:
         job = BatchJob(args, model_dir, device, tokenizer, cfg.max_position_embeddings, out)
         # a terminal gets a live bar; a log (a Kubernetes pod) one line every 30 s
-        bar = tqdm(total=len(lines), desc="batch", unit="req", file=sys.stderr, dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 30.0)
+        bar = tqdm(
+            total=len(lines),
+            desc="batch",
+            unit="req",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.5 if sys.stderr.isatty() else 30.0,
+        )
         job.progress = bar
         watchdog = job.watchdog = StageWatchdog(bar)
         start = time.perf_counter()
@@ -150,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             bar.close()
             name = signal.Signals(watchdog.signum or signal.SIGINT).name
-            print(f"interrupted by {name}: {job.written} lines written to {args.output}; rerun with --resume "
-                  f"to finish", file=sys.stderr)
+            print(
+                f"interrupted by {name}: {job.written} lines written to {args.output}; rerun with --resume to finish",
+                file=sys.stderr,
+            )
             return 128 + (watchdog.signum or 2)
         except Exception as e:
             bar.close()
@@ -160,8 +196,11 @@ def run(args: argparse.Namespace) -> int:
                 return 128 + watchdog.signum
             if not isinstance(e, RuntimeError):  # not a pipeline failure (those are RuntimeErrors): our bug
                 traceback.print_exc()
-                print(f"internal error: {type(e).__name__}: {e}. {job.written} lines written to {args.output}; "
-                      f"rerun with --resume to finish", file=sys.stderr)
+                print(
+                    f"internal error: {type(e).__name__}: {e}. {job.written} lines written to {args.output}; "
+                    f"rerun with --resume to finish",
+                    file=sys.stderr,
+                )
                 return 1
             dead = watchdog.wait_for_dead(timeout=5.0)
             if dead:
@@ -172,21 +211,32 @@ def run(args: argparse.Namespace) -> int:
                 why = f"pipeline failed ({e}); check the logs of the `pdserve stage` ranks"
             else:
                 why = f"pipeline failed: {e}"
-            print(f"error: {why}. {job.written} lines written to {args.output}; rerun with --resume to finish",
-                  file=sys.stderr)
+            print(
+                f"error: {why}. {job.written} lines written to {args.output}; rerun with --resume to finish",
+                file=sys.stderr,
+            )
             return 1
         finally:
             watchdog.close()
         bar.close()
     elapsed = time.perf_counter() - start
     running = elapsed - job.profile_seconds  # throughput of the pipeline itself; profiling is reported apart
-    summary = {"requests": len(lines), "skipped_resume": job.skipped, "completed": job.completed,
-               "errors": job.errors, "output_tokens": stats.output_tokens, "seconds": round(elapsed, 3),
-               "profile_seconds": round(job.profile_seconds, 3),
-               "output_tokens_per_s": round(stats.output_tokens / running, 2) if running > 0 else None,
-               "phase_switches": len(stats.phase_switches), "preemptions": stats.num_preemptions,
-               "bubble_fraction": _bubble_fraction(timelines), "stages": args.stages, "policy": args.policy,
-               "cost_table": job.table_name}
+    summary = {
+        "requests": len(lines),
+        "skipped_resume": job.skipped,
+        "completed": job.completed,
+        "errors": job.errors,
+        "output_tokens": stats.output_tokens,
+        "seconds": round(elapsed, 3),
+        "profile_seconds": round(job.profile_seconds, 3),
+        "output_tokens_per_s": round(stats.output_tokens / running, 2) if running > 0 else None,
+        "phase_switches": len(stats.phase_switches),
+        "preemptions": stats.num_preemptions,
+        "bubble_fraction": _bubble_fraction(timelines),
+        "stages": args.stages,
+        "policy": args.policy,
+        "cost_table": job.table_name,
+    }
     print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
     if args.stats:
         with open(args.stats, "w", encoding="utf-8") as f:

@@ -179,8 +179,11 @@ class StageWatchdog:
             why, code = f"stopped by {signal.Signals(self.signum).name}", 128 + self.signum
         else:
             why, code = "; ".join(self.dead), 1
-        os.write(2, f"\nerror: {why}, and the pipeline did not unwind within {HARD_EXIT_GRACE_S:.0f} s; "
-                    f"finished results are in the output file: rerun with --resume\n".encode())
+        os.write(
+            2,
+            f"\nerror: {why}, and the pipeline did not unwind within {HARD_EXIT_GRACE_S:.0f} s; "
+            f"finished results are in the output file: rerun with --resume\n".encode(),
+        )
         os._exit(code)
 
 
@@ -193,8 +196,10 @@ def table_choice(choice: str, device: str, external: bool) -> CostTable | str:
         choice = "profile" if device == "cpu" and not external else "analytic"
     if choice == "profile":
         if external:
-            raise ValueError("--cost-table profile times the stages in this process, but with --external-stages "
-                             "they run elsewhere: pass a CSV profiled on their hardware, or analytic")
+            raise ValueError(
+                "--cost-table profile times the stages in this process, but with --external-stages "
+                "they run elsewhere: pass a CSV profiled on their hardware, or analytic"
+            )
         return choice
     if choice == "analytic":
         return CostTable.analytic()
@@ -209,8 +214,15 @@ def table_choice(choice: str, device: str, external: bool) -> CostTable | str:
 class BatchJob:
     """One batch run: error lines are written at once, results as the pipeline retires requests."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: str, device: dict[str, str], tokenizer: Tokenizer,
-                 max_model_len: int, out: TextIO) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        model_dir: str,
+        device: dict[str, str],
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        out: TextIO,
+    ) -> None:
         self.args, self.model_dir, self.device, self.tokenizer, self.out = args, model_dir, device, tokenizer, out
         self.model_name = model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.server = make_server(tokenizer, self.model_name, max_model_len)
@@ -250,15 +262,20 @@ class BatchJob:
                 continue
             try:
                 if cid is not None and not first:
-                    raise LineError("duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; "
-                                                           f"this line is not run")
+                    raise LineError(
+                        "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; this line is not run"
+                    )
                 item = parse_line(line, self.server)
                 need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
                 if need > capacity:
-                    raise LineError("prompt_too_long", f"prompt + max_tokens is {need} tokens; the pipeline's KV "
-                                                       f"holds {capacity}{' per virtual engine' if share > 1 else ''} "
-                                                       f"(raise --num-kv-blocks or --block-size)",
-                                    status=400, param="max_tokens")
+                    raise LineError(
+                        "prompt_too_long",
+                        f"prompt + max_tokens is {need} tokens; the pipeline's KV "
+                        f"holds {capacity}{' per virtual engine' if share > 1 else ''} "
+                        f"(raise --num-kv-blocks or --block-size)",
+                        status=400,
+                        param="max_tokens",
+                    )
             except LineError as e:
                 if cid is not None:
                     claimed.add(cid)
@@ -292,16 +309,38 @@ class BatchJob:
             if self.watchdog is not None:
                 self.watchdog.executor = executor
 
-        cfg = StageConfig(self.model_dir, num_kv_blocks=self.args.num_kv_blocks, block_size=self.args.block_size,
-                          dtype=self.args.dtype, num_threads=self.args.num_threads, **self.device)
+        cfg = StageConfig(
+            self.model_dir,
+            num_kv_blocks=self.args.num_kv_blocks,
+            block_size=self.args.block_size,
+            dtype=self.args.dtype,
+            num_threads=self.args.num_threads,
+            **self.device,
+        )
         external = getattr(self.args, "external_stages", False)
         table = self.cost_table(cfg, reqs, external)
         if external:
-            return run_controller(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish,
-                                  policy=self.args.policy, table=table, on_executor=on_executor)
-        return run_local_pipeline(cfg, self.args.stages, reqs, self.args.max_batch_tokens, on_finish,
-                                  policy=self.args.policy, table=table,
-                                  on_spawn=self.watchdog.watch if self.watchdog else None, on_executor=on_executor)
+            return run_controller(
+                cfg,
+                self.args.stages,
+                reqs,
+                self.args.max_batch_tokens,
+                on_finish,
+                policy=self.args.policy,
+                table=table,
+                on_executor=on_executor,
+            )
+        return run_local_pipeline(
+            cfg,
+            self.args.stages,
+            reqs,
+            self.args.max_batch_tokens,
+            on_finish,
+            policy=self.args.policy,
+            table=table,
+            on_spawn=self.watchdog.watch if self.watchdog else None,
+            on_executor=on_executor,
+        )
 
     def cost_table(self, cfg: StageConfig, reqs: list[PipeRequest], external: bool) -> CostTable:
         """The table the policy plans on (`--cost-table`); profiling times this job's stages here."""
@@ -311,16 +350,32 @@ class BatchJob:
             return choice
         self._phase("profiling stages")
         t0 = time.perf_counter()
-        plan = plan_profile([len(r.prompt_ids) for r in reqs], [r.predicted_len for r in reqs],
-                            kv_tokens=cfg.num_kv_blocks * cfg.block_size, num_stages=self.args.stages,
-                            max_batch_tokens=self.args.max_batch_tokens)
-        table = profiled_table(cfg.model_dir, self.args.stages, plan, block_size=cfg.block_size,
-                               num_threads=cfg.num_threads, dtype=cfg.dtype, attention_backend=cfg.attention_backend,
-                               device=cfg.device, repeats=1, name="profiled")
+        plan = plan_profile(
+            [len(r.prompt_ids) for r in reqs],
+            [r.predicted_len for r in reqs],
+            kv_tokens=cfg.num_kv_blocks * cfg.block_size,
+            num_stages=self.args.stages,
+            max_batch_tokens=self.args.max_batch_tokens,
+        )
+        table = profiled_table(
+            cfg.model_dir,
+            self.args.stages,
+            plan,
+            block_size=cfg.block_size,
+            num_threads=cfg.num_threads,
+            dtype=cfg.dtype,
+            attention_backend=cfg.attention_backend,
+            device=cfg.device,
+            repeats=1,
+            name="profiled",
+        )
         self.profile_seconds = time.perf_counter() - t0
-        print(f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
-              f"{len(plan.prefill_tokens)} prefill points in {self.profile_seconds:.1f} s (--cost-table analytic "
-              f"or a CSV skips this)", file=sys.stderr)
+        print(
+            f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
+            f"{len(plan.prefill_tokens)} prefill points in {self.profile_seconds:.1f} s (--cost-table analytic "
+            f"or a CSV skips this)",
+            file=sys.stderr,
+        )
         self.table_name = table.name
         return table
 
@@ -329,14 +384,19 @@ def external_world(stages: int | None) -> int:
     """For `--external-stages`: check the torch.distributed env names this process rank 0 and
     return the number of stages (WORLD_SIZE - 1); ValueError with what to set otherwise."""
     from pdserve.config import process_env
+
     env = process_env().rendezvous
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if not env.get(v)]
     if missing:
-        raise ValueError(f"--external-stages needs {', '.join(missing)} in the environment (the rendezvous the "
-                         f"`pdserve stage` workers use)")
+        raise ValueError(
+            f"--external-stages needs {', '.join(missing)} in the environment (the rendezvous the "
+            f"`pdserve stage` workers use)"
+        )
     if env.get("RANK", "0") != "0":
-        raise ValueError(f"--external-stages runs the controller, which is RANK 0; RANK is {env['RANK']} "
-                         f"(ranks 1..WORLD_SIZE-1 run `pdserve stage`)")
+        raise ValueError(
+            f"--external-stages runs the controller, which is RANK 0; RANK is {env['RANK']} "
+            f"(ranks 1..WORLD_SIZE-1 run `pdserve stage`)"
+        )
     try:
         world = int(env["WORLD_SIZE"])
     except ValueError:
@@ -346,6 +406,8 @@ def external_world(stages: int | None) -> int:
     if stages is not None and stages != world - 1:
         raise ValueError(f"--stages {stages} disagrees with WORLD_SIZE {world} (= 1 controller + {world - 1} stages)")
     os.environ["RANK"] = "0"  # for torch.distributed, which this process joins as the controller
-    print(f"external stages: waiting for {world - 1} `pdserve stage` ranks at "
-          f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", file=sys.stderr)
+    print(
+        f"external stages: waiting for {world - 1} `pdserve stage` ranks at {env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+        file=sys.stderr,
+    )
     return world - 1

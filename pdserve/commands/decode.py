@@ -11,11 +11,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("decode", help="run a decode node (gRPC Decode service + CacheStore receiver)")
     add_node_args(p, "decode")
     p.add_argument("--cachestore-port", type=int, default=None, help="CacheStore listener port (0: pick a free one)")
-    p.add_argument("--colocated", action="store_true", default=None,
-                   help="also run prompts locally when a request names no prefill node (monolithic baseline)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        default=None,
+        help="also run prompts locally when a request names no prefill node (monolithic baseline)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from decode_node import DecodeNode
+
     return serve("decode", node_config(args, "decode"), DecodeNode)

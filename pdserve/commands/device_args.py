@@ -22,12 +22,15 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
     """Add --device/--attention-backend (defaults: $PDSERVE_DEVICE or cpu, $PDSERVE_ATTENTION_BACKEND or auto)."""
-    p.add_argument("--device", default=None,
-                   help=f"cpu, cuda or cuda:N (default: ${DEVICE_ENV}, else cpu)")
-    p.add_argument("--attention-backend", default=None, choices=BACKENDS,
-                   help=f"torch, cpu_paged (CPU), flashinfer (CUDA), or auto: flashinfer on CUDA when importable, "
-                        f"cpu_paged on CPU, else torch "
-                        f"(default: ${BACKEND_ENV}, else auto)")
+    p.add_argument("--device", default=None, help=f"cpu, cuda or cuda:N (default: ${DEVICE_ENV}, else cpu)")
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=BACKENDS,
+        help=f"torch, cpu_paged (CPU), flashinfer (CUDA), or auto: flashinfer on CUDA when importable, "
+        f"cpu_paged on CPU, else torch "
+        f"(default: ${BACKEND_ENV}, else auto)",
+    )
 
 
 def resolve_device(requested: str | None) -> str:
@@ -37,6 +40,7 @@ def resolve_device(requested: str | None) -> str:
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda"):
         import torch
+
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but CUDA is not available on this host")
         index = int(device.split(":")[1]) if ":" in device else 0
@@ -85,9 +89,11 @@ def device_options(args: argparse.Namespace) -> dict[str, str]:
         from engine.builtin import default_model_dir
         from engine.model_config import ModelConfig
         from engine.weights import resolve_dtype
+
         model_dir = getattr(args, "model", None) or default_model_dir()
-        dtype = resolve_dtype(getattr(args, "dtype", None) or EngineConfig.dtype, ModelConfig.from_dir(model_dir),
-                              torch.device(device))
+        dtype = resolve_dtype(
+            getattr(args, "dtype", None) or EngineConfig.dtype, ModelConfig.from_dir(model_dir), torch.device(device)
+        )
     backend = resolve_backend(getattr(args, "attention_backend", None), device, dtype)
     return {"device": device, "attention_backend": backend}
 

@@ -8,16 +8,20 @@ import sys
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--dtype, shared by every command that loads a model."""
-    p.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (float32 on CPU, the checkpoint's dtype on GPU; the default), float32, bfloat16, float16")
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the built-in tiny model)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto (float32 on CPU, the checkpoint's dtype on GPU; the default), float32, bfloat16, float16",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text offline from prompts")
     add_model_args(p)
     from pdserve.commands.device_args import add_device_args
+
     add_device_args(p)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a sample prompt)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
@@ -31,10 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from pdserve.commands.device_args import device_options
+
     prompts = args.prompt or ["The old lighthouse keeper"]
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
         dtype = {"dtype": args.dtype} if args.dtype else {}  # unset: EngineConfig's default
         llm = LLM(args.model, **dtype, **device_options(args))
         if args.chat:
@@ -46,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for prompt, out in zip(prompts, outputs):
         comp = out.outputs[0]
-        print(f"### prompt: {prompt!r}\n{comp.text}\n"
-              f"[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}]")
+        print(
+            f"### prompt: {prompt!r}\n{comp.text}\n[{len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}]"
+        )
     return 0

@@ -34,21 +34,29 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     add_device_args(p)
     add_engine_args(p)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=None,
-                   help=f"gRPC port (0: pick a free one; default {ROLE_PORTS[role]})")
+    p.add_argument("--port", type=int, default=None, help=f"gRPC port (0: pick a free one; default {ROLE_PORTS[role]})")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default 0: off)")
-    p.add_argument("--transport", default=None, choices=CLI_TRANSPORTS,
-                   help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp; default tcp)")
+    p.add_argument(
+        "--transport",
+        default=None,
+        choices=CLI_TRANSPORTS,
+        help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp; default tcp)",
+    )
     p.add_argument("--cluster-secret", default=None, help="shared secret (default: $PDSERVE_CLUSTER_SECRET)")
-    p.add_argument("--drain-timeout", type=float, default=None,
-                   help="seconds to finish requests on SIGTERM (default 30)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=None, help="seconds to finish requests on SIGTERM (default 30)"
+    )
     p.add_argument("--kv-timeout", type=float, default=None, help="seconds a KV transfer may take (default 60)")
     p.add_argument("--log-level", default=None, help="default INFO")
-    p.add_argument("--advertise-host", default=None,
-                   help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
-                        "if --host is a wildcard)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
+        "if --host is a wildcard)",
+    )
     add_rdma_args(p)
     from pdserve.discovery import add_discovery_args
+
     add_discovery_args(p)
 
 
@@ -56,20 +64,40 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The EngineConfig fields not covered by add_model_args/add_device_args (layer_range is for
     pipeline stages, not nodes)."""
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-    p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV pool budget in bytes when --num-kv-blocks is unset (default 512 MiB on CPU)")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV pool budget in bytes when --num-kv-blocks is unset (default 512 MiB on CPU)",
+    )
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step; longer prompts are prefilled in chunks "
-                        "(default: 8192 on prefill nodes, 2048 on decode nodes)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's max_position_embeddings)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of cached prompt prefixes (default on)")
-    p.add_argument("--preemption", default=None, choices=("recompute", "never"),
-                   help="under KV pressure: recompute (free the newest request, rerun it later; prefill default) "
-                        "or never (admission reserves every block; the only choice on decode nodes)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step; longer prompts are prefilled in chunks "
+        "(default: 8192 on prefill nodes, 2048 on decode nodes)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of cached prompt prefixes (default on)",
+    )
+    p.add_argument(
+        "--preemption",
+        default=None,
+        choices=("recompute", "never"),
+        help="under KV pressure: recompute (free the newest request, rerun it later; prefill default) "
+        "or never (admission reserves every block; the only choice on decode nodes)",
+    )
     p.add_argument("--seed", type=int, default=None, help="sampling seed of the engine (default 0)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
 
@@ -85,9 +113,15 @@ RDMA_HELP = {
 
 def add_rdma_args(p: argparse.ArgumentParser) -> None:
     from pdserve.runtime.node_config import RDMA_ENV
+
     for dest, text in RDMA_HELP.items():
-        p.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
-                       type=str if dest == "rdma_device" else int, help=f"{text}; default: ${RDMA_ENV[dest]}")
+        p.add_argument(
+            "--" + dest.replace("_", "-"),
+            dest=dest,
+            default=None,
+            type=str if dest == "rdma_device" else int,
+            help=f"{text}; default: ${RDMA_ENV[dest]}",
+        )
 
 
 def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
@@ -98,18 +132,27 @@ def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
     from pdserve.config import flag_values
     from pdserve.discovery import DiscoveryConfig
     from pdserve.runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+
     try:
-        engine = {**ROLE_ENGINE_DEFAULTS[role], **flag_values(args, EngineConfig, model_dir="model"),
-                  **device_options(args)}
+        engine = {
+            **ROLE_ENGINE_DEFAULTS[role],
+            **flag_values(args, EngineConfig, model_dir="model"),
+            **device_options(args),
+        }
         engine.setdefault("model_dir", default_model_dir())
         if role == "decode" and engine["preemption"] != "never":
-            raise ValueError(f"a decode node needs --preemption never (it must never drop a request's KV), "
-                             f"got {engine['preemption']!r}")
+            raise ValueError(
+                f"a decode node needs --preemption never (it must never drop a request's KV), "
+                f"got {engine['preemption']!r}"
+            )
         node = {"port": ROLE_PORTS[role], **flag_values(args, NodeOptions)}
         node["advertise_host"] = advertise_host(args.advertise_host, node.get("host", NodeOptions.host))
-        return NodeConfig(engine=EngineConfig(**engine), node=NodeOptions(**node),
-                          transfer=TransferOptions(**flag_values(args, TransferOptions)),
-                          discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)))
+        return NodeConfig(
+            engine=EngineConfig(**engine),
+            node=NodeOptions(**node),
+            transfer=TransferOptions(**flag_values(args, TransferOptions)),
+            discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)),
+        )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -120,6 +163,7 @@ def advertise_host(requested: str | None, host: str) -> str:
     import socket
 
     from pdserve.config import process_env
+
     if requested or process_env().pod_ip:
         return requested or process_env().pod_ip
     return socket.gethostname() if host in ("0.0.0.0", "::") else host
@@ -130,11 +174,13 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
     then deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     config.transfer.export_env()
     node = make_node(config)
-    logging.basicConfig(level=config.node.log_level.upper(),
-                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.node.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
+    )
 
     async def main() -> None:
         from pdserve.discovery import Member, discovery_from_config
+
         address = await node.start()
         host = config.node.advertise_host or config.node.host
         meta = {"node_id": node.rt.node_id, "metrics_port": str(config.node.metrics_port), **node.discovery_meta()}
@@ -146,8 +192,10 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(node.rt.failed.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(node.rt.failed.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         failed = node.rt.failed.is_set()
         logging.getLogger("pdserve").info("%s %s", "stopping failed" if failed else "draining", role)
         await discovery.deregister(member)
@@ -157,6 +205,7 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
 
     try:
         import uvloop
+
         return uvloop.run(main())
     except ImportError:
         return asyncio.run(main())

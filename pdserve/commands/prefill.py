@@ -15,4 +15,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from prefill_node import PrefillNode
+
     return serve("prefill", node_config(args, "prefill"), PrefillNode)

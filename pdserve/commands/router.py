@@ -15,10 +15,18 @@ __all__ = ["API_KEYS_ENV", "add_api_key_args", "api_keys", "register", "router_c
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", action="append", default=None,
-                   help="accepted Bearer key (repeatable; visible in `ps`: prefer --api-key-file or the env)")
-    p.add_argument("--api-key-file", action="append", default=None,
-                   help="file with accepted Bearer keys, one per line (repeatable)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accepted Bearer key (repeatable; visible in `ps`: prefer --api-key-file or the env)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        action="append",
+        default=None,
+        help="file with accepted Bearer keys, one per line (repeatable)",
+    )
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -31,12 +39,14 @@ def api_keys(args: argparse.Namespace) -> list[str]:
         except OSError as e:
             raise SystemExit(f"error: cannot read --api-key-file {path}: {e.strerror}") from None
     from pdserve.config import process_env
+
     keys += process_env().api_keys
     return [k.strip() for k in keys if k.strip()]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.discovery import add_discovery_args
+
     p = subparsers.add_parser("router", help="run the OpenAI-compatible router")
     add_model_args(p)
     add_discovery_args(p)
@@ -48,23 +58,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-keyfile", default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (400)")
-    p.add_argument("--graceful-timeout", type=float, default=None,
-                   help="seconds open streams may finish after SIGTERM before they are cut (uvicorn; default 30)")
-    p.add_argument("--token-timeout", type=float, default=None,
-                   help="migrate a stream that gets no token for this long (raised to --itl-factor x the "
-                        "observed inter-token latency on slow nodes; default 2)")
+    p.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=None,
+        help="seconds open streams may finish after SIGTERM before they are cut (uvicorn; default 30)",
+    )
+    p.add_argument(
+        "--token-timeout",
+        type=float,
+        default=None,
+        help="migrate a stream that gets no token for this long (raised to --itl-factor x the "
+        "observed inter-token latency on slow nodes; default 2)",
+    )
     p.add_argument("--itl-factor", type=float, default=None, help="default 20")
-    p.add_argument("--first-token-timeout", type=float, default=None,
-                   help="wait this long for a first token (default 120)")
-    p.add_argument("--health-timeout", type=float, default=None,
-                   help="a node that misses a health check by this long gets no new requests until it answers "
-                        "(default 1)")
-    p.add_argument("--hung-after", type=float, default=None,
-                   help="a node that has missed every health check for this long is hung: requests still waiting "
-                        "for their first token on it are retried on another node (default 10)")
-    p.add_argument("--capacity-wait", type=float, default=None,
-                   help="a request waits this long for a usable node with room before a 503 (0: fail at once; "
-                        "default 30)")
+    p.add_argument(
+        "--first-token-timeout", type=float, default=None, help="wait this long for a first token (default 120)"
+    )
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=None,
+        help="a node that misses a health check by this long gets no new requests until it answers (default 1)",
+    )
+    p.add_argument(
+        "--hung-after",
+        type=float,
+        default=None,
+        help="a node that has missed every health check for this long is hung: requests still waiting "
+        "for their first token on it are retried on another node (default 10)",
+    )
+    p.add_argument(
+        "--capacity-wait",
+        type=float,
+        default=None,
+        help="a request waits this long for a usable node with room before a 503 (0: fail at once; default 30)",
+    )
     p.add_argument("--log-level", default=None, help="default info")
     p.set_defaults(func=run)
 
@@ -77,13 +106,19 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     from pdserve.discovery import DiscoveryConfig
     from router.config import ClusterOptions, RouterConfig
     from router.deadlines import Deadlines
+
     try:
-        cluster = ClusterOptions(**flag_values(args, ClusterOptions, deadlines=None),
-                                 deadlines=Deadlines(**flag_values(args, Deadlines)))
+        cluster = ClusterOptions(
+            **flag_values(args, ClusterOptions, deadlines=None), deadlines=Deadlines(**flag_values(args, Deadlines))
+        )
         top = flag_values(args, RouterConfig, model_dir="model", cluster=None, discovery=None)
         top.setdefault("model_dir", default_model_dir())
-        return RouterConfig(**top, api_keys=tuple(api_keys(args)), cluster=cluster,
-                            discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)))
+        return RouterConfig(
+            **top,
+            api_keys=tuple(api_keys(args)),
+            cluster=cluster,
+            discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)),
+        )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -105,18 +140,27 @@ def run(args: argparse.Namespace) -> int:
     from router.serving import Server
 
     config = router_config(args)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     name = config.served_model_name or served_model_name(config.model_dir)
     if args.api_key:
         logging.getLogger("pdserve.router").warning(
-            "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY")
+            "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY"
+        )
     registry = add_process_collectors(CollectorRegistry())
-    cluster = Cluster(discovery_from_config(config.discovery), cluster_secret=config.cluster.cluster_secret,
-                      deadlines=config.cluster.deadlines, registry=registry)
-    server = Server(cluster, Tokenizer(config.model_dir), name,
-                    ModelConfig.from_dir(config.model_dir).max_position_embeddings,
-                    config.max_prompt_tokens, metrics=RequestMetrics(registry, name))
+    cluster = Cluster(
+        discovery_from_config(config.discovery),
+        cluster_secret=config.cluster.cluster_secret,
+        deadlines=config.cluster.deadlines,
+        registry=registry,
+    )
+    server = Server(
+        cluster,
+        Tokenizer(config.model_dir),
+        name,
+        ModelConfig.from_dir(config.model_dir).max_position_embeddings,
+        config.max_prompt_tokens,
+        metrics=RequestMetrics(registry, name),
+    )
     ClusterCollector(cluster, name, registry)
     app = create_app(server, api_keys=list(config.api_keys), registry=registry)
 
@@ -131,10 +175,20 @@ def run(args: argparse.Namespace) -> int:
         await cluster.stop()
 
     import importlib.util
+
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     from router.http_protocol import OpenAIErrorH11Protocol
-    uvicorn.run(app, host=config.host, port=config.port, loop=loop, log_level=config.log_level.lower(),
-                http=OpenAIErrorH11Protocol,
-                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, access_log=False,
-                timeout_graceful_shutdown=config.graceful_timeout)
+
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        loop=loop,
+        log_level=config.log_level.lower(),
+        http=OpenAIErrorH11Protocol,
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
+        access_log=False,
+        timeout_graceful_shutdown=config.graceful_timeout,
+    )
     return 0

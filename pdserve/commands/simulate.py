@@ -10,11 +10,17 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="simulate TD-Pipe vs pipeline-parallel baselines")
-    p.add_argument("--policy", action="append",
-                   help="policy to run (repeatable; default: td-pipe, pp+sb, pp+hb; 'all' for every one)")
-    p.add_argument("--table", default="auto",
-                   help="cost table: a CSV path, a name in tdpipe/data/ (e.g. L20-Llama-13B once downloaded, "
-                        "cpu-tiny), 'analytic' (GPU-like built-in) or 'auto' (L20-Llama-13B if present, else analytic)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="policy to run (repeatable; default: td-pipe, pp+sb, pp+hb; 'all' for every one)",
+    )
+    p.add_argument(
+        "--table",
+        default="auto",
+        help="cost table: a CSV path, a name in tdpipe/data/ (e.g. L20-Llama-13B once downloaded, "
+        "cpu-tiny), 'analytic' (GPU-like built-in) or 'auto' (L20-Llama-13B if present, else analytic)",
+    )
     p.add_argument("--requests", type=int, default=1000, help="synthetic ShareGPT-like requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stages", type=int, default=4)
@@ -41,28 +47,35 @@ def run(args: argparse.Namespace) -> int:
         policies = list(POLICIES)
     try:
         table = CostTable.from_csv(args.table) if Path(args.table).is_file() else CostTable.builtin(args.table)
-        inst = InstanceConfig(num_stages=args.stages, capacity_blocks=args.capacity_blocks,
-                              block_size=args.block_size)
+        inst = InstanceConfig(num_stages=args.stages, capacity_blocks=args.capacity_blocks, block_size=args.block_size)
         requests = generate(WorkloadConfig(num_requests=args.requests, seed=args.seed))
         results = [simulate(p, table, inst, requests) for p in policies]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"table {table.name}, {args.stages} stages, {args.requests} requests, "
-          f"{args.capacity_blocks} KV blocks of {args.block_size} tokens")
+    print(
+        f"table {table.name}, {args.stages} stages, {args.requests} requests, "
+        f"{args.capacity_blocks} KV blocks of {args.block_size} tokens"
+    )
     for s in results:
         summary = s.summary()
-        print(f"\n{s.name}: {summary['throughput_tok_s']} output tok/s, makespan {summary['makespan_s']} s, "
-              f"bubble {s.bubble_ms / 1000:.1f} stage-s ({summary['bubble_frac']:.1%}), "
-              f"{summary['phase_switches']} phase switches, {s.num_preemptions} preemptions")
+        print(
+            f"\n{s.name}: {summary['throughput_tok_s']} output tok/s, makespan {summary['makespan_s']} s, "
+            f"bubble {s.bubble_ms / 1000:.1f} stage-s ({summary['bubble_frac']:.1%}), "
+            f"{summary['phase_switches']} phase switches, {s.num_preemptions} preemptions"
+        )
         samples = sorted(s.kv_samples)
         n = max(1, args.timeline_points)
         points = [s.makespan_ms * (i + 1) / n for i in range(n)]
         print("  KV usage: " + " ".join(f"{t / 1000:.0f}s:{_usage_at(samples, t):.0%}" for t in points))
     if len(results) > 1:
         base = results[0].throughput
-        print("\nthroughput relative to " + results[0].name + ": " +
-              ", ".join(f"{s.name} {s.throughput / base:.2f}x" for s in results))
+        print(
+            "\nthroughput relative to "
+            + results[0].name
+            + ": "
+            + ", ".join(f"{s.name} {s.throughput / base:.2f}x" for s in results)
+        )
     if args.plot:
         plot_kv_usage(results, args.plot)
         print(f"wrote {args.plot}")

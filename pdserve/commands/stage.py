@@ -21,10 +21,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tdpipe.runtime.stage_worker import StageConfig, main_from_env
+
     try:
         args.model = args.model_dir  # device_options reads the checkpoint's dtype for the backend choice
-        cfg = StageConfig(model_dir=args.model_dir, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                          dtype=args.dtype, num_threads=args.num_threads, **device_options(args))
+        cfg = StageConfig(
+            model_dir=args.model_dir,
+            num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            dtype=args.dtype,
+            num_threads=args.num_threads,
+            **device_options(args),
+        )
         return main_from_env(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -42,22 +42,29 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nacos-server", default=None, help="nacos: server HOST:PORT (default 127.0.0.1:8848)")
     p.add_argument("--nacos-namespace", default=None, help="nacos: namespace id")
     p.add_argument("--nacos-service", default=None, help="nacos: service name prefix (default pdserve)")
-    p.add_argument("--k8s-prefill-service", default=None,
-                   help="k8s: headless service of prefill nodes: NAME:PORT (A records) or NAME / "
-                        "_PORTNAME._tcp.NAME (SRV records: port from the Service)")
-    p.add_argument("--k8s-decode-service", default=None,
-                   help="k8s: headless service of decode nodes (same forms as --k8s-prefill-service)")
+    p.add_argument(
+        "--k8s-prefill-service",
+        default=None,
+        help="k8s: headless service of prefill nodes: NAME:PORT (A records) or NAME / "
+        "_PORTNAME._tcp.NAME (SRV records: port from the Service)",
+    )
+    p.add_argument(
+        "--k8s-decode-service",
+        default=None,
+        help="k8s: headless service of decode nodes (same forms as --k8s-prefill-service)",
+    )
 
 
 def discovery_from_config(config: DiscoveryConfig) -> Discovery:
     if config.discovery == "nacos":
         from pdserve.discovery.nacos import NacosDiscovery
+
         return NacosDiscovery(config.nacos_server, config.nacos_namespace, config.nacos_service)
     if config.discovery == "k8s":
         from pdserve.discovery.k8s import K8sDnsDiscovery
+
         return K8sDnsDiscovery({"prefill": config.k8s_prefill_service, "decode": config.k8s_decode_service})
     return StaticDiscovery.from_lists(config.prefill, config.decode)
 
 
-__all__ = ["Discovery", "DiscoveryConfig", "Member", "StaticDiscovery", "add_discovery_args",
-           "discovery_from_config"]
+__all__ = ["Discovery", "DiscoveryConfig", "Member", "StaticDiscovery", "add_discovery_args", "discovery_from_config"]

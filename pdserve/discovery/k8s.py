@@ -37,6 +37,7 @@ def srv_resolver(name: str) -> list[tuple[str, int]]:
     """
     import dns.exception
     import dns.resolver
+
     try:
         answer = dns.resolver.resolve(name, "SRV", search=True)
     except dns.resolver.NoAnswer:
@@ -56,8 +57,13 @@ def srv_name(spec: str) -> str | None:
 class K8sDnsDiscovery(Discovery):
     """Resolves `NAME:PORT` per role every `interval` seconds; keeps the last view on failure."""
 
-    def __init__(self, services: dict[str, str], interval: float = 5.0, resolver: Resolver = dns_resolver,
-                 srv: SrvResolver = srv_resolver) -> None:
+    def __init__(
+        self,
+        services: dict[str, str],
+        interval: float = 5.0,
+        resolver: Resolver = dns_resolver,
+        srv: SrvResolver = srv_resolver,
+    ) -> None:
         self.services = {role: spec for role, spec in services.items() if spec}
         self.interval = interval
         self.resolver = resolver
@@ -82,11 +88,17 @@ class K8sDnsDiscovery(Discovery):
         loop = asyncio.get_running_loop()
         for role, spec in self.services.items():
             try:
-                self._members[role] = [Member(role, ip, port) for ip, port in await loop.run_in_executor(
-                    None, self._lookup, spec)]
+                self._members[role] = [
+                    Member(role, ip, port) for ip, port in await loop.run_in_executor(None, self._lookup, spec)
+                ]
             except OSError as e:
-                log.warning("k8s discovery: cannot resolve %s (%s); keeping %d known %s nodes",
-                            spec, e, len(self._members.get(role, [])), role)
+                log.warning(
+                    "k8s discovery: cannot resolve %s (%s); keeping %d known %s nodes",
+                    spec,
+                    e,
+                    len(self._members.get(role, [])),
+                    role,
+                )
 
     def _lookup(self, spec: str) -> list[tuple[str, int]]:
         srv = srv_name(spec)

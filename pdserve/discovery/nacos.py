@@ -44,8 +44,9 @@ def _member(role: str, host: dict) -> Member:
 class NacosDiscovery(Discovery):
     """Registers members (nodes) and watches members (router) through a Nacos server."""
 
-    def __init__(self, server: str, namespace: str = "", service: str = "pdserve", interval: float = 3.0,
-                 heartbeat: float = 5.0) -> None:
+    def __init__(
+        self, server: str, namespace: str = "", service: str = "pdserve", interval: float = 3.0, heartbeat: float = 5.0
+    ) -> None:
         import nacos  # nacos-sdk-python 2.0.x
 
         self.client = nacos.NacosClient(server, namespace=namespace or None)
@@ -76,14 +77,26 @@ class NacosDiscovery(Discovery):
 
     async def register(self, member: Member) -> None:
         meta = {"role": member.role, **{k: str(v) for k, v in member.metadata.items()}}
-        await self._call(self.client.add_naming_instance, self.service_name(member.role), member.host, member.port,
-                         metadata=meta, ephemeral=True, heartbeat_interval=self.heartbeat)
+        await self._call(
+            self.client.add_naming_instance,
+            self.service_name(member.role),
+            member.host,
+            member.port,
+            metadata=meta,
+            ephemeral=True,
+            heartbeat_interval=self.heartbeat,
+        )
         self._registered.append(member)
 
     async def deregister(self, member: Member) -> None:
         try:
-            await self._call(self.client.remove_naming_instance, self.service_name(member.role), member.host,
-                             member.port, ephemeral=True)
+            await self._call(
+                self.client.remove_naming_instance,
+                self.service_name(member.role),
+                member.host,
+                member.port,
+                ephemeral=True,
+            )
         except Exception as e:  # the registry may be gone at shutdown; the instance then expires
             log.warning("nacos deregister of %s failed: %s", member.address, e)
             # The SDK stops its beat thread only after a successful removal; stop it here too
@@ -97,6 +110,7 @@ class NacosDiscovery(Discovery):
     async def _subscribe_all(self) -> None:
         """Subscribe to each role; a registry down now is retried (subscribe's first poll is synchronous)."""
         from nacos.listener import SubscribeListener
+
         pending = list(ROLES)
         while pending:
             role, name = pending[0], self.service_name(pending[0])
@@ -126,8 +140,9 @@ class NacosDiscovery(Discovery):
             try:
                 reply = await self._call(self.client.list_naming_instance, self.service_name(role), healthy_only=True)
             except Exception as e:
-                log.warning("nacos unreachable (%s); keeping %d known %s nodes", e,
-                            len(self._members.get(role, {})), role)
+                log.warning(
+                    "nacos unreachable (%s); keeping %d known %s nodes", e, len(self._members.get(role, {})), role
+                )
                 continue
             hosts = reply.get("hosts", []) if isinstance(reply, dict) else []
             with self._lock:

@@ -46,8 +46,9 @@ def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                   top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    )
 
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
@@ -57,7 +58,9 @@ def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
 def compatibility(engine) -> str:
     """Two nodes may exchange KV only when these strings are equal."""
     cfg, pool = engine.model_config, engine.runner.kv_pool
-    return (f"model={cfg.name};arch={cfg.architecture};vocab={cfg.vocab_size};"
-            f"dtype={str(pool.dtype).replace('torch.', '')};"
-            f"block_size={pool.block_size};layout=HND;layers={cfg.num_hidden_layers};"
-            f"kv_heads={cfg.num_key_value_heads};head_dim={cfg.head_dim}")
+    return (
+        f"model={cfg.name};arch={cfg.architecture};vocab={cfg.vocab_size};"
+        f"dtype={str(pool.dtype).replace('torch.', '')};"
+        f"block_size={pool.block_size};layout=HND;layers={cfg.num_hidden_layers};"
+        f"kv_heads={cfg.num_key_value_heads};head_dim={cfg.head_dim}"
+    )

@@ -40,8 +40,9 @@ class Subscription(asyncio.Queue):
 class EngineLoop:
     """The engine thread: drain commands, step while there is work, dispatch outputs."""
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop,
-                 on_death: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self, engine, loop: asyncio.AbstractEventLoop, on_death: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.engine = engine
         self.loop = loop
         self.on_death = on_death

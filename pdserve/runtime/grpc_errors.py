@@ -75,6 +75,7 @@ def _unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[A
             raise  # already a status
         except Exception as e:
             await _abort_with(context, e)
+
     return handle
 
 
@@ -90,6 +91,7 @@ def _stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as e:
             await _abort_with(context, e)
+
     return handle
 
 

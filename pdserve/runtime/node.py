@@ -58,8 +58,9 @@ class NodeRuntime:
         self.config = config
         self.engine = LLMEngine(config.engine)
         self.compatibility = compatibility(self.engine)
-        self.metrics = NodeMetrics(role, served_model_name(config.engine.model_dir),
-                                   transport_requested=config.transfer.transport)
+        self.metrics = NodeMetrics(
+            role, served_model_name(config.engine.model_dir), transport_requested=config.transfer.transport
+        )
         self.draining = False
         self.inflight = 0
         self.loop_thread: EngineLoop | None = None
@@ -72,15 +73,20 @@ class NodeRuntime:
 
     async def start(self, register_services) -> str:
         if not self.config.node.cluster_secret:
-            log.warning("no cluster secret (--cluster-secret / $PDSERVE_CLUSTER_SECRET): every gRPC and CacheStore "
-                        "peer that can reach this node is trusted; set one outside local development")
+            log.warning(
+                "no cluster secret (--cluster-secret / $PDSERVE_CLUSTER_SECRET): every gRPC and CacheStore "
+                "peer that can reach this node is trusted; set one outside local development"
+            )
         self.failed = asyncio.Event()
         self.loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
         self.loop_thread.start()
         self.server = grpc.aio.server(
             interceptors=[SecretInterceptor(self.config.node.cluster_secret), ErrorInterceptor()],
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
         register_services(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         port = self.server.add_insecure_port(f"{self.config.node.host}:{self.config.node.port}")
@@ -99,8 +105,9 @@ class NodeRuntime:
         self.failed.set()
 
     @contextlib.asynccontextmanager
-    async def request(self, request_id: str, end: Callable[[bool], Awaitable[None]],
-                      **log_fields: object) -> AsyncIterator[RequestScope]:
+    async def request(
+        self, request_id: str, end: Callable[[bool], Awaitable[None]], **log_fields: object
+    ) -> AsyncIterator[RequestScope]:
         """Admit one (already validated) request for the duration of the block: refuse it while
         draining, subscribe to its outputs, count it in flight and log its admission and end.
 
@@ -120,8 +127,12 @@ class NodeRuntime:
 
     async def _end(self, scope: RequestScope, end: Callable[[bool], Awaitable[None]]) -> None:
         try:
-            log.info("request_id=%s event=%s after_s=%.3f", scope.request_id,
-                     "finish" if scope.finished else "abort", time.monotonic() - scope.started)
+            log.info(
+                "request_id=%s event=%s after_s=%.3f",
+                scope.request_id,
+                "finish" if scope.finished else "abort",
+                time.monotonic() - scope.started,
+            )
             await end(scope.finished)
         finally:
             self.inflight -= 1
@@ -130,11 +141,18 @@ class NodeRuntime:
         load = await self.loop_thread.call(self.engine.load)
         self.metrics.observe_load(load)
         return common_pb2.LoadReport(
-            role=self.role, node_id=self.node_id, num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks, num_running=load.num_running, num_waiting=load.num_waiting,
-            num_queued_prefill_tokens=load.num_queued_prefill_tokens, compatibility=self.compatibility,
-            block_size=self.engine.runner.kv_pool.block_size, draining=self.draining,
-            max_model_len=self.engine.max_model_len)
+            role=self.role,
+            node_id=self.node_id,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+            compatibility=self.compatibility,
+            block_size=self.engine.runner.kv_pool.block_size,
+            draining=self.draining,
+            max_model_len=self.engine.max_model_len,
+        )
 
     async def drain_and_stop(self) -> None:
         """Stop admitting, let in-flight requests finish for up to drain_timeout, then stop."""

@@ -28,6 +28,7 @@ def add_process_collectors(registry: CollectorRegistry) -> CollectorRegistry:
 def served_model_name(model_dir: str | Path) -> str:
     """The model id clients and every metric use: `pdserve-tiny` for the built-in model, else the dir name."""
     from engine.builtin import default_model_dir
+
     if Path(model_dir).resolve() == Path(default_model_dir()).resolve():
         return "pdserve-tiny"
     return Path(str(model_dir).rstrip("/")).name
@@ -36,28 +37,43 @@ def served_model_name(model_dir: str | Path) -> str:
 class NodeMetrics:
     """pdserve_* series of one node, labelled role (prefill | decode) and model_name."""
 
-    def __init__(self, role: str, model_name: str = "unknown", registry: CollectorRegistry | None = None,
-                 transport_requested: str = "tcp") -> None:
+    def __init__(
+        self,
+        role: str,
+        model_name: str = "unknown",
+        registry: CollectorRegistry | None = None,
+        transport_requested: str = "tcp",
+    ) -> None:
         self.registry = registry or add_process_collectors(CollectorRegistry())
         r, names, values = self.registry, ["role", "model_name"], (role, model_name)
         self.role = role
-        self.ttft = Histogram("pdserve_ttft_seconds", "time to first token", names, buckets=BUCKETS,
-                              registry=r).labels(*values)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between tokens", names,
-                             buckets=BUCKETS, registry=r).labels(*values)
-        self.e2e = Histogram("pdserve_e2e_latency_seconds", "request latency", names, buckets=BUCKETS,
-                             registry=r).labels(*values)
-        self.queue_time = Histogram("pdserve_queue_time_seconds", "admission to first compute", names,
-                                    buckets=BUCKETS, registry=r).labels(*values)
+        self.ttft = Histogram("pdserve_ttft_seconds", "time to first token", names, buckets=BUCKETS, registry=r).labels(
+            *values
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds", "time between tokens", names, buckets=BUCKETS, registry=r
+        ).labels(*values)
+        self.e2e = Histogram(
+            "pdserve_e2e_latency_seconds", "request latency", names, buckets=BUCKETS, registry=r
+        ).labels(*values)
+        self.queue_time = Histogram(
+            "pdserve_queue_time_seconds", "admission to first compute", names, buckets=BUCKETS, registry=r
+        ).labels(*values)
         self.running = Gauge("pdserve_requests_running", "requests running", names, registry=r).labels(*values)
         self.waiting = Gauge("pdserve_requests_waiting", "requests waiting", names, registry=r).labels(*values)
-        self.kv_usage = Gauge("pdserve_kv_usage_ratio", "fraction of KV blocks in use", names,
-                              registry=r).labels(*values)
+        self.kv_usage = Gauge("pdserve_kv_usage_ratio", "fraction of KV blocks in use", names, registry=r).labels(
+            *values
+        )
         # Static facts to join on (the RDMA->TCP fallback alert compares this with the active transport).
-        Gauge("pdserve_node_info", "constant 1; labels describe the node", names + ["version", "transport_requested"],
-              registry=r).labels(*values, __version__, transport_requested).set(1)
-        self.queued_prefill_tokens = Gauge("pdserve_queued_prefill_tokens", "prompt tokens waiting to be prefilled",
-                                           names, registry=r).labels(*values)
+        Gauge(
+            "pdserve_node_info",
+            "constant 1; labels describe the node",
+            names + ["version", "transport_requested"],
+            registry=r,
+        ).labels(*values, __version__, transport_requested).set(1)
+        self.queued_prefill_tokens = Gauge(
+            "pdserve_queued_prefill_tokens", "prompt tokens waiting to be prefilled", names, registry=r
+        ).labels(*values)
 
     def observe_load(self, load) -> None:
         self.running.set(load.num_running)

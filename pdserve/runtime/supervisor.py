@@ -30,14 +30,30 @@ class Child:
     The READY line's last word is the address; `stop()` signals the whole group (a node's own
     children too), then kills it if it lingers. The child also gets SIGTERM if we die."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], *, cwd: str | os.PathLike | None = None,
-                 ready_prefix: str = "READY ", max_lines: int | None = LOG_TAIL_LINES,
-                 echo_errors: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        env: dict[str, str],
+        *,
+        cwd: str | os.PathLike | None = None,
+        ready_prefix: str = "READY ",
+        max_lines: int | None = LOG_TAIL_LINES,
+        echo_errors: bool = True,
+    ) -> None:
         """`max_lines`: how much output to keep (None: all of it, for tests that count log lines);
         `echo_errors`: print the child's ERROR and Traceback lines as they come (for `up`)."""
         self.name = name
-        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
+        self.popen = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         self.address = ""
         self.ready = threading.Event()
         self.ready_prefix = ready_prefix
@@ -99,8 +115,14 @@ def _die_with_parent() -> None:
 class RestartPolicy:
     """Exponential backoff between restarts; a crash loop is `max_restarts` restarts within `window` s."""
 
-    def __init__(self, max_restarts: int = 5, window: float = 60.0, base_delay: float = 0.5,
-                 max_delay: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_restarts: int = 5,
+        window: float = 60.0,
+        base_delay: float = 0.5,
+        max_delay: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_restarts = max_restarts
         self.window = window
         self.base_delay = base_delay
@@ -127,8 +149,14 @@ class RestartPolicy:
 class Supervised:
     """A named process that `Supervisor` keeps alive; `command(port)` builds its command line."""
 
-    def __init__(self, name: str, command: Callable[[int], list[str]], port: int, env: dict[str, str],
-                 policy: RestartPolicy | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: Callable[[int], list[str]],
+        port: int,
+        env: dict[str, str],
+        policy: RestartPolicy | None = None,
+    ) -> None:
         self.name = name
         self.command = command
         self.port = port
@@ -163,12 +191,15 @@ class Supervisor:
             child = m.child
             if m.restart_at is None and child is not None and child.exited:
                 if m.policy.crash_looping():
-                    return (f"{m.name} exited with {child.popen.returncode} after {m.policy.max_restarts} restarts "
-                            f"in {m.policy.window:.0f} s (crash loop); last output:\n{child.tail()}")
+                    return (
+                        f"{m.name} exited with {child.popen.returncode} after {m.policy.max_restarts} restarts "
+                        f"in {m.policy.window:.0f} s (crash loop); last output:\n{child.tail()}"
+                    )
                 delay = m.policy.next_delay()
                 m.restart_at = now + delay
-                self.log(f"{m.name} exited with {child.popen.returncode}; restarting it on port {m.port} "
-                         f"in {delay:.1f} s")
+                self.log(
+                    f"{m.name} exited with {child.popen.returncode}; restarting it on port {m.port} in {delay:.1f} s"
+                )
             elif m.restart_at is not None and now >= m.restart_at:
                 m.restart_at = None
                 m.policy.record()

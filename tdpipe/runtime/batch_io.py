@@ -75,13 +75,22 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse what the pipeline would silently ignore. It samples as the engine does (temperature,
     top-k/p, min-p, penalties, seed: the last stage runs the engine's sampler), but returns one
     choice per line, no logprobs and no stream, and has no minimum-length or suffix support."""
-    unsupported = [name for name, off in [("min_tokens", not body.min_tokens), ("n", body.n == 1),
-                                          ("stream", not body.stream), ("logprobs", not body.logprobs)] if not off]
+    unsupported = [
+        name
+        for name, off in [
+            ("min_tokens", not body.min_tokens),
+            ("n", body.n == 1),
+            ("stream", not body.stream),
+            ("logprobs", not body.logprobs),
+        ]
+        if not off
+    ]
     if isinstance(body, CompletionRequest) and body.suffix:
         unsupported.append("suffix")
     if unsupported:
-        raise _bad_body("unsupported_parameter", f"the offline pipeline does not support: {', '.join(unsupported)}",
-                        unsupported[0])
+        raise _bad_body(
+            "unsupported_parameter", f"the offline pipeline does not support: {', '.join(unsupported)}", unsupported[0]
+        )
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -102,7 +111,7 @@ def parse_line(line: str, server: Server) -> BatchItem:
     if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
         raise LineError("missing_custom_id", "line needs a non-empty string custom_id")
     if obj.get("method") != "POST":
-        raise LineError("invalid_method", f"method must be \"POST\", not {obj.get('method')!r}")
+        raise LineError("invalid_method", f'method must be "POST", not {obj.get("method")!r}')
     model = URLS.get(obj.get("url"))
     if model is None:
         raise LineError("invalid_url", f"url must be one of {', '.join(sorted(URLS))}, not {obj.get('url')!r}")
@@ -115,13 +124,17 @@ def parse_line(line: str, server: Server) -> BatchItem:
     except ValidationError as e:
         raise _bad_body("invalid_body", *_validation_message(e)) from None
     _check_supported(req)
-    if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and len(req.prompt) > 1 \
-            and not isinstance(req.prompt[0], int):
-        raise _bad_body("invalid_body", "one prompt per line (a list of prompts is not supported in batch mode)",
-                        "prompt")
+    if (
+        isinstance(req, CompletionRequest)
+        and isinstance(req.prompt, list)
+        and len(req.prompt) > 1
+        and not isinstance(req.prompt[0], int)
+    ):
+        raise _bad_body(
+            "invalid_body", "one prompt per line (a list of prompts is not supported in batch mode)", "prompt"
+        )
     try:
-        choices = server.chat_choices(req) if isinstance(req, ChatCompletionRequest) else \
-            server.completion_choices(req)
+        choices = server.chat_choices(req) if isinstance(req, ChatCompletionRequest) else server.completion_choices(req)
     except RouterError as e:
         code = e.code or ("context_length_exceeded" if "context" in e.message else "invalid_body")
         raise _bad_body(code, e.message, e.param) from None
@@ -137,8 +150,9 @@ def custom_id_of(line: str) -> str | None:
         return None
 
 
-def result_line(item: BatchItem, output_ids: list[int], finish_reason: str, tokenizer: Tokenizer,
-                model_name: str) -> dict:
+def result_line(
+    item: BatchItem, output_ids: list[int], finish_reason: str, tokenizer: Tokenizer, model_name: str
+) -> dict:
     """The output line of a finished request, body shaped like the HTTP non-streaming answer."""
     c = item.choice
     text = c.text.add(output_ids) + c.text.finish()
@@ -147,31 +161,66 @@ def result_line(item: BatchItem, output_ids: list[int], finish_reason: str, toke
     else:  # all tokens are here at once: decode them whole, as engine.LLM does (keeps a trailing partial char)
         text = tokenizer.decode(output_ids)
     prompt, completion = len(c.prompt_ids), len(output_ids)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     created = int(time.time())
     if isinstance(item.body, ChatCompletionRequest):
-        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
-                "model": model_name, "usage": usage, "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": finish_reason}]}
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model_name,
+            "usage": usage,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+        }
     else:
         prefix = (c.prompt_text or tokenizer.decode(c.prompt_ids)) if item.body.echo else ""
-        body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
-                "model": model_name, "usage": usage, "choices": [
-                    {"index": 0, "text": prefix + text, "logprobs": None, "finish_reason": finish_reason}]}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id, "error": None,
-            "response": {"status_code": 200, "request_id": body["id"], "body": body}}
+        body = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
+            "usage": usage,
+            "choices": [{"index": 0, "text": prefix + text, "logprobs": None, "finish_reason": finish_reason}],
+        }
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": item.custom_id,
+        "error": None,
+        "response": {"status_code": 200, "request_id": body["id"], "body": body},
+    }
 
 
 def error_line(custom_id: str | None, err: LineError, line_no: int) -> dict:
     """The output line of an input line that cannot run (`line_no` is 1-based); see LineError."""
     if err.status is None:
-        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-                "error": {"code": err.code, "message": str(err), "line": line_no}}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "error": None,
-            "response": {"status_code": err.status, "request_id": f"req_{uuid.uuid4().hex}",
-                         "body": error_body(str(err), "invalid_request_error", err.param, err.code)}}
+        return {
+            "id": f"batch_req_{uuid.uuid4().hex}",
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": err.code, "message": str(err), "line": line_no},
+        }
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "error": None,
+        "response": {
+            "status_code": err.status,
+            "request_id": f"req_{uuid.uuid4().hex}",
+            "body": error_body(str(err), "invalid_request_error", err.param, err.code),
+        },
+    }
 
 
 def resume_key(row: dict) -> tuple[str, object] | None:

@@ -39,13 +39,23 @@ class PipeRequest(SimRequest):
     every token generated so far, which is what the job returns.
     """
 
-    def __init__(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                 stop_token_ids: frozenset[int] = frozenset(), predicted_len: int | None = None,
-                 params: SamplingParams | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        predicted_len: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> None:
         if not prompt_ids or max_tokens <= 0:
             raise ValueError(f"request {request_id}: needs a prompt and max_tokens > 0")
-        super().__init__(request_id, len(prompt_ids), max_tokens,  # type: ignore[arg-type]
-                         predicted_len if predicted_len is not None else max_tokens)
+        super().__init__(
+            request_id,
+            len(prompt_ids),
+            max_tokens,  # type: ignore[arg-type]
+            predicted_len if predicted_len is not None else max_tokens,
+        )
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self.stop_token_ids = stop_token_ids
@@ -72,9 +82,14 @@ class PipeRequest(SimRequest):
 class StageExecutor(Executor):
     """Runs a policy's batches on stage ranks 1..num_stages (rank 0 is this process)."""
 
-    def __init__(self, num_stages: int, num_kv_blocks: int, block_size: int,
-                 stage_procs: list[subprocess.Popen] | None = None,
-                 on_finish: Callable[[PipeRequest], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_stages: int,
+        num_kv_blocks: int,
+        block_size: int,
+        stage_procs: list[subprocess.Popen] | None = None,
+        on_finish: Callable[[PipeRequest], None] | None = None,
+    ) -> None:
         super().__init__()
         self.num_stages, self.block_size = num_stages, block_size
         self.free_blocks = list(range(num_kv_blocks - 1, -1, -1))
@@ -93,22 +108,32 @@ class StageExecutor(Executor):
             end = r.num_computed + item.num_tokens
             need = blocks_for(end, self.block_size) - len(r.block_ids)
             if need > len(self.free_blocks):  # the policy's accounting must prevent this
-                raise RuntimeError(f"policy over-committed the KV pool: {r.request_id} needs {need} blocks, "
-                                   f"{len(self.free_blocks)} free")
+                raise RuntimeError(
+                    f"policy over-committed the KV pool: {r.request_id} needs {need} blocks, "
+                    f"{len(self.free_blocks)} free"
+                )
             r.block_ids += [self.free_blocks.pop() for _ in range(need)]
-            ids += r.all_ids[r.num_computed:end]
+            ids += r.all_ids[r.num_computed : end]
             query.append(item.num_tokens)
             context.append(end)
             tables.append(list(r.block_ids))
-        fb = ForwardBatch(request_ids=[str(i.request.request_id) for i in batch.items], input_ids=ids,
-                          query_lens=query, context_lens=context, block_tables=tables,
-                          sample_mask=[i.sample for i in batch.items])
+        fb = ForwardBatch(
+            request_ids=[str(i.request.request_id) for i in batch.items],
+            input_ids=ids,
+            query_lens=query,
+            context_lens=context,
+            block_tables=tables,
+            sample_mask=[i.sample for i in batch.items],
+        )
         new_params = {}
         for item in batch.items:
             r = item.request
             assert isinstance(r, PipeRequest)
-            if r.params is not None and (not r.params.greedy or r.params.has_penalties) \
-                    and r.request_id not in self._announced:
+            if (
+                r.params is not None
+                and (not r.params.greedy or r.params.has_penalties)
+                and r.request_id not in self._announced
+            ):
                 self._announced.add(r.request_id)  # type: ignore[arg-type]
                 new_params[str(r.request_id)] = (r.params, r.prompt_ids)
         msg = StageMessage(fb, new_params, tuple(self._forget))
@@ -125,8 +150,11 @@ class StageExecutor(Executor):
         try:
             work.wait()
         except RuntimeError as e:
-            dead = [f"stage {k} (pid {p.pid}) exited with code {p.poll()}"
-                    for k, p in enumerate(self.stage_procs) if p.poll() is not None]
+            dead = [
+                f"stage {k} (pid {p.pid}) exited with code {p.poll()}"
+                for k, p in enumerate(self.stage_procs)
+                if p.poll() is not None
+            ]
             raise StageFailure("; ".join(dead) or f"pipeline stage failed: {e}") from e
         batch.end_ms = (time.perf_counter() - self.t0) * 1000.0
         for item, token in zip(batch.items, tokens.tolist()):

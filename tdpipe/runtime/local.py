@@ -39,12 +39,21 @@ def stage_command(cfg: StageConfig) -> list[str]:
     return args
 
 
-def run_policy(executor: StageExecutor, requests: list[PipeRequest], *, policy: str, num_stages: int,
-               num_kv_blocks: int, block_size: int, max_batch_tokens: int,
-               table: CostTable | None = None) -> SimStats:
+def run_policy(
+    executor: StageExecutor,
+    requests: list[PipeRequest],
+    *,
+    policy: str,
+    num_stages: int,
+    num_kv_blocks: int,
+    block_size: int,
+    max_batch_tokens: int,
+    table: CostTable | None = None,
+) -> SimStats:
     """Drive joined stages with one of the simulator's policy objects (the controller's whole job)."""
-    inst = InstanceConfig(num_stages=num_stages, capacity_blocks=num_kv_blocks, block_size=block_size,
-                          max_batch_tokens=max_batch_tokens)
+    inst = InstanceConfig(
+        num_stages=num_stages, capacity_blocks=num_kv_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens
+    )
     return make_policy(policy, table or CostTable.analytic(), inst).run(requests, executor)
 
 
@@ -59,29 +68,49 @@ def _die_with_parent() -> None:
         _PRCTL(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
 
 
-def run_local_pipeline(cfg: StageConfig, num_stages: int, requests: list[PipeRequest],
-                       max_batch_tokens: int = 2048, on_finish: Callable[[PipeRequest], None] | None = None, *,
-                       policy: str = "tdpipe", table: CostTable | None = None,
-                       decisions: list | None = None,
-                       on_spawn: Callable[[list[subprocess.Popen]], None] | None = None,
-                       on_executor: Callable[[StageExecutor], None] | None = None) -> tuple[SimStats, Timelines]:
+def run_local_pipeline(
+    cfg: StageConfig,
+    num_stages: int,
+    requests: list[PipeRequest],
+    max_batch_tokens: int = 2048,
+    on_finish: Callable[[PipeRequest], None] | None = None,
+    *,
+    policy: str = "tdpipe",
+    table: CostTable | None = None,
+    decisions: list | None = None,
+    on_spawn: Callable[[list[subprocess.Popen]], None] | None = None,
+    on_executor: Callable[[StageExecutor], None] | None = None,
+) -> tuple[SimStats, Timelines]:
     """Run `requests` through `num_stages` local stage processes under `policy`
     (tdpipe | pp-sb | pp-hb, or any simulator policy name). `table` is the cost table the
     TD-Pipe switch decisions read (default: the analytic one). Returns (stats, stage timelines);
     `decisions`, when given, receives the executor's decision log. `on_spawn(procs)` sees the
     stage processes as soon as they start (a watchdog polls them), `on_executor(executor)` the
     executor before the policy runs (progress display)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE=str(num_stages + 1))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(num_stages + 1))
     # Own session: a terminal's Ctrl-C reaches the launcher only, which stops the stages itself.
-    procs = [subprocess.Popen(stage_command(cfg), env=dict(env, RANK=str(k + 1)), start_new_session=True,
-                              preexec_fn=_die_with_parent) for k in range(num_stages)]
+    procs = [
+        subprocess.Popen(
+            stage_command(cfg), env=dict(env, RANK=str(k + 1)), start_new_session=True, preexec_fn=_die_with_parent
+        )
+        for k in range(num_stages)
+    ]
     try:
         if on_spawn is not None:
             on_spawn(procs)
         os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}, RANK="0")
-        return run_controller(cfg, num_stages, requests, max_batch_tokens, on_finish, policy=policy, table=table,
-                              decisions=decisions, stage_procs=procs, on_executor=on_executor)
+        return run_controller(
+            cfg,
+            num_stages,
+            requests,
+            max_batch_tokens,
+            on_finish,
+            policy=policy,
+            table=table,
+            decisions=decisions,
+            stage_procs=procs,
+            on_executor=on_executor,
+        )
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -89,11 +118,19 @@ def run_local_pipeline(cfg: StageConfig, num_stages: int, requests: list[PipeReq
                 proc.wait()
 
 
-def run_controller(cfg: StageConfig, num_stages: int, requests: list[PipeRequest], max_batch_tokens: int = 2048,
-                   on_finish: Callable[[PipeRequest], None] | None = None, *, policy: str = "tdpipe",
-                   table: CostTable | None = None, decisions: list | None = None,
-                   stage_procs: Sequence[subprocess.Popen] = (),
-                   on_executor: Callable[[StageExecutor], None] | None = None) -> tuple[SimStats, Timelines]:
+def run_controller(
+    cfg: StageConfig,
+    num_stages: int,
+    requests: list[PipeRequest],
+    max_batch_tokens: int = 2048,
+    on_finish: Callable[[PipeRequest], None] | None = None,
+    *,
+    policy: str = "tdpipe",
+    table: CostTable | None = None,
+    decisions: list | None = None,
+    stage_procs: Sequence[subprocess.Popen] = (),
+    on_executor: Callable[[StageExecutor], None] | None = None,
+) -> tuple[SimStats, Timelines]:
     """Rank 0 of a pipeline whose stages join through MASTER_ADDR/MASTER_PORT/WORLD_SIZE (RANK=0 here).
 
     Shared by the local launcher above (the stages are its children, `stage_procs`) and
@@ -105,9 +142,16 @@ def run_controller(cfg: StageConfig, num_stages: int, requests: list[PipeRequest
         executor = StageExecutor(num_stages, cfg.num_kv_blocks, cfg.block_size, list(stage_procs), on_finish)
         if on_executor is not None:
             on_executor(executor)
-        stats = run_policy(executor, requests, policy=policy, num_stages=num_stages,
-                           num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
-                           max_batch_tokens=max_batch_tokens, table=table)
+        stats = run_policy(
+            executor,
+            requests,
+            policy=policy,
+            num_stages=num_stages,
+            num_kv_blocks=cfg.num_kv_blocks,
+            block_size=cfg.block_size,
+            max_batch_tokens=max_batch_tokens,
+            table=table,
+        )
         if decisions is not None:
             decisions.extend(executor.decisions)
         timelines = executor.shutdown()

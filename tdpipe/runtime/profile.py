@@ -60,11 +60,14 @@ def decode_batch(batch_size: int, context: int, block_size: int, vocab_size: int
     """A decode step of `batch_size` requests with `context` KV tokens each, on distinct blocks
     (aliasing the blocks would keep the KV in cache and understate the attention cost)."""
     per_seq = _blocks(context, block_size)
-    return ForwardBatch(request_ids=[f"d{i}" for i in range(batch_size)],
-                        input_ids=[(17 + i) % vocab_size for i in range(batch_size)],
-                        query_lens=[1] * batch_size, context_lens=[context] * batch_size,
-                        block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)],
-                        sample_mask=[True] * batch_size)
+    return ForwardBatch(
+        request_ids=[f"d{i}" for i in range(batch_size)],
+        input_ids=[(17 + i) % vocab_size for i in range(batch_size)],
+        query_lens=[1] * batch_size,
+        context_lens=[context] * batch_size,
+        block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)],
+        sample_mask=[True] * batch_size,
+    )
 
 
 def prefill_batch(num_tokens: int, prompt_len: int, block_size: int, vocab_size: int) -> ForwardBatch:
@@ -74,9 +77,14 @@ def prefill_batch(num_tokens: int, prompt_len: int, block_size: int, vocab_size:
     for n in lens:
         tables.append(list(range(next_block, next_block + _blocks(n, block_size))))
         next_block += _blocks(n, block_size)
-    return ForwardBatch(request_ids=[f"p{i}" for i in range(len(lens))],
-                        input_ids=[(31 + i) % vocab_size for i in range(num_tokens)],
-                        query_lens=lens, context_lens=lens, block_tables=tables, sample_mask=[True] * len(lens))
+    return ForwardBatch(
+        request_ids=[f"p{i}" for i in range(len(lens))],
+        input_ids=[(31 + i) % vocab_size for i in range(num_tokens)],
+        query_lens=lens,
+        context_lens=lens,
+        block_tables=tables,
+        sample_mask=[True] * len(lens),
+    )
 
 
 def _time_ms(runner: ModelRunner, batch: ForwardBatch, hidden: torch.Tensor | None, repeats: int) -> float:
@@ -95,10 +103,21 @@ def _time_ms(runner: ModelRunner, batch: ForwardBatch, hidden: torch.Tensor | No
     return statistics.median(times[1:])
 
 
-def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: list[int], prefill_tokens: list[int],
-                   decode_context: int, prefill_prompt_len: int = 256, block_size: int = 16,
-                   num_threads: int = 1, dtype: str = "auto", repeats: int = 3,
-                   attention_backend: str = "auto", device: str = "cpu") -> list[StageProfile]:
+def profile_stages(
+    model_dir: str | Path,
+    num_stages: int,
+    *,
+    decode_batches: list[int],
+    prefill_tokens: list[int],
+    decode_context: int,
+    prefill_prompt_len: int = 256,
+    block_size: int = 16,
+    num_threads: int = 1,
+    dtype: str = "auto",
+    repeats: int = 3,
+    attention_backend: str = "auto",
+    device: str = "cpu",
+) -> list[StageProfile]:
     """Time every stage's slice on decode batches and prefill batches (see the module docstring).
 
     One stage at a time in this process with `num_threads` torch threads, as a stage process runs
@@ -110,16 +129,25 @@ def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: li
         raise ValueError("need at least one decode batch size and one prefill token count")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    need_blocks = max(max(decode_batches) * _blocks(decode_context, block_size),
-                      max(prefill_tokens) // block_size + max(prefill_tokens) // max(1, prefill_prompt_len) + 2)
+    need_blocks = max(
+        max(decode_batches) * _blocks(decode_context, block_size),
+        max(prefill_tokens) // block_size + max(prefill_tokens) // max(1, prefill_prompt_len) + 2,
+    )
     previous_threads = torch.get_num_threads()
     profiles = []
     try:
         for stage in range(num_stages):
             layer_range = stage_layer_range(cfg.num_hidden_layers, num_stages, stage)
-            runner = ModelRunner(model_dir, dtype=dtype, device=device, block_size=block_size,
-                                 num_kv_blocks=need_blocks, layer_range=layer_range, num_threads=num_threads,
-                                 attention_backend=attention_backend)
+            runner = ModelRunner(
+                model_dir,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                num_kv_blocks=need_blocks,
+                layer_range=layer_range,
+                num_threads=num_threads,
+                attention_backend=attention_backend,
+            )
             runner.attention.wait_ready()  # a first-use kernel build is not a forward time
             prof = StageProfile(stage, layer_range, decode_context)
 
@@ -129,11 +157,13 @@ def profile_stages(model_dir: str | Path, num_stages: int, *, decode_batches: li
                 return torch.randn(n, cfg.hidden_size, dtype=runner.dtype, device=runner.device) * 0.1
 
             for b in sorted(set(decode_batches)):
-                prof.decode_ms[b] = _time_ms(runner, decode_batch(b, decode_context, block_size, cfg.vocab_size),
-                                             hidden(b), repeats)
+                prof.decode_ms[b] = _time_ms(
+                    runner, decode_batch(b, decode_context, block_size, cfg.vocab_size), hidden(b), repeats
+                )
             for n in sorted(set(prefill_tokens)):
-                prof.prefill_ms[n] = _time_ms(runner, prefill_batch(n, prefill_prompt_len, block_size,
-                                                                    cfg.vocab_size), hidden(n), repeats)
+                prof.prefill_ms[n] = _time_ms(
+                    runner, prefill_batch(n, prefill_prompt_len, block_size, cfg.vocab_size), hidden(n), repeats
+                )
             profiles.append(prof)
             del runner
             if torch.device(device).type == "cuda":
@@ -164,8 +194,7 @@ def _interp(curve: dict[int, float], n: int) -> float:
     return curve[keys[-1]]
 
 
-def build_cost_table(profiles: list[StageProfile], name: str = "profiled",
-                     decode_max: int | None = None) -> CostTable:
+def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decode_max: int | None = None) -> CostTable:
     """A CostTable whose `stage_ms(n, len(profiles))` is the bottleneck stage's measured time:
     the decode curve for n <= `decode_max` (default: the largest profiled decode batch; between
     profiled points it is interpolated), the prefill curve above it (module docstring).
@@ -225,31 +254,62 @@ def max_decode_batch(prompt_lens: list[int], output_lens: list[int], kv_tokens: 
     return max(1, min(len(sizes), math.ceil(1.5 * resident / num_stages)))
 
 
-def plan_profile(prompt_lens: list[int], output_lens: list[int], *, kv_tokens: int, num_stages: int,
-                 max_batch_tokens: int, quick: bool = False) -> ProfilePlan:
+def plan_profile(
+    prompt_lens: list[int],
+    output_lens: list[int],
+    *,
+    kv_tokens: int,
+    num_stages: int,
+    max_batch_tokens: int,
+    quick: bool = False,
+) -> ProfilePlan:
     """Profile points for a job: decode batches in powers of two (and 3 * 2^k) up to the largest
     decode batch the policies can form, prefill sizes in eighths (halves when `quick`) of the
     largest prefill batch the job can form (the batch budget, or all its prompts if fewer)."""
     if not prompt_lens or len(prompt_lens) != len(output_lens):
         raise ValueError("need one output length per prompt, and at least one request")
     top = max_decode_batch(prompt_lens, output_lens, kv_tokens, num_stages)
-    decode = {1, top} | {2 ** k for k in range(1, 3 if quick else 12) if 2 ** k < top}
+    decode = {1, top} | {2**k for k in range(1, 3 if quick else 12) if 2**k < top}
     if not quick:
-        decode |= {3 * 2 ** k for k in range(10) if 3 * 2 ** k < top}
+        decode |= {3 * 2**k for k in range(10) if 3 * 2**k < top}
     budget = min(max_batch_tokens, sum(prompt_lens))  # a small job never forms a bigger prefill batch
     step = max(1, budget // (2 if quick else 8))
     prefill = {n for n in range(step, budget + 1, step) if n > top} | {budget}
-    return ProfilePlan(sorted(decode), sorted(prefill), mean_decode_context(prompt_lens, output_lens),
-                       max(1, round(statistics.median(prompt_lens))), top)
+    return ProfilePlan(
+        sorted(decode),
+        sorted(prefill),
+        mean_decode_context(prompt_lens, output_lens),
+        max(1, round(statistics.median(prompt_lens))),
+        top,
+    )
 
 
-def profiled_table(model_dir: str | Path, num_stages: int, plan: ProfilePlan, *, block_size: int = 16,
-                   num_threads: int = 1, dtype: str = "auto", attention_backend: str = "auto",
-                   device: str = "cpu", repeats: int = 3, name: str = "profiled") -> CostTable:
+def profiled_table(
+    model_dir: str | Path,
+    num_stages: int,
+    plan: ProfilePlan,
+    *,
+    block_size: int = 16,
+    num_threads: int = 1,
+    dtype: str = "auto",
+    attention_backend: str = "auto",
+    device: str = "cpu",
+    repeats: int = 3,
+    name: str = "profiled",
+) -> CostTable:
     """Profile the stages at `plan`'s points and build the table the policies schedule on."""
-    profiles = profile_stages(model_dir, num_stages, decode_batches=plan.decode_batches,
-                              prefill_tokens=plan.prefill_tokens, decode_context=plan.decode_context,
-                              prefill_prompt_len=plan.prefill_prompt_len, block_size=block_size,
-                              num_threads=num_threads, dtype=dtype, repeats=repeats,
-                              attention_backend=attention_backend, device=device)
+    profiles = profile_stages(
+        model_dir,
+        num_stages,
+        decode_batches=plan.decode_batches,
+        prefill_tokens=plan.prefill_tokens,
+        decode_context=plan.decode_context,
+        prefill_prompt_len=plan.prefill_prompt_len,
+        block_size=block_size,
+        num_threads=num_threads,
+        dtype=dtype,
+        repeats=repeats,
+        attention_backend=attention_backend,
+        device=device,
+    )
     return build_cost_table(profiles, name, decode_max=plan.decode_max)

@@ -64,6 +64,7 @@ def stage_device(device: str, rank: int) -> str:
     if local is not None:
         return f"cuda:{int(local)}"
     import torch.cuda
+
     return f"cuda:{(rank - 1) % max(1, torch.cuda.device_count())}"
 
 
@@ -139,11 +140,18 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     stage, num_stages = rank - 1, world_size - 1
     runner_cfg = Path(cfg.model_dir)
     from engine.model_config import ModelConfig
+
     num_layers = ModelConfig.from_dir(runner_cfg).num_hidden_layers
-    runner = ModelRunner(runner_cfg, dtype=cfg.dtype, device=stage_device(cfg.device, rank),
-                         attention_backend=cfg.attention_backend, block_size=cfg.block_size,
-                         num_kv_blocks=cfg.num_kv_blocks, layer_range=stage_layer_range(num_layers, num_stages, stage),
-                         num_threads=cfg.num_threads)
+    runner = ModelRunner(
+        runner_cfg,
+        dtype=cfg.dtype,
+        device=stage_device(cfg.device, rank),
+        attention_backend=cfg.attention_backend,
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        layer_range=stage_layer_range(num_layers, num_stages, stage),
+        num_threads=cfg.num_threads,
+    )
     hidden_size = runner.model_config.hidden_size
     outbox, timeline = Outbox(), StageTimeline()
     sampling = LastStageSampler() if runner.is_last_stage else None
@@ -164,8 +172,9 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
             outbox.send(sampling(msg, out), CONTROLLER_RANK)
         else:
             outbox.send(out.contiguous(), rank + 1)
-        timeline.spans.append((start, time.perf_counter(), batch.num_tokens,
-                               "decode" if batch.is_decode_only else "prefill"))
+        timeline.spans.append(
+            (start, time.perf_counter(), batch.num_tokens, "decode" if batch.is_decode_only else "prefill")
+        )
     outbox.send_object(timeline.spans, CONTROLLER_RANK)
     outbox.flush()
     return timeline
@@ -174,6 +183,7 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
 def main_from_env(cfg: StageConfig) -> int:
     """Entry point of `pdserve stage`: rank and world from the torch.distributed env variables."""
     from tdpipe.runtime.wire import init_process_group
+
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         if var not in os.environ:
             raise ValueError(f"{var} is not set (pdserve stage is configured by the torch.distributed env variables)")

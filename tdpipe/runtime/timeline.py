@@ -53,12 +53,12 @@ def plot_timelines(runs: dict[str, Timelines], path: str | Path) -> None:
     """One panel per run: stages on the y-axis, seconds since the job's start on the x-axis,
     prefill spans (batches with any prompt token) blue and decode-only spans orange."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.0 + 0.9 * sum(len(t) for t in runs.values())),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.0 + 0.9 * sum(len(t) for t in runs.values())), squeeze=False)
     for ax, (name, timelines) in zip(axes[:, 0], runs.items()):
         t0, t1 = job_span(timelines)
         for k, tl in enumerate(timelines):

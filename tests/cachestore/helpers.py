@@ -21,14 +21,18 @@ def pools(geo: PoolGeometry, seed: int = 0) -> tuple[bytearray, bytearray]:
 
 def block(buf: bytearray, geo: PoolGeometry, layer: int, b: int) -> bytes:
     start = geo.offset(layer, b)
-    return bytes(buf[start:start + geo.block_bytes])
+    return bytes(buf[start : start + geo.block_bytes])
 
 
 def untouched_outside(dst: bytearray, geo: PoolGeometry, allowed: set[tuple[int, int]]) -> bool:
     """Every byte of every (layer, block) not in `allowed` still holds the canary."""
     canary = bytes([CANARY]) * geo.block_bytes
-    return all(block(dst, geo, layer, b) == canary for layer in range(geo.num_layers) for b in range(geo.num_blocks)
-               if (layer, b) not in allowed)
+    return all(
+        block(dst, geo, layer, b) == canary
+        for layer in range(geo.num_layers)
+        for b in range(geo.num_blocks)
+        if (layer, b) not in allowed
+    )
 
 
 def raw_connect(endpoint: str, secret: bytes = SECRET) -> socket.socket:
@@ -39,11 +43,26 @@ def raw_connect(endpoint: str, secret: bytes = SECRET) -> socket.socket:
     return sock
 
 
-def write_header(creds, layer: int, dst: int, count: int, payload_len: int | None = None, token: bytes | None = None,
-                 session_id: bytes | None = None) -> bytes:
-    return wire.Header(wire.KIND_WRITE, 0, session_id or bytes.fromhex(creds.session_id),
-                       token or bytes.fromhex(creds.token), layer, dst, count, 1,
-                       count * creds.block_bytes if payload_len is None else payload_len).pack()
+def write_header(
+    creds,
+    layer: int,
+    dst: int,
+    count: int,
+    payload_len: int | None = None,
+    token: bytes | None = None,
+    session_id: bytes | None = None,
+) -> bytes:
+    return wire.Header(
+        wire.KIND_WRITE,
+        0,
+        session_id or bytes.fromhex(creds.session_id),
+        token or bytes.fromhex(creds.token),
+        layer,
+        dst,
+        count,
+        1,
+        count * creds.block_bytes if payload_len is None else payload_len,
+    ).pack()
 
 
 def read_ack(sock: socket.socket) -> wire.Header | None:
@@ -51,8 +70,14 @@ def read_ack(sock: socket.socket) -> wire.Header | None:
     return wire.unpack(data) if len(data) == wire.HEADER_BYTES else None
 
 
-def sender_process(creds_bytes: bytes, geo_args: tuple[int, int, int], src_blocks: list[int], layers: list[int],
-                   seed: int, die_after_bytes: int | None = None) -> None:
+def sender_process(
+    creds_bytes: bytes,
+    geo_args: tuple[int, int, int],
+    src_blocks: list[int],
+    layers: list[int],
+    seed: int,
+    die_after_bytes: int | None = None,
+) -> None:
     """Child process: send `layers` of src_blocks with the real client (or die mid-payload)."""
     import asyncio
 

@@ -30,6 +30,7 @@ async def test_device_pool_sender_and_receiver_are_bit_exact_through_staging(mon
     def counting_init(self, *a, **kw):
         init(self, *a, **kw)
         created.append(self)
+
     monkeypatch.setattr(HostStaging, "__init__", counting_init)
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (GEO.total_bytes,), dtype=torch.uint8, generator=gen)
@@ -51,7 +52,7 @@ async def test_device_pool_sender_and_receiver_are_bit_exact_through_staging(mon
             for layer in range(GEO.num_layers):
                 for s, d in zip(src_blocks, dst_blocks):
                     a, b = GEO.offset(layer, s), GEO.offset(layer, d)
-                    assert torch.equal(dst[b:b + GEO.block_bytes], src[a:a + GEO.block_bytes]), (rid, layer, s, d)
+                    assert torch.equal(dst[b : b + GEO.block_bytes], src[a : a + GEO.block_bytes]), (rid, layer, s, d)
         # the sender's buffer per connection and the receiver's per worker thread are reused across the
         # 6 frames (re-allocated only to grow), never allocated per frame
         (channel,) = client._channels.values()

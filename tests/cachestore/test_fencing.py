@@ -60,7 +60,9 @@ async def test_stalled_writer_is_cut_off_before_blocks_are_reused(server, ending
     # the owner reuses the blocks: a new request's data (the canary) must survive the late bytes
     for layer in range(GEO.num_layers):
         start = GEO.offset(layer, 0)
-        server.dst[start:start + GEO.num_blocks * GEO.block_bytes] = bytes([CANARY]) * GEO.num_blocks * GEO.block_bytes
+        server.dst[start : start + GEO.num_blocks * GEO.block_bytes] = (
+            bytes([CANARY]) * GEO.num_blocks * GEO.block_bytes
+        )
     outcome = await loop.run_in_executor(None, late_write, sock, payload - payload // 2)
     assert not outcome.startswith("ack status 0"), outcome
     assert untouched_outside(server.dst, GEO, set())

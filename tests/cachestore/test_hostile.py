@@ -28,8 +28,12 @@ async def server():
 
 
 def rejected(srv, reason: str) -> float:
-    return srv.metrics.registry.get_sample_value("pdserve_cachestore_rejected_frames_total",
-                                                 {"transport": "tcp", "reason": reason}) or 0.0
+    return (
+        srv.metrics.registry.get_sample_value(
+            "pdserve_cachestore_rejected_frames_total", {"transport": "tcp", "reason": reason}
+        )
+        or 0.0
+    )
 
 
 async def still_serves(srv) -> None:
@@ -51,10 +55,16 @@ def in_thread(fn):
     return asyncio.get_running_loop().run_in_executor(None, fn)
 
 
-@pytest.mark.parametrize("case,reason", [
-    ("wrong_token", "bad_token"), ("unknown_session", "unknown_session"), ("block_outside", "bad_block"),
-    ("layer_out_of_range", "bad_layer"), ("short_length", "bad_length"),
-])
+@pytest.mark.parametrize(
+    "case,reason",
+    [
+        ("wrong_token", "bad_token"),
+        ("unknown_session", "unknown_session"),
+        ("block_outside", "bad_block"),
+        ("layer_out_of_range", "bad_layer"),
+        ("short_length", "bad_length"),
+    ],
+)
 async def test_refused_writes(server, case, reason):
     creds = server.open_session("victim", [4, 5], timeout=5)
     header = {
@@ -124,18 +134,28 @@ def writev_frame(creds, layer: int, ids: list[int], payload_len: int | None = No
     """A WRITEV header + id list; `count`/`payload_len` may lie about the list."""
     n = len(ids) if count is None else count
     length = len(ids) * creds.block_bytes if payload_len is None else payload_len
-    return wire.Header(wire.KIND_WRITEV, 0, bytes.fromhex(creds.session_id), bytes.fromhex(creds.token), layer, 0,
-                       n, 1, length).pack() + wire.pack_ids(ids)
+    return wire.Header(
+        wire.KIND_WRITEV, 0, bytes.fromhex(creds.session_id), bytes.fromhex(creds.token), layer, 0, n, 1, length
+    ).pack() + wire.pack_ids(ids)
 
 
-@pytest.mark.parametrize("case,reason", [
-    ("duplicate_ids", "bad_block"), ("outsider_in_the_middle", "bad_block"), ("length_mismatch", "bad_length"),
-    ("empty_list", "bad_block"),
-])
+@pytest.mark.parametrize(
+    "case,reason",
+    [
+        ("duplicate_ids", "bad_block"),
+        ("outsider_in_the_middle", "bad_block"),
+        ("length_mismatch", "bad_length"),
+        ("empty_list", "bad_block"),
+    ],
+)
 async def test_refused_vectored_writes(server, case, reason):
     creds = server.open_session("victim", [4, 9, 2], timeout=5)
-    ids = {"duplicate_ids": [4, 9, 4], "outsider_in_the_middle": [4, 10, 2], "length_mismatch": [4, 9, 2],
-           "empty_list": []}[case]
+    ids = {
+        "duplicate_ids": [4, 9, 4],
+        "outsider_in_the_middle": [4, 10, 2],
+        "length_mismatch": [4, 9, 2],
+        "empty_list": [],
+    }[case]
     payload_len = (len(ids) + (1 if case == "length_mismatch" else 0)) * GEO.block_bytes
     frame = writev_frame(creds, 0, ids, payload_len=payload_len)
 

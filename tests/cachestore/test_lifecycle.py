@@ -7,16 +7,27 @@ import multiprocessing as mp
 
 import pytest
 
-from cachestore import (CacheStoreClient, CacheStoreServer, FaultInjector, MemoryRegion, PoolGeometry, SessionError,
-                        TransferError)
+from cachestore import (
+    CacheStoreClient,
+    CacheStoreServer,
+    FaultInjector,
+    MemoryRegion,
+    PoolGeometry,
+    SessionError,
+    TransferError,
+)
 from tests.cachestore.helpers import SECRET, pools, sender_process
 
 GEO = PoolGeometry(num_layers=4, num_blocks=32, block_bytes=4096)
 
 
 def expired_count(server) -> float:
-    return server.metrics.registry.get_sample_value("pdserve_cachestore_sessions_expired_total",
-                                                    {"transport": server.active_transport}) or 0.0
+    return (
+        server.metrics.registry.get_sample_value(
+            "pdserve_cachestore_sessions_expired_total", {"transport": server.active_transport}
+        )
+        or 0.0
+    )
 
 
 async def test_session_expires_and_wakes_waiters(pair):
@@ -59,8 +70,13 @@ async def test_unfinished_transfer_times_out_with_clear_error(pair):
 async def test_fault_injection_fails_transfers(pair):
     server, *_ = pair
     src, _ = pools(GEO)
-    faulty = CacheStoreClient(MemoryRegion.from_buffer(src), GEO, transport=server.active_transport, secret=SECRET,
-                              faults=FaultInjector(fail_rate=1.0))
+    faulty = CacheStoreClient(
+        MemoryRegion.from_buffer(src),
+        GEO,
+        transport=server.active_transport,
+        secret=SECRET,
+        faults=FaultInjector(fail_rate=1.0),
+    )
     creds = server.open_session("r", [1], timeout=5)
     tx = faulty.open_transfer(creds)
     tx.write_layer(0, [1])
@@ -79,8 +95,17 @@ async def test_sender_death_mid_transfer_leaves_session_to_expire():
     try:
         creds = server.open_session("dying", [3, 4], timeout=1.0)
         session = server.get_session("dying")
-        proc = mp.get_context("spawn").Process(target=sender_process, args=(
-            creds.to_bytes(), (GEO.num_layers, GEO.num_blocks, GEO.block_bytes), [0, 1], [0], 0, GEO.block_bytes // 2))
+        proc = mp.get_context("spawn").Process(
+            target=sender_process,
+            args=(
+                creds.to_bytes(),
+                (GEO.num_layers, GEO.num_blocks, GEO.block_bytes),
+                [0, 1],
+                [0],
+                0,
+                GEO.block_bytes // 2,
+            ),
+        )
         proc.start()
         await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
         assert proc.exitcode == 1

@@ -16,8 +16,9 @@ from cachestore.tcp_listener import TcpLimits
 from tests.cachestore.helpers import SECRET, block, pools, raw_connect
 
 GEO = PoolGeometry(num_layers=2, num_blocks=8, block_bytes=4096)
-LIMITS = TcpLimits(max_connections=400, max_unauthenticated=300, max_workers=4, handshake_timeout=1.0,
-                   frame_timeout=1.0)
+LIMITS = TcpLimits(
+    max_connections=400, max_unauthenticated=300, max_workers=4, handshake_timeout=1.0, frame_timeout=1.0
+)
 
 
 @pytest.fixture
@@ -107,9 +108,12 @@ async def test_idle_and_dripping_sockets_do_not_grow_threads(server):
 
     socks = await loop.run_in_executor(None, open_hostile)
     try:
+
         def timed_out() -> float:
-            return sum(sample(server, "pdserve_cachestore_rejected_frames_total", reason=r)
-                       for r in ("handshake_timeout", "frame_timeout"))
+            return sum(
+                sample(server, "pdserve_cachestore_rejected_frames_total", reason=r)
+                for r in ("handshake_timeout", "frame_timeout")
+            )
 
         # all 200 reached the listener (on a slow machine the first may already have timed out)
         assert await until(lambda: server._listener.num_connections + timed_out() >= 200)
@@ -134,8 +138,9 @@ async def test_connection_caps_refuse_the_excess(server):
     host, port = capped.endpoint.rsplit(":", 1)
     socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(25)]
     try:
-        assert await until(lambda: sample(capped, "pdserve_cachestore_rejected_frames_total",
-                                          reason="too_many_connections") == 15)
+        assert await until(
+            lambda: sample(capped, "pdserve_cachestore_rejected_frames_total", reason="too_many_connections") == 15
+        )
         assert capped._listener.num_connections == 10
     finally:
         for s in socks:

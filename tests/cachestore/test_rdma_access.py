@@ -10,8 +10,16 @@ import asyncio
 
 import pytest
 
-from cachestore import (CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials,
-                        TransferError, rdma, rdma_access)
+from cachestore import (
+    CacheStoreClient,
+    CacheStoreServer,
+    MemoryRegion,
+    PoolGeometry,
+    SessionCredentials,
+    TransferError,
+    rdma,
+    rdma_access,
+)
 from cachestore.geometry import Run
 from cachestore.verbs_emu import FABRIC
 from tests.cachestore.helpers import CANARY, SECRET, block, pools
@@ -46,7 +54,7 @@ def fill_canary(dst: bytearray, blocks: list[int]) -> None:
     for layer in range(GEO.num_layers):
         for b in blocks:
             start = GEO.offset(layer, b)
-            dst[start:start + GEO.block_bytes] = CANARY_BLOCK
+            dst[start : start + GEO.block_bytes] = CANARY_BLOCK
 
 
 def all_canary(dst: bytearray, blocks: list[int]) -> bool:
@@ -152,6 +160,7 @@ async def test_abort_mid_transfer_no_byte_lands_after_the_blocks_are_freed(pair)
 async def test_grants_per_session_are_bounded(pair, monkeypatch):
     """A peer holding the token cannot make the receiver bind windows without limit."""
     from cachestore import server as server_module
+
     monkeypatch.setattr(server_module, "MAX_GRANTS_PER_SESSION", 3)
     server, client, src, dst = pair
     creds = server.open_session("g", [1], GEO.num_layers, timeout=30)
@@ -174,6 +183,7 @@ async def test_grants_per_session_are_bounded(pair, monkeypatch):
 
 async def test_grant_requests_with_a_bad_token_or_a_foreign_qp_are_refused(pair):
     import dataclasses
+
     server, client, src, dst = pair
     creds = server.open_session("t", [1], GEO.num_layers, timeout=30)
     lane = rdma.RdmaLane(client, creds, 0, client._channel_for(creds)._resources)

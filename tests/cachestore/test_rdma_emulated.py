@@ -12,8 +12,16 @@ import threading
 
 import pytest
 
-from cachestore import (CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials,
-                        TransferError, rdma, rdma_verbs)
+from cachestore import (
+    CacheStoreClient,
+    CacheStoreServer,
+    MemoryRegion,
+    PoolGeometry,
+    SessionCredentials,
+    TransferError,
+    rdma,
+    rdma_verbs,
+)
 from cachestore.verbs_emu import FABRIC
 from tests.cachestore.helpers import SECRET, block, pools, untouched_outside
 

@@ -49,6 +49,7 @@ def test_qp_state_machine_and_attributes():
 
 def test_a_write_goes_only_under_a_granted_window_that_covers_it():
     from cachestore.rdma import window_for
+
     windows = [[1000, 512, 0x1201], [4096, 1024, 0x1302]]
     assert window_for(windows, 1000, 512) == 0x1201 and window_for(windows, 4096 + 512, 512) == 0x1302
     with pytest.raises(OSError, match="no granted window"):

@@ -13,8 +13,15 @@ import types
 
 import torch
 
-from cachestore import (CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, rdma,
-                        rdma_memory)
+from cachestore import (
+    CacheStoreClient,
+    CacheStoreServer,
+    MemoryRegion,
+    PoolGeometry,
+    SessionCredentials,
+    rdma,
+    rdma_memory,
+)
 from cachestore.staging import HostStaging
 from cachestore.verbs_emu import FABRIC
 from tests.cachestore.helpers import SECRET
@@ -48,6 +55,7 @@ def test_choice_host_pool_gpudirect_and_staging(monkeypatch):
     region = device_like(pool)
     # the emulated device never takes GPUDirect
     import cachestore.verbs_emu as emulated
+
     mode, reason = rdma_memory.choose(emulated, region)
     assert mode == rdma_memory.STAGING and "emulated" in reason
     # a peer-memory client present: GPUDirect if registering the pool succeeds, else staging
@@ -87,6 +95,7 @@ async def test_device_pools_are_staged_through_registered_host_buffers_bit_exact
     def recording_gather(self, *a, **kw):
         gathers.append(threading.current_thread().name)
         return gather(self, *a, **kw)
+
     monkeypatch.setattr(HostStaging, "gather", recording_gather)
     try:
         assert server._rdma.staged and server._rdma.remote_base != dst.data_ptr()
@@ -101,7 +110,7 @@ async def test_device_pools_are_staged_through_registered_host_buffers_bit_exact
             for layer in range(GEO.num_layers):
                 for s, d in zip(src_blocks, dst_blocks):
                     a, b = GEO.offset(layer, s), GEO.offset(layer, d)
-                    assert torch.equal(dst[b:b + GEO.block_bytes], src[a:a + GEO.block_bytes]), (rid, layer, s, d)
+                    assert torch.equal(dst[b : b + GEO.block_bytes], src[a : a + GEO.block_bytes]), (rid, layer, s, d)
         channel = tx._channel
         reg = channel._res.registration
         assert reg.mode == rdma_memory.STAGING and reg.slot_bytes == 2 * GEO.block_bytes

@@ -38,7 +38,7 @@ def receiver_process(conn) -> None:
                 for layer in range(GEO.num_layers):
                     for b in msg[2]:
                         start = GEO.offset(layer, b)
-                        dst[start:start + GEO.block_bytes] = bytes([CANARY]) * GEO.block_bytes
+                        dst[start : start + GEO.block_bytes] = bytes([CANARY]) * GEO.block_bytes
                 conn.send(True)
             elif msg[0] == "dump":
                 conn.send(bytes(dst))
@@ -60,6 +60,7 @@ async def remote_receiver(monkeypatch):
     async def ask(*msg):
         parent.send(msg)
         return await loop.run_in_executor(None, parent.recv)
+
     try:
         await loop.run_in_executor(None, parent.poll, 90)
         parent.recv()
@@ -84,7 +85,7 @@ async def test_write_lands_across_processes_and_a_stale_credential_lands_nothing
     for layer in range(GEO.num_layers):
         for s, d in zip([1, 2, 3], [4, 5, 9]):
             a, b = GEO.offset(layer, s), GEO.offset(layer, d)
-            assert pool[b:b + GEO.block_bytes] == src[a:a + GEO.block_bytes]
+            assert pool[b : b + GEO.block_bytes] == src[a : a + GEO.block_bytes]
     assert await ask("close", "r1", [4, 5, 9])  # the blocks now hold canaries for their next owner
     stale = client.open_transfer(creds)  # the old credential, and the lane still caches its grant
     _from_engine_thread(lambda: stale.write_layer(0, [1, 2, 3]))
@@ -94,7 +95,7 @@ async def test_write_lands_across_processes_and_a_stale_credential_lands_nothing
     canary = bytes([CANARY]) * GEO.block_bytes
     for layer in range(GEO.num_layers):
         for b in [4, 5, 9]:
-            assert after[GEO.offset(layer, b):GEO.offset(layer, b) + GEO.block_bytes] == canary
+            assert after[GEO.offset(layer, b) : GEO.offset(layer, b) + GEO.block_bytes] == canary
     assert all(after[i] == CANARY for i in range(GEO.offset(0, 4)))  # nothing landed before the blocks either
     # the failed QP is replaced: the next request succeeds
     creds2 = SessionCredentials.from_bytes(await ask("open", "r2", [12]))
@@ -102,4 +103,4 @@ async def test_write_lands_across_processes_and_a_stale_credential_lands_nothing
     _from_engine_thread(lambda: [tx2.write_layer(layer, [7]) for layer in range(GEO.num_layers)])
     await tx2.finish(30)
     final = await ask("dump")
-    assert final[GEO.offset(1, 12):GEO.offset(1, 12) + GEO.block_bytes] == src[GEO.offset(1, 7):GEO.offset(1, 8)]
+    assert final[GEO.offset(1, 12) : GEO.offset(1, 12) + GEO.block_bytes] == src[GEO.offset(1, 7) : GEO.offset(1, 8)]

@@ -64,8 +64,16 @@ async def test_sender_in_another_process():
     await server.start()
     try:
         creds = server.open_session("x", [30, 31, 32, 50], GEO.num_layers, timeout=30)
-        proc = mp.get_context("spawn").Process(target=sender_process, args=(
-            creds.to_bytes(), (GEO.num_layers, GEO.num_blocks, GEO.block_bytes), [0, 1, 2, 3], [5, 3, 1, 0, 2, 4], 11))
+        proc = mp.get_context("spawn").Process(
+            target=sender_process,
+            args=(
+                creds.to_bytes(),
+                (GEO.num_layers, GEO.num_blocks, GEO.block_bytes),
+                [0, 1, 2, 3],
+                [5, 3, 1, 0, 2, 4],
+                11,
+            ),
+        )
         proc.start()
         await server.get_session("x").wait_complete(30)
         await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)

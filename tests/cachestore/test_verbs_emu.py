@@ -7,8 +7,22 @@ import time
 
 import pytest
 
-from cachestore.verbs_emu import (CQ, MR, MW, PD, QP, Context, MWBindInfo, QPAttr, QPInitAttr, RecvWR, SendWR,
-                                  SGE, VerbsError, enums)
+from cachestore.verbs_emu import (
+    CQ,
+    MR,
+    MW,
+    PD,
+    QP,
+    Context,
+    MWBindInfo,
+    QPAttr,
+    QPInitAttr,
+    RecvWR,
+    SendWR,
+    SGE,
+    VerbsError,
+    enums,
+)
 from cachestore.verbs_emu.device import FABRIC
 
 LW, RW, BIND = enums.IBV_ACCESS_LOCAL_WRITE, enums.IBV_ACCESS_REMOTE_WRITE, enums.IBV_ACCESS_MW_BIND
@@ -70,10 +84,24 @@ def reconnect(src: Side, dst: Side) -> None:
     dst.connect(src)
 
 
-def write(src: Side, rkey: int, remote: int, length: int = 256, wr_id: int = 1, signaled: bool = True,
-          opcode: int = enums.IBV_WR_RDMA_WRITE, imm: int = 0) -> None:
-    wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[SGE(addr(src.buf), length, src.mr.lkey)],
-                send_flags=enums.IBV_SEND_SIGNALED if signaled else 0, imm_data=imm)
+def write(
+    src: Side,
+    rkey: int,
+    remote: int,
+    length: int = 256,
+    wr_id: int = 1,
+    signaled: bool = True,
+    opcode: int = enums.IBV_WR_RDMA_WRITE,
+    imm: int = 0,
+) -> None:
+    wr = SendWR(
+        wr_id=wr_id,
+        opcode=opcode,
+        num_sge=1,
+        sg=[SGE(addr(src.buf), length, src.mr.lkey)],
+        send_flags=enums.IBV_SEND_SIGNALED if signaled else 0,
+        imm_data=imm,
+    )
     wr.set_wr_rdma(rkey, remote)
     src.qp.post_send(wr)
 
@@ -101,7 +129,7 @@ def test_write_lands_only_with_valid_key_bounds_and_access(pair):
     assert dst.buf[512:768] == src.buf[:256] and dst.buf[1024:1280] == src.buf[:256]
     before = bytes(dst.buf)
     write(src, dst.mr.rkey, addr(dst.buf) + SIZE - 100, wr_id=3)  # crosses the end of the MR
-    write(src, dst.mr.rkey, addr(dst.buf), wr_id=4)                # queued behind the error
+    write(src, dst.mr.rkey, addr(dst.buf), wr_id=4)  # queued behind the error
     wcs = poll(src.cq, 2)
     assert [(w.wr_id, w.status) for w in wcs] == [(3, enums.IBV_WC_REM_ACCESS_ERR), (4, enums.IBV_WC_WR_FLUSH_ERR)]
     assert bytes(dst.buf) == before and src.qp.qp_state == enums.IBV_QPS_ERR
@@ -180,7 +208,9 @@ def test_write_with_imm_needs_a_receive_and_delivers_the_immediate(pair):
     write(src, dst.mr.rkey, addr(dst.buf), opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, imm=0xBEEF, wr_id=8)
     wcs = poll(src.cq, 1) + poll(dst.cq, 1)
     assert {(w.wr_id, w.status, w.opcode, w.imm_data) for w in wcs} == {
-        (8, 0, enums.IBV_WC_RDMA_WRITE, 0), (77, 0, enums.IBV_WC_RECV_RDMA_WITH_IMM, 0xBEEF)}
+        (8, 0, enums.IBV_WC_RDMA_WRITE, 0),
+        (77, 0, enums.IBV_WC_RECV_RDMA_WITH_IMM, 0xBEEF),
+    }
 
 
 def test_fault_hooks_delay_drop_and_force_error(pair):

@@ -45,7 +45,8 @@ def responder_process(conn) -> None:
         if msg[0] == "bind":
             mw = MW(pd, enums.IBV_MW_TYPE_2)
             wr = __import__("cachestore.verbs_emu", fromlist=["SendWR"]).SendWR(
-                wr_id=1, opcode=enums.IBV_WR_BIND_MW, send_flags=enums.IBV_SEND_SIGNALED)
+                wr_id=1, opcode=enums.IBV_WR_BIND_MW, send_flags=enums.IBV_SEND_SIGNALED
+            )
             wr.set_bind_wr(mw, MWBindInfo(mr, addr(buf) + msg[1], msg[2], RW))
             qp.post_send(wr)
             assert poll(cq)[0].status == enums.IBV_WC_SUCCESS

@@ -60,8 +60,9 @@ def _podman(*args: str, timeout: float = 120.0, check: bool = True) -> subproces
 def _build() -> str:
     """Build with the checked-in script; returns the image reference (its last line of stdout)."""
     t0 = time.monotonic()
-    r = subprocess.run(["bash", "scripts/build_image.sh"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=BUILD_TIMEOUT)
+    r = subprocess.run(
+        ["bash", "scripts/build_image.sh"], cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT
+    )
     took = time.monotonic() - t0
     assert r.returncode == 0, f"scripts/build_image.sh exited {r.returncode} after {took:.0f}s:\n{r.stderr[-6000:]}"
     print(f"image built in {took:.0f}s")  # shown with -s, and in CI's log on failure
@@ -96,8 +97,9 @@ def test_cpu_image_builds_and_serves_completions_from_the_host() -> None:
 
     version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert image.endswith(f":{version}"), image
-    labels = _podman("image", "inspect", "--format", '{{index .Labels "org.opencontainers.image.version"}}',
-                     image).stdout.strip()
+    labels = _podman(
+        "image", "inspect", "--format", '{{index .Labels "org.opencontainers.image.version"}}', image
+    ).stdout.strip()
     assert labels == version
     user = _podman("image", "inspect", "--format", "{{.Config.User}}", image).stdout.strip()
     assert user and not user.startswith(("0", "root")), f"image runs as {user!r}"
@@ -108,24 +110,46 @@ def test_cpu_image_builds_and_serves_completions_from_the_host() -> None:
     try:
         # --network host: the router's port is the host's; --host 127.0.0.1 keeps it on loopback only.
         # --read-only: the image needs no writable root (the model is baked in; podman mounts a tmpfs on /tmp).
-        _podman("run", "-d", "--name", name, *RUN_FLAGS, "--network", "host", "--read-only", image,
-                "up", "--host", "127.0.0.1", "--port", str(port))
+        _podman(
+            "run",
+            "-d",
+            "--name",
+            name,
+            *RUN_FLAGS,
+            "--network",
+            "host",
+            "--read-only",
+            image,
+            "up",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        )
         _wait_ready(base, name)
         with httpx.Client(base_url=base, timeout=120) as client:
             models = client.get("/v1/models").json()
             assert [m["id"] for m in models["data"]] == ["pdserve-tiny"], models
 
-            r = client.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": "Once upon a time",
-                                                     "max_tokens": 8, "min_tokens": 2})
+            r = client.post(
+                "/v1/completions",
+                json={"model": "pdserve-tiny", "prompt": "Once upon a time", "max_tokens": 8, "min_tokens": 2},
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["object"] == "text_completion", body
             assert body["choices"][0]["text"].strip(), body
             assert body["usage"]["completion_tokens"] >= 2, body
 
-            r = client.post("/v1/chat/completions", json={
-                "model": "pdserve-tiny", "max_tokens": 8, "min_tokens": 2,
-                "messages": [{"role": "user", "content": "Tell me a story."}]})
+            r = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "pdserve-tiny",
+                    "max_tokens": 8,
+                    "min_tokens": 2,
+                    "messages": [{"role": "user", "content": "Tell me a story."}],
+                },
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["object"] == "chat.completion", body

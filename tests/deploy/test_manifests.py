@@ -33,8 +33,9 @@ K8S_VERSION = "1.32.0"
 def _kustomize(path: Path) -> list[dict]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl (with kustomize) is needed to render the manifests")
-    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60,
-                         check=True).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -46,9 +47,17 @@ def render(overlay: str, components: tuple[str, ...] = (), tmp: Path | None = No
     assert tmp is not None
     namespace = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())["namespace"]
     rel = os.path.relpath(K8S, tmp)
-    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": namespace,
-        "resources": [f"{rel}/overlays/{overlay}"], "components": [f"{rel}/components/{c}" for c in components]}))
+    (tmp / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": namespace,
+                "resources": [f"{rel}/overlays/{overlay}"],
+                "components": [f"{rel}/components/{c}" for c in components],
+            }
+        )
+    )
     return _kustomize(tmp)
 
 
@@ -56,8 +65,11 @@ def combinations() -> list[tuple[str, tuple[str, ...]]]:
     out = [(overlay, ()) for overlay in ALL_OVERLAYS if overlay in OFFLINE]
     for overlay in OVERLAYS:
         built_in = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text()).get("components", [])
-        allowed = [c for c in COMPONENTS if overlay in ONLY_WITH.get(c, {overlay})
-                   and not any(b.endswith(f"/{c}") for b in built_in)]
+        allowed = [
+            c
+            for c in COMPONENTS
+            if overlay in ONLY_WITH.get(c, {overlay}) and not any(b.endswith(f"/{c}") for b in built_in)
+        ]
         for n in range(len(allowed) + 1):
             out += [(overlay, combo) for combo in itertools.combinations(allowed, n)]
     return out
@@ -70,6 +82,7 @@ def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
 @pytest.mark.parametrize("overlay,components", combinations(), ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
 def test_every_overlay_and_component_combination_validates(overlay, components, tmp_path):
     import kubernetes_validate
+
     docs = render(overlay, components, tmp_path)
     for doc in docs:
         group = next((g for g in CUSTOM_GROUPS if doc["apiVersion"].startswith(g)), None)
@@ -117,15 +130,18 @@ def test_every_configmap_key_is_read():
 
     from pdserve.cli import build_parser
     from pdserve.config import env_name
+
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    flags = {env_name(o) for p in sub.choices.values() for a in p._actions for o in a.option_strings
-             if o.startswith("--")}
+    flags = {
+        env_name(o) for p in sub.choices.values() for a in p._actions for o in a.option_strings if o.startswith("--")
+    }
     sources = "\n".join(p.read_text() for d in ("engine", "pdserve") for p in (ROOT / d).rglob("*.py"))
     for overlay in ALL_OVERLAYS:
         for cm in by_kind(render(overlay), "ConfigMap").values():
             for key in cm["data"]:
-                assert key in flags or f'"{key}"' in sources, \
+                assert key in flags or f'"{key}"' in sources, (
                     f"{key} in ConfigMap {cm['metadata']['name']} is never read"
+                )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -191,8 +207,9 @@ def test_dashboard_queries_pdserve_metrics():
     assert exprs and all(re.search(r"\bpdserve_[a-z0-9_]+", e) for e in exprs)
     names = {m for e in exprs for m in re.findall(r"\bpdserve_[a-z0-9_]+", e)}
     # every series the dashboard reads is one the code exports
-    sources = "\n".join(p.read_text() for d in ("engine", "cachestore", "router", "pdserve")
-                        for p in (ROOT / d).rglob("*.py"))
+    sources = "\n".join(
+        p.read_text() for d in ("engine", "cachestore", "router", "pdserve") for p in (ROOT / d).rglob("*.py")
+    )
     for name in names:
         base = re.sub(r"_(total|bucket)$", "", name)
         assert f'"{base}"' in sources, f"{name} is not exported by pdserve"
@@ -232,6 +249,7 @@ def test_offline_overlay_is_an_indexed_pipeline_job(monkeypatch):
     RANK is the completion index, the rendezvous is pod 0's name under the headless Service, and
     both command lines parse with the ConfigMap's settings (the flags exist; required ones are set)."""
     from pdserve.cli import build_parser
+
     docs = render("offline")
     (namespace,) = by_kind(docs, "Namespace").values()
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
@@ -244,8 +262,10 @@ def test_offline_overlay_is_an_indexed_pipeline_job(monkeypatch):
     world = int(env["WORLD_SIZE"]["value"])
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == world >= 2
     assert spec["suspend"] is True  # started once the input is on the volume
-    assert env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     svc = by_kind(docs, "Service")[pod["subdomain"]]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()

@@ -27,14 +27,19 @@ def closed(schema: dict) -> dict:
 
     def walk(node):
         if isinstance(node, dict):
-            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
-                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
             for value in node:
                 walk(value)
+
     walk(schema)
     return schema
 
@@ -68,8 +73,9 @@ def _plain_rules(tmp_path: Path) -> Path:
 
 
 def test_promtool_checks_the_rules(tmp_path):
-    out = subprocess.run(["promtool", "check", "rules", str(_plain_rules(tmp_path))], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["promtool", "check", "rules", str(_plain_rules(tmp_path))], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -77,13 +83,19 @@ def test_every_alert_has_a_passing_promtool_test_case(tmp_path):
     _plain_rules(tmp_path)
     cases = HERE / "promtool" / "rules_test.yaml"
     shutil.copy(cases, tmp_path / cases.name)
-    alerts = {r["alert"] for g in yaml.safe_load(RULE_FILE.read_text())["spec"]["groups"] for r in g["rules"]
-              if "alert" in r}
-    tested = {t["alertname"] for case in yaml.safe_load(cases.read_text())["tests"]
-              for t in case.get("alert_rule_test", []) if t.get("exp_alerts")}
+    alerts = {
+        r["alert"] for g in yaml.safe_load(RULE_FILE.read_text())["spec"]["groups"] for r in g["rules"] if "alert" in r
+    }
+    tested = {
+        t["alertname"]
+        for case in yaml.safe_load(cases.read_text())["tests"]
+        for t in case.get("alert_rule_test", [])
+        if t.get("exp_alerts")
+    }
     assert alerts == tested, f"alerts without a firing test case: {alerts - tested}"
-    out = subprocess.run(["promtool", "test", "rules", cases.name], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        ["promtool", "test", "rules", cases.name], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -95,8 +107,13 @@ def dashboard_exprs(concrete: bool = False) -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     if concrete:
-        exprs = [e.replace("$__rate_interval", "1m").replace("$namespace", ".*").replace("$pod", ".*")
-                 .replace("$model", ".*") for e in exprs]
+        exprs = [
+            e.replace("$__rate_interval", "1m")
+            .replace("$namespace", ".*")
+            .replace("$pod", ".*")
+            .replace("$model", ".*")
+            for e in exprs
+        ]
     return exprs
 
 
@@ -112,8 +129,16 @@ def test_dashboard_has_scope_variables_and_rate_interval():
 def test_dashboard_queries_are_valid_promql(tmp_path):
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed (scripts/install_ops_tools.sh installs it)")
-    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": e}
-                                                        for i, e in enumerate(dashboard_exprs(concrete=True))]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:q{i}", "expr": e} for i, e in enumerate(dashboard_exprs(concrete=True))
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard.yaml"
     path.write_text(yaml.safe_dump(rules))
     out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)

@@ -53,6 +53,7 @@ def _wait_banner(up: subprocess.Popen, timeout: float = 240.0) -> None:
             lines.append(line)
             if line.startswith("pdserve is up"):
                 found.set()
+
     threading.Thread(target=reader, daemon=True).start()
     deadline = time.monotonic() + timeout
     while not found.is_set():
@@ -70,10 +71,30 @@ def test_prometheus_scrapes_every_process_and_every_query_has_data(tmp_path, tin
         http_port, metrics_base = free_port(), free_port()
         while metrics_base + 1 == http_port:  # the two node metrics ports follow metrics_base
             metrics_base = free_port()
-        up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_model_dir),
-                               "--num-prefill", "1", "--num-decode", "1", "--port", str(http_port),
-                               "--metrics-base-port", str(metrics_base), "--api-key", API_KEY],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        up = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "up",
+                "--model",
+                str(tiny_model_dir),
+                "--num-prefill",
+                "1",
+                "--num-decode",
+                "1",
+                "--port",
+                str(http_port),
+                "--metrics-base-port",
+                str(metrics_base),
+                "--api-key",
+                API_KEY,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         _wait_banner(up)
         targets = [f"127.0.0.1:{p}" for p in (metrics_base, metrics_base + 1, http_port)]
 
@@ -86,16 +107,35 @@ def test_prometheus_scrapes_every_process_and_every_query_has_data(tmp_path, tin
         rules.write_text(yaml.safe_dump(yaml.safe_load(RULE_FILE.read_text())["spec"]))
         config = tmp_path / "prometheus.yml"
         # namespace/pod labels as the Prometheus Operator would attach them, so the rules and dashboard match.
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [{"job_name": "pdserve", "static_configs": [
-                {"targets": [t], "labels": {"namespace": "pd", "pod": name}}
-                for t, name in zip(targets, ("prefill-0", "decode-0", "router-0"))]}]}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(rules)],
+                    "scrape_configs": [
+                        {
+                            "job_name": "pdserve",
+                            "static_configs": [
+                                {"targets": [t], "labels": {"namespace": "pd", "pod": name}}
+                                for t, name in zip(targets, ("prefill-0", "decode-0", "router-0"))
+                            ],
+                        }
+                    ],
+                }
+            )
+        )
         prom_port = free_port()
-        prom = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path}/data",
-                                 f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        prom = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path}/data",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         base = f"http://127.0.0.1:{prom_port}"
 
         def all_up() -> bool:
@@ -103,24 +143,33 @@ def test_prometheus_scrapes_every_process_and_every_query_has_data(tmp_path, tin
                 return sum(float(r["value"][1]) for r in _query(base, "up")) == len(targets)
             except (httpx.HTTPError, AssertionError):
                 return False
+
         _wait(all_up, "every target up")
 
-        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60,
-                          headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{http_port}", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as client:
             for i in range(4):
-                r = client.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": f"hello {i}",
-                                                         "max_tokens": 6, "stream": i % 2 == 0})
+                r = client.post(
+                    "/v1/completions",
+                    json={"model": "pdserve-tiny", "prompt": f"hello {i}", "max_tokens": 6, "stream": i % 2 == 0},
+                )
                 assert r.status_code == 200, r.text
         time.sleep(1)
 
-        recorded = [r["record"] for g in yaml.safe_load(RULE_FILE.read_text())["spec"]["groups"] for r in g["rules"]
-                    if "record" in r]
+        recorded = [
+            r["record"]
+            for g in yaml.safe_load(RULE_FILE.read_text())["spec"]["groups"]
+            for r in g["rules"]
+            if "record" in r
+        ]
         exprs = recorded + [e for e in dashboard_exprs(concrete=True) if not any(s in e for s in ONLY_ON_FAILURE)]
         missing: list[str] = []
 
         def every_query_has_data() -> bool:
             missing[:] = [e for e in exprs if not _query(base, e)]
             return not missing
+
         try:
             _wait(every_query_has_data, "data for every recording rule and dashboard query", timeout=90)
         except AssertionError:

@@ -63,8 +63,13 @@ class NacosStandIn(BaseHTTPRequestHandler):
         return {k: v[0] for k, v in q.items()}
 
     def _reply(self, body, status: int = 200) -> None:
-        data = body if isinstance(body, bytes) else \
-            json.dumps(body).encode() if not isinstance(body, str) else body.encode()
+        data = (
+            body
+            if isinstance(body, bytes)
+            else json.dumps(body).encode()
+            if not isinstance(body, str)
+            else body.encode()
+        )
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -112,10 +117,18 @@ class NacosStandIn(BaseHTTPRequestHandler):
         p = self._params()
         self._expire()
         service, now = self._service(p), time.monotonic()
-        hosts = [{"instanceId": f"{ip}#{port}#DEFAULT#DEFAULT_GROUP@@{service}", "ip": ip, "port": port,
-                  "metadata": meta, "enabled": True, "weight": 1.0,
-                  "healthy": now - self.last_beat.get((service, ip, port), now) <= self.unhealthy_after}
-                 for (ip, port), meta in self.instances.get(service, {}).items()]
+        hosts = [
+            {
+                "instanceId": f"{ip}#{port}#DEFAULT#DEFAULT_GROUP@@{service}",
+                "ip": ip,
+                "port": port,
+                "metadata": meta,
+                "enabled": True,
+                "weight": 1.0,
+                "healthy": now - self.last_beat.get((service, ip, port), now) <= self.unhealthy_after,
+            }
+            for (ip, port), meta in self.instances.get(service, {}).items()
+        ]
         if p.get("healthyOnly", "false").lower() == "true":
             hosts = [h for h in hosts if h["healthy"]]
         self._reply({"name": p["serviceName"], "hosts": hosts, "cacheMillis": 3000})
@@ -126,6 +139,7 @@ class NacosStandIn(BaseHTTPRequestHandler):
 
 async def test_nacos_register_list_and_outage():
     from pdserve.discovery.nacos import NacosDiscovery
+
     NacosStandIn.instances, NacosStandIn.last_beat = {}, {}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), NacosStandIn)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -155,6 +169,7 @@ async def test_nacos_expiry_and_sdk_heartbeat_keep_metadata(monkeypatch):
     """An instance without beats turns unhealthy, then is deleted; the SDK's beat re-creates it with
     all its metadata (our old hand-rolled beat sent only the role)."""
     from pdserve.discovery.nacos import NacosDiscovery
+
     monkeypatch.setattr(NacosStandIn, "unhealthy_after", 0.6)
     monkeypatch.setattr(NacosStandIn, "delete_after", 1.2)
     NacosStandIn.instances, NacosStandIn.last_beat = {}, {}
@@ -200,6 +215,7 @@ async def test_nacos_subscription_follows_changes_and_survives_an_outage(monkeyp
     joins appears, a node that stops beating disappears, and an outage neither empties the view
     nor ends the subscription (2.0.x's poll timer stops on the first error unless told otherwise)."""
     from pdserve.discovery.nacos import NacosDiscovery
+
     monkeypatch.setattr(NacosStandIn, "unhealthy_after", 2.0)
     monkeypatch.setattr(NacosStandIn, "delete_after", 4.0)
     NacosStandIn.instances, NacosStandIn.last_beat, NacosStandIn.down = {}, {}, False

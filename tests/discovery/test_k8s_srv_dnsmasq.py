@@ -50,25 +50,43 @@ def test_srv_records_give_members_and_ports(tmp_path):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    (tmp_path / "resolv.conf").write_text("nameserver 127.0.0.1\nsearch pd.svc.cluster.local svc.cluster.local\n"
-                                          "options ndots:5 timeout:2 attempts:2\n")
+    (tmp_path / "resolv.conf").write_text(
+        "nameserver 127.0.0.1\nsearch pd.svc.cluster.local svc.cluster.local\noptions ndots:5 timeout:2 attempts:2\n"
+    )
     (tmp_path / "probe.py").write_text(PROBE)
     zone = "pd.svc.cluster.local"
-    dnsmasq = [DNSMASQ, "--keep-in-foreground", "--no-resolv", "--no-hosts", "--listen-address=127.0.0.1",
-               "--bind-interfaces", "--port=53", "--local=/cluster.local/", f"--pid-file={tmp_path}/dnsmasq.pid",
-               "--user=root",
-               f"--host-record=d-0.pdserve-decode.{zone},127.0.0.2",
-               f"--host-record=d-1.pdserve-decode.{zone},127.0.0.3",
-               f"--host-record=p-0.pdserve-prefill.{zone},127.0.0.4",
-               f"--srv-host=_grpc._tcp.pdserve-decode.{zone},d-0.pdserve-decode.{zone},50071",
-               f"--srv-host=_grpc._tcp.pdserve-decode.{zone},d-1.pdserve-decode.{zone},50072",
-               f"--srv-host=_metrics._tcp.pdserve-prefill.{zone},p-0.pdserve-prefill.{zone},9100"]
-    script = (f"set -e; ip link set lo up; mount --bind {tmp_path}/resolv.conf /etc/resolv.conf; "
-              f"{' '.join(dnsmasq)} & DNS=$!; "
-              f"for i in $(seq 50); do [ -s {tmp_path}/dnsmasq.pid ] && break; sleep 0.1; done; "
-              f"{sys.executable} {tmp_path}/probe.py; kill $DNS")
-    out = subprocess.run(["unshare", "--net", "--mount", "sh", "-c", script], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    dnsmasq = [
+        DNSMASQ,
+        "--keep-in-foreground",
+        "--no-resolv",
+        "--no-hosts",
+        "--listen-address=127.0.0.1",
+        "--bind-interfaces",
+        "--port=53",
+        "--local=/cluster.local/",
+        f"--pid-file={tmp_path}/dnsmasq.pid",
+        "--user=root",
+        f"--host-record=d-0.pdserve-decode.{zone},127.0.0.2",
+        f"--host-record=d-1.pdserve-decode.{zone},127.0.0.3",
+        f"--host-record=p-0.pdserve-prefill.{zone},127.0.0.4",
+        f"--srv-host=_grpc._tcp.pdserve-decode.{zone},d-0.pdserve-decode.{zone},50071",
+        f"--srv-host=_grpc._tcp.pdserve-decode.{zone},d-1.pdserve-decode.{zone},50072",
+        f"--srv-host=_metrics._tcp.pdserve-prefill.{zone},p-0.pdserve-prefill.{zone},9100",
+    ]
+    script = (
+        f"set -e; ip link set lo up; mount --bind {tmp_path}/resolv.conf /etc/resolv.conf; "
+        f"{' '.join(dnsmasq)} & DNS=$!; "
+        f"for i in $(seq 50); do [ -s {tmp_path}/dnsmasq.pid ] && break; sleep 0.1; done; "
+        f"{sys.executable} {tmp_path}/probe.py; kill $DNS"
+    )
+    out = subprocess.run(
+        ["unshare", "--net", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     members = json.loads(out.stdout.strip().splitlines()[-1])
     # SRV gives each pod its own port; the short name resolves through the search domains.

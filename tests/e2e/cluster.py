@@ -25,9 +25,15 @@ class Proc(Child):
 
 def start(role: str, args: list[str], env: dict[str, str] | None = None, ready_prefix: str | None = None) -> Proc:
     """Run `pdserve ROLE ARGS`, wait for its READY line (or fail with its output)."""
-    proc = Proc(role, [sys.executable, "-m", "pdserve.cli", role, *args],
-                {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT,
-                ready_prefix=ready_prefix or f"READY {role} ", max_lines=None, echo_errors=False)
+    proc = Proc(
+        role,
+        [sys.executable, "-m", "pdserve.cli", role, *args],
+        {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=ROOT,
+        ready_prefix=ready_prefix or f"READY {role} ",
+        max_lines=None,
+        echo_errors=False,
+    )
     try:
         proc.wait_ready(time.monotonic() + READY_TIMEOUT)
     except RuntimeError:
@@ -57,11 +63,29 @@ class Cluster:
             stop(p)
 
 
-def start_cluster(num_prefill: int = 1, num_decode: int = 2, *, transport: str = "tcp", model: str | None = None,
-                  secret: str = "e2e-secret", extra: list[str] | None = None,
-                  decode_extra: list[str] | None = None, env: dict[str, str] | None = None) -> Cluster:
-    common = ["--port", "0", "--transport", transport, "--cluster-secret", secret, "--num-threads", "1",
-              *(["--model", model] if model else []), *(extra or [])]
+def start_cluster(
+    num_prefill: int = 1,
+    num_decode: int = 2,
+    *,
+    transport: str = "tcp",
+    model: str | None = None,
+    secret: str = "e2e-secret",
+    extra: list[str] | None = None,
+    decode_extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Cluster:
+    common = [
+        "--port",
+        "0",
+        "--transport",
+        transport,
+        "--cluster-secret",
+        secret,
+        "--num-threads",
+        "1",
+        *(["--model", model] if model else []),
+        *(extra or []),
+    ]
     started: list[Proc] = []
     try:
         prefills = []

@@ -47,8 +47,9 @@ class StallingPrefill(prefill_pb2_grpc.PrefillServicer):
         await self.server.stop(grace=0)
 
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:
-        return common_pb2.LoadReport(role="prefill", compatibility=self.compatibility, num_free_blocks=1,
-                                     num_total_blocks=1)
+        return common_pb2.LoadReport(
+            role="prefill", compatibility=self.compatibility, num_free_blocks=1, num_total_blocks=1
+        )
 
     async def Prefill(self, request, context):
         creds = SessionCredentials.from_bytes(request.kv_destination)

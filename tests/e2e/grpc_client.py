@@ -12,12 +12,14 @@ def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-async def generate(address: str, secret: str, request_id: str, prompt: list[int], params, prefill: list[str],
-                   timeout: float = 60.0) -> tuple[list[int], list[decode_pb2.GenerateEvent]]:
+async def generate(
+    address: str, secret: str, request_id: str, prompt: list[int], params, prefill: list[str], timeout: float = 60.0
+) -> tuple[list[int], list[decode_pb2.GenerateEvent]]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
-        req = decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, params=params,
-                                         prefill_addresses=prefill)
+        req = decode_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, params=params, prefill_addresses=prefill
+        )
         events = [e async for e in stub.Generate(req, metadata=cluster_metadata(secret), timeout=timeout)]
     return [t for e in events for t in e.token_ids], events
 

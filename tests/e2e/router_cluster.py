@@ -20,10 +20,26 @@ def free_port() -> int:
 
 def start_router(cluster: Cluster, model: str, extra: list[str] | None = None) -> tuple[Proc, str]:
     port = free_port()
-    router = start("router", ["--port", str(port), "--model", model, "--served-model-name", "pdserve-tiny",
-                              "--cluster-secret", cluster.secret, "--api-key", API_KEY,
-                              "--prefill", ",".join(p.address for p in cluster.prefills),
-                              "--decode", ",".join(d.address for d in cluster.decodes), *(extra or [])])
+    router = start(
+        "router",
+        [
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--served-model-name",
+            "pdserve-tiny",
+            "--cluster-secret",
+            cluster.secret,
+            "--api-key",
+            API_KEY,
+            "--prefill",
+            ",".join(p.address for p in cluster.prefills),
+            "--decode",
+            ",".join(d.address for d in cluster.decodes),
+            *(extra or []),
+        ],
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

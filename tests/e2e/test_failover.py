@@ -18,11 +18,18 @@ pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-async def stream_text(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int,
-                      progress: list | None = None) -> tuple[str, str | None]:
+async def stream_text(
+    client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, progress: list | None = None
+) -> tuple[str, str | None]:
     text, finish = "", None
-    body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "pdserve-tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     async with client.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH, timeout=120) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():

@@ -35,8 +35,13 @@ async def blocks_all_free(address: str, secret: str, within: float) -> bool:
 
 
 async def start_with_fake(tiny_model_dir, num_prefill: int):
-    cluster = start_cluster(num_prefill, 1, model=str(tiny_model_dir), extra=["--kv-timeout", KV_TIMEOUT],
-                            decode_extra=["--num-kv-blocks", str(POOL_BLOCKS), "--drain-timeout", "300"])
+    cluster = start_cluster(
+        num_prefill,
+        1,
+        model=str(tiny_model_dir),
+        extra=["--kv-timeout", KV_TIMEOUT],
+        decode_extra=["--num-kv-blocks", str(POOL_BLOCKS), "--drain-timeout", "300"],
+    )
     decode = cluster.decodes[0].address
     fake = StallingPrefill((await load(decode, cluster.secret)).compatibility, cluster.secret)
     return cluster, decode, fake, await fake.start()
@@ -46,20 +51,31 @@ async def test_stalled_writer_never_lands_in_the_next_request(tiny_model_dir):
     cluster, decode, fake, fake_address = await start_with_fake(tiny_model_dir, 1)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:  # 100 tokens: blocks 0..6 of a fresh pool
-            await generate(decode, cluster.secret, "stalled", [5 + i for i in range(100)], greedy(4),
-                           [fake_address], timeout=120)
+            await generate(
+                decode, cluster.secret, "stalled", [5 + i for i in range(100)], greedy(4), [fake_address], timeout=120
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert fake.stalled.is_set()
 
         victim = [7 + (i * 13) % 1700 for i in range(240)]
-        expected = LLM(tiny_model_dir, num_kv_blocks=64).generate(
-            [victim], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+        expected = (
+            LLM(tiny_model_dir, num_kv_blocks=64)
+            .generate([victim], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+            .outputs[0]
+            .token_ids
+        )
         tokens: list[int] = []
         async with grpc.aio.insecure_channel(decode) as ch:
-            call = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                request_id="victim", prompt_token_ids=victim, params=greedy(16, ignore_eos=True),
-                prefill_addresses=[cluster.prefills[0].address]), metadata=cluster_metadata(cluster.secret),
-                timeout=120)
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(
+                decode_pb2.GenerateRequest(
+                    request_id="victim",
+                    prompt_token_ids=victim,
+                    params=greedy(16, ignore_eos=True),
+                    prefill_addresses=[cluster.prefills[0].address],
+                ),
+                metadata=cluster_metadata(cluster.secret),
+                timeout=120,
+            )
             async for event in call:
                 if not tokens:  # the victim's KV is in the reused blocks: now the stalled host wakes up
                     fake.resume.set()
@@ -78,9 +94,16 @@ async def test_cancel_during_stall_frees_blocks_and_drains(tiny_model_dir):
     cluster, decode, fake, fake_address = await start_with_fake(tiny_model_dir, 0)
     try:
         async with grpc.aio.insecure_channel(decode) as ch:
-            call = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                request_id="cancelled", prompt_token_ids=[5 + i for i in range(100)], params=greedy(4),
-                prefill_addresses=[fake_address]), metadata=cluster_metadata(cluster.secret), timeout=120)
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(
+                decode_pb2.GenerateRequest(
+                    request_id="cancelled",
+                    prompt_token_ids=[5 + i for i in range(100)],
+                    params=greedy(4),
+                    prefill_addresses=[fake_address],
+                ),
+                metadata=cluster_metadata(cluster.secret),
+                timeout=120,
+            )
             reader = asyncio.ensure_future(call.read())
             assert await asyncio.get_running_loop().run_in_executor(None, fake.stalled.wait, 60)
             call.cancel()

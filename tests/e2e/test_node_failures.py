@@ -32,8 +32,9 @@ async def test_prefill_killed_mid_transfer_leaves_no_blocks(tiny_model_dir):
             r = await load(decode, cluster.secret)
             return r.num_free_blocks == r.num_total_blocks
 
-        task = asyncio.create_task(generate(decode, cluster.secret, "victim", long_prompt, greedy(4),
-                                            [dead.address], timeout=30))
+        task = asyncio.create_task(
+            generate(decode, cluster.secret, "victim", long_prompt, greedy(4), [dead.address], timeout=30)
+        )
 
         async def computing() -> bool:  # the prefill node holds the prompt's blocks: kill it now
             try:
@@ -49,8 +50,9 @@ async def test_prefill_killed_mid_transfer_leaves_no_blocks(tiny_model_dir):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert await until(decode_free, nominal=1.0)
         # a request naming a dead node first is retried on the next prefill node
-        tokens, events = await generate(decode, cluster.secret, "retry", [5, 6, 7, 8], greedy(5),
-                                        [dead.address, alive.address])
+        tokens, events = await generate(
+            decode, cluster.secret, "retry", [5, 6, 7, 8], greedy(5), [dead.address, alive.address]
+        )
         assert len(tokens) == 5 and events[-1].finish_reason == "length"
         assert await until(decode_free, nominal=1.0)
     finally:
@@ -62,10 +64,16 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_dir):
     try:
         decode = cluster.decodes[0]
         async with grpc.aio.insecure_channel(decode.address) as ch:
-            call = decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                request_id="draining", prompt_token_ids=[5, 6, 7], params=greedy(60, ignore_eos=True),
-                prefill_addresses=[cluster.prefills[0].address]), metadata=cluster_metadata(cluster.secret),
-                timeout=120)
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(
+                decode_pb2.GenerateRequest(
+                    request_id="draining",
+                    prompt_token_ids=[5, 6, 7],
+                    params=greedy(60, ignore_eos=True),
+                    prefill_addresses=[cluster.prefills[0].address],
+                ),
+                metadata=cluster_metadata(cluster.secret),
+                timeout=120,
+            )
             tokens = list((await call.read()).token_ids)  # in flight for sure: now SIGTERM
             decode.popen.send_signal(signal.SIGTERM)
             while (event := await call.read()) is not grpc.aio.EOF:  # it finishes during the drain
@@ -80,18 +88,22 @@ async def test_in_process_cluster_over_local_transport(tiny_model_dir):
     """Prefill and decode nodes in this process, KV copied by the in-process `local` transport."""
     from decode_node import DecodeNode
     from prefill_node import PrefillNode
+
     node, transfer = NodeOptions(cluster_secret="s"), TransferOptions(transport="local")
-    prefill = PrefillNode(NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=4096),
-                                     node, transfer))
+    prefill = PrefillNode(
+        NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=256, max_num_batched_tokens=4096), node, transfer)
+    )
     decode = DecodeNode(NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=256, preemption="never"), node, transfer))
     p_addr = await prefill.start()
     d_addr = await decode.start()
     try:
         prompts = [[5 + (i * 7 + j) % 1500 for j in range(10 + 9 * i)] for i in range(16)]
         ref = LLM(tiny_model_dir, num_kv_blocks=512).generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-        results = await asyncio.gather(*[generate(d_addr, "s", f"l{i}", p, greedy(12, ignore_eos=True), [p_addr])
-                                         for i, p in enumerate(prompts)])
+            prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        )
+        results = await asyncio.gather(
+            *[generate(d_addr, "s", f"l{i}", p, greedy(12, ignore_eos=True), [p_addr]) for i, p in enumerate(prompts)]
+        )
         assert [t for t, _ in results] == [r.outputs[0].token_ids for r in ref]
         assert decode.cachestore.num_sessions == 0
         for node_addr, role in ((d_addr, "decode"), (p_addr, "prefill")):
@@ -108,8 +120,14 @@ async def test_decode_health_follows_the_cachestore_listener(tiny_model_dir):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from decode_node import DecodeNode
-    decode = DecodeNode(NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64, preemption="never"),
-                                   NodeOptions(cluster_secret="s"), TransferOptions(transport="tcp")))
+
+    decode = DecodeNode(
+        NodeConfig(
+            EngineConfig(tiny_model_dir, num_kv_blocks=64, preemption="never"),
+            NodeOptions(cluster_secret="s"),
+            TransferOptions(transport="tcp"),
+        )
+    )
     address = await decode.start()
     try:
         async with grpc.aio.insecure_channel(address) as ch:
@@ -118,6 +136,7 @@ async def test_decode_health_follows_the_cachestore_listener(tiny_model_dir):
             def status_is(expected):
                 async def check() -> bool:
                     return (await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == expected
+
                 return check
 
             assert await until(status_is(health_pb2.HealthCheckResponse.SERVING), nominal=1.0)

@@ -40,8 +40,11 @@ def test_completion_and_stream_match_at_temperature_zero(client):
     full = client.completions.create(model=MODEL, prompt="The lighthouse keeper", max_tokens=12, temperature=0)
     assert full.choices[0].finish_reason in ("length", "stop")
     assert full.usage.prompt_tokens + full.usage.completion_tokens == full.usage.total_tokens
-    chunks = list(client.completions.create(model=MODEL, prompt="The lighthouse keeper", max_tokens=12,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The lighthouse keeper", max_tokens=12, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
 
 
@@ -49,8 +52,14 @@ def test_chat_and_stream_with_usage(client):
     messages = [{"role": "user", "content": "Tell me about the sea."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     assert full.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage = "", None
     for chunk in stream:
         if chunk.usage is not None:
@@ -64,35 +73,58 @@ def test_chat_and_stream_with_usage(client):
 
 
 def test_n_and_seed(client):
-    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0,
-                                    seed=3)
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0, seed=3)
     assert sorted(c.index for c in out.choices) == [0, 1]
-    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0,
-                                      seed=3)
+    again = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0, seed=3
+    )
     assert [c.text for c in out.choices] == [c.text for c in again.choices]
     assert out.usage.completion_tokens == 12
 
 
 def test_stop_strings(client):
-    base = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = base.choices[0].text
-    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip()), None)
+    stop = next((text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip()), None)
     if stop is None:
         pytest.skip("generated text too short to pick a stop string")
-    out = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True})
-    assert out.choices[0].text == text[:text.index(stop)]
+    out = client.completions.create(
+        model=MODEL,
+        prompt="The quick brown fox",
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == text[: text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0, stop=stop, stream=True,
-        extra_body={"ignore_eos": True}) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=16,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    )
     assert streamed == out.choices[0].text
 
 
 def test_logprobs(client):
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     entries = chat.choices[0].logprobs.content
     assert len(entries) == chat.usage.completion_tokens
     for e in entries:
@@ -110,38 +142,53 @@ def test_token_id_prompts_batches_and_echo(client):
     assert echo.choices[0].text.startswith("Echo me")
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": "", "max_tokens": 4},
-    {"prompt": "word " * 5000, "max_tokens": 4},
-    {"prompt": "hi", "max_tokens": 10**6},
-    {"prompt": "hi", "logprobs": 21},
-    {"prompt": [-1, 5], "max_tokens": 2},
-    {"prompt": [10**7], "max_tokens": 2},
-    {"prompt": "hi", "max_tokens": "many"},
-    {"prompt": "hi", "temperature": "hot"},
-    {"prompt": "hi", "stream_options": {"include_usage": True}},
-    {"prompt": "hi", "n": 0},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "", "max_tokens": 4},
+        {"prompt": "word " * 5000, "max_tokens": 4},
+        {"prompt": "hi", "max_tokens": 10**6},
+        {"prompt": "hi", "logprobs": 21},
+        {"prompt": [-1, 5], "max_tokens": 2},
+        {"prompt": [10**7], "max_tokens": 2},
+        {"prompt": "hi", "max_tokens": "many"},
+        {"prompt": "hi", "temperature": "hot"},
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        {"prompt": "hi", "n": 0},
+    ],
+)
 def test_completion_bad_input_is_400(stack, body):
     base = stack[1]
-    r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, **body},
-                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": MODEL, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"] and "param" in err and "code" in err
-    ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    ok = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
     assert ok.status_code == 200
 
 
 def test_chat_bad_input_invalid_json_unknown_model_and_keys(stack):
     base = stack[1]
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                        "logprobs": True, "top_logprobs": 21}, headers=auth)
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        headers=auth,
+    )
     assert r.status_code == 400
-    r = httpx.post(f"{base}/v1/chat/completions", content=b"{not json",
-                   headers={**auth, "content-type": "application/json"})
+    r = httpx.post(
+        f"{base}/v1/chat/completions", content=b"{not json", headers={**auth, "content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": "hello"}, headers=auth)
     assert r.status_code == 400
@@ -150,8 +197,9 @@ def test_chat_bad_input_invalid_json_unknown_model_and_keys(stack):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.post(f"{base}/v1/completions", content=b"x" * (5 * 1024 * 1024),
-                   headers={**auth, "content-type": "application/json"})
+    r = httpx.post(
+        f"{base}/v1/completions", content=b"x" * (5 * 1024 * 1024), headers={**auth, "content-type": "application/json"}
+    )
     assert r.status_code == 413
 
 
@@ -160,8 +208,10 @@ def test_chunked_upload_over_the_limit_is_413_not_buffered(stack):
     host, port = stack[1].rsplit("//", 1)[1].split(":")
     chunk = b"x" * 65536
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
-                  "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
         sent = 0
         try:
             while sent < 64 * 1024 * 1024:  # 64 MiB offered; the router must answer long before

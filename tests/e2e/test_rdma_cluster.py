@@ -20,13 +20,17 @@ pytestmark = pytest.mark.e2e
 async def test_rdma_cluster_on_the_emulated_device_equals_llm(tiny_model_dir):
     prompts = mixed_prompts(4, seed=11)
     expected = LLM(tiny_model_dir, num_kv_blocks=256).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )
     cluster = start_cluster(1, 1, transport="rdma", model=str(tiny_model_dir), env={"PDSERVE_RDMA_EMULATOR": "1"})
     try:
         decode, prefill = cluster.decodes[0].address, cluster.prefills[0].address
-        results = await asyncio.gather(*[
-            generate(decode, cluster.secret, f"rdma-{i}", p, greedy(12, ignore_eos=True), [prefill], timeout=120)
-            for i, p in enumerate(prompts)])
+        results = await asyncio.gather(
+            *[
+                generate(decode, cluster.secret, f"rdma-{i}", p, greedy(12, ignore_eos=True), [prefill], timeout=120)
+                for i, p in enumerate(prompts)
+            ]
+        )
         for (tokens, events), exp in zip(results, expected):
             assert tokens == exp.outputs[0].token_ids
             assert events[-1].finish_reason == "length"

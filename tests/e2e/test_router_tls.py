@@ -18,12 +18,46 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make a test certificate")
 def test_router_speaks_tls(tmp_path, tiny_model_dir):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     port = free_port()
     # no nodes behind it: /health must answer 503 in the OpenAI error shape, over TLS
-    router = start("router", ["--port", str(port), "--model", str(tiny_model_dir), "--ssl-certfile", str(cert),
-                              "--ssl-keyfile", str(key), "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:9"])
+    router = start(
+        "router",
+        [
+            "--port",
+            str(port),
+            "--model",
+            str(tiny_model_dir),
+            "--ssl-certfile",
+            str(cert),
+            "--ssl-keyfile",
+            str(key),
+            "--prefill",
+            "127.0.0.1:9",
+            "--decode",
+            "127.0.0.1:9",
+        ],
+    )
     try:
         deadline = time.monotonic() + 30
         while True:

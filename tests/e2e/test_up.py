@@ -20,9 +20,16 @@ pytestmark = pytest.mark.e2e
 
 
 def chat(port: int) -> httpx.Response:
-    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-        "model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16,
-        "temperature": 0})
+    return httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "pdserve-tiny",
+            "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": 16,
+            "temperature": 0,
+        },
+    )
 
 
 def wait_for(pred, timeout: float, what: str) -> None:
@@ -44,9 +51,15 @@ def usable_decodes(port: int) -> int:
 
 def test_up_serves_heals_a_killed_node_and_stops_on_sigint():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
     lines: list[str] = []
     up = threading.Event()
 

@@ -13,15 +13,26 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
 
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=2048, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
-                  num_attention_heads=6, max_position_embeddings=1024)
+    common = dict(
+        vocab_size=2048,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        max_position_embeddings=1024,
+    )
     if kind == "gqa":
         cfg, cls = LlamaConfig(num_key_value_heads=2, **common), LlamaForCausalLM
     elif kind == "qwen2":
         cfg, cls = Qwen2Config(num_key_value_heads=3, tie_word_embeddings=True, **common), Qwen2ForCausalLM
     elif kind == "llama3":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         cfg, cls = LlamaConfig(num_key_value_heads=3, rope_scaling=rope, rope_theta=50000.0, **common), LlamaForCausalLM
     else:
         raise ValueError(kind)

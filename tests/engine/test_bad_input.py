@@ -12,12 +12,15 @@ def llm(tiny_model_dir):
     return LLM(tiny_model_dir, num_kv_blocks=64, max_model_len=128)
 
 
-@pytest.mark.parametrize("prompt,match", [
-    ([], "empty"),
-    ([5] * 200, "max_model_len"),
-    ([5, -1], "outside the vocabulary"),
-    ([5, 10**6], "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        ([], "empty"),
+        ([5] * 200, "max_model_len"),
+        ([5, -1], "outside the vocabulary"),
+        ([5, 10**6], "outside the vocabulary"),
+    ],
+)
 def test_rejected_then_still_serving(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[5, 6], prompt], SamplingParams(max_tokens=4))
@@ -38,5 +41,5 @@ def test_stop_tokens_and_strings(llm):
     stop_id = base.token_ids[3]
     first = base.token_ids.index(stop_id)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_id]))
-    assert out[0].outputs[0].token_ids == base.token_ids[:first + 1]
+    assert out[0].outputs[0].token_ids == base.token_ids[: first + 1]
     assert out[0].outputs[0].finish_reason == "stop"

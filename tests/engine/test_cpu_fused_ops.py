@@ -25,7 +25,7 @@ def ops_built():
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     if a.dtype == torch.bfloat16:  # one bf16 ulp (2**-7 relative) at most, from float32 rounding order
-        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
     else:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -76,8 +76,9 @@ class _Rope:
 def test_rotary_matches_eager_and_leaves_v_alone(rows, hq, hkv, d, dtype):
     g = torch.Generator().manual_seed(rows * d + hq)
     qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g).to(dtype)
-    cos, sin = RotaryEmbedding(_Rope(d), torch.device("cpu")).cos_sin(torch.randint(0, 4096, (rows,), generator=g),
-                                                                       dtype)
+    cos, sin = RotaryEmbedding(_Rope(d), torch.device("cpu")).cos_sin(
+        torch.randint(0, 4096, (rows,), generator=g), dtype
+    )
     q_e, k_e, v_e = EagerOps.rotate_qk(qkv.clone(), cos, sin, hq, hkv, d)
     q_f, k_f, v_f = CpuFusedOps.rotate_qk(qkv.clone(), cos, sin, hq, hkv, d)
     _close(q_f, q_e)
@@ -131,17 +132,25 @@ def test_bf16_model_logprobs_match_the_eager_and_torch_paths(tiny_model_dir):
     from engine.model_runner import ModelRunner
 
     def runner(backend: str, fused_ops: bool = True) -> ModelRunner:
-        r = ModelRunner(tiny_model_dir, dtype="bfloat16", num_kv_blocks=8, block_size=4,
-                        attention_backend=backend, fused_ops=fused_ops)
+        r = ModelRunner(
+            tiny_model_dir,
+            dtype="bfloat16",
+            num_kv_blocks=8,
+            block_size=4,
+            attention_backend=backend,
+            fused_ops=fused_ops,
+        )
         r.attention.wait_ready()
         return r
 
     fused, eager, reference = runner("cpu_paged"), runner("cpu_paged", fused_ops=False), runner("torch")
     assert fused.attention.uses_kernel
     tables = [[0, 1, 2], [3, 4, 5]]
-    steps = [ForwardBatch(["a", "b"], list(range(5, 17)), [7, 5], [7, 5], tables, [True, True]),
-             ForwardBatch(["a", "b"], [20, 21], [1, 1], [8, 6], tables, [True, True]),
-             ForwardBatch(["a", "b"], [22, 23], [1, 1], [9, 7], tables, [True, True])]
+    steps = [
+        ForwardBatch(["a", "b"], list(range(5, 17)), [7, 5], [7, 5], tables, [True, True]),
+        ForwardBatch(["a", "b"], [20, 21], [1, 1], [8, 6], tables, [True, True]),
+        ForwardBatch(["a", "b"], [22, 23], [1, 1], [9, 7], tables, [True, True]),
+    ]
     for batch in steps:
         got, plain, want = (torch.log_softmax(r.run(batch), dim=-1) for r in (fused, eager, reference))
         assert float((got - plain).abs().max()) <= BF16_FUSED_ATOL

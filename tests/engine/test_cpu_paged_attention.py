@@ -70,7 +70,7 @@ def test_matches_reference_on_random_ragged_batches(op, seed, dtype):
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    scale = d ** -0.5
+    scale = d**-0.5
     got = op(q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), scale)
     want = _reference(q, kv, tables, q_lens, ctxs, block_size, scale)
     atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
@@ -82,18 +82,26 @@ def test_rejects_mismatched_shapes(op):
     q = torch.randn(2, 4, 16)
     kv = torch.randn(4, 2, 3, 8, 16)  # 4 query heads over 3 kv heads: not a whole group
     with pytest.raises(RuntimeError, match="head shapes"):
-        op(q, kv, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
-           torch.tensor([1, 1], dtype=torch.int32), 1.0)
+        op(
+            q,
+            kv,
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.tensor([1, 1], dtype=torch.int32),
+            1.0,
+        )
 
 
 def test_backend_falls_back_without_the_op(monkeypatch):
     """No compiler (forced here) must still give a working backend: the torch path."""
     import engine.attention.cpu_build as build
+
     monkeypatch.setattr(build, "_tried", False)
     monkeypatch.setattr(build, "_op", None)
     monkeypatch.setattr(build, "_thread", None)
     monkeypatch.setenv("PDSERVE_NO_CPU_KERNEL", "1")
     from engine.attention.cpu_paged_backend import CpuPagedAttention
+
     backend = CpuPagedAttention()
     backend.wait_ready()  # the background build has decided (and will not run again)
     assert not backend.uses_kernel
@@ -105,8 +113,8 @@ def test_store_kv_equals_index_assignment(op, dtype):
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(9, 2, 3, 8, 17, generator=g).to(dtype)
     qkv = torch.randn(11, (5 + 2 * 3) * 17, generator=g).to(dtype)  # k, v: row views of a fused projection
-    k = qkv[:, 5 * 17:8 * 17].view(11, 3, 17)
-    v = qkv[:, 8 * 17:].view(11, 3, 17)
+    k = qkv[:, 5 * 17 : 8 * 17].view(11, 3, 17)
+    v = qkv[:, 8 * 17 :].view(11, 3, 17)
     slots = torch.randperm(9 * 8, generator=g)[:11]
     blocks, offsets = slots // 8, slots % 8
     expected = kv.clone()

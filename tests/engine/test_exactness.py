@@ -25,6 +25,7 @@ BACKENDS = ["torch", "cpu_paged"]
 @pytest.fixture(scope="module", params=[(c, b) for c in CASES for b in BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request, tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
+
     kind, backend = request.param
     if kind == "builtin":
         model_dir = tiny_model_dir
@@ -45,9 +46,15 @@ def _prompts(n: int, seed: int, prefix: list[int] | None = None) -> list[list[in
 
 def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
-    ids = out.sequences[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            min_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ids = out.sequences[0, len(prompt) :].tolist()
     logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
     return ids, logprobs
 

@@ -20,13 +20,15 @@ def test_layer_slices_load_only_what_they_need(tiny_model_dir):
     assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
     assert "model.norm.weight" in last and "model.embed_tokens.weight" not in last
     assert not any(".layers.2." in n for n in first) and not any(".layers.1." in n for n in last)
-    tied = ModelConfig.from_dict({**json.loads((tiny_model_dir / "config.json").read_text()),
-                                  "tie_word_embeddings": True})
+    tied = ModelConfig.from_dict(
+        {**json.loads((tiny_model_dir / "config.json").read_text()), "tie_word_embeddings": True}
+    )
     assert "model.embed_tokens.weight" in needed_tensor_names(tied, (2, 4))
 
 
 def test_pipeline_slices_compose_to_the_full_model(tiny_model_dir):
     from engine.forward_batch import ForwardBatch
+
     batch = ForwardBatch(["a"], [5, 6, 7, 8, 9], [5], [5], [[0, 1]], [True])
     full = ModelRunner(tiny_model_dir, num_kv_blocks=8, block_size=4).run(batch)
     head = ModelRunner(tiny_model_dir, num_kv_blocks=8, block_size=4, layer_range=(0, 2))
@@ -39,8 +41,14 @@ def test_pipeline_slices_compose_to_the_full_model(tiny_model_dir):
 
 
 def test_rejects_unsupported_architecture_and_rope():
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
@@ -70,6 +78,7 @@ def test_tiny_model_is_deterministic_and_fast(tmp_path, tiny_model_dir):
 
 def test_transformers_loads_the_builtin_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model.config.num_hidden_layers == 4
     assert AutoTokenizer.from_pretrained(tiny_model_dir).chat_template

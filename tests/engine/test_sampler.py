@@ -17,7 +17,7 @@ def req(params: SamplingParams, prompt=(1, 2), output=()) -> Request:
 def test_greedy_and_logprobs_of_raw_logits():
     logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]])
     r = req(SamplingParams(temperature=0.0, logprobs=2, presence_penalty=2.0), output=[1])
-    (token, lp), = Sampler()(logits, [r], {})
+    ((token, lp),) = Sampler()(logits, [r], {})
     raw = torch.log_softmax(logits[0], -1)
     assert token == 1  # penalty 2.0 on token 1: 3.0 - 2.0 = 1.0 ties token 2, argmax takes the first
     assert lp.logprob == pytest.approx(float(raw[1]))
@@ -35,8 +35,12 @@ def test_penalties():
 
 def test_top_k_top_p_min_p_restrict_support():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    for params, allowed in [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.6), {0, 1}),
-                            (SamplingParams(min_p=0.5), {0, 1}), (SamplingParams(top_p=0.1), {0})]:
+    for params, allowed in [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.6), {0, 1}),
+        (SamplingParams(min_p=0.5), {0, 1}),
+        (SamplingParams(top_p=0.1), {0}),
+    ]:
         gen = make_generator(0)
         seen = {sample_one(logits, req(params), gen) for _ in range(200)}
         assert seen == allowed, (params, seen)
@@ -50,11 +54,24 @@ def test_seed_reproducible_and_temperature_spreads():
     assert a == b and len(set(a)) > 5
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
-    ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-    ("max_tokens", 0), ("logprobs", 21), ("n", 0), ("min_tokens", -1), ("stop", [""]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("logprobs", 21),
+        ("n", 0),
+        ("min_tokens", -1),
+        ("stop", [""]),
+    ],
+)
 def test_bad_params_name_the_parameter(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -10,6 +10,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 def flashinfer_or_skip() -> None:
     from pdserve.commands.device_args import flashinfer_available
+
     if not flashinfer_available():
         pytest.skip("flashinfer is not installed")
 

@@ -33,21 +33,31 @@ def _params() -> SamplingParams:
 @pytest.fixture(scope="module")
 def hf_models(tiny_model_dir):
     from transformers import AutoModelForCausalLM
+
     cache = {}
 
     def get(dtype: str):
         if dtype not in cache:
-            cache[dtype] = AutoModelForCausalLM.from_pretrained(
-                tiny_model_dir, dtype=getattr(torch, dtype)).to("cuda").eval()
+            cache[dtype] = (
+                AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=getattr(torch, dtype)).to("cuda").eval()
+            )
         return cache[dtype]
+
     return get
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_engine_on_cuda_matches_transformers(tiny_model_dir, hf_models, dtype):
     hf = hf_models(dtype)
-    llm = LLM(tiny_model_dir, device="cuda", dtype=dtype, attention_backend="torch", num_kv_blocks=512,
-              block_size=8, max_num_batched_tokens=128)
+    llm = LLM(
+        tiny_model_dir,
+        device="cuda",
+        dtype=dtype,
+        attention_backend="torch",
+        num_kv_blocks=512,
+        block_size=8,
+        max_num_batched_tokens=128,
+    )
     assert llm.engine.runner.kv_pool.tensor.is_cuda
     prompts = _prompts(8, seed=1) + _prompts(4, seed=2, prefix_len=40)
     outputs = llm.generate(prompts, _params())
@@ -56,7 +66,7 @@ def test_engine_on_cuda_matches_transformers(tiny_model_dir, hf_models, dtype):
         comp = out.outputs[0]
         seq = torch.tensor([prompt + comp.token_ids[:-1]], device="cuda")
         with torch.no_grad():
-            logits = hf(seq).logits[0, len(prompt) - 1:].float()
+            logits = hf(seq).logits[0, len(prompt) - 1 :].float()
         ref = torch.log_softmax(logits, dim=-1)
         got = torch.tensor([lp.logprob for lp in comp.logprobs], device="cuda")
         want = ref[torch.arange(NEW_TOKENS, device="cuda"), torch.tensor(comp.token_ids, device="cuda")]
@@ -75,6 +85,7 @@ def test_flashinfer_backend_matches_torch_backend(dtype):
     """On the `bench` model (head_dim 64, GQA 3:1): flashinfer's kernels cover that head size."""
     flashinfer_or_skip()
     from engine.builtin import default_model_dir
+
     model = default_model_dir("bench")
     kwargs = dict(device="cuda", dtype=dtype, num_kv_blocks=512, block_size=16, max_num_batched_tokens=128)
     ref = LLM(model, attention_backend="torch", **kwargs)

@@ -42,10 +42,11 @@ async def test_cuda_pools_are_staged_after_each_layers_event(monkeypatch):
                 torch.cuda._sleep(20_000_000)  # the layer's "kernels" take a while
                 for b in blocks:
                     start = GEO.offset(layer, b)
-                    src[start:start + GEO.block_bytes].fill_(layer * 16 + b)
+                    src[start : start + GEO.block_bytes].fill_(layer * 16 + b)
                 event = torch.cuda.Event()
                 event.record()
                 tx.write_layer(layer, blocks, event)
+
         t = threading.Thread(target=engine, name="engine-thread")
         t.start()
         t.join(60)
@@ -57,7 +58,7 @@ async def test_cuda_pools_are_staged_after_each_layers_event(monkeypatch):
         for layer in range(GEO.num_layers):
             for s, d in zip(blocks, dst_blocks):
                 start = GEO.offset(layer, d)
-                got = dst[start:start + GEO.block_bytes]
+                got = dst[start : start + GEO.block_bytes]
                 assert bool((got == layer * 16 + s).all()), (layer, s, d)
         reg = tx._channel._res.registration
         assert reg.mode == rdma_memory.STAGING and reg.staging.is_pinned()
@@ -71,13 +72,29 @@ async def test_one_gpu_cluster_over_emulated_rdma_equals_llm(tiny_model_dir):
     reference = LLM(tiny_model_dir, device="cuda", dtype="float32", attention_backend="torch", num_kv_blocks=1024)
     prompts = mixed_prompts(6, seed=13)
     expected = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
-    cluster = start_cluster(1, 1, transport="rdma", model=str(tiny_model_dir), env={"PDSERVE_RDMA_EMULATOR": "1"},
-                            extra=["--device", "cuda", "--attention-backend", "torch", "--dtype", "float32"])
+    cluster = start_cluster(
+        1,
+        1,
+        transport="rdma",
+        model=str(tiny_model_dir),
+        env={"PDSERVE_RDMA_EMULATOR": "1"},
+        extra=["--device", "cuda", "--attention-backend", "torch", "--dtype", "float32"],
+    )
     try:
-        results = await asyncio.gather(*[
-            generate(cluster.decodes[0].address, cluster.secret, f"gr{i}", p, greedy(16, ignore_eos=True),
-                     [cluster.prefills[0].address], timeout=120)
-            for i, p in enumerate(prompts)])
+        results = await asyncio.gather(
+            *[
+                generate(
+                    cluster.decodes[0].address,
+                    cluster.secret,
+                    f"gr{i}",
+                    p,
+                    greedy(16, ignore_eos=True),
+                    [cluster.prefills[0].address],
+                    timeout=120,
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
         for (tokens, _), exp in zip(results, expected):
             assert tokens == exp.outputs[0].token_ids
     finally:

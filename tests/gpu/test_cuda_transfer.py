@@ -35,8 +35,12 @@ def test_staging_read_waits_for_the_layer_event():
 
 @pytest.fixture(scope="module")
 def gpu_cluster(tiny_model_dir):
-    c = start_cluster(1, 2, model=str(tiny_model_dir),
-                      extra=["--device", "cuda", "--attention-backend", "torch", "--dtype", "float32"])
+    c = start_cluster(
+        1,
+        2,
+        model=str(tiny_model_dir),
+        extra=["--device", "cuda", "--attention-backend", "torch", "--dtype", "float32"],
+    )
     try:
         yield c
     finally:
@@ -48,10 +52,20 @@ async def test_one_gpu_cluster_over_tcp_equals_llm(gpu_cluster, tiny_model_dir):
     prompts = mixed_prompts(16, seed=11)
     expected = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     prefill = [gpu_cluster.prefills[0].address]
-    results = await asyncio.gather(*[
-        generate(gpu_cluster.decodes[i % 2].address, gpu_cluster.secret, f"g{i}", p, greedy(24, ignore_eos=True),
-                 prefill, timeout=120)
-        for i, p in enumerate(prompts)])
+    results = await asyncio.gather(
+        *[
+            generate(
+                gpu_cluster.decodes[i % 2].address,
+                gpu_cluster.secret,
+                f"g{i}",
+                p,
+                greedy(24, ignore_eos=True),
+                prefill,
+                timeout=120,
+            )
+            for i, p in enumerate(prompts)
+        ]
+    )
     for (tokens, _), exp in zip(results, expected):
         assert tokens == exp.outputs[0].token_ids
     await all_free(gpu_cluster, nominal=10.0)

@@ -24,8 +24,9 @@ def _check(model_dir, num_stages: int, backend: str, dtype: str) -> None:
     reqs = [PipeRequest(f"r{i}", llm.tokenizer.encode(p), 16) for i, p in enumerate(PROMPTS)]
     del llm
     torch.cuda.empty_cache()
-    cfg = StageConfig(str(model_dir), num_kv_blocks=64, block_size=16, device="cuda", dtype=dtype,
-                      attention_backend=backend)
+    cfg = StageConfig(
+        str(model_dir), num_kv_blocks=64, block_size=16, device="cuda", dtype=dtype, attention_backend=backend
+    )
     stats, timelines = run_local_pipeline(cfg, num_stages, reqs, policy="tdpipe")
     assert stats.output_tokens == 16 * len(reqs)
     agree = sum(r.output_ids == e for r, e in zip(reqs, expected))
@@ -46,4 +47,5 @@ def test_one_stage_flashinfer() -> None:
     """On the `bench` model: flashinfer's prefill kernels have no head_dim 32 (the tiny model's)."""
     flashinfer_or_skip()
     from engine.builtin import default_model_dir
+
     _check(default_model_dir("bench"), 1, "flashinfer", "bfloat16")

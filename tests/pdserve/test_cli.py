@@ -30,6 +30,7 @@ def test_advertise_host(monkeypatch):
 
 def test_api_keys_come_from_flags_files_and_env_so_they_can_stay_out_of_ps(tmp_path, monkeypatch):
     from pdserve.commands.router import api_keys
+
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     monkeypatch.delenv("PDSERVE_API_KEYS", raising=False)
     keyfile = tmp_path / "keys"

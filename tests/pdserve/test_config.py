@@ -17,8 +17,15 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def _value_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
     """Flags that take one value (store actions with a long option), the generic case."""
-    return [a for a in p._actions if type(a).__name__ == "_StoreAction" and a.option_strings
-            and a.option_strings[-1].startswith("--") and a.nargs is None and flag_is_not_config(a)]
+    return [
+        a
+        for a in p._actions
+        if type(a).__name__ == "_StoreAction"
+        and a.option_strings
+        and a.option_strings[-1].startswith("--")
+        and a.nargs is None
+        and flag_is_not_config(a)
+    ]
 
 
 def flag_is_not_config(action: argparse.Action) -> bool:
@@ -50,16 +57,22 @@ def test_every_value_flag_of_every_command_reads_env_and_config(tmp_path, monkey
             if action.type not in (None, str, int, float):
                 continue  # a custom parser type: its own tests cover values
             # every other required flag on the command line, so that only `flag` comes from env/config
-            argv = [command] + positional + [x for r in required if r is not action
-                                             for x in (r.option_strings[-1], _sample(r)[0])]
+            argv = (
+                [command]
+                + positional
+                + [x for r in required if r is not action for x in (r.option_strings[-1], _sample(r)[0])]
+            )
             text, parsed = _sample(action)
             monkeypatch.setenv(env_name(flag), text)
             assert getattr(build_parser().parse_args(argv), action.dest) == parsed, (command, flag, "env")
             monkeypatch.delenv(env_name(flag))
             cfg = tmp_path / "c.yaml"
             cfg.write_text(f"{flag.lstrip('-')}: '{text}'\n")
-            assert getattr(build_parser().parse_args(argv + ["--config", str(cfg)]), action.dest) == parsed, \
-                (command, flag, "config")
+            assert getattr(build_parser().parse_args(argv + ["--config", str(cfg)]), action.dest) == parsed, (
+                command,
+                flag,
+                "config",
+            )
             checked += 1
     assert checked > 20
 

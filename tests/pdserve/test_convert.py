@@ -20,13 +20,39 @@ def test_every_proto_sampling_field_is_an_engine_field_of_the_same_name():
 
 def test_every_field_arrives():
     pb = common_pb2.SamplingParams(
-        temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=11, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.25, max_tokens=9, min_tokens=2, stop=["\n\n"], stop_token_ids=[3, 4], ignore_eos=True,
-        logprobs=2, include_stop_str_in_output=True)
+        temperature=0.5,
+        top_p=0.75,
+        top_k=7,
+        min_p=0.125,
+        seed=11,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.25,
+        max_tokens=9,
+        min_tokens=2,
+        stop=["\n\n"],
+        stop_token_ids=[3, 4],
+        ignore_eos=True,
+        logprobs=2,
+        include_stop_str_in_output=True,
+    )
     assert params_from_pb(pb) == SamplingParams(
-        temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=11, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.25, max_tokens=9, min_tokens=2, stop=("\n\n",), stop_token_ids=(3, 4), ignore_eos=True,
-        logprobs=2, include_stop_str_in_output=True)
+        temperature=0.5,
+        top_p=0.75,
+        top_k=7,
+        min_p=0.125,
+        seed=11,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.25,
+        max_tokens=9,
+        min_tokens=2,
+        stop=("\n\n",),
+        stop_token_ids=(3, 4),
+        ignore_eos=True,
+        logprobs=2,
+        include_stop_str_in_output=True,
+    )
 
 
 def test_unset_optional_fields_take_the_engine_defaults():
@@ -34,12 +60,15 @@ def test_unset_optional_fields_take_the_engine_defaults():
     assert (params.top_p, params.repetition_penalty, params.seed, params.logprobs) == (1.0, 1.0, None, None)
 
 
-@pytest.mark.parametrize("fields, name", [
-    ({}, "max_tokens"),  # unset: required
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 4, "top_p": 0.0}, "top_p"),  # 0 is a value (out of range), never "unset"
-    ({"max_tokens": 4, "repetition_penalty": 0.0}, "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        ({}, "max_tokens"),  # unset: required
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 4, "top_p": 0.0}, "top_p"),  # 0 is a value (out of range), never "unset"
+        ({"max_tokens": 4, "repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
 def test_zero_is_never_unset(fields, name):
     with pytest.raises(ValueError, match=f"invalid sampling parameter {name}"):
         params_from_pb(common_pb2.SamplingParams(**fields))

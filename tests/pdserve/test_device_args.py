@@ -24,13 +24,20 @@ def test_defaults_and_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_DEVICE", "cpu")
     assert device_options(_parse([])) == {"device": "cpu", "attention_backend": "torch"}
     assert device_flags(_parse(["--device", "cuda:1", "--attention-backend", "flashinfer"])) == [
-        "--device", "cuda:1", "--attention-backend", "flashinfer"]
+        "--device",
+        "cuda:1",
+        "--attention-backend",
+        "flashinfer",
+    ]
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--device", "gpu0"], "cpu, cuda or cuda:N"),
-    (["--attention-backend", "flashinfer"], "needs --device cuda"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--device", "gpu0"], "cpu, cuda or cuda:N"),
+        (["--attention-backend", "flashinfer"], "needs --device cuda"),
+    ],
+)
 def test_bad_choices_are_refused_with_the_reason(argv, match, monkeypatch):
     monkeypatch.delenv("PDSERVE_DEVICE", raising=False)
     with pytest.raises(ValueError, match=match):
@@ -52,5 +59,6 @@ def test_flashinfer_is_never_chosen_for_float32():
 
 def test_node_exits_2_with_the_reason(capsys):
     from pdserve.cli import main
+
     with pytest.raises(SystemExit, match="needs --device cuda"):
         main(["prefill", "--attention-backend", "flashinfer", "--port", "0"])

@@ -67,10 +67,27 @@ def test_node_process_exits_nonzero_when_its_engine_dies(tiny_model_dir):
     import grpc
 
     from tests.e2e.grpc_client import generate, greedy
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, "decode", "--port", "0", "--colocated",
-                             "--model", str(tiny_model_dir), "--num-kv-blocks", "64"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_SECRET"})
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            "decode",
+            "--port",
+            "0",
+            "--colocated",
+            "--model",
+            str(tiny_model_dir),
+            "--num-kv-blocks",
+            "64",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_SECRET"},
+    )
     try:
         address = None
         for line in proc.stdout:

@@ -11,16 +11,19 @@ from pdserve.runtime.engine_loop import EngineDeadError
 from pdserve.runtime.grpc_errors import ErrorInterceptor, IncompatiblePeer, NodeUnavailable, RequestAborted, status_of
 
 
-@pytest.mark.parametrize("error, code", [
-    (ValueError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
-    (AdmissionError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (IncompatiblePeer("other model"), grpc.StatusCode.FAILED_PRECONDITION),
-    (TransferError("lost"), grpc.StatusCode.UNAVAILABLE),
-    (SessionError("expired"), grpc.StatusCode.UNAVAILABLE),
-    (NodeUnavailable("draining"), grpc.StatusCode.UNAVAILABLE),
-    (EngineDeadError("dead"), grpc.StatusCode.UNAVAILABLE),
-    (RequestAborted("aborted"), grpc.StatusCode.ABORTED),
-])
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (ValueError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+        (AdmissionError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (IncompatiblePeer("other model"), grpc.StatusCode.FAILED_PRECONDITION),
+        (TransferError("lost"), grpc.StatusCode.UNAVAILABLE),
+        (SessionError("expired"), grpc.StatusCode.UNAVAILABLE),
+        (NodeUnavailable("draining"), grpc.StatusCode.UNAVAILABLE),
+        (EngineDeadError("dead"), grpc.StatusCode.UNAVAILABLE),
+        (RequestAborted("aborted"), grpc.StatusCode.ABORTED),
+    ],
+)
 def test_each_exception_has_its_code_and_keeps_its_message(error, code):
     assert status_of(error) == (code, str(error))
 

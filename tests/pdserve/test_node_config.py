@@ -82,11 +82,33 @@ def test_unset_flags_leave_the_dataclass_defaults_except_each_roles_own(monkeypa
 
 def test_node_and_transfer_flags_reach_the_config(monkeypatch):
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "s3")
-    config = _node("decode", ["--host", "0.0.0.0", "--advertise-host", "node-a", "--metrics-port", "9", "--colocated",
-                              "--transport", "rdma", "--kv-timeout", "5", "--cachestore-port", "7000",
-                              "--rdma-qps", "3", "--discovery", "k8s", "--k8s-decode-service", "d:1"])
-    assert config.node == NodeOptions(host="0.0.0.0", port=50071, metrics_port=9, cluster_secret="s3",
-                                      advertise_host="node-a", colocated=True)
+    config = _node(
+        "decode",
+        [
+            "--host",
+            "0.0.0.0",
+            "--advertise-host",
+            "node-a",
+            "--metrics-port",
+            "9",
+            "--colocated",
+            "--transport",
+            "rdma",
+            "--kv-timeout",
+            "5",
+            "--cachestore-port",
+            "7000",
+            "--rdma-qps",
+            "3",
+            "--discovery",
+            "k8s",
+            "--k8s-decode-service",
+            "d:1",
+        ],
+    )
+    assert config.node == NodeOptions(
+        host="0.0.0.0", port=50071, metrics_port=9, cluster_secret="s3", advertise_host="node-a", colocated=True
+    )
     assert config.transfer == TransferOptions(transport="rdma", kv_timeout=5.0, cachestore_port=7000, rdma_qps=3)
     assert config.discovery == DiscoveryConfig(discovery="k8s", k8s_decode_service="d:1")
 
@@ -111,9 +133,25 @@ def test_router_config_from_flags_and_defaults(monkeypatch):
     config = router_config(build_parser().parse_args(["router"]))
     assert (config.host, config.port, config.api_keys, config.log_level) == ("127.0.0.1", 8000, (), "info")
     assert config.cluster == ClusterOptions() and config.discovery == DiscoveryConfig()
-    config = router_config(build_parser().parse_args(
-        ["router", "--port", "9", "--token-timeout", "3", "--cluster-secret", "s", "--decode", "h:1",
-         "--api-key", "k", "--max-prompt-tokens", "50"]))
+    config = router_config(
+        build_parser().parse_args(
+            [
+                "router",
+                "--port",
+                "9",
+                "--token-timeout",
+                "3",
+                "--cluster-secret",
+                "s",
+                "--decode",
+                "h:1",
+                "--api-key",
+                "k",
+                "--max-prompt-tokens",
+                "50",
+            ]
+        )
+    )
     assert config.cluster == ClusterOptions(cluster_secret="s", deadlines=Deadlines(token_timeout=3.0))
     assert (config.port, config.api_keys, config.max_prompt_tokens, config.discovery.decode) == (9, ("k",), 50, "h:1")
     with pytest.raises(SystemExit, match="hung_after must be > 0"):

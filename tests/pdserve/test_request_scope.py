@@ -14,8 +14,9 @@ from pdserve.runtime.node_config import NodeConfig
 
 
 def queue_time_count(rt: NodeRuntime) -> float:
-    return rt.metrics.registry.get_sample_value("pdserve_queue_time_seconds_count",
-                                                {"role": rt.role, "model_name": "pdserve-tiny"})
+    return rt.metrics.registry.get_sample_value(
+        "pdserve_queue_time_seconds_count", {"role": rt.role, "model_name": "pdserve-tiny"}
+    )
 
 
 async def test_a_request_is_counted_observed_once_and_ended_once(tiny_model_dir):
@@ -29,8 +30,9 @@ async def test_a_request_is_counted_observed_once_and_ended_once(tiny_model_dir)
     try:
         async with rt.request("r1", end, event="admit") as scope:
             assert rt.inflight == 1
-            await rt.loop_thread.call(rt.engine.add_request, "r1", [1, 2, 3],
-                                      SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+            await rt.loop_thread.call(
+                rt.engine.add_request, "r1", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            )
             while not scope.finished:
                 scope.finished = (await asyncio.wait_for(scope.next_output(), 30)).finished
         assert rt.inflight == 0 and ends == [True]

@@ -47,8 +47,11 @@ def test_dead_process_is_restarted_on_its_port_then_a_crash_loop_stops():
     def command(port: int) -> list[str]:
         ports.append(port)
         # prints many lines (the tail must stay bounded), then READY, then dies
-        return [sys.executable, "-c", f"[print(i) for i in range({LOG_TAIL_LINES * 3})]; "
-                                      f"print('READY x 127.0.0.1:{port}', flush=True)"]
+        return [
+            sys.executable,
+            "-c",
+            f"[print(i) for i in range({LOG_TAIL_LINES * 3})]; print('READY x 127.0.0.1:{port}', flush=True)",
+        ]
 
     logs: list[str] = []
     m = Supervised("node", command, 4321, {}, RestartPolicy(max_restarts=2, window=60.0, base_delay=0.01))
@@ -68,10 +71,13 @@ def test_children_die_with_a_killed_supervisor():
     import os
     import signal
     import subprocess
-    code = ("import sys, time; from pdserve.runtime.supervisor import Child; "
-            "c = Child('x', [sys.executable, '-c', "
-            "'import time; print(\"READY x 1\", flush=True); time.sleep(60)'], {}); "
-            "c.wait_ready(time.monotonic() + 30); print(c.popen.pid, flush=True); time.sleep(60)")
+
+    code = (
+        "import sys, time; from pdserve.runtime.supervisor import Child; "
+        "c = Child('x', [sys.executable, '-c', "
+        "'import time; print(\"READY x 1\", flush=True); time.sleep(60)'], {}); "
+        "c.wait_ready(time.monotonic() + 30); print(c.popen.pid, flush=True); time.sleep(60)"
+    )
     sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         child_pid = int(sup.stdout.readline())

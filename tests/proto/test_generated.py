@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_generated_code_is_fresh() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -23,7 +25,8 @@ def test_every_proto_field_has_a_comment() -> None:
         lines = proto.read_text().splitlines()
         for i, line in enumerate(lines):
             stripped = line.strip()
-            is_field = (stripped.endswith(";") and "=" in stripped
-                        and not stripped.startswith(("syntax", "option", "//")))
+            is_field = (
+                stripped.endswith(";") and "=" in stripped and not stripped.startswith(("syntax", "option", "//"))
+            )
             if is_field:
                 assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} has no comment: {stripped}"

@@ -16,8 +16,9 @@ from router.serving import Server
 class FakeCluster:
     """Yields a fixed token script; optionally fails after some chunks, or raises `crash` (a bug) at once."""
 
-    def __init__(self, tokens: list[int], fail_after: int | None = None, healthy: bool = True,
-                 crash: Exception | None = None) -> None:
+    def __init__(
+        self, tokens: list[int], fail_after: int | None = None, healthy: bool = True, crash: Exception | None = None
+    ) -> None:
         self.tokens = tokens
         self.fail_after = fail_after
         self.healthy = healthy
@@ -44,8 +45,13 @@ class FakeCluster:
             if self.fail_after is not None and i == self.fail_after:
                 raise UpstreamError("decode node vanished")
             last = i == n - 1
-            yield GenerateChunk([t], None, "length" if last else None,
-                                common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n) if last else None)
+            yield GenerateChunk(
+                [t],
+                None,
+                "length" if last else None,
+                common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n) if last else None,
+            )
+
 
 @pytest.fixture
 def make_client(tiny_model_dir):

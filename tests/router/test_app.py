@@ -45,9 +45,19 @@ async def test_request_mapping_and_chat_shape(make_client):
     make, tok, FakeCluster = make_client
     cluster = FakeCluster(tok.encode(" hello", add_special_tokens=False))
     async with make(cluster) as c:
-        r = await c.post("/v1/chat/completions", json={
-            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
-            "temperature": 0.5, "top_p": 0.9, "seed": 7, "presence_penalty": 0.5, "stop": "zz"})
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 5,
+                "temperature": 0.5,
+                "top_p": 0.9,
+                "seed": 7,
+                "presence_penalty": 0.5,
+                "stop": "zz",
+            },
+        )
         body = r.json()
         assert r.status_code == 200 and body["object"] == "chat.completion"
         assert body["choices"][0]["message"] == {"role": "assistant", "content": " hello"}

@@ -73,6 +73,7 @@ async def test_a_stream_that_stops_sending_is_stalled_after_its_first_event():
 async def test_a_hung_node_ends_the_wait_for_a_first_event() -> None:
     """Before the first token only a long deadline runs (prefill may be slow); a node that stopped
     answering its probes ends the wait early, without re-issuing the stream's read."""
+
     class SilentCall:
         reads = 0
 

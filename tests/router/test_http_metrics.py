@@ -54,8 +54,13 @@ async def test_route_label_is_the_template_through_the_app(tiny_model_dir):
         version = await client.get("/version")
         assert version.status_code == 200 and version.json() == {"version": pdserve.__version__}
         assert (await client.get("/v1/completions")).status_code == 405
-    labels = {(s.labels["route"], s.labels["status"]): s.value
-              for s in _series(registry, "pdserve_router_requests_total")}
-    assert labels == {("other", "404"): 200, ("/health", "200"): 1, ("/version", "200"): 1,
-                      ("/v1/completions", "405"): 1}
+    labels = {
+        (s.labels["route"], s.labels["status"]): s.value for s in _series(registry, "pdserve_router_requests_total")
+    }
+    assert labels == {
+        ("other", "404"): 200,
+        ("/health", "200"): 1,
+        ("/version", "200"): 1,
+        ("/v1/completions", "405"): 1,
+    }
     assert all(s.labels["model_name"] == "m" for s in _series(registry, "pdserve_router_requests_total"))

@@ -22,8 +22,9 @@ def server_port(tiny_model_dir, make_client):
     _, _, FakeCluster = make_client
     app = create_app(Server(FakeCluster([5]), Tokenizer(tiny_model_dir), "m", 128))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           http=OpenAIErrorH11Protocol, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=OpenAIErrorH11Protocol, lifespan="off")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -36,12 +37,14 @@ def server_port(tiny_model_dir, make_client):
         thread.join(10)
 
 
-@pytest.mark.parametrize("header", [b"Content-Length: abc", b"Content-Length: -5",
-                                    b"Content-Length: 3\r\nContent-Length: 4"])
+@pytest.mark.parametrize(
+    "header", [b"Content-Length: abc", b"Content-Length: -5", b"Content-Length: 3\r\nContent-Length: 4"]
+)
 def test_unparsable_content_length_is_an_openai_400(server_port, header):
     with socket.create_connection(("127.0.0.1", server_port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + header +
-                  b"\r\n\r\n{}")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + header + b"\r\n\r\n{}"
+        )
         response = b""
         while chunk := s.recv(65536):
             response += chunk

@@ -25,9 +25,12 @@ async def _stream(n: int, *, fail: bool = False, cached: int = 0):
         last = i == n - 1
         if fail and last:
             raise RuntimeError("decode node vanished")
-        yield GenerateChunk([i], None, "length" if last else None,
-                            common_pb2.Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=cached) if last
-                            else None)
+        yield GenerateChunk(
+            [i],
+            None,
+            "length" if last else None,
+            common_pb2.Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=cached) if last else None,
+        )
 
 
 async def test_tokens_reasons_and_latency():
@@ -62,8 +65,11 @@ def test_cluster_collector_counts_usable_nodes_per_role():
         return NodeState(Member(role, "127.0.0.1", port, {}), None, None, None, load)
 
     cluster = Nodes()
-    cluster.nodes = {("prefill", "a"): node("prefill", 1, True, 40), ("prefill", "b"): node("prefill", 2, False, 7),
-                     ("decode", "c"): node("decode", 3, True)}
+    cluster.nodes = {
+        ("prefill", "a"): node("prefill", 1, True, 40),
+        ("prefill", "b"): node("prefill", 2, False, 7),
+        ("decode", "c"): node("decode", 3, True),
+    }
     registry = CollectorRegistry()
     ClusterCollector(cluster, "m", registry)
     assert _value(registry, "pdserve_router_healthy_nodes", role="prefill") == 1

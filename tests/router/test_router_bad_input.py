@@ -16,29 +16,41 @@ def assert_openai_error(r, status: int) -> dict:
     return err
 
 
-@pytest.mark.parametrize("path,raw", [
-    (COMPLETIONS, b'{"model":"m","prompt":"hi","seed":9223372036854775808}'),
-    (COMPLETIONS, b'{"model":"m","prompt":"hi","seed":-9223372036854775809}'),
-    (COMPLETIONS, b'{"model":"m","prompt":"hi","top_k":2147483648}'),
-    (COMPLETIONS, b'{"model":"m","prompt":"hi","min_tokens":4294967296,"max_tokens":2}'),
-    (COMPLETIONS, b'{"model":"m","prompt":"a\\ud800b"}'),
-    (COMPLETIONS, b'{"model":"m","prompt":["ok","\\udfff"]}'),
-    (COMPLETIONS, b'{"model":"m","prompt":"hi","stop":["\\ud800"]}'),
-    (CHAT, b'{"model":"m","messages":[{"role":"user","content":"\\ud83d"}]}'),
-    (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]}'),
-    (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":5}]}]}'),
-    (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":null}]}]}'),
-    (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text"}]}]}'),
-    (CHAT, b'{not json'),
-    (CHAT, b'{"model":"m","messages":[{"role":"user","content":"\xff\xfe"}]}'),  # invalid UTF-8
-])
+@pytest.mark.parametrize(
+    "path,raw",
+    [
+        (COMPLETIONS, b'{"model":"m","prompt":"hi","seed":9223372036854775808}'),
+        (COMPLETIONS, b'{"model":"m","prompt":"hi","seed":-9223372036854775809}'),
+        (COMPLETIONS, b'{"model":"m","prompt":"hi","top_k":2147483648}'),
+        (COMPLETIONS, b'{"model":"m","prompt":"hi","min_tokens":4294967296,"max_tokens":2}'),
+        (COMPLETIONS, b'{"model":"m","prompt":"a\\ud800b"}'),
+        (COMPLETIONS, b'{"model":"m","prompt":["ok","\\udfff"]}'),
+        (COMPLETIONS, b'{"model":"m","prompt":"hi","stop":["\\ud800"]}'),
+        (CHAT, b'{"model":"m","messages":[{"role":"user","content":"\\ud83d"}]}'),
+        (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]}'),
+        (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":5}]}]}'),
+        (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":null}]}]}'),
+        (CHAT, b'{"model":"m","messages":[{"role":"user","content":[{"type":"text"}]}]}'),
+        (CHAT, b"{not json"),
+        (CHAT, b'{"model":"m","messages":[{"role":"user","content":"\xff\xfe"}]}'),  # invalid UTF-8
+    ],
+)
 async def test_out_of_range_and_malformed_values_are_openai_400s(make_client, path, raw):
     make, tok, FakeCluster = make_client
     async with make(FakeCluster(tok.encode(" ok", add_special_tokens=False))) as c:
         r = await c.post(path, content=raw, headers={"content-type": "application/json"})
         assert assert_openai_error(r, 400)["type"] == "invalid_request_error"
-        ok = await c.post(COMPLETIONS, json={"model": "m", "prompt": "hi", "max_tokens": 1, "seed": 2**63 - 1,
-                                             "top_k": 2**31 - 1, "min_tokens": 1})
+        ok = await c.post(
+            COMPLETIONS,
+            json={
+                "model": "m",
+                "prompt": "hi",
+                "max_tokens": 1,
+                "seed": 2**63 - 1,
+                "top_k": 2**31 - 1,
+                "min_tokens": 1,
+            },
+        )
         assert ok.status_code == 200, ok.text
 
 
@@ -82,5 +94,6 @@ async def test_every_response_is_counted_including_500s(make_client):
         assert assert_openai_error(r, 500)["type"] == "server_error"
         await c.post(COMPLETIONS, content=b"{", headers={"content-type": "application/json"})
     count = lambda status: registry.get_sample_value(  # noqa: E731
-        "pdserve_router_requests_total", {"model_name": "m", "route": COMPLETIONS, "status": status})
+        "pdserve_router_requests_total", {"model_name": "m", "route": COMPLETIONS, "status": status}
+    )
     assert count("500") == 1 and count("400") == 1

@@ -22,8 +22,14 @@ import pytest
 
 from engine import LLM, SamplingParams
 
-PROMPTS = ["The old lighthouse keeper", "Once upon a time", "In the beginning the", "A quick brown fox",
-           "Water is", "The capital of"]
+PROMPTS = [
+    "The old lighthouse keeper",
+    "Once upon a time",
+    "In the beginning the",
+    "A quick brown fox",
+    "Water is",
+    "The capital of",
+]
 MAX_TOKENS = 12
 START_TIMEOUT = 180  # model load + the first batches on a loaded 2-core machine
 STOP_TIMEOUT = 60  # from a signal or a dead stage to the job's exit
@@ -35,8 +41,21 @@ def _line(cid: str, prompt: str, **body) -> str:
 
 
 def _cmd(tmp: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli", "batch", "-i", str(tmp / "in.jsonl"), "-o", str(tmp / "out.jsonl"),
-            "--num-kv-blocks", "128", "--block-size", "4", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "batch",
+        "-i",
+        str(tmp / "in.jsonl"),
+        "-o",
+        str(tmp / "out.jsonl"),
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "4",
+        *extra,
+    ]
 
 
 def _results(path: Path) -> list[dict]:
@@ -59,8 +78,9 @@ def _texts(rows: list[dict]) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir) -> dict[str, str]:
-    outs = LLM(tiny_model_dir).generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                ignore_eos=True))
+    outs = LLM(tiny_model_dir).generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    )
     return {f"r{i}": o.outputs[0].text for i, o in enumerate(outs)}
 
 
@@ -69,33 +89,52 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected, t
         "{not json": "invalid_json",
         "[1, 2]": "invalid_json",
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}): "missing_custom_id",
-        json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions",
-                    "body": {"prompt": "x", "temperature": 0}}): "invalid_method",
+        json.dumps(
+            {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 0}}
+        ): "invalid_method",
         json.dumps({"custom_id": "u", "method": "POST", "url": "/v1/embeddings", "body": {}}): "invalid_url",
         _line("r0", "duplicate id"): "duplicate_custom_id",
     }
     refused = {  # a request the endpoint refuses: `"response": {"status_code": 400, ...}, "error": null`
-        json.dumps({"custom_id": "nob", "method": "POST", "url": "/v1/completions",
-                    "body": {"max_tokens": 2, "temperature": 0}}): "invalid_body",
+        json.dumps(
+            {
+                "custom_id": "nob",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"max_tokens": 2, "temperature": 0},
+            }
+        ): "invalid_body",
         _line("many", "two choices", n=2): "unsupported_parameter",
         _line("long", "word " * 600): "prompt_too_long",  # over the pipeline's KV (128 x 4 tokens)
         _line("ctx", "hello", max_tokens=5000): "context_length_exceeded",  # over the model's context
     }
-    chat = json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                                "temperature": 0, "ignore_eos": True}})
+    chat = json.dumps(
+        {
+            "custom_id": "chat",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+    )
     good = [_line(f"r{i}", p) for i, p in enumerate(PROMPTS)]
     hot = _line("hot", "sampled", temperature=0.8, top_p=0.9, seed=3)  # the last stage samples like the engine
     lines = good[:2] + list(envelope) + good[2:] + [chat, hot, ""] + list(refused)  # a blank line is skipped
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    proc = subprocess.run(_cmd(tmp_path, "--stats", str(tmp_path / "stats.json")), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        _cmd(tmp_path, "--stats", str(tmp_path / "stats.json")), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     rows = _results(tmp_path / "out.jsonl")
     assert len(rows) == len(lines) - 1
     assert all(set(r) == {"id", "custom_id", "response", "error"} and r["id"].startswith("batch_req_") for r in rows)
-    sampled = LLM(tiny_model_dir).generate("sampled", SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8,
-                                                                      top_p=0.9, seed=3, ignore_eos=True))
+    sampled = LLM(tiny_model_dir).generate(
+        "sampled", SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    )
     assert _texts(rows) == {**expected, "chat": _texts(rows)["chat"], "hot": sampled[0].outputs[0].text}
 
     by_line = {r["error"]["line"]: r for r in rows if r["error"]}
@@ -111,18 +150,21 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, expected, t
         assert row["error"] is None and row["response"]["status_code"] == 400
         assert row["response"]["request_id"]
         # the router's HTTP 400 body
-        assert row["response"]["body"] == {"error": {"message": row["response"]["body"]["error"]["message"],
-                                                     "type": "invalid_request_error",
-                                                     "param": row["response"]["body"]["error"]["param"],
-                                                     "code": code}}
+        assert row["response"]["body"] == {
+            "error": {
+                "message": row["response"]["body"]["error"]["message"],
+                "type": "invalid_request_error",
+                "param": row["response"]["body"]["error"]["param"],
+                "code": code,
+            }
+        }
     assert answered["nob"]["response"]["body"]["error"]["param"] == "prompt"
 
     ok = answered["r0"]["response"]
     assert ok["status_code"] == 200 and ok["request_id"] == ok["body"]["id"]
     assert set(ok["body"]) == {"id", "object", "created", "model", "choices", "usage"}
     assert ok["body"]["object"] == "text_completion"
-    assert ok["body"]["choices"] == [{"index": 0, "text": expected["r0"], "logprobs": None,
-                                      "finish_reason": "length"}]
+    assert ok["body"]["choices"] == [{"index": 0, "text": expected["r0"], "logprobs": None, "finish_reason": "length"}]
     assert ok["body"]["usage"]["completion_tokens"] == MAX_TOKENS
     c = answered["chat"]["response"]["body"]
     assert c["object"] == "chat.completion" and c["id"].startswith("chatcmpl-")
@@ -168,8 +210,10 @@ def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tin
     answered_a = json.dumps({"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 200}, "error": None})
     todo, written, skipped = plan(answered_a + "\n" + '{"id": "batch_req_2", "custom_id": "b", "resp')
     assert (todo, skipped) == (["b"], 1)
-    assert [(r["custom_id"], r["error"]["code"], r["error"]["line"]) for r in written] == \
-        [("a", "duplicate_custom_id", 2), (None, "invalid_json", 3)]
+    assert [(r["custom_id"], r["error"]["code"], r["error"]["line"]) for r in written] == [
+        ("a", "duplicate_custom_id", 2),
+        (None, "invalid_json", 3),
+    ]
     assert (tmp_path / "out.jsonl").read_text() == answered_a + "\n"
 
 
@@ -199,12 +243,16 @@ def _start_mid_run(tmp_path: Path, llm_dir) -> tuple[subprocess.Popen, list[int]
     # staggered lengths: requests retire one by one, so what comes after the first result lands mid-job
     lengths = {f"r{i}": 2 + 10 * i for i in range(len(PROMPTS))}
     llm = LLM(llm_dir)
-    expected = {cid: llm.generate(PROMPTS[i], SamplingParams(max_tokens=lengths[cid], temperature=0.0,
-                                                            ignore_eos=True))[0].outputs[0].text
-                for i, cid in enumerate(lengths)}
+    expected = {
+        cid: llm.generate(PROMPTS[i], SamplingParams(max_tokens=lengths[cid], temperature=0.0, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+        for i, cid in enumerate(lengths)
+    }
     del llm
-    (tmp_path / "in.jsonl").write_text("\n".join(_line(cid, PROMPTS[i], max_tokens=n)
-                                                 for i, (cid, n) in enumerate(lengths.items())) + "\n")
+    (tmp_path / "in.jsonl").write_text(
+        "\n".join(_line(cid, PROMPTS[i], max_tokens=n) for i, (cid, n) in enumerate(lengths.items())) + "\n"
+    )
     out = tmp_path / "out.jsonl"
     proc = subprocess.Popen(_cmd(tmp_path), stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT
@@ -292,8 +340,13 @@ lock.acquire()  # a main thread that never returns to Python, like one stuck in 
 def test_watchdog_ends_a_job_whose_main_thread_stays_blocked() -> None:
     """The last resort: a stage died and the main thread does not unwind. The watchdog stops the
     other stages and ends the process with exit 1, naming the dead stage."""
-    proc = subprocess.Popen([sys.executable, "-c", WATCHDOG_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WATCHDOG_SCRIPT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2, proc.stderr.read()
@@ -318,12 +371,27 @@ def test_batch_external_stages_runs_as_rank_0(tmp_path, tiny_model_dir, expected
     --external-stages` as rank 0: same texts as engine.LLM."""
     (tmp_path / "in.jsonl").write_text("\n".join(_line(f"r{i}", p) for i, p in enumerate(PROMPTS)) + "\n")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="3")
-    stage = [sys.executable, "-m", "pdserve.cli", "stage", "--model-dir", str(tiny_model_dir),
-             "--num-kv-blocks", "128", "--block-size", "4"]
+    stage = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "stage",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "4",
+    ]
     stages = [subprocess.Popen(stage, env=dict(env, RANK=str(r)), stderr=subprocess.DEVNULL) for r in (1, 2)]
     try:
-        proc = subprocess.run(_cmd(tmp_path, "--external-stages", "--model", str(tiny_model_dir)),
-                              env=dict(env, RANK="0"), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            _cmd(tmp_path, "--external-stages", "--model", str(tiny_model_dir)),
+            env=dict(env, RANK="0"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         assert "stages=2" in proc.stderr  # from WORLD_SIZE
         for s in stages:
@@ -339,14 +407,30 @@ def test_batch_external_stages_runs_as_rank_0(tmp_path, tiny_model_dir, expected
 @pytest.mark.slow  # ~30 s: as above, with long requests
 def test_batch_external_stages_stops_when_a_remote_stage_dies(tmp_path, tiny_model_dir) -> None:
     """A stage the controller did not start dies mid-job: no hang, exit 1, what was written stays."""
-    (tmp_path / "in.jsonl").write_text("\n".join(_line(f"r{i}", p, max_tokens=2 + 40 * i)
-                                                 for i, p in enumerate(PROMPTS)) + "\n")
+    (tmp_path / "in.jsonl").write_text(
+        "\n".join(_line(f"r{i}", p, max_tokens=2 + 40 * i) for i, p in enumerate(PROMPTS)) + "\n"
+    )
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="3")
-    stage = [sys.executable, "-m", "pdserve.cli", "stage", "--model-dir", str(tiny_model_dir),
-             "--num-kv-blocks", "128", "--block-size", "4"]
+    stage = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "stage",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "4",
+    ]
     stages = [subprocess.Popen(stage, env=dict(env, RANK=str(r)), stderr=subprocess.DEVNULL) for r in (1, 2)]
-    proc = subprocess.Popen(_cmd(tmp_path, "--external-stages", "--model", str(tiny_model_dir)),
-                            env=dict(env, RANK="0"), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _cmd(tmp_path, "--external-stages", "--model", str(tiny_model_dir)),
+        env=dict(env, RANK="0"),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     out = tmp_path / "out.jsonl"
     try:
         deadline = time.monotonic() + START_TIMEOUT
@@ -367,14 +451,18 @@ def test_batch_external_stages_stops_when_a_remote_stage_dies(tmp_path, tiny_mod
             s.wait()
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"MASTER_PORT": "1", "WORLD_SIZE": "3"}, "needs MASTER_ADDR"),
-    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "3", "RANK": "1"}, "RANK 0"),
-    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "1"}, "at least one stage"),
-    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "3", "PDSERVE_STAGES": "4"}, "disagrees"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"MASTER_PORT": "1", "WORLD_SIZE": "3"}, "needs MASTER_ADDR"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "3", "RANK": "1"}, "RANK 0"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "1"}, "at least one stage"),
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "3", "PDSERVE_STAGES": "4"}, "disagrees"),
+    ],
+)
 def test_external_stages_refuses_a_bad_rendezvous_env(tmp_path, monkeypatch, capsys, env, message) -> None:
     from pdserve.cli import main
+
     (tmp_path / "in.jsonl").write_text(_line("a", "x") + "\n")
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "PDSERVE_STAGES"):
         monkeypatch.delenv(var, raising=False)
@@ -387,6 +475,7 @@ def test_external_stages_refuses_a_bad_rendezvous_env(tmp_path, monkeypatch, cap
 
 def test_batch_refuses_to_overwrite_results_without_resume(tmp_path, capsys) -> None:
     from pdserve.cli import main
+
     (tmp_path / "in.jsonl").write_text(_line("a", "x") + "\n")
     (tmp_path / "out.jsonl").write_text('{"id": "batch_req_1", "custom_id": "a"}\n')
     assert main(_cmd(tmp_path)[3:]) == 2
@@ -398,6 +487,7 @@ def test_cost_table_choices(tmp_path, capsys) -> None:
     from pdserve.cli import main
     from pdserve.commands.batch_job import table_choice
     from tdpipe.cost_table import CostTable
+
     assert table_choice("auto", "cpu", external=False) == "profile"
     # a GPU, or stages on hardware this process may not share: the GPU-shaped analytic table
     assert table_choice("auto", "cuda", external=False).name == "analytic-gpu"
@@ -424,12 +514,28 @@ def test_cost_table_choices(tmp_path, capsys) -> None:
 
 def test_batch_help_lists_every_flag() -> None:
     from pdserve.cli import build_parser
+
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
     parser = sub.choices["batch"]
     text = parser.format_help()
     flags = [opt for a in parser._actions for opt in a.option_strings]
-    assert {"--input", "--output", "--model", "--stages", "--policy", "--resume", "--stats", "--external-stages",
-            "--num-kv-blocks", "--block-size", "--max-batch-tokens", "--device", "--attention-backend",
-            "--cost-table", "--dtype", "--num-threads"} <= set(flags)
+    assert {
+        "--input",
+        "--output",
+        "--model",
+        "--stages",
+        "--policy",
+        "--resume",
+        "--stats",
+        "--external-stages",
+        "--num-kv-blocks",
+        "--block-size",
+        "--max-batch-tokens",
+        "--device",
+        "--attention-backend",
+        "--cost-table",
+        "--dtype",
+        "--num-threads",
+    } <= set(flags)
     assert all(flag in text for flag in flags)
     assert all(a.help for a in parser._actions), [a.option_strings for a in parser._actions if not a.help]

@@ -73,8 +73,9 @@ def test_decide_with_phase_peak_measures_the_loss_a_switch_can_recover() -> None
     # Half the phase done: the batch is half what a refill restores, so switch.
     assert decide(FLAT, 100, pending, 10.0, 4, ref_batch_size=256, phase_done_ratio=0.5).switch_to_prefill
     # The cap still applies: a phase that started above 256 per batch is measured against 256.
-    assert decide(FLAT, 200, pending, 10.0, 4, ref_batch_size=256, phase_done_ratio=0.5).spatial == \
-        pytest.approx(200 / 256)
+    assert decide(FLAT, 200, pending, 10.0, 4, ref_batch_size=256, phase_done_ratio=0.5).spatial == pytest.approx(
+        200 / 256
+    )
 
 
 def _decision_at(opts: TDPipeOptions, done_ratio: float) -> bool:

@@ -12,8 +12,12 @@ from tdpipe.memory_sim import FutureMemory, FuturePointsConfig, brute_force_usag
 @pytest.mark.parametrize("seed", range(20))
 def test_incremental_equals_brute_force(seed: int) -> None:
     rng = random.Random(seed)
-    cfg = FuturePointsConfig(capacity_blocks=10_000, block_size=rng.choice([1, 16, 32]),
-                             interval=rng.choice([8, 32]), horizon=rng.choice([128, 256]))
+    cfg = FuturePointsConfig(
+        capacity_blocks=10_000,
+        block_size=rng.choice([1, 16, 32]),
+        interval=rng.choice([8, 32]),
+        horizon=rng.choice([128, 256]),
+    )
     memory = FutureMemory(cfg)
     requests = []
     for _ in range(rng.randint(0, 40)):
@@ -41,7 +45,7 @@ def test_switch_when_any_future_point_exceeds_capacity() -> None:
     memory.add(64, 1, 100)  # 97 tokens at step 32 -> 7 blocks; 129 at step 64 -> 9 blocks
     assert memory.usage == [7, 9]
     assert not memory.would_overflow(16, 1, 20)  # finishes before step 32: costs nothing
-    assert memory.would_overflow(16, 1, 64)      # +2 blocks at step 32 is fine, +6 at 64 is not
+    assert memory.would_overflow(16, 1, 64)  # +2 blocks at step 32 is fine, +6 at 64 is not
     assert not memory.overflows()
 
 

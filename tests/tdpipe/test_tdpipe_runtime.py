@@ -18,8 +18,16 @@ from tdpipe.runtime.stage_worker import StageConfig, stage_layer_range
 from tdpipe.simulator import make_policy
 from tdpipe.workload import SimRequest
 
-PROMPTS = ["The old lighthouse keeper", "Once upon a time", "In the beginning the", "A quick brown fox",
-           "Water is", "The capital of", "She opened the door and", "Numbers: one two three"]
+PROMPTS = [
+    "The old lighthouse keeper",
+    "Once upon a time",
+    "In the beginning the",
+    "A quick brown fox",
+    "Water is",
+    "The capital of",
+    "She opened the door and",
+    "Numbers: one two three",
+]
 MAX_TOKENS = 24
 
 
@@ -47,10 +55,15 @@ def _run(tiny_model_dir, expected, num_stages: int, num_blocks: int, policy: str
     reqs = [PipeRequest(f"r{i}", p, MAX_TOKENS) for i, p in enumerate(prompts)]
     finished: list[str] = []
     decisions: list = []
-    stats, timelines = run_local_pipeline(StageConfig(str(tiny_model_dir), num_kv_blocks=num_blocks, block_size=4),
-                                          num_stages, reqs, max_batch_tokens,
-                                          on_finish=lambda r: finished.append(r.request_id), policy=policy,
-                                          decisions=decisions)
+    stats, timelines = run_local_pipeline(
+        StageConfig(str(tiny_model_dir), num_kv_blocks=num_blocks, block_size=4),
+        num_stages,
+        reqs,
+        max_batch_tokens,
+        on_finish=lambda r: finished.append(r.request_id),
+        policy=policy,
+        decisions=decisions,
+    )
     assert sorted(finished) == sorted(r.request_id for r in reqs)  # each reported exactly once
     for r, out in zip(reqs, outputs):
         assert r.output_ids == out, (policy, r.request_id)
@@ -68,8 +81,7 @@ def test_tdpipe_greedy_equals_llm(tiny_model_dir, expected, num_stages, num_bloc
 
 @pytest.mark.parametrize("num_stages", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", ["tdpipe", "pp-sb", "pp-hb"])
-def test_every_policy_equals_llm_and_decides_as_in_the_simulator(tiny_model_dir, expected, policy,
-                                                                  num_stages) -> None:
+def test_every_policy_equals_llm_and_decides_as_in_the_simulator(tiny_model_dir, expected, policy, num_stages) -> None:
     """Greedy output equals engine.LLM under preemption, and the recorded decision log (every
     batch: phase, requests, new tokens, sampling) on real stages equals the log of the same policy
     driven by the simulator on requests of the same lengths."""
@@ -94,14 +106,24 @@ def test_every_policy_equals_llm_and_decides_as_in_the_simulator(tiny_model_dir,
 def test_sampled_requests_equal_llm_with_the_same_seed(tiny_model_dir) -> None:
     """The last stage samples with each request's own parameters and seeded generator, so a
     seeded, penalised, top-p request equals engine.LLM's, even through recompute preemption."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, repetition_penalty=1.2,
-                            seed=7, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=7, ignore_eos=True
+    )
     llm = LLM(tiny_model_dir)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     reqs = [PipeRequest(f"r{i}", llm.tokenizer.encode(p), MAX_TOKENS, params=params) for i, p in enumerate(PROMPTS)]
-    stats, _ = run_local_pipeline(StageConfig(str(tiny_model_dir), num_kv_blocks=18, block_size=4), 2, reqs,
-                                  max_batch_tokens=8, policy="tdpipe")
+    stats, _ = run_local_pipeline(
+        StageConfig(str(tiny_model_dir), num_kv_blocks=18, block_size=4), 2, reqs, max_batch_tokens=8, policy="tdpipe"
+    )
     assert stats.num_preemptions > 0
     assert [r.output_ids for r in reqs] == expected
-    assert any(out != greedy for out, greedy in zip(expected, [o.outputs[0].token_ids for o in llm.generate(
-        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]))  # really sampled
+    assert any(
+        out != greedy
+        for out, greedy in zip(
+            expected,
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+            ],
+        )
+    )  # really sampled

@@ -13,17 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from tdpipe.runtime.profile import (StageProfile, build_cost_table, mean_decode_context, plan_profile,
-                                    profile_stages)
+from tdpipe.runtime.profile import StageProfile, build_cost_table, mean_decode_context, plan_profile, profile_stages
 from tdpipe.runtime.timeline import bubble_fraction, bubble_fractions, job_span, phase_switches, plot_timelines
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir) -> None:
-    profiles = profile_stages(tiny_model_dir, 2, decode_batches=[1, 2, 4], prefill_tokens=[4, 16, 32],
-                              decode_context=20, prefill_prompt_len=8, block_size=4, repeats=1,
-                              attention_backend="torch")
+    profiles = profile_stages(
+        tiny_model_dir,
+        2,
+        decode_batches=[1, 2, 4],
+        prefill_tokens=[4, 16, 32],
+        decode_context=20,
+        prefill_prompt_len=8,
+        block_size=4,
+        repeats=1,
+        attention_backend="torch",
+    )
     assert [p.layer_range for p in profiles] == [(0, 2), (2, 4)]
     for p in profiles:
         assert sorted(p.decode_ms) == [1, 2, 4] and sorted(p.prefill_ms) == [4, 16, 32]
@@ -85,9 +92,14 @@ def test_bubble_and_switches_from_timelines(tmp_path) -> None:
 @pytest.mark.slow
 def test_quick_benchmark_prints_json(tmp_path) -> None:
     png = tmp_path / "timeline.png"
-    out = subprocess.run([sys.executable, "-m", "benchmarks.tdpipe_runtime", "--quick", "--plot", str(png)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tdpipe_runtime", "--quick", "--plot", str(png)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("metric", "value", "baseline", "ratio", "target", "sim_error", "bubble", "tok_s"):

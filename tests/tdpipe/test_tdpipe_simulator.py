@@ -28,8 +28,10 @@ def _published(name: str) -> CostTable:
     shared = DATA_DIR.parents[2] / "shared" / "tdpipe"
     downloaded = (DATA_DIR / f"{name}.csv").is_file()
     if not os.environ.get(TABLES_ENV) and not shared.is_dir() and not downloaded:
-        pytest.skip(f"no published L20 table folder: put {name}.csv (from {PUBLISHED_SOURCE}) in {shared}, "
-                    f"in tdpipe/data/, or in a folder named by ${TABLES_ENV}")
+        pytest.skip(
+            f"no published L20 table folder: put {name}.csv (from {PUBLISHED_SOURCE}) in {shared}, "
+            f"in tdpipe/data/, or in a folder named by ${TABLES_ENV}"
+        )
     return CostTable.builtin(name)  # a load error here fails loudly
 
 
@@ -53,6 +55,7 @@ def test_published_table_folder_present_means_no_skip(tmp_path: Path, monkeypatc
     (tmp_path / "L20-Llama-13B.csv").write_text("Total Length,Execute Time\n1,not-a-number\n")
     with pytest.raises(ValueError):
         _published("L20-Llama-13B")
+
 
 def test_unknown_table_and_analytic_table() -> None:
     with pytest.raises(ValueError, match="unknown cost table"):
