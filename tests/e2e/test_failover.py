@@ -18,6 +18,11 @@ pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
+LONG = 800
+"""Tokens per stream: long enough that no decode node can finish its streams between the moment
+the test sees them under way and the fault, however fast the engine gets."""
+
+
 async def stream_text(
     client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, progress: list | None = None
 ) -> tuple[str, str | None]:
@@ -50,19 +55,10 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
     try:
         prompts = [f"Story number {i}: the river" for i in range(20)]
         async with httpx.AsyncClient() as client:
-            reference = await asyncio.gather(*[stream_text(client, base, p, 300) for p in prompts])
+            reference = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts])
             progress: list = []
-            tasks = [asyncio.create_task(stream_text(client, base, p, 300, progress)) for p in prompts]
-            for _ in range(600):  # kill once the streams are under way on both decode nodes
-                if len(progress) >= 20 * 10:
-                    break
-                await asyncio.sleep(0.01)
-            # Kill the decode node holding the most KV: on a loaded machine the router may have
-            # routed every stream to one node (a missed health deadline), and killing the idle
-            # one would migrate nothing.
-            reports = [await load(d.address, cluster.secret, d.role) for d in cluster.decodes]
-            used = [r.num_total_blocks - r.num_free_blocks for r in reports]
-            victim = used.index(max(used))
+            tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
+            victim = await busiest_decode(cluster, progress, len(prompts))
             survivor = cluster.decodes[1 - victim]
             stop(cluster.decodes[victim], signal.SIGKILL)
             results = await asyncio.gather(*tasks)
@@ -74,7 +70,7 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
         # then stop one prefill node: requests go to the other one
         stop(cluster.prefills[0], signal.SIGTERM)
         async with httpx.AsyncClient() as client:
-            again = await asyncio.gather(*[stream_text(client, base, p, 300) for p in prompts[:4]])
+            again = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts[:4]])
         assert again == reference[:4]
         await asyncio.sleep(0.5)
         for proc in (survivor, cluster.prefills[1]):
@@ -83,6 +79,21 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
     finally:
         stop(router)
         cluster.stop()
+
+
+async def busiest_decode(cluster, progress: list, streams: int) -> int:
+    """Index of the decode node to disturb, as soon as the streams are under way (about two chunks
+    each at the client). Waiting longer is a race the test can lose: a fast decode node finishes
+    its streams into the router's buffers while the client is still reading them, and a node that
+    holds no running stream migrates nothing. The node holding the most KV is chosen, because on a
+    loaded machine the router may have sent every stream to one node."""
+    for _ in range(3000):  # bounded: 30 s of polling, far more than the first tokens need
+        if len(progress) >= 2 * streams:
+            break
+        await asyncio.sleep(0.01)
+    reports = [await load(d.address, cluster.secret, d.role) for d in cluster.decodes]
+    used = [r.num_total_blocks - r.num_free_blocks for r in reports]
+    return used.index(max(used))
 
 
 def admits(proc) -> int:
@@ -97,13 +108,10 @@ async def test_paused_decode_node_streams_migrate_and_it_gets_no_new_requests(ti
     try:
         prompts = [f"Paused story {i}: the mountain" for i in range(8)]
         async with httpx.AsyncClient() as client:
-            reference = await asyncio.gather(*[stream_text(client, base, p, 200) for p in prompts])
+            reference = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts])
             progress: list = []
-            tasks = [asyncio.create_task(stream_text(client, base, p, 200, progress)) for p in prompts]
-            for _ in range(600):
-                if len(progress) >= 8 * 10:
-                    break
-                await asyncio.sleep(0.01)
+            tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
+            paused = cluster.decodes[await busiest_decode(cluster, progress, len(prompts))]
             paused.popen.send_signal(signal.SIGSTOP)
             try:
                 results = await asyncio.gather(*tasks)
@@ -119,7 +127,7 @@ async def test_paused_decode_node_streams_migrate_and_it_gets_no_new_requests(ti
                 else:
                     raise AssertionError("the router still considers the paused node usable")
                 before = admits(paused)
-                again = await asyncio.gather(*[stream_text(client, base, p, 200) for p in prompts[:6]])
+                again = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts[:6]])
                 assert again == reference[:6]
             finally:
                 paused.popen.send_signal(signal.SIGCONT)
