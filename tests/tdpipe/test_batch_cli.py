@@ -324,7 +324,7 @@ def test_batch_names_a_killed_stage_then_resumes(tmp_path, tiny_model_dir) -> No
 
 WATCHDOG_SCRIPT = """
 import subprocess, sys, threading
-import pdserve.commands.batch_job as bj
+import pdserve.commands.batch_watchdog as bj
 bj.HARD_EXIT_GRACE_S = 1.0
 wd = bj.StageWatchdog()
 wd.install()
