@@ -42,7 +42,7 @@ from tdpipe.config import InstanceConfig
 from tdpipe.cost_table import CostTable
 from tdpipe.executor import SimExecutor
 from tdpipe.pipeline import SimStats
-from tdpipe.runtime.profile import build_cost_table, plan_profile, profile_stages
+from tdpipe.runtime.profile import build_cost_table, plan_profile, profile_at
 from tdpipe.runtime.timeline import bubble_fraction, job_span, plot_timelines
 from tdpipe.simulator import CLI_NAMES, make_policy
 from tdpipe.workload import SimRequest, WorkloadConfig, generate
@@ -227,16 +227,8 @@ def main() -> None:
 
     # 1. profile the stages and build the simulator's table
     t0 = time.perf_counter()
-    profiles = profile_stages(
-        model_dir,
-        NUM_STAGES,
-        decode_batches=plan.decode_batches,
-        prefill_tokens=plan.prefill_tokens,
-        decode_context=ctx,
-        prefill_prompt_len=plan.prefill_prompt_len,
-        block_size=BLOCK_SIZE,
-        num_threads=1,
-        repeats=1 if args.quick else 3,
+    profiles = profile_at(
+        model_dir, NUM_STAGES, plan, block_size=BLOCK_SIZE, num_threads=1, repeats=1 if args.quick else 3
     )
     for p in profiles:
         print(

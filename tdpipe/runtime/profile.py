@@ -284,32 +284,23 @@ def plan_profile(
     )
 
 
-def profiled_table(
-    model_dir: str | Path,
-    num_stages: int,
-    plan: ProfilePlan,
-    *,
-    block_size: int = 16,
-    num_threads: int = 1,
-    dtype: str = "auto",
-    attention_backend: str = "auto",
-    device: str = "cpu",
-    repeats: int = 3,
-    name: str = "profiled",
-) -> CostTable:
-    """Profile the stages at `plan`'s points and build the table the policies schedule on."""
-    profiles = profile_stages(
+def profile_at(model_dir: str | Path, num_stages: int, plan: ProfilePlan, **options) -> list[StageProfile]:
+    """`profile_stages` at `plan`'s points; `options` are its keyword options (block_size,
+    num_threads, dtype, repeats, attention_backend, device)."""
+    return profile_stages(
         model_dir,
         num_stages,
         decode_batches=plan.decode_batches,
         prefill_tokens=plan.prefill_tokens,
         decode_context=plan.decode_context,
         prefill_prompt_len=plan.prefill_prompt_len,
-        block_size=block_size,
-        num_threads=num_threads,
-        dtype=dtype,
-        repeats=repeats,
-        attention_backend=attention_backend,
-        device=device,
+        **options,
     )
-    return build_cost_table(profiles, name, decode_max=plan.decode_max)
+
+
+def profiled_table(
+    model_dir: str | Path, num_stages: int, plan: ProfilePlan, *, name: str = "profiled", **options
+) -> CostTable:
+    """Profile the stages at `plan`'s points (`options` as `profile_at`) and build the table the
+    policies schedule on."""
+    return build_cost_table(profile_at(model_dir, num_stages, plan, **options), name, decode_max=plan.decode_max)
