@@ -18,9 +18,11 @@ pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-LONG = 800
+LONG = 400
 """Tokens per stream: long enough that no decode node can finish its streams between the moment
-the test sees them under way and the fault, however fast the engine gets."""
+the test sees them under way and the fault. Not much longer: a migrated stream's KV is recomputed
+by a prefill, whose float32 sums differ from the decode steps' in the last bits, and over 800
+tokens of the random tiny model one near-tied greedy pick flipped once (a fresh-clone run)."""
 
 
 async def stream_text(
