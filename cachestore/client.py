@@ -38,6 +38,10 @@ class Transfer:
         self.error: str | None = None
         self.started_at: float | None = None
         self._waiters: list[asyncio.Future] = []
+        self.wire_session = (bytes.fromhex(creds.session_id), bytes.fromhex(creds.token))
+        """(session id, token) as frame headers carry them."""
+        self._last_plan: tuple[tuple[int, ...], list[Run]] | None = None
+        """The previous layer's source blocks and runs: every layer of a request usually sends the same blocks."""
         self._channel = client._channel_for(creds)
 
     def write_layer(self, layer: int, src_block_ids: list[int], ready_event=None) -> None:
@@ -49,7 +53,13 @@ class Transfer:
             raise ValueError(f"{len(src_block_ids)} source blocks but the session has {len(self.creds.block_ids)}")
         if not 0 <= layer < self.creds.num_layers:
             raise ValueError(f"layer {layer} outside the session's {self.creds.num_layers} layers")
-        runs = coalesce(list(src_block_ids), list(self.creds.block_ids[: len(src_block_ids)]))
+        src = tuple(src_block_ids)
+        plan = self._last_plan
+        if plan is not None and plan[0] == src:
+            runs = plan[1]  # shared by the layers' frames, never mutated
+        else:
+            runs = coalesce(list(src), list(self.creds.block_ids[: len(src)]))
+            self._last_plan = (src, runs)
         with self._lock:
             if self.started_at is None:
                 self.started_at = time.monotonic()

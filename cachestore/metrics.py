@@ -18,6 +18,7 @@ class CacheStoreMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r, t = self.registry, transport
         self.bytes = Counter("pdserve_cachestore_bytes", "KV bytes moved", ["transport", "side"], registry=r)
+        self._bytes_by_side: dict[str, Counter] = {}
         self.transfer_seconds = Histogram(
             "pdserve_cachestore_transfer_seconds",
             "first write to last ack",
@@ -85,4 +86,8 @@ class CacheStoreMetrics:
         self.rejected.labels(self.transport, reason).inc()
 
     def add_bytes(self, side: str, n: int) -> None:
-        self.bytes.labels(self.transport, side).inc(n)
+        """Called once per frame: the labelled child is looked up once (labels() takes a lock and builds a key)."""
+        child = self._bytes_by_side.get(side)
+        if child is None:
+            child = self._bytes_by_side[side] = self.bytes.labels(self.transport, side)
+        child.inc(n)

@@ -206,7 +206,7 @@ class CacheStoreServer:
             session = self._by_id.get(h.session_id)
             if session is None:
                 return None, wire.UNKNOWN_SESSION, -1
-            if not secrets.compare_digest(h.token, bytes.fromhex(session.creds.token)):
+            if not secrets.compare_digest(h.token, session.token):
                 return None, wire.BAD_TOKEN, -1
             if h.layer >= session.creds.num_layers:
                 return None, wire.BAD_LAYER, -1
@@ -217,11 +217,28 @@ class CacheStoreServer:
                 return None, wire.BAD_LENGTH, -1
             return session, wire.OK, session.begin_write(cut)
 
-    def end_write(self, session: Session, writer: int, layer: int, block_ids: Sequence[int], ok: bool) -> bool:
+    def end_write(
+        self,
+        session: Session,
+        writer: int,
+        layer: int,
+        block_ids: Sequence[int],
+        ok: bool,
+        wakes: list[Session] | None = None,
+    ) -> bool:
         """The writer is out of the blocks. True if the write counts (acknowledge it OK); False if it
-        failed or the session ended meanwhile (refuse it)."""
+        failed or the session ended meanwhile (refuse it).
+
+        `wakes`: where to put the session if its owner must be woken, for the caller to `signal()` once
+        its ack is sent (waking the event loop first would put the owner's work ahead of the ack on a
+        busy machine); None: woken here."""
         with self._lock:
-            accepted, completed = session.end_write(writer, layer, block_ids, ok)
+            accepted, completed, wake = session.end_write(writer, layer, block_ids, ok)
+        if wake:
+            if wakes is None:
+                session.signal()
+            else:
+                wakes.append(session)
         if accepted:
             self.metrics.add_bytes("recv", len(block_ids) * self.geometry.block_bytes)
         elif ok:

@@ -48,6 +48,8 @@ class Session:
         self.request_id = creds.request_id
         self.geometry = geometry
         self.block_set = frozenset(creds.block_ids)
+        self.token = bytes.fromhex(creds.token)
+        """The token as it travels in a frame header (compared once per frame)."""
         self.expected = creds.num_layers * len(creds.block_ids)
         self.landed: set[tuple[int, int]] = set()
         self.layers_done: dict[int, int] = {}
@@ -74,9 +76,12 @@ class Session:
             self._fences[writer] = cut
         return writer
 
-    def end_write(self, writer: int, layer: int, block_ids: Iterable[int], ok: bool) -> tuple[bool, bool]:
-        """Record landed blocks. Returns (accepted, completed): a write that ends after the session
-        ended is not accepted (its sender must not be told OK); completed: this write finished it."""
+    def end_write(self, writer: int, layer: int, block_ids: Iterable[int], ok: bool) -> tuple[bool, bool, bool]:
+        """Record landed blocks. Returns (accepted, completed, wake): a write that ends after the session
+        ended is not accepted (its sender must not be told OK); completed: this write finished it;
+        wake: the owner's waiters must be woken (`signal`), which the caller does outside the lock and,
+        on the tcp path, after its ack is on the wire."""
+        wake = False
         self.active_writers -= 1
         self._fences.pop(writer, None)
         was_open = self.state == SessionState.OPEN
@@ -93,10 +98,10 @@ class Session:
             if len(self.landed) == self.expected:
                 self.state = SessionState.COMPLETE
                 self.completed_at = time.monotonic()
-                self._signal()
+                wake = True
         if self.closed and self.safe_to_reuse:  # only wait_safe_to_reuse cares: no wake-up per write
-            self._signal()
-        return accepted, was_open and self.state == SessionState.COMPLETE
+            wake = True
+        return accepted, was_open and self.state == SessionState.COMPLETE, wake
 
     def add_grant(self, revoke: Callable[[], None]) -> int:
         """Remote keys now reach the blocks until `revoke` has run and `end_grant` is called."""
@@ -121,6 +126,10 @@ class Session:
             self.state = state
         self._signal()
         return list(self._fences.values())
+
+    def signal(self) -> None:
+        """Wake the owner's waiters (wait_complete, wait_safe_to_reuse) on its event loop."""
+        self._signal()
 
     def _signal(self) -> None:
         if self._loop is not None and not self._loop.is_closed():

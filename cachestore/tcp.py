@@ -8,7 +8,9 @@ and the fence that cuts a writer off.
 from __future__ import annotations
 
 import logging
+import select
 import socket
+import struct
 from typing import TYPE_CHECKING
 
 from cachestore import wire
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
     from cachestore.rdma_access import Responder
 
 log = logging.getLogger("pdserve.cachestore")
-IOV_MAX = 1024
+IOV_MAX = 1024  # most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)
 
 
 def advance_views(views: list[memoryview], i: int, n: int) -> int:
@@ -31,9 +33,6 @@ def advance_views(views: list[memoryview], i: int, n: int) -> int:
             views[i] = views[i][n:]
             n = 0
     return i
-
-
-"""Most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)."""
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> bool:
@@ -50,6 +49,30 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> bool:
 def recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     return bytes(buf) if recv_exact_into(sock, memoryview(buf)) else None
+
+
+def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """The kernel's bound on one blocking receive (SO_RCVTIMEO): past it the receive fails with EAGAIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Bound every blocking send and receive of `sock` in the kernel (SO_SNDTIMEO, SO_RCVTIMEO), so that
+    a blocking socket needs no Python-level timeout (which costs a poll per call)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+    set_recv_timeout(sock, seconds)
+
+
+def wait_readable(sock: socket.socket, seconds: float) -> bool:
+    """Whether `sock` has something to read (or was closed) within `seconds`: one poll(2), any fd number."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 class Connection:

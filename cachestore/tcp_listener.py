@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cachestore import wire
-from cachestore.tcp import Connection
+from cachestore.tcp import Connection, set_kernel_timeouts
 from cachestore.tcp_receiver import FrameWorker
 
 log = logging.getLogger("pdserve.cachestore")
@@ -146,6 +146,7 @@ class TcpListener:
             sock.close()
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_kernel_timeouts(sock, self.limits.frame_timeout)  # bounds a worker's blocking calls (see FrameWorker)
         sock.setblocking(False)
         c = Connection(sock, os.urandom(wire.NONCE_BYTES), time.monotonic() + self.limits.handshake_timeout)
         try:

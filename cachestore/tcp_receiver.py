@@ -14,7 +14,16 @@ import time
 from collections.abc import Sequence
 
 from cachestore import wire
-from cachestore.tcp import IOV_MAX, Connection, Fence, advance_views, recv_exact, recv_exact_into
+from cachestore.tcp import (
+    IOV_MAX,
+    Connection,
+    Fence,
+    advance_views,
+    recv_exact,
+    recv_exact_into,
+    set_recv_timeout,
+    wait_readable,
+)
 
 log = logging.getLogger("pdserve.cachestore")
 DISCARD_CHUNK = 1 << 20
@@ -54,51 +63,74 @@ class FrameWorker:
         partial header); False: drop it.
 
         Acknowledgements are cumulative: an OK ack for seq N says every frame up to N landed. It is
-        sent once no further frame is already waiting (or after ACK_WINDOW frames), so a burst of
-        layers costs one ack, and a block is never acknowledged before its bytes landed. A refusal
-        is acknowledged on its own, after the OKs before it."""
+        sent once no further frame is already waiting and the sender did not flag one as queued right
+        behind (FLAG_MORE; held at most LINGER_SECONDS for it), or after ACK_WINDOW frames, so a burst
+        of layers costs one ack, and a block is never acknowledged before its bytes landed. A refusal
+        is acknowledged on its own, after the OKs before it.
+
+        The socket stays blocking while the worker holds it, with the frame timeout set once in the
+        kernel (`set_kernel_timeouts`): a Python-level timeout would cost an fcntl per change and a
+        poll before every receive, several syscalls per frame for nothing."""
         sock = c.sock
         header = memoryview(c.buf)[: wire.HEADER_BYTES]
         ok_through: int | None = None
         unacked = 0
-        while True:
-            sock.settimeout(self.frame_timeout)
-            c.filled, c.deadline = 0, None
-            h = wire.unpack(header)
-            status = self._frame(c, h)
-            if status is None:
-                return False
-            if status == wire.OK:
-                ok_through, unacked = h.seq, unacked + 1
-            elif status != NO_ACK:
-                if ok_through is not None:
+        wakes: list = []
+        """Sessions whose owners wait on what a frame completed: woken once the ack is decided (sent or
+        deferred), never ahead of it, and on any way out."""
+        try:
+            while True:
+                c.filled, c.deadline = 0, None
+                h = wire.unpack(header)
+                status = self._frame(c, h, wakes)
+                if status is None:
+                    return False
+                if status == wire.OK:
+                    ok_through, unacked = h.seq, unacked + 1
+                elif status != NO_ACK:
+                    if ok_through is not None:
+                        sock.sendall(_ack(h, wire.OK, ok_through))
+                        ok_through, unacked = None, 0
+                    sock.sendall(_ack(h, status, h.seq))
+                try:  # is the next frame already here? then ack later, with it
+                    c.filled = sock.recv_into(header, 0, socket.MSG_DONTWAIT)
+                    if c.filled == 0:
+                        return False
+                except BlockingIOError:
+                    c.filled = 0
+                promised = h.status & wire.FLAG_MORE
+                if ok_through is not None and ((c.filled == 0 and not promised) or unacked >= ACK_WINDOW):
                     sock.sendall(_ack(h, wire.OK, ok_through))
                     ok_through, unacked = None, 0
-                sock.sendall(_ack(h, status, h.seq))
-            sock.settimeout(0.0)  # is the next frame already here? then ack later, with it
-            try:
-                c.filled = sock.recv_into(header)
-                if c.filled == 0:
-                    return False
-            except BlockingIOError:
-                c.filled = 0
-            if ok_through is not None and (c.filled == 0 or unacked >= ACK_WINDOW):
-                sock.settimeout(self.frame_timeout)
-                sock.sendall(_ack(h, wire.OK, ok_through))
-                ok_through, unacked = None, 0
-            sock.settimeout(LINGER_SECONDS)
-            try:
-                while c.filled < wire.HEADER_BYTES:
-                    n = sock.recv_into(header[c.filled :])
-                    if n == 0:
-                        return False
-                    c.filled += n
-            except TimeoutError:
+                _wake_all(wakes)
+                more = self._linger(c, header)
+                if more is not True:
+                    if more is False and ok_through is not None:  # the promised frame did not come: ack now
+                        sock.sendall(_ack(h, wire.OK, ok_through))
+                    return more is False  # None: the peer closed
+        finally:
+            _wake_all(wakes)
+
+    def _linger(self, c: Connection, header: memoryview) -> bool | None:
+        """Wait up to LINGER_SECONDS for the rest of the next frame header. True: it is complete;
+        False: hand the connection back (c.filled bytes of a partial header); None: the peer closed."""
+        end = time.monotonic() + LINGER_SECONDS
+        while c.filled < wire.HEADER_BYTES:
+            left = end - time.monotonic()
+            if left <= 0 or not wait_readable(c.sock, left):
                 if c.filled:
                     c.deadline = time.monotonic() + self.frame_timeout
-                return True
+                return False
+            try:
+                n = c.sock.recv_into(header[c.filled :], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            if n == 0:
+                return None
+            c.filled += n
+        return True
 
-    def _frame(self, c: Connection, h: wire.Header) -> int | None:
+    def _frame(self, c: Connection, h: wire.Header, wakes: list) -> int | None:
         """One frame; returns the status to acknowledge (NO_ACK for none), None if the stream cannot go on."""
         server, conn = self.server, c.sock
         if h.kind == wire.KIND_CONNECT:
@@ -136,7 +168,7 @@ class FrameWorker:
                 server.rdma_landed(h.layer, block_ids)
                 ok = True
         finally:
-            accepted = server.end_write(session, writer, h.layer, block_ids, ok)
+            accepted = server.end_write(session, writer, h.layer, block_ids, ok, wakes)
         if not ok or fence.cut_off:
             return None  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
         return wire.OK if accepted else wire.SESSION_CLOSED
@@ -159,7 +191,10 @@ class FrameWorker:
         """Land the payload in the (validated) destination blocks before the session's deadline;
         False if the peer closed, the deadline passed, or the session ended and cut this writer off."""
         server = self.server
-        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        left = deadline - time.monotonic()
+        near_deadline = left < self.frame_timeout  # the kernel's receive timeout must stop at the deadline
+        if near_deadline:
+            set_recv_timeout(conn, max(left, 0.001))
         try:
             runs = dest_runs(block_ids)
             if not server.region.is_device:
@@ -173,12 +208,17 @@ class FrameWorker:
                 server.region.tensor, [(server.geometry.offset(h.layer, b), n * block_bytes) for b, n in runs]
             )
             return True
-        except TimeoutError:
-            log.warning("cachestore write missed its session deadline: connection dropped")
-            server.reject("deadline")
+        except (BlockingIOError, TimeoutError):  # the kernel receive timeout (SO_RCVTIMEO) expired
+            if near_deadline:
+                log.warning("cachestore write missed its session deadline: connection dropped")
+                server.reject("deadline")
+            else:
+                log.warning("cachestore sender stalled %.0fs inside a payload: connection dropped", self.frame_timeout)
+                server.reject("frame_timeout")
             return False
         finally:
-            conn.settimeout(self.frame_timeout)
+            if near_deadline:
+                set_recv_timeout(conn, self.frame_timeout)
 
     def _discard(self, conn: socket.socket, n: int) -> bool:
         deadline = time.monotonic() + self.frame_timeout + n / DISCARD_BYTES_PER_SECOND
@@ -189,7 +229,7 @@ class FrameWorker:
             if not recv_exact_into(conn, scratch[:chunk]):
                 return False
             n -= chunk
-        conn.settimeout(self.frame_timeout)
+        conn.settimeout(None)  # blocking again, bounded by the kernel timeouts (see serve)
         return True
 
 
@@ -211,11 +251,19 @@ def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> 
     while i < len(views):
         if fence.cut_off:
             return False
+        # no MSG_WAITALL: it would wake this thread for every segment that arrives (measured: 6x the
+        # context switches per 64 KiB frame); returning with what is there lets the data pile up meanwhile
         n = conn.recvmsg_into(views[i : i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
         if n == 0:
             return False
         i = advance_views(views, i, n)  # past what landed
     return not fence.cut_off
+
+
+def _wake_all(sessions: list) -> None:
+    for session in sessions:
+        session.signal()
+    sessions.clear()
 
 
 def _ack(h: wire.Header, status: int, seq: int) -> bytes:

@@ -63,6 +63,8 @@ class TcpChannel:
         """seq -> (transfer, runs in the frame), in send order (acks are cumulative)."""
         self._lock = threading.Lock()
         self._seq = 0
+        self._ids_cache: tuple[list[Run], int, bytes] | None = None
+        """(runs, number of ids, packed ids) of the last frame: used by the send thread only."""
         # a device pool is read through one host buffer, allocated once for the connection
         self._staging = HostStaging(client.geometry.block_bytes) if client.region.is_device else None
         try:
@@ -108,26 +110,35 @@ class TcpChannel:
                 continue
             if ready_event is not None and self._staging is None:
                 ready_event.synchronize()  # the layer's kernels are done before we read its blocks
-            creds = transfer.creds
             with self._lock:
                 self._seq += 1
                 seq = self._seq
                 self._pending[seq] = (transfer, len(runs))
-            sid, token = bytes.fromhex(creds.session_id), bytes.fromhex(creds.token)
+            sid, token = transfer.wire_session
             if notify:
                 (run,) = runs
                 notice = wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0)
                 buffers: list[bytes | memoryview] = [notice.pack()]
             else:
-                ids = [b for r in runs for b in range(r.dst_block, r.dst_block + r.count)]
-                header = wire.Header(wire.KIND_WRITEV, 0, sid, token, layer, 0, len(ids), seq, len(ids) * block_bytes)
-                buffers = [header.pack() + wire.pack_ids(ids), *self._payloads(layer, runs, ready_event)]
+                num_ids, packed_ids = self._packed_ids(runs)
+                flags = wire.FLAG_MORE if not self._queue.empty() else 0  # its ack can ride on the next frame's
+                header = wire.Header(wire.KIND_WRITEV, flags, sid, token, layer, 0, num_ids, seq, num_ids * block_bytes)
+                buffers = [header.pack() + packed_ids, *self._payloads(layer, runs, ready_event)]
             try:
                 _sendmsg_all(self.sock, buffers)
             except OSError as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
             client.metrics.add_bytes("send", sum(len(b) for b in buffers[1:]))
+
+    def _packed_ids(self, runs: list[Run]) -> tuple[int, bytes]:
+        """The WRITEV id list of `runs`, packed once for all the layers that send the same runs object."""
+        cached = self._ids_cache
+        if cached is not None and cached[0] is runs:
+            return cached[1], cached[2]
+        ids = [b for r in runs for b in range(r.dst_block, r.dst_block + r.count)]
+        self._ids_cache = (runs, len(ids), wire.pack_ids(ids))
+        return len(ids), self._ids_cache[2]
 
     def _payloads(self, layer: int, runs: list[Run], ready_event) -> list[memoryview]:
         """The runs' bytes: views of a host pool, or one staging copy of a device pool (after ready_event)."""

@@ -3,8 +3,9 @@
 Connection: the server sends a 16-byte nonce; the client answers with
 HMAC-SHA256(cluster secret, nonce) (32 bytes). Then the client sends WRITEV
 frames (header + block id list + payload; one per layer, whatever the block
-layout) or WRITE frames (header + payload of consecutive blocks) and the server
-answers each frame with one ACK frame, once all of its bytes have landed.
+layout) or WRITE frames (header + payload of consecutive blocks). The server
+answers with ACK frames once the bytes have landed: an OK is cumulative (every
+frame up to its seq), a refusal names one frame.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ KIND_CONNECT = 4
 KIND_WRITEV = 5
 """One layer, any block layout: header, then `count` destination block ids (uint32, big-endian),
 then the payload: the blocks' bytes in the order of the ids. `dst_block` is unused (0)."""
+FLAG_MORE = 1
+"""In a WRITE/WRITEV header's status field (sender -> receiver): another frame is already queued right
+behind this one, so the receiver may hold this frame's ack and cover it with the next one's (it acks
+anyway if that frame does not come within its linger). Receivers that predate it ignore it."""
 MAX_CONNECT_BYTES = 4096
 MAX_IDS_PER_FRAME = 1 << 16
 """Most block ids one WRITEV frame may list; a larger count marks the stream corrupt."""

@@ -213,3 +213,36 @@ async def test_scattered_layer_lands_in_place(server):
     assert untouched_outside(dst, GEO, {(layer, d) for layer in range(GEO.num_layers) for d in [11, 3, 7, 0]})
     server.close_session("scattered")
     await client.close()
+
+
+async def test_broken_more_promise_still_gets_its_ack(server):
+    """A frame flagged FLAG_MORE ("another frame is right behind") whose follower never comes is
+    acknowledged anyway once the receiver stops waiting; a follower that does come is covered by one
+    cumulative ack."""
+    src, dst = server.test_pools
+    creds = server.open_session("promise", [4, 9], timeout=5)
+    sid, token = bytes.fromhex(creds.session_id), bytes.fromhex(creds.token)
+
+    def frame(layer: int, seq: int, flags: int) -> bytes:
+        h = wire.Header(wire.KIND_WRITEV, flags, sid, token, layer, 0, 2, seq, 2 * GEO.block_bytes)
+        return h.pack() + wire.pack_ids([4, 9]) + block(src, GEO, layer, 1) + block(src, GEO, layer, 2)
+
+    def send() -> list[wire.Header | None]:
+        sock = raw_connect(server.endpoint)
+        try:
+            sock.sendall(frame(0, 1, wire.FLAG_MORE))  # nothing follows: the ack must still come
+            first = read_ack(sock)
+            sock.sendall(frame(1, 2, wire.FLAG_MORE) + frame(2, 3, 0))
+            acks = [read_ack(sock)]  # normally one ack for both (more only if the follower came late)
+            while acks[-1] is not None and acks[-1].seq < 3:
+                acks.append(read_ack(sock))
+            return [first, *acks]
+        finally:
+            sock.close()
+
+    first, *rest = await in_thread(send)
+    assert first is not None and first.status == wire.OK and first.seq == 1
+    assert all(a is not None and a.status == wire.OK for a in rest) and rest[-1].seq == 3
+    await server.get_session("promise").wait_complete(5)
+    assert block(dst, GEO, 2, 9) == block(src, GEO, 2, 2)
+    server.close_session("promise")
