@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, store_kv
 from engine.attention.plan import paged_plan
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -85,8 +85,7 @@ class FlashInferAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         # write this step's K/V into the pages first: kv_layer [N, 2, Hkv, B, D]
-        kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
-        kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
+        store_kv(kv_layer, k, v, meta)
         assert self._active is not None, "begin_step() must plan before forward()"
         if abs(scale - self._scale) > 1e-9:
             raise ValueError(f"flashinfer was planned with sm_scale {self._scale}, the model asks for {scale}")
