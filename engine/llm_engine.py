@@ -19,6 +19,8 @@ from engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenize
 
 
 class EngineLoad(NamedTuple):
+    """The engine's share of a node's load report: each field is the LoadReport field of its name."""
+
     num_free_blocks: int
     num_total_blocks: int
     num_running: int

@@ -100,19 +100,21 @@ def create_app(
             ],
         }
 
+    async def generate(body: CompletionRequest | ChatCompletionRequest):
+        """Both generation endpoints: an SSE stream when the body asks for one, else the whole response."""
+        check_model(body.model)
+        chat = isinstance(body, ChatCompletionRequest)
+        if body.stream:
+            return _sse(await server.stream(body, chat=chat))
+        return await server.chat(body) if isinstance(body, ChatCompletionRequest) else await server.completion(body)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        check_model(body.model)
-        if body.stream:
-            return _sse(await server.stream(body, chat=False))
-        return await server.completion(body)
+        return await generate(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
-        check_model(body.model)
-        if body.stream:
-            return _sse(await server.stream(body, chat=True))
-        return await server.chat(body)
+        return await generate(body)
 
     @app.get("/health")
     async def health():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -23,51 +24,42 @@ class RequestMetrics:
     """pdserve_router_* request series; `track` wraps one generation stream."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        r, label = registry, ["model_name"]
-        self.ttft = Histogram(
+        def series(kind: type[Histogram | Gauge | Counter], name: str, doc: str, **kw: Any) -> Any:
+            """One series in `registry`, bound to this router's `model_name`."""
+            return kind(name, doc, ["model_name"], registry=registry, **kw).labels(model_name)
+
+        self.ttft = series(
+            Histogram,
             "pdserve_router_time_to_first_token_seconds",
             "request arrival to first token, as the client sees it",
-            label,
             buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
+        )
+        self.itl = series(
+            Histogram,
             "pdserve_router_inter_token_latency_seconds",
             "time between streamed token chunks",
-            label,
             buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
+        )
+        self.e2e = series(
+            Histogram,
             "pdserve_router_e2e_request_latency_seconds",
             "request arrival to last token",
-            label,
             buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.in_flight = Gauge(
-            "pdserve_router_requests_in_flight", "generation streams open now", label, registry=r
-        ).labels(model_name)
-        self.prompt_tokens = Counter(
-            "pdserve_router_prompt_tokens", "prompt tokens of finished requests", label, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "pdserve_router_generation_tokens", "tokens generated (streamed)", label, registry=r
-        ).labels(model_name)
-        self.prefix_cache_queries = Counter(
-            "pdserve_router_prefix_cache_queries",
-            "prompt tokens looked up in the decode prefix cache",
-            label,
-            registry=r,
-        ).labels(model_name)
-        self.prefix_cache_hits = Counter(
-            "pdserve_router_prefix_cache_hits", "prompt tokens found in the decode prefix cache", label, registry=r
-        ).labels(model_name)
+        )
+        self.in_flight = series(Gauge, "pdserve_router_requests_in_flight", "generation streams open now")
+        self.prompt_tokens = series(Counter, "pdserve_router_prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = series(Counter, "pdserve_router_generation_tokens", "tokens generated (streamed)")
+        self.prefix_cache_queries = series(
+            Counter, "pdserve_router_prefix_cache_queries", "prompt tokens looked up in the decode prefix cache"
+        )
+        self.prefix_cache_hits = series(
+            Counter, "pdserve_router_prefix_cache_hits", "prompt tokens found in the decode prefix cache"
+        )
         self._finished = Counter(
             "pdserve_router_requests_finished",
             "finished generations by finish reason",
             ["model_name", "finished_reason"],
-            registry=r,
+            registry=registry,
         )
         self.model_name = model_name
         for reason in ("stop", "length", "abort", "error"):  # export zeros so rate() works from the start

@@ -193,11 +193,28 @@ class Server:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    async def completion(self, req: CompletionRequest) -> dict:
-        choices = await self.choices(req, chat=False)
+    async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, str]]:
+        """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
+        choices = await self.choices(req, chat)
         texts = {c.index: "" for c in choices}
         async for c, delta, _ in self.run(choices):
             texts[c.index] += delta
+        return choices, texts
+
+    def response(self, id_prefix: str, obj: str, choices: list[Choice], out: list[dict]) -> dict:
+        """The non-streamed response object (`obj`: text_completion | chat.completion) around the
+        per-choice dicts `out`, with a fresh `{id_prefix}-...` id and the choices' usage."""
+        return {
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": out,
+            "usage": self.usage(choices),
+        }
+
+    async def completion(self, req: CompletionRequest) -> dict:
+        choices, texts = await self.run_to_end(req, chat=False)
         out = []
         for c in choices:
             prefix = (c.prompt_text or self.tokenizer.decode(c.prompt_ids)) if req.echo else ""
@@ -205,20 +222,10 @@ class Server:
             out.append(
                 {"index": c.index, "text": prefix + texts[c.index], "logprobs": lp, "finish_reason": c.finish_reason}
             )
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": out,
-            "usage": self.usage(choices),
-        }
+        return self.response("cmpl", "text_completion", choices, out)
 
     async def chat(self, req: ChatCompletionRequest) -> dict:
-        choices = await self.choices(req, chat=True)
-        texts = {c.index: "" for c in choices}
-        async for c, delta, _ in self.run(choices):
-            texts[c.index] += delta
+        choices, texts = await self.run_to_end(req, chat=True)
         out = [
             {
                 "index": c.index,
@@ -230,14 +237,7 @@ class Server:
             }
             for c in choices
         ]
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": out,
-            "usage": self.usage(choices),
-        }
+        return self.response("chatcmpl", "chat.completion", choices, out)
 
     async def stream(self, req: SamplingFields, chat: bool) -> AsyncIterator[str]:
         """SSE lines; errors after the first byte become one error chunk, then [DONE]."""

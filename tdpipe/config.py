@@ -6,6 +6,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 
+def require_positive(config: object, *names: str) -> None:
+    """Raise ValueError for the first of `config`'s fields `names` that is not > 0."""
+    for name in names:
+        if (value := getattr(config, name)) <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
 @dataclass(frozen=True)
 class InstanceConfig:
     """One pipeline-parallel instance and its batching limits."""
@@ -22,9 +29,7 @@ class InstanceConfig:
     """Per-batch request limit of the PP baselines (vLLM's default)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "capacity_blocks", "block_size", "max_batch_tokens", "max_num_seqs"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "num_stages", "capacity_blocks", "block_size", "max_batch_tokens", "max_num_seqs")
 
 
 @dataclass(frozen=True)
@@ -63,5 +68,4 @@ class TDPipeOptions:
             raise ValueError(f"completion_threshold must be in (0, 1], got {self.completion_threshold}")
         if self.spatial_peak not in ("phase", "fixed"):
             raise ValueError(f"spatial_peak must be 'phase' or 'fixed', got {self.spatial_peak!r}")
-        if self.ref_batch_size <= 0:
-            raise ValueError(f"ref_batch_size must be > 0, got {self.ref_batch_size}")
+        require_positive(self, "ref_batch_size")

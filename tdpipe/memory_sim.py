@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_manager import blocks_for
+from tdpipe.config import require_positive
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,7 @@ class FuturePointsConfig:
     """Last futurePoint (inclusive)."""
 
     def __post_init__(self) -> None:
-        if self.capacity_blocks <= 0:
-            raise ValueError(f"capacity_blocks must be > 0, got {self.capacity_blocks}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        require_positive(self, "capacity_blocks", "block_size")
         if self.interval <= 0 or self.horizon < self.interval:
             raise ValueError(f"need 0 < interval <= horizon, got {self.interval}, {self.horizon}")
 

@@ -15,6 +15,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from tdpipe.config import require_positive
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
@@ -33,10 +35,7 @@ class WorkloadConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_requests <= 0:
-            raise ValueError(f"num_requests must be > 0, got {self.num_requests}")
-        if self.input_median <= 0 or self.output_median <= 0:
-            raise ValueError("input_median and output_median must be > 0")
+        require_positive(self, "num_requests", "input_median", "output_median")
         if not 0.0 <= self.predictor_accuracy <= 1.0:
             raise ValueError(f"predictor_accuracy must be in [0, 1], got {self.predictor_accuracy}")
 

@@ -31,6 +31,12 @@ class AttentionMetadata:
         return cls(batch, block_size, as_tensor(blocks), as_tensor(offsets), as_tensor(positions))
 
 
+def store_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Scatter the step's new K/V ([T, Hkv, D] each) into their slots of the pool layer [N, 2, Hkv, B, D]."""
+    kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
+    kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
+
+
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the pool and attends over each sequence's pages."""
 

@@ -25,10 +25,10 @@ from typing import Callable
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = (
-    Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp",
-    Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp",
-)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_fused_ops.cpp")
+HEADERS = (CSRC / "cpu_common.h",)
+"""Included by the sources: part of the cache key, so that editing one rebuilds the op."""
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
 _lock = threading.Lock()
@@ -38,7 +38,8 @@ _thread: threading.Thread | None = None
 def build_dir() -> Path:
     """Cache location of the built op: `$PDSERVE_CACHE_DIR/kernels/<digest>` (default ~/.cache/pdserve)."""
     root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode()).hexdigest()[:12]
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
     return root / "kernels" / f"cpu_paged-{digest}"
 
 
@@ -92,6 +93,7 @@ def _build() -> Callable[..., torch.Tensor] | None:
             sources=[str(s) for s in SOURCES],
             build_directory=str(tmp),
             extra_cflags=["-O3", "-fopenmp"],
+            extra_include_paths=[str(CSRC)],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention import cpu_build
-from engine.attention.torch_backend import TorchAttention
+from engine.attention.torch_backend import TorchAttention, causal_self_attention
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -79,7 +78,5 @@ class CpuPagedAttention(AttentionBackend):
         for i, (q_len, c) in enumerate(zip(b.query_lens, b.context_lens)):
             if q_len == c:  # fresh prompt: causal SDPA over its own K/V
                 s, e = offsets[i], offsets[i + 1]
-                qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-                out[s:e] = oi.transpose(0, 1)
+                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
         return out

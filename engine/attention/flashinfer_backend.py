@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, store_kv
 from engine.attention.plan import paged_plan
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -54,36 +54,15 @@ class FlashInferAttention(AttentionBackend):
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
         hq = self.num_qo_heads
         self._scale = d**-0.5  # what the plan bakes in; forward() checks the model asks for the same
+        # both wrappers take the paged-KV layout and head geometry the same way; prefill also its query ranges
+        paged_kv = (as_i32(plan.kv_indptr), as_i32(plan.kv_indices), as_i32(plan.kv_last_page_len), hq, hkv, d, page)
+        plan_kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
         if b.is_decode_only:
             w = self._wrapper("decode", dev)
-            w.plan(
-                as_i32(plan.kv_indptr),
-                as_i32(plan.kv_indices),
-                as_i32(plan.kv_last_page_len),
-                hq,
-                hkv,
-                d,
-                page,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-                sm_scale=self._scale,
-            )
+            w.plan(*paged_kv, **plan_kw)
         else:
             w = self._wrapper("prefill", dev)
-            w.plan(
-                as_i32(plan.qo_indptr),
-                as_i32(plan.kv_indptr),
-                as_i32(plan.kv_indices),
-                as_i32(plan.kv_last_page_len),
-                hq,
-                hkv,
-                d,
-                page,
-                causal=True,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-                sm_scale=self._scale,
-            )
+            w.plan(as_i32(plan.qo_indptr), *paged_kv, causal=True, **plan_kw)
         self._active = w
 
     def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
@@ -106,8 +85,7 @@ class FlashInferAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         # write this step's K/V into the pages first: kv_layer [N, 2, Hkv, B, D]
-        kv_layer[:, 0][meta.slot_blocks, :, meta.slot_offsets] = k
-        kv_layer[:, 1][meta.slot_blocks, :, meta.slot_offsets] = v
+        store_kv(kv_layer, k, v, meta)
         assert self._active is not None, "begin_step() must plan before forward()"
         if abs(scale - self._scale) > 1e-9:
             raise ValueError(f"flashinfer was planned with sm_scale {self._scale}, the model asks for {scale}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, store_kv
 from engine.block_manager import blocks_for
 
 
@@ -26,10 +26,9 @@ class TorchAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        store_kv(kv_layer, k, v, meta)
         # kv_layer: [N, 2, Hkv, B, D]; k_pages/v_pages: [N, Hkv, B, D] views
         k_pages, v_pages = kv_layer[:, 0], kv_layer[:, 1]
-        k_pages[meta.slot_blocks, :, meta.slot_offsets] = k
-        v_pages[meta.slot_blocks, :, meta.slot_offsets] = v
         batch = meta.batch
         if batch.is_decode_only:
             return self._decode(q, k_pages, v_pages, meta, scale)
@@ -37,17 +36,16 @@ class TorchAttention(AttentionBackend):
         start = 0
         for i, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
             end = start + q_len
-            qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
             if q_len == ctx:  # whole sequence is new: plain causal attention on fresh K/V
-                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end], scale)
             else:
+                qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
                 ki, vi = _gather(k_pages, v_pages, batch.block_tables[i], ctx, meta.block_size)
                 # query row j sits at position ctx - q_len + j and sees keys 0..that position
                 rows = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
                 mask = torch.arange(ctx, device=q.device)[None, :] <= rows
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start:end] = oi.transpose(0, 1)
+                out[start:end] = oi.transpose(0, 1)
             start = end
         return out
 
@@ -70,6 +68,13 @@ class TorchAttention(AttentionBackend):
             q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
         )
         return out[:, :, 0, :]
+
+
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt with no cached prefix attends causally over its own fresh K/V (SDPA's GEMM-based kernel):
+    q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]."""
+    qi, ki, vi = (x.transpose(0, 1) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
 
 
 def _gather(

@@ -6,6 +6,7 @@ The watchdog that unblocks the job when a stage dies or a signal comes is `batch
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -159,18 +160,10 @@ class BatchJob:
         )
         external = getattr(self.args, "external_stages", False)
         table = self.cost_table(cfg, reqs, external)
-        if external:
-            return run_controller(
-                cfg,
-                self.args.stages,
-                reqs,
-                self.args.max_batch_tokens,
-                on_finish,
-                policy=self.args.policy,
-                table=table,
-                on_executor=on_executor,
-            )
-        return run_local_pipeline(
+        # external stages join on their own; local ones are started (and watched) by the launcher
+        on_spawn = self.watchdog.watch if self.watchdog else None
+        run = run_controller if external else functools.partial(run_local_pipeline, on_spawn=on_spawn)
+        return run(
             cfg,
             self.args.stages,
             reqs,
@@ -178,7 +171,6 @@ class BatchJob:
             on_finish,
             policy=self.args.policy,
             table=table,
-            on_spawn=self.watchdog.watch if self.watchdog else None,
             on_executor=on_executor,
         )
 

@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 from pdserve.commands.generate import add_model_args
+from pdserve.commands.node_common import CLI_TRANSPORTS
 from pdserve.commands.router import add_api_key_args, api_keys
 from pdserve.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
 from pdserve.runtime.supervisor import RestartPolicy, Supervised, Supervisor
@@ -27,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_device_args(p)  # every node of the cluster shares the device (one GPU: they share it)
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=2)
-    p.add_argument("--transport", default="tcp", choices=["auto", "tcp", "rdma"])
+    p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument(
         "--host",

@@ -61,6 +61,10 @@ class NacosDiscovery(Discovery):
     def service_name(self, role: str) -> str:
         return f"{self.service}-{role}"
 
+    def instance(self, member: Member) -> tuple[str, str, int]:
+        """(service name, ip, port): what Nacos identifies a registered instance by."""
+        return self.service_name(member.role), member.host, member.port
+
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
@@ -79,9 +83,7 @@ class NacosDiscovery(Discovery):
         meta = {"role": member.role, **{k: str(v) for k, v in member.metadata.items()}}
         await self._call(
             self.client.add_naming_instance,
-            self.service_name(member.role),
-            member.host,
-            member.port,
+            *self.instance(member),
             metadata=meta,
             ephemeral=True,
             heartbeat_interval=self.heartbeat,
@@ -90,18 +92,12 @@ class NacosDiscovery(Discovery):
 
     async def deregister(self, member: Member) -> None:
         try:
-            await self._call(
-                self.client.remove_naming_instance,
-                self.service_name(member.role),
-                member.host,
-                member.port,
-                ephemeral=True,
-            )
+            await self._call(self.client.remove_naming_instance, *self.instance(member), ephemeral=True)
         except Exception as e:  # the registry may be gone at shutdown; the instance then expires
             log.warning("nacos deregister of %s failed: %s", member.address, e)
             # The SDK stops its beat thread only after a successful removal; stop it here too
             # (its task table is keyed "service#ip#port" in 2.0.x).
-            task = self.client.heartbeats.pop(f"{self.service_name(member.role)}#{member.host}#{member.port}", None)
+            task = self.client.heartbeats.pop("#".join(map(str, self.instance(member))), None)
             if task is not None:
                 task.stop()
         if member in self._registered:

@@ -143,11 +143,7 @@ class NodeRuntime:
         return common_pb2.LoadReport(
             role=self.role,
             node_id=self.node_id,
-            num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+            **load._asdict(),  # EngineLoad's fields are named as the report's
             compatibility=self.compatibility,
             block_size=self.engine.runner.kv_pool.block_size,
             draining=self.draining,

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import asdict
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -71,22 +71,13 @@ def _die_with_parent() -> None:
 def run_local_pipeline(
     cfg: StageConfig,
     num_stages: int,
-    requests: list[PipeRequest],
-    max_batch_tokens: int = 2048,
-    on_finish: Callable[[PipeRequest], None] | None = None,
-    *,
-    policy: str = "tdpipe",
-    table: CostTable | None = None,
-    decisions: list | None = None,
+    *args: Any,
     on_spawn: Callable[[list[subprocess.Popen]], None] | None = None,
-    on_executor: Callable[[StageExecutor], None] | None = None,
+    **kwargs: Any,
 ) -> tuple[SimStats, Timelines]:
-    """Run `requests` through `num_stages` local stage processes under `policy`
-    (tdpipe | pp-sb | pp-hb, or any simulator policy name). `table` is the cost table the
-    TD-Pipe switch decisions read (default: the analytic one). Returns (stats, stage timelines);
-    `decisions`, when given, receives the executor's decision log. `on_spawn(procs)` sees the
-    stage processes as soon as they start (a watchdog polls them), `on_executor(executor)` the
-    executor before the policy runs (progress display)."""
+    """`run_controller(cfg, num_stages, *args, **kwargs)` over `num_stages` stage processes started
+    here as its children (`stage_procs`): runs the requests under the policy and returns (stats, stage
+    timelines). `on_spawn(procs)` sees the stage processes as soon as they start (a watchdog polls them)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(num_stages + 1))
     # Own session: a terminal's Ctrl-C reaches the launcher only, which stops the stages itself.
     procs = [
@@ -99,18 +90,7 @@ def run_local_pipeline(
         if on_spawn is not None:
             on_spawn(procs)
         os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}, RANK="0")
-        return run_controller(
-            cfg,
-            num_stages,
-            requests,
-            max_batch_tokens,
-            on_finish,
-            policy=policy,
-            table=table,
-            decisions=decisions,
-            stage_procs=procs,
-            on_executor=on_executor,
-        )
+        return run_controller(cfg, num_stages, *args, stage_procs=procs, **kwargs)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -131,7 +111,11 @@ def run_controller(
     stage_procs: Sequence[subprocess.Popen] = (),
     on_executor: Callable[[StageExecutor], None] | None = None,
 ) -> tuple[SimStats, Timelines]:
-    """Rank 0 of a pipeline whose stages join through MASTER_ADDR/MASTER_PORT/WORLD_SIZE (RANK=0 here).
+    """Rank 0 of a pipeline whose stages join through MASTER_ADDR/MASTER_PORT/WORLD_SIZE (RANK=0 here):
+    runs `requests` through the `num_stages` stages under `policy` (tdpipe | pp-sb | pp-hb, or any
+    simulator policy name). `table` is the cost table the TD-Pipe switch decisions read (default: the
+    analytic one). Returns (stats, stage timelines); `decisions`, when given, receives the executor's
+    decision log; `on_executor(executor)` sees the executor before the policy runs (progress display).
 
     Shared by the local launcher above (the stages are its children, `stage_procs`) and
     `pdserve batch --external-stages` (`pdserve stage` ranks started elsewhere, e.g. the pods

@@ -19,28 +19,12 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PDS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define PDS_CLONES
-#endif
+#include "cpu_common.h"
 
 namespace {
 
-inline float b2f(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// round to nearest even, as c10::BFloat16 does (NaN stays a quiet NaN)
-inline uint16_t f2b(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
-}
+using pds::b2f;
+using pds::f2b;
 
 inline float rb(float f) { return b2f(f2b(f)); }  // a bf16 store and reload
 

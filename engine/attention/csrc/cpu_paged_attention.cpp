@@ -19,20 +19,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PDS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define PDS_CLONES
-#endif
+#include "cpu_common.h"
 
 namespace {
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using pds::b2f;
 
 // 16 partial sums: lets the compiler vectorise the reduction without -ffast-math
 PDS_CLONES float dot_f32(const float* a, const float* b, int64_t n) {
@@ -50,9 +41,9 @@ PDS_CLONES float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
   float acc[16] = {0};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * bf16_to_float(b[i + l]);
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b2f(b[i + l]);
   float s = 0;
-  for (; i < n; ++i) s += a[i] * bf16_to_float(b[i]);
+  for (; i < n; ++i) s += a[i] * b2f(b[i]);
   for (int l = 0; l < 16; ++l) s += acc[l];
   return s;
 }
@@ -62,7 +53,7 @@ PDS_CLONES void axpy_f32(float* y, float w, const float* x, int64_t n) {
 }
 
 PDS_CLONES void axpy_bf16(float* y, float w, const uint16_t* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += w * bf16_to_float(x[i]);
+  for (int64_t i = 0; i < n; ++i) y[i] += w * b2f(x[i]);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) { return dot_f32(a, b, n); }

@@ -1,0 +1,121 @@
+"""What the `pdserve batch` tests share: the prompts, the input lines, the command line, reading
+the output, and waiting on the job's stage processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.router_cluster import free_port
+
+PROMPTS = [
+    "The old lighthouse keeper",
+    "Once upon a time",
+    "In the beginning the",
+    "A quick brown fox",
+    "Water is",
+    "The capital of",
+]
+MAX_TOKENS = 12
+START_TIMEOUT = 180  # model load + the first batches on a loaded 2-core machine
+STOP_TIMEOUT = 60  # from a signal or a dead stage to the job's exit
+
+
+def request_line(cid: str, prompt: str, **body) -> str:
+    """One input line: a greedy, EOS-ignoring /v1/completions request (`body` overrides)."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **body}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": body})
+
+
+def batch_cmd(tmp: Path, *extra: str) -> list[str]:
+    """`pdserve batch` from `tmp/in.jsonl` to `tmp/out.jsonl` on a small KV pool, plus `extra`."""
+    return [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "batch",
+        "-i",
+        str(tmp / "in.jsonl"),
+        "-o",
+        str(tmp / "out.jsonl"),
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "4",
+        *extra,
+    ]
+
+
+def read_results(path: Path) -> list[dict]:
+    """The output lines of a job, parsed."""
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def _code(row: dict) -> str | None:
+    """The error code of an output line, whichever of OpenAI's two error shapes it has."""
+    if row["error"] is not None:
+        return row["error"]["code"]
+    if row["response"]["status_code"] != 200:
+        return row["response"]["body"]["error"]["code"]
+    return None
+
+
+def texts_by_id(rows: list[dict]) -> dict[str, str]:
+    """The generated text of each answered (not refused) request, by custom_id."""
+    choices = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in rows if _code(r) is None}
+    return {cid: c["text"] if "text" in c else c["message"]["content"] for cid, c in choices.items()}
+
+
+def stage_pids(batch_pid: int, count: int, deadline: float) -> list[int]:
+    """The `pdserve stage` children of a running `pdserve batch`."""
+    psutil = pytest.importorskip("psutil")
+    while time.monotonic() < deadline:
+        kids = [p for p in psutil.Process(batch_pid).children() if "stage" in p.cmdline()]
+        if len(kids) == count:
+            return [p.pid for p in kids]
+        time.sleep(0.1)
+    raise AssertionError("the stage processes did not start")
+
+
+def all_gone(pids: list[int], deadline: float) -> bool:
+    """Whether every one of `pids` has exited (or is a zombie) by `deadline`."""
+    psutil = pytest.importorskip("psutil")
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL a job started with `start_new_session` (its process group), if it still runs."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def start_stage_ranks(model_dir: Path) -> tuple[dict[str, str], list[subprocess.Popen]]:
+    """`pdserve stage` ranks 1 and 2 started on their own, as the Kubernetes Indexed Job starts them,
+    and the rendezvous environment (WORLD_SIZE 3) that rank 0 must run with (plus RANK=0)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
+    stage = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "stage",
+        "--model-dir",
+        str(model_dir),
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "4",
+    ]
+    return env, [subprocess.Popen(stage, env=dict(env, RANK=str(r)), stderr=subprocess.DEVNULL) for r in (1, 2)]
