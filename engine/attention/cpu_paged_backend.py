@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention import cpu_build
-from engine.attention.torch_backend import TorchAttention
+from engine.attention.torch_backend import TorchAttention, causal_attention
 
 
 class CpuPagedAttention(AttentionBackend):
     """Decode and prefix-cached prefill chunks through one C++ call per layer over the pages in place.
 
     A prompt with no cached prefix attends only to its own fresh K/V, so it keeps
-    SDPA's GEMM-based causal kernel (the same as the torch backend). Until the op
+    SDPA's causal flash kernel (`causal_attention`, shared with the torch backend). Until the op
     is built (first use on a machine), or forever without a compiler, steps run
     the torch backend's path (see `cpu_build`); the choice is made per step.
     """
@@ -79,7 +78,5 @@ class CpuPagedAttention(AttentionBackend):
         for i, (q_len, c) in enumerate(zip(b.query_lens, b.context_lens)):
             if q_len == c:  # fresh prompt: causal SDPA over its own K/V
                 s, e = offsets[i], offsets[i + 1]
-                qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-                out[s:e] = oi.transpose(0, 1)
+                out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale)
         return out
