@@ -115,16 +115,8 @@ def decode_step_seconds(model_dir: Path, dtype: str, threads: int, steps: int) -
     times = []
     while engine.has_unfinished_requests():
         times.append(_timed(engine.step))
-    weight_bytes = sum(
-        t.numel() * t.element_size()
-        for layer in engine.runner.model.layers
-        for t in vars(layer).values()
-        if isinstance(t, torch.Tensor)
-    )
-    m = engine.runner.model
-    weight_bytes += m.lm_head.numel() * m.lm_head.element_size() + m.norm.numel() * m.norm.element_size()
     times.sort()
-    return times[len(times) // 2], weight_bytes
+    return times[len(times) // 2], engine.runner.model.weight_bytes()
 
 
 def main() -> None:
