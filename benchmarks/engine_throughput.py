@@ -40,7 +40,9 @@ def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], 
     ]
 
 
-def run_pdserve(model_dir: Path, dtype: str, threads: int, reqs) -> tuple[float, int]:
+def submit_greedy(model_dir: Path | str, dtype: str, threads: int, reqs: list) -> tuple[LLMEngine, float]:
+    """An engine sized for `reqs` (`(prompt_ids, max_tokens)` pairs) with all of them added as greedy,
+    EOS-ignoring requests `"0"`, `"1"`, ...; and the `perf_counter` just before the first was added."""
     need = sum(len(p) + o for p, o in reqs)
     engine = LLMEngine(
         EngineConfig(
@@ -56,6 +58,11 @@ def run_pdserve(model_dir: Path, dtype: str, threads: int, reqs) -> tuple[float,
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(reqs):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
+    return engine, start
+
+
+def run_pdserve(model_dir: Path, dtype: str, threads: int, reqs) -> tuple[float, int]:
+    engine, start = submit_greedy(model_dir, dtype, threads, reqs)
     produced = 0
     while engine.has_unfinished_requests():
         produced += sum(len(o.new_token_ids) for o in engine.step())

@@ -31,23 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_pdserve(model_dir: str, dtype: str, threads: int, reqs: list) -> dict:
     """Worker side for our engine (runs in its own process, like vLLM's)."""
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from benchmarks.engine_throughput import submit_greedy
 
-    need = sum(len(p) + o for p, o in reqs)
-    engine = LLMEngine(
-        EngineConfig(
-            model_dir,
-            dtype=dtype,
-            num_threads=threads,
-            max_num_seqs=128,
-            max_num_batched_tokens=2048,
-            num_kv_blocks=need // 16 + 2 * len(reqs) + 64,
-        )
-    )
-    engine.runner.attention.wait_ready()
-    start = time.perf_counter()
-    for i, (prompt, out) in enumerate(reqs):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
+    engine, start = submit_greedy(model_dir, dtype, threads, reqs)
     token_ids: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
     while engine.has_unfinished_requests():
         for o in engine.step():
