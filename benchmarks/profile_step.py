@@ -2,12 +2,14 @@
 
     python -m benchmarks.profile_step --phase decode --batch 64 --dtype bfloat16
     python -m benchmarks.profile_step --phase prefill --batch 1 --ab     # fused ops vs pure torch
+    python -m benchmarks.profile_step --phase decode --ab prepack        # oneDNN-prepacked linears vs F.linear
 
 A decode step is `--batch` sequences of one new token over `--context` cached
 tokens; a prefill step is `--batch` fresh prompts of `--prompt` tokens. Both use
-the `cpu_paged` attention backend. `--ab` builds two runners that differ only in
-`fused_ops` and alternates them `--rounds` times in this one process, so machine
-load hits both alike; the ratio is median(torch) / median(fused).
+the `cpu_paged` attention backend. `--ab fused` builds two runners that differ only in
+`fused_ops` (`--ab prepack`: only in prepacked linear weights) and alternates them
+`--rounds` times in this one process, so machine load hits both alike; the ratio is
+median(without) / median(with).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from benchmarks.common import emit
 from benchmarks.profile_engine import make_batch
 
 
-def make_runner(model: str, dtype: str, blocks: int, fused_ops: bool):
+def make_runner(model: str, dtype: str, blocks: int, fused_ops: bool, prepack: bool | None = None):
     from engine.builtin import default_model_dir
     from engine.model_runner import ModelRunner
 
@@ -32,6 +34,7 @@ def make_runner(model: str, dtype: str, blocks: int, fused_ops: bool):
         num_kv_blocks=blocks + 1,
         attention_backend="cpu_paged",
         fused_ops=fused_ops,
+        prepack=prepack,
     )
     runner.attention.wait_ready()
     return runner
@@ -71,7 +74,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300, help="cached tokens per decode sequence")
     p.add_argument("--prompt", type=int, default=256, help="tokens per prefill prompt")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ab", action="store_true", help="interleaved A/B: fused ops vs pure torch")
+    p.add_argument(
+        "--ab",
+        nargs="?",
+        const="fused",
+        choices=["fused", "prepack"],
+        help="interleaved A/B of one feature: fused ops (default) or prepacked linear weights",
+    )
     p.add_argument("--eager", action="store_true", help="profile the eager elementwise ops (fused_ops=False)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--top", type=int, default=14, help="profiler rows to print")
@@ -87,7 +96,11 @@ def main() -> None:
                 fused.run(batch)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
         return
-    plain = make_runner(args.model, args.dtype, blocks, False)
+    if args.ab == "prepack":
+        fused = make_runner(args.model, args.dtype, blocks, True, prepack=True)
+        plain = make_runner(args.model, args.dtype, blocks, True, prepack=False)
+    else:
+        plain = make_runner(args.model, args.dtype, blocks, False)
     a_ms, b_ms = [], []
     for r in range(args.rounds + 1):
         pair = [(plain, a_ms), (fused, b_ms)] if r % 2 else [(fused, b_ms), (plain, a_ms)]
@@ -98,7 +111,7 @@ def main() -> None:
     a, b = statistics.median(a_ms), statistics.median(b_ms)
     emit(
         {
-            "metric": f"{args.phase}_step_fused_ops",
+            "metric": f"{args.phase}_step_{args.ab}",
             "value": round(b, 2),
             "baseline": round(a, 2),
             "ratio": round(a / b, 3),

@@ -106,3 +106,43 @@ class CpuFusedOps:
         torch.ops.pdserve_cpu.rotary(qkv, cos[:, 0], sin[:, 0], hq + hkv, d)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN can hold linear weights prepacked here: CPU, a oneDNN build, and float32, or
+    bfloat16 where torch runs bf16 matmuls in oneDNN anyway (AVX-512 and newer x86, Arm with bf16)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Linear:
+    """y = x @ weight.T (+ bias), the weight [N, K] as a checkpoint stores it.
+
+    With `prepack`, the weight is reordered once, at load, into oneDNN's blocked layout and only
+    that copy is kept (no second copy of the weights in memory), as vLLM's CPU backend does with its
+    own oneDNN build. `F.linear` otherwise goes to MKL in float32 and reorders the weight for oneDNN
+    on every call in bfloat16. Numerics: bfloat16 results are the same bits as `F.linear`'s; float32
+    ones differ by summation order only (a few ulps).
+    """
+
+    __slots__ = ("weight", "bias", "packed", "out_features", "in_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.weight: torch.Tensor | None = None if prepack else weight
+        self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight one call reads."""
+        w = self.packed if self.packed is not None else self.weight
+        assert w is not None
+        return self.out_features * self.in_features * w.element_size()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
-from engine.layers import CpuFusedOps, EagerOps, RotaryEmbedding
+from engine.layers import CpuFusedOps, EagerOps, Linear, RotaryEmbedding, can_prepack
 from engine.model_config import ModelConfig
 
 LayerHook = Callable[[int, ForwardBatch], None]
@@ -24,11 +24,10 @@ class DecoderLayer:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, H]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [H, Hq * D]
-    gate_up: torch.Tensor  # [2 * I, H]
-    down: torch.Tensor  # [H, I]
+    qkv: Linear  # [(Hq + 2*Hkv) * D, H], bias in Qwen2
+    o_proj: Linear  # [H, Hq * D]
+    gate_up: Linear  # [2 * I, H]
+    down: Linear  # [H, I]
 
 
 class LlamaModel:
@@ -45,7 +44,9 @@ class LlamaModel:
         layer_range: tuple[int, int],
         device: torch.device,
         fused_ops: bool = True,
+        prepack: bool | None = None,
     ) -> None:
+        """`prepack`: hold the linear weights in oneDNN's layout (`Linear`); None: wherever it can."""
         self.config = config
         self.fused_ops = fused_ops  # use CpuFusedOps on steps that run the compiled CPU ops
         self.start, self.end = layer_range
@@ -53,13 +54,17 @@ class LlamaModel:
         self.is_last = self.end == config.num_hidden_layers
         self.embed = tensors.get("model.embed_tokens.weight")
         self.norm = tensors.get("model.norm.weight")
-        self.lm_head = tensors.get("lm_head.weight", self.embed) if self.is_last else None
-        self.layers = [self._fuse(tensors, i) for i in range(self.start, self.end)]
+        some = next(iter(tensors.values()))
+        if prepack is None:
+            prepack = can_prepack(some.dtype, some.device)
+        head = tensors.get("lm_head.weight", self.embed) if self.is_last else None
+        self.lm_head = Linear(head, prepack=prepack) if head is not None else None
+        self.layers = [self._fuse(tensors, i, prepack) for i in range(self.start, self.end)]
         self.rotary = RotaryEmbedding(config, device)
         self.scale = config.head_dim**-0.5
 
     @staticmethod
-    def _fuse(t: dict[str, torch.Tensor], i: int) -> DecoderLayer:
+    def _fuse(t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
         p = f"model.layers.{i}."
         qkv = torch.cat([t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         bias = None
@@ -69,11 +74,10 @@ class LlamaModel:
         return DecoderLayer(
             t.pop(p + "input_layernorm.weight"),
             t.pop(p + "post_attention_layernorm.weight"),
-            qkv,
-            bias,
-            t.pop(p + "self_attn.o_proj.weight"),
-            gate_up,
-            t.pop(p + "mlp.down_proj.weight"),
+            Linear(qkv, bias, prepack),
+            Linear(t.pop(p + "self_attn.o_proj.weight"), prepack=prepack),
+            Linear(gate_up, prepack=prepack),
+            Linear(t.pop(p + "mlp.down_proj.weight"), prepack=prepack),
         )
 
     def forward(
@@ -104,21 +108,29 @@ class LlamaModel:
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         for local, (layer, next_norm) in enumerate(zip(self.layers, norms_after_mlp)):
             # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
             o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
             if layer_hook is not None:
                 layer_hook(self.start + local, batch)
-            h = ops.add_rms_norm(x, F.linear(o.reshape(-1, hq * d), layer.o_proj), layer.post_norm, eps)
+            h = ops.add_rms_norm(x, layer.o_proj(o.reshape(-1, hq * d)), layer.post_norm, eps)
             # MLP block: SiLU-gated, gate_up [T, 2I] -> [T, I]
-            mlp = F.linear(ops.silu_mul(F.linear(h, layer.gate_up)), layer.down)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
             if next_norm is None:  # a non-last pipeline stage hands on the un-normed stream
                 x.add_(mlp)
             else:
                 h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h if self.is_last else x
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (every linear and norm; not the embedding table,
+        of which a step reads one row per token)."""
+        total = sum(lin.nbytes for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)] + [self.norm]
+        total += sum(t.numel() * t.element_size() for t in norms if t is not None)
+        return total + (self.lm_head.nbytes if self.lm_head is not None else 0)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> float32 logits [S, V]."""
         assert self.lm_head is not None, "only the last slice has an lm_head"
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -20,7 +20,9 @@ class ModelRunner:
     With `layer_range`, only those layers are loaded (a pipeline stage); a
     non-last stage returns hidden states instead of logits and a non-first stage
     takes `hidden_states` instead of token ids. `fused_ops=False` keeps the eager
-    elementwise ops even where the compiled CPU ops run (the A/B of benchmarks/profile_step.py).
+    elementwise ops even where the compiled CPU ops run (the A/B of benchmarks/profile_step.py);
+    `prepack` holds the linear weights in oneDNN's layout (`engine.layers.Linear`; None: wherever
+    it can).
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         fused_ops: bool = True,
+        prepack: bool | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -50,7 +53,7 @@ class ModelRunner:
         self.layer_range = (start, end)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
-        self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops)
+        self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack)
         self.kv_pool = KVPool(
             cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes
         )

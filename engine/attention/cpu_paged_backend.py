@@ -13,7 +13,7 @@ class CpuPagedAttention(AttentionBackend):
     """Decode and prefix-cached prefill chunks through one C++ call per layer over the pages in place.
 
     A prompt with no cached prefix attends only to its own fresh K/V, so it keeps
-    SDPA's GEMM-based causal kernel (the same as the torch backend). Until the op
+    SDPA's causal flash kernel (`causal_self_attention`, shared with the torch backend). Until the op
     is built (first use on a machine), or forever without a compiler, steps run
     the torch backend's path (see `cpu_build`); the choice is made per step.
     """
