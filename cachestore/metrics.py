@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+M = TypeVar("M", Counter, Gauge, Histogram)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -19,51 +22,39 @@ class CacheStoreMetrics:
         r, t = self.registry, transport
         self.bytes = Counter("pdserve_cachestore_bytes", "KV bytes moved", ["transport", "side"], registry=r)
         self._bytes_by_side: dict[str, Counter] = {}
-        self.transfer_seconds = Histogram(
-            "pdserve_cachestore_transfer_seconds",
-            "first write to last ack",
-            ["transport"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(t)
-        self.first_layer = Histogram(
+
+        def bound(kind: type[M], name: str, doc: str, **kw) -> M:
+            """A series whose only label is `transport`, bound to this endpoint's."""
+            return kind(name, doc, ["transport"], registry=r, **kw).labels(t)
+
+        self.transfer_seconds = bound(
+            Histogram, "pdserve_cachestore_transfer_seconds", "first write to last ack", buckets=LATENCY_BUCKETS
+        )
+        self.first_layer = bound(
+            Histogram,
             "pdserve_cachestore_first_layer_ready_seconds",
             "session open to first complete layer",
-            ["transport"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(t)
-        self.all_layers = Histogram(
+        )
+        self.all_layers = bound(
+            Histogram,
             "pdserve_cachestore_all_layers_ready_seconds",
             "session open to all layers landed",
-            ["transport"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(t)
+        )
         self.rejected = Counter(
             "pdserve_cachestore_rejected_frames", "frames refused", ["transport", "reason"], registry=r
         )
-        self.failed = Counter(
-            "pdserve_cachestore_sessions_failed", "sessions or transfers that failed", ["transport"], registry=r
-        ).labels(t)
-        self.expired = Counter(
-            "pdserve_cachestore_sessions_expired", "sessions that timed out", ["transport"], registry=r
-        ).labels(t)
-        self.fenced = Counter(
-            "pdserve_cachestore_writers_cut",
-            "writers cut off because their session ended first",
-            ["transport"],
-            registry=r,
-        ).labels(t)
-        self.accept_errors = Counter(
-            "pdserve_cachestore_accept_errors", "listener accept() failures (e.g. EMFILE)", ["transport"], registry=r
-        ).labels(t)
-        self.listener_up = Gauge(
-            "pdserve_cachestore_listener_up", "1 while the listener accepts connections", ["transport"], registry=r
-        ).labels(t)
-        self.connections = Gauge(
-            "pdserve_cachestore_connections", "open sender connections", ["transport"], registry=r
-        ).labels(t)
+        self.failed = bound(Counter, "pdserve_cachestore_sessions_failed", "sessions or transfers that failed")
+        self.expired = bound(Counter, "pdserve_cachestore_sessions_expired", "sessions that timed out")
+        self.fenced = bound(
+            Counter, "pdserve_cachestore_writers_cut", "writers cut off because their session ended first"
+        )
+        self.accept_errors = bound(
+            Counter, "pdserve_cachestore_accept_errors", "listener accept() failures (e.g. EMFILE)"
+        )
+        self.listener_up = bound(Gauge, "pdserve_cachestore_listener_up", "1 while the listener accepts connections")
+        self.connections = bound(Gauge, "pdserve_cachestore_connections", "open sender connections")
         self.active = Gauge(
             "pdserve_cachestore_active_transport", "1 for the transport in use", ["transport"], registry=r
         )

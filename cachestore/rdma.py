@@ -26,13 +26,13 @@ import collections
 import json
 import logging
 import os
-import queue
 import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
+from cachestore.write_queue import WriteQueue
 from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for
 from cachestore.rdma_verbs import (
     COMPLETION_TIMEOUT,
@@ -77,7 +77,7 @@ class RdmaLane:
         self.error = ""
         self.poll_threads: set[str] = set()
         """Names of the threads that polled this lane's CQ (tests assert it is never the engine's)."""
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue = WriteQueue()
         self._wr_ids = 0
         self._grants: collections.OrderedDict[str, list] = collections.OrderedDict()
         # set by _setup on the lane's thread; qp and cq are verbs objects (pyverbs has no types)
@@ -141,13 +141,7 @@ class RdmaLane:
             return
         control = self.control
         assert control is not None
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            transfer, layer, run, ready_event, _ = item
-            if transfer.failed:
-                continue
+        for transfer, layer, run, ready_event, _ in self._queue.live():
             creds = transfer.creds
             try:
                 windows = self._grant(creds)
@@ -238,12 +232,8 @@ class RdmaLane:
         self.broken, self.error = True, reason
         log.warning("%s", reason)
         self._teardown()
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None or item[0].failed:
+        for item in self._queue.drain():
+            if item[0].failed:
                 continue
             if self._reroute is not None and not item[4]:
                 self._reroute(*item[:4])
@@ -258,7 +248,7 @@ class RdmaLane:
 
     def close(self) -> None:
         self.broken = True
-        self._queue.put(None)
+        self._queue.close()
         self._teardown()
 
 

@@ -19,36 +19,6 @@ if TYPE_CHECKING:
     from cachestore.rdma_access import Responder
 
 log = logging.getLogger("pdserve.cachestore")
-IOV_MAX = 1024  # most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)
-
-
-def advance_views(views: list[memoryview], i: int, n: int) -> int:
-    """After a vectored send/receive moved `n` bytes starting at `views[i]`, drop what is done:
-    returns the index of the first unfinished view (trimming a partly moved one in place)."""
-    while n and i < len(views):
-        if n >= len(views[i]):
-            n -= len(views[i])
-            i += 1
-        else:
-            views[i] = views[i][n:]
-            n = 0
-    return i
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from the socket; False if the peer closed first."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    return bytes(buf) if recv_exact_into(sock, memoryview(buf)) else None
 
 
 def set_recv_timeout(sock: socket.socket, seconds: float) -> None:

@@ -14,16 +14,8 @@ import time
 from collections.abc import Sequence
 
 from cachestore import wire
-from cachestore.tcp import (
-    IOV_MAX,
-    Connection,
-    Fence,
-    advance_views,
-    recv_exact,
-    recv_exact_into,
-    set_recv_timeout,
-    wait_readable,
-)
+from cachestore.sockio import IOV_MAX, advance_views, recv_exact, recv_exact_into
+from cachestore.tcp import Connection, Fence, set_recv_timeout, wait_readable
 
 log = logging.getLogger("pdserve.cachestore")
 DISCARD_CHUNK = 1 << 20

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 from typing import TYPE_CHECKING
@@ -10,7 +9,8 @@ from typing import TYPE_CHECKING
 from cachestore import wire
 from cachestore.geometry import Run
 from cachestore.staging import HostStaging
-from cachestore.tcp import IOV_MAX, advance_views, recv_exact, recv_exact_into
+from cachestore.write_queue import WriteQueue
+from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
 
 if TYPE_CHECKING:
     from cachestore.client import Transfer
@@ -58,7 +58,7 @@ class TcpChannel:
         self.client = client
         self.endpoint = endpoint
         self.broken = False
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue = WriteQueue()
         self._pending: dict[int, tuple[Transfer, int]] = {}
         """seq -> (transfer, runs in the frame), in send order (acks are cumulative)."""
         self._lock = threading.Lock()
@@ -98,13 +98,7 @@ class TcpChannel:
 
     def _send_loop(self) -> None:
         client, block_bytes = self.client, self.client.geometry.block_bytes
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            transfer, layer, runs, ready_event, notify = item
-            if transfer.failed:
-                continue
+        for transfer, layer, runs, ready_event, notify in self._queue.live():
             if client.faults is not None and not client.faults.before_write():
                 transfer._on_ack(False, "injected fault", len(runs))
                 continue
@@ -125,7 +119,7 @@ class TcpChannel:
                 header = wire.Header(wire.KIND_WRITEV, flags, sid, token, layer, 0, num_ids, seq, num_ids * block_bytes)
                 buffers = [header.pack() + packed_ids, *self._payloads(layer, runs, ready_event)]
             try:
-                _sendmsg_all(self.sock, buffers)
+                sendmsg_all(self.sock, buffers)
             except OSError as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
@@ -178,18 +172,13 @@ class TcpChannel:
         for transfer, num_runs in pending:
             transfer._on_ack(False, reason, num_runs)
         # queued but unsent writes fail too
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0]._on_ack(False, reason, len(item[2]))
+        for item in self._queue.drain():
+            item[0]._on_ack(False, reason, len(item[2]))
         self.close()
 
     def close(self) -> None:
         self.broken = True
-        self._queue.put(None)
+        self._queue.close()
         sock = getattr(self, "sock", None)
         if sock is None:
             return
@@ -198,12 +187,3 @@ class TcpChannel:
         except OSError:
             pass
         sock.close()
-
-
-def _sendmsg_all(sock: socket.socket, buffers: list) -> None:
-    """Send every buffer with vectored `sendmsg` calls (no join, no copy), resuming after partial sends."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    i = 0
-    while i < len(views):
-        n = sock.sendmsg(views[i : i + IOV_MAX])
-        i = advance_views(views, i, n)

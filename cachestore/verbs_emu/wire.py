@@ -41,6 +41,7 @@ import struct
 import threading
 from typing import TYPE_CHECKING
 
+from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
 from cachestore.verbs_emu import enums
 
 if TYPE_CHECKING:
@@ -102,36 +103,6 @@ def parse_gid(gid) -> tuple[str, int] | None:
 
 def gid_bytes(gid: str) -> bytes:
     return ipaddress.IPv6Address(gid).packed
-
-
-# socket helpers ----------------------------------------------------------------------------------
-def recv_exact_into(sock: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    return bytes(buf) if recv_exact_into(sock, memoryview(buf)) else None
-
-
-def send_parts(sock: socket.socket, parts: list) -> None:
-    """sendmsg of `parts` (bytes or memoryviews) until every byte is out."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        n = sock.sendmsg(views)
-        while n:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
 
 
 def local_view(address: int, length: int) -> memoryview:
@@ -338,7 +309,7 @@ class RequesterLink:
                 if imm is not None and op in (OP_LAST, OP_ONLY):
                     op |= OP_WITH_IMM
                 header = REQUEST.pack(op, self.psn, va, rkey, length, n, imm or 0)
-                send_parts(sock, [header, local_view(addr, n)] if n else [header])
+                sendmsg_all(sock, [header, local_view(addr, n)] if n else [header])
                 self.psn = (self.psn + 1) & 0xFFFFFF
             raw = recv_exact(sock, RESPONSE.size)
         except OSError:  # refused, reset, or no answer in time: the retries ran out
