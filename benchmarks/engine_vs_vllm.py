@@ -10,7 +10,7 @@ sequences are identical (expected: all in float32; bf16 rounding differs between
 the two engines' kernels).
 
 Interleaved rounds, because a shared machine's load swings within minutes: both
-engines load once and stay up, then run `--rounds` workloads (the same seeded
+engines load once and stay up (no round starts before both have loaded), then run `--rounds` workloads (the same seeded
 workload for both in a round, a new seed each round), alternating which engine
 goes first. The figures are the medians over rounds of each engine's tok/s and
 of the per-round ratio. Timing covers generation only: vLLM's load and
@@ -35,13 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 ROUND_TIMEOUT_S = 3600.0
 
 
-def serve_pdserve(model_dir: str, dtype: str, threads: int, workloads_path: str) -> None:
-    """Worker loop for our engine (its own process, like vLLM's): load once, then for each stdin line
-    `ROUND OUT.json` run that round's workload and write the result to OUT.json."""
+def serve_pdserve(model_dir: str, dtype: str, threads: int, workloads_path: str, ready_path: str) -> None:
+    """Worker loop for our engine (its own process, like vLLM's): load once, create `ready_path`, then
+    for each stdin line `ROUND OUT.json` run that round's workload and write the result to OUT.json."""
     from benchmarks.engine_throughput import generate_greedy, make_engine
 
     workloads = json.loads(Path(workloads_path).read_text())
     engine = make_engine(model_dir, dtype, threads, workloads)
+    Path(ready_path).touch()
     for line in sys.stdin:
         r, out = line.split()
         seconds, ids = generate_greedy(engine, workloads[int(r)], tag=f"r{r}-")
@@ -56,26 +57,33 @@ def write_result(out: str, seconds: float, ids: list[list[int]]) -> None:
 
 
 class Worker:
-    """One engine's long-lived worker process, driven a round at a time over its stdin."""
+    """One engine's long-lived worker process, driven a round at a time over its stdin. Its command
+    gets the path of the file it creates once loaded (`self.ready`) as its last argument."""
 
     def __init__(self, name: str, cmd: list[str], tmp: Path, env: dict | None = None) -> None:
         self.name, self.tmp = name, tmp
-        self.log = tmp / f"{name}.log"
+        self.log, self.ready = tmp / f"{name}.log", tmp / f"{name}.ready"
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=log, text=True, env=env)
+            self.proc = subprocess.Popen(
+                [*cmd, str(self.ready)], stdin=subprocess.PIPE, stdout=log, stderr=log, text=True, env=env
+            )
+
+    def wait_for(self, path: Path, what: str) -> None:
+        """Until `path` exists; exits with the worker's log if it dies or takes too long first."""
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        while not path.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log.read_text()[-4000:]
+                sys.exit(f"{self.name} worker failed {what} (exit {self.proc.returncode}):\n{tail}")
+            time.sleep(0.2)
 
     def run(self, r: int) -> dict:
         out = self.tmp / f"{self.name}-{r}.json"
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"{r} {out}\n")
         self.proc.stdin.flush()
-        deadline = time.monotonic() + ROUND_TIMEOUT_S
-        while not out.is_file():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = self.log.read_text()[-4000:]
-                sys.exit(f"{self.name} worker failed in round {r} (exit {self.proc.returncode}):\n{tail}")
-            time.sleep(0.2)
+        self.wait_for(out, f"in round {r}")
         return json.loads(out.read_text())
 
     def stop(self) -> None:
@@ -97,10 +105,11 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--worker", choices=["pdserve"], help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
+    parser.add_argument("ready", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:  # child process: model_dir | workloads file
+    if args.worker:  # child process: model_dir | workloads file, then the ready file
         model_dir, path = args.args.split("|")
-        serve_pdserve(model_dir, args.dtype, args.threads, path)
+        serve_pdserve(model_dir, args.dtype, args.threads, path, args.ready)
         return
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -136,6 +145,8 @@ def main() -> None:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
         ours, peer = Worker("pdserve", ours_cmd, tmp), Worker("vllm", peer_cmd, tmp, env)
         try:
+            for w in (ours, peer):  # neither engine's load (vLLM compiles) may overlap a timed round
+                w.wait_for(w.ready, "to load")
             for r in range(args.rounds):
                 order = [ours, peer] if r % 2 == 0 else [peer, ours]
                 got = {w.name: w.run(r) for w in order}

@@ -6,7 +6,9 @@ pdserve installed. It loads the model once, then for each stdin line
 `ROUND OUT.json` runs workload ROUND of WORKLOADS.json and writes its timing and
 token ids to OUT.json (a file, because vLLM logs to stdout), until stdin closes.
 
-    .venv-vllm/bin/python benchmarks/vllm_worker.py MODEL_DIR DTYPE THREADS WORKLOADS.json
+    .venv-vllm/bin/python benchmarks/vllm_worker.py MODEL_DIR DTYPE THREADS WORKLOADS.json READY
+
+READY is a file it creates once the model is loaded (and compiled).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 import time
 
 
-def main(model_dir: str, dtype: str, threads: int, workloads_path: str) -> None:
+def main(model_dir: str, dtype: str, threads: int, workloads_path: str, ready_path: str) -> None:
     # vLLM's defaults on this machine compute on one core; bind exactly `threads` cores
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -27,6 +29,7 @@ def main(model_dir: str, dtype: str, threads: int, workloads_path: str) -> None:
     with open(workloads_path) as f:
         workloads = json.load(f)
     llm = LLM(model=model_dir, dtype=dtype, max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=1024, seed=0)
+    open(ready_path, "w").close()
     for line in sys.stdin:
         r, out_path = line.split()
         reqs = workloads[int(r)]
@@ -42,4 +45,4 @@ def main(model_dir: str, dtype: str, threads: int, workloads_path: str) -> None:
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this module
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])

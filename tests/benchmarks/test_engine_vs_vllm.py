@@ -30,11 +30,12 @@ def test_pdserve_worker_runs_rounds_until_stdin_closes(tmp_path: Path, tiny_mode
     path = tmp_path / "workloads.json"
     path.write_text(json.dumps(workloads))
     cmd = [sys.executable, "-m", "benchmarks.engine_vs_vllm", "--worker", "pdserve", "--threads", "1"]
-    cmd += ["--args", f"{tiny_model_dir}|{path}"]
+    cmd += ["--args", f"{tiny_model_dir}|{path}", str(tmp_path / "ready")]
     outs = [tmp_path / "r0.json", tmp_path / "r1.json"]
     commands = "".join(f"{r} {out}\n" for r, out in enumerate(outs))
     proc = subprocess.run(cmd, cwd=ROOT, input=commands, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "ready").is_file()
     llm = LLM(str(tiny_model_dir), attention_backend="torch")
     for reqs, out in zip(workloads, outs):
         result = json.loads(out.read_text())
