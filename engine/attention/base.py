@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from engine.attention.plan import slot_mapping
 from engine.forward_batch import ForwardBatch
@@ -53,13 +54,5 @@ class AttentionBackend(ABC):
         """Per-step planning (flashinfer plans its wrappers here); the torch backend needs none."""
 
     @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D], kv_layer: [N, 2, Hkv, B, D] -> out [T, Hq, D]."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D], kv: [N, 2, Hkv, B, D] -> out [T, Hq, D]."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention import cpu_build
@@ -47,26 +48,18 @@ class CpuPagedAttention(AttentionBackend):
         self._tables = (meta, i32(table_rows).reshape(len(paged), width), i32(starts), i32(ctx))
         self._paged = paged
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         if self._op is None or q.device.type != "cpu":
-            return self._fallback.forward(q, k, v, kv_layer, meta, scale)
-        # kv_layer: [N, 2, Hkv, B, D]; write this step's K/V into the pages first
-        torch.ops.pdserve_cpu.store_kv(kv_layer, k, v, meta.slot_blocks, meta.slot_offsets)
+            return self._fallback.forward(q, k, v, kv, meta, scale)
+        # kv: [N, 2, Hkv, B, D]; write this step's K/V into the pages first
+        torch.ops.pdserve_cpu.store_kv(kv, k, v, meta.slot_blocks, meta.slot_offsets)
         if self._tables is None or self._tables[0] is not meta:
-            self.begin_step(meta, kv_layer.shape)
+            self.begin_step(meta, kv.shape)
         assert self._tables is not None
         _, table, starts, ctx = self._tables
         b = meta.batch
         if len(self._paged) == b.num_seqs:  # decode-only or all-chunked: one call, no copies
-            return self._op(q, kv_layer, table, starts, ctx, scale)
+            return self._op(q, kv, table, starts, ctx, scale)
         out = torch.empty_like(q)
         offsets = [0]
         for q_len in b.query_lens:
@@ -74,7 +67,7 @@ class CpuPagedAttention(AttentionBackend):
         rows = [r for i in self._paged for r in range(offsets[i], offsets[i + 1])]
         if rows:
             idx = torch.tensor(rows, dtype=torch.long)
-            out[idx] = self._op(q.index_select(0, idx), kv_layer, table, starts, ctx, scale)
+            out[idx] = self._op(q.index_select(0, idx), kv, table, starts, ctx, scale)
         for i, (q_len, c) in enumerate(zip(b.query_lens, b.context_lens)):
             if q_len == c:  # fresh prompt: causal SDPA over its own K/V
                 s, e = offsets[i], offsets[i + 1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, store_kv
 from engine.attention.plan import paged_plan
@@ -75,18 +76,10 @@ class FlashInferAttention(AttentionBackend):
         self.num_qo_heads = num_qo_heads
         self.dtype = dtype
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        # write this step's K/V into the pages first: kv_layer [N, 2, Hkv, B, D]
-        store_kv(kv_layer, k, v, meta)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        # write this step's K/V into the pages first: kv [N, 2, Hkv, B, D]
+        store_kv(kv, k, v, meta)
         assert self._active is not None, "begin_step() must plan before forward()"
         if abs(scale - self._scale) > 1e-9:
             raise ValueError(f"flashinfer was planned with sm_scale {self._scale}, the model asks for {scale}")
-        return self._active.run(q, kv_layer)
+        return self._active.run(q, kv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, store_kv
@@ -17,18 +18,10 @@ class TorchAttention(AttentionBackend):
     prefix attends causally over its own fresh K/V without touching the pool).
     """
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        store_kv(kv_layer, k, v, meta)
-        # kv_layer: [N, 2, Hkv, B, D]; k_pages/v_pages: [N, Hkv, B, D] views
-        k_pages, v_pages = kv_layer[:, 0], kv_layer[:, 1]
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        store_kv(kv, k, v, meta)
+        # kv: [N, 2, Hkv, B, D]; k_pages/v_pages: [N, Hkv, B, D] views
+        k_pages, v_pages = kv[:, 0], kv[:, 1]
         batch = meta.batch
         if batch.is_decode_only:
             return self._decode(q, k_pages, v_pages, meta, scale)
