@@ -28,12 +28,20 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls) -> FaultInjector | None:
-        """TEST-ONLY hook for chaos runs of whole processes (benchmarks/chaos.py): a sender fails a fraction
-        $PDSERVE_FAULT_WRITE_FAIL_RATE of its writes, seeded by $PDSERVE_FAULT_SEED. Unset: no injector."""
-        rate = os.environ.get("PDSERVE_FAULT_WRITE_FAIL_RATE")
-        if not rate:
+        """TEST-ONLY hook for runs of whole processes (benchmarks/chaos.py, tests/e2e): a sender fails a
+        fraction $PDSERVE_FAULT_WRITE_FAIL_RATE of its writes and delays a fraction
+        $PDSERVE_FAULT_WRITE_DELAY_RATE by $PDSERVE_FAULT_WRITE_DELAY_SECONDS, seeded by
+        $PDSERVE_FAULT_SEED. Neither rate set: no injector."""
+        env = os.environ
+        fail, delay = env.get("PDSERVE_FAULT_WRITE_FAIL_RATE"), env.get("PDSERVE_FAULT_WRITE_DELAY_RATE")
+        if not fail and not delay:
             return None
-        return cls(fail_rate=float(rate), seed=int(os.environ.get("PDSERVE_FAULT_SEED", "0")))
+        return cls(
+            fail_rate=float(fail or 0.0),
+            delay_rate=float(delay or 0.0),
+            delay_seconds=float(env.get("PDSERVE_FAULT_WRITE_DELAY_SECONDS", "0.05")),
+            seed=int(env.get("PDSERVE_FAULT_SEED", "0")),
+        )
 
     def before_write(self) -> bool:
         """Sleep if this write is delayed; return False if it must fail."""
