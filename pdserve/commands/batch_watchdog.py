@@ -15,6 +15,7 @@ import threading
 import time
 
 from tdpipe.runtime.controller import StageExecutor
+from tdpipe.runtime.local import stop_on_purpose, stopped_on_purpose
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STAGE_TERM_GRACE_S = 5.0
@@ -57,7 +58,10 @@ class StageWatchdog:
     def __init__(self, progress=None) -> None:
         self.procs: list[subprocess.Popen] = []
         self.dead: list[str] = []
-        """Stages seen exited before the job ended, in the order they were noticed."""
+        """Stages seen exited before the job ended, in the order they were noticed, not counting those
+        the launcher or this watchdog stopped (`stopped`): a waiter thread can notice a stage killed
+        during the stop before the one whose death caused it."""
+        self.stopped: list[str] = []
         self.signum: int | None = None
         self.executor: StageExecutor | None = None
         self.progress = progress
@@ -88,7 +92,7 @@ class StageWatchdog:
         code = _wait_exit(proc)
         if code != 0:  # 0 comes only after the controller's shutdown message: not a failure
             with self._lock:
-                self.dead.append(describe_exit(rank, proc.pid, code))
+                (self.stopped if stopped_on_purpose(proc) else self.dead).append(describe_exit(rank, proc.pid, code))
 
     def _on_signal(self, signum: int, frame) -> None:
         # Runs in the main thread whenever it gets back to Python: unwinds the job from there.
@@ -106,24 +110,25 @@ class StageWatchdog:
         os.close(self._wfd)
 
     def wait_for_dead(self, timeout: float) -> list[str]:
-        """The dead stages, waiting up to `timeout` s for one to show: a stage's connection can
-        close a moment before its process is reaped, so the first error may come before its exit."""
+        """The dead stages, the ones that died on their own first, waiting up to `timeout` s for one
+        to show: a stage's connection can close a moment before its process is reaped, so the first
+        error may come before its exit."""
         deadline = time.monotonic() + timeout
         while not self.dead and self.procs and time.monotonic() < deadline:
             time.sleep(0.05)
         with self._lock:
-            return list(self.dead)
+            return self.dead + self.stopped
 
     def _terminate_stages(self) -> None:
         live = [p for p in self.procs if p.poll() is None]
         for p in live:
-            p.terminate()
+            stop_on_purpose(p, signal.SIGTERM)
         deadline = time.monotonic() + STAGE_TERM_GRACE_S
         for p in live:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
+                stop_on_purpose(p)
 
     def _loop(self) -> None:
         while not self._done.is_set():
@@ -161,7 +166,7 @@ class StageWatchdog:
         if self.signum is not None:
             why, code = f"stopped by {signal.Signals(self.signum).name}", 128 + self.signum
         else:
-            why, code = "; ".join(self.dead), 1
+            why, code = "; ".join(self.dead + self.stopped), 1
         os.write(
             2,
             f"\nerror: {why}, and the pipeline did not unwind within {HARD_EXIT_GRACE_S:.0f} s; "

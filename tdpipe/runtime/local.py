@@ -61,6 +61,17 @@ def run_policy(
 _PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
 
 
+def stop_on_purpose(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a stage as part of stopping the pipeline, marked so (`stopped_on_purpose`) that a
+    watchdog noticing its exit does not take it for the stage whose death caused the stop."""
+    proc.stopped_on_purpose = True  # type: ignore[attr-defined]
+    proc.send_signal(sig)
+
+
+def stopped_on_purpose(proc: subprocess.Popen) -> bool:
+    return getattr(proc, "stopped_on_purpose", False)
+
+
 def _die_with_parent() -> None:
     """Runs in the stage child before exec: SIGKILL it when the launcher dies, however it dies
     (a SIGKILLed `pdserve batch` cannot clean up; its stages must not linger blocked in gloo)."""
@@ -94,7 +105,7 @@ def run_local_pipeline(
     finally:
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
+                stop_on_purpose(proc)
                 proc.wait()
 
 

@@ -144,3 +144,28 @@ def test_watchdog_ends_a_job_whose_main_thread_stays_blocked() -> None:
         assert all_gone(pids, time.monotonic() + STOP_TIMEOUT), "the other stage was left running"
     finally:
         kill_job(proc)
+
+
+def test_watchdog_names_the_stage_that_died_not_the_ones_stopped_after_it() -> None:
+    """The launcher kills the survivors right after a stage dies; their waiter threads may notice those
+    exits first. Here the survivor's exit is noticed first, for certain: it still must not be named."""
+    from pdserve.commands.batch_watchdog import StageWatchdog
+    from tdpipe.runtime.local import stop_on_purpose
+
+    wd = StageWatchdog()
+    stages = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+    try:
+        wd.watch(stages)
+        stop_on_purpose(stages[0])  # rank 1, stopped by the launcher
+        deadline = time.monotonic() + 30
+        while not wd.stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert wd.stopped and not wd.dead
+        os.kill(stages[1].pid, signal.SIGKILL)  # rank 2 dies on its own, noticed second
+        dead = wd.wait_for_dead(timeout=30)
+        assert dead[0] == f"stage rank 2 (pid {stages[1].pid}) was killed by SIGKILL", dead
+        assert dead[1:] == [f"stage rank 1 (pid {stages[0].pid}) was killed by SIGKILL"]
+    finally:
+        for p in stages:
+            p.kill()
+            p.wait()
