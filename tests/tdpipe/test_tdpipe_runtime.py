@@ -17,17 +17,9 @@ from tdpipe.runtime.local import run_local_pipeline
 from tdpipe.runtime.stage_worker import StageConfig, stage_layer_range
 from tdpipe.simulator import make_policy
 from tdpipe.workload import SimRequest
+from tests.tdpipe.batch_helpers import PROMPTS as BATCH_PROMPTS
 
-PROMPTS = [
-    "The old lighthouse keeper",
-    "Once upon a time",
-    "In the beginning the",
-    "A quick brown fox",
-    "Water is",
-    "The capital of",
-    "She opened the door and",
-    "Numbers: one two three",
-]
+PROMPTS = [*BATCH_PROMPTS, "She opened the door and", "Numbers: one two three"]
 MAX_TOKENS = 24
 
 
