@@ -32,13 +32,7 @@ class TorchAttention(AttentionBackend):
             if q_len == ctx:  # whole sequence is new: plain causal attention on fresh K/V
                 out[start:end] = causal_self_attention(q[start:end], k[start:end], v[start:end], scale)
             else:
-                qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
-                ki, vi = _gather(k_pages, v_pages, batch.block_tables[i], ctx, meta.block_size)
-                # query row j sits at position ctx - q_len + j and sees keys 0..that position
-                rows = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-                mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-                out[start:end] = oi.transpose(0, 1)
+                out[start:end] = chunk_attention(q[start:end], kv, batch.block_tables[i], ctx, meta.block_size, scale)
             start = end
         return out
 
@@ -76,6 +70,23 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         is_causal=True,
         scale=scale,
         enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def chunk_attention(q: Tensor, kv: Tensor, table: list[int], ctx: int, block_size: int, scale: float) -> Tensor:
+    """A prefill chunk after a cached prefix: q [L, Hq, D] holds the queries of positions ctx - L ..
+    ctx - 1; their keys and values (the first `ctx` of the sequence, this chunk's included) are
+    gathered from the pool layer kv [N, 2, Hkv, B, D] and attended with a causal mask. 4-D inputs,
+    so that on CPU SDPA runs its flash kernel (2-4x faster than the math path, or than the
+    cpu_paged kernel's per-query softmax, for chunks of 16-400 tokens)."""
+    q_len = q.shape[0]
+    ki, vi = _gather(kv[:, 0], kv[:, 1], table, ctx, block_size)
+    # query row j sits at position ctx - q_len + j and sees keys 0..that position
+    rows = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+    mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], ki[None], vi[None], attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out[0].transpose(0, 1)
 

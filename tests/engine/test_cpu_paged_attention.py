@@ -124,3 +124,39 @@ def test_store_kv_equals_index_assignment(op, dtype):
     assert torch.equal(kv, expected)
     with pytest.raises(RuntimeError, match="slot out of the pool"):
         torch.ops.pdserve_cpu.store_kv(kv, k[:1], v[:1], torch.tensor([9]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("backend_name", ["cpu_paged", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_on_a_mixed_step_match_the_reference(op, backend_name, dtype):
+    """One step mixing every path a backend takes: decode tokens and a short chunk (the kernel), a long
+    chunk after a cached prefix (gathered pages through SDPA) and a fresh prompt (causal SDPA)."""
+    from engine.attention import make_backend
+    from engine.attention.base import AttentionMetadata
+    from engine.attention.cpu_paged_backend import CHUNK_SDPA_MIN_TOKENS
+    from engine.forward_batch import ForwardBatch
+
+    g = torch.Generator().manual_seed(11)
+    hkv, hq, d, bs = 2, 6, 40, 4
+    q_lens = [1, 5, CHUNK_SDPA_MIN_TOKENS + 21, 1, 30]
+    ctxs = [23, 17, 70, 9, 30]  # the last is a fresh prompt (q_len == ctx)
+    perm = torch.randperm(64, generator=g).tolist()
+    tables, used = [], 0
+    for c in ctxs:
+        n = -(-c // bs)
+        tables.append(perm[used : used + n])
+        used += n
+    kv = torch.randn(64, 2, hkv, bs, d, generator=g).to(dtype)
+    total = sum(q_lens)
+    q, k, v = (torch.randn(total, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    batch = ForwardBatch([f"s{i}" for i in range(5)], [7] * total, q_lens, ctxs, tables, [True] * 5)
+    meta = AttentionMetadata.build(batch, bs, torch.device("cpu"))
+    backend = make_backend(backend_name)
+    if backend_name == "cpu_paged":
+        backend.wait_ready()
+        assert backend.uses_kernel
+    pool = kv.clone()
+    got = backend.forward(q, k, v, pool, meta, 0.125)
+    want = _reference(q, pool, tables, q_lens, ctxs, bs, 0.125)  # the pool now holds this step's K/V too
+    atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
