@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -30,7 +32,7 @@ class CpuPagedAttention(AttentionBackend):
         cpu_build.start_build()
         self._op = cpu_build.current_op()
         self._fallback = TorchAttention()
-        self._tables: tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._plan: _StepPlan | None = None
 
     @property
     def uses_kernel(self) -> bool:
@@ -41,10 +43,64 @@ class CpuPagedAttention(AttentionBackend):
 
     def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
         self._op = cpu_build.current_op()  # picked once per step, so all layers of a step agree
-        # per-step int32 tables, built once and shared by every layer: only the sequences with cached
-        # context and few query tokens (decode tokens, short later chunks) go to the kernel
+        self._plan = _StepPlan.of(meta)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        if self._op is None or q.device.type != "cpu":
+            return self._fallback.forward(q, k, v, kv, meta, scale)
+        # kv: [N, 2, Hkv, B, D]; write this step's K/V into the pages first
+        torch.ops.pdserve_cpu.store_kv(kv, k, v, meta.slot_blocks, meta.slot_offsets)
+        if self._plan is None or self._plan.meta is not meta:
+            self.begin_step(meta, kv.shape)
+        plan = self._plan
+        assert plan is not None
+        if plan.kernel_rows is None:  # decode-only or all short chunks: one call, no copies
+            return self._op(q, kv, plan.table, plan.starts, plan.ctx, scale)
+        out = torch.empty_like(q)
+        if plan.kernel_rows.numel():
+            rows = plan.kernel_rows
+            out[rows] = self._op(q.index_select(0, rows), kv, plan.table, plan.starts, plan.ctx, scale)
         b = meta.batch
-        paged = [i for i, (q, c) in enumerate(zip(b.query_lens, b.context_lens)) if q < c and q < CHUNK_SDPA_MIN_TOKENS]
+        for i, s, e in plan.sdpa:
+            if b.query_lens[i] == b.context_lens[i]:  # fresh prompt: causal SDPA over its own K/V
+                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
+            else:  # a long chunk after a cached prefix: SDPA over its gathered pages
+                out[s:e] = chunk_attention(q[s:e], kv, b.block_tables[i], b.context_lens[i], meta.block_size, scale)
+        return out
+
+
+@dataclass
+class _StepPlan:
+    """How one step's sequences split between the kernel and SDPA, built once and shared by every layer."""
+
+    meta: AttentionMetadata
+    table: Tensor
+    """int32 [S, P] page tables of the kernel's sequences (zero-padded)."""
+    starts: Tensor
+    """int32 [S + 1] offsets of their query tokens in the kernel's input."""
+    ctx: Tensor
+    """int32 [S] their context lengths."""
+    kernel_rows: Tensor | None
+    """Rows of q that go to the kernel; None when all of them do."""
+    sdpa: list[tuple[int, int, int]]
+    """(sequence, first row, end row) of the fresh prompts and long chunks, which go to SDPA."""
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> _StepPlan:
+        b = meta.batch
+        # only the sequences with cached context and few query tokens (decode tokens, short later
+        # chunks) go to the kernel
+        paged: list[int] = []
+        sdpa: list[tuple[int, int, int]] = []
+        rows: list[int] = []
+        offset = 0
+        for i, (q_len, c) in enumerate(zip(b.query_lens, b.context_lens)):
+            if q_len < c and q_len < CHUNK_SDPA_MIN_TOKENS:
+                paged.append(i)
+                rows.extend(range(offset, offset + q_len))
+            else:
+                sdpa.append((i, offset, offset + q_len))
+            offset += q_len
         starts, table_rows, ctx = [0], [], []
         width = max((len(b.block_tables[i]) for i in paged), default=0)
         for i in paged:
@@ -52,33 +108,5 @@ class CpuPagedAttention(AttentionBackend):
             table_rows.append(b.block_tables[i] + [0] * (width - len(b.block_tables[i])))
             ctx.append(b.context_lens[i])
         i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-        self._tables = (meta, i32(table_rows).reshape(len(paged), width), i32(starts), i32(ctx))
-        self._paged = paged
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        if self._op is None or q.device.type != "cpu":
-            return self._fallback.forward(q, k, v, kv, meta, scale)
-        # kv: [N, 2, Hkv, B, D]; write this step's K/V into the pages first
-        torch.ops.pdserve_cpu.store_kv(kv, k, v, meta.slot_blocks, meta.slot_offsets)
-        if self._tables is None or self._tables[0] is not meta:
-            self.begin_step(meta, kv.shape)
-        assert self._tables is not None
-        _, table, starts, ctx = self._tables
-        b = meta.batch
-        if len(self._paged) == b.num_seqs:  # decode-only or all-chunked: one call, no copies
-            return self._op(q, kv, table, starts, ctx, scale)
-        out = torch.empty_like(q)
-        offsets = [0]
-        for q_len in b.query_lens:
-            offsets.append(offsets[-1] + q_len)
-        rows = [r for i in self._paged for r in range(offsets[i], offsets[i + 1])]
-        if rows:
-            idx = torch.tensor(rows, dtype=torch.long)
-            out[idx] = self._op(q.index_select(0, idx), kv, table, starts, ctx, scale)
-        for i, (q_len, c) in enumerate(zip(b.query_lens, b.context_lens)):
-            s, e = offsets[i], offsets[i + 1]
-            if q_len == c:  # fresh prompt: causal SDPA over its own K/V
-                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
-            elif q_len >= CHUNK_SDPA_MIN_TOKENS:  # a long chunk after a cached prefix: SDPA over its pages
-                out[s:e] = chunk_attention(q[s:e], kv, b.block_tables[i], c, meta.block_size, scale)
-        return out
+        kernel_rows = None if not sdpa else torch.tensor(rows, dtype=torch.long)
+        return cls(meta, i32(table_rows).reshape(len(paged), width), i32(starts), i32(ctx), kernel_rows, sdpa)

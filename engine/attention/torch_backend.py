@@ -57,7 +57,7 @@ class TorchAttention(AttentionBackend):
         return out[:, :, 0, :]
 
 
-def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_self_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Causal self-attention of one fresh prompt: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     The tensors go in with a batch dimension of 1: on CPU only 4-D inputs reach SDPA's flash kernel
