@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
-from engine.layers import CpuFusedOps, EagerOps, Linear, RotaryEmbedding, can_prepack
+from engine.layers import CpuFusedOps, EagerOps, Linear, RotaryEmbedding
 from engine.model_config import ModelConfig
 
 LayerHook = Callable[[int, ForwardBatch], None]
@@ -44,9 +44,9 @@ class LlamaModel:
         layer_range: tuple[int, int],
         device: torch.device,
         fused_ops: bool = True,
-        prepack: bool | None = None,
+        prepack: bool = False,
     ) -> None:
-        """`prepack`: hold the linear weights in oneDNN's layout (`Linear`); None: wherever it can."""
+        """`prepack`: hold the linear weights in oneDNN's layout (`Linear`, CPU only)."""
         self.config = config
         self.fused_ops = fused_ops  # use CpuFusedOps on steps that run the compiled CPU ops
         self.start, self.end = layer_range
@@ -54,9 +54,6 @@ class LlamaModel:
         self.is_last = self.end == config.num_hidden_layers
         self.embed = tensors.get("model.embed_tokens.weight")
         self.norm = tensors.get("model.norm.weight")
-        some = next(iter(tensors.values()))
-        if prepack is None:
-            prepack = can_prepack(some.dtype, some.device)
         head = tensors.get("lm_head.weight", self.embed) if self.is_last else None
         self.lm_head = Linear(head, prepack=prepack) if head is not None else None
         self.layers = [self._fuse(tensors, i, prepack) for i in range(self.start, self.end)]

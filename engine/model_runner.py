@@ -9,6 +9,7 @@ import torch
 from engine.attention import AttentionMetadata, make_backend, resolve_backend
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
+from engine.layers import can_prepack
 from engine.llama import LayerHook, LlamaModel
 from engine.model_config import ModelConfig
 from engine.weights import load_tensors, resolve_dtype
@@ -53,6 +54,8 @@ class ModelRunner:
         self.layer_range = (start, end)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
+        if prepack is None:
+            prepack = can_prepack(self.dtype, self.device)
         self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack)
         self.kv_pool = KVPool(
             cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes
