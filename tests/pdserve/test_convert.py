@@ -19,7 +19,7 @@ def test_every_proto_sampling_field_is_an_engine_field_of_the_same_name():
 
 
 def test_every_field_arrives():
-    pb = common_pb2.SamplingParams(
+    values = dict(
         temperature=0.5,
         top_p=0.75,
         top_k=7,
@@ -36,23 +36,9 @@ def test_every_field_arrives():
         logprobs=2,
         include_stop_str_in_output=True,
     )
-    assert params_from_pb(pb) == SamplingParams(
-        temperature=0.5,
-        top_p=0.75,
-        top_k=7,
-        min_p=0.125,
-        seed=11,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        repetition_penalty=1.25,
-        max_tokens=9,
-        min_tokens=2,
-        stop=("\n\n",),
-        stop_token_ids=(3, 4),
-        ignore_eos=True,
-        logprobs=2,
-        include_stop_str_in_output=True,
-    )
+    pb = common_pb2.SamplingParams(**values)
+    # the engine holds the repeated fields as tuples
+    assert params_from_pb(pb) == SamplingParams(**{**values, "stop": ("\n\n",), "stop_token_ids": (3, 4)})
 
 
 def test_unset_optional_fields_take_the_engine_defaults():
