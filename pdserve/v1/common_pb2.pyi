@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -97,3 +98,51 @@ class LoadReport(_message.Message):
     draining: bool
     max_model_len: int
     def __init__(self, role: _Optional[str] = ..., node_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., compatibility: _Optional[str] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ("after_seq", "node_id")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    node_id: str
+    def __init__(self, after_seq: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("kind", "seq", "keys", "parent_key", "medium")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[KvEvent.Kind]
+        STORED: _ClassVar[KvEvent.Kind]
+        REMOVED: _ClassVar[KvEvent.Kind]
+        CLEARED: _ClassVar[KvEvent.Kind]
+    KIND_UNSPECIFIED: KvEvent.Kind
+    STORED: KvEvent.Kind
+    REMOVED: KvEvent.Kind
+    CLEARED: KvEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEvent.Kind
+    seq: int
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    parent_key: int
+    medium: str
+    def __init__(self, kind: _Optional[_Union[KvEvent.Kind, str]] = ..., seq: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., parent_key: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("node_id", "snapshot", "snapshot_keys", "snapshot_done", "seq", "events")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    snapshot: bool
+    snapshot_keys: _containers.RepeatedScalarFieldContainer[int]
+    snapshot_done: bool
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., snapshot_keys: _Optional[_Iterable[int]] = ..., snapshot_done: _Optional[bool] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...

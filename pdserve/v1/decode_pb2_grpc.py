@@ -45,6 +45,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/pdserve.v1.Decode/KvEvents',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -68,6 +73,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The KV blocks this node holds: a snapshot, then every change as it happens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +92,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.LoadReport.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.KvEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +153,33 @@ class Decode:
             '/pdserve.v1.Decode/GetLoad',
             pdserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Decode/KvEvents',
+            pdserve_dot_v1_dot_common__pb2.KvEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
