@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-BlockHash = int
+from engine.block_keys import BlockKey, block_key, namespace_root
+from engine.kv_events import KvEventLog
 
-
-def chain_hash(parent: BlockHash | None, tokens: list[int] | tuple[int, ...]) -> BlockHash:
-    """Hash of a full block, chained on its parent so equal blocks at different prefixes differ."""
-    return hash((parent, tuple(tokens)))
+#: Root of the key chain for callers that name no namespace (single-model engines, tests).
+DEFAULT_ROOT: BlockKey = namespace_root("")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -23,18 +22,29 @@ class BlockManager:
     A block is either in use (ref_count > 0) or free. Free blocks sit in an
     OrderedDict used as an LRU queue: freeing appends at the end, allocation
     takes from the front, so a freed block that still holds a cached prefix stays
-    findable by its hash for as long as possible. (An OrderedDict gives O(1)
+    findable by its key for as long as possible. (An OrderedDict gives O(1)
     removal from the middle when a cache hit revives a free block, which a deque
-    cannot.) Only blocks whose KV has been fully computed get a hash.
+    cannot.) Only blocks whose KV has been fully computed get a key.
+
+    Keys are engine.block_keys keys chained from a namespace `root` (the node's KV
+    compatibility and the request's cache salt), so other processes can compute
+    them. With `events`, every key stored or evicted is published to that log.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KvEventLog | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = events
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
-        self.hash_to_block: dict[BlockHash, int] = {}
+        self.block_hash: list[BlockKey | None] = [None] * num_blocks
+        self.hash_to_block: dict[BlockKey, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
     @property
@@ -44,36 +54,40 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
-    def prefix_hits(self, token_ids: list[int]) -> list[int]:
+    def prefix_hits(self, token_ids: list[int], root: BlockKey = DEFAULT_ROOT) -> list[int]:
         """Cached blocks holding a prefix of `token_ids` (never the block of the last token,
         which must be computed to produce logits)."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: BlockHash | None = None
+        parent = root
         num_full = (len(token_ids) - 1) // self.block_size
         for i in range(num_full):
-            parent = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = block_key(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = self.hash_to_block.get(parent)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def allocate(self, token_ids: list[int], num_tokens: int | None = None) -> tuple[list[int], int]:
+    def allocate(
+        self, token_ids: list[int], num_tokens: int | None = None, root: BlockKey = DEFAULT_ROOT
+    ) -> tuple[list[int], int]:
         """Blocks covering the first `num_tokens` (default: all) of `token_ids`, reusing cached
         prefix blocks. Returns (block ids, number of cached tokens). Caller checks can_allocate."""
         num_tokens = len(token_ids) if num_tokens is None else num_tokens
-        hits = self.prefix_hits(token_ids[:num_tokens])
+        hits = self.prefix_hits(token_ids[:num_tokens], root)
         for block in hits:
             self._take(block)
         fresh = [self._pop_free() for _ in range(self.blocks_for(num_tokens) - len(hits))]
         return hits + fresh, len(hits) * self.block_size
 
-    def can_allocate(self, token_ids: list[int], num_tokens: int | None = None, reserve: int = 0) -> bool:
+    def can_allocate(
+        self, token_ids: list[int], num_tokens: int | None = None, reserve: int = 0, root: BlockKey = DEFAULT_ROOT
+    ) -> bool:
         """Whether allocate() would succeed while leaving `reserve` free blocks."""
         num_tokens = len(token_ids) if num_tokens is None else num_tokens
-        hits = self.prefix_hits(token_ids[:num_tokens])
+        hits = self.prefix_hits(token_ids[:num_tokens], root)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         needed = self.blocks_for(num_tokens) - len(hits) + revived
         return needed + reserve <= len(self.free)
@@ -91,17 +105,41 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free[block] = None
 
-    def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], num_computed: int) -> None:
-        """Give a hash to every block whose tokens are all computed (so later requests can hit it)."""
+    def cache_full_blocks(
+        self, token_ids: list[int], block_ids: list[int], num_computed: int, root: BlockKey = DEFAULT_ROOT
+    ) -> None:
+        """Give a key to every block whose tokens are all computed (so later requests can hit it).
+
+        A block that already has its key passes it on as the next parent without hashing, so
+        calling this after every step costs only the blocks completed since the last call.
+        Newly keyed blocks are published as `stored` events, one per run of consecutive blocks.
+        """
         if not self.enable_prefix_caching:
             return
-        parent: BlockHash | None = None
+        parent = root
+        run: list[BlockKey] = []
+        run_parent = root
         for i in range(min(num_computed // self.block_size, len(block_ids))):
             block = block_ids[i]
-            parent = chain_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if self.block_hash[block] is None and parent not in self.hash_to_block:
-                self.block_hash[block] = parent
-                self.hash_to_block[parent] = block
+            known = self.block_hash[block]
+            if known is not None:
+                self._publish_stored(run, run_parent)
+                run, run_parent, parent = [], known, known
+                continue
+            key = block_key(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if key not in self.hash_to_block:
+                self.block_hash[block] = key
+                self.hash_to_block[key] = block
+                run.append(key)
+            else:  # the same content is cached in another block: this copy stays unkeyed
+                self._publish_stored(run, run_parent)
+                run, run_parent = [], key
+            parent = key
+        self._publish_stored(run, run_parent)
+
+    def _publish_stored(self, keys: list[BlockKey], parent: BlockKey) -> None:
+        if self.events is not None and keys:
+            self.events.stored(keys, parent)
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -116,6 +154,8 @@ class BlockManager:
         if old is not None:  # evict: its cached content is about to be overwritten
             del self.hash_to_block[old]
             self.block_hash[block] = None
+            if self.events is not None:
+                self.events.removed([old])
         self.ref_counts[block] = 1
         return block
 
