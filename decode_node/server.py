@@ -16,10 +16,10 @@ from decode_node.prefill_client import PrefillClients
 from engine.prompt_check import check_prompt
 from engine.request import StepOutput
 from engine.sampling_params import SamplingParams
-from pdserve.runtime import convert
-from pdserve.runtime.grpc_errors import NodeUnavailable
-from pdserve.runtime.node import NodeRuntime, RequestScope
-from pdserve.runtime.node_config import NodeConfig
+from node_runtime import convert
+from node_runtime.grpc_errors import NodeUnavailable
+from node_runtime.node import NodeRuntime, RequestScope
+from node_runtime.node_config import NodeConfig
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")

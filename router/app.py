@@ -12,11 +12,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
-import pdserve
+import node_runtime
 from router.body_limit import BodyLimit
-from router.errors import ModelNotFound, NoCapacityError, RouterError, Unauthorized, error_body, error_response
+from openai_api.errors import ModelNotFound, NoCapacityError, RouterError, Unauthorized, error_body, error_response
 from router.http_metrics import HttpMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Server
 
 log = logging.getLogger("pdserve.router")
@@ -33,7 +33,7 @@ def create_app(
     """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
     app = FastAPI(
         title="pdserve router",
-        version=pdserve.__version__,
+        version=node_runtime.__version__,
         description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
     )
     registry = registry or CollectorRegistry()
@@ -124,7 +124,7 @@ def create_app(
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pdserve.__version__}
+        return {"version": node_runtime.__version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

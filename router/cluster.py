@@ -12,12 +12,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.discovery import Discovery, Member
-from pdserve.auth import cluster_metadata
+from node_runtime.discovery import Discovery, Member
+from node_runtime.auth import cluster_metadata
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
-from router.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
+from openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from router.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger("pdserve.router")

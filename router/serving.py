@@ -15,10 +15,10 @@ from engine.prompt_check import EMPTY_PROMPT, PromptError, check_max_tokens, che
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from router.cluster import Cluster
-from router.errors import BadRequest, RouterError
-from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from openai_api.errors import BadRequest, RouterError
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.request_metrics import RequestMetrics
-from router.text import ChoiceText, chat_logprob_entry, completion_logprobs
+from openai_api.text import ChoiceText, chat_logprob_entry, completion_logprobs
 
 SHARED_SAMPLING_FIELDS = tuple(
     sorted(

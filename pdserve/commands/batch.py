@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.builtin import default_model_dir
     from engine.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
-    from pdserve.commands.batch_job import BatchJob, external_world, table_choice
-    from pdserve.commands.batch_watchdog import StageWatchdog
+    from tdpipe.runtime.batch_job import BatchJob, external_world, table_choice
+    from tdpipe.runtime.batch_watchdog import StageWatchdog
 
     model_dir = str(args.model or default_model_dir())
     try:

@@ -14,8 +14,8 @@ import urllib.request
 from pdserve.commands.generate import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS
 from pdserve.commands.router import add_api_key_args, api_keys
-from pdserve.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
-from pdserve.runtime.supervisor import RestartPolicy, Supervised, Supervisor
+from node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
+from node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
 READY_TIMEOUT = 180.0
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from engine.tokenizer import Tokenizer
-from router.errors import RouterError, error_body
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from openai_api.errors import RouterError, error_body
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Choice, Server
 
 URLS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}

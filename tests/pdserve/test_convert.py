@@ -1,4 +1,4 @@
-"""Wire sampling params -> engine SamplingParams (`pdserve.runtime.convert.params_from_pb`)."""
+"""Wire sampling params -> engine SamplingParams (`node_runtime.convert.params_from_pb`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.sampling_params import SamplingParams
-from pdserve.runtime.convert import params_from_pb
+from node_runtime.convert import params_from_pb
 from pdserve.v1 import common_pb2
 
 

@@ -27,9 +27,9 @@ import asyncio
 import logging
 import threading
 
-from pdserve.discovery.base import ROLES, Discovery, Member
+from node_runtime.discovery.base import ROLES, Discovery, Member
 
-log = logging.getLogger("pdserve.discovery")
+log = logging.getLogger("node_runtime.discovery")
 
 
 def _instance_id(host: dict) -> str:

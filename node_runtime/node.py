@@ -15,12 +15,12 @@ from prometheus_client import Histogram
 
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
-from pdserve.auth import SecretInterceptor
-from pdserve.runtime.convert import compatibility
-from pdserve.runtime.engine_loop import EngineLoop, Subscription
-from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
-from pdserve.runtime.node_config import NodeConfig
-from pdserve.runtime.node_metrics import NodeMetrics, served_model_name
+from node_runtime.auth import SecretInterceptor
+from node_runtime.convert import compatibility
+from node_runtime.engine_loop import EngineLoop, Subscription
+from node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
+from node_runtime.node_config import NodeConfig
+from node_runtime.node_metrics import NodeMetrics, served_model_name
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.node")

@@ -15,14 +15,14 @@ from typing import TextIO
 
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, make_server, parse_line, result_line
-from pdserve.runtime.convert import params_from_pb
+from node_runtime.convert import params_from_pb
 from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.local import run_controller, run_local_pipeline
 from tdpipe.runtime.profile import plan_profile, profiled_table
 from tdpipe.runtime.stage_worker import StageConfig
-from pdserve.commands.batch_watchdog import StageWatchdog
+from tdpipe.runtime.batch_watchdog import StageWatchdog
 
 ResumeKey = tuple[str, object]
 """("id", custom_id) or ("line", 1-based input line number): see batch_io.resume_key."""
@@ -215,7 +215,7 @@ class BatchJob:
 def external_world(stages: int | None) -> int:
     """For `--external-stages`: check the torch.distributed env names this process rank 0 and
     return the number of stages (WORLD_SIZE - 1); ValueError with what to set otherwise."""
-    from pdserve.config import process_env
+    from node_runtime.config import process_env
 
     env = process_env().rendezvous
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if not env.get(v)]

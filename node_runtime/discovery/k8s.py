@@ -18,9 +18,9 @@ import logging
 import socket
 from typing import Callable
 
-from pdserve.discovery.base import Discovery, Member
+from node_runtime.discovery.base import Discovery, Member
 
-log = logging.getLogger("pdserve.discovery")
+log = logging.getLogger("node_runtime.discovery")
 Resolver = Callable[[str], list[str]]
 SrvResolver = Callable[[str], list[tuple[str, int]]]
 
