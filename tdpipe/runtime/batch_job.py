@@ -14,7 +14,8 @@ import time
 from typing import TextIO
 
 from engine.tokenizer import Tokenizer
-from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, make_server, parse_line, result_line
+from openai_api.choices import ChoiceBuilder
+from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, parse_line, result_line
 from node_runtime.convert import params_from_pb
 from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
@@ -66,7 +67,7 @@ class BatchJob:
     ) -> None:
         self.args, self.model_dir, self.device, self.tokenizer, self.out = args, model_dir, device, tokenizer, out
         self.model_name = model_dir.rstrip("/").rsplit("/", 1)[-1]
-        self.server = make_server(tokenizer, self.model_name, max_model_len)
+        self.builder = ChoiceBuilder(tokenizer, lambda: max_model_len)
         self.progress = None
         self.watchdog: StageWatchdog | None = None
         self.written = self.completed = self.errors = self.skipped = 0
@@ -106,7 +107,7 @@ class BatchJob:
                     raise LineError(
                         "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; this line is not run"
                     )
-                item = parse_line(line, self.server)
+                item = parse_line(line, self.builder, self.model_name)
                 need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
                 if need > capacity:
                     raise LineError(
