@@ -188,3 +188,29 @@ def resume_key(row: dict) -> tuple[str, object] | None:
     if isinstance(err, dict) and (row.get("custom_id") is None or err.get("code") == "duplicate_custom_id"):
         return ("line", err.get("line"))
     return ("id", row["custom_id"]) if isinstance(row.get("custom_id"), str) else None
+
+
+def done_keys(path: str) -> set:
+    """What the output file already answers (see resume_key); a torn last line (killed
+    mid-write) is cut off the file so that the rerun appends after the last whole line."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set()
+    done, good = set(), 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            good += len(raw) + 1
+            continue
+        try:
+            key = resume_key(json.loads(raw))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            break  # a torn line can only be the last one: everything after it is ours to redo
+        if key is not None:
+            done.add(key)
+        good += len(raw) + 1
+    if good < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return done

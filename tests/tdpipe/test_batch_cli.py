@@ -120,7 +120,7 @@ def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tin
     """A duplicate's error line carries the repeated custom_id: on resume it must not count as the
     answer of the line that owns that id; error lines without an id are matched by line number."""
     from engine.tokenizer import Tokenizer
-    from pdserve.commands.batch import _done_keys
+    from tdpipe.runtime.batch_io import done_keys
     from tdpipe.runtime.batch_job import BatchJob
 
     lines = list(
@@ -134,7 +134,7 @@ def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tin
         path.write_text(output)
         out = io.StringIO()
         job = BatchJob(args, str(tiny_model_dir), "cpu", tok, 4096, out)
-        items = job.plan(lines, _done_keys(str(path)))
+        items = job.plan(lines, done_keys(str(path)))
         return sorted(items), [json.loads(x) for x in out.getvalue().splitlines()], job.skipped
 
     first_out = io.StringIO()
