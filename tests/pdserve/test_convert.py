@@ -1,44 +1,13 @@
-"""Wire sampling params -> engine SamplingParams (`node_runtime.convert.params_from_pb`)."""
+"""Wire sampling params -> engine SamplingParams (`node_runtime.convert.params_from_pb`); that every field
+arrives is tests/architecture/test_sampling_surface.py."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
-from engine.sampling_params import SamplingParams
 from node_runtime.convert import params_from_pb
 from pdserve.v1 import common_pb2
-
-
-def test_every_proto_sampling_field_is_an_engine_field_of_the_same_name():
-    """params_from_pb copies fields by name: a proto field without an engine twin would be lost."""
-    engine_fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    proto_fields = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
-    assert proto_fields <= engine_fields, proto_fields - engine_fields
-
-
-def test_every_field_arrives():
-    values = dict(
-        temperature=0.5,
-        top_p=0.75,
-        top_k=7,
-        min_p=0.125,
-        seed=11,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        repetition_penalty=1.25,
-        max_tokens=9,
-        min_tokens=2,
-        stop=["\n\n"],
-        stop_token_ids=[3, 4],
-        ignore_eos=True,
-        logprobs=2,
-        include_stop_str_in_output=True,
-    )
-    pb = common_pb2.SamplingParams(**values)
-    # the engine holds the repeated fields as tuples
-    assert params_from_pb(pb) == SamplingParams(**{**values, "stop": ("\n\n",), "stop_token_ids": (3, 4)})
 
 
 def test_unset_optional_fields_take_the_engine_defaults():
