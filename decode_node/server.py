@@ -57,9 +57,11 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
-        self.cachestore.on_listener_change = lambda up: loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._report_listener())
-        )
+
+        def on_listener_change(up: bool) -> None:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report_listener()))
+
+        self.cachestore.on_listener_change = on_listener_change
         await self.cachestore.start()
         if self.advertise_host and self.cachestore.active_transport != "local":
             # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
@@ -177,6 +179,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         for address in addresses:
             creds = self.cachestore.open_session(rid, block_ids, timeout=rt.config.transfer.kv_timeout)
             session = self.cachestore.get_session(rid)
+            assert session is not None  # opened just above
             pb = prefill_pb2.PrefillRequest(
                 request_id=rid,
                 prompt_token_ids=prompt,

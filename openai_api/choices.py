@@ -90,17 +90,16 @@ class ChoiceBuilder:
             raise BadRequest(str(e), e.param) from None
 
     def completion_choices(self, req: CompletionRequest) -> list[Choice]:
-        prompts = req.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        one = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
+        prompts: list = [req.prompt] if one else list(req.prompt)
         if not prompts:
             raise BadRequest(EMPTY_PROMPT, "prompt")
-        choices = []
+        choices: list[Choice] = []
         for p in prompts:
             if isinstance(p, str) and not p:
                 raise BadRequest(EMPTY_PROMPT, "prompt")
             text = p if isinstance(p, str) else None
-            ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))  # type: ignore[arg-type]
+            ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
             for _ in range(req.n):
                 choices.append(

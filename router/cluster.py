@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,7 +42,8 @@ class GenerateChunk(NamedTuple):
 class NodeState:
     member: Member
     channel: grpc.aio.Channel
-    stub: object
+    stub: Any
+    """A generated DecodeStub or PrefillStub (grpc code has no types)."""
     health: health_pb2_grpc.HealthStub
     load: NodeLoad
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)

@@ -126,7 +126,7 @@ class Server:
         ]
         return response_body(True, self.model_name, out, self.usage(choices))
 
-    async def stream(self, req: SamplingFields, chat: bool) -> AsyncIterator[str]:
+    async def stream(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> AsyncIterator[str]:
         """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
         choices = await self.choices(req, chat)  # 400s before streaming
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -154,7 +154,7 @@ class Server:
                                 }
                             ]
                         )
-                elif req.echo:
+                elif isinstance(req, CompletionRequest) and req.echo:
                     for c in choices:
                         yield chunk(
                             [

@@ -29,7 +29,7 @@ import threading
 
 from node_runtime.discovery.base import ROLES, Discovery, Member
 
-log = logging.getLogger("node_runtime.discovery")
+log = logging.getLogger("pdserve.discovery")
 
 
 def _instance_id(host: dict) -> str:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the CLI imports no node code until a node runs
 CLI_TRANSPORTS = ("auto", "tcp", "rdma")
 """--transport choices; `local` (both ends in one process) is for tests through the Python API."""
 
-ROLE_ENGINE_DEFAULTS = {
+ROLE_ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
     "prefill": {"max_num_batched_tokens": 8192},  # prompts up to this size run in one step
     "decode": {"preemption": "never"},  # a decode node never drops KV to make room: it refuses admission
 }
@@ -178,7 +178,7 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
         level=config.node.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
     )
 
-    async def main() -> None:
+    async def main() -> int:
         from node_runtime.discovery import Member, discovery_from_config
 
         address = await node.start()

@@ -189,6 +189,6 @@ def run(args: argparse.Namespace) -> int:
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
         access_log=False,
-        timeout_graceful_shutdown=config.graceful_timeout,
+        timeout_graceful_shutdown=config.graceful_timeout,  # type: ignore[arg-type]  # a float works (asyncio timeout)
     )
     return 0

@@ -18,7 +18,10 @@ from openai_api.errors import RouterError, error_body
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from openai_api.responses import chat_choice, completion_choice, response_body, usage
 
-URLS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+URLS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
 
 
 class LineError(ValueError):
@@ -81,7 +84,7 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     """The first pydantic error as the router's HTTP API words it (`loc: msg`, param = loc)."""
-    first = e.errors()[0] if e.errors() else {}
+    first: dict = dict(e.errors()[0]) if e.errors() else {}
     loc = ".".join(str(x) for x in first.get("loc", []))
     return f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
 
@@ -98,7 +101,7 @@ def parse_line(line: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
         raise LineError("missing_custom_id", "line needs a non-empty string custom_id")
     if obj.get("method") != "POST":
         raise LineError("invalid_method", f'method must be "POST", not {obj.get("method")!r}')
-    model = URLS.get(obj.get("url"))
+    model = URLS.get(str(obj.get("url")))
     if model is None:
         raise LineError("invalid_url", f"url must be one of {', '.join(sorted(URLS))}, not {obj.get('url')!r}")
     body = obj.get("body")
