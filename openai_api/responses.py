@@ -33,6 +33,11 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def chat_delta(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+    """One choice of a streamed chat.completion.chunk."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
     return {
         "index": index,

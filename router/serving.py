@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 
 from engine.tokenizer import Tokenizer
 from openai_api.choices import Choice, ChoiceBuilder
-from openai_api.errors import RouterError
+from openai_api.errors import RouterError, error_body
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from openai_api.responses import chat_choice, completion_choice, response_body, usage
+from openai_api.responses import chat_choice, chat_delta, completion_choice, response_body, usage
 from openai_api.text import chat_logprob_entry, completion_logprobs
 from router.cluster import Cluster
 from router.request_metrics import RequestMetrics
@@ -142,30 +142,12 @@ class Server:
 
         async def gen() -> AsyncIterator[str]:
             try:
-                if chat:
-                    for c in choices:
-                        yield chunk(
-                            [
-                                {
-                                    "index": c.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                elif isinstance(req, CompletionRequest) and req.echo:
-                    for c in choices:
-                        yield chunk(
-                            [
-                                {
-                                    "index": c.index,
-                                    "text": c.prompt_text or self.tokenizer.decode(c.prompt_ids),
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
+                for c in choices:  # chat opens each choice with its role; echo sends the prompt first
+                    if chat:
+                        yield chunk([chat_delta(c.index, {"role": "assistant", "content": ""}, None, None)])
+                    elif isinstance(req, CompletionRequest) and req.echo:
+                        prompt = c.prompt_text or self.tokenizer.decode(c.prompt_ids)
+                        yield chunk([completion_choice(c.index, prompt, None, None)])
                 offsets = {c.index: 0 for c in choices}
                 async for c, delta, lps in self.run(choices):
                     finish = c.finish_reason
@@ -175,19 +157,14 @@ class Server:
                             if req.logprobs and lps
                             else None
                         )
-                        body = {
-                            "index": c.index,
-                            "delta": {"content": delta} if delta else {},
-                            "logprobs": lp,
-                            "finish_reason": finish,
-                        }
+                        body = chat_delta(c.index, {"content": delta} if delta else {}, lp, finish)
                     else:
                         lp = (
                             completion_logprobs(self.tokenizer, lps, offsets[c.index])
                             if req.logprobs is not None and lps
                             else None
                         )
-                        body = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
+                        body = completion_choice(c.index, delta, lp, finish)
                     offsets[c.index] += len(delta)
                     if delta or finish or lp:
                         yield chunk([body])
@@ -196,8 +173,7 @@ class Server:
             except RouterError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
             except Exception as e:  # a stream that already started can only report in-band
-                error = {"message": str(e), "type": "server_error", "param": None, "code": None}
-                yield f"data: {json.dumps({'error': error})}\n\n"
+                yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
             yield "data: [DONE]\n\n"
 
         return gen()
