@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         if args.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
         device = device_options(args)
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return run_batch(args, device)
