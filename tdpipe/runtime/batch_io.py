@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from engine.tokenizer import Tokenizer
 from openai_api.choices import Choice, ChoiceBuilder
-from openai_api.errors import RouterError, error_body
+from openai_api.errors import RouterError, error_body, validation_message
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from openai_api.responses import chat_choice, completion_choice, response_body, usage
 
@@ -82,13 +82,6 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
         )
 
 
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    """The first pydantic error as the router's HTTP API words it (`loc: msg`, param = loc)."""
-    first: dict = dict(e.errors()[0]) if e.errors() else {}
-    loc = ".".join(str(x) for x in first.get("loc", []))
-    return f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
-
-
 def parse_line(line: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
     """Validate one input line; LineError (see its kinds) otherwise."""
     try:
@@ -111,7 +104,7 @@ def parse_line(line: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
         # `model` is optional here: the job runs one model, whatever a line names
         req = model.model_validate({"model": model_name, **body})
     except ValidationError as e:
-        raise _bad_body("invalid_body", *_validation_message(e)) from None
+        raise _bad_body("invalid_body", *validation_message(e.errors())) from None
     _check_supported(req)
     if (
         isinstance(req, CompletionRequest)
