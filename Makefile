@@ -37,12 +37,12 @@ test-slow: kernels
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no slow tests: failing"; exit 1; fi; exit $$rc
 
-# ruff (pycodestyle + pyflakes) over the repository, mypy over the two self-contained packages;
+# ruff (pycodestyle + pyflakes) over the repository, mypy over every package;
 # both are configured in pyproject.toml.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy engine cachestore
+	$(BIN)/mypy
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

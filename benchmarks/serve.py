@@ -87,7 +87,7 @@ async def at_rate(url: str, rate: float, n: int, max_tokens: int, seed: int) -> 
 async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concurrency: int) -> tuple[float, float]:
     import grpc
 
-    from pdserve.auth import cluster_metadata
+    from node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
     prompts = [f"request {i} about the old lighthouse" for i in range(concurrency)]

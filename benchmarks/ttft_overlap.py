@@ -49,7 +49,7 @@ async def prefill_rpc(
     """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver."""
     import grpc
 
-    from pdserve.auth import cluster_metadata
+    from node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
     server = CacheStoreServer(
@@ -86,7 +86,7 @@ async def prefill_rpc(
 async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -> float:
     import grpc
 
-    from pdserve.auth import cluster_metadata
+    from node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
     times = []

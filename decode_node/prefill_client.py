@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.auth import cluster_metadata
-from pdserve.runtime.grpc_errors import IncompatiblePeer
+from node_runtime.auth import cluster_metadata
+from node_runtime.grpc_errors import IncompatiblePeer
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 __all__ = ["IncompatiblePeer", "PrefillClients"]

@@ -16,10 +16,10 @@ from decode_node.prefill_client import PrefillClients
 from engine.prompt_check import check_prompt
 from engine.request import StepOutput
 from engine.sampling_params import SamplingParams
-from pdserve.runtime import convert
-from pdserve.runtime.grpc_errors import NodeUnavailable
-from pdserve.runtime.node import NodeRuntime, RequestScope
-from pdserve.runtime.node_config import NodeConfig
+from node_runtime import convert
+from node_runtime.grpc_errors import NodeUnavailable
+from node_runtime.node import NodeRuntime, RequestScope
+from node_runtime.node_config import NodeConfig
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
@@ -57,9 +57,11 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
-        self.cachestore.on_listener_change = lambda up: loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._report_listener())
-        )
+
+        def on_listener_change(up: bool) -> None:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report_listener()))
+
+        self.cachestore.on_listener_change = on_listener_change
         await self.cachestore.start()
         if self.advertise_host and self.cachestore.active_transport != "local":
             # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
@@ -177,6 +179,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
         for address in addresses:
             creds = self.cachestore.open_session(rid, block_ids, timeout=rt.config.transfer.kv_timeout)
             session = self.cachestore.get_session(rid)
+            assert session is not None  # opened just above
             pb = prefill_pb2.PrefillRequest(
                 request_id=rid,
                 prompt_token_ids=prompt,

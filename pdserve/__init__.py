@@ -1,3 +1,1 @@
-"""pdserve: disaggregated prefill/decode LLM serving (CLI package; generated protos live in pdserve.v1)."""
-
-__version__ = "0.1.0"
+"""pdserve: the CLI application (`pdserve.cli`, `pdserve.commands`); generated protos live in pdserve.v1."""

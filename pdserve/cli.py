@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from pdserve.config import new_parser
+from node_runtime.config import new_parser
 
 # Order is the order shown in --help.
 COMMANDS: tuple[str, ...] = (

@@ -11,10 +11,10 @@ from engine.block_manager import blocks_for
 from engine.forward_batch import ForwardBatch
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
-from pdserve.runtime import convert
-from pdserve.runtime.grpc_errors import IncompatiblePeer, RequestAborted
-from pdserve.runtime.node import NodeRuntime
-from pdserve.runtime.node_config import NodeConfig
+from node_runtime import convert
+from node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
+from node_runtime.node import NodeRuntime
+from node_runtime.node_config import NodeConfig
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")

@@ -12,11 +12,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
-import pdserve
+import node_runtime
 from router.body_limit import BodyLimit
-from router.errors import ModelNotFound, NoCapacityError, RouterError, Unauthorized, error_body, error_response
+from openai_api.errors import (
+    ModelNotFound,
+    NoCapacityError,
+    RouterError,
+    Unauthorized,
+    error_body,
+    error_response,
+    validation_message,
+)
 from router.http_metrics import HttpMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Server
 
 log = logging.getLogger("pdserve.router")
@@ -33,7 +41,7 @@ def create_app(
     """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
     app = FastAPI(
         title="pdserve router",
-        version=pdserve.__version__,
+        version=node_runtime.__version__,
         description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
     )
     registry = registry or CollectorRegistry()
@@ -72,14 +80,8 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        if first.get("type") == "json_invalid":
-            message, loc = "request body is not valid JSON", []
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None), status_code=400)
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     def check_model(name: str) -> None:
         if name != server.model_name:
@@ -124,7 +126,7 @@ def create_app(
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pdserve.__version__}
+        return {"version": node_runtime.__version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

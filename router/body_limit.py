@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from router.errors import BadRequest, PayloadTooLarge, RouterError
+from openai_api.errors import BadRequest, PayloadTooLarge, RouterError
 
 
 class BodyLimit:

@@ -6,18 +6,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.discovery import Discovery, Member
-from pdserve.auth import cluster_metadata
+from node_runtime.discovery import Discovery, Member
+from node_runtime.auth import cluster_metadata
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
-from router.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
+from openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from router.circuit_breaker import CircuitBreaker
 
 log = logging.getLogger("pdserve.router")
@@ -42,7 +42,8 @@ class GenerateChunk(NamedTuple):
 class NodeState:
     member: Member
     channel: grpc.aio.Channel
-    stub: object
+    stub: Any
+    """A generated DecodeStub or PrefillStub (grpc code has no types)."""
     health: health_pb2_grpc.HealthStub
     load: NodeLoad
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)

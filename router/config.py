@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.discovery import DiscoveryConfig
+from node_runtime.discovery import DiscoveryConfig
 from router.deadlines import Deadlines
 
 

@@ -8,7 +8,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from router.errors import BadRequest
+from openai_api.errors import BadRequest
 
 
 class OpenAIErrorH11Protocol(H11Protocol):

@@ -1,1 +1,1 @@
-"""TD-Pipe offline mode: decision policies, output-length predictor and simulator."""
+"""TD-Pipe offline mode: decision policies, output-length predictor, simulator, and the batch job (runtime/)."""

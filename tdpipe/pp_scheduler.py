@@ -9,6 +9,7 @@ its previous one has left the last stage (the decode data dependency).
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 from engine.block_manager import blocks_for
 from tdpipe.config import InstanceConfig
@@ -38,13 +39,13 @@ class PPScheduler:
         self.stats = SimStats("pp+hb" if hybrid else "pp+sb")
         self.ex: Executor = SimExecutor(table, inst.num_stages)
 
-    def run(self, requests: list[SimRequest], executor: Executor | None = None) -> SimStats:
+    def run(self, requests: Sequence[SimRequest], executor: Executor | None = None) -> SimStats:
         """Run `requests` to completion on `executor` (default: the simulator)."""
         self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
         self.ex.attach(self.stats)
         n = self.inst.num_stages
         engines = [
-            _VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, requests[i::n]) for i in range(n)
+            _VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, list(requests[i::n])) for i in range(n)
         ]
         for i, ve in enumerate(engines):
             self._schedule(i, ve, 0.0)

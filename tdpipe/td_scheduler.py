@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 from tdpipe.config import InstanceConfig, TDPipeOptions
 from tdpipe.cost_table import CostTable
@@ -31,7 +32,7 @@ class TDPipeScheduler:
         self.ready_ms: dict[int | str, float] = {}
         self.ex: Executor = SimExecutor(table, inst.num_stages)
 
-    def run(self, requests: list[SimRequest], executor: Executor | None = None) -> SimStats:
+    def run(self, requests: Sequence[SimRequest], executor: Executor | None = None) -> SimStats:
         """Run `requests` to completion on `executor` (default: the simulator)."""
         self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
         self.ex.attach(self.stats)

@@ -44,7 +44,8 @@ class WorkloadConfig:
 class SimRequest:
     """One request's simulated state (mutable: the simulator advances it)."""
 
-    request_id: int
+    request_id: int | str
+    """An int in the simulator; the real pipeline's PipeRequest uses the batch line's custom_id."""
     input_len: int
     output_len: int
     predicted_len: int

@@ -1,19 +1,13 @@
-"""`pdserve batch`: run an OpenAI Batch file through the offline pipeline (tdpipe/runtime).
+"""`pdserve batch`: the flags of the offline batch job, which runs in tdpipe/runtime (batch_main).
 
 Exit codes: 0 done (error lines included), 1 the pipeline failed (a stage died), 2 bad
-arguments or unreadable files, 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM). In every
-non-zero case the lines already written stay valid and `--resume` finishes the job.
+arguments or unreadable files, 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import sys
-import time
-import traceback
 
 from pdserve.commands.device_args import add_device_args, device_options
 from tdpipe.simulator import CLI_NAMES
@@ -89,55 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _done_keys(path: str) -> set:
-    """What the output already answers (see batch_io.resume_key); a torn last line (killed
-    mid-write) is cut off the file so that the rerun appends after the last whole line."""
-    from tdpipe.runtime.batch_io import resume_key
-
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return set()
-    done, good = set(), 0
-    for raw in data.split(b"\n"):
-        if not raw.strip():
-            good += len(raw) + 1
-            continue
-        try:
-            key = resume_key(json.loads(raw))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            break  # a torn line can only be the last one: everything after it is ours to redo
-        if key is not None:
-            done.add(key)
-        good += len(raw) + 1
-    if good < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return done
-
-
-def _bubble_fraction(timelines: list) -> float | None:
-    """Mean over stages of the idle share of each stage's busy window (first start to last end)."""
-    fracs = []
-    for spans in timelines:
-        if spans:
-            wall = spans[-1][1] - spans[0][0]
-            fracs.append(1.0 - sum(e - s for s, e, *_ in spans) / wall if wall > 0 else 0.0)
-    return sum(fracs) / len(fracs) if fracs else None
-
-
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from engine.builtin import default_model_dir
-    from engine.model_config import ModelConfig
-    from engine.tokenizer import Tokenizer
-    from pdserve.commands.batch_job import BatchJob, external_world, table_choice
-    from pdserve.commands.batch_watchdog import StageWatchdog
+    from tdpipe.runtime.batch_job import external_world
+    from tdpipe.runtime.batch_main import run_batch
 
-    model_dir = str(args.model or default_model_dir())
     try:
+        args.model = str(args.model or default_model_dir())  # device_options reads its dtype for the backend
         if args.external_stages:
             args.stages = external_world(args.stages)
         elif args.stages is None:
@@ -146,100 +98,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--stages must be at least 1, got {args.stages}")
         if args.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
-        args.model = model_dir  # device_options reads the checkpoint's dtype for the backend choice
         device = device_options(args)
-        table_choice(args.cost_table, device["device"], args.external_stages)  # a bad name fails before any work
-        cfg = ModelConfig.from_dir(model_dir)
-        if args.stages > cfg.num_hidden_layers:
-            raise ValueError(f"--stages {args.stages} is more than the model's {cfg.num_hidden_layers} layers")
-        tokenizer = Tokenizer(model_dir)
-        with open(args.input, encoding="utf-8", errors="replace") as f:
-            lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), start=1) if ln.strip()]
-        if not args.resume and os.path.exists(args.output) and os.path.getsize(args.output) > 0:
-            # rerunning after a crash without --resume would throw away every result written so far
-            raise ValueError(
-                f"{args.output} already has results: add --resume to finish that job, or remove the file to start over"
-            )
-        done = _done_keys(args.output) if args.resume else set()
-        out = open(args.output, "a" if args.resume else "w", encoding="utf-8")
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    with out:
-        job = BatchJob(args, model_dir, device, tokenizer, cfg.max_position_embeddings, out)
-        # a terminal gets a live bar; a log (a Kubernetes pod) one line every 30 s
-        bar = tqdm(
-            total=len(lines),
-            desc="batch",
-            unit="req",
-            file=sys.stderr,
-            dynamic_ncols=True,
-            mininterval=0.5 if sys.stderr.isatty() else 30.0,
-        )
-        job.progress = bar
-        watchdog = job.watchdog = StageWatchdog(bar)
-        start = time.perf_counter()
-        try:
-            watchdog.install()
-            stats, timelines = job.run(lines, done)
-        except KeyboardInterrupt:
-            bar.close()
-            name = signal.Signals(watchdog.signum or signal.SIGINT).name
-            print(
-                f"interrupted by {name}: {job.written} lines written to {args.output}; rerun with --resume to finish",
-                file=sys.stderr,
-            )
-            return 128 + (watchdog.signum or 2)
-        except Exception as e:
-            bar.close()
-            if watchdog.signum is not None:  # the stages were stopped for a signal: that is the story
-                print(f"interrupted: {job.written} lines written; rerun with --resume to finish", file=sys.stderr)
-                return 128 + watchdog.signum
-            if not isinstance(e, RuntimeError):  # not a pipeline failure (those are RuntimeErrors): our bug
-                traceback.print_exc()
-                print(
-                    f"internal error: {type(e).__name__}: {e}. {job.written} lines written to {args.output}; "
-                    f"rerun with --resume to finish",
-                    file=sys.stderr,
-                )
-                return 1
-            dead = watchdog.wait_for_dead(timeout=5.0)
-            if dead:
-                why = "pipeline stage died: " + dead[0]
-                if len(dead) > 1:
-                    why += f" (then, stopped after it: {'; '.join(dead[1:])})"
-            elif args.external_stages:
-                why = f"pipeline failed ({e}); check the logs of the `pdserve stage` ranks"
-            else:
-                why = f"pipeline failed: {e}"
-            print(
-                f"error: {why}. {job.written} lines written to {args.output}; rerun with --resume to finish",
-                file=sys.stderr,
-            )
-            return 1
-        finally:
-            watchdog.close()
-        bar.close()
-    elapsed = time.perf_counter() - start
-    running = elapsed - job.profile_seconds  # throughput of the pipeline itself; profiling is reported apart
-    summary = {
-        "requests": len(lines),
-        "skipped_resume": job.skipped,
-        "completed": job.completed,
-        "errors": job.errors,
-        "output_tokens": stats.output_tokens,
-        "seconds": round(elapsed, 3),
-        "profile_seconds": round(job.profile_seconds, 3),
-        "output_tokens_per_s": round(stats.output_tokens / running, 2) if running > 0 else None,
-        "phase_switches": len(stats.phase_switches),
-        "preemptions": stats.num_preemptions,
-        "bubble_fraction": _bubble_fraction(timelines),
-        "stages": args.stages,
-        "policy": args.policy,
-        "cost_table": job.table_name,
-    }
-    print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()), file=sys.stderr)
-    if args.stats:
-        with open(args.stats, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-    return 0
+    return run_batch(args, device)

@@ -1,7 +1,7 @@
 """`--device` and `--attention-backend`: where the engine runs, shared by every command that loads a model.
 
 Like every flag, each is also settable from the environment (PDSERVE_DEVICE, PDSERVE_ATTENTION_BACKEND:
-see pdserve/config.py), so a container image or a Kubernetes ConfigMap can select the GPU without
+see node_runtime/config.py), so a container image or a Kubernetes ConfigMap can select the GPU without
 editing the command line. Unset, they take EngineConfig's defaults.
 """
 

@@ -12,13 +12,13 @@ from pdserve.commands.device_args import add_device_args, device_options
 from pdserve.commands.generate import add_model_args
 
 if TYPE_CHECKING:  # the CLI imports no node code until a node runs
-    from pdserve.runtime.node import Node
-    from pdserve.runtime.node_config import NodeConfig
+    from node_runtime.node import Node
+    from node_runtime.node_config import NodeConfig
 
 CLI_TRANSPORTS = ("auto", "tcp", "rdma")
 """--transport choices; `local` (both ends in one process) is for tests through the Python API."""
 
-ROLE_ENGINE_DEFAULTS = {
+ROLE_ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
     "prefill": {"max_num_batched_tokens": 8192},  # prompts up to this size run in one step
     "decode": {"preemption": "never"},  # a decode node never drops KV to make room: it refuses admission
 }
@@ -55,7 +55,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         "if --host is a wildcard)",
     )
     add_rdma_args(p)
-    from pdserve.discovery import add_discovery_args
+    from node_runtime.discovery import add_discovery_args
 
     add_discovery_args(p)
 
@@ -112,7 +112,7 @@ RDMA_HELP = {
 
 
 def add_rdma_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.runtime.node_config import RDMA_ENV
+    from node_runtime.node_config import RDMA_ENV
 
     for dest, text in RDMA_HELP.items():
         p.add_argument(
@@ -129,9 +129,9 @@ def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
     configargparse already merged with PDSERVE_* and --config). A bad value exits 2 with the reason."""
     from engine.builtin import default_model_dir
     from engine.config import EngineConfig
-    from pdserve.config import flag_values
-    from pdserve.discovery import DiscoveryConfig
-    from pdserve.runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+    from node_runtime.config import flag_values
+    from node_runtime.discovery import DiscoveryConfig
+    from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
 
     try:
         engine = {
@@ -162,7 +162,7 @@ def advertise_host(requested: str | None, host: str) -> str:
     or this machine's hostname when --host is a wildcard."""
     import socket
 
-    from pdserve.config import process_env
+    from node_runtime.config import process_env
 
     if requested or process_env().pod_ip:
         return requested or process_env().pod_ip
@@ -178,8 +178,8 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
         level=config.node.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
     )
 
-    async def main() -> None:
-        from pdserve.discovery import Member, discovery_from_config
+    async def main() -> int:
+        from node_runtime.discovery import Member, discovery_from_config
 
         address = await node.start()
         host = config.node.advertise_host or config.node.host

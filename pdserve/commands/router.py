@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from pdserve.commands.generate import add_model_args
-from pdserve.config import API_KEYS_ENV
+from node_runtime.config import API_KEYS_ENV
 
 if TYPE_CHECKING:
     from router.config import RouterConfig
@@ -38,14 +38,14 @@ def api_keys(args: argparse.Namespace) -> list[str]:
                 keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
         except OSError as e:
             raise SystemExit(f"error: cannot read --api-key-file {path}: {e.strerror}") from None
-    from pdserve.config import process_env
+    from node_runtime.config import process_env
 
     keys += process_env().api_keys
     return [k.strip() for k in keys if k.strip()]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from pdserve.discovery import add_discovery_args
+    from node_runtime.discovery import add_discovery_args
 
     p = subparsers.add_parser("router", help="run the OpenAI-compatible router")
     add_model_args(p)
@@ -102,8 +102,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     """The one RouterConfig of a `pdserve router` process, from its parsed flags (which configargparse
     already merged with PDSERVE_* and --config); a bad value exits 2 with the reason."""
     from engine.builtin import default_model_dir
-    from pdserve.config import flag_values
-    from pdserve.discovery import DiscoveryConfig
+    from node_runtime.config import flag_values
+    from node_runtime.discovery import DiscoveryConfig
     from router.config import ClusterOptions, RouterConfig
     from router.deadlines import Deadlines
 
@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
-    from pdserve.discovery import discovery_from_config
-    from pdserve.runtime.node_metrics import add_process_collectors, served_model_name
+    from node_runtime.discovery import discovery_from_config
+    from node_runtime.node_metrics import add_process_collectors, served_model_name
     from router.app import create_app
     from router.cluster import Cluster
     from router.cluster_metrics import ClusterCollector
@@ -189,6 +189,6 @@ def run(args: argparse.Namespace) -> int:
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
         access_log=False,
-        timeout_graceful_shutdown=config.graceful_timeout,
+        timeout_graceful_shutdown=config.graceful_timeout,  # type: ignore[arg-type]  # a float works (asyncio timeout)
     )
     return 0

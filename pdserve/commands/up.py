@@ -14,8 +14,8 @@ import urllib.request
 from pdserve.commands.generate import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS
 from pdserve.commands.router import add_api_key_args, api_keys
-from pdserve.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
-from pdserve.runtime.supervisor import RestartPolicy, Supervised, Supervisor
+from node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
+from node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
 READY_TIMEOUT = 180.0
 
@@ -61,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _wait_health(url: str, deadline: float, members: list[Supervised]) -> None:
     while time.monotonic() < deadline:
         for m in members:
+            assert m.child is not None  # started before the wait
             if m.child.exited:
                 raise RuntimeError(f"{m.name} exited with {m.child.popen.returncode}:\n{m.child.tail()}")
         try:
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             metrics = (
                 f", metrics :{args.metrics_base_port + k}/metrics" if args.metrics_base_port and m is not router else ""
             )
-            print(f"  {m.name}: pid {m.child.popen.pid}, port {m.port}{metrics}", flush=True)
+            print(f"  {m.name}: pid {m.child.popen.pid if m.child else '-'}, port {m.port}{metrics}", flush=True)
         print("Ctrl-C stops the cluster; a node that dies is restarted on its port.", flush=True)
         while not stopping.is_set():
             reason = supervisor.poll()

@@ -1,1 +1,1 @@
-"""Real pipeline-parallel runtime for offline batches: stage workers and their controller."""
+"""The offline batch job and its pipeline: batch file I/O, planning, the controller, stage workers, watchdog."""

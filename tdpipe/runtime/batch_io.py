@@ -1,24 +1,27 @@
 """OpenAI Batch files for the offline pipeline: parse input lines, shape output lines.
 
-Validation and tokenization reuse the router's request models and `Server.*_choices`
-(one parser for HTTP and batch); the response body has the HTTP API's non-streaming shape.
+Validation and tokenization are the OpenAI API layer's (openai_api: one parser for HTTP and
+batch); the response body has the HTTP API's non-streaming shape.
 """
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from engine.tokenizer import Tokenizer
-from router.errors import RouterError, error_body
-from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.serving import Choice, Server
+from openai_api.choices import Choice, ChoiceBuilder
+from openai_api.errors import RouterError, error_body, validation_message
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from openai_api.responses import chat_choice, completion_choice, response_body, usage
 
-URLS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+URLS: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
 
 
 class LineError(ValueError):
@@ -47,16 +50,6 @@ def _bad_body(code: str, message: str, param: str | None = None) -> LineError:
     return LineError(code, message, status=400, param=param)
 
 
-class _NoCluster:
-    """Server needs a cluster only for the context length; the batch job has its own model."""
-
-    def __init__(self, max_model_len: int) -> None:
-        self._len = max_model_len
-
-    def max_model_len(self) -> int:
-        return self._len
-
-
 @dataclass
 class BatchItem:
     """A validated line: its ids, the router choice (prompt, params, text assembly) and the body."""
@@ -65,10 +58,6 @@ class BatchItem:
     url: str
     body: CompletionRequest | ChatCompletionRequest
     choice: Choice
-
-
-def make_server(tokenizer: Tokenizer, model_name: str, max_model_len: int) -> Server:
-    return Server(_NoCluster(max_model_len), tokenizer, model_name, max_model_len)  # type: ignore[arg-type]
 
 
 def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -93,14 +82,7 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
         )
 
 
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    """The first pydantic error as the router's HTTP API words it (`loc: msg`, param = loc)."""
-    first = e.errors()[0] if e.errors() else {}
-    loc = ".".join(str(x) for x in first.get("loc", []))
-    return f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
-
-
-def parse_line(line: str, server: Server) -> BatchItem:
+def parse_line(line: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
     """Validate one input line; LineError (see its kinds) otherwise."""
     try:
         obj = json.loads(line)
@@ -112,7 +94,7 @@ def parse_line(line: str, server: Server) -> BatchItem:
         raise LineError("missing_custom_id", "line needs a non-empty string custom_id")
     if obj.get("method") != "POST":
         raise LineError("invalid_method", f'method must be "POST", not {obj.get("method")!r}')
-    model = URLS.get(obj.get("url"))
+    model = URLS.get(str(obj.get("url")))
     if model is None:
         raise LineError("invalid_url", f"url must be one of {', '.join(sorted(URLS))}, not {obj.get('url')!r}")
     body = obj.get("body")
@@ -120,9 +102,9 @@ def parse_line(line: str, server: Server) -> BatchItem:
         raise _bad_body("invalid_body", f"body must be a JSON object, not {type(body).__name__}")
     try:
         # `model` is optional here: the job runs one model, whatever a line names
-        req = model.model_validate({"model": server.model_name, **body})
+        req = model.model_validate({"model": model_name, **body})
     except ValidationError as e:
-        raise _bad_body("invalid_body", *_validation_message(e)) from None
+        raise _bad_body("invalid_body", *validation_message(e.errors())) from None
     _check_supported(req)
     if (
         isinstance(req, CompletionRequest)
@@ -134,7 +116,7 @@ def parse_line(line: str, server: Server) -> BatchItem:
             "invalid_body", "one prompt per line (a list of prompts is not supported in batch mode)", "prompt"
         )
     try:
-        choices = server.chat_choices(req) if isinstance(req, ChatCompletionRequest) else server.completion_choices(req)
+        choices = builder.choices(req)
     except RouterError as e:
         code = e.code or ("context_length_exceeded" if "context" in e.message else "invalid_body")
         raise _bad_body(code, e.message, e.param) from None
@@ -160,40 +142,12 @@ def result_line(
         finish_reason = "stop"
     else:  # all tokens are here at once: decode them whole, as engine.LLM does (keeps a trailing partial char)
         text = tokenizer.decode(output_ids)
-    prompt, completion = len(c.prompt_ids), len(output_ids)
-    usage = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
-    }
-    created = int(time.time())
+    counts = usage(len(c.prompt_ids), len(output_ids), 0)
     if isinstance(item.body, ChatCompletionRequest):
-        body = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model_name,
-            "usage": usage,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            ],
-        }
+        body = response_body(True, model_name, [chat_choice(0, text, None, finish_reason)], counts)
     else:
         prefix = (c.prompt_text or tokenizer.decode(c.prompt_ids)) if item.body.echo else ""
-        body = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-            "usage": usage,
-            "choices": [{"index": 0, "text": prefix + text, "logprobs": None, "finish_reason": finish_reason}],
-        }
+        body = response_body(False, model_name, [completion_choice(0, prefix + text, None, finish_reason)], counts)
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": item.custom_id,
@@ -230,3 +184,29 @@ def resume_key(row: dict) -> tuple[str, object] | None:
     if isinstance(err, dict) and (row.get("custom_id") is None or err.get("code") == "duplicate_custom_id"):
         return ("line", err.get("line"))
     return ("id", row["custom_id"]) if isinstance(row.get("custom_id"), str) else None
+
+
+def done_keys(path: str) -> set:
+    """What the output file already answers (see resume_key); a torn last line (killed
+    mid-write) is cut off the file so that the rerun appends after the last whole line."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set()
+    done, good = set(), 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            good += len(raw) + 1
+            continue
+        try:
+            key = resume_key(json.loads(raw))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            break  # a torn line can only be the last one: everything after it is ours to redo
+        if key is not None:
+            done.add(key)
+        good += len(raw) + 1
+    if good < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return done

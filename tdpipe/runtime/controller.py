@@ -53,7 +53,7 @@ class PipeRequest(SimRequest):
         super().__init__(
             request_id,
             len(prompt_ids),
-            max_tokens,  # type: ignore[arg-type]
+            max_tokens,
             predicted_len if predicted_len is not None else max_tokens,
         )
         self.prompt_ids = list(prompt_ids)
@@ -174,7 +174,7 @@ class StageExecutor(Executor):
     def finish(self, request: SimRequest) -> None:
         self.free(request)
         if request.request_id in self._announced:
-            self._announced.discard(request.request_id)  # type: ignore[arg-type]
+            self._announced.discard(request.request_id)
             self._forget.append(str(request.request_id))
         if self.on_finish is not None:
             self.on_finish(request)  # type: ignore[arg-type]
@@ -183,6 +183,6 @@ class StageExecutor(Executor):
         """Stop the stages; returns each stage's timeline spans."""
         for stage in range(self.num_stages):
             self.outbox.send_object(None, stage + 1)
-        timelines = [recv_object(stage + 1) for stage in range(self.num_stages)]
+        timelines: list = [recv_object(stage + 1) for stage in range(self.num_stages)]
         self.outbox.flush()
         return timelines

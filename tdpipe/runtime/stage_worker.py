@@ -85,7 +85,8 @@ class _SampleState:
 
     def __init__(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
         self.request_id, self.params = request_id, params
-        self.prompt_token_ids, self.output_token_ids = prompt_ids, []
+        self.prompt_token_ids = prompt_ids
+        self.output_token_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -120,7 +121,7 @@ class LastStageSampler:
             tokens[rows] = logits.argmax(dim=-1)
             return tokens
         greedy = _SampleState("", SamplingParams(temperature=0.0), [])
-        picked = self.sampler(logits, [s or greedy for s in states], self.generators)  # type: ignore[list-item]
+        picked = self.sampler(logits, [s or greedy for s in states], self.generators)  # type: ignore[misc]
         for i, s, (token, _) in zip(rows, states, picked):
             tokens[i] = token
             if s is not None:

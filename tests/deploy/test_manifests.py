@@ -129,7 +129,7 @@ def test_every_configmap_key_is_read():
     import argparse
 
     from pdserve.cli import build_parser
-    from pdserve.config import env_name
+    from node_runtime.config import env_name
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = {
@@ -208,7 +208,9 @@ def test_dashboard_queries_pdserve_metrics():
     names = {m for e in exprs for m in re.findall(r"\bpdserve_[a-z0-9_]+", e)}
     # every series the dashboard reads is one the code exports
     sources = "\n".join(
-        p.read_text() for d in ("engine", "cachestore", "router", "pdserve") for p in (ROOT / d).rglob("*.py")
+        p.read_text()
+        for d in ("engine", "cachestore", "router", "pdserve", "node_runtime", "openai_api")
+        for p in (ROOT / d).rglob("*.py")
     )
     for name in names:
         base = re.sub(r"_(total|bucket)$", "", name)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from pdserve.auth import cluster_metadata
+from node_runtime.auth import cluster_metadata
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.e2e.cluster import start_cluster
 from tests.e2e.fake_prefill import StallingPrefill

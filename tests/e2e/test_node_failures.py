@@ -11,8 +11,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from pdserve.runtime.node_config import NodeConfig, NodeOptions, TransferOptions
-from pdserve.auth import cluster_metadata
+from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+from node_runtime.auth import cluster_metadata
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.e2e.cluster import start_cluster, stop
 from tests.e2e.deadlines import until

@@ -12,7 +12,7 @@ from pdserve.commands.device_args import device_flags, device_options, resolve_b
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    """`pdserve generate ARGV`: the environment reaches the flags through pdserve/config.py."""
+    """`pdserve generate ARGV`: the environment reaches the flags through node_runtime/config.py."""
     return build_parser().parse_args(["generate"] + argv)
 
 

@@ -12,8 +12,8 @@ from engine.config import EngineConfig
 from pdserve.cli import build_parser
 from pdserve.commands.node_common import node_config
 from pdserve.commands.router import router_config
-from pdserve.discovery import DiscoveryConfig
-from pdserve.runtime.node_config import NodeOptions, TransferOptions
+from node_runtime.discovery import DiscoveryConfig
+from node_runtime.node_config import NodeOptions, TransferOptions
 from router.config import ClusterOptions
 from router.deadlines import Deadlines
 

@@ -9,7 +9,7 @@ import pytest
 from cachestore import rdma
 from pdserve.cli import build_parser
 from pdserve.commands.node_common import node_config
-from pdserve.runtime.node_config import RDMA_ENV
+from node_runtime.node_config import RDMA_ENV
 
 
 def _export(argv: list[str]) -> None:

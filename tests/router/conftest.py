@@ -9,7 +9,7 @@ from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from router.app import create_app
 from router.cluster import GenerateChunk
-from router.errors import NoCapacityError, UpstreamError
+from openai_api.errors import NoCapacityError, UpstreamError
 from router.serving import Server
 
 

@@ -7,7 +7,7 @@ import threading
 
 from engine.tokenizer import Tokenizer
 from router.cluster import GenerateChunk
-from router.protocol import CompletionRequest
+from openai_api.protocol import CompletionRequest
 from router.serving import STREAM_QUEUE_CHUNKS, Server
 
 

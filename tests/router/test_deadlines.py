@@ -29,9 +29,9 @@ def test_non_positive_deadlines_are_refused(field):
 
 async def test_a_request_waits_for_capacity_then_fails_cleanly():
     """While `up` restarts a node (or every node is paused) requests wait, bounded by capacity_wait."""
-    from pdserve.discovery.static import StaticDiscovery
+    from node_runtime.discovery.static import StaticDiscovery
     from router.cluster import Cluster
-    from router.errors import NoCapacityError
+    from openai_api.errors import NoCapacityError
 
     cluster = Cluster(StaticDiscovery([]), refresh_interval=0.01, deadlines=Deadlines(capacity_wait=5.0))
     calls = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.discovery import Member
+from node_runtime.discovery import Member
 from pdserve.v1 import common_pb2
 from router.balancer import NodeLoad
 from router.cluster import GenerateChunk, NodeState

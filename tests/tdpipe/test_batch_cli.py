@@ -120,8 +120,8 @@ def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tin
     """A duplicate's error line carries the repeated custom_id: on resume it must not count as the
     answer of the line that owns that id; error lines without an id are matched by line number."""
     from engine.tokenizer import Tokenizer
-    from pdserve.commands.batch import _done_keys
-    from pdserve.commands.batch_job import BatchJob
+    from tdpipe.runtime.batch_io import done_keys
+    from tdpipe.runtime.batch_job import BatchJob
 
     lines = list(
         enumerate([request_line("a", "x"), request_line("a", "again"), "{bad", request_line("b", "y")], start=1)
@@ -134,7 +134,7 @@ def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tin
         path.write_text(output)
         out = io.StringIO()
         job = BatchJob(args, str(tiny_model_dir), "cpu", tok, 4096, out)
-        items = job.plan(lines, _done_keys(str(path)))
+        items = job.plan(lines, done_keys(str(path)))
         return sorted(items), [json.loads(x) for x in out.getvalue().splitlines()], job.skipped
 
     first_out = io.StringIO()
@@ -167,7 +167,7 @@ def test_batch_refuses_to_overwrite_results_without_resume(tmp_path, capsys) -> 
 
 def test_cost_table_choices(tmp_path, capsys) -> None:
     from pdserve.cli import main
-    from pdserve.commands.batch_job import table_choice
+    from tdpipe.runtime.batch_job import table_choice
     from tdpipe.cost_table import CostTable
 
     assert table_choice("auto", "cpu", external=False) == "profile"

@@ -17,7 +17,7 @@ import grpc
 
 from cachestore import SessionError, TransferError
 from engine.request import AdmissionError
-from pdserve.runtime.engine_loop import EngineDeadError
+from node_runtime.engine_loop import EngineDeadError
 
 log = logging.getLogger("pdserve.grpc")
 

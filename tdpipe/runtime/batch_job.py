@@ -11,18 +11,22 @@ import json
 import os
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from engine.tokenizer import Tokenizer
-from tdpipe.runtime.batch_io import LineError, custom_id_of, error_line, make_server, parse_line, result_line
-from pdserve.runtime.convert import params_from_pb
+from openai_api.choices import ChoiceBuilder
+from tdpipe.runtime.batch_io import BatchItem, LineError, custom_id_of, error_line, parse_line, result_line
+from node_runtime.convert import params_from_pb
 from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.local import run_controller, run_local_pipeline
 from tdpipe.runtime.profile import plan_profile, profiled_table
 from tdpipe.runtime.stage_worker import StageConfig
-from pdserve.commands.batch_watchdog import StageWatchdog
+from tdpipe.runtime.batch_watchdog import StageWatchdog
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 ResumeKey = tuple[str, object]
 """("id", custom_id) or ("line", 1-based input line number): see batch_io.resume_key."""
@@ -66,8 +70,8 @@ class BatchJob:
     ) -> None:
         self.args, self.model_dir, self.device, self.tokenizer, self.out = args, model_dir, device, tokenizer, out
         self.model_name = model_dir.rstrip("/").rsplit("/", 1)[-1]
-        self.server = make_server(tokenizer, self.model_name, max_model_len)
-        self.progress = None
+        self.builder = ChoiceBuilder(tokenizer, lambda: max_model_len)
+        self.progress: tqdm | None = None
         self.watchdog: StageWatchdog | None = None
         self.written = self.completed = self.errors = self.skipped = 0
         self.table_name: str | None = None
@@ -86,7 +90,7 @@ class BatchJob:
         if self.progress is not None:
             self.progress.set_postfix_str(phase, refresh=False)
 
-    def plan(self, lines: list[tuple[int, str]], done: set[ResumeKey]) -> dict[str, tuple]:
+    def plan(self, lines: list[tuple[int, str]], done: set[ResumeKey]) -> dict[str, BatchItem]:
         """Validate every (line number, text); write error lines; return custom_id -> BatchItem to run."""
         # PP's virtual engines each own 1/stages of the pool, and a request must fit one of them
         share = self.args.stages if getattr(self.args, "policy", "tdpipe").startswith("pp") else 1
@@ -106,7 +110,7 @@ class BatchJob:
                     raise LineError(
                         "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; this line is not run"
                     )
-                item = parse_line(line, self.server)
+                item = parse_line(line, self.builder, self.model_name)
                 need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
                 if need > capacity:
                     raise LineError(
@@ -143,7 +147,9 @@ class BatchJob:
 
         def on_finish(req: PipeRequest) -> None:
             reason = "stop" if req.output_ids and req.output_ids[-1] in req.stop_token_ids else "length"
-            self._write(result_line(items[req.request_id], req.output_ids, reason, self.tokenizer, self.model_name))
+            self._write(
+                result_line(items[str(req.request_id)], req.output_ids, reason, self.tokenizer, self.model_name)
+            )
             self.completed += 1
 
         def on_executor(executor: StageExecutor) -> None:
@@ -215,7 +221,7 @@ class BatchJob:
 def external_world(stages: int | None) -> int:
     """For `--external-stages`: check the torch.distributed env names this process rank 0 and
     return the number of stages (WORLD_SIZE - 1); ValueError with what to set otherwise."""
-    from pdserve.config import process_env
+    from node_runtime.config import process_env
 
     env = process_env().rendezvous
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if not env.get(v)]

@@ -15,12 +15,12 @@ from prometheus_client import Histogram
 
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
-from pdserve.auth import SecretInterceptor
-from pdserve.runtime.convert import compatibility
-from pdserve.runtime.engine_loop import EngineLoop, Subscription
-from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
-from pdserve.runtime.node_config import NodeConfig
-from pdserve.runtime.node_metrics import NodeMetrics, served_model_name
+from node_runtime.auth import SecretInterceptor
+from node_runtime.convert import compatibility
+from node_runtime.engine_loop import EngineLoop, Subscription
+from node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
+from node_runtime.node_config import NodeConfig
+from node_runtime.node_metrics import NodeMetrics, served_model_name
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.node")
@@ -63,12 +63,12 @@ class NodeRuntime:
         )
         self.draining = False
         self.inflight = 0
-        self.loop_thread: EngineLoop | None = None
+        self._loop_thread: EngineLoop | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
         self.node_id = ""
-        self.failed: asyncio.Event | None = None
+        self.failed = asyncio.Event()
         """Set when the engine thread has died: the process must exit non-zero (see node_common.serve)."""
 
     async def start(self, register_services) -> str:
@@ -78,8 +78,8 @@ class NodeRuntime:
                 "peer that can reach this node is trusted; set one outside local development"
             )
         self.failed = asyncio.Event()
-        self.loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
-        self.loop_thread.start()
+        self._loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
+        self._loop_thread.start()
         self.server = grpc.aio.server(
             interceptors=[SecretInterceptor(self.config.node.cluster_secret), ErrorInterceptor()],
             options=[
@@ -96,6 +96,13 @@ class NodeRuntime:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.metrics.serve(self.config.node.host, self.config.node.metrics_port)
         return self.address
+
+    @property
+    def loop_thread(self) -> EngineLoop:
+        """The engine thread (start() starts it)."""
+        if self._loop_thread is None:
+            raise RuntimeError("the node is not started")
+        return self._loop_thread
 
     def _engine_died(self, error: BaseException) -> None:
         """In the event loop: stop looking healthy at once, then let the process exit non-zero."""
@@ -161,8 +168,8 @@ class NodeRuntime:
             await self._drain()
         if self.server is not None:
             await self.server.stop(grace=1.0)
-        if self.loop_thread is not None:
-            self.loop_thread.stop()
+        if self._loop_thread is not None:
+            self._loop_thread.stop()
 
     async def _drain(self) -> None:
         self.draining = True

@@ -8,9 +8,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from pdserve.runtime.grpc_errors import NodeUnavailable
-from pdserve.runtime.node import NodeRuntime
-from pdserve.runtime.node_config import NodeConfig
+from node_runtime.grpc_errors import NodeUnavailable
+from node_runtime.node import NodeRuntime
+from node_runtime.node_config import NodeConfig
 
 
 def queue_time_count(rt: NodeRuntime) -> float:

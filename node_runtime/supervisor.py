@@ -62,6 +62,7 @@ class Child:
         threading.Thread(target=self._read, name=f"log-{name}", daemon=True).start()
 
     def _read(self) -> None:
+        assert self.popen.stdout is not None  # stdout=PIPE
         for line in self.popen.stdout:
             line = line.rstrip()
             self.lines.append(line)
@@ -99,6 +100,7 @@ class Child:
         return self.popen.returncode
 
 
+_prctl: Callable[..., int] | None
 try:  # looked up once here: between fork and exec (other threads running) only the call itself runs
     _prctl = ctypes.CDLL(None).prctl
 except (OSError, AttributeError):  # not Linux: Ctrl-C / SIGTERM on `up` still stop every child
@@ -171,6 +173,7 @@ class Supervised:
         return self.child
 
     def wait_ready(self, deadline: float) -> str:
+        assert self.child is not None, "start() first"
         address = self.child.wait_ready(deadline)
         self.port = int(address.rsplit(":", 1)[1])  # a node started on port 0 keeps the port it found
         return address

@@ -6,6 +6,7 @@ The engine never sees a *_pb2 type; the node servicers call only these functions
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
         raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
     if not p.HasField("max_tokens"):  # decode nodes reserve KV for every token a request may generate
         raise ValueError("invalid sampling parameter max_tokens: it is required")
-    values = {}
+    values: dict[str, Any] = {}
     for f in p.DESCRIPTOR.fields:
         if f.has_presence and not p.HasField(f.name):
             continue

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollec
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 
-from pdserve import __version__
+from node_runtime import __version__
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import threading
 
-from pdserve.discovery.base import ROLES, Discovery, Member
+from node_runtime.discovery.base import ROLES, Discovery, Member
 
 log = logging.getLogger("pdserve.discovery")
 

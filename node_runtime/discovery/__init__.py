@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pdserve.discovery.base import Discovery, Member
-from pdserve.discovery.static import StaticDiscovery
+from node_runtime.discovery.base import Discovery, Member
+from node_runtime.discovery.static import StaticDiscovery
 
 KINDS = ("static", "nacos", "k8s")
 
@@ -57,11 +57,11 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
 
 def discovery_from_config(config: DiscoveryConfig) -> Discovery:
     if config.discovery == "nacos":
-        from pdserve.discovery.nacos import NacosDiscovery
+        from node_runtime.discovery.nacos import NacosDiscovery
 
         return NacosDiscovery(config.nacos_server, config.nacos_namespace, config.nacos_service)
     if config.discovery == "k8s":
-        from pdserve.discovery.k8s import K8sDnsDiscovery
+        from node_runtime.discovery.k8s import K8sDnsDiscovery
 
         return K8sDnsDiscovery({"prefill": config.k8s_prefill_service, "decode": config.k8s_decode_service})
     return StaticDiscovery.from_lists(config.prefill, config.decode)

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from pdserve.runtime.engine_loop import EngineDeadError
-from pdserve.runtime.node import NodeRuntime
-from pdserve.runtime.node_config import NodeConfig
+from node_runtime.engine_loop import EngineDeadError
+from node_runtime.node import NodeRuntime
+from node_runtime.node_config import NodeConfig
 from tests.e2e.cluster import ROOT
 
 

@@ -18,7 +18,7 @@ import logging
 import socket
 from typing import Callable
 
-from pdserve.discovery.base import Discovery, Member
+from node_runtime.discovery.base import Discovery, Member
 
 log = logging.getLogger("pdserve.discovery")
 Resolver = Callable[[str], list[str]]
@@ -26,7 +26,7 @@ SrvResolver = Callable[[str], list[tuple[str, int]]]
 
 
 def dns_resolver(name: str) -> list[str]:
-    return sorted({info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)})
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)})
 
 
 def srv_resolver(name: str) -> list[tuple[str, int]]:

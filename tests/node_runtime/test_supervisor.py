@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from pdserve.runtime.supervisor import LOG_TAIL_LINES, RestartPolicy, Supervised, Supervisor
+from node_runtime.supervisor import LOG_TAIL_LINES, RestartPolicy, Supervised, Supervisor
 
 
 class FakeClock:
@@ -73,7 +73,7 @@ def test_children_die_with_a_killed_supervisor():
     import subprocess
 
     code = (
-        "import sys, time; from pdserve.runtime.supervisor import Child; "
+        "import sys, time; from node_runtime.supervisor import Child; "
         "c = Child('x', [sys.executable, '-c', "
         "'import time; print(\"READY x 1\", flush=True); time.sleep(60)'], {}); "
         "c.wait_ready(time.monotonic() + 30); print(c.popen.pid, flush=True); time.sleep(60)"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.discovery.base import Discovery, Member
+from node_runtime.discovery.base import Discovery, Member
 
 
 class StaticDiscovery(Discovery):

@@ -1,4 +1,4 @@
-"""The one exception -> gRPC status mapping of the node servicers (`pdserve.runtime.grpc_errors`)."""
+"""The one exception -> gRPC status mapping of the node servicers (`node_runtime.grpc_errors`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 from cachestore import SessionError, TransferError
 from engine.request import AdmissionError
-from pdserve.runtime.engine_loop import EngineDeadError
-from pdserve.runtime.grpc_errors import ErrorInterceptor, IncompatiblePeer, NodeUnavailable, RequestAborted, status_of
+from node_runtime.engine_loop import EngineDeadError
+from node_runtime.grpc_errors import ErrorInterceptor, IncompatiblePeer, NodeUnavailable, RequestAborted, status_of
 
 
 @pytest.mark.parametrize(

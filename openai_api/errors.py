@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from fastapi.responses import JSONResponse
 
 
@@ -49,6 +51,16 @@ class NoCapacityError(RouterError):
 
 class UpstreamError(RouterError):
     status, type, code = 502, "server_error", "upstream_error"
+
+
+def validation_message(errors: Sequence) -> tuple[str, str | None]:
+    """The first pydantic error of a body as the API words it: (`loc: msg`, param = loc); FastAPI's
+    leading "body" is dropped, and a body that is not JSON says so."""
+    first = dict(errors[0]) if errors else {}
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
+    return f"{loc or 'body'}: {first.get('msg', 'invalid value')}", loc or None
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from pdserve.discovery import DiscoveryConfig
+from node_runtime.discovery import DiscoveryConfig
 
 TRANSPORTS = ("auto", "tcp", "rdma", "local")
 """auto: RDMA if a device exists, else tcp. local: both ends in one process (tests only)."""

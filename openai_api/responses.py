@@ -1,0 +1,47 @@
+"""The non-streamed OpenAI response bodies, shaped once for the router and the batch job."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """The `usage` object of a response."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def response_body(chat: bool, model: str, choices: list[dict], usage_obj: dict) -> dict:
+    """A chat.completion or text_completion object around its per-choice dicts, with a fresh id."""
+    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_obj,
+    }
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_delta(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+    """One choice of a streamed chat.completion.chunk."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }

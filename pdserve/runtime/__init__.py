@@ -1,1 +1,0 @@
-"""Pieces shared by the node processes: engine thread, request scope, error mapping, metrics, conversion."""
