@@ -75,8 +75,7 @@ class ModelRunner:
             prepack = can_prepack(self.dtype, self.device)
         self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack)
         self.attention = make_backend(resolve_backend(attention_backend, self.device.type))
-        if hasattr(self.attention, "configure"):  # flashinfer plans need head count and dtype
-            self.attention.configure(cfg.num_attention_heads, self.dtype)
+        self.attention.configure(cfg.num_attention_heads, self.dtype)
         if num_kv_blocks is None:
             assert kv_memory is not None
             per_token = kv_bytes_per_token(cfg, end - start, self.dtype)

@@ -41,6 +41,10 @@ def store_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the pool and attends over each sequence's pages."""
 
+    def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
+        """Facts of the model the backend may need before the first step (query heads, KV dtype);
+        a dtype the backend cannot run is refused here, at start, never at request time."""
+
     def wait_ready(self) -> None:
         """Block until optional compiled kernels are loaded (benchmarks, tests); most backends have none."""
 
