@@ -105,7 +105,7 @@ class ModelRunner:
             assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, (
                 "token id out of range"
             )
-        meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device)
+        meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device, self.model_config.sliding_window)
         hidden = self.model.forward(batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook)
         if not self.is_last_stage:
             return hidden

@@ -63,18 +63,20 @@ class CpuPagedAttention(AttentionBackend):
             self.begin_step(meta, kv.shape)
         plan = self._plan
         assert plan is not None
+        window = meta.sliding_window
         if plan.kernel_rows is None:  # decode-only or all short chunks: one call, no copies
-            return self._op(q, kv, plan.table, plan.starts, plan.ctx, scale)
+            return self._op(q, kv, plan.table, plan.starts, plan.ctx, scale, window or 0)
         out = torch.empty_like(q)
         if plan.kernel_rows.numel():
             rows = plan.kernel_rows
-            out[rows] = self._op(q.index_select(0, rows), kv, plan.table, plan.starts, plan.ctx, scale)
+            out[rows] = self._op(q.index_select(0, rows), kv, plan.table, plan.starts, plan.ctx, scale, window or 0)
         b = meta.batch
         for i, s, e in plan.sdpa:
             if b.query_lens[i] == b.context_lens[i]:  # fresh prompt: causal SDPA over its own K/V
-                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
+                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale, window)
             else:  # a long chunk after a cached prefix: SDPA over its gathered pages
-                out[s:e] = chunk_attention(q[s:e], kv, b.block_tables[i], b.context_lens[i], meta.block_size, scale)
+                table, ctx = b.block_tables[i], b.context_lens[i]
+                out[s:e] = chunk_attention(q[s:e], kv, table, ctx, meta.block_size, scale, window)
         return out
 
 

@@ -32,8 +32,9 @@ def utilization(text: str) -> float:
     return value
 
 
-def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True) -> None:
-    """Add the flags (defaults None: EngineConfig's defaults apply)."""
+def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True, gpu: bool = True) -> None:
+    """Add the flags (defaults None: EngineConfig's defaults apply); `batch` takes neither
+    --max-model-len nor --gpu-memory-utilization (its stages are not profiled)."""
     p.add_argument(
         "--kv-cache-memory",
         "--kv-cache-bytes",
@@ -44,13 +45,14 @@ def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True
         "memory, at most what --max-num-seqs sequences of --max-model-len tokens fill; on CUDA: "
         "from --gpu-memory-utilization)",
     )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=utilization,
-        default=None,
-        help="CUDA: share of the card this process may use; KV gets what the weights and the peak "
-        "activations of a forward at the largest batch leave (default 0.9)",
-    )
+    if gpu:
+        p.add_argument(
+            "--gpu-memory-utilization",
+            type=utilization,
+            default=None,
+            help="CUDA: share of the card this process may use; KV gets what the weights and the peak "
+            "activations of a forward at the largest batch leave (default 0.9)",
+        )
     if max_model_len:
         p.add_argument(
             "--max-model-len",
