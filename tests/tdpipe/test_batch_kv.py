@@ -47,3 +47,17 @@ def test_default_is_a_host_share_split_among_stages_and_capped_by_the_job(tiny_m
 def test_batch_takes_kv_cache_memory():
     args = build_parser().parse_args(["batch", "-i", "in.jsonl", "-o", "out.jsonl", "--kv-cache-memory", "64MiB"])
     assert args.kv_cache_bytes == 64 * MiB and args.num_kv_blocks is None
+
+
+def test_external_stages_derive_the_controllers_count(tiny_model_dir, monkeypatch):
+    from pdserve.commands.stage import _num_kv_blocks
+
+    monkeypatch.setenv("WORLD_SIZE", "3")  # a controller and two stages
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    stage = ["stage", "--model-dir", str(tiny_model_dir), "--dtype", "float32"]
+    batch = ["batch", "-i", "in", "-o", "out", "--external-stages", "--stages", "2", "--dtype", "float32"]
+    for flags in (["--kv-cache-memory", "3MiB"], []):
+        stage_args = build_parser().parse_args(stage + flags)
+        batch_args = build_parser().parse_args(batch + flags)
+        assert _num_kv_blocks(stage_args, "cpu") == stage_kv_blocks(batch_args, cfg, "cpu", 5)
+    assert _num_kv_blocks(build_parser().parse_args(stage), "cpu") == FIXED_DEFAULT_BLOCKS
