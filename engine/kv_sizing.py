@@ -101,7 +101,11 @@ def fit_max_model_len(requested: int | None, model_max: int, num_blocks: int, bl
 
 
 class KvMemory(ABC):
-    """How many bytes this process gives the KV pool, decided after the weights are loaded."""
+    """How many bytes this process gives the KV pool."""
+
+    needs_weights = False
+    """True when the budget is measured with the weights loaded (then after `before_load`); False
+    when it is known before, so that an impossible --max-model-len is refused before the load."""
 
     def before_load(self, device: torch.device) -> None:
         """Called before the weights load (CUDA takes its baseline counters here)."""
@@ -143,6 +147,8 @@ class CudaKvMemory(KvMemory):
 
     Not exercised on hardware here (no GPU on the development machines): its arithmetic
     (`cuda_kv_bytes`) is unit-tested on CPU with measured numbers injected through `measure`."""
+
+    needs_weights = True
 
     def __init__(self, utilization: float, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.utilization = utilization

@@ -68,7 +68,12 @@ class ModelRunner:
             kv_memory = kv_memory_for(
                 self.device, kv_cache_bytes, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens
             )
-        if kv_memory is not None:
+        per_token = kv_bytes_per_token(cfg, end - start, self.dtype)
+        if num_kv_blocks is None and kv_memory is not None and not kv_memory.needs_weights:
+            num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)
+        if num_kv_blocks is not None:  # known before the weights load: refuse an impossible length at once
+            fit_max_model_len(max_model_len, cfg.max_position_embeddings, num_kv_blocks, block_size)
+        elif kv_memory is not None:
             kv_memory.before_load(self.device)
         tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
         if prepack is None:
@@ -76,9 +81,8 @@ class ModelRunner:
         self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack)
         self.attention = make_backend(resolve_backend(attention_backend, self.device.type))
         self.attention.configure(cfg.num_attention_heads, self.dtype)
-        if num_kv_blocks is None:
+        if num_kv_blocks is None:  # profiled: measured with the weights in place
             assert kv_memory is not None
-            per_token = kv_bytes_per_token(cfg, end - start, self.dtype)
             num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)
         self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks)
         self.max_model_len = fit_max_model_len(

@@ -172,3 +172,15 @@ def test_load_report_subtracts_blocks_reserved_by_never_preempt(tiny_model_dir):
     recompute.step()
     assert recompute.load().num_free_blocks == recompute.block_manager.num_free_blocks  # nothing promised
     recompute.abort("a")
+
+
+@pytest.mark.parametrize("sizing", [{"num_kv_blocks": 8}, {"kv_cache_bytes": MiB}])
+def test_an_impossible_length_is_refused_before_the_weights_load(tiny_model_dir, monkeypatch, sizing):
+    import engine.model_runner
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the fit check")
+
+    monkeypatch.setattr(engine.model_runner, "load_tensors", no_load)
+    with pytest.raises(ValueError, match="--max-model-len 4096 does not fit"):
+        ModelRunner(tiny_model_dir, max_model_len=4096, **sizing)
