@@ -21,7 +21,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Exact number of KV blocks; default derives from kv_cache_bytes / gpu_memory_utilization."""
     kv_cache_bytes: int | None = None
-    """KV pool budget in bytes (`--kv-cache-memory`). Default on CPU: a quarter of the host's available
+    """KV pool budget in bytes (`--kv-cache-memory`). Default on CPU: a tenth of the host's available
     memory, capped at what max_num_seqs sequences of max_model_len tokens fill; on CUDA: profiled
     from gpu_memory_utilization (see engine.kv_sizing)."""
     gpu_memory_utilization: float = 0.9

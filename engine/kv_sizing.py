@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # the CLI parses memory sizes without importing torch
     from engine.cuda_memory import CudaBaseline, CudaMemoryProfile
     from engine.model_runner import ModelRunner
 
-CPU_KV_FRACTION = 0.25
-"""Default CPU budget: this share of the host's available memory (several nodes may share a host)."""
+CPU_KV_FRACTION = 0.1
+"""Default CPU budget: this share of the host's available memory. Small, because several processes
+share a host (`pdserve up` runs three nodes; a batch job one per stage) and each allocates its pool."""
 MIN_DEFAULT_CPU_KV_BYTES = 64 * 1024**2
 """Floor of the default CPU budget, so a host short of memory still gets a usable pool."""
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -55,7 +56,7 @@ def available_memory_bytes() -> int:
 
 
 def default_cpu_kv_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len: int, available: int) -> int:
-    """A quarter of the available memory, but never more than `max_num_seqs` sequences of
+    """A tenth (CPU_KV_FRACTION) of the available memory, but never more than `max_num_seqs` sequences of
     `max_model_len` tokens can fill (a pool beyond that only holds more cached prefixes)."""
     share = max(int(available * CPU_KV_FRACTION), MIN_DEFAULT_CPU_KV_BYTES)
     return min(share, bytes_per_token * max_num_seqs * max_model_len)

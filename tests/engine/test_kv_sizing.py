@@ -52,8 +52,8 @@ def test_parse_memory_size_rejects(text):
 def test_default_cpu_budget_is_a_share_of_available_memory_capped_by_what_can_be_used():
     # 1 KiB per token, 4 sequences of 1000 tokens could fill at most 4,096,000 bytes
     assert default_cpu_kv_bytes(1024, 4, 1000, available=8 * GiB) == 4 * 1000 * 1024
-    # a large cap: a quarter of the available memory
-    assert default_cpu_kv_bytes(1024, 64, 100_000, available=8 * GiB) == 2 * GiB
+    # a large cap: a tenth of the available memory
+    assert default_cpu_kv_bytes(1024, 64, 100_000, available=10 * GiB) == GiB
     # a host short of memory still gets the floor
     assert default_cpu_kv_bytes(1024, 64, 100_000, available=MiB) == kv_sizing.MIN_DEFAULT_CPU_KV_BYTES
 
@@ -114,7 +114,7 @@ def test_kv_cache_memory_sets_the_block_count(tiny_model_dir, budget):
 
 
 def test_default_cpu_budget_sets_the_block_count(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 400 * MiB)
+    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 1000 * MiB)
     engine = LLMEngine(EngineConfig(tiny_model_dir, max_num_seqs=1000))  # cap above the share: 100 MiB
     assert engine.block_manager.num_blocks == 100 * MiB // _block_bytes(tiny_model_dir)
     small = LLMEngine(EngineConfig(tiny_model_dir, max_num_seqs=2, max_model_len=256))

@@ -36,8 +36,8 @@ def test_kv_cache_memory_sets_the_stage_block_count(tiny_model_dir):
 def test_default_is_a_host_share_split_among_stages_and_capped_by_the_job(tiny_model_dir):
     cfg = ModelConfig.from_dir(tiny_model_dir)
     per_block = 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * 2 * 16
-    # 800 MiB available, 2 stages: a quarter of 400 MiB each (the job's 1000 lines could fill more)
-    assert stage_kv_blocks(_args(), cfg, "cpu", 1000, available=800 * MiB) == 100 * MiB // per_block
+    # 2000 MiB available, 2 stages: a tenth of 1000 MiB each (the job's 1000 lines could fill more)
+    assert stage_kv_blocks(_args(), cfg, "cpu", 1000, available=2000 * MiB) == 100 * MiB // per_block
     # 3 lines of at most max_position_embeddings tokens each
     assert stage_kv_blocks(_args(), cfg, "cpu", 3, available=800 * MiB) == 3 * cfg.max_position_embeddings // 16
     assert stage_kv_blocks(_args(), cfg, "cuda", 3) == FIXED_DEFAULT_BLOCKS
