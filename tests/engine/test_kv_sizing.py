@@ -184,3 +184,39 @@ def test_an_impossible_length_is_refused_before_the_weights_load(tiny_model_dir,
     monkeypatch.setattr(engine.model_runner, "load_tensors", no_load)
     with pytest.raises(ValueError, match="--max-model-len 4096 does not fit"):
         ModelRunner(tiny_model_dir, max_model_len=4096, **sizing)
+
+
+def test_cuda_measurement_reads_the_counters_around_one_forward(tiny_model_dir, monkeypatch):
+    """`measure_cuda_memory` run on CPU with torch.cuda's counters faked: it runs the profile batch
+    through the runner on a scratch pool, removes that pool, and turns the counters into a profile."""
+    import torch
+
+    from engine.cuda_memory import CudaBaseline, measure_cuda_memory
+
+    allocated = iter([100 * MiB, 130 * MiB])  # after the weights load; with the scratch pool, before the run
+    fake = {
+        "synchronize": lambda device=None: None,
+        "memory_allocated": lambda device=None: next(allocated),
+        "reset_peak_memory_stats": lambda device=None: None,
+        "max_memory_allocated": lambda device=None: 180 * MiB,
+        "mem_get_info": lambda device=None: (700 * MiB, 1000 * MiB),
+        "memory_reserved": lambda device=None: 150 * MiB,
+        "empty_cache": lambda: None,
+    }
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    runner = ModelRunner(tiny_model_dir, num_kv_blocks=8, block_size=4, max_model_len=32)
+    ran = []
+    real_run = runner.run
+    monkeypatch.setattr(runner, "run", lambda batch, **kw: ran.append(batch) or real_run(batch, **kw))
+    baseline = CudaBaseline(free_bytes=900 * MiB, total_bytes=1000 * MiB, allocated_bytes=0, reserved_bytes=0)
+    profile = measure_cuda_memory(runner, baseline, max_num_seqs=4, max_num_batched_tokens=64)
+    assert profile == CudaMemoryProfile(
+        total_bytes=1000 * MiB,
+        free_at_start_bytes=900 * MiB,
+        weights_bytes=100 * MiB,
+        peak_activation_bytes=50 * MiB,
+        non_torch_bytes=50 * MiB,  # 200 MiB more in use, 150 of it torch's
+    )
+    assert ran[0].query_lens == [16, 16, 16, 16]
+    assert not hasattr(runner, "kv_pool")  # the scratch pool is gone; the real one is sized next
