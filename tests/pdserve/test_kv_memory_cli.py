@@ -68,3 +68,10 @@ def test_max_model_len_that_cannot_fit_is_refused_at_start(command):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--max-model-len 4096 does not fit" in proc.stderr
     assert "--kv-cache-memory" in proc.stderr and "READY" not in proc.stdout
+
+
+def test_flags_are_settable_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KV_CACHE_MEMORY", "2MiB")
+    monkeypatch.setenv("PDSERVE_GPU_MEMORY_UTILIZATION", "0.4")
+    args = build_parser().parse_args(["decode"])
+    assert (args.kv_cache_bytes, args.gpu_memory_utilization) == (2 * 1024**2, 0.4)
