@@ -19,9 +19,14 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block."""
     num_kv_blocks: int | None = None
-    """Exact number of KV blocks; default derives from kv_cache_bytes."""
+    """Exact number of KV blocks; default derives from kv_cache_bytes / gpu_memory_utilization."""
     kv_cache_bytes: int | None = None
-    """KV pool budget in bytes (default 512 MiB on CPU)."""
+    """KV pool budget in bytes (`--kv-cache-memory`). Default on CPU: a tenth of the host's available
+    memory, capped at what max_num_seqs sequences of max_model_len tokens fill; on CUDA: profiled
+    from gpu_memory_utilization (see engine.kv_sizing)."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: the share of the card this process may use; the KV pool gets what weights and the peak
+    activations of a forward at the largest batch leave of it (as vLLM sizes it)."""
     max_num_seqs: int = 64
     """Most sequences in one step."""
     max_num_batched_tokens: int = 2048
@@ -53,5 +58,9 @@ class EngineConfig:
             raise ValueError(f"preemption must be 'recompute' or 'never', got {self.preemption!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -6,8 +6,11 @@ import torch
 
 from engine.model_config import ModelConfig
 
-DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
-"""KV budget on CPU when neither num_blocks nor a byte budget is given."""
+
+def kv_bytes_per_token(config: ModelConfig, num_layers: int, dtype: torch.dtype) -> int:
+    """K and V of one token over `num_layers` layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_key_value_heads * config.head_dim * itemsize * num_layers
 
 
 class KVPool:
@@ -18,6 +21,7 @@ class KVPool:
     RDMA write or one TCP frame, and the whole pool is one memory registration.
     It is a plain allocation (torch.zeros -> cudaMalloc on GPU, malloc on CPU),
     never a stream-ordered allocator region, which GPUDirect RDMA cannot register.
+    Its size is decided before (`engine.kv_sizing`): either `num_blocks` or a `budget_bytes`.
     """
 
     def __init__(
@@ -37,13 +41,15 @@ class KVPool:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.dtype = dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.block_bytes = 2 * self.num_kv_heads * block_size * self.head_dim * itemsize
+        self.block_bytes = kv_bytes_per_token(config, 1, dtype) * block_size
         if num_blocks is None:
-            budget = budget_bytes if budget_bytes is not None else DEFAULT_CPU_KV_BYTES
-            num_blocks = budget // (self.block_bytes * max(num_layers, 1))
+            assert budget_bytes is not None, "the pool needs num_blocks or budget_bytes"
+            num_blocks = budget_bytes // (self.block_bytes * max(num_layers, 1))
         if num_blocks < 2:
-            raise ValueError(f"KV pool too small: {num_blocks} blocks (raise num_kv_blocks or kv_cache_bytes)")
+            raise ValueError(
+                f"KV pool too small: {num_blocks} blocks (raise --kv-cache-memory, --gpu-memory-utilization "
+                f"or --num-kv-blocks)"
+            )
         self.num_blocks = int(num_blocks)
         self.tensor = torch.zeros(
             (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim), dtype=dtype, device=device

@@ -54,6 +54,9 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
@@ -239,10 +242,15 @@ class LLMEngine:
         return bool(self.scheduler.running or self.scheduler.waiting or self._finished)
 
     def load(self) -> EngineLoad:
+        """The load report. Free blocks exclude those `preemption="never"` reserves for the future
+        tokens of admitted requests: they are free in the pool but promised, so the router's
+        weighting must not count them."""
         s = self.scheduler
         num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
+        holders = s.running + self.parked() + list(s.waiting)
+        num_free = max(0, self.block_manager.num_free_blocks - s.reserved_blocks(holders))
         return EngineLoad(
-            self.block_manager.num_free_blocks,
+            num_free,
             self.block_manager.num_blocks,
             len(s.running),
             len(s.waiting) + num_remote,

@@ -40,6 +40,8 @@ class ModelConfig:
     attention_bias: bool
     """q/k/v projections carry a bias (Qwen2 always does)."""
     torch_dtype: str
+    sliding_window: int | None
+    """Mistral: each query attends to the last `sliding_window` keys only (its own included); None: all."""
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -84,9 +86,25 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bias,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            sliding_window=_parse_sliding_window(arch, raw),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
+
+
+def _parse_sliding_window(arch: str, raw: dict) -> int | None:
+    """Mistral's window (null or absent: none). Qwen2 windows only some layers when
+    `use_sliding_window` is set, which pdserve does not run: refused rather than served wrong."""
+    if arch == "Qwen2ForCausalLM":
+        if raw.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported by pdserve")
+        return None
+    window = raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    if window is None or raw.get("use_sliding_window") is False:
+        return None
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be positive, got {window}")
+    return int(window)
 
 
 def _parse_rope_scaling(raw: dict | None) -> RopeScaling | None:

@@ -8,7 +8,8 @@ import torch
 
 from engine.attention import AttentionMetadata, make_backend, resolve_backend
 from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVPool, kv_bytes_per_token
+from engine.kv_sizing import KvMemory, fit_max_model_len, kv_memory_for
 from engine.layers import can_prepack
 from engine.llama import LayerHook, LlamaModel
 from engine.model_config import ModelConfig
@@ -24,6 +25,10 @@ class ModelRunner:
     elementwise ops even where the compiled CPU ops run (the A/B of benchmarks/profile_step.py);
     `prepack` holds the linear weights in oneDNN's layout (`engine.layers.Linear`; None: wherever
     it can).
+
+    The KV pool is sized after the weights load: `num_kv_blocks` exactly, else from `kv_memory`
+    (default `kv_memory_for`: `kv_cache_bytes` or a share of the host's memory on CPU, a profiled
+    `gpu_memory_utilization` share of the card on CUDA). `max_model_len` must fit the pool.
     """
 
     def __init__(
@@ -41,6 +46,10 @@ class ModelRunner:
         num_threads: int | None = None,
         fused_ops: bool = True,
         prepack: bool | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_memory: KvMemory | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -52,17 +61,33 @@ class ModelRunner:
         if not 0 <= start < end <= cfg.num_hidden_layers:
             raise ValueError(f"layer_range {layer_range} outside the model's {cfg.num_hidden_layers} layers")
         self.layer_range = (start, end)
+        self.block_size = block_size
+        # provisional until the pool is sized: bounds the profiled batch and the default CPU budget
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if num_kv_blocks is None and kv_memory is None:
+            kv_memory = kv_memory_for(
+                self.device, kv_cache_bytes, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens
+            )
+        per_token = kv_bytes_per_token(cfg, end - start, self.dtype)
+        if num_kv_blocks is None and kv_memory is not None and not kv_memory.needs_weights:
+            num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)
+        if num_kv_blocks is not None:  # known before the weights load: refuse an impossible length at once
+            fit_max_model_len(max_model_len, cfg.max_position_embeddings, num_kv_blocks, block_size)
+        elif kv_memory is not None:
+            kv_memory.before_load(self.device)
         tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
         if prepack is None:
             prepack = can_prepack(self.dtype, self.device)
         self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack)
-        self.kv_pool = KVPool(
-            cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks, budget_bytes=kv_cache_bytes
-        )
         self.attention = make_backend(resolve_backend(attention_backend, self.device.type))
-        if hasattr(self.attention, "configure"):  # flashinfer plans need head count and dtype
-            self.attention.configure(cfg.num_attention_heads, self.dtype)
+        self.attention.configure(cfg.num_attention_heads, self.dtype)
+        if num_kv_blocks is None:  # profiled: measured with the weights in place
+            assert kv_memory is not None
+            num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)
+        self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks)
+        self.max_model_len = fit_max_model_len(
+            max_model_len, cfg.max_position_embeddings, self.kv_pool.num_blocks, block_size
+        )
 
     @property
     def is_first_stage(self) -> bool:
@@ -84,7 +109,7 @@ class ModelRunner:
             assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, (
                 "token id out of range"
             )
-        meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device)
+        meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device, self.model_config.sliding_window)
         hidden = self.model.forward(batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook)
         if not self.is_last_stage:
             return hidden

@@ -24,12 +24,16 @@ class AttentionMetadata:
     """[T] offset inside that block."""
     positions: torch.Tensor
     """[T] absolute position of each new token."""
+    sliding_window: int | None = None
+    """The model's attention window: a query at position i sees keys i - W + 1 .. i (None: 0 .. i)."""
 
     @classmethod
-    def build(cls, batch: ForwardBatch, block_size: int, device: torch.device) -> "AttentionMetadata":
+    def build(
+        cls, batch: ForwardBatch, block_size: int, device: torch.device, sliding_window: int | None = None
+    ) -> "AttentionMetadata":
         blocks, offsets, positions = slot_mapping(batch.query_lens, batch.context_lens, batch.block_tables, block_size)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        return cls(batch, block_size, as_tensor(blocks), as_tensor(offsets), as_tensor(positions))
+        return cls(batch, block_size, as_tensor(blocks), as_tensor(offsets), as_tensor(positions), sliding_window)
 
 
 def store_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -40,6 +44,10 @@ def store_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
 
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the pool and attends over each sequence's pages."""
+
+    def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
+        """Facts of the model the backend may need before the first step (query heads, KV dtype);
+        a dtype the backend cannot run is refused here, at start, never at request time."""
 
     def wait_ready(self) -> None:
         """Block until optional compiled kernels are loaded (benchmarks, tests); most backends have none."""

@@ -5,7 +5,8 @@ one build, one cache entry and one fallback decision for all of them.
 
 The op is compiled on first use with `torch.utils.cpp_extension`, into a cache
 directory keyed by the source digest and the torch version, so later processes
-only load the built library. The first build takes about a minute, so it runs on
+only load the built library; concurrent processes on one cache directory compile once, under a
+file lock (`build_once`). The first build takes about a minute, so it runs on
 a background thread (`start_build`): a node starts serving at once on the
 pure-torch path and switches to the op when it is loaded. When no C++ compiler
 exists or the build fails, the op stays None and the `cpu_paged` backend keeps
@@ -14,6 +15,7 @@ the pure-torch path: a missing compiler never stops a node.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -29,6 +31,9 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_fused_ops.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""
+LIBRARY = "pdserve_cpu_paged.so"
+built_in_this_process = False
+"""Whether this process compiled the ops (False when it loaded another process's build)."""
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
 _lock = threading.Lock()
@@ -68,51 +73,75 @@ def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
 
 
 def _build() -> Callable[..., torch.Tensor] | None:
+    global built_in_this_process
     if os.environ.get("PDSERVE_NO_CPU_KERNEL") == "1":  # lets tests and users force the fallback
         return None
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.warning("no C++ compiler found: cpu_paged attention uses the pure-torch fallback")
         return None
-    from torch.utils.cpp_extension import load
-
     out = build_dir()
-    library = out / "pdserve_cpu_paged.so"
+    library = out / LIBRARY
     try:
-        if library.exists():  # built before, by this or another process
+        built_in_this_process = build_once(out, _compile)
+        if not built_in_this_process:  # torch's builder loaded what it compiled; a cached build is loaded here
             torch.ops.load_library(str(library))
-            return torch.ops.pdserve_cpu.paged_attention
-        # Build in a directory of this process's own, then rename it into place. torch's builder
-        # would share a lock file instead, and a process killed mid-build (a node SIGKILLed in
-        # its first minute) would leave that lock behind and stall every later build forever.
-        tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-        _remove_dead_builds(out)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        load(
-            name="pdserve_cpu_paged",
-            sources=[str(s) for s in SOURCES],
-            build_directory=str(tmp),
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-        if out.exists() and not library.exists():  # debris of an interrupted build: not a result
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            tmp.rename(out)  # atomic; fails if a concurrent build got there first, which is fine
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
     except Exception as exc:  # noqa: BLE001 — any build failure means "use the fallback"
         log.warning("building the cpu_paged attention op failed (%s): using the pure-torch fallback", exc)
         return None
     return torch.ops.pdserve_cpu.paged_attention
 
 
+def build_once(out: Path, compile_into: Callable[[Path], None]) -> bool:
+    """Make `out/LIBRARY` exist, compiling it at most once per cache directory; True if this call compiled.
+
+    Concurrent processes serialise on an `fcntl.flock` of `<out>.lock`: the first compiles, the
+    others wait and then find the library. The compile goes into a directory of this process's own
+    that is renamed to `out` only when complete, so `out` is never half-written. The kernel drops a
+    flock when its holder dies, so a process killed mid-build (a node SIGKILLed in its first minute)
+    never stalls later builds (torch's own builder leaves a lock file behind that does).
+    """
+    if (out / LIBRARY).exists():  # built before, by this or another process: no lock needed
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process compiles
+        try:
+            if (out / LIBRARY).exists():  # that other process finished it
+                return False
+            _remove_dead_builds(out)
+            tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+            tmp.mkdir()
+            try:
+                compile_into(tmp)
+                if not (tmp / LIBRARY).exists():
+                    raise RuntimeError(f"the build produced no {LIBRARY}")
+                shutil.rmtree(out, ignore_errors=True)  # debris of an interrupted build, never a result
+                tmp.rename(out)  # atomic: readers see no library or a whole one
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _compile(build_directory: Path) -> None:
+    """torch.utils.cpp_extension's build of both sources into `build_directory` (about a minute)."""
+    from torch.utils.cpp_extension import load
+
+    log.info("compiling the CPU ops into %s (once per cache directory)", build_directory)
+    load(
+        name=LIBRARY.removesuffix(".so"),
+        sources=[str(s) for s in SOURCES],
+        build_directory=str(build_directory),
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_include_paths=[str(CSRC)],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
 def _remove_dead_builds(out: Path) -> None:
-    """Delete the private build directories of processes that no longer exist."""
+    """Delete private build directories left by killed builds (called under the lock, so none is live)."""
     for stale in out.parent.glob(f"{out.name}.tmp-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)

@@ -15,6 +15,8 @@ CHUNK_SDPA_MIN_TOKENS = 16
 """A prefill chunk after a cached prefix this long or longer goes to SDPA over its gathered pages
 (`chunk_attention`); shorter ones and decode tokens to the kernel. Measured, both dtypes: SDPA 2x
 faster at 16 query tokens, 3-4x at 64-400 (the kernel runs an exact softmax per query token)."""
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""What the compiled CPU ops (attention and the fused elementwise ops) are written for."""
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -25,24 +27,31 @@ class CpuPagedAttention(AttentionBackend):
     `CHUNK_SDPA_MIN_TOKENS` or more after a cached prefix gathers its pages for SDPA too
     (`chunk_attention`, also the torch backend's). Until the op is built (first use on a machine),
     or forever without a compiler, steps run the torch backend's path (see `cpu_build`); the choice
-    is made per step.
+    is made per step. The compiled ops run float32 and bfloat16; a float16 model runs the torch path
+    throughout (`configure`), so that it never switches to ops that reject it once they are built.
     """
 
     def __init__(self) -> None:
         cpu_build.start_build()
+        self._kernel_dtype = True
         self._op = cpu_build.current_op()
         self._fallback = TorchAttention()
         self._plan: _StepPlan | None = None
+
+    def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
+        self._kernel_dtype = dtype in KERNEL_DTYPES
+        self._op = self._op if self._kernel_dtype else None
 
     @property
     def uses_kernel(self) -> bool:
         return self._op is not None
 
     def wait_ready(self) -> None:
-        self._op = cpu_build.load_paged_attention_op()
+        self._op = cpu_build.load_paged_attention_op() if self._kernel_dtype else None
 
     def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
-        self._op = cpu_build.current_op()  # picked once per step, so all layers of a step agree
+        # picked once per step, so all layers of a step agree
+        self._op = cpu_build.current_op() if self._kernel_dtype else None
         self._plan = _StepPlan.of(meta)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -54,18 +63,20 @@ class CpuPagedAttention(AttentionBackend):
             self.begin_step(meta, kv.shape)
         plan = self._plan
         assert plan is not None
+        window = meta.sliding_window
         if plan.kernel_rows is None:  # decode-only or all short chunks: one call, no copies
-            return self._op(q, kv, plan.table, plan.starts, plan.ctx, scale)
+            return self._op(q, kv, plan.table, plan.starts, plan.ctx, scale, window or 0)
         out = torch.empty_like(q)
         if plan.kernel_rows.numel():
             rows = plan.kernel_rows
-            out[rows] = self._op(q.index_select(0, rows), kv, plan.table, plan.starts, plan.ctx, scale)
+            out[rows] = self._op(q.index_select(0, rows), kv, plan.table, plan.starts, plan.ctx, scale, window or 0)
         b = meta.batch
         for i, s, e in plan.sdpa:
             if b.query_lens[i] == b.context_lens[i]:  # fresh prompt: causal SDPA over its own K/V
-                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale)
+                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale, window)
             else:  # a long chunk after a cached prefix: SDPA over its gathered pages
-                out[s:e] = chunk_attention(q[s:e], kv, b.block_tables[i], b.context_lens[i], meta.block_size, scale)
+                table, ctx = b.block_tables[i], b.context_lens[i]
+                out[s:e] = chunk_attention(q[s:e], kv, table, ctx, meta.block_size, scale, window)
         return out
 
 

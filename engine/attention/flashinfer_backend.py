@@ -57,7 +57,9 @@ class FlashInferAttention(AttentionBackend):
         self._scale = d**-0.5  # what the plan bakes in; forward() checks the model asks for the same
         # both wrappers take the paged-KV layout and head geometry the same way; prefill also its query ranges
         paged_kv = (as_i32(plan.kv_indptr), as_i32(plan.kv_indices), as_i32(plan.kv_last_page_len), hq, hkv, d, page)
-        plan_kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale)
+        # a sliding window of W keys is flashinfer's window_left = W - 1 (keys i - W + 1 .. i); -1: none
+        window_left = meta.sliding_window - 1 if meta.sliding_window is not None else -1
+        plan_kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self._scale, window_left=window_left)
         if b.is_decode_only:
             w = self._wrapper("decode", dev)
             w.plan(*paged_kv, **plan_kw)

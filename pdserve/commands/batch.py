@@ -42,7 +42,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "in flight per stage), pp-sb (pipeline parallelism with separate batching, vLLM-style "
         "virtual engines) or pp-hb (the same with chunked-prefill hybrid batches)",
     )
-    p.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks per stage")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per stage (default: from --kv-cache-memory; else on CPU a share of the available "
+        "memory split among the stages, on CUDA and with --external-stages 512)",
+    )
+    from pdserve.commands.memory_args import add_kv_memory_args
+
+    add_kv_memory_args(p, max_model_len=False, gpu=False)  # --kv-cache-memory is per stage
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill batch")
     p.add_argument(
@@ -61,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="do not start local stages: act as rank 0 (the controller) of a pipeline whose "
         "`pdserve stage` ranks 1..WORLD_SIZE-1 run elsewhere, meeting at MASTER_ADDR:MASTER_PORT "
         "(e.g. the Kubernetes offline overlay); RANK must be 0 or unset. The stages must be "
-        "started with the same --num-kv-blocks and --block-size",
+        "started with the same --num-kv-blocks (default 512) and --block-size",
     )
     p.add_argument(
         "--cost-table",

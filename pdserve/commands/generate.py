@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.commands.device_args import add_device_args
 
     add_device_args(p)
+    from pdserve.commands.memory_args import add_kv_memory_args
+
+    add_kv_memory_args(p)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a sample prompt)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -35,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from pdserve.commands.device_args import device_options
+    from pdserve.commands.memory_args import kv_memory_options
 
     prompts = args.prompt or ["The old lighthouse keeper"]
     try:
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
         dtype = {"dtype": args.dtype} if args.dtype else {}  # unset: EngineConfig's default
-        llm = LLM(args.model, **dtype, **device_options(args))
+        llm = LLM(args.model, **dtype, **device_options(args), **kv_memory_options(args))
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:

@@ -6,10 +6,12 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from typing import TYPE_CHECKING, Callable
 
 from pdserve.commands.device_args import add_device_args, device_options
 from pdserve.commands.generate import add_model_args
+from pdserve.commands.memory_args import add_kv_memory_args
 
 if TYPE_CHECKING:  # the CLI imports no node code until a node runs
     from node_runtime.node import Node
@@ -63,13 +65,10 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The EngineConfig fields not covered by add_model_args/add_device_args (layer_range is for
     pipeline stages, not nodes)."""
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
     p.add_argument(
-        "--kv-cache-bytes",
-        type=int,
-        default=None,
-        help="KV pool budget in bytes when --num-kv-blocks is unset (default 512 MiB on CPU)",
+        "--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the memory flags)"
     )
+    add_kv_memory_args(p, max_model_len=False)
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default 64)")
     p.add_argument(
@@ -83,7 +82,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="longest prompt + output (default: the model's max_position_embeddings)",
+        help="longest prompt + output; refused at start when the KV pool cannot hold it "
+        "(default: the model's max_position_embeddings, lowered to what the pool holds)",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -173,7 +173,11 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
     """Build the node, start it, register it with discovery, print READY, run until SIGTERM/SIGINT,
     then deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     config.transfer.export_env()
-    node = make_node(config)
+    try:
+        node = make_node(config)
+    except ValueError as e:  # found at start (the KV pool cannot hold --max-model-len, a bad checkpoint)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     logging.basicConfig(
         level=config.node.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
     )

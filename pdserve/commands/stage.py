@@ -11,7 +11,15 @@ from pdserve.commands.device_args import add_device_args, device_options
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("stage", help="run one offline pipeline stage (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE)")
     p.add_argument("--model-dir", required=True, help="checkpoint directory (the stage loads only its layers)")
-    p.add_argument("--num-kv-blocks", type=int, required=True, help="KV blocks per stage (same on every stage)")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per stage, as the controller's (default: from --kv-cache-memory, else 512)",
+    )
+    from pdserve.commands.memory_args import add_kv_memory_args
+
+    add_kv_memory_args(p, max_model_len=False, gpu=False)  # the same count as `pdserve batch` derives
     p.add_argument("--block-size", type=int, default=16)
     add_device_args(p)  # a bare `cuda` gives each stage its own GPU ($LOCAL_RANK, else stage index)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -24,15 +32,28 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         args.model = args.model_dir  # device_options reads the checkpoint's dtype for the backend choice
+        device = device_options(args)
         cfg = StageConfig(
             model_dir=args.model_dir,
-            num_kv_blocks=args.num_kv_blocks,
+            num_kv_blocks=_num_kv_blocks(args, device["device"]),
             block_size=args.block_size,
             dtype=args.dtype,
             num_threads=args.num_threads,
-            **device_options(args),
+            **device,
         )
         return main_from_env(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _num_kv_blocks(args: argparse.Namespace, device: str) -> int:
+    """What `pdserve batch --external-stages` derives from the same flags (pdserve/commands/batch_kv)."""
+    import os
+
+    from engine.model_config import ModelConfig
+    from tdpipe.runtime.batch_kv import stage_kv_blocks
+
+    world = int(os.environ.get("WORLD_SIZE", "2"))  # main_from_env refuses a missing one
+    sized = argparse.Namespace(**vars(args), stages=max(world - 1, 1), external_stages=True)
+    return stage_kv_blocks(sized, ModelConfig.from_dir(args.model_dir), device, num_lines=0)

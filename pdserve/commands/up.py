@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.commands.device_args import add_device_args
 
     add_device_args(p)  # every node of the cluster shares the device (one GPU: they share it)
+    from pdserve.commands.memory_args import add_kv_memory_args
+
+    add_kv_memory_args(p)  # per node: on one GPU, N nodes at 0.9 each cannot all start; give each 0.9/N
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=2)
     p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
@@ -77,6 +80,7 @@ def _wait_health(url: str, deadline: float, members: list[Supervised]) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.builtin import default_model_dir
     from pdserve.commands.device_args import device_flags
+    from pdserve.commands.memory_args import kv_memory_flags
 
     model = args.model or str(default_model_dir())  # build the built-in model once, before the children start
     secret = secrets.token_hex(16)
@@ -86,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         ["--host", "127.0.0.1", "--model", model, "--transport", args.transport, "--num-threads", str(args.num_threads)]
         + (["--dtype", args.dtype] if args.dtype else [])
         + device_flags(args)
+        + kv_memory_flags(args)
     )
     stopping = threading.Event()
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731

@@ -19,6 +19,7 @@ from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_io import done_keys
 from tdpipe.runtime.batch_job import BatchJob, table_choice
+from tdpipe.runtime.batch_kv import stage_kv_blocks
 from tdpipe.runtime.batch_watchdog import StageWatchdog
 
 
@@ -46,6 +47,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         tokenizer = Tokenizer(model_dir)
         with open(args.input, encoding="utf-8", errors="replace") as f:
             lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), start=1) if ln.strip()]
+        args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], len(lines))
         if not args.resume and os.path.exists(args.output) and os.path.getsize(args.output) > 0:
             # rerunning after a crash without --resume would throw away every result written so far
             raise ValueError(

@@ -8,10 +8,18 @@ import torch
 
 
 def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
-    """A random transformers checkpoint of `kind` (gqa | qwen2 | llama3) using the tiny model's tokenizer."""
+    """A random transformers checkpoint of `kind` (gqa | qwen2 | llama3 | mistral, the last with a
+    sliding window of 32) using the tiny model's tokenizer."""
     import shutil
 
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=2048,
@@ -34,6 +42,8 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
             "original_max_position_embeddings": 64,
         }
         cfg, cls = LlamaConfig(num_key_value_heads=3, rope_scaling=rope, rope_theta=50000.0, **common), LlamaForCausalLM
+    elif kind == "mistral":
+        cfg, cls = MistralConfig(num_key_value_heads=2, sliding_window=32, **common), MistralForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234)

@@ -1,5 +1,6 @@
-"""The CPU paged-attention op's build survives a build killed half way (the debris of torch's
-builder, including its lock file, must never stall later builds)."""
+"""The CPU ops' build: once per cache directory however many processes start at once (a file lock),
+never half-written (a private directory renamed into place), and it survives a build killed half
+way (the debris of torch's builder, including its lock file, must never stall later builds)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,72 @@ def test_build_after_a_killed_build_neither_stalls_nor_keeps_debris(tmp_path: Pa
     assert (debris / "pdserve_cpu_paged.so").exists() and not dead.exists()
     again = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, timeout=120)
     assert "op True" in again.stdout, again.stderr[-2000:]
+
+
+def _fake_build(out: str, log: str, delay: float) -> None:
+    """One process's `build_once` with a compile that takes `delay` seconds and logs itself."""
+    import time
+
+    def compile_into(tmp: Path) -> None:
+        with open(log, "a") as f:
+            f.write(f"compile {os.getpid()}\n")
+        time.sleep(delay)
+        (tmp / cpu_build.LIBRARY).write_bytes(b"whole")
+
+    built = cpu_build.build_once(Path(out), compile_into)
+    with open(log, "a") as f:
+        f.write(f"{'built' if built else 'found'} {(Path(out) / cpu_build.LIBRARY).read_bytes().decode()}\n")
+
+
+def test_concurrent_build_once_compiles_once_and_never_shows_half_a_build(tmp_path: Path):
+    import multiprocessing
+
+    out, log = tmp_path / "kernels" / "ops-abc", tmp_path / "log"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_fake_build, args=(str(out), str(log), 0.5)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    lines = log.read_text().splitlines()
+    assert sum(line.startswith("compile") for line in lines) == 1, lines
+    assert sorted(line for line in lines if not line.startswith("compile")) == ["built whole"] + ["found whole"] * 2
+    assert [p.name for p in out.parent.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_failed_build_leaves_nothing_and_the_next_one_compiles(tmp_path: Path):
+    out = tmp_path / "kernels" / "ops-abc"
+
+    def broken(tmp: Path) -> None:
+        (tmp / "half.o").write_bytes(b"x")
+        raise RuntimeError("compiler crashed")
+
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        cpu_build.build_once(out, broken)
+    assert not out.exists() and not any(".tmp-" in p.name for p in out.parent.iterdir())
+    assert cpu_build.build_once(out, lambda tmp: (tmp / cpu_build.LIBRARY).write_bytes(b"ok")) is True
+    assert cpu_build.build_once(out, broken) is False  # found: no second compile
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler on this machine")
+def test_two_processes_on_an_empty_cache_compile_once(tmp_path: Path):
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
+    env.pop("PDSERVE_NO_CPU_KERNEL", None)
+    code = (
+        "import torch; from engine.attention import cpu_build as c; op = c.load_paged_attention_op(); "
+        "q = torch.randn(1, 2, 8); kv = torch.randn(1, 2, 2, 4, 8); i = lambda *x: torch.tensor(x, dtype=torch.int32); "
+        "out = op(q, kv, i(0).reshape(1, 1), i(0, 1), i(3), 0.35); "
+        "print('built', c.built_in_this_process, 'works', bool(torch.isfinite(out).all()))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0 and "works True" in stdout, stderr[-2000:]
+    assert sorted(stdout.split()[1] for stdout, _ in outs) == ["False", "True"]

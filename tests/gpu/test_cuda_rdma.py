@@ -78,7 +78,17 @@ async def test_one_gpu_cluster_over_emulated_rdma_equals_llm(tiny_model_dir):
         transport="rdma",
         model=str(tiny_model_dir),
         env={"PDSERVE_RDMA_EMULATOR": "1"},
-        extra=["--device", "cuda", "--attention-backend", "torch", "--dtype", "float32"],
+        # three processes share the card: each sizes its KV pool from its own share of it
+        extra=[
+            "--device",
+            "cuda",
+            "--attention-backend",
+            "torch",
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.25",
+        ],
     )
     try:
         results = await asyncio.gather(

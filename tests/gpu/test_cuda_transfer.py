@@ -39,7 +39,17 @@ def gpu_cluster(tiny_model_dir):
         1,
         2,
         model=str(tiny_model_dir),
-        extra=["--device", "cuda", "--attention-backend", "torch", "--dtype", "float32"],
+        # three processes share the card: each sizes its KV pool from its own share of it
+        extra=[
+            "--device",
+            "cuda",
+            "--attention-backend",
+            "torch",
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.25",
+        ],
     )
     try:
         yield c

@@ -3,7 +3,8 @@
 // Pool layer layout (HND inside a block): kv[N, 2, Hkv, B, D].
 // For every sequence s, its query tokens q[query_start[s] .. query_start[s+1])
 // sit at the last positions of its context (context_lens[s]); query j attends
-// causally to keys 0 .. ctx - q_len + j, found through block_table[s].
+// causally to keys 0 .. ctx - q_len + j, found through block_table[s]; with a sliding window W > 0
+// (Mistral) only to the last W of them, its own included (Hugging Face: key > query - W).
 // One work item is (query token, kv head): the group's Hq/Hkv query heads share
 // each K/V row read. Softmax is exact (scores kept, then max/exp/sum) in float32.
 //
@@ -14,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -67,7 +69,7 @@ inline void axpy(float* y, float w, const at::BFloat16* x, int64_t n) {
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
-         const at::Tensor& context_lens, double scale, at::Tensor& out) {
+         const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t num_tokens = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = kv.size(2), bs = kv.size(3);
   const int64_t group = hq / hkv, num_seqs = context_lens.size(0), max_pages = block_table.size(1);
@@ -86,7 +88,8 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int32_t t = qstart[s]; t < qstart[s + 1]; ++t) {
       seq_of[t] = static_cast<int32_t>(s);
-      total_keys += ctx[s] - (qstart[s + 1] - t) + 1;
+      const int64_t keys = ctx[s] - (qstart[s + 1] - t) + 1;
+      total_keys += window > 0 ? std::min<int64_t>(keys, window) : keys;
     }
   // Work items per thread chunk: about 256K K/V values read. A batch-1 decode step reads far fewer,
   // and waking the other OpenMP threads can cost a scheduler time slice on a loaded machine.
@@ -98,14 +101,17 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / hkv, h = item % hkv, s = seq_of[t];
       const int64_t q_len = qstart[s + 1] - qstart[s];
-      const int64_t n_keys = ctx[s] - q_len + (t - qstart[s]) + 1;  // causal: keys 0 .. own position
+      const int64_t end_key = ctx[s] - q_len + (t - qstart[s]) + 1;  // causal: keys 0 .. own position
+      const int64_t first = window > 0 ? std::max<int64_t>(0, end_key - window) : 0;
+      const int64_t n_keys = end_key - first;
       const int32_t* pages = table + s * max_pages;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < d; ++i)
           qf[g * d + i] = static_cast<float>(qp[t * q_row + (h * group + g) * d + i]) * static_cast<float>(scale);
       scores.resize(group * n_keys);
       for (int64_t p = 0; p < n_keys; ++p) {
-        const T* krow = kvp + pages[p / bs] * s_block + h * s_head + (p % bs) * d;
+        const int64_t key = first + p;
+        const T* krow = kvp + pages[key / bs] * s_block + h * s_head + (key % bs) * d;
         for (int64_t g = 0; g < group; ++g) scores[g * n_keys + p] = dot(&qf[g * d], krow, d);
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -119,7 +125,8 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t p = 0; p < n_keys; ++p) {
-        const T* vrow = kvp + pages[p / bs] * s_block + s_kv + h * s_head + (p % bs) * d;
+        const int64_t key = first + p;
+        const T* vrow = kvp + pages[key / bs] * s_block + s_kv + h * s_head + (key % bs) * d;
         for (int64_t g = 0; g < group; ++g) axpy(&acc[g * d], scores[g * n_keys + p], vrow, d);
       }
       for (int64_t g = 0; g < group; ++g)
@@ -129,7 +136,8 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                           const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
+                           int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "cpu_paged attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(1) == 2, "q [T,Hq,D], kv [N,2,Hkv,B,D] expected");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
@@ -137,14 +145,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
   TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
                   context_lens.scalar_type() == at::kInt, "index tensors must be int32");
   TORCH_CHECK(kv.is_contiguous(), "kv layer must be contiguous");
+  TORCH_CHECK(window >= 0, "sliding window must be >= 0 (0: none)");
   // a view with contiguous heads (a slice of the qkv projection) is read in place
   at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   at::Tensor bt = block_table.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
-    run<float>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, out);
+    run<float>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, window, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, out);
+    run<at::BFloat16>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, window, out);
   } else {
     TORCH_CHECK(false, "cpu_paged attention supports float32 and bfloat16, got ", q.scalar_type());
   }
@@ -185,7 +194,7 @@ void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at:
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor query_start, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def("store_kv(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
   m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);

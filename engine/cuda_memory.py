@@ -1,0 +1,106 @@
+"""Measuring what a CUDA process needs besides its KV pool: weights, peak activations, other memory.
+
+Not exercised on hardware here: the development and CI machines have no GPU. The arithmetic that
+turns these numbers into a KV budget (`engine.kv_sizing.cuda_kv_bytes`) is unit-tested on CPU with
+the numbers injected; this module only reads torch.cuda's counters around one forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from engine.block_manager import blocks_for
+from engine.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+
+class CudaBaseline(NamedTuple):
+    """torch.cuda's counters before the weights load (the CUDA context exists by then)."""
+
+    free_bytes: int
+    total_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+
+    @classmethod
+    def take(cls, device: torch.device) -> CudaBaseline:
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(free, total, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+
+
+class CudaMemoryProfile(NamedTuple):
+    """What the KV budget is computed from (bytes)."""
+
+    total_bytes: int
+    """The card's memory; the budget is a share of it (`--gpu-memory-utilization`)."""
+    free_at_start_bytes: int
+    """Free before this process loaded anything: the most it can take on a shared card."""
+    weights_bytes: int
+    """Allocated by loading the weights."""
+    peak_activation_bytes: int
+    """Peak allocation of a forward at the largest batch, above the weights (and its scratch KV)."""
+    non_torch_bytes: int
+    """Device memory this process added outside torch's allocator (library workspaces, JIT modules)."""
+
+
+def profile_batch(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int) -> ForwardBatch:
+    """The largest step the scheduler can form: `max_num_batched_tokens` fresh prompt tokens over
+    `max_num_seqs` sequences (each at most `max_model_len`), every one sampled (vocab-wide logits)."""
+    num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
+    base, extra = divmod(max_num_batched_tokens, num_seqs)
+    lens = [min(base + (1 if i < extra else 0), max_model_len) for i in range(num_seqs)]
+    lens = [n for n in lens if n > 0]
+    tables, next_block = [], 0
+    for n in lens:
+        tables.append(list(range(next_block, next_block + blocks_for(n, block_size))))
+        next_block += len(tables[-1])
+    return ForwardBatch(
+        request_ids=[f"profile-{i}" for i in range(len(lens))],
+        input_ids=[0] * sum(lens),
+        query_lens=lens,
+        context_lens=list(lens),
+        block_tables=tables,
+        sample_mask=[True] * len(lens),
+    )
+
+
+def measure_cuda_memory(
+    runner: ModelRunner, baseline: CudaBaseline, max_num_seqs: int, max_num_batched_tokens: int
+) -> CudaMemoryProfile:
+    """Run `profile_batch` through `runner` on a scratch KV pool (freed after) and read the counters."""
+    from engine.kv_pool import KVPool
+
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    after_load = torch.cuda.memory_allocated(dev)
+    batch = profile_batch(max_num_seqs, max_num_batched_tokens, runner.max_model_len, runner.block_size)
+    num_blocks = max(2, sum(len(t) for t in batch.block_tables))
+    start, end = runner.layer_range
+    scratch = KVPool(runner.model_config, end - start, runner.block_size, runner.dtype, dev, num_blocks=num_blocks)
+    runner.kv_pool = scratch
+    hidden = None
+    if not runner.is_first_stage:  # a later pipeline stage starts from hidden states
+        hidden = torch.zeros(batch.num_tokens, runner.model_config.hidden_size, dtype=runner.dtype, device=dev)
+    before_run = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    runner.run(batch, hidden_states=hidden)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before_run
+    free_now, total = torch.cuda.mem_get_info(dev)
+    reserved_now = torch.cuda.memory_reserved(dev)
+    used_increase = baseline.free_bytes - free_now
+    non_torch = max(0, used_increase - (reserved_now - baseline.reserved_bytes))
+    del runner.kv_pool, scratch, hidden
+    torch.cuda.empty_cache()
+    return CudaMemoryProfile(
+        total_bytes=total,
+        free_at_start_bytes=baseline.free_bytes,
+        weights_bytes=after_load - baseline.allocated_bytes,
+        peak_activation_bytes=max(0, peak),
+        non_torch_bytes=non_torch,
+    )

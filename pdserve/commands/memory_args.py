@@ -1,0 +1,76 @@
+"""`--kv-cache-memory`, `--gpu-memory-utilization`, `--max-model-len`: how big the KV pool is and the
+longest sequence it must hold, shared by every command that builds an engine (`generate`, `prefill`,
+`decode`, `up`, which hands them to its nodes, and `batch`/`stage`, per pipeline stage).
+
+The sizing itself is `engine.kv_sizing`; at start a `--max-model-len` that the pool cannot hold is
+refused with the flags to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.kv_sizing import parse_memory_size
+
+
+def memory_size(text: str) -> int:
+    """argparse type: bytes from `4GiB`, `512MiB`, `4G`, `4GB` or a plain byte count."""
+    try:
+        return parse_memory_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def utilization(text: str) -> float:
+    """argparse type: a share of the GPU in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True, gpu: bool = True) -> None:
+    """Add the flags (defaults None: EngineConfig's defaults apply); `batch` takes neither
+    --max-model-len nor --gpu-memory-utilization (its stages are not profiled)."""
+    p.add_argument(
+        "--kv-cache-memory",
+        "--kv-cache-bytes",
+        dest="kv_cache_bytes",
+        type=memory_size,
+        default=None,
+        help="KV pool size, e.g. 4GiB or 512MiB or bytes (default on CPU: a tenth of the available "
+        "memory, at most what --max-num-seqs sequences of --max-model-len tokens fill; on CUDA: "
+        "from --gpu-memory-utilization)",
+    )
+    if gpu:
+        p.add_argument(
+            "--gpu-memory-utilization",
+            type=utilization,
+            default=None,
+            help="CUDA: share of the card this process may use; KV gets what the weights and the peak "
+            "activations of a forward at the largest batch leave (default 0.9)",
+        )
+    if max_model_len:
+        p.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="longest prompt + output; refused at start when the KV pool cannot hold it "
+            "(default: the model's max_position_embeddings, lowered to what the pool holds)",
+        )
+
+
+def kv_memory_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig keyword arguments set on the command line (unset ones are left out)."""
+    names = ("kv_cache_bytes", "gpu_memory_utilization", "max_model_len")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def kv_memory_flags(args: argparse.Namespace) -> list[str]:
+    """The same settings as flags for a child process (`pdserve up`); empty when unset."""
+    opts = kv_memory_options(args)
+    flags = {"kv_cache_bytes": "--kv-cache-memory", "gpu_memory_utilization": "--gpu-memory-utilization"}
+    return [x for name, value in opts.items() for x in (flags.get(name, "--max-model-len"), str(value))]
