@@ -53,14 +53,3 @@ def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
-
-
-def compatibility(engine) -> str:
-    """Two nodes may exchange KV only when these strings are equal."""
-    cfg, pool = engine.model_config, engine.runner.kv_pool
-    return (
-        f"model={cfg.name};arch={cfg.architecture};vocab={cfg.vocab_size};"
-        f"dtype={str(pool.dtype).replace('torch.', '')};"
-        f"block_size={pool.block_size};layout=HND;layers={cfg.num_hidden_layers};"
-        f"kv_heads={cfg.num_key_value_heads};head_dim={cfg.head_dim}"
-    )

@@ -16,7 +16,6 @@ from prometheus_client import Histogram
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
 from pdserve.auth import SecretInterceptor
-from pdserve.runtime.convert import compatibility
 from pdserve.runtime.engine_loop import EngineLoop, Subscription
 from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from pdserve.runtime.node_config import NodeConfig
@@ -57,7 +56,7 @@ class NodeRuntime:
         self.role = role
         self.config = config
         self.engine = LLMEngine(config.engine)
-        self.compatibility = compatibility(self.engine)
+        self.compatibility = self.engine.kv_compatibility
         self.metrics = NodeMetrics(
             role, served_model_name(config.engine.model_dir), transport_requested=config.transfer.transport
         )
