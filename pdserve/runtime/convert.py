@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from engine.kv_namespace import MAX_CACHE_SALT_BYTES
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
@@ -22,6 +23,15 @@ def check_request_id(request_id: str) -> str:
     if not REQUEST_ID.match(request_id):
         raise ValueError("request_id must be 1-128 characters of [A-Za-z0-9._:-]")
     return request_id
+
+
+def cache_salt_from_pb(message) -> str | None:
+    """The optional `cache_salt` of a GenerateRequest or PrefillRequest; ValueError when too long."""
+    if not message.HasField("cache_salt"):
+        return None
+    if len(message.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes")
+    return message.cache_salt
 
 
 def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
