@@ -9,6 +9,8 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
+from pdserve.auth import cluster_metadata
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.e2e.grpc_client import generate, greedy
 from tests.e2e.inproc import SECRET, Nodes, assert_no_blocks_used, in_process_nodes
 
@@ -121,8 +123,24 @@ async def test_cancel_in_every_phase_leaves_no_block(tiny_model_dir, local_max):
             await assert_no_blocks_used(nodes)
 
 
-async def test_bad_cache_salt_is_refused_and_salts_never_share(tiny_model_dir):
+async def test_bad_cache_salt_and_held_length_are_refused_and_salts_never_share(tiny_model_dir):
     async with in_process_nodes(tiny_model_dir, local_max=0) as nodes:
+        async with grpc.aio.insecure_channel(nodes.prefill_addresses[0]) as ch:
+            for held in (5, 112):  # not block aligned; not below the prompt length
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                        prefill_pb2.PrefillRequest(
+                            request_id="p",
+                            prompt_token_ids=TURN1[:112],
+                            params=greedy(2),
+                            compatibility=nodes.decode.rt.compatibility,
+                            decode_cached_tokens=held,
+                        ),
+                        metadata=cluster_metadata(SECRET),
+                    )
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "decode_cached_tokens" in str(
+                    err.value.details()
+                )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(
                 nodes.decode_address, SECRET, "x", TURN1, greedy(2), nodes.prefill_addresses, cache_salt="s" * 257
