@@ -99,3 +99,20 @@ def test_failed_remote_prefill_falls_back_to_local_without_leaking(engine):
     assert run(engine)["r"] == expected
     with pytest.raises(KeyError):
         engine.prefill_locally("r")
+
+
+def test_long_runs_are_published_in_chained_parts(monkeypatch):
+    from engine import block_manager
+    from engine.block_manager import BlockManager
+    from engine.kv_events import KvEventLog
+
+    monkeypatch.setattr(block_manager, "MAX_KEYS_PER_EVENT", 2)
+    log = KvEventLog()
+    bm = BlockManager(8, 2, events=log)
+    tokens = list(range(11))
+    blocks, _ = bm.allocate(tokens)
+    bm.cache_full_blocks(tokens, blocks, len(tokens))
+    events = log.since(0)
+    assert [len(e.keys) for e in events] == [2, 2, 1]
+    assert [e.parent_key for e in events[1:]] == [events[0].keys[-1], events[1].keys[-1]]
+    bm.free_blocks(blocks)
