@@ -27,8 +27,9 @@ RDMA_ENV = {
 
 
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 64
-"""Measured on the bench model (BENCHMARKS.md, "local prefill threshold"): up to about this many
-new tokens, computing them on the decode node costs less than a prefill node's round trip."""
+"""Up to about this many new tokens a local prefill chunk is about one decode step of compute on the
+bench model, so it barely stalls the node's decoding requests, and it saves the KV transfer and a
+place in a prefill node's queue (BENCHMARKS.md, "Local prefill threshold")."""
 
 
 @dataclass(frozen=True)
