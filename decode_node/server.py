@@ -32,8 +32,10 @@ REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 
 
 class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
-    """Decode-driven flow: allocate blocks, open a CacheStore session, call a prefill node,
-    wait for the KV by notification (other requests keep decoding), then stream tokens.
+    """Decode-driven flow: match the prompt against this node's prefix cache; prefill here when the
+    missing part is short or no prefill node is usable (`engine.plan_prefill`); otherwise share the
+    held blocks, open a CacheStore session over the missing ones, call a prefill node, wait for the
+    KV by notification (other requests keep decoding), then stream tokens.
 
     The Generate stream is the request's session: however it ends, the CacheStore session is
     closed, the node waits until no writer can touch the blocks, and only then frees them."""

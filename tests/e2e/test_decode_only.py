@@ -4,45 +4,23 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
 
 import httpx
 import pytest
 
-from tests.e2e.cluster import ROOT
 from tests.e2e.router_cluster import free_port
 from tests.e2e.test_up import chat
+from tests.e2e.up_process import start_up
 
 pytestmark = pytest.mark.e2e
 
 
 def test_up_without_prefill_nodes_serves_completions_and_chat():
     port, metrics = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--num-prefill", "0", "--num-decode", "1"]
-        + ["--metrics-base-port", str(metrics)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if "pdserve is up" in line:
-                up.set()
-        up.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    up = start_up(["--port", str(port), "--num-prefill", "0", "--num-decode", "1", "--metrics-base-port", str(metrics)])
+    proc, lines = up.proc, up.lines
     try:
-        assert up.wait(180) and any("0 prefill, 1 decode" in x for x in lines), "\n".join(lines[-40:])
+        assert up.wait_up() and any("0 prefill, 1 decode" in x for x in lines), "\n".join(lines[-40:])
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         r = chat(port)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
