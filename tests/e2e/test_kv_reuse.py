@@ -64,10 +64,21 @@ async def test_delta_transfer_lands_exactly_the_missing_blocks(tiny_model_dir):
         assert received_blocks(nodes) == 7 and events[-1].usage.cached_tokens == 0
         turn2 = TURN1 + first + NEW  # 152 tokens, 10 blocks
         held = (len(TURN1) + len(first) - 1) // BS  # decode computed all but the last sampled token: 6 blocks
+        cached_blocks = set(nodes.decode.rt.engine.block_manager.hash_to_block.values())
+        sessions: list[list[int]] = []
+        open_session = nodes.decode.cachestore.open_session
+
+        def recording(rid, block_ids, *args, **kwargs):
+            sessions.append(list(block_ids))
+            return open_session(rid, block_ids, *args, **kwargs)
+
+        nodes.decode.cachestore.open_session = recording
         tokens, events = await generate(
             nodes.decode_address, SECRET, "t2", turn2, greedy(8, ignore_eos=True), nodes.prefill_addresses
         )
         assert received_blocks(nodes) == 7 + (10 - held)
+        # only fresh blocks are ever writable: no late write can land in a shared, cached block
+        assert len(sessions) == 1 and len(sessions[0]) == 10 - held and not set(sessions[0]) & cached_blocks
         # the prefill node's own cache held turn 1's 6 full blocks: tokens not recomputed anywhere
         assert events[-1].usage.cached_tokens == 96
         expected = LLM(tiny_model_dir, num_kv_blocks=64).generate(
