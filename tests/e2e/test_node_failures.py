@@ -25,14 +25,7 @@ async def test_prefill_killed_mid_transfer_leaves_no_blocks(tiny_model_dir):
     # every layer write waits 0.3 s in the prefill node's sender, so the kill lands inside the transfer
     # however fast the prompt computes (a fast engine had finished it between the probe and the kill)
     slow_writes = {"PDSERVE_FAULT_WRITE_DELAY_RATE": "1", "PDSERVE_FAULT_WRITE_DELAY_SECONDS": "0.3"}
-    cluster = start_cluster(  # no local prefill: a request whose prefill nodes all failed must fail
-        2,
-        1,
-        model=str(tiny_model_dir),
-        extra=["--kv-timeout", "10"],
-        decode_extra=["--local-prefill-max-tokens", "0"],
-        env=slow_writes,
-    )
+    cluster = start_cluster(2, 1, model=str(tiny_model_dir), extra=["--kv-timeout", "10"], env=slow_writes)
     try:
         dead, alive = cluster.prefills
         decode = cluster.decodes[0].address
