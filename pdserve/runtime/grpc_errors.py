@@ -18,6 +18,7 @@ import grpc
 from cachestore import SessionError, TransferError
 from engine.request import AdmissionError
 from pdserve.runtime.engine_loop import EngineDeadError
+from pdserve.runtime.kv_events_service import TooManySubscribers
 
 log = logging.getLogger("pdserve.grpc")
 
@@ -36,6 +37,7 @@ class RequestAborted(Exception):
 
 STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManySubscribers, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (IncompatiblePeer, grpc.StatusCode.FAILED_PRECONDITION),
     (TransferError, grpc.StatusCode.UNAVAILABLE),
     (SessionError, grpc.StatusCode.UNAVAILABLE),

@@ -10,6 +10,7 @@ than the log holds it gets a snapshot (bounded by the pool's size) instead of th
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from engine.kv_events import KvEvent, KvEventLog
@@ -24,6 +25,13 @@ MAX_EVENTS_PER_BATCH = 256
 """Events per incremental message."""
 WAIT_SECONDS = 0.5
 """How long one wait for new events lasts; the stream notices a node shutdown within this."""
+MAX_SUBSCRIBERS = 8
+"""Open streams per node (routers; a few each): each waits for events on a thread of the node's own
+small pool, never on the event loop's default executor, which discovery needs."""
+
+
+class TooManySubscribers(Exception):
+    """The node already serves MAX_SUBSCRIBERS KvEvents streams (RESOURCE_EXHAUSTED)."""
 
 
 async def kv_event_batches(
@@ -32,14 +40,17 @@ async def kv_event_batches(
     medium: str,
     request: common_pb2.KvEventsRequest,
     stopped: Callable[[], bool],
+    executor: ThreadPoolExecutor | None = None,
 ) -> AsyncIterator[common_pb2.KvEventBatch]:
-    """The KvEventBatch messages of one subscription, until `stopped()` (the node shuts down)."""
+    """The KvEventBatch messages of one subscription, until `stopped()` (the node shuts down).
+    Waits for new events on a thread of `executor` (None: the loop's default executor)."""
+    loop = asyncio.get_running_loop()
     resumable = request.node_id == node_id and request.after_seq > 0
     seq: int | None = request.after_seq if resumable else None
     while not stopped():
         events = None if seq is None else log.since(seq)
         if events == []:
-            events = await asyncio.to_thread(log.wait, seq, WAIT_SECONDS)
+            events = await loop.run_in_executor(executor, log.wait, seq, WAIT_SECONDS)
             if events == []:
                 continue
         if events is None:  # first contact, a restart, or a gap: the log no longer holds what follows seq
@@ -73,9 +84,21 @@ class KvEventsServicer:
     like every other call; ends when the node stops."""
 
     rt: NodeRuntime
+    _kv_waiters: ThreadPoolExecutor | None = None
+    _kv_subscribers = 0
 
     async def KvEvents(self, request: common_pb2.KvEventsRequest, context) -> AsyncIterator[common_pb2.KvEventBatch]:
         rt = self.rt
+        if self._kv_subscribers >= MAX_SUBSCRIBERS:
+            raise TooManySubscribers(f"this node already serves {MAX_SUBSCRIBERS} KvEvents streams")
+        if self._kv_waiters is None:
+            self._kv_waiters = ThreadPoolExecutor(MAX_SUBSCRIBERS, thread_name_prefix="kv-events")
         medium = "gpu" if rt.engine.runner.kv_pool.tensor.is_cuda else "cpu"
-        async for batch in kv_event_batches(rt.engine.kv_events, rt.node_id, medium, request, lambda: rt.stopped):
-            yield batch
+        self._kv_subscribers += 1
+        try:
+            async for batch in kv_event_batches(
+                rt.engine.kv_events, rt.node_id, medium, request, lambda: rt.stopped, self._kv_waiters
+            ):
+                yield batch
+        finally:
+            self._kv_subscribers -= 1

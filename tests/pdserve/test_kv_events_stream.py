@@ -11,7 +11,7 @@ from engine.block_keys import namespace_root, prompt_block_keys
 from engine.kv_events import KvEventLog
 from pdserve.auth import cluster_metadata
 from pdserve.runtime.kv_events_service import kv_event_batches
-from pdserve.v1 import common_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tests.e2e.grpc_client import generate, greedy, load
 from tests.e2e.inproc import SECRET, in_process_nodes
 
@@ -114,3 +114,27 @@ async def test_node_stream_matches_router_keys_resumes_and_resyncs_after_restart
             fresh, keys = await read_snapshot(call)
             assert fresh.node_id != snap.node_id and keys == set() and fresh.seq == 0
             call.cancel()
+
+
+async def test_subscribers_are_bounded(tiny_model_dir):
+    from pdserve.runtime.kv_events_service import MAX_SUBSCRIBERS
+
+    meta = cluster_metadata(SECRET)
+    async with in_process_nodes(tiny_model_dir, num_prefill=1) as nodes:
+        async with grpc.aio.insecure_channel(nodes.prefill_addresses[0]) as ch:
+            stub = prefill_pb2_grpc.PrefillStub(ch)
+            calls = [stub.KvEvents(common_pb2.KvEventsRequest(), metadata=meta) for _ in range(MAX_SUBSCRIBERS)]
+            for call in calls:
+                assert (await asyncio.wait_for(call.read(), 30)).snapshot_done
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(stub.KvEvents(common_pb2.KvEventsRequest(), metadata=meta).read(), 30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            calls.pop().cancel()
+            for _ in range(100):  # the cancelled stream leaves within a wait
+                if nodes.prefills[0]._kv_subscribers < MAX_SUBSCRIBERS:
+                    break
+                await asyncio.sleep(0.05)
+            extra = stub.KvEvents(common_pb2.KvEventsRequest(), metadata=meta)
+            assert (await asyncio.wait_for(extra.read(), 30)).snapshot
+            for call in [*calls, extra]:
+                call.cancel()
