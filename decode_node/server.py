@@ -14,9 +14,11 @@ from grpc_health.v1 import health_pb2
 from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, Session, SessionError
 from decode_node.prefill_client import PrefillClients
 from engine.prompt_check import check_prompt
+from engine.remote_prefill import PrefillPlan
 from engine.request import StepOutput
 from engine.sampling_params import SamplingParams
 from node_runtime import convert
+from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import NodeUnavailable
 from node_runtime.node import NodeRuntime, RequestScope
 from node_runtime.node_config import NodeConfig
@@ -29,16 +31,19 @@ REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 """A prefill node's answers that no other prefill node would change: passed on, not retried elsewhere."""
 
 
-class DecodeNode(decode_pb2_grpc.DecodeServicer):
-    """Decode-driven flow: allocate blocks, open a CacheStore session, call a prefill node,
-    wait for the KV by notification (other requests keep decoding), then stream tokens.
+class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
+    """Decode-driven flow: match the prompt against this node's prefix cache; prefill here when the
+    missing part is short or no prefill node is usable (`engine.plan_prefill`); otherwise share the
+    held blocks, open a CacheStore session over the missing ones, call a prefill node, wait for the
+    KV by notification (other requests keep decoding), then stream tokens.
 
     The Generate stream is the request's session: however it ends, the CacheStore session is
     closed, the node waits until no writer can touch the blocks, and only then frees them."""
 
     def __init__(self, config: NodeConfig) -> None:
         self.rt = NodeRuntime("decode", config)
-        self.colocated = config.node.colocated
+        self.kv_reuse = config.node.kv_reuse
+        self.local_prefill_max_tokens = config.node.local_prefill_max_tokens
         self.advertise_host = config.node.advertise_host
         """Host prefill nodes use to reach our CacheStore listener (needed when bound to 0.0.0.0)."""
         pool = self.rt.engine.runner.kv_pool
@@ -93,17 +98,37 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context) -> AsyncIterator[decode_pb2.GenerateEvent]:
         rt, engine = self.rt, self.rt.engine
-        rid, prompt, params = self._parse(request)
+        rid, prompt, params, salt = self._parse(request)
         addresses = list(request.prefill_addresses)
         async with rt.request(
             rid,
             partial(self._end, rid),
             event="admit",
             prompt_tokens=len(prompt),
-            prefill=",".join(addresses) or "colocated",
+            prefill=",".join(addresses) or "local",
         ) as scope:
-            if addresses:
-                first = await self._remote_prefill(rid, prompt, params, request.params, addresses)
+            plan = await rt.loop_thread.call(
+                engine.plan_prefill,
+                rid,
+                prompt,
+                params,
+                cache_salt=salt,
+                reuse=self.kv_reuse,
+                local_max_tokens=self.local_prefill_max_tokens if addresses else None,
+            )
+            first = None
+            if plan.location == "remote":
+                first = await self._remote_prefill(rid, request, plan, addresses)
+            location = "local" if first is None else "remote"
+            rt.metrics.count_prefill(location)
+            log.debug(
+                "request_id=%s event=prefill location=%s prompt_tokens=%d held_tokens=%d",
+                rid,
+                location,
+                len(prompt),
+                plan.held_tokens,
+            )
+            if first is not None:
                 ttft = time.monotonic() - scope.started
                 rt.metrics.ttft.observe(ttft)
                 yield decode_pb2.GenerateEvent(
@@ -111,9 +136,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                     ttft_seconds=ttft,
                     logprobs=[first.first_logprob] if first.HasField("first_logprob") else [],
                 )
-            else:
-                await rt.loop_thread.call(engine.add_request, rid, prompt, params)
-            first_token_sent, last = bool(addresses), time.monotonic()
+            first_token_sent, last = first is not None, time.monotonic()
             while not scope.finished:
                 out = await scope.next_output()
                 now = time.monotonic()
@@ -143,17 +166,16 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             self.rt.metrics.e2e.observe(time.monotonic() - scope.started)
         return event
 
-    def _parse(self, request: decode_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
-        """The request's id, prompt and sampling params; ValueError (INVALID_ARGUMENT) for anything out of bounds."""
+    def _parse(self, request: decode_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams, str | None]:
+        """The request's id, prompt, sampling params and cache salt; ValueError (INVALID_ARGUMENT) for
+        anything out of bounds."""
         engine = self.rt.engine
         rid = convert.check_request_id(request.request_id)
         prompt = check_prompt(request.prompt_token_ids, engine.model_config.vocab_size, engine.max_model_len)
         params = convert.params_from_pb(request.params)
         if len(request.prefill_addresses) > convert.MAX_PREFILL_ADDRESSES:
             raise ValueError(f"at most {convert.MAX_PREFILL_ADDRESSES} prefill_addresses")
-        if not request.prefill_addresses and not self.colocated:
-            raise ValueError("no prefill_addresses given and this decode node does not run colocated prefill")
-        return rid, prompt, params
+        return rid, prompt, params, convert.cache_salt_from_pb(request)
 
     async def _end(self, rid: str, finished: bool) -> None:
         """The one place a request leaves this node: a finished request has already left the engine;
@@ -163,30 +185,30 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             await self.rt.loop_thread.call(self.rt.engine.abort, rid)
 
     async def _remote_prefill(
-        self,
-        rid: str,
-        prompt: list[int],
-        params: SamplingParams,
-        params_pb: common_pb2.SamplingParams,
-        addresses: list[str],
-    ) -> prefill_pb2.PrefillResponse:
-        """Allocate, then try each prefill node in order until one fills the KV. The prefill node
-        gets the request's own (already validated) sampling params: its first token is sampled
-        exactly as this node would have sampled it."""
+        self, rid: str, request: decode_pb2.GenerateRequest, plan: PrefillPlan, addresses: list[str]
+    ) -> prefill_pb2.PrefillResponse | None:
+        """Try each prefill node in order until one fills the blocks this node lacks. The CacheStore
+        session covers only those (the held prefix blocks are shared with other requests and never
+        writable). The prefill node gets the request's own (already validated) sampling params: its
+        first token is sampled exactly as this node would have sampled it. When every prefill node
+        failed, the request is prefilled here instead (None) if local prefill is on, else refused."""
         rt, engine = self.rt, self.rt.engine
-        block_ids = await rt.loop_thread.call(engine.add_remote_prefill_request, rid, prompt, params)
+        writable = plan.block_ids[plan.held_tokens // engine.block_manager.block_size :]
         errors = []
         for address in addresses:
-            creds = self.cachestore.open_session(rid, block_ids, timeout=rt.config.transfer.kv_timeout)
+            creds = self.cachestore.open_session(rid, writable, timeout=rt.config.transfer.kv_timeout)
             session = self.cachestore.get_session(rid)
             assert session is not None  # opened just above
             pb = prefill_pb2.PrefillRequest(
                 request_id=rid,
-                prompt_token_ids=prompt,
-                params=params_pb,
+                prompt_token_ids=request.prompt_token_ids,
+                params=request.params,
                 kv_destination=creds.to_bytes(),
                 compatibility=rt.compatibility,
+                decode_cached_tokens=plan.held_tokens,
             )
+            if request.HasField("cache_salt"):
+                pb.cache_salt = request.cache_salt
             try:
                 response = await self.prefills.prefill(address, pb, timeout=rt.config.transfer.kv_timeout)
                 await session.wait_complete(timeout=rt.config.transfer.kv_timeout)
@@ -206,8 +228,13 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
                     rid,
                     response.first_token_id,
                     convert.logprob_from_pb(response.first_logprob) if response.HasField("first_logprob") else None,
+                    response.num_cached_tokens,
                 )
                 return response
+        if self.kv_reuse and self.local_prefill_max_tokens > 0:  # every writer is fenced off: safe to free
+            log.warning("request_id=%s event=prefill_local_fallback errors=%s", rid, "; ".join(errors))
+            await rt.loop_thread.call(engine.prefill_locally, rid)
+            return None
         raise NodeUnavailable("every prefill node failed: " + "; ".join(errors))
 
     async def _close_session(self, rid: str) -> None:

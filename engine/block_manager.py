@@ -7,6 +7,9 @@ from collections import OrderedDict
 from engine.block_keys import BlockKey, block_key, namespace_root
 from engine.kv_events import KvEventLog
 
+MAX_KEYS_PER_EVENT = 4096
+"""Most keys in one event (pdserve.v1.KvEvent.keys' bound): a longer run is published in parts."""
+
 #: Root of the key chain for callers that name no namespace (single-model engines, tests).
 DEFAULT_ROOT: BlockKey = namespace_root("")
 
@@ -138,8 +141,13 @@ class BlockManager:
         self._publish_stored(run, run_parent)
 
     def _publish_stored(self, keys: list[BlockKey], parent: BlockKey) -> None:
-        if self.events is not None and keys:
-            self.events.stored(keys, parent)
+        """One `stored` event per MAX_KEYS_PER_EVENT keys (the wire's bound), each chained on the last."""
+        if self.events is None:
+            return
+        for start in range(0, len(keys), MAX_KEYS_PER_EVENT):
+            chunk = keys[start : start + MAX_KEYS_PER_EVENT]
+            self.events.stored(chunk, parent)
+            parent = chunk[-1]
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:

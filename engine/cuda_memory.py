@@ -7,15 +7,36 @@ the numbers injected; this module only reads torch.cuda's counters around one fo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
 from engine.block_manager import blocks_for
 from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.kv_pool import KVPool
+
+
+class ProfiledRunner(Protocol):
+    """The model runner as the sizing code sees it. A Protocol rather than an import of
+    engine.model_runner, which imports the sizing code: the import graph stays free of circles."""
+
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    layer_range: tuple[int, int]
+    model_config: ModelConfig
+    kv_pool: KVPool
+
+    @property
+    def is_first_stage(self) -> bool: ...
+
+    def run(
+        self, batch: ForwardBatch, *, layer_hook: Any = None, hidden_states: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 class CudaBaseline(NamedTuple):
@@ -70,7 +91,7 @@ def profile_batch(max_num_seqs: int, max_num_batched_tokens: int, max_model_len:
 
 
 def measure_cuda_memory(
-    runner: ModelRunner, baseline: CudaBaseline, max_num_seqs: int, max_num_batched_tokens: int
+    runner: ProfiledRunner, baseline: CudaBaseline, max_num_seqs: int, max_num_batched_tokens: int
 ) -> CudaMemoryProfile:
     """Run `profile_batch` through `runner` on a scratch KV pool (freed after) and read the counters."""
     from engine.kv_pool import KVPool

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the CLI parses memory sizes without importing torch
     import torch
 
-    from engine.cuda_memory import CudaBaseline, CudaMemoryProfile
-    from engine.model_runner import ModelRunner
+    from engine.cuda_memory import CudaBaseline, CudaMemoryProfile, ProfiledRunner
 
 CPU_KV_FRACTION = 0.1
 """Default CPU budget: this share of the host's available memory. Small, because several processes
@@ -112,7 +111,7 @@ class KvMemory(ABC):
         """Called before the weights load (CUDA takes its baseline counters here)."""
 
     @abstractmethod
-    def budget_bytes(self, runner: ModelRunner, bytes_per_token: int) -> int:
+    def budget_bytes(self, runner: ProfiledRunner, bytes_per_token: int) -> int:
         """The pool's budget; `bytes_per_token` is the KV of one token over the runner's layers."""
 
 
@@ -137,7 +136,7 @@ class CpuKvMemory(KvMemory):
         self.requested_bytes = requested_bytes
         self.max_num_seqs = max_num_seqs
 
-    def budget_bytes(self, runner: ModelRunner, bytes_per_token: int) -> int:
+    def budget_bytes(self, runner: ProfiledRunner, bytes_per_token: int) -> int:
         if self.requested_bytes is not None:
             return self.requested_bytes
         return default_cpu_kv_bytes(bytes_per_token, self.max_num_seqs, runner.max_model_len, available_memory_bytes())
@@ -162,13 +161,13 @@ class CudaKvMemory(KvMemory):
 
         self.baseline = CudaBaseline.take(device)
 
-    def measure(self, runner: ModelRunner) -> CudaMemoryProfile:
+    def measure(self, runner: ProfiledRunner) -> CudaMemoryProfile:
         from engine.cuda_memory import measure_cuda_memory
 
         assert self.baseline is not None, "before_load() takes the baseline before the weights load"
         return measure_cuda_memory(runner, self.baseline, self.max_num_seqs, self.max_num_batched_tokens)
 
-    def budget_bytes(self, runner: ModelRunner, bytes_per_token: int) -> int:
+    def budget_bytes(self, runner: ProfiledRunner, bytes_per_token: int) -> int:
         return cuda_kv_bytes(self.measure(runner), self.utilization)
 
 

@@ -8,10 +8,13 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_events import KvEventLog
+from engine.kv_namespace import kv_compatibility, request_root
 from engine.llama import LayerHook
 from engine.model_runner import ModelRunner
 from engine.prompt_check import check_max_tokens, check_prompt
-from engine.request import AdmissionError, Request, RequestStatus, StepOutput, TokenLogprob
+from engine.remote_prefill import RemotePrefill
+from engine.request import Request, RequestStatus, StepOutput, TokenLogprob
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -28,14 +31,16 @@ class EngineLoad(NamedTuple):
     num_queued_prefill_tokens: int
 
 
-class LLMEngine:
+class LLMEngine(RemotePrefill):
     """One model, one KV pool, one scheduler. Not thread-safe: drive it from one thread.
 
     The loop: `batch = scheduler.schedule(); logits = runner.run(batch); update(batch, sample(logits))`.
     Besides plain requests it supports the two halves of disaggregation:
     `prefill_only` requests (prefill node: compute the prompt, sample one token,
     keep the blocks until `release`) and remote-prefill requests (decode node:
-    blocks allocated up front, filled by a prefill node, then `complete_remote_prefill`).
+    blocks allocated up front, filled by a prefill node, then `complete_remote_prefill`; see
+    engine.remote_prefill). Every request's blocks are keyed in the namespace of the engine's
+    `kv_compatibility` and its `cache_salt`; `kv_events` records every key stored or evicted.
     """
 
     def __init__(
@@ -63,7 +68,13 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model_dir)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         pool = self.runner.kv_pool
-        self.block_manager = BlockManager(pool.num_blocks, pool.block_size, config.enable_prefix_caching)
+        self.kv_compatibility = kv_compatibility(self.model_config, pool)
+        """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
+        self.kv_events = KvEventLog()
+        """Keys stored / evicted in this engine's prefix cache, for the node's KvEvents stream."""
+        self.block_manager = BlockManager(
+            pool.num_blocks, pool.block_size, config.enable_prefix_caching, events=self.kv_events
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -83,9 +94,12 @@ class LLMEngine:
         self._finished: list[StepOutput] = []
 
     # --- admission ----------------------------------------------------------------------
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+    def _validate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        root = request_root(self.kv_compatibility, cache_salt)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
         room = self.max_model_len - len(prompt)
         if params.max_tokens is not None:
@@ -93,55 +107,27 @@ class LLMEngine:
         max_tokens = params.max_tokens or room
         if self.block_manager.blocks_for(len(prompt) + max_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request needs more KV blocks than the pool has ({self.block_manager.num_blocks})")
-        req = Request(request_id, list(prompt), params, max_tokens)
+        req = Request(request_id, list(prompt), params, max_tokens, kv_root=root)
         if params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
             req.stop_checker = StopStringChecker(detok, params.stop, params.include_stop_str_in_output)
         return req
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; ValueError (clear message) if it can never be served."""
-        req = self._validate(request_id, prompt_token_ids, params)
+        """Queue a request; ValueError (clear message) if it can never be served. `cache_salt`
+        separates its prefix-cache namespace (tenants with different salts never share blocks)."""
+        req = self._validate(request_id, prompt_token_ids, params, cache_salt)
         req.prefill_only = prefill_only
         self._register(req)
         self.scheduler.waiting.append(req)
-
-    def add_remote_prefill_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> list[int]:
-        """Decode node: allocate blocks for the whole prompt now; a prefill node fills them."""
-        req = self._validate(request_id, prompt_token_ids, params)
-        holders = self.scheduler.running + self.parked() + list(self.scheduler.waiting)
-        reserve = self.scheduler.reserved_blocks(holders) + self.scheduler.future_blocks_after_alloc(req)
-        bm = self.block_manager
-        if bm.blocks_for(req.num_tokens) + reserve > bm.num_free_blocks:
-            raise AdmissionError(
-                f"no KV room: request needs {bm.blocks_for(req.num_tokens + req.max_tokens)} "
-                f"blocks, {bm.num_free_blocks} free, {reserve} reserved"
-            )
-        req.block_ids = [bm.append_block() for _ in range(bm.blocks_for(req.num_tokens))]
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._register(req)
-        return list(req.block_ids)
-
-    def complete_remote_prefill(
-        self, request_id: str, first_token_id: int, first_logprobs: TokenLogprob | None = None
-    ) -> None:
-        """The prompt's KV has landed: the request runs with its first token already sampled."""
-        req = self.requests[request_id]
-        if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
-        req.start_running()
-        self.scheduler.running.append(req)
-        self._append_token(req, first_token_id, first_logprobs)
-        req.num_emitted = 1  # the node streams the first token itself, straight from the prefill reply
-        if req.status.is_finished:  # eos / stop string / max_tokens=1: reported by the next step()
-            self._finish(req)
-            self._finished.append(self._output(req))
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -159,7 +145,9 @@ class LLMEngine:
             )
             for req, q_len, sample in zip(scheduled, batch.query_lens, batch.sample_mask):
                 req.num_computed_tokens += q_len
-                self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens)
+                self.block_manager.cache_full_blocks(
+                    req.all_token_ids, req.block_ids, req.num_computed_tokens, req.kv_root
+                )
                 if sample:
                     self._append_token(req, *next(sampled))
         outputs, self._finished = self._finished, []

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from engine.block_keys import BlockKey
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ class Request:
     """StopStringChecker when the request has stop strings (engine.stop_strings)."""
     num_emitted: int = 0
     """Output tokens already reported by step() (for deltas)."""
+    kv_root: BlockKey = 0
+    """Root of the request's block-key chain: the engine's KV compatibility and the request's
+    cache_salt (engine.kv_namespace.request_root), so tenants never share cached blocks."""
 
     def start_running(self) -> None:
         """Waiting (for a slot or for remote KV) -> RUNNING; the first time also fixes queue_seconds."""

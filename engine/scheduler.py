@@ -42,7 +42,7 @@ class Scheduler:
     def can_admit(self, req: Request, holders: list[Request]) -> bool:
         """Whether `req`'s blocks (for never-preempt: all it can ever need) fit now."""
         extra = self.future_blocks_after_alloc(req) if self.never_preempt else 0
-        return self.bm.can_allocate(req.all_token_ids, reserve=self.reserved_blocks(holders) + extra)
+        return self.bm.can_allocate(req.all_token_ids, reserve=self.reserved_blocks(holders) + extra, root=req.kv_root)
 
     def future_blocks_after_alloc(self, req: Request) -> int:
         return max(0, self.bm.blocks_for(req.num_prompt_tokens + req.max_tokens) - self.bm.blocks_for(req.num_tokens))
@@ -69,7 +69,7 @@ class Scheduler:
             req = self.waiting[0]
             if not self.can_admit(req, self.running + holders):
                 break
-            req.block_ids, cached = self.bm.allocate(req.all_token_ids)
+            req.block_ids, cached = self.bm.allocate(req.all_token_ids, root=req.kv_root)
             req.num_computed_tokens = req.num_cached_tokens = cached
             self.waiting.popleft()
             req.start_running()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from engine.kv_namespace import MAX_CACHE_SALT_BYTES
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
@@ -23,6 +24,15 @@ def check_request_id(request_id: str) -> str:
     if not REQUEST_ID.match(request_id):
         raise ValueError("request_id must be 1-128 characters of [A-Za-z0-9._:-]")
     return request_id
+
+
+def cache_salt_from_pb(message) -> str | None:
+    """The optional `cache_salt` of a GenerateRequest or PrefillRequest; ValueError when too long."""
+    if not message.HasField("cache_salt"):
+        return None
+    if len(message.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes")
+    return message.cache_salt
 
 
 def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -54,14 +64,3 @@ def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
-
-
-def compatibility(engine) -> str:
-    """Two nodes may exchange KV only when these strings are equal."""
-    cfg, pool = engine.model_config, engine.runner.kv_pool
-    return (
-        f"model={cfg.name};arch={cfg.architecture};vocab={cfg.vocab_size};"
-        f"dtype={str(pool.dtype).replace('torch.', '')};"
-        f"block_size={pool.block_size};layout=HND;layers={cfg.num_hidden_layers};"
-        f"kv_heads={cfg.num_key_value_heads};head_dim={cfg.head_dim}"
-    )

@@ -30,12 +30,17 @@ class NodeUnavailable(Exception):
     """This node cannot serve the request now (draining, or every prefill node failed): try another."""
 
 
+class TooManySubscribers(Exception):
+    """The node already serves its maximum of KvEvents streams (RESOURCE_EXHAUSTED)."""
+
+
 class RequestAborted(Exception):
     """The engine aborted the request before it produced its result."""
 
 
 STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooManySubscribers, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (IncompatiblePeer, grpc.StatusCode.FAILED_PRECONDITION),
     (TransferError, grpc.StatusCode.UNAVAILABLE),
     (SessionError, grpc.StatusCode.UNAVAILABLE),

@@ -16,7 +16,6 @@ from prometheus_client import Histogram
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
 from node_runtime.auth import SecretInterceptor
-from node_runtime.convert import compatibility
 from node_runtime.engine_loop import EngineLoop, Subscription
 from node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from node_runtime.node_config import NodeConfig
@@ -57,7 +56,7 @@ class NodeRuntime:
         self.role = role
         self.config = config
         self.engine = LLMEngine(config.engine)
-        self.compatibility = compatibility(self.engine)
+        self.compatibility = self.engine.kv_compatibility
         self.metrics = NodeMetrics(
             role, served_model_name(config.engine.model_dir), transport_requested=config.transfer.transport
         )
@@ -68,6 +67,8 @@ class NodeRuntime:
         self.health = health.aio.HealthServicer()
         self.address = ""
         self.node_id = ""
+        self.stopped = False
+        """Set when the node stops: open KvEvents streams end."""
         self.failed = asyncio.Event()
         """Set when the engine thread has died: the process must exit non-zero (see node_common.serve)."""
 
@@ -90,9 +91,10 @@ class NodeRuntime:
         register_services(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         port = self.server.add_insecure_port(f"{self.config.node.host}:{self.config.node.port}")
-        await self.server.start()
         self.address = f"{self.config.node.host}:{port}"
+        # set before serving: every KvEvents stream and load report names this incarnation
         self.node_id = f"{self.role}@{self.address}#{int(time.time() * 1000) % 10**9}"
+        await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.metrics.serve(self.config.node.host, self.config.node.metrics_port)
         return self.address
@@ -166,6 +168,7 @@ class NodeRuntime:
         in-flight requests finish for up to drain_timeout."""
         if drain:
             await self._drain()
+        self.stopped = True
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self._loop_thread is not None:

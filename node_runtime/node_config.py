@@ -26,6 +26,12 @@ RDMA_ENV = {
 """TransferOptions field -> the variable CacheStore's RDMA setup reads (see `export_env`)."""
 
 
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 64
+"""Up to about this many new tokens a local prefill chunk is about one decode step of compute on the
+bench model, so it barely stalls the node's decoding requests, and it saves the KV transfer and a
+place in a prefill node's queue (BENCHMARKS.md, "Local prefill threshold")."""
+
+
 @dataclass(frozen=True)
 class NodeOptions:
     """Process-level options of a node (the engine's own live in EngineConfig)."""
@@ -43,8 +49,20 @@ class NodeOptions:
     advertise_host: str | None = None
     """Host peers use to reach this node (None: `host`); a decode node puts it in KV credentials."""
     colocated: bool = False
-    """Decode node: also run prompts locally when a request names no prefill node."""
+    """Accepted for compatibility: a decode node always prefills a request that names no prefill node."""
+    kv_reuse: bool = True
+    """Cache-aware disaggregation. Decode node: share the cached prefix blocks of a remote-prefill
+    request, transfer only the missing ones, and prefill locally when the missing part is short.
+    Prefill node: serve prompts from its own prefix cache. Off: every block is computed and shipped
+    (the baseline before reuse across the split)."""
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    """Decode node with kv_reuse: prefill here, not on a prefill node, when the prompt tokens this
+    node lacks are at most this many (0: only when no prefill node is usable)."""
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
 
 
 @dataclass(frozen=True)

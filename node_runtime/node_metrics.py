@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 
@@ -74,6 +74,17 @@ class NodeMetrics:
         self.queued_prefill_tokens = Gauge(
             "pdserve_queued_prefill_tokens", "prompt tokens waiting to be prefilled", names, registry=r
         ).labels(*values)
+        self.prefill_location = Counter(
+            "pdserve_prefill_decisions",
+            "decode node: requests whose prompt was prefilled here (local) or on a prefill node (remote)",
+            names + ["location"],
+            registry=r,
+        )
+        self._values = values
+
+    def count_prefill(self, location: str) -> None:
+        """One decode-node request prefilled at `location` ("local" or "remote")."""
+        self.prefill_location.labels(*self._values, location).inc()
 
     def observe_load(self, load) -> None:
         self.running.set(load.num_running)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from functools import partial
 
 from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, Transfer
@@ -12,6 +13,7 @@ from engine.forward_batch import ForwardBatch
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from node_runtime import convert
+from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
@@ -20,12 +22,14 @@ from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 log = logging.getLogger("pdserve.prefill")
 
 
-class PrefillNode(prefill_pb2_grpc.PrefillServicer):
+class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     """Runs prompts with `prefill_only` requests; after each layer the engine's hook hands that
     layer's blocks to the request's CacheStore transfer, so the transfer of layer i overlaps the
     compute of layer i+1. The first token is returned only once every layer is acknowledged."""
 
     def __init__(self, config: NodeConfig) -> None:
+        if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
+            config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
         self.rt = NodeRuntime("prefill", config)
         self.rt.engine.layer_hook = self._layer_hook
         pool = self.rt.engine.runner.kv_pool
@@ -38,8 +42,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             registry=self.rt.metrics.registry,
             faults=FaultInjector.from_env(),
         )  # None unless a chaos test sets it
-        self.transfers: dict[str, Transfer] = {}
-        """request id -> Transfer; read by the engine thread in the layer hook."""
+        self.transfers: dict[str, tuple[Transfer, int]] = {}
+        """request id -> (Transfer, index of the first block it writes: the decode node holds the ones
+        before); read by the engine thread in the layer hook."""
 
     async def start(self) -> str:
         return await self.rt.start(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(self, server))
@@ -56,11 +61,12 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         completes in this step (earlier chunks' layers are final by then too)."""
         ready = None
         for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables, batch.sample_mask):
-            tx = self.transfers.get(rid)
-            if tx is not None and last:
+            entry = self.transfers.get(rid)
+            if entry is not None and last:
                 if ready is None:
                     ready = self._ready_event()
-                tx.write_layer(layer, table[: blocks_for(ctx, self.geometry_block_size)], ready_event=ready)
+                tx, first = entry
+                tx.write_layer(layer, table[first : blocks_for(ctx, self.geometry_block_size)], ready_event=ready)
 
     def _ready_event(self):
         """On a CUDA pool: an event recorded now on the engine's stream, after this layer's KV writes.
@@ -84,13 +90,14 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rt, engine = self.rt, self.rt.engine
-        rid, prompt, params, creds = self._parse(request)
+        rid, prompt, params, creds, salt = self._parse(request)
+        skip = request.decode_cached_tokens // self.geometry_block_size
         tx = self.client.open_transfer(creds)
         async with rt.request(
             rid, partial(self._end, rid, tx), event="prefill", prompt_tokens=len(prompt), destination=creds.endpoint
         ) as scope:
-            self.transfers[rid] = tx
-            await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True)
+            self.transfers[rid] = (tx, skip)
+            await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True, cache_salt=salt)
             out = await scope.next_output()
             while not out.finished:
                 out = await scope.next_output()
@@ -110,8 +117,11 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 response.first_logprob.CopyFrom(convert.logprob_to_pb(out.new_logprobs[0]))
             return response
 
-    def _parse(self, request: prefill_pb2.PrefillRequest) -> tuple[str, list[int], SamplingParams, SessionCredentials]:
-        """Id, prompt, params and KV destination; IncompatiblePeer or ValueError when they cannot be served."""
+    def _parse(
+        self, request: prefill_pb2.PrefillRequest
+    ) -> tuple[str, list[int], SamplingParams, SessionCredentials, str | None]:
+        """Id, prompt, params, KV destination and cache salt; IncompatiblePeer or ValueError when they
+        cannot be served. The destination holds the blocks after decode_cached_tokens."""
         rt = self.rt
         if request.compatibility != rt.compatibility:
             raise IncompatiblePeer(
@@ -120,12 +130,16 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         rid = convert.check_request_id(request.request_id)
         prompt = check_prompt(request.prompt_token_ids, rt.engine.model_config.vocab_size, rt.engine.max_model_len)
         params = convert.params_from_pb(request.params)
+        held, bs = request.decode_cached_tokens, self.geometry_block_size
+        if held % bs or held >= len(prompt):
+            raise ValueError(f"decode_cached_tokens must be a multiple of {bs} below the prompt length, got {held}")
         creds = SessionCredentials.from_bytes(request.kv_destination)
-        if creds.num_layers != self.geometry.num_layers or len(creds.block_ids) * self.geometry_block_size < len(
-            prompt
+        if (
+            creds.num_layers != self.geometry.num_layers
+            or len(creds.block_ids) < blocks_for(len(prompt), bs) - held // bs
         ):
-            raise ValueError("kv_destination does not cover the prompt's layers and blocks")
-        return rid, prompt, params, creds
+            raise ValueError("kv_destination does not cover the prompt's layers and missing blocks")
+        return rid, prompt, params, creds, convert.cache_salt_from_pb(request)
 
     async def _end(self, rid: str, tx: Transfer, finished: bool) -> None:
         """Success: release keeps the blocks prefix-cached; failure or cancel: the transfer is aborted

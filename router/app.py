@@ -121,7 +121,7 @@ def create_app(
     @app.get("/health")
     async def health():
         if not server.cluster.is_healthy():
-            raise NoCapacityError("no healthy prefill + decode pair yet")
+            raise NoCapacityError("no healthy decode node yet")
         return {"status": "ok"}
 
     @app.get("/version")

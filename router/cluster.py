@@ -178,9 +178,10 @@ class Cluster:
         return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
 
     def is_healthy(self) -> bool:
-        """For /health: a pair is reachable. A node that only missed a health deadline counts (a loaded
-        machine is slow, not down); requests still wait for a responsive one (capacity_wait)."""
-        return all(any(n.reachable for (r, _), n in self.nodes.items() if r == role) for role in ("decode", "prefill"))
+        """For /health: a decode node is reachable (it prefills locally when no prefill node is). A node
+        that only missed a health deadline counts (a loaded machine is slow, not down); requests still
+        wait for a responsive one (capacity_wait)."""
+        return any(n.reachable for (r, _), n in self.nodes.items() if r == "decode")
 
     def max_model_len(self) -> int | None:
         lens = [n.max_model_len for n in self._usable("decode") if n.max_model_len]
@@ -203,15 +204,16 @@ class Cluster:
         usable = self._usable("decode")
         decodes = [n for n in usable if n.member.address not in exclude] or usable  # excluded ones as a last resort
         prefills = self._usable("prefill")
-        if not decodes or not prefills:
-            raise NoCapacityError("no healthy prefill and decode node is available; try again later")
+        if not decodes:  # with no usable prefill node, the decode node prefills locally (no addresses)
+            raise NoCapacityError("no healthy decode node is available; try again later")
         by_load = {id(n.load): n for n in decodes}
         chosen = self.decode_balancer.pick([n.load for n in decodes], tokens_needed, time.monotonic())
         if chosen is None:
             raise NoCapacityError("no decode node has room for this request now; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
         ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
-        ordered[0].inflight_tokens += tokens_needed
+        if ordered:
+            ordered[0].inflight_tokens += tokens_needed
         return by_load[id(chosen)], [n.address for n in ordered]
 
     async def _choose_waiting(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:

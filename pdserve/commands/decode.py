@@ -15,7 +15,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--colocated",
         action="store_true",
         default=None,
-        help="also run prompts locally when a request names no prefill node (monolithic baseline)",
+        help="accepted for compatibility: a decode node always prefills a request that names no prefill node",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=None,
+        help="with --kv-reuse on: prefill on this node when the prompt tokens it lacks are at most this "
+        "many (0: only when no prefill node is usable; default 64)",
     )
     p.set_defaults(func=run)
 

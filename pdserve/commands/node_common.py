@@ -56,10 +56,26 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
         "if --host is a wildcard)",
     )
+    p.add_argument(
+        "--kv-reuse",
+        type=on_off,
+        default=None,
+        metavar="on|off",
+        help="reuse KV across the prefill/decode split: decode shares its cached prefix and receives "
+        "only the missing blocks, prefill serves from its own prefix cache (default on; off: the "
+        "no-reuse baseline)",
+    )
     add_rdma_args(p)
     from node_runtime.discovery import add_discovery_args
 
     add_discovery_args(p)
+
+
+def on_off(value: str) -> bool:
+    """argparse type of an on|off flag."""
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 from pdserve.commands.generate import add_model_args
-from pdserve.commands.node_common import CLI_TRANSPORTS
+from pdserve.commands.node_common import CLI_TRANSPORTS, on_off
 from pdserve.commands.router import add_api_key_args, api_keys
 from node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
 from node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
@@ -29,8 +29,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.commands.memory_args import add_kv_memory_args
 
     add_kv_memory_args(p)  # per node: on one GPU, N nodes at 0.9 each cannot all start; give each 0.9/N
-    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument(
+        "--num-prefill", type=int, default=1, help="prefill nodes (0: decode-only nodes prefill every prompt)"
+    )
     p.add_argument("--num-decode", type=int, default=2)
+    p.add_argument(
+        "--kv-reuse",
+        type=on_off,
+        default=True,
+        metavar="on|off",
+        help="reuse KV across the prefill/decode split on every node (default on; off: the no-reuse baseline)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=None,
+        help="decode nodes prefill locally when the prompt tokens they lack are at most this many "
+        "(0: only when no prefill node is usable; default 64)",
+    )
     p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument(
@@ -82,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.commands.device_args import device_flags
     from pdserve.commands.memory_args import kv_memory_flags
 
+    if args.num_prefill < 0 or args.num_decode < 1:
+        print("error: --num-prefill must be >= 0 and --num-decode >= 1", file=sys.stderr)
+        return 2
     model = args.model or str(default_model_dir())  # build the built-in model once, before the children start
     secret = secrets.token_hex(16)
     env = {**os.environ, CLUSTER_SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
@@ -91,6 +110,12 @@ def run(args: argparse.Namespace) -> int:
         + (["--dtype", args.dtype] if args.dtype else [])
         + device_flags(args)
         + kv_memory_flags(args)
+        + ["--kv-reuse", "on" if args.kv_reuse else "off"]
+    )
+    decode_args = (
+        ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+        if args.local_prefill_max_tokens is not None
+        else []
     )
     stopping = threading.Event()
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731
@@ -98,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
     def node(role: str, i: int, port: int) -> Supervised:
         index = i if role == "prefill" else args.num_prefill + i
         metrics = ["--metrics-port", str(args.metrics_base_port + index)] if args.metrics_base_port else []
+        own = decode_args if role == "decode" else []
         return Supervised(
-            f"{role}-{i}", lambda p: base + [role, "--port", str(p)] + node_args + metrics, port, env, policy()
+            f"{role}-{i}", lambda p: base + [role, "--port", str(p)] + node_args + own + metrics, port, env, policy()
         )
 
     def shutdown(*_: object) -> None:

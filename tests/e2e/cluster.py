@@ -13,6 +13,10 @@ from node_runtime.supervisor import Child
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 90.0
+REMOTE_ONLY = ["--local-prefill-max-tokens", "0"]
+"""Decode nodes of these clusters prefill locally only when a request names no prefill node: the
+tests that start them exercise the split (transfers, fencing, a failed prefill that must fail).
+Local prefill has its own tests (test_kv_reuse.py, test_decode_only.py); decode_extra overrides it."""
 
 
 class Proc(Child):
@@ -94,7 +98,7 @@ def start_cluster(
             started.append(prefills[-1])
         decodes = []
         for _ in range(num_decode):
-            decodes.append(start("decode", common + (decode_extra or []), env))
+            decodes.append(start("decode", common + REMOTE_ONLY + (decode_extra or []), env))
             started.append(decodes[-1])
     except Exception:
         for p in started:

@@ -13,12 +13,20 @@ def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
 
 
 async def generate(
-    address: str, secret: str, request_id: str, prompt: list[int], params, prefill: list[str], timeout: float = 60.0
+    address: str,
+    secret: str,
+    request_id: str,
+    prompt: list[int],
+    params,
+    prefill: list[str],
+    timeout: float = 60.0,
+    **fields,
 ) -> tuple[list[int], list[decode_pb2.GenerateEvent]]:
+    """One Generate call to its end; `fields` are further GenerateRequest fields (e.g. cache_salt)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
         req = decode_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, params=params, prefill_addresses=prefill
+            request_id=request_id, prompt_token_ids=prompt, params=params, prefill_addresses=prefill, **fields
         )
         events = [e async for e in stub.Generate(req, metadata=cluster_metadata(secret), timeout=timeout)]
     return [t for e in events for t in e.token_ids], events

@@ -5,16 +5,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-from tests.e2e.cluster import ROOT
 from tests.e2e.router_cluster import free_port
+from tests.e2e.up_process import start_up
 
 pytestmark = pytest.mark.e2e
 
@@ -51,28 +48,10 @@ def usable_decodes(port: int) -> int:
 
 def test_up_serves_heals_a_killed_node_and_stops_on_sigint():
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if "pdserve is up" in line:
-                up.set()
-        up.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    up = start_up(["--port", str(port)])
+    proc, lines = up.proc, up.lines
     try:
-        assert up.wait(180) and any("pdserve is up" in line for line in lines), "\n".join(lines[-40:])
+        assert up.wait_up(), "\n".join(lines[-40:])
         assert f"http://127.0.0.1:{port}/v1" in "\n".join(lines)
         r = chat(port)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1

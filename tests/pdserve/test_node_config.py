@@ -157,3 +157,16 @@ def test_router_config_from_flags_and_defaults(monkeypatch):
     assert (config.port, config.api_keys, config.max_prompt_tokens, config.discovery.decode) == (9, ("k",), 50, "h:1")
     with pytest.raises(SystemExit, match="hung_after must be > 0"):
         router_config(build_parser().parse_args(["router", "--hung-after", "0"]))
+
+
+def test_kv_reuse_flags(capsys):
+    decode = _node("decode", ["--kv-reuse", "off", "--local-prefill-max-tokens", "0"])
+    assert decode.node.kv_reuse is False and decode.node.local_prefill_max_tokens == 0
+    assert _node("prefill", []).node.kv_reuse is True
+    with pytest.raises(SystemExit, match="local-prefill-max-tokens must be >= 0"):
+        _node("decode", ["--local-prefill-max-tokens", "-1"])
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["prefill", "--kv-reuse", "maybe"])
+    assert exit_.value.code == 2 and "expected on or off" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a prefill node has no local prefill
+        build_parser().parse_args(["prefill", "--local-prefill-max-tokens", "8"])

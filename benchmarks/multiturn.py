@@ -1,0 +1,237 @@
+"""Multi-turn chat on a real `pdserve up` cluster (2 prefill + 2 decode, bench model): KV reuse
+across the split against the no-reuse baseline, in the same run.
+
+Every session opens with the same ~1k-token system prompt; each turn appends the previous answer
+and a new user message (token-id prompts on /v1/completions, greedy). Turns run in lockstep rounds
+(all sessions' turn t at once), so the KV bytes the decode nodes received (their CacheStore
+counters) can be split into turn 1 and turns >= 2. The reuse arm runs `--kv-reuse on` (with
+`--routing kv-aware` when `pdserve up` offers it), the baseline `--kv-reuse off` (`--routing wrr`).
+
+    python -m benchmarks.multiturn [--quick] [--vllm-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from benchmarks.cluster_procs import ROOT
+from benchmarks.common import emit, pct
+
+BLOCK = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workload(tokenizer, sessions: int, turns: int, seed: int) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt (~1k tokens of corpus text) and each session's user messages."""
+    text = (ROOT / "engine" / "data" / "corpus.txt").read_text().split()
+    rng = random.Random(seed)
+    system: list[int] = []
+    while len(system) < 1000:
+        start = rng.randrange(len(text) - 40)
+        system += tokenizer.encode(" ".join(text[start : start + 40]), add_special_tokens=not system)
+    users = [
+        [
+            tokenizer.encode(" ".join(text[s : s + rng.randrange(20, 50)]), False)
+            for s in rng.sample(range(len(text) - 60), turns)
+        ]
+        for _ in range(sessions)
+    ]
+    return system[:1000], users
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start, ttft, text, cached = time.perf_counter(), None, "", 0
+    async with client.stream("POST", url, json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                text += chunk["choices"][0]["text"]
+    return {"ttft": ttft or float("nan"), "text": text, "cached": cached, "prompt_tokens": len(prompt)}
+
+
+def received_kv_bytes(metrics_ports: list[int]) -> float:
+    """KV bytes the decode nodes received over the CacheStore (from their /metrics)."""
+    total = 0.0
+    for port in metrics_ports:
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+            if line.startswith("pdserve_cachestore_bytes_total") and 'side="recv"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def run_workload(url: str, model: str, tokenizer, system, users, max_tokens: int, kv_bytes) -> dict:
+    """All sessions, turn by turn; per turn >= 2: TTFT, cached tokens, and its block-aligned bound."""
+    histories = [list(system) for _ in users]
+    texts: list[str] = []
+    later = {"ttft": [], "cached": 0, "prompt": 0, "bound": 0}
+    bytes_before = kv_bytes()
+    async with httpx.AsyncClient() as client:
+        for t in range(len(users[0])):
+            if t == 1:
+                bytes_before = kv_bytes()  # turn 1 ships the system prompt at least once per node
+            prompts = [h + u[t] for h, u in zip(histories, users)]
+            results = await asyncio.gather(*[one_turn(client, url, model, p, max_tokens) for p in prompts])
+            for i, (h, p, res) in enumerate(zip(histories, prompts, results)):
+                answer = tokenizer.encode(res["text"], add_special_tokens=False)
+                if t >= 1:
+                    later["ttft"].append(res["ttft"])
+                    later["cached"] += res["cached"]
+                    later["prompt"] += len(p)
+                    later["bound"] += min(len(h), len(p) - 1) // BLOCK * BLOCK  # history the cluster has seen
+                histories[i] = p + answer
+                texts.append(res["text"])
+    later["kv_bytes"] = kv_bytes() - bytes_before
+    later["texts"] = texts
+    return later
+
+
+def start_up(model: str, port: int, metrics_base: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port)]
+    cmd += ["--num-prefill", "2", "--num-decode", "2", "--metrics-base-port", str(metrics_base), *extra]
+    return start_server(cmd, lambda line: "pdserve is up" in line)
+
+
+def start_server(cmd: list[str], ready) -> subprocess.Popen:
+    """Start `cmd` in its own process group and wait for a `ready` line; its output keeps being read
+    afterwards, so that it never blocks on a full pipe."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-30:]
+        if ready(line):
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc
+    stop(proc)
+    raise RuntimeError(f"{' '.join(cmd)} exited before it was ready:\n{''.join(tail)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def run_arm(model: str, extra: list[str], tokenizer, system, users, max_tokens: int) -> dict:
+    port, metrics = free_port(), free_port()  # node metrics on metrics..metrics+3: prefill 0-1, decode 2-3
+    proc = start_up(model, port, metrics, extra)
+    try:
+        kv = lambda: received_kv_bytes([metrics + 2, metrics + 3])  # noqa: E731
+        url, name = f"http://127.0.0.1:{port}/v1/completions", os.path.basename(model.rstrip("/"))
+        return asyncio.run(run_workload(url, name, tokenizer, system, users, max_tokens, kv))
+    finally:
+        stop(proc)
+
+
+def run_vllm(python: str, model: str, tokenizer, system, users, max_tokens: int) -> dict:
+    """The same workload against `vllm serve` with prefix caching (fp32 on CPU, like the nodes)."""
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
+    cmd += ["--enable-prefix-caching", "--dtype", "float32", "--served-model-name", "vllm"]
+    proc = start_server(cmd, lambda line: "Application startup complete" in line)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        return asyncio.run(run_workload(url, "vllm", tokenizer, system, users, max_tokens, lambda: 0.0))
+    finally:
+        stop(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
+    parser.add_argument("--vllm-python", default=None, help="python of a vLLM install: also run `vllm serve`")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from engine.builtin import default_model_dir
+    from engine.tokenizer import Tokenizer
+
+    model = str(default_model_dir(args.model_size))
+    tokenizer = Tokenizer(model)
+    sessions, turns, max_tokens = (4, 3, 16) if args.quick else (12, 5, 32)
+    system, users = workload(tokenizer, sessions, turns, args.seed)
+    routing = (
+        "--routing"
+        in subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "up", "--help"], cwd=ROOT, capture_output=True, text=True
+        ).stdout
+    )
+    reuse_flags = ["--kv-reuse", "on"] + (["--routing", "kv-aware"] if routing else [])
+    base_flags = ["--kv-reuse", "off"] + (["--routing", "wrr"] if routing else [])
+    reuse = run_arm(model, reuse_flags, tokenizer, system, users, max_tokens)
+    base = run_arm(model, base_flags, tokenizer, system, users, max_tokens)
+    result = summarize(reuse, base, routing)
+    if args.vllm_python:
+        peer = run_vllm(args.vllm_python, model, tokenizer, system, users, max_tokens)
+        result["vllm_ttft_p50_ratio"] = round(pct(reuse["ttft"], 0.5) / pct(peer["ttft"], 0.5), 3)
+        result["vllm_ttft_p99_ratio"] = round(pct(reuse["ttft"], 0.99) / pct(peer["ttft"], 0.99), 3)
+        result["vllm_cached_fraction"] = round(peer["cached"] / peer["prompt"], 4)
+    emit({**result, "sessions": sessions, "turns": turns, "model": args.model_size})
+
+
+def summarize(reuse: dict, base: dict, routing: bool) -> dict:
+    p50, b50 = pct(reuse["ttft"], 0.5), pct(base["ttft"], 0.5)
+    new_share = 1 - reuse["bound"] / reuse["prompt"]
+    print(
+        f"turns>=2: TTFT p50 {p50:.3f}s vs {b50:.3f}s, p99 {pct(reuse['ttft'], 0.99):.3f}s vs "
+        f"{pct(base['ttft'], 0.99):.3f}s; KV bytes {reuse['kv_bytes']:.0f} vs {base['kv_bytes']:.0f}; "
+        f"cached {reuse['cached']}/{reuse['prompt']} (bound {reuse['bound']})",
+        flush=True,
+    )
+    return {
+        "metric": "multiturn_ttft_p50_turns2plus_s",
+        "value": round(p50, 4),
+        "baseline": round(b50, 4),
+        "ratio": round(p50 / b50, 3),
+        "target": "ratio <= 0.5; wire_bytes_ratio <= 1.1 x new_token_share; cached_fraction >= 0.9 x bound",
+        "ttft_p99": round(pct(reuse["ttft"], 0.99), 4),
+        "baseline_ttft_p99": round(pct(base["ttft"], 0.99), 4),
+        "wire_bytes_ratio": round(reuse["kv_bytes"] / base["kv_bytes"], 4) if base["kv_bytes"] else None,
+        "new_token_share": round(new_share, 4),
+        "cached_fraction": round(reuse["cached"] / reuse["prompt"], 4),
+        "cached_bound": round(reuse["bound"] / reuse["prompt"], 4),
+        "baseline_cached_fraction": round(base["cached"] / base["prompt"], 4),
+        "identical": reuse["texts"] == base["texts"],
+        "routing_flag": routing,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Prefill and decode nodes inside the test process (KV over the in-process `local` transport):
+no process start-up, and the engines can be inspected directly between requests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+
+SECRET = "s"
+
+
+@dataclass
+class Nodes:
+    prefills: list  # PrefillNode
+    decode: object  # DecodeNode
+    prefill_addresses: list[str]
+    decode_address: str
+
+    def all(self) -> list:
+        return [*self.prefills, self.decode]
+
+
+async def assert_no_blocks_used(nodes: Nodes) -> None:
+    """Every node's blocks are free and owned as its requests say (no leak, no double free)."""
+    for node in nodes.all():
+        engine = node.rt.engine
+        await node.rt.loop_thread.call(engine.check_integrity)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, node.rt.role
+        assert not engine.requests, (node.rt.role, list(engine.requests))
+    assert nodes.decode.cachestore.num_sessions == 0
+
+
+@contextlib.asynccontextmanager
+async def in_process_nodes(
+    model_dir, num_prefill: int = 1, *, reuse: bool = True, local_max: int = 0, num_kv_blocks: int = 256
+) -> AsyncIterator[Nodes]:
+    """Start `num_prefill` prefill nodes and one decode node (stopped however the block ends)."""
+    from decode_node import DecodeNode
+    from prefill_node import PrefillNode
+
+    transfer = TransferOptions(transport="local")
+    node = NodeOptions(cluster_secret=SECRET, kv_reuse=reuse, local_prefill_max_tokens=local_max)
+    prefills = [
+        PrefillNode(NodeConfig(EngineConfig(model_dir, num_kv_blocks=num_kv_blocks), node, transfer))
+        for _ in range(num_prefill)
+    ]
+    decode = DecodeNode(
+        NodeConfig(EngineConfig(model_dir, num_kv_blocks=num_kv_blocks, preemption="never"), node, transfer)
+    )
+    started: list = []
+    try:
+        addresses = []
+        for p in prefills:
+            addresses.append(await p.start())
+            started.append(p)
+        decode_address = await decode.start()
+        started.append(decode)
+        yield Nodes(prefills, decode, addresses, decode_address)
+    finally:
+        for n in reversed(started):
+            await n.stop()
