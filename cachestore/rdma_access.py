@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 from cachestore import rdma_memory
 from cachestore.credentials import SessionCredentials
-from cachestore.geometry import PoolGeometry
+from cachestore.geometry import PoolGeometry, block_runs
 from cachestore.rdma_verbs import QpInfo, RdmaResources, wait_completion
 
 log = logging.getLogger("pdserve.cachestore")
@@ -36,12 +36,7 @@ BIND_TIMEOUT = 2.0
 
 def session_ranges(geometry: PoolGeometry, creds: SessionCredentials, base: int) -> list[tuple[int, int]]:
     """(address, length) of every contiguous byte range the session owns: per layer, per run of ids."""
-    runs: list[tuple[int, int]] = []
-    for b in sorted(creds.block_ids):
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
+    runs = block_runs(sorted(creds.block_ids))
     return [
         (base + geometry.offset(layer, first), count * geometry.block_bytes)
         for layer in range(creds.num_layers)
@@ -190,13 +185,11 @@ class RdmaReceiver:
         into the pool before the NOTIFY is acknowledged; nothing to do otherwise."""
         if not self.staged:
             return
-        from cachestore.tcp_receiver import dest_runs
-
         geometry = self.server.geometry
         rdma_memory.commit(
             self.res.registration,
             self.server.region.tensor,
-            [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in dest_runs(block_ids)],
+            [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in block_runs(block_ids)],
         )
 
     def close(self) -> None:

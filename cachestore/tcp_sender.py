@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import TYPE_CHECKING
 
 from cachestore import wire
+from cachestore.channel import Sender, Transfer
 from cachestore.geometry import Run
+from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
 from cachestore.staging import HostStaging
 from cachestore.write_queue import WriteQueue
-from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
-
-if TYPE_CHECKING:
-    from cachestore.client import Transfer
 
 CONNECT_TIMEOUT = 5.0
 
@@ -54,7 +51,7 @@ def control_request(sock: socket.socket, message: bytes, limit: int = wire.MAX_C
 class TcpChannel:
     """Frames from many transfers share the connection; acks come back by sequence number."""
 
-    def __init__(self, client, endpoint: str, hello: bytes | None = None) -> None:
+    def __init__(self, client: Sender, endpoint: str, hello: bytes | None = None) -> None:
         self.client = client
         self.endpoint = endpoint
         self.broken = False
@@ -139,9 +136,10 @@ class TcpChannel:
         client = self.client
         if self._staging is None:
             return [client.source(layer, r) for r in runs]
-        geo = client.geometry
+        geo, pool = client.geometry, client.region.tensor
+        assert pool is not None, "a device region is reached through its tensor"
         spans = [(geo.offset(layer, r.src_block), r.count * geo.block_bytes) for r in runs]
-        return [self._staging.gather(client.region.tensor, spans, ready_event)]
+        return [self._staging.gather(pool, spans, ready_event)]
 
     def _ack_loop(self) -> None:
         buf = bytearray(wire.HEADER_BYTES)

@@ -40,7 +40,8 @@ from cachestore.verbs_emu.device import (
     get_device_list,
 )
 from cachestore.verbs_emu.memory import MR, MW, PD, MWBindInfo, VerbsError
-from cachestore.verbs_emu.queues import CQ, QP, WC, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR, SGE
+from cachestore.verbs_emu.completion import CQ, WC
+from cachestore.verbs_emu.queues import QP, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR, SGE
 
 EMULATED = True
 """Marks this verbs provider as the emulation (no peer-memory client: CUDA pools are staged)."""

@@ -26,51 +26,17 @@ import ctypes
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from cachestore.verbs_emu import enums
+from cachestore.verbs_emu.completion import CQ, WC
 from cachestore.verbs_emu.memory import MR, MW, MWBindInfo, VerbsError, remote_target
-
-if TYPE_CHECKING:
-    from cachestore.verbs_emu.wire import RequesterLink
+from cachestore.verbs_emu.wire import RequesterLink, parse_gid
 
 _ORDER = {
     enums.IBV_QPS_RESET: enums.IBV_QPS_INIT,
     enums.IBV_QPS_INIT: enums.IBV_QPS_RTR,
     enums.IBV_QPS_RTR: enums.IBV_QPS_RTS,
 }
-
-
-class WC:
-    """A work completion."""
-
-    def __init__(self, wr_id: int, status: int, opcode: int, qp_num: int, byte_len: int = 0, imm_data: int = 0):
-        self.wr_id, self.status, self.opcode, self.qp_num = wr_id, status, opcode, qp_num
-        self.byte_len, self.imm_data = byte_len, imm_data
-
-
-class CQ:
-    """A completion queue; poll(n) returns (count, [WC]) like pyverbs."""
-
-    def __init__(self, ctx, cqe: int, *_unused) -> None:
-        self.ctx, self.depth = ctx, cqe
-        self._wcs: collections.deque[WC] = collections.deque()
-        self._lock = threading.Lock()
-        self.overrun = False
-
-    def push(self, wc: WC) -> None:
-        if self.ctx.fabric.faults.take_drop():
-            return
-        with self._lock:
-            if len(self._wcs) >= self.depth:
-                self.overrun = True  # a real CQ overrun is an async error; tests check the flag
-                return
-            self._wcs.append(wc)
-
-    def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
-        with self._lock:
-            out = [self._wcs.popleft() for _ in range(min(num_entries, len(self._wcs)))]
-        return len(out), out
 
 
 class SGE:
@@ -179,8 +145,6 @@ class QP:
                 self.dest_qp_num = attr.dest_qp_num
                 self.remote, self._rq_psn = _wire_address(attr), int(getattr(attr, "rq_psn", 0) or 0)
             if target == enums.IBV_QPS_RTS and self.remote is not None:
-                from cachestore.verbs_emu.wire import RequesterLink
-
                 self._link = RequesterLink(self, self.remote, int(getattr(attr, "sq_psn", 0) or 0))
             if target == enums.IBV_QPS_RESET:
                 self._rq.clear()
@@ -325,8 +289,6 @@ class QP:
 
 def _wire_address(attr: QPAttr) -> tuple[str, int] | None:
     """The peer's device endpoint from RTR's address handle, if it carries an emulated GID."""
-    from cachestore.verbs_emu.wire import parse_gid
-
     ah = getattr(attr, "ah_attr", None)
     gr = getattr(ah, "gr", None) if ah is not None and getattr(ah, "is_global", False) else None
     return parse_gid(gr.dgid) if gr is not None and gr.dgid else None
