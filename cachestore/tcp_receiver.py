@@ -135,6 +135,10 @@ class FrameWorker:
         if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
             raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
         if h.kind == wire.KIND_WRITEV:  # the id list comes first: the whole list is validated before any byte lands
+            status = server.check_header(h)
+            if status != wire.OK:  # refused on its header alone: the list is skipped unread, like the payload
+                server.reject(status)
+                return status if self._discard(conn, h.count * wire.IDS.size + h.payload_len) else None
             raw = recv_exact(conn, h.count * wire.IDS.size)
             if raw is None:
                 raise OSError("peer closed inside a block id list")
