@@ -283,13 +283,13 @@ class RequesterLink:
             self.sock = sock
         return self.sock
 
-    def write(self, sges: list, rkey: int, va: int, imm: int | None) -> int:
-        """Send one RDMA WRITE message (the SGEs' bytes, in MTU packets) and wait for its ACK/NAK;
-        returns the completion status."""
+    def write(self, sges: list[tuple[int, int, int]], rkey: int, va: int, imm: int | None) -> int:
+        """Send one RDMA WRITE message (the bytes of the (addr, length, lkey) SGEs, in MTU packets)
+        and wait for its ACK/NAK; returns the completion status."""
         try:
             sock = self._connect()
-            length = sum(s.length for s in sges)
-            chunks = [(s.addr + at, min(MTU, s.length - at)) for s in sges for at in range(0, s.length, MTU)]
+            length = sum(n for _, n, _ in sges)
+            chunks = [(addr + at, min(MTU, n - at)) for addr, n, _ in sges for at in range(0, n, MTU)]
             if not chunks:
                 chunks = [(0, 0)]
             first_psn = self.psn
