@@ -45,7 +45,6 @@ from cachestore.rdma_verbs import (
     qp_attr_values,
     rdma_devices,
     verbs,
-    wait_completion,
 )
 
 if TYPE_CHECKING:  # loaded on first use (staging imports torch)
@@ -179,23 +178,23 @@ class RdmaLane:
             self._post(batch, windows)
 
     def _post(self, batch: list, windows: list) -> None:
-        """Post one chain of WRITEs (only the last signaled) and wait for its completion."""
+        """Post one batch of WRITEs (`RdmaResources.run_chain`: pieces that fit the send queue, only
+        their last WR signaled) and wait for its completion."""
         res = self._ready()
         v = res.v
         self._wr_ids += len(batch)
         wrs = []
-        for i, w in enumerate(batch):
+        for w in batch:
             wr = v.SendWR(
                 wr_id=w.wr_id,
                 opcode=v.enums.IBV_WR_RDMA_WRITE,
                 num_sge=1,
                 sg=[v.SGE(w.local_addr, w.length, res.mr.lkey)],
-                send_flags=v.enums.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0,
+                send_flags=0,
             )
             wr.set_wr_rdma(window_for(windows, w.remote_addr, w.length), w.remote_addr)
             wrs.append(wr)
-        res.post_chain(self.qp, wrs)
-        wait_completion(v, self.cq, batch[-1].wr_id)
+        res.run_chain(self.qp, self.cq, wrs)
 
     def _write_staged(
         self, layer: int, run: Run, ready_event, remote: PoolGeometry, remote_base: int, windows: list

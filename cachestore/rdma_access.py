@@ -24,7 +24,7 @@ from dataclasses import asdict
 from cachestore import rdma_memory
 from cachestore.credentials import SessionCredentials
 from cachestore.geometry import PoolGeometry, block_runs
-from cachestore.rdma_verbs import QpInfo, RdmaResources, wait_completion
+from cachestore.rdma_verbs import QpInfo, RdmaResources
 
 log = logging.getLogger("pdserve.cachestore")
 ACCESS_ENV = "PDSERVE_RDMA_ACCESS"
@@ -57,16 +57,15 @@ class Responder:
         self.closed = False
 
     def run(self, wrs: list, timeout: float | None = None) -> None:
-        """Post `wrs` (the last signaled) and wait for their completion; OSError if any failed."""
+        """Post `wrs` (`RdmaResources.run_chain`: pieces that fit the send queue, each piece's last
+        WR signaled) and wait for their completion; OSError if any failed."""
         with self.lock:
             if self.closed:
                 raise OSError("responder QP closed")
             for wr in wrs:
                 self._wr_ids += 1
                 wr.wr_id = self._wr_ids
-            wrs[-1].send_flags = self.res.v.enums.IBV_SEND_SIGNALED
-            self.res.post_chain(self.qp, wrs)
-            wait_completion(self.res.v, self.cq, self._wr_ids, timeout)
+            self.res.run_chain(self.qp, self.cq, wrs, timeout)
 
     def close(self) -> None:
         with self.lock:
@@ -83,27 +82,34 @@ class Grant:
         self.use_mw = use_mw
         self.ranges = ranges
         self.keys: list = []
+        """The MWs (or MRs) to free at revocation."""
+        self.rkeys: list[int] = []
+        """The remote key of each range: an MR's own, or the key its window's BIND_MW gave it."""
         res, v = responder.res, responder.res.v
         if not use_mw:  # fallback: a per-session MR per range, valid on every QP of the PD
             access = v.enums.IBV_ACCESS_LOCAL_WRITE | v.enums.IBV_ACCESS_REMOTE_WRITE
             self.keys = [v.MR(res.pd, length, access, address=addr) for addr, length in ranges]
+            self.rkeys = [mr.rkey for mr in self.keys]
             return
         wrs = []
         for addr, length in ranges:
             mw = v.MW(res.pd, v.enums.IBV_MW_TYPE_2)
             self.keys.append(mw)
-            wr = v.SendWR(opcode=v.enums.IBV_WR_BIND_MW)
+            wr = v.SendWR(opcode=v.enums.IBV_WR_BIND_MW, send_flags=0)
             wr.set_bind_wr(mw, v.MWBindInfo(res.mr, addr, length, v.enums.IBV_ACCESS_REMOTE_WRITE))
             wrs.append(wr)
         try:
-            responder.run(wrs, BIND_TIMEOUT)  # binding gives each window its new rkey
+            responder.run(wrs, BIND_TIMEOUT)
         except OSError:
             self.revoke()
             raise
+        # type 2: the bound key is the one the bind WR carried (pyverbs computes it in set_bind_wr);
+        # the MW object's rkey is its allocation key, which grants nothing
+        self.rkeys = [wr.rkey for wr in wrs]
 
     def windows(self) -> list[list[int]]:
         """[address, length, rkey] of every range, for the sender."""
-        return [[addr, length, key.rkey] for (addr, length), key in zip(self.ranges, self.keys)]
+        return [[addr, length, rkey] for (addr, length), rkey in zip(self.ranges, self.rkeys)]
 
     def revoke(self) -> None:
         """Invalidate every key (LOCAL_INV through the QP it was bound on), then free it. Returns only
@@ -113,19 +119,19 @@ class Grant:
         if self.use_mw and self.keys:
             try:
                 wrs = []
-                for mw in self.keys:
-                    wr = v.SendWR(opcode=v.enums.IBV_WR_LOCAL_INV)
-                    wr.invalidate_rkey = mw.rkey
+                for rkey in self.rkeys:
+                    wr = v.SendWR(opcode=v.enums.IBV_WR_LOCAL_INV, send_flags=0)
+                    wr.imm_data = rkey  # pyverbs' LOCAL_INV key: invalidate_rkey shares imm_data's union
                     wrs.append(wr)
                 self.responder.run(wrs, REVOKE_TIMEOUT)
-            except Exception as e:  # QP in ERROR (flushed), gone, or a verbs binding without the field:
+            except Exception as e:  # QP in ERROR (flushed) or gone:
                 log.info("LOCAL_INV of a session's windows did not complete (%s): deallocating them", e)
         for key in self.keys:  # deallocation revokes too, so it runs whatever happened above
             try:
                 key.close()  # ibv_dealloc_mw / ibv_dereg_mr
             except Exception:
                 log.exception("cannot free an RDMA key of a revoked session")
-        self.keys = []
+        self.keys, self.rkeys = [], []
 
 
 def use_memory_windows(res: RdmaResources) -> bool:
