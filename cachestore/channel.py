@@ -71,6 +71,10 @@ class Channel(Protocol):
     def submit_layer(self, transfer: Transfer, layer: int, runs: list[Run], ready_event: Any) -> None:
         """Queue every run of `layer` (as one frame where the transport can)."""
 
+    def prepare(self, transfer: Transfer) -> None:
+        """The transfer just opened: set up what its first write needs (an rdma grant) now, on the
+        channel's own threads, while the engine computes the first layer."""
+
     def close(self) -> None:
         """Stop sending; queued runs fail."""
 

@@ -56,7 +56,10 @@ class CacheStoreClient:
                 f"incompatible KV geometry: receiver blocks are {creds.block_bytes} bytes, "
                 f"ours are {self.geometry.block_bytes}"
             )
-        return Transfer(creds, self._channel_for(creds), self.metrics, asyncio.get_running_loop())
+        channel = self._channel_for(creds)
+        transfer = Transfer(creds, channel, self.metrics, asyncio.get_running_loop())
+        channel.prepare(transfer)
+        return transfer
 
     def source(self, layer: int, run: Run) -> memoryview:
         """The pool's bytes of `run` in `layer` (a host pool; channels read a device pool by staging)."""

@@ -81,5 +81,8 @@ class LocalChannel:
         for run in runs:
             self.submit(transfer, layer, run, ready_event)
 
+    def prepare(self, transfer: Transfer) -> None:
+        """Nothing to set up: each write is a checked copy."""
+
     def close(self) -> None:
         """Nothing to release."""

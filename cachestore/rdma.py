@@ -88,6 +88,11 @@ class RdmaLane:
         self._thread = threading.Thread(target=self._run, name=f"cachestore-rdma-{index}", daemon=True)
         self._thread.start()
 
+    def prepare(self, transfer) -> None:
+        """Ask for `transfer`'s grant on this lane's thread now, not at its first write."""
+        if not self.broken:
+            self._queue.put((transfer, None, None, None, True))
+
     def submit(self, transfer, layer: int, run: Run, ready_event, rerouted: bool = False) -> None:
         """Any thread: enqueue only."""
         if self.broken:
@@ -142,6 +147,12 @@ class RdmaLane:
         assert control is not None
         for transfer, layer, run, ready_event, _ in self._queue.live():
             creds = transfer.creds
+            if layer is None:  # `prepare`: the grant now, before the first layer is ready
+                try:
+                    self._grant(creds)
+                except (OSError, ValueError, KeyError, wire.CorruptFrame) as e:  # the first write asks again
+                    log.info("RDMA grant ahead of the first layer failed: %s", e)
+                continue
             try:
                 windows = self._grant(creds)
             except PermissionError as e:  # this request only: the lane is fine
@@ -232,7 +243,7 @@ class RdmaLane:
         log.warning("%s", reason)
         self._teardown()
         for item in self._queue.drain():
-            if item[0].failed:
+            if item[0].failed or item[1] is None:  # a failed transfer's write, or a grant ahead of time
                 continue
             if self._reroute is not None and not item[4]:
                 self._reroute(*item[:4])
@@ -307,6 +318,14 @@ class RdmaChannel:
     def submit_layer(self, transfer, layer: int, runs: list[Run], ready_event) -> None:
         for run in runs:
             self.submit(transfer, layer, run, ready_event)
+
+    def prepare(self, transfer) -> None:
+        """Every lane asks for the session's grant on its own thread as the transfer opens, so the
+        first layer finds its windows bound (a lane's QP exchange started when the channel was made)."""
+        with self._lock:
+            lanes = [] if self.broken else list(self.lanes)
+        for lane in lanes:
+            lane.prepare(transfer)
 
     @property
     def poll_threads(self) -> set[str]:
