@@ -160,6 +160,11 @@ class QPCap:
         self.max_send_sge, self.max_recv_sge, self.max_inline_data = max_send_sge, max_recv_sge, max_inline_data
 
 
+def _cap_field(name: str) -> property:
+    """A QPInitAttr field that pyverbs keeps in its inner ibv_qp_cap: read and written through `cap`."""
+    return property(lambda self: getattr(self.cap, name), lambda self, val: setattr(self.cap, name, val))
+
+
 class QPInitAttr:
     """pyverbs.qp.QPInitAttr: a UD QP that signals every WR unless told otherwise."""
 
@@ -170,37 +175,10 @@ class QPInitAttr:
             raise TypeError("Argument 'cap' has incorrect type (expected QPCap)")
         self.qp_type, self.qp_context, self.cap, self.sq_sig_all = qp_type, qp_context, cap or QPCap(), sq_sig_all
 
-    @property
-    def max_send_wr(self) -> int:
-        return self.cap.max_send_wr
-
-    @max_send_wr.setter
-    def max_send_wr(self, val: int) -> None:
-        self.cap.max_send_wr = val
-
-    @property
-    def max_recv_wr(self) -> int:
-        return self.cap.max_recv_wr
-
-    @max_recv_wr.setter
-    def max_recv_wr(self, val: int) -> None:
-        self.cap.max_recv_wr = val
-
-    @property
-    def max_send_sge(self) -> int:
-        return self.cap.max_send_sge
-
-    @max_send_sge.setter
-    def max_send_sge(self, val: int) -> None:
-        self.cap.max_send_sge = val
-
-    @property
-    def max_recv_sge(self) -> int:
-        return self.cap.max_recv_sge
-
-    @max_recv_sge.setter
-    def max_recv_sge(self, val: int) -> None:
-        self.cap.max_recv_sge = val
+    max_send_wr = _cap_field("max_send_wr")
+    max_recv_wr = _cap_field("max_recv_wr")
+    max_send_sge = _cap_field("max_send_sge")
+    max_recv_sge = _cap_field("max_recv_sge")
 
 
 class QPAttr:
