@@ -34,18 +34,8 @@ from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
 from cachestore.write_queue import WriteQueue
 from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for
-from cachestore.rdma_verbs import (
-    COMPLETION_TIMEOUT,
-    EMULATOR_ENV,
-    QpInfo,
-    QpState,
-    RdmaResources,
-    device_choice,
-    next_state,
-    qp_attr_values,
-    rdma_devices,
-    verbs,
-)
+from cachestore.rdma_qp import QpInfo, QpState, next_state, qp_attr_values
+from cachestore.rdma_verbs import COMPLETION_TIMEOUT, EMULATOR_ENV, RdmaResources, device_choice, rdma_devices, verbs
 
 if TYPE_CHECKING:  # loaded on first use (staging imports torch)
     from cachestore.staging import HostStaging

@@ -24,7 +24,8 @@ from dataclasses import asdict
 from cachestore import rdma_memory
 from cachestore.credentials import SessionCredentials
 from cachestore.geometry import PoolGeometry, block_runs
-from cachestore.rdma_verbs import QpInfo, RdmaResources
+from cachestore.rdma_qp import QpInfo
+from cachestore.rdma_verbs import RdmaResources
 
 log = logging.getLogger("pdserve.cachestore")
 ACCESS_ENV = "PDSERVE_RDMA_ACCESS"
