@@ -68,6 +68,17 @@ def test_cachestore_has_no_import_cycles():
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
+TRANSPORT_PREFIXES = ("cachestore.local", "cachestore.tcp", "cachestore.rdma", "cachestore.verbs_emu")
+
+
+def test_transports_import_the_leaf_never_the_client_or_the_server():
+    """The client and the server pick a transport; a transport reaches them only through the
+    `channel` leaf's protocols (`Sender`, `Receiver`)."""
+    for mod, deps in import_graph().items():
+        if mod.startswith(TRANSPORT_PREFIXES):
+            assert not deps & {"cachestore.client", "cachestore.server"}, f"{mod} imports {deps}"
+
+
 def test_cachestore_imports_no_other_pdserve_package():
     for mod, path in ((module_name(p), p) for p in (ROOT / PACKAGE).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
