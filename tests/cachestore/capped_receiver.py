@@ -2,7 +2,7 @@
 input-bounds fuzz tests: a header that made it allocate what the peer asks for fails there with a
 MemoryError (a dropped connection, no refusal), not by taking the test machine down.
 
-    python -m tests.cachestore.capped_receiver CAP_BYTES
+    python -m tests.cachestore.capped_receiver CAP_BYTES [TRANSPORT]   (tcp, or rdma on the emulated device)
 
 It opens two sessions, prints one JSON line (port, the attacker's credentials, the victim's), then
 answers each line read from stdin ("check") with one JSON line: the victim session's state, landed
@@ -39,10 +39,11 @@ def memory_kib() -> dict[str, int]:
 
 def main() -> None:
     cap = int(sys.argv[1])
+    transport = sys.argv[2] if len(sys.argv) > 2 else "tcp"
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     pool = bytearray(GEO.total_bytes)
     loop = asyncio.new_event_loop()
-    server = CacheStoreServer(MemoryRegion.from_buffer(pool), GEO, transport="tcp", secret=SECRET)
+    server = CacheStoreServer(MemoryRegion.from_buffer(pool), GEO, transport=transport, secret=SECRET)
     loop.run_until_complete(server.start())
     attacker = server.open_session("attacker", ATTACKER_BLOCKS, timeout=3600)
     victim = server.open_session("victim", VICTIM_BLOCKS, timeout=3600)

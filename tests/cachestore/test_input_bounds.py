@@ -34,10 +34,12 @@ U16, U32, U64 = (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
 class Receiver:
     """The capped receiver process and the sessions it opened."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str = "tcp") -> None:
         env = {**os.environ, "MALLOC_ARENA_MAX": "2"}  # per-thread malloc arenas would eat the cap in reserve
+        if transport == "rdma":
+            env["PDSERVE_RDMA_EMULATOR"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.cachestore.capped_receiver", str(CAP_BYTES)],
+            [sys.executable, "-m", "tests.cachestore.capped_receiver", str(CAP_BYTES), transport],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -314,3 +316,23 @@ def test_fuzzed_headers_of_every_frame_kind_are_refused_within_bounds(receiver):
     # the strategies reach every check of the receiver, not only the first refusal
     assert set(seen) >= {"corrupt", "ok", *wire.REASONS.values()} - {"session_closed"}, seen
     receiver.assert_victim_untouched_and_memory_bounded()
+
+
+def test_rdma_receiver_refuses_notify_and_connect_headers_within_bounds():
+    """On an rdma receiver NOTIFY and CONNECT are its own kinds: a NOTIFY of count 2^32-1 (no payload,
+    the same range check as a WRITE) is refused, an oversized CONNECT dropped, both without growth."""
+    r = Receiver("rdma")
+    try:
+        a = r.attacker
+        sid, token = bytes.fromhex(a.session_id), bytes.fromhex(a.token)
+        for count, dst, want in ((U32, 0, wire.BAD_BLOCK), (2, 3, wire.BAD_BLOCK), (0, 0, wire.BAD_BLOCK)):
+            h = wire.Header(wire.KIND_NOTIFY, 0, sid, token, 0, dst, count, 5, 0)
+            acks = exchange(r, h.pack(), b"", acks=1)
+            assert acks is not None and [(x.status, x.seq) for x in acks] == [(want, 5)], acks
+        h = wire.Header(wire.KIND_NOTIFY, 0, sid, token, 0, 0, 1, 6, 1)  # a NOTIFY carries no payload
+        assert exchange(r, h.pack(), b"x") == []
+        h = wire.Header(wire.KIND_CONNECT, 0, b"\0" * 16, b"\0" * 16, 0, 0, 0, 7, wire.MAX_CONNECT_BYTES + 1)
+        assert exchange(r, h.pack(), b"{}") == []
+        r.assert_victim_untouched_and_memory_bounded()
+    finally:
+        r.stop()
