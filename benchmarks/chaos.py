@@ -6,7 +6,7 @@ client cancels. Each fault fires when a seeded fraction of the requests has fini
 schedule does not depend on the machine's speed. The baseline is the same requests on an undisturbed
 `pdserve up` in the same run; greedy decoding makes every text reproducible.
 
-    python -m benchmarks.chaos [--quick] [--seed 0]
+    python -m benchmarks.chaos [--quick] [--seed 0] [--transport tcp|rdma]
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ ERRORS: list[str] = []
 class Up:
     """`pdserve up` as a child process; its output is kept for the pids and the restart log."""
 
-    def __init__(self, port: int, env: dict[str, str]) -> None:
+    def __init__(self, port: int, env: dict[str, str], transport: str = "tcp") -> None:
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
+        cmd = ["up", "--num-prefill", "2", "--num-decode", "2", "--port", str(port), "--transport", transport]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", "--num-prefill", "2", "--num-decode", "2", "--port", str(port)],
+            [sys.executable, "-m", "pdserve.cli", *cmd],
             cwd=ROOT,
             env=env,
             text=True,
@@ -210,6 +211,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (default 48 quick, 128 full)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--fail-rate", type=float, default=0.05, help="CacheStore write failure probability")
+    ap.add_argument(
+        "--transport",
+        default=os.environ.get("PDSERVE_TRANSPORT", "tcp"),
+        help="KV transport of the cluster ($PDSERVE_TRANSPORT; rdma runs on the emulated device with "
+        "PDSERVE_RDMA_EMULATOR=1)",
+    )
     args = ap.parse_args()
     total = args.requests or (60 if args.quick else 200)
     num_cancels, stop_seconds = (15, 5.0) if args.quick else (50, 10.0)
@@ -221,7 +228,7 @@ def main() -> None:
     for k in ("PDSERVE_API_KEY", "PDSERVE_API_KEYS", "PDSERVE_FAULT_WRITE_FAIL_RATE"):
         env.pop(k, None)
 
-    up = Up(free_port(), env)  # baseline: the same requests, no faults
+    up = Up(free_port(), env, args.transport)  # baseline: the same requests, no faults
     try:
         t0 = time.monotonic()
         reference = asyncio.run(run_load(up, prompts, args.max_tokens, args.concurrency, {}))
@@ -231,7 +238,7 @@ def main() -> None:
     base_ok = sum(s == "ok" for s, _ in reference)
 
     chaos_env = {**env, "PDSERVE_FAULT_WRITE_FAIL_RATE": str(args.fail_rate), "PDSERVE_FAULT_SEED": str(args.seed)}
-    up = Up(free_port(), chaos_env)
+    up = Up(free_port(), chaos_env, args.transport)
     try:
         schedule = Schedule(up, total, rng, stop_seconds)
         t0 = time.monotonic()
@@ -287,6 +294,7 @@ def main() -> None:
             "up_exit_code": exit_code,
             "schedule": schedule.log,
             "fail_rate": args.fail_rate,
+            "transport": args.transport,
             "seed": args.seed,
             "met": wrong == 0 and leaked == 0 and value >= 0.95 and still_serving,
         }

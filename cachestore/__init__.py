@@ -23,7 +23,8 @@ Sender (prefill side)::
 
 from __future__ import annotations
 
-from cachestore.client import CacheStoreClient, Transfer, TransferError
+from cachestore.channel import Transfer, TransferError
+from cachestore.client import CacheStoreClient
 from cachestore.credentials import SessionCredentials
 from cachestore.faults import FaultInjector
 from cachestore.geometry import MemoryRegion, PoolGeometry, Run, coalesce

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -48,6 +49,18 @@ def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
             runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
         else:
             runs.append(Run(s, d, 1))
+    return runs
+
+
+def block_runs(block_ids: Iterable[int]) -> list[tuple[int, int]]:
+    """(first block, count) of each run of consecutive ids, in the order given: one contiguous
+    range of a layer per run (a receive buffer, a memory window, a staged copy)."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
     return runs
 
 

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING
 
 from cachestore import wire
+from cachestore.channel import Receiver, Sender, Transfer
 from cachestore.geometry import Run
 
-if TYPE_CHECKING:
-    from cachestore.server import CacheStoreServer
-
-_servers: dict[str, CacheStoreServer] = {}
+_servers: dict[str, Receiver] = {}
 _lock = threading.Lock()
 _ids = itertools.count(1)
 
 
-def register_server(server) -> str:
+def register_server(server: Receiver) -> str:
     endpoint = f"local://{next(_ids)}"
     with _lock:
         _servers[endpoint] = server
@@ -34,11 +31,11 @@ class LocalChannel:
 
     broken = False
 
-    def __init__(self, client, endpoint: str) -> None:
+    def __init__(self, client: Sender, endpoint: str) -> None:
         self.client = client
         self.endpoint = endpoint
 
-    def submit(self, transfer, layer: int, run: Run, ready_event) -> None:
+    def submit(self, transfer: Transfer, layer: int, run: Run, ready_event) -> None:
         with _lock:
             server = _servers.get(self.endpoint)
         if server is None:
@@ -80,9 +77,12 @@ class LocalChannel:
         self.client.metrics.add_bytes("send", nbytes)
         transfer._on_ack(True)
 
-    def submit_layer(self, transfer, layer: int, runs: list[Run], ready_event) -> None:
+    def submit_layer(self, transfer: Transfer, layer: int, runs: list[Run], ready_event) -> None:
         for run in runs:
             self.submit(transfer, layer, run, ready_event)
+
+    def prepare(self, transfer: Transfer) -> None:
+        """Nothing to set up: each write is a checked copy."""
 
     def close(self) -> None:
         """Nothing to release."""

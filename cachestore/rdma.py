@@ -34,19 +34,8 @@ from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
 from cachestore.write_queue import WriteQueue
 from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for
-from cachestore.rdma_verbs import (
-    COMPLETION_TIMEOUT,
-    EMULATOR_ENV,
-    QpInfo,
-    QpState,
-    RdmaResources,
-    device_choice,
-    next_state,
-    qp_attr_values,
-    rdma_devices,
-    verbs,
-    wait_completion,
-)
+from cachestore.rdma_qp import QpInfo, QpState, next_state, qp_attr_values
+from cachestore.rdma_verbs import COMPLETION_TIMEOUT, EMULATOR_ENV, RdmaResources, device_choice, rdma_devices, verbs
 
 if TYPE_CHECKING:  # loaded on first use (staging imports torch)
     from cachestore.staging import HostStaging
@@ -88,6 +77,11 @@ class RdmaLane:
         self._peer: QpInfo | None = None
         self._thread = threading.Thread(target=self._run, name=f"cachestore-rdma-{index}", daemon=True)
         self._thread.start()
+
+    def prepare(self, transfer) -> None:
+        """Ask for `transfer`'s grant on this lane's thread now, not at its first write."""
+        if not self.broken:
+            self._queue.put((transfer, None, None, None, True))
 
     def submit(self, transfer, layer: int, run: Run, ready_event, rerouted: bool = False) -> None:
         """Any thread: enqueue only."""
@@ -143,6 +137,12 @@ class RdmaLane:
         assert control is not None
         for transfer, layer, run, ready_event, _ in self._queue.live():
             creds = transfer.creds
+            if layer is None:  # `prepare`: the grant now, before the first layer is ready
+                try:
+                    self._grant(creds)
+                except (OSError, ValueError, KeyError, wire.CorruptFrame) as e:  # the first write asks again
+                    log.info("RDMA grant ahead of the first layer failed: %s", e)
+                continue
             try:
                 windows = self._grant(creds)
             except PermissionError as e:  # this request only: the lane is fine
@@ -179,23 +179,23 @@ class RdmaLane:
             self._post(batch, windows)
 
     def _post(self, batch: list, windows: list) -> None:
-        """Post one chain of WRITEs (only the last signaled) and wait for its completion."""
+        """Post one batch of WRITEs (`RdmaResources.run_chain`: pieces that fit the send queue, only
+        their last WR signaled) and wait for its completion."""
         res = self._ready()
         v = res.v
         self._wr_ids += len(batch)
         wrs = []
-        for i, w in enumerate(batch):
+        for w in batch:
             wr = v.SendWR(
                 wr_id=w.wr_id,
                 opcode=v.enums.IBV_WR_RDMA_WRITE,
                 num_sge=1,
                 sg=[v.SGE(w.local_addr, w.length, res.mr.lkey)],
-                send_flags=v.enums.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0,
+                send_flags=0,
             )
             wr.set_wr_rdma(window_for(windows, w.remote_addr, w.length), w.remote_addr)
             wrs.append(wr)
-        res.post_chain(self.qp, wrs)
-        wait_completion(v, self.cq, batch[-1].wr_id)
+        res.run_chain(self.qp, self.cq, wrs)
 
     def _write_staged(
         self, layer: int, run: Run, ready_event, remote: PoolGeometry, remote_base: int, windows: list
@@ -233,7 +233,7 @@ class RdmaLane:
         log.warning("%s", reason)
         self._teardown()
         for item in self._queue.drain():
-            if item[0].failed:
+            if item[0].failed or item[1] is None:  # a failed transfer's write, or a grant ahead of time
                 continue
             if self._reroute is not None and not item[4]:
                 self._reroute(*item[:4])
@@ -308,6 +308,14 @@ class RdmaChannel:
     def submit_layer(self, transfer, layer: int, runs: list[Run], ready_event) -> None:
         for run in runs:
             self.submit(transfer, layer, run, ready_event)
+
+    def prepare(self, transfer) -> None:
+        """Every lane asks for the session's grant on its own thread as the transfer opens, so the
+        first layer finds its windows bound (a lane's QP exchange started when the channel was made)."""
+        with self._lock:
+            lanes = [] if self.broken else list(self.lanes)
+        for lane in lanes:
+            lane.prepare(transfer)
 
     @property
     def poll_threads(self) -> set[str]:

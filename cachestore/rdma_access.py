@@ -23,8 +23,9 @@ from dataclasses import asdict
 
 from cachestore import rdma_memory
 from cachestore.credentials import SessionCredentials
-from cachestore.geometry import PoolGeometry
-from cachestore.rdma_verbs import QpInfo, RdmaResources, wait_completion
+from cachestore.geometry import PoolGeometry, block_runs
+from cachestore.rdma_qp import QpInfo
+from cachestore.rdma_verbs import RdmaResources
 
 log = logging.getLogger("pdserve.cachestore")
 ACCESS_ENV = "PDSERVE_RDMA_ACCESS"
@@ -36,12 +37,7 @@ BIND_TIMEOUT = 2.0
 
 def session_ranges(geometry: PoolGeometry, creds: SessionCredentials, base: int) -> list[tuple[int, int]]:
     """(address, length) of every contiguous byte range the session owns: per layer, per run of ids."""
-    runs: list[tuple[int, int]] = []
-    for b in sorted(creds.block_ids):
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
+    runs = block_runs(sorted(creds.block_ids))
     return [
         (base + geometry.offset(layer, first), count * geometry.block_bytes)
         for layer in range(creds.num_layers)
@@ -62,16 +58,15 @@ class Responder:
         self.closed = False
 
     def run(self, wrs: list, timeout: float | None = None) -> None:
-        """Post `wrs` (the last signaled) and wait for their completion; OSError if any failed."""
+        """Post `wrs` (`RdmaResources.run_chain`: pieces that fit the send queue, each piece's last
+        WR signaled) and wait for their completion; OSError if any failed."""
         with self.lock:
             if self.closed:
                 raise OSError("responder QP closed")
             for wr in wrs:
                 self._wr_ids += 1
                 wr.wr_id = self._wr_ids
-            wrs[-1].send_flags = self.res.v.enums.IBV_SEND_SIGNALED
-            self.res.post_chain(self.qp, wrs)
-            wait_completion(self.res.v, self.cq, self._wr_ids, timeout)
+            self.res.run_chain(self.qp, self.cq, wrs, timeout)
 
     def close(self) -> None:
         with self.lock:
@@ -88,27 +83,34 @@ class Grant:
         self.use_mw = use_mw
         self.ranges = ranges
         self.keys: list = []
+        """The MWs (or MRs) to free at revocation."""
+        self.rkeys: list[int] = []
+        """The remote key of each range: an MR's own, or the key its window's BIND_MW gave it."""
         res, v = responder.res, responder.res.v
         if not use_mw:  # fallback: a per-session MR per range, valid on every QP of the PD
             access = v.enums.IBV_ACCESS_LOCAL_WRITE | v.enums.IBV_ACCESS_REMOTE_WRITE
             self.keys = [v.MR(res.pd, length, access, address=addr) for addr, length in ranges]
+            self.rkeys = [mr.rkey for mr in self.keys]
             return
         wrs = []
         for addr, length in ranges:
             mw = v.MW(res.pd, v.enums.IBV_MW_TYPE_2)
             self.keys.append(mw)
-            wr = v.SendWR(opcode=v.enums.IBV_WR_BIND_MW)
+            wr = v.SendWR(opcode=v.enums.IBV_WR_BIND_MW, send_flags=0)
             wr.set_bind_wr(mw, v.MWBindInfo(res.mr, addr, length, v.enums.IBV_ACCESS_REMOTE_WRITE))
             wrs.append(wr)
         try:
-            responder.run(wrs, BIND_TIMEOUT)  # binding gives each window its new rkey
+            responder.run(wrs, BIND_TIMEOUT)
         except OSError:
             self.revoke()
             raise
+        # type 2: the bound key is the one the bind WR carried (pyverbs computes it in set_bind_wr);
+        # the MW object's rkey is its allocation key, which grants nothing
+        self.rkeys = [wr.rkey for wr in wrs]
 
     def windows(self) -> list[list[int]]:
         """[address, length, rkey] of every range, for the sender."""
-        return [[addr, length, key.rkey] for (addr, length), key in zip(self.ranges, self.keys)]
+        return [[addr, length, rkey] for (addr, length), rkey in zip(self.ranges, self.rkeys)]
 
     def revoke(self) -> None:
         """Invalidate every key (LOCAL_INV through the QP it was bound on), then free it. Returns only
@@ -118,19 +120,19 @@ class Grant:
         if self.use_mw and self.keys:
             try:
                 wrs = []
-                for mw in self.keys:
-                    wr = v.SendWR(opcode=v.enums.IBV_WR_LOCAL_INV)
-                    wr.invalidate_rkey = mw.rkey
+                for rkey in self.rkeys:
+                    wr = v.SendWR(opcode=v.enums.IBV_WR_LOCAL_INV, send_flags=0)
+                    wr.imm_data = rkey  # pyverbs' LOCAL_INV key: invalidate_rkey shares imm_data's union
                     wrs.append(wr)
                 self.responder.run(wrs, REVOKE_TIMEOUT)
-            except Exception as e:  # QP in ERROR (flushed), gone, or a verbs binding without the field:
+            except Exception as e:  # QP in ERROR (flushed) or gone:
                 log.info("LOCAL_INV of a session's windows did not complete (%s): deallocating them", e)
         for key in self.keys:  # deallocation revokes too, so it runs whatever happened above
             try:
                 key.close()  # ibv_dealloc_mw / ibv_dereg_mr
             except Exception:
                 log.exception("cannot free an RDMA key of a revoked session")
-        self.keys = []
+        self.keys, self.rkeys = [], []
 
 
 def use_memory_windows(res: RdmaResources) -> bool:
@@ -190,13 +192,11 @@ class RdmaReceiver:
         into the pool before the NOTIFY is acknowledged; nothing to do otherwise."""
         if not self.staged:
             return
-        from cachestore.tcp_receiver import dest_runs
-
         geometry = self.server.geometry
         rdma_memory.commit(
             self.res.registration,
             self.server.region.tensor,
-            [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in dest_runs(block_ids)],
+            [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in block_runs(block_ids)],
         )
 
     def close(self) -> None:

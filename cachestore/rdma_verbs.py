@@ -8,18 +8,24 @@ the peer's emulated device endpoint). Every verbs call goes through `verbs()`.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import time
 import types
-from dataclasses import dataclass
+
+from cachestore.rdma_qp import QpInfo, QpState, next_state, qp_attr_values
 
 log = logging.getLogger("pdserve.cachestore")
 
 EMULATOR_ENV = "PDSERVE_RDMA_EMULATOR"
 COMPLETION_TIMEOUT = 30.0
 """Seconds a posted batch may wait for its completion before the channel is torn down."""
+MAX_SEND_WR = 128
+"""Send-queue depth of every QP: a chain is posted in pieces of at most this many WRs, each piece's
+last WR signaled (the QPs have sq_sig_all=0) and waited for before the next, so the queue never
+overflows; the CQ holds twice as many entries (a piece's flushed WRs all complete on an error)."""
+ROCE_V2_HOP_LIMIT = 64
+"""GRH hop limit towards a RoCE v2 peer (routable, UDP/IP); IB and RoCE v1 stay on the subnet (1)."""
 
 
 def verbs() -> types.SimpleNamespace | types.ModuleType:
@@ -30,7 +36,7 @@ def verbs() -> types.SimpleNamespace | types.ModuleType:
 
         return emu
     from pyverbs import enums
-    from pyverbs.addr import AHAttr, GlobalRoute
+    from pyverbs.addr import GID, AHAttr, GlobalRoute
     from pyverbs.cq import CQ
     from pyverbs.device import Context, get_device_list
     from pyverbs.mr import MR, MW, MWBindInfo
@@ -41,6 +47,7 @@ def verbs() -> types.SimpleNamespace | types.ModuleType:
     return types.SimpleNamespace(
         enums=enums,
         AHAttr=AHAttr,
+        GID=GID,
         GlobalRoute=GlobalRoute,
         CQ=CQ,
         Context=Context,
@@ -83,77 +90,6 @@ def device_choice() -> tuple[str, int, int]:
     return name, int(os.environ.get("PDSERVE_RDMA_PORT", "1")), int(os.environ.get("PDSERVE_RDMA_GID_INDEX", "0"))
 
 
-@dataclass(frozen=True)
-class QpInfo:
-    """What each side of an RC connection tells the other (over the TCP control channel)."""
-
-    qp_num: int
-    lid: int
-    gid: str
-    """Hex GID (RoCE needs it; IB can use the LID)."""
-    psn: int = 0
-
-
-class QpState(enum.IntEnum):
-    RESET = 0
-    INIT = 1
-    RTR = 2
-    RTS = 3
-    ERROR = 4
-
-
-_NEXT = {QpState.RESET: QpState.INIT, QpState.INIT: QpState.RTR, QpState.RTR: QpState.RTS}
-
-
-def next_state(state: QpState, target: QpState) -> QpState:
-    """RC QPs go RESET -> INIT -> RTR -> RTS in order; any state may drop to ERROR."""
-    if target == QpState.ERROR or _NEXT.get(state) == target:
-        return target
-    raise ValueError(f"illegal QP transition {state.name} -> {target.name}")
-
-
-def qp_attr_values(
-    state: QpState, remote: QpInfo | None, *, port: int = 1, gid_index: int = 0, mtu: int = 5, max_rd_atomic: int = 1
-) -> dict:
-    """Attribute values for modify_qp into `state` (pure: what QPAttr is filled with)."""
-    if state == QpState.INIT:
-        # remote write is all the receiver's MR needs; local write for the sender's own MR
-        return {
-            "qp_state": "INIT",
-            "pkey_index": 0,
-            "port_num": port,
-            "qp_access_flags": ("LOCAL_WRITE", "REMOTE_WRITE"),
-        }
-    if state == QpState.RTR:
-        assert remote is not None, "RTR needs the peer's QP info"
-        return {
-            "qp_state": "RTR",
-            "path_mtu": mtu,
-            "dest_qp_num": remote.qp_num,
-            "rq_psn": remote.psn,
-            "max_dest_rd_atomic": max_rd_atomic,
-            "min_rnr_timer": 12,
-            "ah": {
-                "dlid": remote.lid,
-                "port_num": port,
-                "is_global": bool(remote.gid),
-                "dgid": remote.gid,
-                "sgid_index": gid_index,
-                "hop_limit": 1,
-            },
-        }
-    if state == QpState.RTS:
-        return {
-            "qp_state": "RTS",
-            "sq_psn": 0,
-            "timeout": 14,
-            "retry_cnt": 7,
-            "rnr_retry": 7,
-            "max_rd_atomic": max_rd_atomic,
-        }
-    raise ValueError(f"no attributes for {state.name}")
-
-
 class RdmaResources:
     """Device context, protection domain and ONE memory region over the whole pool (or over its
     pinned host staging buffer, `cachestore.rdma_memory`).
@@ -179,6 +115,16 @@ class RdmaResources:
         v = self.v = verbs()
         self.port, self.gid_index = port, gid_index
         self.ctx = v.Context(name=device)
+        # the path is what the port says, never a constant: its active MTU, and its GID's type
+        # (RoCE v2 is routed: the GRH needs a hop limit above 1)
+        port_attr = self.ctx.query_port(port)
+        self.active_mtu = int(port_attr.active_mtu)
+        try:
+            gid_type = self.ctx.query_gid_type(port, gid_index)
+        except Exception as e:  # an old rdma-core without ibv_query_gid_type: take the link layer's default
+            log.info("cannot query the RDMA GID type (%s): assuming IB/RoCE v1", e)
+            gid_type = v.enums.IBV_GID_TYPE_IB
+        self.hop_limit = ROCE_V2_HOP_LIMIT if gid_type == v.enums.IBV_GID_TYPE_ROCE_V2 else 1
         self.pd = v.PD(self.ctx)
         access = v.enums.IBV_ACCESS_LOCAL_WRITE | (v.enums.IBV_ACCESS_MW_BIND if mw_bind else 0)
         # the pool itself (host memory, or a CUDA pool through GPUDirect) or a pinned staging buffer
@@ -187,18 +133,20 @@ class RdmaResources:
         self.address, self.length = self.registration.address, self.registration.length
         """What the QPs read from / write into: the pool's addresses, or the staging buffer's."""
 
-    def create_qp(self, max_send_wr: int = 256, cq_depth: int = 1024):
-        """An RC QP with its own CQ (one poller per QP: no CQ shared between threads)."""
+    def create_qp(self):
+        """An RC QP of MAX_SEND_WR send slots that signals only the WRs flagged so (sq_sig_all=0),
+        with its own CQ (one poller per QP: no CQ shared between threads), deep enough for every
+        WR of a piece to complete (on a flush)."""
         v = self.v
-        cq = v.CQ(self.ctx, cq_depth, None, None, 0)
-        cap = v.QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        qp = v.QP(self.pd, v.QPInitAttr(qp_type=v.enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap))
+        cq = v.CQ(self.ctx, 2 * MAX_SEND_WR, None, None, 0)
+        cap = v.QPCap(max_send_wr=MAX_SEND_WR, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        qp = v.QP(self.pd, v.QPInitAttr(qp_type=v.enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0))
         return qp, cq
 
     def local_info(self, qp) -> QpInfo:
         port = self.ctx.query_port(self.port)
         gid = self.ctx.query_gid(self.port, self.gid_index)
-        return QpInfo(qp_num=qp.qp_num, lid=port.lid, gid=str(gid))
+        return QpInfo(qp_num=qp.qp_num, lid=port.lid, gid=str(gid), mtu=self.active_mtu)
 
     def connect(self, qp, remote: QpInfo, responder: bool) -> None:
         """Drive the RC QP RESET -> INIT -> RTR -> RTS towards `remote`. Only a responder (the
@@ -207,7 +155,10 @@ class RdmaResources:
         state = QpState.RESET
         for target in (QpState.INIT, QpState.RTR, QpState.RTS):
             state = next_state(state, target)
-            values = qp_attr_values(target, remote, port=port, gid_index=self.gid_index)
+            mtu = min(self.active_mtu, remote.mtu or self.active_mtu)
+            values = qp_attr_values(
+                target, remote, port=port, gid_index=self.gid_index, mtu=mtu, hop_limit=self.hop_limit
+            )
             attr = v.QPAttr(port_num=port)
             if target == QpState.INIT:
                 attr.qp_access_flags = v.enums.IBV_ACCESS_LOCAL_WRITE | (
@@ -216,7 +167,9 @@ class RdmaResources:
                 qp.to_init(attr)
             elif target == QpState.RTR:
                 ah = values["ah"]
-                gr = v.GlobalRoute(dgid=remote.gid, sgid_index=ah["sgid_index"]) if ah["is_global"] else None
+                gr = None
+                if ah["is_global"]:  # pyverbs takes a GID object, never the string that travelled
+                    gr = v.GlobalRoute(dgid=v.GID(remote.gid), sgid_index=ah["sgid_index"], hop_limit=ah["hop_limit"])
                 attr.ah_attr = v.AHAttr(port_num=port, dlid=ah["dlid"], is_global=int(ah["is_global"]), gr=gr)
                 attr.dest_qp_num, attr.rq_psn = values["dest_qp_num"], values["rq_psn"]
                 attr.path_mtu, attr.max_dest_rd_atomic = values["path_mtu"], values["max_dest_rd_atomic"]
@@ -232,11 +185,20 @@ class RdmaResources:
         if hasattr(self.mr, "close"):
             self.mr.close()
 
-    def post_chain(self, qp, wrs: list) -> None:
-        """Post linked work requests; only the caller decides which are signaled."""
-        for a, b in zip(wrs, wrs[1:]):
-            a.set_next_wr(b)
-        qp.post_send(wrs[0])
+    def run_chain(self, qp, cq, wrs: list, timeout: float | None = None) -> None:
+        """Post `wrs` (their wr_ids set, in order) in pieces of at most MAX_SEND_WR linked through
+        `next_wr`, only each piece's last WR signaled, and wait for each piece's completion before the
+        next: the send queue and the CQ can never overflow. OSError if any WR failed."""
+        signaled = self.v.enums.IBV_SEND_SIGNALED
+        for start in range(0, len(wrs), MAX_SEND_WR):
+            piece = wrs[start : start + MAX_SEND_WR]
+            for wr in piece:
+                wr.send_flags = 0
+            piece[-1].send_flags = signaled
+            for a, b in zip(piece, piece[1:]):
+                a.next_wr = b  # `piece` keeps every WR alive until the post returns
+            qp.post_send(piece[0])
+            wait_completion(self.v, cq, piece[-1].wr_id, timeout)
 
 
 def wait_completion(v, cq, wr_id: int, timeout: float | None = None) -> None:

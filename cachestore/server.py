@@ -196,25 +196,51 @@ class CacheStoreServer:
             return len(self._by_request)
 
     # --- the write path (any transport) ------------------------------------------------------
+    def check_header(self, h: wire.Header) -> int:
+        """The wire status of a write header on its own (before its block id list is read)."""
+        with self._lock:
+            return self._check_header(h)[1]
+
+    def _check_header(self, h: wire.Header) -> tuple[Session | None, int]:
+        """Every field of a write header, by arithmetic only: nothing is allocated or iterated whose
+        size a peer chooses. `count` is bounded by the session's own blocks, the payload length must
+        be exactly `count` blocks, and a consecutive range (WRITE, NOTIFY) must lie inside the session,
+        checked by two lookups in its sorted ids. Called with the registry lock held."""
+        session = self._by_id.get(h.session_id)
+        if session is None:
+            return None, wire.UNKNOWN_SESSION
+        if not secrets.compare_digest(h.token, session.token):
+            return None, wire.BAD_TOKEN
+        if not 0 <= h.layer < session.creds.num_layers:
+            return None, wire.BAD_LAYER
+        if not 0 < h.count <= len(session.block_set):
+            return None, wire.BAD_BLOCK
+        if h.payload_len != h.count * self.geometry.block_bytes:
+            return None, wire.BAD_LENGTH
+        if h.kind != wire.KIND_WRITEV and not session.owns_range(h.dst_block, h.count):
+            return None, wire.BAD_BLOCK
+        return session, wire.OK
+
     def begin_write(
         self, h: wire.Header, block_ids: Sequence[int], cut: Callable[[], None] | None = None
     ) -> tuple[Session | None, int, int]:
-        """Validate a write of `h.payload_len` bytes into `block_ids` of layer `h.layer`.
-        On success the session counts one more active writer, which `cut` stops if the session
-        ends first. Returns (session or None, wire status, writer id)."""
+        """Validate a write of `h.payload_len` bytes into `block_ids` of layer `h.layer`: the header
+        first (`_check_header`), then the ids, which must be `h.count` distinct blocks of the session
+        (a WRITE's or NOTIFY's are the range the header names). On success the session counts one more
+        active writer, which `cut` stops if the session ends first. Returns (session or None, wire
+        status, writer id)."""
         with self._lock:
-            session = self._by_id.get(h.session_id)
+            session, status = self._check_header(h)
             if session is None:
-                return None, wire.UNKNOWN_SESSION, -1
-            if not secrets.compare_digest(h.token, session.token):
-                return None, wire.BAD_TOKEN, -1
-            if h.layer >= session.creds.num_layers:
-                return None, wire.BAD_LAYER, -1
-            owned = session.block_set
-            if not block_ids or len(set(block_ids)) != len(block_ids) or any(b not in owned for b in block_ids):
+                return None, status, -1
+            if len(block_ids) != h.count:  # a WRITEV's list is the length its header says (<= the session's blocks)
                 return None, wire.BAD_BLOCK, -1
-            if h.payload_len != len(block_ids) * self.geometry.block_bytes:
-                return None, wire.BAD_LENGTH, -1
+            if not isinstance(block_ids, range):
+                owned = session.block_set
+                if len(set(block_ids)) != len(block_ids) or any(b not in owned for b in block_ids):
+                    return None, wire.BAD_BLOCK, -1
+            elif block_ids != range(h.dst_block, h.dst_block + h.count):
+                return None, wire.BAD_BLOCK, -1
             return session, wire.OK, session.begin_write(cut)
 
     def end_write(

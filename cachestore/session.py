@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
 import itertools
 import time
@@ -48,6 +49,7 @@ class Session:
         self.request_id = creds.request_id
         self.geometry = geometry
         self.block_set = frozenset(creds.block_ids)
+        self._sorted_blocks = sorted(self.block_set)
         self.token = bytes.fromhex(creds.token)
         """The token as it travels in a frame header (compared once per frame)."""
         self.expected = creds.num_layers * len(creds.block_ids)
@@ -66,6 +68,15 @@ class Session:
         """Removed from the registry: no new write can start."""
         self._loop = loop
         self._waiters: list[asyncio.Future] = []
+
+    def owns_range(self, first: int, count: int) -> bool:
+        """Whether blocks first .. first+count-1 all belong to the session, without iterating the range:
+        the ids are distinct, so they do iff the session's id at `first`'s position plus count-1 is
+        first+count-1."""
+        ids = self._sorted_blocks
+        i = bisect.bisect_left(ids, first)
+        last = i + count - 1
+        return count > 0 and i < len(ids) and ids[i] == first and last < len(ids) and ids[last] == first + count - 1
 
     # called with the registry lock held ------------------------------------------------------
     def begin_write(self, cut: Callable[[], None] | None = None) -> int:

@@ -11,12 +11,9 @@ import logging
 import select
 import socket
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cachestore import wire
-
-if TYPE_CHECKING:
-    from cachestore.rdma_access import Responder
 
 log = logging.getLogger("pdserve.cachestore")
 
@@ -45,6 +42,12 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
+class Attachment(Protocol):
+    """Something that lives as long as one connection (the rdma transport's responder QP)."""
+
+    def close(self) -> None: ...
+
+
 class Connection:
     """One sender connection: its socket, handshake state and the frame header being read."""
 
@@ -61,7 +64,7 @@ class Connection:
         self.busy = False
         """A worker holds it (the poller neither reads it nor enforces its header deadline)."""
         self.closed = False
-        self.attached: Responder | None = None
+        self.attached: Attachment | None = None
         """What lives as long as the connection (the rdma transport's responder QP); closed with it."""
 
     def pending_view(self) -> memoryview:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from cachestore import wire
+from cachestore.geometry import block_runs
 from cachestore.sockio import IOV_MAX, advance_views, recv_exact, recv_exact_into
 from cachestore.tcp import Connection, Fence, set_recv_timeout, wait_readable
 
@@ -134,6 +135,10 @@ class FrameWorker:
         if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
             raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
         if h.kind == wire.KIND_WRITEV:  # the id list comes first: the whole list is validated before any byte lands
+            status = server.check_header(h)
+            if status != wire.OK:  # refused on its header alone: the list is skipped unread, like the payload
+                server.reject(status)
+                return status if self._discard(conn, h.count * wire.IDS.size + h.payload_len) else None
             raw = recv_exact(conn, h.count * wire.IDS.size)
             if raw is None:
                 raise OSError("peer closed inside a block id list")
@@ -188,7 +193,7 @@ class FrameWorker:
         if near_deadline:
             set_recv_timeout(conn, max(left, 0.001))
         try:
-            runs = dest_runs(block_ids)
+            runs = block_runs(block_ids)
             if not server.region.is_device:
                 return _recv_fenced(conn, [server.destination(h.layer, b, n) for b, n in runs], fence)
             # device pool: land in this worker thread's reused host buffer, then host-to-device copies
@@ -223,17 +228,6 @@ class FrameWorker:
             n -= chunk
         conn.settimeout(None)  # blocking again, bounded by the kernel timeouts (see serve)
         return True
-
-
-def dest_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(first block, count) of each run of consecutive ids: one receive buffer per run."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
 
 
 def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> bool:

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import TYPE_CHECKING
 
 from cachestore import wire
+from cachestore.channel import Sender, Transfer
 from cachestore.geometry import Run
+from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
 from cachestore.staging import HostStaging
 from cachestore.write_queue import WriteQueue
-from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
-
-if TYPE_CHECKING:
-    from cachestore.client import Transfer
 
 CONNECT_TIMEOUT = 5.0
 
@@ -52,9 +49,15 @@ def control_request(sock: socket.socket, message: bytes, limit: int = wire.MAX_C
 
 
 class TcpChannel:
-    """Frames from many transfers share the connection; acks come back by sequence number."""
+    """Frames from many transfers share the connection; acks come back by sequence number.
 
-    def __init__(self, client, endpoint: str, hello: bytes | None = None) -> None:
+    It is made where a transfer opens, on the event loop, so it never connects there: its send
+    thread connects (and authenticates) first, while the engine computes the first layer, and the
+    writes queued meanwhile go out once it is up (or fail with the connect error). With a `hello`
+    (the rdma transport's control connection, made on a lane's own thread) it connects at once,
+    because the lane needs the peer's reply before anything else."""
+
+    def __init__(self, client: Sender, endpoint: str, hello: bytes | None = None) -> None:
         self.client = client
         self.endpoint = endpoint
         self.broken = False
@@ -67,20 +70,40 @@ class TcpChannel:
         """(runs, number of ids, packed ids) of the last frame: used by the send thread only."""
         # a device pool is read through one host buffer, allocated once for the connection
         self._staging = HostStaging(client.geometry.block_bytes) if client.region.is_device else None
+        self.sock: socket.socket | None = None
+        self.peer_hello: bytes | None = None
+        self._connect_error = ""
+        if hello is None:
+            threading.Thread(target=self._connect_and_send, name="cachestore-send", daemon=True).start()
+        elif self._connect(hello):
+            threading.Thread(target=self._send_loop, name="cachestore-send", daemon=True).start()
+            threading.Thread(target=self._ack_loop, name="cachestore-acks", daemon=True).start()
+
+    def _connect(self, hello: bytes | None) -> bool:
+        """Connect and authenticate (and, with a hello, exchange it); False and broken if that failed."""
         try:
-            self.sock = connect(endpoint, client.secret)
-            self.peer_hello: bytes | None = None
+            sock = connect(self.endpoint, self.client.secret)
+            self.sock = sock
             if hello is not None:
-                status, self.peer_hello = control_request(self.sock, hello)
+                status, self.peer_hello = control_request(sock, hello)
                 if status != wire.OK:
                     raise OSError("receiver refused the RDMA connection")
-            self.sock.settimeout(None)
+            sock.settimeout(None)
+            return True
         except OSError as e:
+            self._connect_error = f"cannot connect to CacheStore receiver {self.endpoint}: {e}"
             self.broken = True
-            self._connect_error = f"cannot connect to CacheStore receiver {endpoint}: {e}"
+            return False
+
+    def _connect_and_send(self) -> None:
+        if not self._connect(None):
+            self._fail_all(self._connect_error)
             return
-        threading.Thread(target=self._send_loop, name="cachestore-send", daemon=True).start()
+        if self.broken:  # closed while connecting: nothing may go out any more
+            self._fail_all("channel closed")
+            return
         threading.Thread(target=self._ack_loop, name="cachestore-acks", daemon=True).start()
+        self._send_loop()
 
     def submit(self, transfer, layer: int, run: Run, ready_event, notify: bool = False) -> None:
         """Queue a WRITE of `run` (or, with notify, a NOTIFY that RDMA already wrote it)."""
@@ -90,14 +113,18 @@ class TcpChannel:
         """Queue one WRITEV frame carrying every run of `layer`, whatever the block layout (one ack for all)."""
         self._put(transfer, layer, runs, ready_event, False)
 
+    def prepare(self, transfer: Transfer) -> None:
+        """Nothing per transfer: the connection is being made already (see the class docstring)."""
+
     def _put(self, transfer, layer: int, runs: list[Run], ready_event, notify: bool) -> None:
         if self.broken:
-            transfer._on_ack(False, getattr(self, "_connect_error", "connection lost"), len(runs))
+            transfer._on_ack(False, self._connect_error or "connection lost", len(runs))
             return
         self._queue.put((transfer, layer, runs, ready_event, notify))
 
     def _send_loop(self) -> None:
-        client, block_bytes = self.client, self.client.geometry.block_bytes
+        client, block_bytes, sock = self.client, self.client.geometry.block_bytes, self.sock
+        assert sock is not None, "the send loop runs on a connected channel"
         for transfer, layer, runs, ready_event, notify in self._queue.live():
             if client.faults is not None and not client.faults.before_write():
                 transfer._on_ack(False, "injected fault", len(runs))
@@ -119,7 +146,7 @@ class TcpChannel:
                 header = wire.Header(wire.KIND_WRITEV, flags, sid, token, layer, 0, num_ids, seq, num_ids * block_bytes)
                 buffers = [header.pack() + packed_ids, *self._payloads(layer, runs, ready_event)]
             try:
-                sendmsg_all(self.sock, buffers)
+                sendmsg_all(sock, buffers)
             except OSError as e:
                 self._fail_all(f"connection to {self.endpoint} lost: {e}")
                 return
@@ -139,16 +166,19 @@ class TcpChannel:
         client = self.client
         if self._staging is None:
             return [client.source(layer, r) for r in runs]
-        geo = client.geometry
+        geo, pool = client.geometry, client.region.tensor
+        assert pool is not None, "a device region is reached through its tensor"
         spans = [(geo.offset(layer, r.src_block), r.count * geo.block_bytes) for r in runs]
-        return [self._staging.gather(client.region.tensor, spans, ready_event)]
+        return [self._staging.gather(pool, spans, ready_event)]
 
     def _ack_loop(self) -> None:
         buf = bytearray(wire.HEADER_BYTES)
         view = memoryview(buf)
+        sock = self.sock
+        assert sock is not None, "acks are read on a connected channel"
         while True:
             try:
-                if not recv_exact_into(self.sock, view):
+                if not recv_exact_into(sock, view):
                     raise OSError("receiver closed the connection")
                 h = wire.unpack(view)
             except (OSError, wire.CorruptFrame) as e:
@@ -179,7 +209,7 @@ class TcpChannel:
     def close(self) -> None:
         self.broken = True
         self._queue.close()
-        sock = getattr(self, "sock", None)
+        sock = self.sock
         if sock is None:
             return
         try:

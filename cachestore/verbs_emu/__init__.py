@@ -4,13 +4,17 @@ processes on one host (like soft-RoCE, but over loopback sockets: `verbs_emu.wir
 EMULATED: it proves the logic of code written against verbs (key checks, QP states, ACK/NAK,
 completions, fencing), not a NIC: there is no DMA engine, no PCIe, no GPUDirect, and its timings say
 nothing about a NIC's. It follows the verbs specification, not pdserve's code; where the two
-disagree the emulation wins and pdserve's code gets fixed. The API is the subset of pyverbs' names
-that an RC RDMA-WRITE transport needs:
+disagree the emulation wins and pdserve's code gets fixed. Only the device objects are emulated
+(Context, PD, CQ, QP, MR, MW, MWBindInfo); the parameter objects (GID, GlobalRoute, AHAttr, SGE,
+SendWR, QPCap, QPAttr, QPInitAttr) are pyverbs' own when it imports (`params`), so code passes
+the emulator only with the argument types, defaults and attributes real pyverbs takes. The API is
+the subset of pyverbs' names that an RC RDMA-WRITE transport needs:
 
     ctx = Context(DEVICE_NAME); pd = PD(ctx); cq = CQ(ctx, 64)
     mr = MR(pd, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND, address=addr)
-    mw = MW(pd, IBV_MW_TYPE_2)                 # bound by a BIND_MW work request, then LOCAL_INV
-    qp = QP(pd, QPInitAttr(scq=cq, rcq=cq)); qp.to_init(..); qp.to_rtr(..); qp.to_rts(..)
+    mw = MW(pd, IBV_MW_TYPE_2)                 # bound by a BIND_MW WR (its key: wr.rkey), LOCAL_INV
+    qp = QP(pd, QPInitAttr(qp_type=IBV_QPT_RC, scq=cq, rcq=cq, cap=QPCap(max_send_wr=..), sq_sig_all=0))
+    qp.to_init(..); qp.to_rtr(..); qp.to_rts(..)
     qp.post_send(SendWR(...)); cq.poll(16)
 
 A QP whose RTR address handle carries the peer's GID (`ctx.query_gid(1, 0)`, which encodes this
@@ -29,18 +33,22 @@ an RNR NAK fails at once with RNR_RETRY_EXC_ERR).
 from __future__ import annotations
 
 from cachestore.verbs_emu import enums
-from cachestore.verbs_emu.device import (
-    DEVICE_NAME,
-    FABRIC,
-    AHAttr,
-    Context,
-    Fabric,
-    FaultHooks,
-    GlobalRoute,
-    get_device_list,
-)
+from cachestore.verbs_emu.completion import CQ, WC
+from cachestore.verbs_emu.device import DEVICE_NAME, FABRIC, Context, Fabric, FaultHooks, get_device_list
 from cachestore.verbs_emu.memory import MR, MW, PD, MWBindInfo, VerbsError
-from cachestore.verbs_emu.queues import CQ, QP, WC, QPAttr, QPCap, QPInitAttr, RecvWR, SendWR, SGE
+from cachestore.verbs_emu.params import (
+    GID,
+    REAL_PYVERBS,
+    SGE,
+    AHAttr,
+    GlobalRoute,
+    QPAttr,
+    QPCap,
+    QPInitAttr,
+    RecvWR,
+    SendWR,
+)
+from cachestore.verbs_emu.queues import QP
 
 EMULATED = True
 """Marks this verbs provider as the emulation (no peer-memory client: CUDA pools are staged)."""
@@ -54,6 +62,7 @@ __all__ = [
     "FABRIC",
     "Fabric",
     "FaultHooks",
+    "GID",
     "GlobalRoute",
     "MR",
     "MW",
@@ -63,6 +72,7 @@ __all__ = [
     "QPAttr",
     "QPCap",
     "QPInitAttr",
+    "REAL_PYVERBS",
     "RecvWR",
     "SGE",
     "SendWR",

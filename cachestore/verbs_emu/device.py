@@ -15,6 +15,9 @@ import os
 import threading
 from dataclasses import dataclass
 
+from cachestore.verbs_emu import enums
+from cachestore.verbs_emu.params import GID
+
 DEVICE_NAME = "emu_rdma0"
 
 
@@ -105,11 +108,17 @@ def get_device_list() -> list[Device]:
 
 
 class PortAttr:
-    """query_port(): the LID (0 on RoCE) and state of the emulated port."""
+    """query_port(): the emulated port is RoCE-like (Ethernet link layer, RoCE v2 GID) with an
+    active MTU of 1024 bytes, so code that hard-codes a path MTU instead of asking the port is
+    refused at RTR (a QP's path MTU cannot exceed its port's active MTU)."""
 
     def __init__(self, lid: int) -> None:
         self.lid = lid
-        self.state = 4  # IBV_PORT_ACTIVE
+        self.state = enums.IBV_PORT_ACTIVE
+        self.active_mtu = enums.IBV_MTU_1024
+        self.max_mtu = enums.IBV_MTU_4096
+        self.link_layer = enums.IBV_LINK_LAYER_ETHERNET
+        self.gid_tbl_len = 1
 
 
 class Context:
@@ -126,23 +135,16 @@ class Context:
             raise OSError(f"port {port} does not exist on {self.name}")
         return PortAttr(lid=1)
 
-    def query_gid(self, port: int, index: int) -> str:
-        """GID index 0 of port 1: it names this process's device endpoint (`verbs_emu.wire.make_gid`)."""
+    def query_gid(self, port: int, index: int) -> GID:
+        """GID index 0 of port 1 (a pyverbs GID): it names this process's device endpoint
+        (`verbs_emu.wire.make_gid`)."""
+        self._check_gid(port, index)
+        return GID(self.fabric.endpoint().gid)
+
+    def query_gid_type(self, port: int, index: int) -> int:
+        self._check_gid(port, index)
+        return enums.IBV_GID_TYPE_ROCE_V2
+
+    def _check_gid(self, port: int, index: int) -> None:
         if port != 1 or index != 0:
             raise OSError(f"no GID at port {port} index {index} on {self.name}")
-        return self.fabric.endpoint().gid
-
-
-class GlobalRoute:
-    """GRH fields of an address handle (RoCE): an emulated destination GID names the peer's device
-    endpoint (`verbs_emu.wire`)."""
-
-    def __init__(self, dgid=None, sgid_index: int = 0) -> None:
-        self.dgid, self.sgid_index = dgid, sgid_index
-
-
-class AHAttr:
-    """Address-handle attributes carried into RTR: with a GRH (is_global), its dgid routes the QP."""
-
-    def __init__(self, port_num: int = 1, dlid: int = 0, is_global: int = 0, gr: GlobalRoute | None = None) -> None:
-        self.port_num, self.dlid, self.is_global, self.gr = port_num, dlid, is_global, gr

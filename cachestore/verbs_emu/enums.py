@@ -11,6 +11,7 @@ IBV_ACCESS_MW_BIND = 16
 
 # enum ibv_qp_type / ibv_mw_type
 IBV_QPT_RC = 2
+IBV_QPT_UD = 4
 IBV_MW_TYPE_1 = 1
 IBV_MW_TYPE_2 = 2
 
@@ -24,8 +25,25 @@ IBV_QPS_ERR = 6
 # enum ibv_wr_opcode
 IBV_WR_RDMA_WRITE = 0
 IBV_WR_RDMA_WRITE_WITH_IMM = 1
+IBV_WR_SEND = 2
 IBV_WR_LOCAL_INV = 7
 IBV_WR_BIND_MW = 8
+IBV_WR_SEND_WITH_INV = 9
+
+# enum ibv_mtu
+IBV_MTU_256 = 1
+IBV_MTU_512 = 2
+IBV_MTU_1024 = 3
+IBV_MTU_2048 = 4
+IBV_MTU_4096 = 5
+
+# enum ibv_gid_type, ibv_port_state and the link layers (IBV_LINK_LAYER_*)
+IBV_GID_TYPE_IB = 0
+IBV_GID_TYPE_ROCE_V1 = 1
+IBV_GID_TYPE_ROCE_V2 = 2
+IBV_PORT_ACTIVE = 4
+IBV_LINK_LAYER_INFINIBAND = 1
+IBV_LINK_LAYER_ETHERNET = 2
 
 # enum ibv_send_flags
 IBV_SEND_SIGNALED = 2

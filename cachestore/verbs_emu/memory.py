@@ -6,8 +6,11 @@ ibv_alloc_mw(3), ibv_bind_mw(3)):
   * A type-2 window is allocated unbound: its rkey grants nothing until a BIND_MW work request binds
     it to a range of an MR registered with MW_BIND, on a QP of the same PD. The bound window is
     associated with that QP: remote access through any other QP is refused.
-  * Binding or invalidating gives the window a new rkey (the 8-bit key part changes), so a
-    credential holding the old rkey no longer matches anything.
+  * A type-2 bind gives the window the rkey the BIND_MW work request carries (pyverbs computes it in
+    set_bind_wr: the window's key index with a new 8-bit key; read it back as `wr.rkey`). The MW
+    object's own `rkey` stays the allocation key, which grants nothing: code that reads the window's
+    key from the MW instead of the WR holds a dead key, as on hardware. A bound window must be
+    invalidated (LOCAL_INV of its current key) before it is bound again.
   * Invalidation, deallocation and deregistration complete only after a remote access in progress
     through the key has finished (each MR/MW has a lock held across check-and-copy), so once they
     return no byte can land through that key.
@@ -83,25 +86,22 @@ class MW:
         if mw_type != enums.IBV_MW_TYPE_2:
             raise VerbsError("this emulated device supports type-2 memory windows only")
         self.pd = pd
-        self._index = new_key_index()
-        self._key = 0
-        self.rkey = self._index << 8
+        self.rkey = new_key_index() << 8
+        """The allocation key (ibv_alloc_mw); a bind's key comes from its work request."""
+        self.bound_rkey: int | None = None
         self.bound: MWBindInfo | None = None
         self.lock = threading.RLock()
         self.qp = None
         """The QP the window is bound through (type 2: only that QP may use it)."""
 
-    def _rekey(self) -> None:
-        fabric = self.pd.ctx.fabric
-        fabric.unregister_key(self.rkey)
-        self._key = (self._key + 1) & 0xFF
-        self.rkey = (self._index << 8) | self._key
-
-    def bind(self, qp, info: MWBindInfo) -> int:
-        """Executed by the QP's send engine for a BIND_MW WR; returns a wc status."""
+    def bind(self, qp, info: MWBindInfo, rkey: int) -> int:
+        """Executed by the QP's send engine for a BIND_MW WR carrying `rkey`; returns a wc status."""
         mr = info.mr
         if (
-            not mr.valid
+            self.bound is not None
+            or rkey >> 8 != self.rkey >> 8
+            or rkey == self.rkey
+            or not mr.valid
             or mr.pd is not self.pd
             or qp.pd is not self.pd
             or not mr.access & enums.IBV_ACCESS_MW_BIND
@@ -110,23 +110,27 @@ class MW:
         ):
             return enums.IBV_WC_MW_BIND_ERR
         with self.lock:
-            self._rekey()
-            self.bound, self.qp = info, qp
-            self.pd.ctx.fabric.register_key(self.rkey, self)
+            self.bound, self.qp, self.bound_rkey = info, qp, rkey
+            self.pd.ctx.fabric.register_key(rkey, self)
         return enums.IBV_WC_SUCCESS
 
-    def invalidate(self) -> int:
-        """LOCAL_INV: the window grants nothing any more; its rkey changes."""
+    def invalidate(self, rkey: int) -> int:
+        """LOCAL_INV of `rkey`: it must be the window's current key; then it grants nothing."""
         with self.lock:
-            self._rekey()
-            self.bound = self.qp = None
+            if self.bound is None or rkey != self.bound_rkey:
+                return enums.IBV_WC_LOC_PROT_ERR
+            self._unbind()
         return enums.IBV_WC_SUCCESS
+
+    def _unbind(self) -> None:
+        if self.bound_rkey is not None:
+            self.pd.ctx.fabric.unregister_key(self.bound_rkey)
+        self.bound = self.qp = self.bound_rkey = None
 
     def close(self) -> None:
         """ibv_dealloc_mw: a bound window is invalidated too."""
         with self.lock:
-            self.pd.ctx.fabric.unregister_key(self.rkey)
-            self.bound = self.qp = None
+            self._unbind()
 
 
 def remote_target(key_owner, responder_qp, address: int, length: int, access: int) -> bool:

@@ -7,8 +7,17 @@ ibv_poll_cq(3)):
   * Work requests execute in order on the QP's send engine (a thread here, the NIC there) after
     post_send returns. A WRITE lands only if the responder's rkey names an MR/MW that grants
     REMOTE_WRITE over the whole target range (for a type-2 MW: through this very QP).
-  * Unsignaled WRs complete silently on success; an error always completes, moves the QP to ERR,
-    and every WR still queued (and any posted later) completes with WR_FLUSH_ERR.
+  * A WR produces a completion if it is signaled (IBV_SEND_SIGNALED, pyverbs' default) or the QP
+    signals all (sq_sig_all, pyverbs' default 1); unsignaled WRs complete silently on success. An
+    error always completes, moves the QP to ERR, and every WR still queued (and any posted later)
+    completes with WR_FLUSH_ERR.
+  * The send queue holds max_send_wr WRs: a WR's slot is freed only when its completion, or that of
+    a later WR of the QP, is polled. post_send of a WR that does not fit raises ENOMEM (the WRs of
+    the chain before it are posted, as ibv_post_send's bad_wr says).
+  * A CQ that overflows (more completions than its depth unpolled) is an async error: every QP
+    completing into it moves to ERR.
+  * BIND_MW (type 2) gives the window the key the WR carries (`wr.rkey`, from set_bind_wr); the MW
+    object's own rkey does not change. LOCAL_INV names the key in `imm_data` (invalidate_rkey).
   * WRITE_WITH_IMM consumes a receive WR at the responder (none posted: RNR retries exhausted) and
     delivers the immediate in a RECV_RDMA_WITH_IMM completion there.
   * At the responder, a key/range/access violation is a class C error: NAK "remote access error"
@@ -26,13 +35,12 @@ import ctypes
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from cachestore.verbs_emu import enums
-from cachestore.verbs_emu.memory import MR, MW, MWBindInfo, VerbsError, remote_target
-
-if TYPE_CHECKING:
-    from cachestore.verbs_emu.wire import RequesterLink
+from cachestore.verbs_emu.completion import CQ, WC
+from cachestore.verbs_emu.memory import MR, MW, VerbsError, remote_target
+from cachestore.verbs_emu.params import QPAttr, QPInitAttr, RecvWR, SendWR
+from cachestore.verbs_emu.wire import RequesterLink, parse_gid
 
 _ORDER = {
     enums.IBV_QPS_RESET: enums.IBV_QPS_INIT,
@@ -41,112 +49,27 @@ _ORDER = {
 }
 
 
-class WC:
-    """A work completion."""
-
-    def __init__(self, wr_id: int, status: int, opcode: int, qp_num: int, byte_len: int = 0, imm_data: int = 0):
-        self.wr_id, self.status, self.opcode, self.qp_num = wr_id, status, opcode, qp_num
-        self.byte_len, self.imm_data = byte_len, imm_data
-
-
-class CQ:
-    """A completion queue; poll(n) returns (count, [WC]) like pyverbs."""
-
-    def __init__(self, ctx, cqe: int, *_unused) -> None:
-        self.ctx, self.depth = ctx, cqe
-        self._wcs: collections.deque[WC] = collections.deque()
-        self._lock = threading.Lock()
-        self.overrun = False
-
-    def push(self, wc: WC) -> None:
-        if self.ctx.fabric.faults.take_drop():
-            return
-        with self._lock:
-            if len(self._wcs) >= self.depth:
-                self.overrun = True  # a real CQ overrun is an async error; tests check the flag
-                return
-            self._wcs.append(wc)
-
-    def poll(self, num_entries: int = 1) -> tuple[int, list[WC]]:
-        with self._lock:
-            out = [self._wcs.popleft() for _ in range(min(num_entries, len(self._wcs)))]
-        return len(out), out
-
-
-class SGE:
-    def __init__(self, addr: int, length: int, lkey: int) -> None:
-        self.addr, self.length, self.lkey = addr, length, lkey
-
-
-class SendWR:
-    """A send-queue work request: RDMA WRITE (+IMM), BIND_MW or LOCAL_INV."""
-
-    def __init__(
-        self,
-        wr_id: int = 0,
-        opcode: int = enums.IBV_WR_RDMA_WRITE,
-        num_sge: int = 0,
-        sg: list[SGE] | None = None,
-        send_flags: int = 0,
-        imm_data: int = 0,
-    ) -> None:
-        self.wr_id, self.opcode, self.sg, self.send_flags, self.imm_data = wr_id, opcode, sg or [], send_flags, imm_data
-        self.rkey = self.remote_addr = 0
-        self.mw: MW | None = None
-        self.bind_info: MWBindInfo | None = None
-        self.invalidate_rkey = 0
-        self.next: SendWR | None = None
-
-    def set_wr_rdma(self, rkey: int, addr: int) -> None:
-        self.rkey, self.remote_addr = rkey, addr
-
-    def set_bind_wr(self, mw: MW, bind_info) -> None:
-        self.mw, self.bind_info = mw, bind_info
-
-    def set_next_wr(self, wr: "SendWR") -> None:
-        self.next = wr
-
-
-class RecvWR:
-    def __init__(self, wr_id: int = 0, num_sge: int = 0, sg: list[SGE] | None = None) -> None:
-        self.wr_id = wr_id
-
-
-class QPCap:
-    def __init__(self, max_send_wr: int = 256, max_recv_wr: int = 16, max_send_sge: int = 1, max_recv_sge: int = 1):
-        self.max_send_wr, self.max_recv_wr = max_send_wr, max_recv_wr
-
-
-class QPInitAttr:
-    def __init__(
-        self, qp_type: int = enums.IBV_QPT_RC, scq: CQ | None = None, rcq: CQ | None = None, cap: QPCap | None = None
-    ) -> None:
-        self.qp_type, self.scq, self.rcq, self.cap = qp_type, scq, rcq, cap or QPCap()
-
-
-class QPAttr:
-    """Modify-QP attributes; only those the state machine needs are read."""
-
-    def __init__(self, qp_state: int = enums.IBV_QPS_RESET, port_num: int = 1) -> None:
-        self.qp_state, self.port_num = qp_state, port_num
-        self.qp_access_flags = 0
-        self.dest_qp_num = 0
-        self.ah_attr = None
-        self.rq_psn = self.sq_psn = 0
-
-
 class QP:
     """An RC queue pair with an in-order send engine (see the module docstring)."""
 
     def __init__(self, pd, init_attr: QPInitAttr) -> None:
         if init_attr.qp_type != enums.IBV_QPT_RC:
             raise VerbsError("this emulated device creates RC QPs only")
+        if not isinstance(init_attr, QPInitAttr):
+            raise TypeError("QP() takes a QPInitAttr")
         if init_attr.scq is None or init_attr.rcq is None:
             raise VerbsError("ibv_create_qp: an RC QP needs a send and a receive CQ (EINVAL)")
         self.pd, self.fabric = pd, pd.ctx.fabric
         self.scq: CQ = init_attr.scq
         self.rcq: CQ = init_attr.rcq
         self.cap = init_attr.cap
+        self.max_send_wr = int(init_attr.cap.max_send_wr)
+        self.sq_sig_all = bool(init_attr.sq_sig_all)
+        self._posted = 0
+        """WRs posted so far; each takes a send-queue slot until a completion at or after it is polled."""
+        self._retired = 0
+        self.scq.attach(self)
+        self.rcq.attach(self)
         self.qp_state = enums.IBV_QPS_RESET
         self.dest_qp_num = 0
         self.remote: tuple[str, int] | None = None
@@ -176,11 +99,14 @@ class QP:
             if target == enums.IBV_QPS_INIT:
                 self.access = attr.qp_access_flags
             if target == enums.IBV_QPS_RTR:
+                active = self.pd.ctx.query_port(int(attr.ah_attr.port_num or 1)).active_mtu
+                if attr.path_mtu > active:
+                    raise VerbsError(
+                        f"ibv_modify_qp: path MTU {attr.path_mtu} above the port's active MTU {active} (EINVAL)"
+                    )
                 self.dest_qp_num = attr.dest_qp_num
                 self.remote, self._rq_psn = _wire_address(attr), int(getattr(attr, "rq_psn", 0) or 0)
             if target == enums.IBV_QPS_RTS and self.remote is not None:
-                from cachestore.verbs_emu.wire import RequesterLink
-
                 self._link = RequesterLink(self, self.remote, int(getattr(attr, "sq_psn", 0) or 0))
             if target == enums.IBV_QPS_RESET:
                 self._rq.clear()
@@ -204,16 +130,33 @@ class QP:
 
     def to_error(self) -> None:
         """Fault hook and error path: the QP moves to ERR; queued and later WRs flush."""
-        self.modify(QPAttr(enums.IBV_QPS_ERR))
+        self.modify(QPAttr(qp_state=enums.IBV_QPS_ERR))
 
     # posting --------------------------------------------------------------------------------------
     def post_send(self, wr: SendWR) -> None:
+        """Queue `wr` and the WRs chained behind it (`next_wr`) on the send engine."""
         if self.qp_state in (enums.IBV_QPS_RESET, enums.IBV_QPS_INIT, enums.IBV_QPS_RTR):
             raise VerbsError("ibv_post_send: QP is not in RTS (EINVAL)")
         chain: SendWR | None = wr
+        index = 0
         while chain is not None:
-            self._sq.put(chain)
-            chain = chain.next
+            if not isinstance(chain, SendWR):
+                raise TypeError(f"post_send() takes a SendWR chain, got {type(chain).__name__}")
+            with self._lock:
+                if self._posted - self._retired >= self.max_send_wr:
+                    raise VerbsError(
+                        f"ibv_post_send: send queue full ({self.max_send_wr} WRs outstanding) at WR {index} "
+                        "of the chain (ENOMEM)"
+                    )
+                self._posted += 1
+                seq = self._posted
+            self._sq.put((seq, chain))
+            chain, index = chain._next, index + 1
+
+    def retire(self, seq: int) -> None:
+        """A completion of this QP's WR `seq` was polled: its slot and every earlier one are free."""
+        with self._lock:
+            self._retired = max(self._retired, seq)
 
     def post_recv(self, wr: RecvWR) -> None:
         if self.qp_state == enums.IBV_QPS_RESET:
@@ -231,37 +174,40 @@ class QP:
     # the send engine --------------------------------------------------------------------------------
     def _engine(self) -> None:
         while True:
-            wr = self._sq.get()
-            if wr is None or self._closed:
+            item = self._sq.get()
+            if item is None or self._closed:
                 return
+            seq, wr = item
             if self.qp_state == enums.IBV_QPS_ERR:
                 if self._link is not None:
                     self._link.close()  # an ERR QP sends nothing more
-                self._complete(wr, enums.IBV_WC_WR_FLUSH_ERR, 0)
+                self._complete(seq, wr, enums.IBV_WC_WR_FLUSH_ERR, 0)
                 continue
             status, nbytes = self._execute(wr)
             if status != enums.IBV_WC_SUCCESS:
                 self.to_error()
-            self._complete(wr, status, nbytes)
+            self._complete(seq, wr, status, nbytes)
 
-    def _complete(self, wr: SendWR, status: int, nbytes: int) -> None:
-        if status == enums.IBV_WC_SUCCESS and not wr.send_flags & enums.IBV_SEND_SIGNALED:
+    def _complete(self, seq: int, wr: SendWR, status: int, nbytes: int) -> None:
+        signaled = self.sq_sig_all or wr.send_flags & enums.IBV_SEND_SIGNALED
+        if status == enums.IBV_WC_SUCCESS and not signaled:
             return
         opcode = {enums.IBV_WR_BIND_MW: enums.IBV_WC_BIND_MW, enums.IBV_WR_LOCAL_INV: enums.IBV_WC_LOCAL_INV}.get(
             wr.opcode, enums.IBV_WC_RDMA_WRITE
         )
-        self.scq.push(WC(wr.wr_id, status, opcode, self.qp_num, nbytes))
+        self.scq.push(WC(wr.wr_id, status, opcode, self.qp_num, nbytes, qp=self, seq=seq))
 
     def _execute(self, wr: SendWR) -> tuple[int, int]:
         if wr.opcode == enums.IBV_WR_BIND_MW:
-            if wr.mw is None or wr.bind_info is None:  # set together by set_bind_wr
+            if wr._bind is None:  # set by set_bind_wr
                 return enums.IBV_WC_MW_BIND_ERR, 0
-            return wr.mw.bind(self, wr.bind_info), 0
-        if wr.opcode == enums.IBV_WR_LOCAL_INV:
-            mw = self.fabric.key(wr.invalidate_rkey)
+            mw, info = wr._bind
+            return mw.bind(self, info, wr._bind_rkey), 0
+        if wr.opcode == enums.IBV_WR_LOCAL_INV:  # the key travels in imm_data (invalidate_rkey's union)
+            mw = self.fabric.key(int(wr.imm_data))
             if not isinstance(mw, MW) or mw.pd is not self.pd:
                 return enums.IBV_WC_LOC_PROT_ERR, 0
-            return mw.invalidate(), 0
+            return mw.invalidate(int(wr.imm_data)), 0
         if wr.opcode not in (enums.IBV_WR_RDMA_WRITE, enums.IBV_WR_RDMA_WRITE_WITH_IMM):
             return enums.IBV_WC_LOC_QP_OP_ERR, 0
         return self._write(wr)
@@ -269,14 +215,16 @@ class QP:
     def _write(self, wr: SendWR) -> tuple[int, int]:
         if self.fabric.faults.write_delay_s:
             time.sleep(self.fabric.faults.write_delay_s)
-        length = sum(s.length for s in wr.sg)
-        for s in wr.sg:  # the local side: each SGE inside an MR of this PD, by its lkey
-            mr = self.fabric.key(s.lkey)
-            if not isinstance(mr, MR) or not mr.valid or mr.pd is not self.pd or not mr.covers(s.addr, s.length):
+        sges = wr._sges
+        rkey, remote_addr = wr._rdma
+        length = sum(n for _, n, _ in sges)
+        for addr, n, lkey in sges:  # the local side: each SGE inside an MR of this PD, by its lkey
+            mr = self.fabric.key(lkey)
+            if not isinstance(mr, MR) or not mr.valid or mr.pd is not self.pd or not mr.covers(addr, n):
                 return enums.IBV_WC_LOC_PROT_ERR, 0
         if self._link is not None:  # the wire: the responder (maybe in another process) checks and answers
             imm = wr.imm_data if wr.opcode == enums.IBV_WR_RDMA_WRITE_WITH_IMM else None
-            status = self._link.write(wr.sg, wr.rkey, wr.remote_addr, imm)
+            status = self._link.write(sges, rkey, remote_addr, imm)
             return status, length if status == enums.IBV_WC_SUCCESS else 0
         responder = self.fabric.qp(self.dest_qp_num)
         if responder is None or responder.qp_state not in (enums.IBV_QPS_RTR, enums.IBV_QPS_RTS):
@@ -286,14 +234,14 @@ class QP:
             return enums.IBV_WC_REM_INV_REQ_ERR, 0
         # the responder checks the rkey, the range and the access at execution time, and the key
         # cannot be invalidated between that check and the copy (its lock)
-        target = self.fabric.key(wr.rkey)
+        target = self.fabric.key(rkey)
         lock = getattr(target, "lock", None)
         if lock is None:
             responder.to_error()
             return enums.IBV_WC_REM_ACCESS_ERR, 0
         with lock:
-            if self.fabric.key(wr.rkey) is not target or not remote_target(
-                target, responder, wr.remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE
+            if self.fabric.key(rkey) is not target or not remote_target(
+                target, responder, remote_addr, length, enums.IBV_ACCESS_REMOTE_WRITE
             ):
                 responder.to_error()
                 return enums.IBV_WC_REM_ACCESS_ERR, 0
@@ -305,10 +253,10 @@ class QP:
             if not responder._rq:
                 return enums.IBV_WC_RNR_RETRY_EXC_ERR, 0
             recv = responder._rq.popleft()
-        dst = wr.remote_addr
-        for s in wr.sg:
-            ctypes.memmove(dst, s.addr, s.length)
-            dst += s.length
+        dst = wr._rdma[1]
+        for addr, n, _ in wr._sges:
+            ctypes.memmove(dst, addr, n)
+            dst += n
         if recv is not None:
             responder.rcq.push(
                 WC(
@@ -325,8 +273,5 @@ class QP:
 
 def _wire_address(attr: QPAttr) -> tuple[str, int] | None:
     """The peer's device endpoint from RTR's address handle, if it carries an emulated GID."""
-    from cachestore.verbs_emu.wire import parse_gid
-
-    ah = getattr(attr, "ah_attr", None)
-    gr = getattr(ah, "gr", None) if ah is not None and getattr(ah, "is_global", False) else None
-    return parse_gid(gr.dgid) if gr is not None and gr.dgid else None
+    ah = attr.ah_attr
+    return parse_gid(ah.dgid) if ah is not None and ah.is_global else None

@@ -39,13 +39,12 @@ import os
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
 from cachestore.verbs_emu import enums
-
-if TYPE_CHECKING:
-    from cachestore.verbs_emu.queues import QP
+from cachestore.verbs_emu.completion import WC
+from cachestore.verbs_emu.memory import remote_target
 
 log = logging.getLogger("pdserve.cachestore.verbs_emu")
 
@@ -159,8 +158,8 @@ class Responder:
         self._bounce_buf = bytearray(MTU)
         self.bounce = memoryview(self._bounce_buf)
         self._bounce_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._bounce_buf))
-        self.qp: QP | None = None
-        """The responder QP, once the hello named it."""
+        self.qp: Any = None
+        """The responder QP (`queues.QP`, which imports this module), once the hello named it."""
         self.psn = 0
         self.dropping = False
         """True once the responder QP went to ERROR: every later packet is dropped unanswered."""
@@ -199,8 +198,6 @@ class Responder:
 
     def _message(self, first: tuple) -> bool:
         """One RDMA WRITE message starting with packet `first`; False to drop the connection."""
-        from cachestore.verbs_emu.memory import remote_target
-
         opcode, psn, va, rkey, dma_len, nbytes, imm = first
         if self.dropping or not self._usable():
             return False  # a QP in ERROR (or gone) drops packets: the requester's retries run out
@@ -249,8 +246,6 @@ class Responder:
             if recv is None:
                 syndrome = SYN_RNR
             else:
-                from cachestore.verbs_emu.queues import WC
-
                 qp.rcq.push(
                     WC(recv.wr_id, enums.IBV_WC_SUCCESS, enums.IBV_WC_RECV_RDMA_WITH_IMM, qp.qp_num, dma_len, header[6])
                 )
@@ -262,8 +257,6 @@ class Responder:
 
     def _land(self, target, rkey: int, address: int, view: memoryview) -> int:
         """Copy one packet's payload into the target memory, the key looked up again under its lock."""
-        from cachestore.verbs_emu.memory import remote_target
-
         with target.lock:
             if self.fabric.key(rkey) is not target or not remote_target(
                 target, self.qp, address, len(view), enums.IBV_ACCESS_REMOTE_WRITE
@@ -290,13 +283,13 @@ class RequesterLink:
             self.sock = sock
         return self.sock
 
-    def write(self, sges: list, rkey: int, va: int, imm: int | None) -> int:
-        """Send one RDMA WRITE message (the SGEs' bytes, in MTU packets) and wait for its ACK/NAK;
-        returns the completion status."""
+    def write(self, sges: list[tuple[int, int, int]], rkey: int, va: int, imm: int | None) -> int:
+        """Send one RDMA WRITE message (the bytes of the (addr, length, lkey) SGEs, in MTU packets)
+        and wait for its ACK/NAK; returns the completion status."""
         try:
             sock = self._connect()
-            length = sum(s.length for s in sges)
-            chunks = [(s.addr + at, min(MTU, s.length - at)) for s in sges for at in range(0, s.length, MTU)]
+            length = sum(n for _, n, _ in sges)
+            chunks = [(addr + at, min(MTU, n - at)) for addr, n, _ in sges for at in range(0, n, MTU)]
             if not chunks:
                 chunks = [(0, 0)]
             first_psn = self.psn

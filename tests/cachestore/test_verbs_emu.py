@@ -16,6 +16,7 @@ from cachestore.verbs_emu import (
     Context,
     MWBindInfo,
     QPAttr,
+    QPCap,
     QPInitAttr,
     RecvWR,
     SendWR,
@@ -42,6 +43,11 @@ def poll(cq: CQ, n: int = 1, within: float = 10.0) -> list:
     return got
 
 
+def new_qp(pd: PD, cq: CQ, max_send_wr: int = 32, sq_sig_all: int = 0) -> QP:
+    cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=4, max_send_sge=1, max_recv_sge=1)
+    return QP(pd, QPInitAttr(qp_type=enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=sq_sig_all))
+
+
 class Side:
     """One end: a PD, a CQ, a buffer registered as an MR, a QP."""
 
@@ -51,7 +57,7 @@ class Side:
         self.cq = CQ(self.ctx, 64)
         self.buf = bytearray(SIZE)
         self.mr = MR(self.pd, SIZE, access, address=addr(self.buf))
-        self.qp = QP(self.pd, QPInitAttr(scq=self.cq, rcq=self.cq))
+        self.qp = new_qp(self.pd, self.cq)
         self.remote_access = remote_access
 
     def connect(self, peer: "Side") -> None:
@@ -79,7 +85,8 @@ def pair():
 def reconnect(src: Side, dst: Side) -> None:
     """ERR -> RESET -> RTS on both ends (a class C error moves the responder's QP to ERR too)."""
     for side in (src, dst):
-        side.qp.modify(QPAttr(enums.IBV_QPS_RESET))
+        side.qp.to_error()
+        side.qp.modify(QPAttr(qp_state=enums.IBV_QPS_RESET))
     src.connect(dst)
     dst.connect(src)
 
@@ -111,11 +118,11 @@ def test_registration_and_state_machine_rules():
     with pytest.raises(VerbsError, match="REMOTE_WRITE requires LOCAL_WRITE"):
         MR(side.pd, SIZE, RW, address=addr(side.buf))
     with pytest.raises(VerbsError, match="not in RTS"):
-        side.qp.post_send(SendWR())
+        side.qp.post_send(SendWR(opcode=enums.IBV_WR_LOCAL_INV))
     with pytest.raises(VerbsError, match="illegal transition"):
         side.qp.to_rts(QPAttr())
     side.qp.to_error()
-    side.qp.modify(QPAttr(enums.IBV_QPS_RESET))  # ERR -> RESET is the only way back
+    side.qp.modify(QPAttr(qp_state=enums.IBV_QPS_RESET))  # ERR -> RESET is the only way back
     side.qp.to_init(QPAttr())
     side.qp.close()
 
@@ -154,10 +161,18 @@ def test_responder_qp_without_remote_write_answers_invalid_request():
     assert dst.qp.qp_state == enums.IBV_QPS_ERR
 
 
-def _bind(dst: Side, mw: MW, start: int, length: int, wr_id: int = 9) -> int:
+def _bind(dst: Side, mw: MW, start: int, length: int, wr_id: int = 9) -> tuple[int, int]:
+    """(completion status, the window's new rkey: the bind WR's, as pyverbs gives it)."""
     wr = SendWR(wr_id=wr_id, opcode=enums.IBV_WR_BIND_MW, send_flags=enums.IBV_SEND_SIGNALED)
     wr.set_bind_wr(mw, MWBindInfo(dst.mr, addr(dst.buf) + start, length, RW))
     dst.qp.post_send(wr)
+    return poll(dst.cq)[0].status, wr.rkey
+
+
+def _invalidate(dst: Side, rkey: int, wr_id: int = 10) -> int:
+    inv = SendWR(wr_id=wr_id, opcode=enums.IBV_WR_LOCAL_INV, send_flags=enums.IBV_SEND_SIGNALED)
+    inv.imm_data = rkey  # pyverbs has no invalidate_rkey: it shares imm_data's union (rdma-core tests/test_mr.py)
+    dst.qp.post_send(inv)
     return poll(dst.cq)[0].status
 
 
@@ -167,19 +182,23 @@ def test_type2_window_grants_its_range_through_its_qp_until_invalidated(pair):
     write(src, mw.rkey, addr(dst.buf))  # unbound window: nothing
     assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR
     reconnect(src, dst)
-    assert _bind(dst, mw, 1024, 512) == enums.IBV_WC_SUCCESS
-    write(src, mw.rkey, addr(dst.buf) + 1024, length=512)
+    status, key = _bind(dst, mw, 1024, 512)
+    assert status == enums.IBV_WC_SUCCESS and key != mw.rkey  # type 2: the key is the WR's, the MW's stays
+    write(src, mw.rkey, addr(dst.buf) + 1024, length=512)  # the MW object's (allocation) key: nothing
+    assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[1024:1536] == bytearray(512)
+    reconnect(src, dst)
+    write(src, key, addr(dst.buf) + 1024, length=512)
     assert poll(src.cq)[0].status == enums.IBV_WC_SUCCESS and dst.buf[1024:1536] == src.buf[:512]
-    write(src, mw.rkey, addr(dst.buf) + 1536, wr_id=5)  # just past the window
+    write(src, key, addr(dst.buf) + 1536, wr_id=5)  # just past the window
     assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[1536:1792] == bytearray(256)
     reconnect(src, dst)
-    # invalidate: the old rkey now names nothing, a new bind gets a different rkey
-    stale = mw.rkey
-    inv = SendWR(wr_id=10, opcode=enums.IBV_WR_LOCAL_INV, send_flags=enums.IBV_SEND_SIGNALED)
-    inv.invalidate_rkey = stale
-    dst.qp.post_send(inv)
-    assert poll(dst.cq)[0].status == enums.IBV_WC_SUCCESS
-    assert _bind(dst, mw, 0, 256) == enums.IBV_WC_SUCCESS and mw.rkey != stale
+    assert _invalidate(dst, mw.rkey) == enums.IBV_WC_LOC_PROT_ERR  # not the bound key: refused (QP to ERR)
+    reconnect(src, dst)
+    # invalidate: the old rkey now names nothing; the window can be bound again
+    stale = key
+    assert _invalidate(dst, stale) == enums.IBV_WC_SUCCESS
+    status, key = _bind(dst, mw, 0, 256)
+    assert status == enums.IBV_WC_SUCCESS
     dst.buf[1024:1536] = bytes(512)
     write(src, stale, addr(dst.buf) + 1024)
     assert poll(src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[1024:1536] == bytearray(512)
@@ -188,12 +207,13 @@ def test_type2_window_grants_its_range_through_its_qp_until_invalidated(pair):
 def test_window_is_usable_only_through_the_qp_it_was_bound_on(pair):
     src, dst = pair
     mw = MW(dst.pd, enums.IBV_MW_TYPE_2)
-    assert _bind(dst, mw, 0, 1024) == enums.IBV_WC_SUCCESS
+    status, key = _bind(dst, mw, 0, 1024)
+    assert status == enums.IBV_WC_SUCCESS
     other_src, other_dst = Side(LW), Side(LW | RW, remote_access=LW | RW)
-    other_dst.pd, other_dst.qp = dst.pd, QP(dst.pd, QPInitAttr(scq=dst.cq, rcq=dst.cq))  # same PD, another QP
+    other_dst.pd, other_dst.qp = dst.pd, new_qp(dst.pd, dst.cq)  # same PD, another QP
     other_src.connect(other_dst)
     other_dst.connect(other_src)
-    write(other_src, mw.rkey, addr(dst.buf))
+    write(other_src, key, addr(dst.buf))
     assert poll(other_src.cq)[0].status == enums.IBV_WC_REM_ACCESS_ERR and dst.buf[:256] == bytearray(256)
 
 
@@ -202,9 +222,9 @@ def test_write_with_imm_needs_a_receive_and_delivers_the_immediate(pair):
     write(src, dst.mr.rkey, addr(dst.buf), opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, imm=7)
     assert poll(src.cq)[0].status == enums.IBV_WC_RNR_RETRY_EXC_ERR
     assert dst.qp.qp_state == enums.IBV_QPS_RTS  # class B: the responder's QP stays usable
-    src.qp.modify(QPAttr(enums.IBV_QPS_RESET))
+    src.qp.modify(QPAttr(qp_state=enums.IBV_QPS_RESET))
     src.connect(dst)
-    dst.qp.post_recv(RecvWR(wr_id=77))
+    dst.qp.post_recv(RecvWR(wr_id=77, num_sge=1, sg=[SGE(addr(dst.buf), 64, dst.mr.lkey)]))
     write(src, dst.mr.rkey, addr(dst.buf), opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, imm=0xBEEF, wr_id=8)
     wcs = poll(src.cq, 1) + poll(dst.cq, 1)
     assert {(w.wr_id, w.status, w.opcode, w.imm_data) for w in wcs} == {
@@ -226,3 +246,88 @@ def test_fault_hooks_delay_drop_and_force_error(pair):
     src.qp.to_error()
     write(src, dst.mr.rkey, addr(dst.buf), wr_id=4, signaled=False)
     assert [(w.wr_id, w.status) for w in poll(src.cq)] == [(4, enums.IBV_WC_WR_FLUSH_ERR)]
+
+
+def chain(src: Side, dst: Side, n: int, signal_last_only: bool = True) -> SendWR:
+    """`n` WRITEs of 16 bytes linked through next_wr (the list keeps them alive, as pyverbs needs)."""
+    wrs = []
+    for i in range(n):
+        wr = SendWR(
+            wr_id=i,
+            opcode=enums.IBV_WR_RDMA_WRITE,
+            num_sge=1,
+            sg=[SGE(addr(src.buf), 16, src.mr.lkey)],
+            send_flags=enums.IBV_SEND_SIGNALED if i == n - 1 or not signal_last_only else 0,
+        )
+        wr.set_wr_rdma(dst.mr.rkey, addr(dst.buf) + 16 * (i % 256))
+        wrs.append(wr)
+    for a, b in zip(wrs, wrs[1:]):
+        a.next_wr = b
+    src._keep = wrs  # type: ignore[attr-defined]
+    return wrs[0]
+
+
+def test_send_queue_holds_max_send_wr_until_a_completion_is_polled(pair):
+    """A chain longer than the send queue is refused at the WR that does not fit (ENOMEM); slots come
+    back only when a completion at or after them is polled, signaled or not."""
+    src, dst = pair  # max_send_wr 32
+    src.qp.post_send(chain(src, dst, 32))
+    assert [w.wr_id for w in poll(src.cq)] == [31]  # polling the last one frees all 32 slots
+    src.qp.post_send(chain(src, dst, 32))
+    assert [w.wr_id for w in poll(src.cq)] == [31]
+    with pytest.raises(VerbsError, match="ENOMEM"):
+        src.qp.post_send(chain(src, dst, 40))
+    # the 32 that fit ran, but the signaled WR was the 40th: no completion will ever free them
+    assert poll(src.cq, within=0.3) == []
+    with pytest.raises(VerbsError, match="ENOMEM"):
+        src.qp.post_send(chain(src, dst, 1))
+
+
+def test_unsignaled_work_fills_the_queue_until_something_is_polled():
+    src, dst = Side(LW), Side(LW | RW)
+    src.qp = new_qp(src.pd, src.cq, max_send_wr=4)
+    src.connect(dst)
+    dst.connect(src)
+    src.qp.post_send(chain(src, dst, 4, signal_last_only=False))
+    with pytest.raises(VerbsError, match="ENOMEM"):  # 4 completions queued, none polled: still full
+        src.qp.post_send(chain(src, dst, 1))
+    assert len(poll(src.cq, 4)) == 4
+    src.qp.post_send(chain(src, dst, 1))
+    assert len(poll(src.cq)) == 1  # done before the buffers go: the device writes registered memory
+
+
+def test_qp_signals_every_wr_unless_sq_sig_all_is_off():
+    """pyverbs' QPInitAttr defaults to sq_sig_all=1: every WR completes, whatever its send_flags."""
+    src, dst = Side(LW), Side(LW | RW)
+    src.qp = new_qp(src.pd, src.cq, sq_sig_all=1)
+    src.connect(dst)
+    dst.connect(src)
+    src.qp.post_send(chain(src, dst, 5))
+    assert [w.wr_id for w in poll(src.cq, 5)] == [0, 1, 2, 3, 4]
+
+
+def test_cq_overrun_moves_its_qps_to_error():
+    src, dst = Side(LW), Side(LW | RW)
+    src.cq = CQ(src.ctx, 4)
+    src.qp = new_qp(src.pd, src.cq, max_send_wr=16)
+    src.connect(dst)
+    dst.connect(src)
+    src.qp.post_send(chain(src, dst, 6, signal_last_only=False))  # 6 completions for a 4-entry CQ
+    deadline = time.monotonic() + 5
+    while src.qp.qp_state != enums.IBV_QPS_ERR and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert src.cq.overrun and src.qp.qp_state == enums.IBV_QPS_ERR
+
+
+def test_path_mtu_above_the_ports_active_mtu_is_refused():
+    src, dst = Side(LW), Side(LW | RW)
+    port = src.ctx.query_port(1)
+    assert port.active_mtu == enums.IBV_MTU_1024 and port.link_layer == enums.IBV_LINK_LAYER_ETHERNET
+    a = QPAttr()
+    a.qp_access_flags = LW
+    src.qp.to_init(a)
+    a.dest_qp_num, a.path_mtu = dst.qp.qp_num, enums.IBV_MTU_4096  # hard-coded 4096: not this port
+    with pytest.raises(VerbsError, match="path MTU"):
+        src.qp.to_rtr(a)
+    a.path_mtu = port.active_mtu
+    src.qp.to_rtr(a)

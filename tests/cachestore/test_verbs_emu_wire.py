@@ -8,10 +8,11 @@ import multiprocessing as mp
 
 import pytest
 
-from cachestore.verbs_emu import CQ, MR, MW, PD, QP, AHAttr, Context, GlobalRoute, MWBindInfo, QPAttr, QPInitAttr, enums
+from cachestore.verbs_emu import CQ, GID, MR, MW, PD, QP, AHAttr, Context, GlobalRoute, MWBindInfo, QPAttr, SendWR
+from cachestore.verbs_emu import enums
 from cachestore.verbs_emu import wire
 from cachestore.verbs_emu.device import FABRIC
-from tests.cachestore.test_verbs_emu import BIND, LW, RW, SIZE, addr, poll, write
+from tests.cachestore.test_verbs_emu import BIND, LW, RW, SIZE, addr, new_qp, poll, write
 
 CANARY = 0xA5
 
@@ -22,7 +23,7 @@ def connect(qp: QP, access: int, peer_qpn: int, peer_gid: str) -> None:
     a.qp_access_flags = access
     qp.to_init(a)
     a.dest_qp_num = peer_qpn
-    a.ah_attr = AHAttr(is_global=1, gr=GlobalRoute(dgid=peer_gid))
+    a.ah_attr = AHAttr(is_global=1, gr=GlobalRoute(dgid=GID(peer_gid)))
     qp.to_rtr(a)
     qp.to_rts(a)
 
@@ -33,8 +34,8 @@ def responder_process(conn) -> None:
     pd, cq = PD(ctx), CQ(ctx, 64)
     buf = bytearray([CANARY]) * SIZE
     mr = MR(pd, SIZE, LW | BIND, address=addr(buf))  # no remote access through the MR itself
-    qp = QP(pd, QPInitAttr(scq=cq, rcq=cq))
-    conn.send((qp.qp_num, ctx.query_gid(1, 0), addr(buf)))
+    qp = new_qp(pd, cq)
+    conn.send((qp.qp_num, str(ctx.query_gid(1, 0)), addr(buf)))
     peer_qpn, peer_gid = conn.recv()
     connect(qp, LW | RW, peer_qpn, peer_gid)
     windows: list[MW] = []
@@ -44,14 +45,12 @@ def responder_process(conn) -> None:
             return
         if msg[0] == "bind":
             mw = MW(pd, enums.IBV_MW_TYPE_2)
-            wr = __import__("cachestore.verbs_emu", fromlist=["SendWR"]).SendWR(
-                wr_id=1, opcode=enums.IBV_WR_BIND_MW, send_flags=enums.IBV_SEND_SIGNALED
-            )
+            wr = SendWR(wr_id=1, opcode=enums.IBV_WR_BIND_MW, send_flags=enums.IBV_SEND_SIGNALED)
             wr.set_bind_wr(mw, MWBindInfo(mr, addr(buf) + msg[1], msg[2], RW))
             qp.post_send(wr)
             assert poll(cq)[0].status == enums.IBV_WC_SUCCESS
             windows.append(mw)
-            conn.send(mw.rkey)
+            conn.send(wr.rkey)  # type 2: the bound key is the WR's
         elif msg[0] == "dealloc":
             for mw in windows:
                 mw.close()
@@ -66,7 +65,7 @@ class Requester:
         self.pd, self.cq = PD(self.ctx), CQ(self.ctx, 64)
         self.buf = bytearray(range(256)) * (SIZE // 256)
         self.mr = MR(self.pd, SIZE, LW, address=addr(self.buf))
-        self.qp = QP(self.pd, QPInitAttr(scq=self.cq, rcq=self.cq))
+        self.qp = new_qp(self.pd, self.cq)
 
 
 @pytest.fixture
@@ -82,7 +81,7 @@ def remote():
         qpn, gid, base = parent.recv()
         assert wire.parse_gid(gid)[1] != FABRIC.endpoint().port  # another process, another endpoint
         req = Requester()
-        parent.send((req.qp.qp_num, req.ctx.query_gid(1, 0)))
+        parent.send((req.qp.qp_num, str(req.ctx.query_gid(1, 0))))
         connect(req.qp, LW, qpn, gid)
         yield req, parent, base
         req.qp.close()
@@ -134,9 +133,9 @@ def test_multi_packet_message_and_unreachable_responder(monkeypatch):
     a, b = Requester(), Requester()
     target = bytearray(SIZE)
     mr = MR(b.pd, SIZE, LW | RW, address=addr(target))
-    gid = b.ctx.query_gid(1, 0)
+    gid = str(b.ctx.query_gid(1, 0))
     connect(a.qp, LW, b.qp.qp_num, gid)
-    connect(b.qp, LW | RW, a.qp.qp_num, a.ctx.query_gid(1, 0))
+    connect(b.qp, LW | RW, a.qp.qp_num, str(a.ctx.query_gid(1, 0)))
     write(a, mr.rkey, addr(target), length=SIZE, wr_id=5)
     assert poll(a.cq)[0].status == enums.IBV_WC_SUCCESS and target == a.buf
     c = Requester()
@@ -157,8 +156,8 @@ def test_a_responder_qp_in_error_drops_packets_and_hooks_come_from_the_env(monke
     a, b = Requester(), Requester()
     target = bytearray(SIZE)
     mr = MR(b.pd, SIZE, LW | RW, address=addr(target))
-    connect(a.qp, LW, b.qp.qp_num, b.ctx.query_gid(1, 0))
-    connect(b.qp, LW | RW, a.qp.qp_num, a.ctx.query_gid(1, 0))
+    connect(a.qp, LW, b.qp.qp_num, str(b.ctx.query_gid(1, 0)))
+    connect(b.qp, LW | RW, a.qp.qp_num, str(a.ctx.query_gid(1, 0)))
     b.qp.to_error()  # fault hook on the responder's side: its packets are dropped, no NAK comes
     write(a, mr.rkey, addr(target), wr_id=9)
     assert poll(a.cq)[0].status == enums.IBV_WC_RETRY_EXC_ERR and target == bytearray(SIZE)
