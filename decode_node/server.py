@@ -51,7 +51,7 @@ class DecodeNode(decode_pb2_grpc.DecodeServicer):
             secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry,
         )
-        self.prefills = PrefillClients(config.node.cluster_secret, self.rt.compatibility)
+        self.prefills = PrefillClients(config.node.cluster_secret, self.rt.compatibility, config.transfer.peer_timeout)
         self._fencing: dict[str, Session] = {}
         """request id -> a closed session whose writers may not have left its blocks yet."""
 

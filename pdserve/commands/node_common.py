@@ -47,6 +47,13 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         "--drain-timeout", type=float, default=None, help="seconds to finish requests on SIGTERM (default 30)"
     )
     p.add_argument("--kv-timeout", type=float, default=None, help="seconds a KV transfer may take (default 60)")
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=None,
+        help="a gRPC peer that leaves keepalive pings unanswered this long is dead: its calls fail and are "
+        "retried (a partitioned prefill node; default 10)",
+    )
     p.add_argument("--log-level", default=None, help="default INFO")
     p.add_argument(
         "--advertise-host",

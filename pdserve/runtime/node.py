@@ -16,6 +16,7 @@ from prometheus_client import Histogram
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
 from pdserve.auth import SecretInterceptor
+from pdserve.runtime import keepalive
 from pdserve.runtime.convert import compatibility
 from pdserve.runtime.engine_loop import EngineLoop, Subscription
 from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
@@ -85,6 +86,7 @@ class NodeRuntime:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *keepalive.server_options(self.config.transfer.peer_timeout),
             ],
         )
         register_services(self.server)

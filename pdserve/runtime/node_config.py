@@ -55,6 +55,9 @@ class TransferOptions:
     """One of TRANSPORTS."""
     kv_timeout: float = 60.0
     """Seconds a KV transfer / session may take."""
+    peer_timeout: float = 10.0
+    """Seconds a peer may leave a gRPC keepalive ping unanswered before its calls fail (a partitioned
+    or frozen host); bounds a decode node's wait on a prefill node well below kv_timeout."""
     cachestore_port: int = 0
     """Decode node: CacheStore listener port (0: pick a free one)."""
     rdma_device: str | None = None
@@ -67,6 +70,8 @@ class TransferOptions:
     """RC queue pairs per receiver, used round robin (None: $PDSERVE_RDMA_QPS, else 2)."""
 
     def __post_init__(self) -> None:
+        if self.peer_timeout <= 0:
+            raise ValueError(f"--peer-timeout must be > 0, got {self.peer_timeout}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         for name, least in (("rdma_port", 1), ("rdma_gid_index", 0), ("rdma_qps", 1)):
