@@ -31,6 +31,9 @@ def client_options(peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> list[tuple[str
         ("grpc.keepalive_timeout_ms", _timeout_ms(peer_timeout)),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 0),  # a long prefill sends no data: keep pinging anyway
+        # a connection attempt to an unreachable peer gets no answer either: give up on it as soon
+        # (gRPC's default is 20 s), so a call to it fails and the caller tries another node
+        ("grpc.min_reconnect_backoff_ms", _timeout_ms(peer_timeout)),
     ]
 
 
