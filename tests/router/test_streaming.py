@@ -9,30 +9,10 @@ import json
 import pytest
 
 from engine.tokenizer import Tokenizer
-from router.cluster import GenerateChunk
 from router.keepalive_stream import KEEPALIVE_COMMENT, KeepAlive, with_keepalive
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Server
-from pdserve.v1 import common_pb2
-
-
-class PacedCluster:
-    """Yields one token per chunk, `pace` seconds apart, after `first_delay` seconds."""
-
-    def __init__(self, tokens: list[int], pace: float = 0.0, first_delay: float = 0.0) -> None:
-        self.tokens, self.pace, self.first_delay = tokens, pace, first_delay
-
-    def max_model_len(self) -> int:
-        return 128
-
-    async def generate(self, request_id, prompt, params):
-        await asyncio.sleep(self.first_delay)
-        n = min(len(self.tokens), params.max_tokens)
-        for i, t in enumerate(self.tokens[:n]):
-            await asyncio.sleep(self.pace)
-            last = i == n - 1
-            usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n) if last else None
-            yield GenerateChunk([t], None, "length" if last else None, usage)
+from tests.router.paced import PacedCluster
 
 
 def events(lines: list[str]) -> list[dict]:
