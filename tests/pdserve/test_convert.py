@@ -35,10 +35,13 @@ def test_every_field_arrives():
         ignore_eos=True,
         logprobs=2,
         include_stop_str_in_output=True,
+        logit_bias={7: -100.0, 2: 1.5},
+        skip_special_tokens=False,
     )
     pb = common_pb2.SamplingParams(**values)
-    # the engine holds the repeated fields as tuples
-    assert params_from_pb(pb) == SamplingParams(**{**values, "stop": ("\n\n",), "stop_token_ids": (3, 4)})
+    # the engine holds the repeated fields as tuples (logit_bias as sorted pairs)
+    expected = {**values, "stop": ("\n\n",), "stop_token_ids": (3, 4), "logit_bias": ((2, 1.5), (7, -100.0))}
+    assert params_from_pb(pb) == SamplingParams(**expected)
 
 
 def test_unset_optional_fields_take_the_engine_defaults():
@@ -53,6 +56,8 @@ def test_unset_optional_fields_take_the_engine_defaults():
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 4, "top_p": 0.0}, "top_p"),  # 0 is a value (out of range), never "unset"
         ({"max_tokens": 4, "repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 4, "logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"max_tokens": 4, "logit_bias": {1: 101.0}}, "logit_bias"),
     ],
 )
 def test_zero_is_never_unset(fields, name):
