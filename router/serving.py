@@ -18,17 +18,19 @@ from router.cluster import Cluster
 from router.errors import BadRequest, RouterError
 from router.keepalive_stream import DEFAULT_INTERVAL, KEEPALIVE_COMMENT, KeepAlive, with_keepalive
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.request_fields import check_request_fields
 from router.request_metrics import RequestMetrics
 from router.text import ChoiceText, chat_logprob_entry, completion_logprobs
 
 SHARED_SAMPLING_FIELDS = tuple(
     sorted(
         {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
-        & set(SamplingFields.model_fields) - {"max_tokens", "stop"}
+        & set(SamplingFields.model_fields) - {"max_tokens", "stop", "stop_token_ids", "logit_bias"}
     )
 )
 """OpenAI request fields that travel unchanged in the proto field of the same name (and meaning);
-max_tokens and stop are checked and resolved first, logprobs differs between the two endpoints."""
+max_tokens and stop are checked and resolved first, logprobs differs between the two endpoints, and
+the list and map fields are copied on their own (`_params`)."""
 STREAM_QUEUE_CHUNKS = 32
 """Chunks buffered per choice between the node stream and the HTTP response. When a client stops
 reading, the queue fills, the node stream is no longer read, and gRPC flow control holds the rest
@@ -96,7 +98,11 @@ class Server:
         except ValueError as e:
             raise BadRequest(str(e), "stop") from None
         # OpenAI's default temperature is 1; an unset proto3 temperature would mean greedy
-        p = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop=stop)
+        p = common_pb2.SamplingParams(
+            temperature=1.0, max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids
+        )
+        for key, bias in (req.logit_bias or {}).items():
+            p.logit_bias[self._token_id(key)] = bias
         for name in SHARED_SAMPLING_FIELDS:
             value = getattr(req, name)
             if value is not None:  # unset: the engine's default
@@ -104,6 +110,28 @@ class Server:
         if logprobs is not None:
             p.logprobs = logprobs
         return p
+
+    def _token_id(self, key: str) -> int:
+        """A logit_bias key: a token id of this model's vocabulary, written as a string (OpenAI)."""
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < self.tokenizer.vocab_size:
+            raise BadRequest(
+                f"logit_bias: {key!r} is not a token id of this model (0 to {self.tokenizer.vocab_size - 1})",
+                "logit_bias",
+            )
+        return token
+
+    def _text(self, ids: list[int], params: common_pb2.SamplingParams) -> ChoiceText:
+        return ChoiceText(
+            self.tokenizer,
+            ids,
+            list(params.stop),
+            include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        )
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         """The prompt checked as every boundary checks it (engine.prompt_check), against the cluster's
@@ -114,6 +142,7 @@ class Server:
             raise BadRequest(str(e), e.param) from None
 
     def completion_choices(self, req: CompletionRequest) -> list[Choice]:
+        check_request_fields(req, "completions")
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -127,12 +156,11 @@ class Server:
             ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
             for _ in range(req.n):
-                choices.append(
-                    Choice(len(choices), ids, text, params, ChoiceText(self.tokenizer, ids, list(params.stop)))
-                )
+                choices.append(Choice(len(choices), ids, text, params, self._text(ids, params)))
         return choices
 
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+        check_request_fields(req, "chat")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             ids = self._check_ids(self.tokenizer.encode_chat(messages))
@@ -141,7 +169,7 @@ class Server:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, len(ids), logprobs, default_max=None)
-        return [Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop))) for i in range(req.n)]
+        return [Choice(i, ids, None, params, self._text(ids, params)) for i in range(req.n)]
 
     async def choices(self, req: SamplingFields, chat: bool) -> list[Choice]:
         """Validate and tokenize in a worker thread: a multi-megabyte prompt must not stall every other
