@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from pdserve.auth import cluster_metadata
-from pdserve.runtime import keepalive
+from pdserve.runtime import cluster_tls, keepalive
 from pdserve.runtime.grpc_errors import IncompatiblePeer
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -17,8 +17,15 @@ class PrefillClients:
     Channels ping their node (pdserve.runtime.keepalive): a partitioned prefill node fails the call
     within `peer_timeout`, not at the call's --kv-timeout deadline."""
 
-    def __init__(self, secret: str, compatibility: str, peer_timeout: float = keepalive.DEFAULT_PEER_TIMEOUT) -> None:
+    def __init__(
+        self,
+        secret: str,
+        compatibility: str,
+        peer_timeout: float = keepalive.DEFAULT_PEER_TIMEOUT,
+        tls: cluster_tls.ClusterTLS | None = None,
+    ) -> None:
         self.options = keepalive.client_options(peer_timeout)
+        self.tls = tls
         self.metadata = cluster_metadata(secret)
         self.compatibility = compatibility
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
@@ -27,7 +34,7 @@ class PrefillClients:
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address, options=self.options)
+            channel = cluster_tls.channel(address, self.tls, self.options)
             self._channels[address] = channel
             self._stubs[address] = prefill_pb2_grpc.PrefillStub(channel)
         return self._stubs[address]

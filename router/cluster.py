@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.discovery import Discovery, Member
 from pdserve.auth import cluster_metadata
-from pdserve.runtime import keepalive
+from pdserve.runtime import cluster_tls, keepalive
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.backoff import backoff_delay
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
@@ -84,8 +84,11 @@ class Cluster:
         request_timeout: float = 600.0,
         deadlines: Deadlines | None = None,
         registry: CollectorRegistry | None = None,
+        tls: cluster_tls.ClusterTLS | None = None,
     ) -> None:
         self.discovery = discovery
+        self.tls = tls
+        """Mutual TLS to the nodes (None: plaintext)."""
         self.metadata = cluster_metadata(cluster_secret)
         self.refresh_interval = refresh_interval
         self.max_retries = max_retries
@@ -122,8 +125,8 @@ class Cluster:
         for key, member in current.items():
             if key not in self.nodes:
                 # keepalive pings: a partitioned node fails the calls in flight on it (UNAVAILABLE)
-                channel = grpc.aio.insecure_channel(
-                    member.address, options=keepalive.client_options(self.deadlines.hung_after)
+                channel = cluster_tls.channel(
+                    member.address, self.tls, keepalive.client_options(self.deadlines.hung_after)
                 )
                 stub_class = decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub
                 stub = stub_class(channel)

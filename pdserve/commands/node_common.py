@@ -62,9 +62,19 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         "if --host is a wildcard)",
     )
     add_rdma_args(p)
+    add_cluster_tls_args(p)
     from pdserve.discovery import add_discovery_args
 
     add_discovery_args(p)
+
+
+def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
+    """Mutual TLS on the cluster's gRPC links (pdserve.runtime.cluster_tls): all three or none."""
+    p.add_argument("--cluster-tls-cert", default=None, help="this process's certificate (PEM) for cluster gRPC")
+    p.add_argument("--cluster-tls-key", default=None, help="its private key (PEM)")
+    p.add_argument(
+        "--cluster-tls-ca", default=None, help="the cluster CA (PEM): peers must present a certificate it signed"
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

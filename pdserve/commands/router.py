@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from pdserve.commands.generate import add_model_args
+from pdserve.commands.node_common import add_cluster_tls_args
 from pdserve.config import API_KEYS_ENV
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a request waits this long for a usable node with room before a 503 (0: fail at once; default 30)",
     )
     add_connection_args(p)
+    add_cluster_tls_args(p)
     p.add_argument("--log-level", default=None, help="default info")
     p.set_defaults(func=run)
 
@@ -183,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         cluster_secret=config.cluster.cluster_secret,
         deadlines=config.cluster.deadlines,
         registry=registry,
+        tls=config.cluster.tls(),
     )
     server = Server(
         cluster,

@@ -16,7 +16,7 @@ from prometheus_client import Histogram
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
 from pdserve.auth import SecretInterceptor
-from pdserve.runtime import keepalive
+from pdserve.runtime import cluster_tls, keepalive
 from pdserve.runtime.convert import compatibility
 from pdserve.runtime.engine_loop import EngineLoop, Subscription
 from pdserve.runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
@@ -79,6 +79,7 @@ class NodeRuntime:
                 "peer that can reach this node is trusted; set one outside local development"
             )
         self.failed = asyncio.Event()
+        self.tls = self.config.node.tls()
         self.loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
         self.loop_thread.start()
         self.server = grpc.aio.server(
@@ -91,7 +92,7 @@ class NodeRuntime:
         )
         register_services(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        port = self.server.add_insecure_port(f"{self.config.node.host}:{self.config.node.port}")
+        port = cluster_tls.add_port(self.server, f"{self.config.node.host}:{self.config.node.port}", self.tls)
         await self.server.start()
         self.address = f"{self.config.node.host}:{port}"
         self.node_id = f"{self.role}@{self.address}#{int(time.time() * 1000) % 10**9}"

@@ -1,0 +1,50 @@
+"""Mutual TLS between router and nodes: a cluster started with --cluster-tls-* serves requests,
+and a node refuses a plaintext caller and a TLS caller without a certificate of the cluster CA."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.auth import cluster_metadata
+from pdserve.runtime.cluster_tls import TLS_SERVER_NAME, ClusterTLS, make_throwaway
+from pdserve.v1 import common_pb2, decode_pb2_grpc
+from tests.e2e.cluster import start_cluster, stop
+from tests.e2e.router_cluster import API_KEY, start_router
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+async def test_cluster_over_mutual_tls(tmp_path, tiny_model_dir):
+    pytest.importorskip("cryptography")
+    cert, key, ca = make_throwaway(tmp_path)
+    tls = ["--cluster-tls-cert", str(cert), "--cluster-tls-key", str(key), "--cluster-tls-ca", str(ca)]
+    cluster = start_cluster(1, 1, model=str(tiny_model_dir), extra=tls)
+    router = None
+    try:
+        router, base = start_router(cluster, str(tiny_model_dir), extra=tls)
+        body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+        address, metadata = cluster.decodes[0].address, cluster_metadata(cluster.secret)
+        async with grpc.aio.insecure_channel(address) as plain:  # no TLS at all
+            with pytest.raises(grpc.aio.AioRpcError):
+                await decode_pb2_grpc.DecodeStub(plain).GetLoad(common_pb2.LoadRequest(), metadata=metadata, timeout=5)
+        no_cert = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())  # TLS, but no client certificate
+        options = [("grpc.ssl_target_name_override", TLS_SERVER_NAME)]
+        async with grpc.aio.secure_channel(address, no_cert, options=options) as anonymous:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await decode_pb2_grpc.DecodeStub(anonymous).GetLoad(
+                    common_pb2.LoadRequest(), metadata=metadata, timeout=5
+                )
+        async with ClusterTLS.from_files(str(cert), str(key), str(ca)).channel(address, []) as member:
+            report = await decode_pb2_grpc.DecodeStub(member).GetLoad(
+                common_pb2.LoadRequest(), metadata=metadata, timeout=10
+            )
+            assert report.num_total_blocks > 0
+    finally:
+        if router is not None:
+            stop(router)
+        cluster.stop()
