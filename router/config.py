@@ -11,31 +11,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.discovery import DiscoveryConfig
+from pdserve.runtime.tls_options import ClusterTLSOptions
 from router.deadlines import Deadlines
 from router.http_limits import ConnectionLimits
 
 
 @dataclass(frozen=True)
-class ClusterOptions:
+class ClusterOptions(ClusterTLSOptions):
     """How the router calls nodes."""
 
     cluster_secret: str = ""
     """Shared secret sent on every node call (empty: none, dev only)."""
     deadlines: Deadlines = field(default_factory=Deadlines)
-    cluster_tls_cert: str | None = None
-    """Certificate file for mutual TLS on cluster gRPC (with key and CA; None: plaintext)."""
-    cluster_tls_key: str | None = None
-    cluster_tls_ca: str | None = None
-
-    def __post_init__(self) -> None:
-        if len([x for x in (self.cluster_tls_cert, self.cluster_tls_key, self.cluster_tls_ca) if x]) not in (0, 3):
-            raise ValueError("--cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
-
-    def tls(self):
-        """The loaded ClusterTLS, or None for plaintext (ValueError: incomplete or unreadable)."""
-        from pdserve.runtime.cluster_tls import ClusterTLS
-
-        return ClusterTLS.from_files(self.cluster_tls_cert, self.cluster_tls_key, self.cluster_tls_ca)
 
 
 @dataclass(frozen=True)

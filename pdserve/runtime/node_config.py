@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from pdserve.discovery import DiscoveryConfig
+from pdserve.runtime.tls_options import ClusterTLSOptions
 
 TRANSPORTS = ("auto", "tcp", "rdma", "local")
 """auto: RDMA if a device exists, else tcp. local: both ends in one process (tests only)."""
@@ -27,7 +28,7 @@ RDMA_ENV = {
 
 
 @dataclass(frozen=True)
-class NodeOptions:
+class NodeOptions(ClusterTLSOptions):
     """Process-level options of a node (the engine's own live in EngineConfig)."""
 
     host: str = "127.0.0.1"
@@ -45,20 +46,6 @@ class NodeOptions:
     colocated: bool = False
     """Decode node: also run prompts locally when a request names no prefill node."""
     log_level: str = "INFO"
-    cluster_tls_cert: str | None = None
-    """Certificate file for mutual TLS on cluster gRPC (with key and CA; None: plaintext)."""
-    cluster_tls_key: str | None = None
-    cluster_tls_ca: str | None = None
-
-    def __post_init__(self) -> None:
-        if len([x for x in (self.cluster_tls_cert, self.cluster_tls_key, self.cluster_tls_ca) if x]) not in (0, 3):
-            raise ValueError("--cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
-
-    def tls(self):
-        """The loaded ClusterTLS, or None for plaintext (ValueError: incomplete or unreadable)."""
-        from pdserve.runtime.cluster_tls import ClusterTLS
-
-        return ClusterTLS.from_files(self.cluster_tls_cert, self.cluster_tls_key, self.cluster_tls_ca)
 
 
 @dataclass(frozen=True)
