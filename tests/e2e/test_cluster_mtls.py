@@ -3,6 +3,14 @@ and a node refuses a plaintext caller and a TLS caller without a certificate of 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 import grpc
 import httpx
 import pytest
@@ -10,8 +18,8 @@ import pytest
 from pdserve.auth import cluster_metadata
 from pdserve.runtime.cluster_tls import TLS_SERVER_NAME, ClusterTLS, make_throwaway
 from pdserve.v1 import common_pb2, decode_pb2_grpc
-from tests.e2e.cluster import start_cluster, stop
-from tests.e2e.router_cluster import API_KEY, start_router
+from tests.e2e.cluster import ROOT, start_cluster, stop
+from tests.e2e.router_cluster import API_KEY, free_port, start_router
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,3 +56,41 @@ async def test_cluster_over_mutual_tls(tmp_path, tiny_model_dir):
         if router is not None:
             stop(router)
         cluster.stop()
+
+
+def test_up_with_a_throwaway_ca_serves_and_cleans_up():
+    """`pdserve up --cluster-tls`: every node runs with the certificate, requests are served, and the
+    throwaway key is gone after Ctrl-C."""
+    pytest.importorskip("cryptography")
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="up-tls-test-")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--cluster-tls", "--num-decode", "1", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": tmp},
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "pdserve is up" in line:
+                break
+        assert any("pdserve is up" in x for x in lines), "".join(lines)
+        assert len(list(Path(tmp).glob("pdserve-tls-*/cluster.key"))) == 1
+        body = {"model": "pdserve-tiny", "prompt": "Hi", "max_tokens": 3}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while list(Path(tmp).glob("pdserve-tls-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not list(Path(tmp).glob("pdserve-tls-*"))
