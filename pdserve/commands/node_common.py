@@ -190,6 +190,9 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
     """Build the node, start it, register it with discovery, print READY, run until SIGTERM/SIGINT,
     then deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     config.transfer.export_env()
+    from pdserve.runtime.memory_bounds import bound_shape_caches
+
+    bound_shape_caches()  # before the engine's first kernel
     node = make_node(config)
     logging.basicConfig(
         level=config.node.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
