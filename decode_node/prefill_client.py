@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from node_runtime.auth import cluster_metadata
+from node_runtime import cluster_tls, keepalive
 from node_runtime.grpc_errors import IncompatiblePeer
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -12,9 +13,19 @@ __all__ = ["IncompatiblePeer", "PrefillClients"]
 
 
 class PrefillClients:
-    """Channel + stub per prefill address; remembers which addresses passed the compatibility check."""
+    """Channel + stub per prefill address; remembers which addresses passed the compatibility check.
+    Channels ping their node (node_runtime.keepalive): a partitioned prefill node fails the call
+    within `peer_timeout`, not at the call's --kv-timeout deadline."""
 
-    def __init__(self, secret: str, compatibility: str) -> None:
+    def __init__(
+        self,
+        secret: str,
+        compatibility: str,
+        peer_timeout: float = keepalive.DEFAULT_PEER_TIMEOUT,
+        tls: cluster_tls.ClusterTLS | None = None,
+    ) -> None:
+        self.options = keepalive.client_options(peer_timeout)
+        self.tls = tls
         self.metadata = cluster_metadata(secret)
         self.compatibility = compatibility
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
@@ -23,7 +34,7 @@ class PrefillClients:
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address)
+            channel = cluster_tls.channel(address, self.tls, self.options)
             self._channels[address] = channel
             self._stubs[address] = prefill_pb2_grpc.PrefillStub(channel)
         return self._stubs[address]

@@ -56,7 +56,9 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry,
         )
-        self.prefills = PrefillClients(config.node.cluster_secret, self.rt.compatibility)
+        self.prefills = PrefillClients(
+            config.node.cluster_secret, self.rt.compatibility, config.transfer.peer_timeout, config.node.tls()
+        )
         self._fencing: dict[str, Session] = {}
         """request id -> a closed session whose writers may not have left its blocks yet."""
 

@@ -101,6 +101,11 @@ class LLMEngine(RemotePrefill):
             raise ValueError(f"duplicate request id {request_id!r}")
         root = request_root(self.kv_compatibility, cache_salt)
         check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:  # sorted by id
+            raise ValueError(
+                f"invalid sampling parameter logit_bias: token id {params.logit_bias[-1][0]} is not below "
+                f"the vocabulary size {self.model_config.vocab_size}"
+            )
         room = self.max_model_len - len(prompt)
         if params.max_tokens is not None:
             check_max_tokens(len(prompt), params.max_tokens, self.max_model_len)

@@ -53,9 +53,12 @@ class Sampler:
 
 def apply_penalties(row: torch.Tensor, r: Request) -> None:
     """In place on one request's logits [V]: repetition (prompt + output, HF style), then
-    presence/frequency (output only, OpenAI style)."""
+    presence/frequency (output only, OpenAI style), then the logit bias."""
     p = r.params
     vocab = row.shape[0]
+    if p.logit_bias:  # ids were checked against the vocabulary at admission (LLMEngine._validate)
+        ids, biases = zip(*p.logit_bias)
+        row[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=row.dtype)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
         vals = row[seen]

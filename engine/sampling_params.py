@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+"""Most logit_bias entries per request (OpenAI's limit)."""
+MAX_BIAS = 100.0
+"""A bias is in [-MAX_BIAS, MAX_BIAS] (OpenAI's range: -100 bans a token, 100 forces it)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class SamplingParams:
     """None: no logprobs; k: the sampled token's logprob plus the top k (k <= 20)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling (OpenAI logit_bias), sorted by id."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +56,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -88,6 +96,16 @@ class SamplingParams:
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+        )
+        _check(
+            all(t >= 0 and -MAX_BIAS <= b <= MAX_BIAS for t, b in self.logit_bias),
+            "logit_bias",
+            f"token ids must be >= 0 and biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +113,13 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        """Anything that changes the logits before sampling: penalties or a logit bias."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )
 
 
 def _check(ok: bool, name: str, message: str) -> None:

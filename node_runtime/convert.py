@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.kv_namespace import MAX_CACHE_SALT_BYTES
 from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from pdserve.v1 import common_pb2
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -45,6 +45,8 @@ def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_BYTES} bytes")
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:  # before copying a huge map
+        raise ValueError(f"invalid sampling parameter logit_bias: at most {MAX_LOGIT_BIAS} entries")
     if not p.HasField("max_tokens"):  # decode nodes reserve KV for every token a request may generate
         raise ValueError("invalid sampling parameter max_tokens: it is required")
     values: dict[str, Any] = {}
@@ -52,6 +54,8 @@ def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
         if f.has_presence and not p.HasField(f.name):
             continue
         value = getattr(p, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value = tuple(value.items())  # logit_bias: (token id, bias) pairs
         values[f.name] = tuple(value) if f.is_repeated else value
     return SamplingParams(**values)
 

@@ -16,6 +16,7 @@ from prometheus_client import Histogram
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
 from node_runtime.auth import SecretInterceptor
+from node_runtime import cluster_tls, keepalive
 from node_runtime.engine_loop import EngineLoop, Subscription
 from node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from node_runtime.node_config import NodeConfig
@@ -79,6 +80,7 @@ class NodeRuntime:
                 "peer that can reach this node is trusted; set one outside local development"
             )
         self.failed = asyncio.Event()
+        self.tls = self.config.node.tls()
         self._loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
         self._loop_thread.start()
         self.server = grpc.aio.server(
@@ -86,11 +88,12 @@ class NodeRuntime:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *keepalive.server_options(self.config.transfer.peer_timeout),
             ],
         )
         register_services(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        port = self.server.add_insecure_port(f"{self.config.node.host}:{self.config.node.port}")
+        port = cluster_tls.add_port(self.server, f"{self.config.node.host}:{self.config.node.port}", self.tls)
         self.address = f"{self.config.node.host}:{port}"
         # set before serving: every KvEvents stream and load report names this incarnation
         self.node_id = f"{self.role}@{self.address}#{int(time.time() * 1000) % 10**9}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from node_runtime.discovery import DiscoveryConfig
+from node_runtime.tls_options import ClusterTLSOptions
 
 TRANSPORTS = ("auto", "tcp", "rdma", "local")
 """auto: RDMA if a device exists, else tcp. local: both ends in one process (tests only)."""
@@ -33,7 +34,7 @@ place in a prefill node's queue (BENCHMARKS.md, "Local prefill threshold")."""
 
 
 @dataclass(frozen=True)
-class NodeOptions:
+class NodeOptions(ClusterTLSOptions):
     """Process-level options of a node (the engine's own live in EngineConfig)."""
 
     host: str = "127.0.0.1"
@@ -73,6 +74,9 @@ class TransferOptions:
     """One of TRANSPORTS."""
     kv_timeout: float = 60.0
     """Seconds a KV transfer / session may take."""
+    peer_timeout: float = 10.0
+    """Seconds a peer may leave a gRPC keepalive ping unanswered before its calls fail (a partitioned
+    or frozen host); bounds a decode node's wait on a prefill node well below kv_timeout."""
     cachestore_port: int = 0
     """Decode node: CacheStore listener port (0: pick a free one)."""
     rdma_device: str | None = None
@@ -85,6 +89,8 @@ class TransferOptions:
     """RC queue pairs per receiver, used round robin (None: $PDSERVE_RDMA_QPS, else 2)."""
 
     def __post_init__(self) -> None:
+        if self.peer_timeout <= 0:
+            raise ValueError(f"--peer-timeout must be > 0, got {self.peer_timeout}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         for name, least in (("rdma_port", 1), ("rdma_gid_index", 0), ("rdma_qps", 1)):

@@ -13,17 +13,19 @@ from engine.prompt_check import EMPTY_PROMPT, PromptError, check_max_tokens, che
 from engine.tokenizer import Tokenizer
 from openai_api.errors import BadRequest
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from openai_api.request_fields import check_request_fields
 from openai_api.text import ChoiceText
 from pdserve.v1 import common_pb2
 
 SHARED_SAMPLING_FIELDS = tuple(
     sorted(
         {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
-        & set(SamplingFields.model_fields) - {"max_tokens", "stop"}
+        & set(SamplingFields.model_fields) - {"max_tokens", "stop", "stop_token_ids", "logit_bias"}
     )
 )
 """OpenAI request fields that travel unchanged in the proto field of the same name (and meaning);
-max_tokens and stop are checked and resolved first, logprobs differs between the two endpoints."""
+max_tokens and stop are checked and resolved first, logprobs differs between the two endpoints, and
+the list and map fields are copied on their own (`_params`)."""
 
 
 @dataclass
@@ -72,7 +74,11 @@ class ChoiceBuilder:
         except ValueError as e:
             raise BadRequest(str(e), "stop") from None
         # OpenAI's default temperature is 1; an unset proto3 temperature would mean greedy
-        p = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop=stop)
+        p = common_pb2.SamplingParams(
+            temperature=1.0, max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids
+        )
+        for key, bias in (req.logit_bias or {}).items():
+            p.logit_bias[self._token_id(key)] = bias
         for name in SHARED_SAMPLING_FIELDS:
             value = getattr(req, name)
             if value is not None:  # unset: the engine's default
@@ -80,6 +86,28 @@ class ChoiceBuilder:
         if logprobs is not None:
             p.logprobs = logprobs
         return p
+
+    def _token_id(self, key: str) -> int:
+        """A logit_bias key: a token id of this model's vocabulary, written as a string (OpenAI)."""
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < self.tokenizer.vocab_size:
+            raise BadRequest(
+                f"logit_bias: {key!r} is not a token id of this model (0 to {self.tokenizer.vocab_size - 1})",
+                "logit_bias",
+            )
+        return token
+
+    def _text(self, ids: list[int], params: common_pb2.SamplingParams) -> ChoiceText:
+        return ChoiceText(
+            self.tokenizer,
+            ids,
+            list(params.stop),
+            include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        )
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         """The prompt checked as every boundary checks it (engine.prompt_check), against the cluster's
@@ -90,6 +118,7 @@ class ChoiceBuilder:
             raise BadRequest(str(e), e.param) from None
 
     def completion_choices(self, req: CompletionRequest) -> list[Choice]:
+        check_request_fields(req, "completions")
         one = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
         prompts: list = [req.prompt] if one else list(req.prompt)
         if not prompts:
@@ -102,12 +131,11 @@ class ChoiceBuilder:
             ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
             for _ in range(req.n):
-                choices.append(
-                    Choice(len(choices), ids, text, params, ChoiceText(self.tokenizer, ids, list(params.stop)))
-                )
+                choices.append(Choice(len(choices), ids, text, params, self._text(ids, params)))
         return choices
 
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+        check_request_fields(req, "chat")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             ids = self._check_ids(self.tokenizer.encode_chat(messages))
@@ -116,7 +144,7 @@ class ChoiceBuilder:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, len(ids), logprobs, default_max=None)
-        return [Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop))) for i in range(req.n)]
+        return [Choice(i, ids, None, params, self._text(ids, params)) for i in range(req.n)]
 
     def choices(self, req: SamplingFields) -> list[Choice]:
         """The choices of a completion or chat completion body."""

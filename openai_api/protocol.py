@@ -9,6 +9,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.sampling_params import MAX_BIAS, MAX_LOGIT_BIAS
+
 MAX_N = 16
 MAX_STOP = 16
 INT32_MAX = 2**31 - 1
@@ -17,18 +19,24 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Bounds of the proto fields these values travel in (common.proto): larger values are 400s here,
 never an overflow when the request is built."""
 
+MAX_STOP_TOKEN_IDS = 64
+"""As many as a node accepts (node_runtime.convert)."""
+
 StopField = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)], None]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. continuous_usage_stats: refused, not ignored
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Other fields are kept in `model_extra`
+    and refused with a 400 unless they ask for nothing (openai_api.request_fields)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=256)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -48,6 +56,16 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
+    stop_token_ids: Annotated[
+        list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(max_length=MAX_STOP_TOKEN_IDS)
+    ] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]], Field(max_length=MAX_LOGIT_BIAS)]
+        | None
+    ) = None
+    """OpenAI: token id (as a string) -> bias added to its logit; ids are checked against the vocabulary."""
 
     @model_validator(mode="before")
     @classmethod
@@ -77,11 +95,10 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # checked by openai_api.request_fields (tool_calls: refused)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict], None] = None

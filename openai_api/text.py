@@ -12,9 +12,19 @@ class ChoiceText:
     since they could be the start of a stop string that the next token completes.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = tuple(stop)
+        self.include_stop = include_stop
+        """Keep the matched stop string in the text (include_stop_str_in_output)."""
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -25,7 +35,7 @@ class ChoiceText:
             return ""
         self.text += self.detok.add(token_ids)
         # a stop string not found before cannot start earlier than the longest one before `emitted`
-        cut = cut_at_stop(self.text, self.stop, include=False, start=max(0, self.emitted - self.hold - 1))
+        cut = cut_at_stop(self.text, self.stop, include=self.include_stop, start=max(0, self.emitted - self.hold - 1))
         if cut is not None:
             self.text = cut
             self.stopped = True

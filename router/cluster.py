@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, NamedTuple
 
 import grpc
@@ -14,7 +15,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from node_runtime.discovery import Discovery, Member
 from node_runtime.auth import cluster_metadata
+from node_runtime import cluster_tls, keepalive
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from router.backoff import backoff_delay
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
@@ -52,7 +55,10 @@ class NodeState:
     responsive: bool = True
     """False after a probe missed the health deadline (a hung node), until a probe succeeds."""
     silent_since: float | None = None
-    """When the current run of missed probes began (None while the node answers)."""
+    """When the first probe of the current run of missed probes was sent (None while the node answers)."""
+    stalled: bool = False
+    """A stream on this node got no event within its token deadline; with a missed probe after it,
+    the node is hung at once (not `hung_after` later). Cleared when a probe answers."""
     probe: asyncio.Task | None = None
 
     @property
@@ -79,8 +85,11 @@ class Cluster:
         request_timeout: float = 600.0,
         deadlines: Deadlines | None = None,
         registry: CollectorRegistry | None = None,
+        tls: cluster_tls.ClusterTLS | None = None,
     ) -> None:
         self.discovery = discovery
+        self.tls = tls
+        """Mutual TLS to the nodes (None: plaintext)."""
         self.metadata = cluster_metadata(cluster_secret)
         self.refresh_interval = refresh_interval
         self.max_retries = max_retries
@@ -116,7 +125,10 @@ class Cluster:
                 asyncio.create_task(self.nodes.pop(key).channel.close())
         for key, member in current.items():
             if key not in self.nodes:
-                channel = grpc.aio.insecure_channel(member.address)
+                # keepalive pings: a partitioned node fails the calls in flight on it (UNAVAILABLE)
+                channel = cluster_tls.channel(
+                    member.address, self.tls, keepalive.client_options(self.deadlines.hung_after)
+                )
                 stub_class = decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub
                 stub = stub_class(channel)
                 self.nodes[key] = NodeState(
@@ -142,6 +154,7 @@ class Cluster:
     async def _probe(self, node: NodeState) -> None:
         """Active health check (gRPC health) plus a load report, each within the health deadline."""
         timeout = self.deadlines.health_timeout
+        sent = time.monotonic()  # the node's silence starts no later than this probe
         try:
             status = await node.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             report = await node.stub.GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=timeout)
@@ -155,10 +168,10 @@ class Cluster:
                 )
             node.responsive = False
             if node.silent_since is None:
-                node.silent_since = time.monotonic()
+                node.silent_since = sent
             node.breaker.failure()
             return
-        node.responsive, node.silent_since = True, None
+        node.responsive, node.silent_since, node.stalled = True, None, False
         node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
         node.max_model_len = report.max_model_len
         node.load.report(
@@ -171,8 +184,23 @@ class Cluster:
         node.breaker.success()
 
     def _hung(self, node: NodeState) -> bool:
-        """The node has missed every health probe for `hung_after` seconds."""
-        return node.silent_since is not None and time.monotonic() - node.silent_since >= self.deadlines.hung_after
+        """The node has missed every health probe for `hung_after` seconds, or a stream on it stalled
+        and a probe has missed since: two independent signals, so nothing waits `hung_after` more."""
+        if node.silent_since is None:
+            return False
+        return node.stalled or time.monotonic() - node.silent_since >= self.deadlines.hung_after
+
+    def _hung_in(self, decode: NodeState, prefills: list[str], first: bool) -> str | None:
+        """The address of a hung node an attempt needs: its decode node, and until its first event
+        (the KV has not arrived) its prefill nodes too. None while they all live."""
+        if self._hung(decode):
+            return decode.member.address
+        if first:
+            for address in prefills:
+                node = self.nodes.get(("prefill", address))
+                if node is not None and self._hung(node):
+                    return address
+        return None
 
     def _usable(self, role: str) -> list[NodeState]:
         return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
@@ -250,7 +278,8 @@ class Cluster:
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
             try:
-                async for event in events_within_deadline(call, self.token_deadline, lambda: self._hung(node)):
+                hung = partial(self._hung_in, node, prefills)
+                async for event in events_within_deadline(call, self.token_deadline, hung):
                     if event.token_ids:
                         sent.extend(event.token_ids)
                     usage = None
@@ -276,15 +305,17 @@ class Cluster:
                     raise UpstreamError(f"decode node {node.member.address}: {code.name} {details}") from None
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.breaker.failure()
-                if isinstance(e, StreamStalled):
+                if isinstance(e, StreamStalled) and e.culprit in (None, node.member.address):
                     node.responsive = False  # until its next probe answers in time
-                tried.add(node.member.address)
+                    node.stalled = node.stalled or e.culprit is None
+                if not isinstance(e, StreamStalled) or e.culprit in (None, node.member.address):
+                    tried.add(node.member.address)  # a hung prefill node is no fault of this decode node
                 if len(sent) == sent_before:  # no progress on this attempt (e.g. its prefill failed): a retry
                     retries += 1
                     if retries > self.max_retries:
                         raise NoCapacityError(f"request failed after {self.max_retries} retries: {details}") from None
                     self.retries.inc()
-                    await asyncio.sleep(self.backoff * 2 ** (retries - 1))
+                    await asyncio.sleep(backoff_delay(self.backoff, retries))
                 else:  # the stream moved on and then failed: migrate what was sent; retries start over
                     retries = 0
                     migrations += 1

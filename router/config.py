@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_runtime.discovery import DiscoveryConfig
+from node_runtime.tls_options import ClusterTLSOptions
 from router.deadlines import Deadlines
+from router.http_limits import ConnectionLimits
 
 
 @dataclass(frozen=True)
-class ClusterOptions:
+class ClusterOptions(ClusterTLSOptions):
     """How the router calls nodes."""
 
     cluster_secret: str = ""
@@ -42,5 +44,12 @@ class RouterConfig:
     graceful_timeout: float = 30.0
     """Seconds open streams may finish after SIGTERM before they are cut (uvicorn)."""
     log_level: str = "info"
+    sse_keepalive: float = 15.0
+    """Seconds without a chunk before a stream sends an SSE keep-alive comment (`: keep-alive`)."""
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     cluster: ClusterOptions = field(default_factory=ClusterOptions)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+
+    def __post_init__(self) -> None:
+        if self.sse_keepalive <= 0:
+            raise ValueError(f"--sse-keepalive must be > 0, got {self.sse_keepalive}")

@@ -8,11 +8,14 @@ into a failure the router can act on:
   seconds marks the node unresponsive, so new requests stop going to it;
 - the per-stream token deadline: a stream that gets no event for
   `token_timeout` seconds after its first token is cancelled and migrated;
-- the hung-node deadline: an attempt still waiting for its first event is
-  abandoned (and retried elsewhere) once its node has missed every health
-  probe for `hung_after` seconds. The first event itself may legitimately
-  take long (a long prompt's prefill), so it has no short clock of its own;
-  a node that stopped answering probes altogether is not computing it.
+- the hung-node deadline: a node that has missed every health probe for
+  `hung_after` seconds, or whose stream stalled past its token deadline, is
+  hung. Every attempt that needs it (its decode node, and before the first
+  event its prefill nodes too) is abandoned at that moment and retried or
+  migrated elsewhere, whenever it was sent. The first event itself may
+  legitimately take long (a long prompt's prefill), so it has no short clock
+  of its own; a node that stopped answering probes altogether is not
+  computing it.
 
 The token deadline must not fire on a node that is merely slow (a loaded CI
 machine, a big model), so it is never shorter than `itl_factor` times the
@@ -75,20 +78,27 @@ class TokenDeadline:
 
 
 class StreamStalled(Exception):
-    """A node sent nothing within the stream's token deadline."""
+    """A node sent nothing within the stream's token deadline, or a node the attempt needs is hung."""
+
+    def __init__(self, message: str, culprit: str | None = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+        """Address of the hung node that ended the wait (None: the stream's own deadline)."""
 
 
-async def events_within_deadline(
-    call, deadline: TokenDeadline, hung: Callable[[], bool] | None = None
-) -> AsyncIterator:
+HungCheck = Callable[[bool], "str | None"]
+"""Called with `first` (no event yet): the address of a hung node the attempt depends on, else None."""
+
+
+async def events_within_deadline(call, deadline: TokenDeadline, hung: HungCheck | None = None) -> AsyncIterator:
     """The events of a gRPC response stream, each within the token deadline (else StreamStalled).
-    While waiting for the first event, `hung()` (the node missed its probes for too long) also
-    ends the wait. While the caller is not asking for the next event (a client that reads slowly)
-    no clock runs."""
+    `hung(first)` names a node the attempt needs that was declared hung (its decode node; before
+    the first event also its prefill nodes): the wait ends as soon as that happens, also for an
+    attempt sent before it did. While the caller is not asking for the next event (a client that
+    reads slowly) no clock runs."""
     first, last = True, time.monotonic()
     while True:
-        timeout = deadline.timeout(first)
-        event = await (_first_event(call, timeout, hung) if first and hung is not None else _next_event(call, timeout))
+        event = await _read(call, deadline.timeout(first), first, hung)
         if event is grpc.aio.EOF:
             return
         now = time.monotonic()
@@ -98,18 +108,11 @@ async def events_within_deadline(
         yield event
 
 
-async def _next_event(call, timeout: float):
-    try:
-        return await asyncio.wait_for(call.read(), timeout)
-    except asyncio.TimeoutError:
-        raise StreamStalled(f"no event for {timeout:.1f} s") from None
+HUNG_CHECK_INTERVAL = 0.1
+"""How often a wait for an event looks at its nodes' health (a dict lookup and a clock read)."""
 
 
-HUNG_CHECK_INTERVAL = 0.5
-"""How often a wait for a first event looks at its node's health."""
-
-
-async def _first_event(call, timeout: float, hung: Callable[[], bool]):
+async def _read(call, timeout: float, first: bool, hung: HungCheck | None):
     # One read, watched in slices: cancelling and re-issuing reads on a gRPC stream is not safe.
     read = asyncio.ensure_future(call.read())
     end = time.monotonic() + timeout
@@ -117,12 +120,13 @@ async def _first_event(call, timeout: float, hung: Callable[[], bool]):
         while True:
             left = end - time.monotonic()
             if left <= 0:
-                raise StreamStalled(f"no first event for {timeout:.1f} s")
+                raise StreamStalled(f"no {'first ' if first else ''}event for {timeout:.1f} s")
             done, _ = await asyncio.wait({read}, timeout=min(left, HUNG_CHECK_INTERVAL))
             if done:
                 return read.result()
-            if hung():
-                raise StreamStalled("the node stopped answering its health probes before the first event")
+            culprit = hung(first) if hung is not None else None
+            if culprit is not None:
+                raise StreamStalled(f"node {culprit} is hung (it stopped answering its health probes)", culprit)
     finally:
         if not read.done():
             read.cancel()

@@ -17,6 +17,7 @@ from openai_api.protocol import ChatCompletionRequest, CompletionRequest, Sampli
 from openai_api.responses import chat_choice, chat_delta, completion_choice, response_body, usage
 from openai_api.text import chat_logprob_entry, completion_logprobs
 from router.cluster import Cluster
+from router.keepalive_stream import DEFAULT_INTERVAL, KEEPALIVE_COMMENT, with_keepalive
 from router.request_metrics import RequestMetrics
 
 STREAM_QUEUE_CHUNKS = 32
@@ -36,8 +37,11 @@ class Server:
         max_model_len: int,
         max_prompt_tokens: int | None = None,
         metrics: RequestMetrics | None = None,
+        keepalive_interval: float = DEFAULT_INTERVAL,
     ) -> None:
         self.cluster = cluster
+        self.keepalive_interval = keepalive_interval
+        """Seconds without a chunk before a stream sends an SSE keep-alive comment."""
         self.metrics = metrics or RequestMetrics(CollectorRegistry(), model_name)
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -54,8 +58,10 @@ class Server:
         return await asyncio.to_thread(self.builder.choices, req)
 
     # --- running ------------------------------------------------------------------------
-    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list]]:
-        """Run all choices concurrently; yield (choice, text delta, new logprobs) as tokens arrive."""
+    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list, str | None]]:
+        """Run all choices concurrently; yield (choice, text delta, new logprobs, finish reason) as
+        tokens arrive. The finish reason travels with its chunk: `choice.finish_reason` is set when the
+        producer sees the end, possibly many queued chunks before the consumer writes them."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
         base = f"cmpl-{uuid.uuid4().hex[:16]}"
 
@@ -66,26 +72,27 @@ class Server:
                     delta = choice.text.add(chunk.token_ids)
                     new_lps = chunk.logprobs or []
                     choice.logprobs += new_lps
+                    finish = None
                     if chunk.finish_reason:
                         delta += choice.text.finish()
-                        choice.finish_reason = chunk.finish_reason if chunk.finish_reason != "abort" else "stop"
-                        choice.usage = chunk.usage
-                    await queue.put((choice, delta, new_lps))
-                await queue.put((choice, None, None))
+                        finish = chunk.finish_reason if chunk.finish_reason != "abort" else "stop"
+                        choice.finish_reason, choice.usage = finish, chunk.usage
+                    await queue.put((choice, delta, new_lps, finish))
+                await queue.put((choice, None, None, None))
             except Exception as e:  # delivered to the consumer, which owns the response
-                await queue.put((choice, e, None))
+                await queue.put((choice, e, None, None))
 
         tasks = [asyncio.create_task(one(c)) for c in choices]
         pending = len(choices)
         try:
             while pending:
-                choice, delta, lps = await queue.get()
+                choice, delta, lps, finish = await queue.get()
                 if delta is None:
                     pending -= 1
                 elif isinstance(delta, Exception):
                     raise delta
                 else:
-                    yield choice, delta, lps
+                    yield choice, delta, lps, finish
         finally:
             for t in tasks:
                 t.cancel()
@@ -100,7 +107,7 @@ class Server:
         """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
         choices = await self.choices(req, chat)
         texts = {c.index: "" for c in choices}
-        async for c, delta, _ in self.run(choices):
+        async for c, delta, _, _ in self.run(choices):
             texts[c.index] += delta
         return choices, texts
 
@@ -149,8 +156,11 @@ class Server:
                         prompt = c.prompt_text or self.tokenizer.decode(c.prompt_ids)
                         yield chunk([completion_choice(c.index, prompt, None, None)])
                 offsets = {c.index: 0 for c in choices}
-                async for c, delta, lps in self.run(choices):
-                    finish = c.finish_reason
+                async for item in with_keepalive(self.run(choices), self.keepalive_interval):
+                    if isinstance(item, type):  # the KeepAlive marker
+                        yield KEEPALIVE_COMMENT
+                        continue
+                    c, delta, lps, finish = item
                     if chat:
                         lp = (
                             {"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]}

@@ -49,6 +49,13 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         "--drain-timeout", type=float, default=None, help="seconds to finish requests on SIGTERM (default 30)"
     )
     p.add_argument("--kv-timeout", type=float, default=None, help="seconds a KV transfer may take (default 60)")
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=None,
+        help="a gRPC peer that leaves keepalive pings unanswered this long is dead: its calls fail and are "
+        "retried (a partitioned prefill node; default 10)",
+    )
     p.add_argument("--log-level", default=None, help="default INFO")
     p.add_argument(
         "--advertise-host",
@@ -66,6 +73,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         "no-reuse baseline)",
     )
     add_rdma_args(p)
+    add_cluster_tls_args(p)
     from node_runtime.discovery import add_discovery_args
 
     add_discovery_args(p)
@@ -76,6 +84,15 @@ def on_off(value: str) -> bool:
     if value not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
     return value == "on"
+
+
+def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
+    """Mutual TLS on the cluster's gRPC links (node_runtime.cluster_tls): all three or none."""
+    p.add_argument("--cluster-tls-cert", default=None, help="this process's certificate (PEM) for cluster gRPC")
+    p.add_argument("--cluster-tls-key", default=None, help="its private key (PEM)")
+    p.add_argument(
+        "--cluster-tls-ca", default=None, help="the cluster CA (PEM): peers must present a certificate it signed"
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -189,6 +206,9 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
     """Build the node, start it, register it with discovery, print READY, run until SIGTERM/SIGINT,
     then deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     config.transfer.export_env()
+    from node_runtime.memory_bounds import bound_shape_caches
+
+    bound_shape_caches()  # before the engine's first kernel
     try:
         node = make_node(config)
     except ValueError as e:  # found at start (the KV pool cannot hold --max-model-len, a bad checkpoint)

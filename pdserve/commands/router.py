@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from pdserve.commands.generate import add_model_args
+from pdserve.commands.node_common import add_cluster_tls_args
 from node_runtime.config import API_KEYS_ENV
 
 if TYPE_CHECKING:
@@ -94,8 +95,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="a request waits this long for a usable node with room before a 503 (0: fail at once; default 30)",
     )
+    add_connection_args(p)
+    add_cluster_tls_args(p)
     p.add_argument("--log-level", default=None, help="default info")
     p.set_defaults(func=run)
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """Flags of router.http_limits.ConnectionLimits and the SSE keep-alive interval."""
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        help="close a connection whose request head is not complete this long after it opened (default 10)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=None,
+        help="close an idle keep-alive connection this long after its last response (default 5)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open client connections at most (lowered to fit the open-file limit; beyond it the idlest "
+        "connection is closed, or a 503 when all are busy; default 4096)",
+    )
+    p.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=None,
+        help="seconds without a token before a stream sends an SSE keep-alive comment (default 15)",
+    )
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -106,17 +138,19 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     from node_runtime.discovery import DiscoveryConfig
     from router.config import ClusterOptions, RouterConfig
     from router.deadlines import Deadlines
+    from router.http_limits import ConnectionLimits
 
     try:
         cluster = ClusterOptions(
             **flag_values(args, ClusterOptions, deadlines=None), deadlines=Deadlines(**flag_values(args, Deadlines))
         )
-        top = flag_values(args, RouterConfig, model_dir="model", cluster=None, discovery=None)
+        top = flag_values(args, RouterConfig, model_dir="model", cluster=None, discovery=None, connections=None)
         top.setdefault("model_dir", default_model_dir())
         return RouterConfig(
             **top,
             api_keys=tuple(api_keys(args)),
             cluster=cluster,
+            connections=ConnectionLimits(**flag_values(args, ConnectionLimits)),
             discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)),
         )
     except ValueError as e:
@@ -126,7 +160,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from engine.model_config import ModelConfig
@@ -152,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         cluster_secret=config.cluster.cluster_secret,
         deadlines=config.cluster.deadlines,
         registry=registry,
+        tls=config.cluster.tls(),
     )
     server = Server(
         cluster,
@@ -160,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         ModelConfig.from_dir(config.model_dir).max_position_embeddings,
         config.max_prompt_tokens,
         metrics=RequestMetrics(registry, name),
+        keepalive_interval=config.sse_keepalive,
     )
     ClusterCollector(cluster, name, registry)
     app = create_app(server, api_keys=list(config.api_keys), registry=registry)
@@ -174,21 +209,16 @@ def run(args: argparse.Namespace) -> int:
     async def _stop() -> None:
         await cluster.stop()
 
-    import importlib.util
+    from router.http_server import serve_http
 
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    from router.http_protocol import OpenAIErrorH11Protocol
-
-    uvicorn.run(
+    serve_http(
         app,
-        host=config.host,
-        port=config.port,
-        loop=loop,
-        log_level=config.log_level.lower(),
-        http=OpenAIErrorH11Protocol,
+        config.host,
+        config.port,
+        config.connections,
+        log_level=config.log_level,
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
-        access_log=False,
-        timeout_graceful_shutdown=config.graceful_timeout,  # type: ignore[arg-type]  # a float works (asyncio timeout)
+        graceful_timeout=config.graceful_timeout,
     )
     return 0

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from pdserve.commands.generate import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, on_off
@@ -74,6 +77,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a process restarted this many times within --restart-window seconds stops the cluster",
     )
     p.add_argument("--restart-window", type=float, default=60.0)
+    p.add_argument(
+        "--cluster-tls",
+        action="store_true",
+        help="mutual TLS between router and nodes with a throwaway CA made for this run (needs `cryptography`)",
+    )
     p.set_defaults(func=run)
 
 
@@ -91,6 +99,14 @@ def _wait_health(url: str, deadline: float, members: list[Supervised]) -> None:
             pass
         time.sleep(0.3)
     raise RuntimeError(f"router did not become healthy at {url}")
+
+
+def _throwaway_tls_args(directory: Path) -> list[str]:
+    """A CA and certificate for this run only (the key never leaves `directory`, removed at exit)."""
+    from node_runtime.cluster_tls import make_throwaway
+
+    cert, key, ca = make_throwaway(directory)
+    return ["--cluster-tls-cert", str(cert), "--cluster-tls-key", str(key), "--cluster-tls-ca", str(ca)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
         if args.local_prefill_max_tokens is not None
         else []
     )
+    tls_dir = tempfile.mkdtemp(prefix="pdserve-tls-") if args.cluster_tls else None
+    tls_args = _throwaway_tls_args(Path(tls_dir)) if tls_dir else []
+    node_args += tls_args
     stopping = threading.Event()
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731
 
@@ -152,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             ",".join(p_addrs),
             "--decode",
             ",".join(d_addrs),
+            *tls_args,
         ]
         if args.model is None:
             router_args += ["--served-model-name", "pdserve-tiny"]
@@ -189,4 +209,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         supervisor.stop()
+        if tls_dir:
+            shutil.rmtree(tls_dir, ignore_errors=True)
         print(f"pdserve stopped ({supervisor.num_restarts} restarts).", flush=True)

@@ -74,7 +74,7 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
         ]
         if not off
     ]
-    if isinstance(body, CompletionRequest) and body.suffix:
+    if isinstance(body, CompletionRequest) and (body.model_extra or {}).get("suffix"):
         unsupported.append("suffix")
     if unsupported:
         raise _bad_body(

@@ -51,11 +51,12 @@ SURFACE = {
     "ignore_eos": Field(True, http=True, proto=True, engine=True, batch=True),
     "logprobs": Field(2, http=True, proto=True, engine=True, batch=False),
     "n": Field(2, http=True, proto=False, engine=True, batch=False),
-    "stop_token_ids": Field([3, 4], http=False, proto=True, engine=True, batch=False),
-    "include_stop_str_in_output": Field(True, http=False, proto=True, engine=True, batch=False),
-    "skip_special_tokens": Field(False, http=False, proto=False, engine=True, batch=False),
+    "stop_token_ids": Field([3, 4], http=True, proto=True, engine=True, batch=True),
+    "include_stop_str_in_output": Field(True, http=True, proto=True, engine=True, batch=True),
+    "skip_special_tokens": Field(False, http=True, proto=True, engine=True, batch=True),
+    "logit_bias": Field({"7": -100.0, "2": 1.5}, http=True, proto=True, engine=True, batch=True),
 }
-NOT_SAMPLING = {"model", "stream", "stream_options", "user", "prompt", "echo", "suffix", "messages"}
+NOT_SAMPLING = {"model", "stream", "stream_options", "user", "prompt", "echo", "messages"}
 """Body fields that are not sampling parameters."""
 CHAT_SPELLINGS = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 """Chat's own names for two fields (chat's `logprobs` is the switch for top_logprobs)."""
@@ -81,6 +82,8 @@ def test_the_engine_has_the_engine_fields() -> None:
 
 def _engine_value(name: str) -> object:
     value = SURFACE[name].value
+    if isinstance(value, dict):  # logit_bias: string token ids in JSON, sorted (id, bias) pairs in the engine
+        return tuple(sorted((int(k), v) for k, v in value.items()))
     return tuple(value) if isinstance(value, list) else value  # the engine holds sequences as tuples
 
 
@@ -94,8 +97,6 @@ def test_every_value_travels_from_the_body_to_the_engine(builder) -> None:
     choices = builder.completion_choices(CompletionRequest(model="m", prompt=[1, 2, 3], **body))
     assert len(choices) == SURFACE["n"].value  # the one field the router fans out instead of sending
     pb = choices[0].params
-    pb.stop_token_ids.extend(SURFACE["stop_token_ids"].value)  # node-to-node fields, no HTTP spelling
-    pb.include_stop_str_in_output = SURFACE["include_stop_str_in_output"].value
     sent = {name for name in where("proto") if not pb.DESCRIPTOR.fields_by_name[name].has_presence or pb.HasField(name)}
     assert sent == where("proto")
     params = params_from_pb(pb)

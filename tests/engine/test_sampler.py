@@ -75,3 +75,30 @@ def test_seed_reproducible_and_temperature_spreads():
 def test_bad_params_name_the_parameter(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_but_not_raw_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]])
+    r = req(SamplingParams(temperature=0.0, logprobs=0, logit_bias={3: 100.0, 1: -100.0}))
+    ((token, lp),) = Sampler()(logits, [r], {})
+    assert token == 3 and lp.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]))
+    banned = req(SamplingParams(temperature=1.0, seed=1, logit_bias={1: -100.0, 2: -100.0, 3: -100.0}))
+    gen = make_generator(1)
+    assert {Sampler()(logits, [banned], {"r": gen})[0][0] for _ in range(20)} == {0}
+
+
+@pytest.mark.parametrize(
+    "bias", [{0: 100.5}, {0: -101.0}, {-1: 1.0}, {i: 1.0 for i in range(301)}], ids=["high", "low", "id", "many"]
+)
+def test_logit_bias_bounds_are_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_beyond_the_vocabulary_is_refused_at_admission(tiny_model_dir):
+    from engine import LLM
+
+    llm = LLM(tiny_model_dir, num_kv_blocks=16)
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.engine.add_request("r", [1, 2], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))

@@ -22,6 +22,8 @@ def test_unset_optional_fields_take_the_engine_defaults():
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 4, "top_p": 0.0}, "top_p"),  # 0 is a value (out of range), never "unset"
         ({"max_tokens": 4, "repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 4, "logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"max_tokens": 4, "logit_bias": {1: 101.0}}, "logit_bias"),
     ],
 )
 def test_zero_is_never_unset(fields, name):

@@ -86,11 +86,12 @@ async def test_a_hung_node_ends_the_wait_for_a_first_event() -> None:
     loop = asyncio.get_running_loop()
     loop.call_later(0.3, state.update, {"hung": True})
     start = loop.time()
-    with pytest.raises(StreamStalled, match="health probes"):
-        async for _ in events_within_deadline(SilentCall(), deadline, lambda: state["hung"]):
+    with pytest.raises(StreamStalled, match="health probes") as stalled:
+        async for _ in events_within_deadline(SilentCall(), deadline, lambda first: "n:1" if state["hung"] else None):
             pass
     assert loop.time() - start < 30  # far below the 60 s first-token deadline
     assert SilentCall.reads == 1
+    assert stalled.value.culprit == "n:1"
 
 
 async def test_a_live_node_keeps_its_slow_first_event() -> None:
@@ -100,7 +101,7 @@ async def test_a_live_node_keeps_its_slow_first_event() -> None:
             return "first"
 
     deadline = TokenDeadline(Deadlines(first_token_timeout=60.0))
-    got = [e async for e in _take_one(events_within_deadline(SlowCall(), deadline, lambda: False))]
+    got = [e async for e in _take_one(events_within_deadline(SlowCall(), deadline, lambda first: None))]
     assert got == ["first"]
 
 

@@ -1,0 +1,100 @@
+"""A hung node (probes missed) on either side of an attempt ends the wait for it at detection."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from pdserve.v1 import common_pb2
+from router.backoff import backoff_delay
+from router.deadlines import Deadlines
+from tests.router.fake_nodes import FakeNode, fake_cluster
+
+D1, D2, P1, P2 = (
+    ("decode", "127.0.0.1:1"),
+    ("decode", "127.0.0.1:2"),
+    ("prefill", "127.0.0.1:3"),
+    ("prefill", "127.0.0.1:4"),
+)
+PARAMS = common_pb2.SamplingParams(max_tokens=4)
+
+
+def pin_first(cluster, decode: tuple[str, str], prefills: list[str]) -> None:
+    """The first choice goes to `decode` with `prefills`; later ones to the balancer."""
+    choose, calls = cluster._choose, []
+
+    def pinned(tokens_needed, exclude):
+        calls.append(1)
+        if len(calls) == 1:
+            return cluster.nodes[decode], prefills
+        return choose(tokens_needed, exclude)
+
+    cluster._choose = pinned
+
+
+async def collect(cluster, rid: str) -> list[int]:
+    return [t async for chunk in cluster.generate(rid, [1, 2, 3], PARAMS) for t in chunk.token_ids]
+
+
+async def test_an_attempt_waiting_on_a_hung_prefill_node_is_retried_at_detection():
+    """The decode node waits on a partitioned prefill node; the router abandons that attempt once the
+    prefill node is hung (not at the first-token deadline) and retries it with the other one."""
+
+    def waits_on_p1(request):
+        return [None] if request.prefill_addresses[0] == P1[1] else [7, 8, 9, 10]
+
+    fakes = {D1: FakeNode(waits_on_p1), D2: FakeNode(waits_on_p1), P1: FakeNode(), P2: FakeNode()}
+    deadlines = Deadlines(hung_after=1.0, health_timeout=0.2, first_token_timeout=60.0, capacity_wait=5.0)
+    cluster = await fake_cluster(fakes, refresh_interval=0.05, deadlines=deadlines, backoff=0.01)
+    try:
+        pin_first(cluster, D1, [P1[1]])
+        task = asyncio.create_task(collect(cluster, "r"))
+        await asyncio.sleep(0.1)
+        fakes[P1].frozen = True  # partitioned after the attempt was sent
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await asyncio.wait_for(task, 20) == [7, 8, 9, 10]
+        assert loop.time() - start < 10  # hung_after (1 s) + probes, far below first_token_timeout
+        retry = [r for f in (fakes[D1], fakes[D2]) for r in f.requests if list(r.prefill_addresses) != [P1[1]]]
+        assert retry and P1[1] not in retry[0].prefill_addresses
+        assert not cluster.nodes[D1].stalled  # the decode node did nothing wrong
+    finally:
+        await cluster.stop()
+
+
+async def test_a_stalled_stream_makes_its_node_hung_for_attempts_sent_before():
+    """A stream stalls on a frozen decode node: the other attempt already waiting there for its first
+    token is retried as soon as a probe confirms the silence, not `hung_after` (30 s) later."""
+    frozen_after_two = {"r-a": [1, 2, None], "r-b": [None]}
+
+    def d1(request):
+        return frozen_after_two[request.request_id.rsplit("-", 2)[0]]
+
+    fakes = {D1: FakeNode(d1), D2: FakeNode(lambda r: [5, 6, 7, 8][: r.params.max_tokens]), P1: FakeNode()}
+    deadlines = Deadlines(hung_after=30.0, health_timeout=0.2, token_timeout=0.3, capacity_wait=5.0)
+    cluster = await fake_cluster(fakes, refresh_interval=0.05, deadlines=deadlines, backoff=0.01)
+    try:
+        choose = cluster._choose
+        cluster._choose = lambda n, exclude: (cluster.nodes[D1], [P1[1]]) if not exclude else choose(n, exclude)
+        stream_a = cluster.generate("r-a", [1, 2, 3], PARAMS)
+        assert (await stream_a.__anext__()).token_ids == [1]
+        waiting_b = asyncio.create_task(collect(cluster, "r-b"))
+        await asyncio.sleep(0.1)
+        fakes[D1].frozen = True
+        rest_a = [t async for chunk in stream_a for t in chunk.token_ids]
+        assert rest_a == [2, 5, 6]  # migrated after the stall, no gap, no duplicate
+        assert await asyncio.wait_for(waiting_b, 10) == [5, 6, 7, 8]
+    finally:
+        await cluster.stop()
+
+
+def test_retry_backoff_is_jittered_exponential_and_capped():
+    rng = random.Random(0)
+    delays = [backoff_delay(0.1, 3, rng) for _ in range(200)]
+    assert all(0.2 <= d <= 0.4 for d in delays) and len(set(delays)) > 100  # spread, not lockstep
+    assert all(0.05 <= backoff_delay(0.1, 1, rng) <= 0.1 for _ in range(50))
+    assert backoff_delay(0.1, 50, rng, cap=5.0) <= 5.0
+    with pytest.raises(ValueError):
+        backoff_delay(0.1, 0)
