@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pdserve.discovery import DiscoveryConfig
 from router.deadlines import Deadlines
+from router.kv_routing import ROUTING_MODES
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,12 @@ class ClusterOptions:
     cluster_secret: str = ""
     """Shared secret sent on every node call (empty: none, dev only)."""
     deadlines: Deadlines = field(default_factory=Deadlines)
+    routing: str = "kv-aware"
+    """kv-aware: decode and prefill nodes by cached prefix + load (router/kv_policy.py); wrr: by load only."""
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pdserve.config import API_KEYS_ENV
 if TYPE_CHECKING:
     from router.config import RouterConfig
 
-__all__ = ["API_KEYS_ENV", "add_api_key_args", "api_keys", "register", "router_config", "run"]
+__all__ = ["API_KEYS_ENV", "add_api_key_args", "add_routing_args", "api_keys", "register", "router_config", "run"]
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
@@ -94,8 +94,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="a request waits this long for a usable node with room before a 503 (0: fail at once; default 30)",
     )
+    add_routing_args(p)
     p.add_argument("--log-level", default=None, help="default info")
     p.set_defaults(func=run)
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--routing",
+        default=None,
+        choices=("kv-aware", "wrr"),
+        help="kv-aware: route each request to the nodes that hold most of its prompt's KV, bounded by load "
+        "(nodes' KV events); wrr: weighted round robin on free KV only (default kv-aware)",
+    )
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -152,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         cluster_secret=config.cluster.cluster_secret,
         deadlines=config.cluster.deadlines,
         registry=registry,
+        routing=config.cluster.routing,
     )
     server = Server(
         cluster,

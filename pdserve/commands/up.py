@@ -13,7 +13,7 @@ import urllib.request
 
 from pdserve.commands.generate import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS
-from pdserve.commands.router import add_api_key_args, api_keys
+from pdserve.commands.router import add_api_key_args, add_routing_args, api_keys
 from pdserve.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
 from pdserve.runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
@@ -55,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a process restarted this many times within --restart-window seconds stops the cluster",
     )
     p.add_argument("--restart-window", type=float, default=60.0)
+    add_routing_args(p)
     p.set_defaults(func=run)
 
 
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         if args.model is None:
             router_args += ["--served-model-name", "pdserve-tiny"]
+        if args.routing:
+            router_args += ["--routing", args.routing]
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
         router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised(

@@ -17,12 +17,14 @@ import asyncio
 import uuid
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from engine.block_manager import BlockManager
 from engine.kv_events import KvEvent, KvEventLog
-from pdserve.v1 import common_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 SNAPSHOT_CHUNK = 3  # tiny, so tests cover chunked snapshots
+COMPAT = "model=fake;block_size=4"
 
 
 def to_proto(e: KvEvent) -> common_pb2.KvEvent:
@@ -42,6 +44,17 @@ class FakeKvNode(decode_pb2_grpc.DecodeServicer):
         self.node_id = uuid.uuid4().hex
         self.log = KvEventLog(capacity=16)
         self.blocks = BlockManager(self.num_blocks, self.block_size, events=self.log)
+
+    async def GetLoad(self, request, context):
+        return common_pb2.LoadReport(
+            role="decode",
+            node_id=self.node_id,
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_total_blocks=self.num_blocks,
+            compatibility=COMPAT,
+            block_size=self.block_size,
+            max_model_len=4096,
+        )
 
     def fill(self, tokens: list[int], root: int) -> list[int]:
         """Prefill `tokens` (allocate + cache) and free them: they stay cached, as after a request."""
@@ -94,9 +107,21 @@ class FakeKvNode(decode_pb2_grpc.DecodeServicer):
             yield common_pb2.KvEventBatch(node_id=node_id, events=[to_proto(e) for e in events])
 
 
-async def serve(node: FakeKvNode) -> tuple[grpc.aio.Server, str]:
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    """A prefill node that reports load but serves no KV events (UNIMPLEMENTED: the router sees it cold)."""
+
+    async def GetLoad(self, request, context):
+        return common_pb2.LoadReport(role="prefill", node_id="p", compatibility=COMPAT, block_size=4)
+
+
+async def serve(node: FakeKvNode | FakePrefill) -> tuple[grpc.aio.Server, str]:
+    """Serve `node` (and gRPC health, SERVING) on a free port of 127.0.0.1."""
     server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServicer_to_server(node, server)
+    if isinstance(node, FakePrefill):
+        prefill_pb2_grpc.add_PrefillServicer_to_server(node, server)
+    else:
+        decode_pb2_grpc.add_DecodeServicer_to_server(node, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
