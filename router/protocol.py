@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 MAX_STOP = 16
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_CACHE_SALT_BYTES = 256
 """Bounds of the proto fields these values travel in (common.proto): larger values are 400s here,
 never an overflow when the request is built."""
 
@@ -48,6 +49,15 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
+    cache_salt: Annotated[str, Field(min_length=1, strict=True)] | None = None
+    """vLLM's field: prefix-cache hits only among requests with the same salt (tenant isolation)."""
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_is_bounded(cls, value: str | None) -> str | None:
+        if value is not None and len(value.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+            raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes of UTF-8")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -46,6 +46,8 @@ class Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
+    cache_salt: str | None = None
+    """The request's cache_salt: its block keys' namespace, on the router and on the nodes."""
 
 
 class Server:
@@ -124,7 +126,14 @@ class Server:
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
             for _ in range(req.n):
                 choices.append(
-                    Choice(len(choices), ids, text, params, ChoiceText(self.tokenizer, ids, list(params.stop)))
+                    Choice(
+                        len(choices),
+                        ids,
+                        text,
+                        params,
+                        ChoiceText(self.tokenizer, ids, list(params.stop)),
+                        cache_salt=req.cache_salt,
+                    )
                 )
         return choices
 
@@ -137,7 +146,10 @@ class Server:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, len(ids), logprobs, default_max=None)
-        return [Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop))) for i in range(req.n)]
+        return [
+            Choice(i, ids, None, params, ChoiceText(self.tokenizer, ids, list(params.stop)), cache_salt=req.cache_salt)
+            for i in range(req.n)
+        ]
 
     async def choices(self, req: SamplingFields, chat: bool) -> list[Choice]:
         """Validate and tokenize in a worker thread: a multi-megabyte prompt must not stall every other
@@ -152,7 +164,9 @@ class Server:
 
         async def one(choice: Choice) -> None:
             try:
-                chunks = self.cluster.generate(f"{base}-{choice.index}", choice.prompt_ids, choice.params)
+                chunks = self.cluster.generate(
+                    f"{base}-{choice.index}", choice.prompt_ids, choice.params, cache_salt=choice.cache_salt
+                )
                 async for chunk in self.metrics.track(chunks):
                     delta = choice.text.add(chunk.token_ids)
                     new_lps = chunk.logprobs or []
@@ -185,7 +199,12 @@ class Server:
     def usage(self, choices: list[Choice]) -> dict:
         prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
         completion = sum(c.usage.completion_tokens if c.usage else 0 for c in choices)
-        cached = sum(c.usage.cached_tokens if c.usage else 0 for c in choices)
+        # the nodes' count of prompt tokens not recomputed; a prompt shared by n choices counts once
+        cached_by_prompt: dict[int, int] = {}
+        for c in choices:
+            held = min(c.usage.cached_tokens, len(c.prompt_ids)) if c.usage else 0
+            cached_by_prompt[id(c.prompt_ids)] = max(cached_by_prompt.get(id(c.prompt_ids), 0), held)
+        cached = sum(cached_by_prompt.values())
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

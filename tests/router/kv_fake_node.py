@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from engine.block_manager import BlockManager
 from engine.kv_events import KvEvent, KvEventLog
-from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 SNAPSHOT_CHUNK = 3  # tiny, so tests cover chunked snapshots
 COMPAT = "model=fake;block_size=4"
@@ -37,6 +37,7 @@ class FakeKvNode(decode_pb2_grpc.DecodeServicer):
     def __init__(self, num_blocks: int = 64, block_size: int = 4) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.gap = False
+        self.salts: list[str | None] = []  # cache_salt of each Generate request
         self.generation = 0  # break_streams bumps it: streams of an older generation abort
         self.restart()
 
@@ -55,6 +56,13 @@ class FakeKvNode(decode_pb2_grpc.DecodeServicer):
             block_size=self.block_size,
             max_model_len=4096,
         )
+
+    async def Generate(self, request, context):
+        """One token; usage says the whole prompt but its last token was cached (as a warm node would)."""
+        self.salts.append(request.cache_salt if request.HasField("cache_salt") else None)
+        cached = len(request.prompt_token_ids) - 1
+        usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1, cached_tokens=cached)
+        yield decode_pb2.GenerateEvent(token_ids=[5], finish_reason="length", usage=usage)
 
     def fill(self, tokens: list[int], root: int) -> list[int]:
         """Prefill `tokens` (allocate + cache) and free them: they stay cached, as after a request."""

@@ -12,6 +12,7 @@ import pytest
 from engine.block_keys import namespace_root
 from pdserve.discovery import Member
 from pdserve.discovery.static import StaticDiscovery
+from pdserve.v1 import common_pb2
 from router.balancer import DecodeBalancer
 from router.cluster import Cluster
 from router.kv_policy import PolicyParams
@@ -92,3 +93,20 @@ async def test_wrr_routing_ignores_the_cache_and_matches_the_balancer(cluster_of
 def test_unknown_routing_mode_is_refused():
     with pytest.raises(ValueError, match="routing"):
         Cluster(StaticDiscovery([]), routing="random")
+
+
+async def test_generate_passes_cache_salt_and_reports_cached_tokens(cluster_of_two):
+    make, nodes, _, addrs = cluster_of_two
+    cluster = await make("kv-aware")
+    index = cluster.kv_router.index
+    await until(lambda: index.is_synced(addrs[0]) and index.is_synced(addrs[1]))
+    nodes[1].fill(PROMPT, namespace_root(COMPAT, "tenant"))
+    await until(lambda: index.node_size(addrs[1]) == 10)
+    params = common_pb2.SamplingParams(max_tokens=1)
+    chunks = [c async for c in cluster.generate("r1", PROMPT, params, cache_salt="tenant")]
+    assert nodes[1].salts == ["tenant"]  # routed to the holder of the salted prefix, salt passed on
+    assert chunks[-1].usage.cached_tokens == len(PROMPT) - 1
+    await until(lambda: cluster.nodes[("decode", addrs[1])].load.inflight_blocks == 0)
+    chunks = [c async for c in cluster.generate("r2", PROMPT, params)]
+    assert sorted(nodes[0].salts + nodes[1].salts, key=str) == [None, "tenant"]
+    assert cluster.kv_router.decisions[("decode", "cold")] == 1  # unsalted: no hit on the salted blocks
