@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from router.app import create_app
     from router.cluster import Cluster
     from router.cluster_metrics import ClusterCollector
+    from router.kv_metrics import KvRoutingCollector
     from router.request_metrics import RequestMetrics
     from router.serving import Server
 
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         metrics=RequestMetrics(registry, name),
     )
     ClusterCollector(cluster, name, registry)
+    KvRoutingCollector(cluster, name, registry)
     app = create_app(server, api_keys=list(config.api_keys), registry=registry)
 
     @app.on_event("startup")

@@ -110,3 +110,28 @@ async def test_generate_passes_cache_salt_and_reports_cached_tokens(cluster_of_t
     chunks = [c async for c in cluster.generate("r2", PROMPT, params)]
     assert sorted(nodes[0].salts + nodes[1].salts, key=str) == [None, "tenant"]
     assert cluster.kv_router.decisions[("decode", "cold")] == 1  # unsalted: no hit on the salted blocks
+
+
+async def test_metrics_show_hits_decisions_index_and_lag(cluster_of_two):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.kv_metrics import KvRoutingCollector
+
+    make, nodes, _, addrs = cluster_of_two
+    cluster = await make("kv-aware")
+    registry = CollectorRegistry()
+    KvRoutingCollector(cluster, "m", registry)
+    index = cluster.kv_router.index
+    await until(lambda: index.is_synced(addrs[0]) and index.is_synced(addrs[1]))
+    nodes[1].fill(PROMPT, namespace_root(COMPAT, None))
+    await until(lambda: index.node_size(addrs[1]) == 10)
+    cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
+    text = generate_latest(registry).decode()
+    node = f'model_name="m",node="{addrs[1]}",role="decode"'
+    assert f"pdserve_router_prefix_hit_blocks_total{{{node}}} 10.0" in text
+    assert f"pdserve_router_prefix_hit_tokens_total{{{node}}} 40.0" in text
+    assert 'pdserve_router_routing_decisions_total{model_name="m",reason="cache",role="decode"} 1.0' in text
+    assert 'pdserve_router_kv_index_entries{model_name="m"} 10.0' in text
+    assert f"pdserve_router_kv_synced{{{node}}} 1.0" in text
+    assert f"pdserve_router_kv_events_seq{{{node}}} 1.0" in text
+    assert f"pdserve_router_kv_events_age_seconds{{{node}}}" in text
