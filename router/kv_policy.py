@@ -26,8 +26,14 @@ class PolicyParams:
 
     miss_weight: float = 1.0
     """Cost of one prompt block the node lacks (it must be prefilled and shipped)."""
-    load_weight: float = 1.0
-    """Cost of one block of active decode load on the node."""
+    load_weight: float = 0.01
+    """Cost of one block of active decode load on the node. Small: a decoding request delays a
+    new prompt far less than a block to prefill does, but it still separates equal nodes
+    (tuned with benchmarks/trace_replay.py; 1.0 there cost all of the TTFT gain)."""
+    queue_weight: float = 0.25
+    """Cost of one block of prompt the node has queued to prefill itself (local prefill: work
+    ahead of this request's first token). Below the miss weight: a miss also costs the hits of
+    the conversation's later turns, which a short queue does not (tuned like load_weight)."""
     balance_eps: float = 0.25
     """Hot-spot bound: skip nodes whose load exceeds (1 + eps) x the mean load."""
     explore: float = 0.02
@@ -44,7 +50,7 @@ class Candidate:
     overlap: int
     """Leading prompt blocks the node holds (from the KV index)."""
     load: float
-    """Decode: active blocks (used + sent since the last report). Prefill: queued prompt tokens."""
+    """Decode: load_weight x active blocks + queue_weight x queued prefill blocks. Prefill: queued tokens."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ def within_bound(cands: list[Candidate], eps: float, slack: float) -> list[Candi
 
 
 def decode_cost(c: Candidate, prompt_blocks: int, p: PolicyParams) -> float:
-    return p.miss_weight * max(prompt_blocks - c.overlap, 0) + p.load_weight * c.load
+    return p.miss_weight * max(prompt_blocks - c.overlap, 0) + c.load
 
 
 def choose_decode(

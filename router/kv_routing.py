@@ -65,16 +65,23 @@ class KvRouter:
         if not fits:
             return None
         overlap = self.overlaps(fits, prompt, cache_salt)
-        cands = [Candidate(n.address, overlap[n.address], used_blocks(n)) for n in fits]
-        block_size = fits[0].block_size
-        decision = choose_decode(
-            cands, max(len(prompt) - 1, 0) // block_size, self.params, self.rng, slack=fits[0].blocks_for(tokens_needed)
-        )
+        cands = [Candidate(n.address, overlap[n.address], self.decode_load(n)) for n in fits]
+        prompt_blocks = max(len(prompt) - 1, 0) // fits[0].block_size
+        p = self.params
+        slack = p.load_weight * fits[0].blocks_for(tokens_needed) + p.queue_weight * prompt_blocks  # one request
+        decision = choose_decode(cands, prompt_blocks, p, self.rng, slack=slack)
         short = [n for n in fits if n.address in decision.addresses]
         chosen = self.decode_balancer.pick(short, tokens_needed, now)
         if chosen is not None:
             self._count("decode", decision.reason, chosen, overlap[chosen.address])
+            # work it may prefill itself (local prefill) until its next report says otherwise
+            chosen.inflight_tokens += max(len(prompt) - overlap[chosen.address] * chosen.block_size, 0)
         return chosen
+
+    def decode_load(self, n: NodeLoad) -> float:
+        """Active decode blocks + prompt blocks the node has queued to prefill itself, weighted."""
+        queued_blocks = (n.queued_prefill_tokens + n.inflight_tokens) / n.block_size
+        return self.params.load_weight * used_blocks(n) + self.params.queue_weight * queued_blocks
 
     def order_prefill(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> list[NodeLoad]:
         """Prefill nodes best first: least (uncached prompt tokens + queued tokens)."""
