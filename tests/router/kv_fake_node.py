@@ -14,6 +14,7 @@ Test knobs: `gap` drops one event from the stream, `break_streams` aborts the op
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import grpc
@@ -133,3 +134,12 @@ async def serve(node: FakeKvNode | FakePrefill) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    """Wait (polling) until cond() is true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

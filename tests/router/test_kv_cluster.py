@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import time
 
@@ -17,17 +16,9 @@ from router.balancer import DecodeBalancer
 from router.cluster import Cluster
 from router.kv_policy import PolicyParams
 from router.kv_routing import KvRouter
-from tests.router.kv_fake_node import COMPAT, FakeKvNode, FakePrefill, serve
+from tests.router.kv_fake_node import COMPAT, FakeKvNode, FakePrefill, serve, until
 
 PROMPT = list(range(1, 42))  # 10 full blocks of 4 (+1 token)
-
-
-async def until(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

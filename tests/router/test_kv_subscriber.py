@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -12,19 +11,11 @@ from engine.block_keys import namespace_root, prompt_block_keys
 from pdserve.v1 import decode_pb2_grpc
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvSubscriber
-from tests.router.kv_fake_node import FakeKvNode, serve
+from tests.router.kv_fake_node import FakeKvNode, serve, until
 
 ROOT = namespace_root("model=t;block_size=4")
 A = list(range(100, 116))  # 4 full blocks of 4 tokens
 B = list(range(200, 212))  # 3 blocks
-
-
-async def until(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
