@@ -88,8 +88,12 @@ class KvRouter:
         if not nodes:
             return []
         overlap = self.overlaps(nodes, prompt, cache_salt)
-        cands = [Candidate(n.address, overlap[n.address], n.queued_prefill_tokens + n.inflight_tokens) for n in nodes]
-        ranked, reason = order_prefill(cands, len(prompt), nodes[0].block_size, self.params, slack=len(prompt))
+        # overlap in tokens (block size 1 below): nodes may differ in block size
+        cands = [
+            Candidate(n.address, overlap[n.address] * n.block_size, n.queued_prefill_tokens + n.inflight_tokens)
+            for n in nodes
+        ]
+        ranked, reason = order_prefill(cands, len(prompt), 1, self.params, slack=len(prompt))
         if reason == "cold":
             ordered = self.prefill_balancer.order(nodes)  # as --routing wrr: least queued, ties round robin
         else:
