@@ -58,7 +58,7 @@ class KvSubscriber:
         self.last_message: float | None = None
         """monotonic time of the last batch received (for the staleness metric)."""
         self.resyncs: Counter[str] = Counter()
-        """Snapshots asked for or incarnations dropped, by reason (gap, restart, dropped, reset)."""
+        """Snapshots asked for or incarnations dropped, by reason (gap, restart, dropped, unusable, error)."""
         self._pending: set[int] | None = None
         self._call: object | None = None
         self._task: asyncio.Task | None = None
@@ -100,7 +100,7 @@ class KvSubscriber:
                 log.info("KV events of %s: %s; resyncing from a snapshot", self.address, e)
                 self.index.drop(self.address)
                 self._resync("gap")
-                delay = 0.0
+                seen = self.last_message  # no backoff reset: a node that keeps breaking the contract is not hammered
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                     if not self.unsupported:
@@ -111,6 +111,11 @@ class KvSubscriber:
                     continue
                 self.resyncs["dropped"] += 1
                 log.debug("KV events of %s dropped: %s", self.address, e.code().name)
+            except Exception:  # a malformed message or a bug: never let the subscriber die
+                log.exception("KV events of %s failed; resyncing from a snapshot", self.address)
+                self.index.drop(self.address)
+                self._resync("error")
+                seen = self.last_message
             if self.last_message != seen:
                 delay = min(delay, self.backoff)  # the stream worked for a while: back off from the start
             self.unsupported = False
