@@ -60,6 +60,8 @@ class KvSubscriber:
         self.resyncs: Counter[str] = Counter()
         """Snapshots asked for or incarnations dropped, by reason (gap, restart, dropped, unusable, error)."""
         self._pending: set[int] | None = None
+        """Keys of a snapshot still arriving in chunks (None: no snapshot in progress)."""
+        self._pending_seq = 0
         self._call: object | None = None
         self._task: asyncio.Task | None = None
 
@@ -135,7 +137,7 @@ class KvSubscriber:
     def apply(self, batch: common_pb2.KvEventBatch) -> None:
         """Apply one batch to the index; raises Resync when the stream broke the contract."""
         self.last_message = time.monotonic()
-        if batch.node_id != self.node_id:
+        if batch.node_id and batch.node_id != self.node_id:  # an empty node_id: the same incarnation
             if self.node_id:
                 log.info("%s restarted (new node_id %s): its KV entries are dropped", self.address, batch.node_id)
                 self.resyncs["restart"] += 1
@@ -166,9 +168,10 @@ class KvSubscriber:
 
     def _snapshot_chunk(self, batch: common_pb2.KvEventBatch) -> None:
         if self._pending is None:
-            self._pending = set()
+            self._pending, self._pending_seq = set(), 0
+        self._pending_seq = max(self._pending_seq, batch.seq)  # whichever chunk carries it
         room = self.index.node_cap - len(self._pending)  # a node never holds more keys than the cap
         self._pending.update(batch.snapshot_keys[: max(room, 0)])
         if batch.snapshot_done:
             self.index.replace(self.address, self._pending)
-            self.last_seq, self._pending = batch.seq, None
+            self.last_seq, self._pending = self._pending_seq, None
