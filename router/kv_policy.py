@@ -30,13 +30,13 @@ class PolicyParams:
     """Cost of one block of active decode load on the node. Small: a decoding request delays a
     new prompt far less than a block to prefill does, but it still separates equal nodes
     (tuned with benchmarks/trace_replay.py; 1.0 there cost all of the TTFT gain)."""
-    queue_weight: float = 0.25
+    queue_weight: float = 0.1
     """Cost of one block of prompt the node has queued to prefill itself (local prefill: work
     ahead of this request's first token). Below the miss weight: a miss also costs the hits of
     the conversation's later turns, which a short queue does not (tuned like load_weight)."""
     balance_eps: float = 0.25
     """Hot-spot bound: skip nodes whose load exceeds (1 + eps) x the mean load."""
-    explore: float = 0.02
+    explore: float = 0.01
     """Fraction of warm requests routed by WRR alone."""
     tie_tolerance: float = 0.0
     """Costs within this much of the best count as ties (WRR decides among them)."""
