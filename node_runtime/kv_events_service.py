@@ -44,6 +44,10 @@ async def kv_event_batches(
     loop = asyncio.get_running_loop()
     resumable = request.node_id == node_id and request.after_seq > 0
     seq: int | None = request.after_seq if resumable else None
+    if resumable and log.since(request.after_seq) is not None:
+        # the resume is accepted: say so at once, before any new event (a router routes the node as
+        # cold until it hears that its entries are current again)
+        yield common_pb2.KvEventBatch(node_id=node_id, seq=request.after_seq)
     while not stopped():
         events: list[KvEvent] | None = None if seq is None else log.since(seq)
         if events == [] and seq is not None:

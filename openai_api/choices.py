@@ -40,6 +40,8 @@ class Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
+    cache_salt: str | None = None
+    """The request's cache_salt: its block keys' namespace, on the router and on the nodes."""
 
 
 class ChoiceBuilder:
@@ -131,7 +133,9 @@ class ChoiceBuilder:
             ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
             for _ in range(req.n):
-                choices.append(Choice(len(choices), ids, text, params, self._text(ids, params)))
+                choices.append(
+                    Choice(len(choices), ids, text, params, self._text(ids, params), cache_salt=req.cache_salt)
+                )
         return choices
 
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
@@ -144,7 +148,7 @@ class ChoiceBuilder:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, len(ids), logprobs, default_max=None)
-        return [Choice(i, ids, None, params, self._text(ids, params)) for i in range(req.n)]
+        return [Choice(i, ids, None, params, self._text(ids, params), cache_salt=req.cache_salt) for i in range(req.n)]
 
     def choices(self, req: SamplingFields) -> list[Choice]:
         """The choices of a completion or chat completion body."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import MAX_BIAS, MAX_LOGIT_BIAS
 
@@ -16,6 +16,7 @@ MAX_STOP = 16
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_CACHE_SALT_BYTES = 256
 """Bounds of the proto fields these values travel in (common.proto): larger values are 400s here,
 never an overflow when the request is built."""
 
@@ -66,6 +67,15 @@ class SamplingFields(BaseModel):
         | None
     ) = None
     """OpenAI: token id (as a string) -> bias added to its logit; ids are checked against the vocabulary."""
+    cache_salt: Annotated[str, Field(min_length=1, strict=True)] | None = None
+    """vLLM's field: prefix-cache hits only among requests with the same salt (tenant isolation)."""
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_is_bounded(cls, value: str | None) -> str | None:
+        if value is not None and len(value.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+            raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes of UTF-8")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -23,6 +23,8 @@ class NodeLoad:
     inflight_tokens: int = 0
     """Prompt tokens sent to this prefill node since its last report."""
     current_weight: float = 0.0
+    compatibility: str = ""
+    """The node's KV compatibility string (its block keys' namespace)."""
 
     @property
     def effective_free(self) -> int:
@@ -31,8 +33,11 @@ class NodeLoad:
     def blocks_for(self, tokens: int) -> int:
         return blocks_for(tokens, self.block_size)
 
-    def report(self, free_blocks: int, total_blocks: int, block_size: int, queued: int, now: float) -> None:
+    def report(
+        self, free_blocks: int, total_blocks: int, block_size: int, queued: int, now: float, compatibility: str = ""
+    ) -> None:
         self.free_blocks, self.total_blocks, self.block_size = free_blocks, total_blocks, block_size
+        self.compatibility = compatibility
         self.queued_prefill_tokens = queued
         self.report_time = now
         self.inflight_blocks = self.inflight_tokens = 0

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -22,6 +23,8 @@ from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from router.circuit_breaker import CircuitBreaker
+from router.kv_routing import ROUTING_MODES, KvRouter
+from router.kv_subscriber import KvSubscriber
 
 log = logging.getLogger("pdserve.router")
 RETRYABLE = (
@@ -60,6 +63,8 @@ class NodeState:
     """A stream on this node got no event within its token deadline; with a missed probe after it,
     the node is hung at once (not `hung_after` later). Cleared when a probe answers."""
     probe: asyncio.Task | None = None
+    kv: KvSubscriber | None = None
+    """Follows the node's KV events into the router's index (kv-aware routing only)."""
 
     @property
     def reachable(self) -> bool:
@@ -86,7 +91,11 @@ class Cluster:
         deadlines: Deadlines | None = None,
         registry: CollectorRegistry | None = None,
         tls: cluster_tls.ClusterTLS | None = None,
+        routing: str = "kv-aware",
+        kv_router: KvRouter | None = None,
     ) -> None:
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
         self.discovery = discovery
         self.tls = tls
         """Mutual TLS to the nodes (None: plaintext)."""
@@ -101,6 +110,10 @@ class Cluster:
         self.nodes: dict[tuple[str, str], NodeState] = {}
         self.decode_balancer = DecodeBalancer()
         self.prefill_balancer = PrefillBalancer()
+        self.routing = routing
+        self.kv_router = kv_router or KvRouter(
+            decode_balancer=self.decode_balancer, prefill_balancer=self.prefill_balancer
+        )
         self._task: asyncio.Task | None = None
         r = registry or CollectorRegistry()
         self.retries = Counter("pdserve_router_retries", "requests retried before the first token", registry=r)
@@ -116,13 +129,15 @@ class Cluster:
             self._task.cancel()
         await self.discovery.stop()
         for node in self.nodes.values():
+            if node.kv is not None:
+                await node.kv.stop()
             await node.channel.close()
 
     def _sync_members(self) -> None:
         current = {(m.role, m.address): m for role in ("prefill", "decode") for m in self.discovery.members(role)}
         for key in list(self.nodes):
             if key not in current:
-                asyncio.create_task(self.nodes.pop(key).channel.close())
+                asyncio.create_task(self._forget(self.nodes.pop(key)))
         for key, member in current.items():
             if key not in self.nodes:
                 # keepalive pings: a partitioned node fails the calls in flight on it (UNAVAILABLE)
@@ -131,9 +146,18 @@ class Cluster:
                 )
                 stub_class = decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub
                 stub = stub_class(channel)
-                self.nodes[key] = NodeState(
-                    member, channel, stub, health_pb2_grpc.HealthStub(channel), NodeLoad(member.address)
-                )
+                node = NodeState(member, channel, stub, health_pb2_grpc.HealthStub(channel), NodeLoad(member.address))
+                if self.routing == "kv-aware":
+                    node.kv = KvSubscriber(member.address, stub, self.kv_router.index, self.metadata)
+                    node.kv.start()
+                self.nodes[key] = node
+
+    @staticmethod
+    async def _forget(node: NodeState) -> None:
+        """A node left discovery: stop following its KV events (dropping its entries), close its channel."""
+        if node.kv is not None:
+            await node.kv.stop()
+        await node.channel.close()
 
     async def _loop(self) -> None:
         while True:
@@ -154,6 +178,14 @@ class Cluster:
     async def _probe(self, node: NodeState) -> None:
         """Active health check (gRPC health) plus a load report, each within the health deadline."""
         timeout = self.deadlines.health_timeout
+        was_usable = node.usable
+        try:
+            await self._check(node, timeout)
+        finally:
+            if was_usable and not node.usable and node.kv is not None:
+                node.kv.reset("unusable")  # never route on what a dead or hung node held
+
+    async def _check(self, node: NodeState, timeout: float) -> None:
         sent = time.monotonic()  # the node's silence starts no later than this probe
         try:
             status = await node.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
@@ -180,7 +212,9 @@ class Cluster:
             report.block_size or 16,
             report.num_queued_prefill_tokens,
             time.monotonic(),
+            report.compatibility,
         )
+        self.kv_router.index.set_capacity(node.member.address, report.num_total_blocks)
         node.breaker.success()
 
     def _hung(self, node: NodeState) -> bool:
@@ -228,43 +262,61 @@ class Cluster:
             for (r, a), n in self.nodes.items()
         ]
 
-    def _choose(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:
+    def _choose(
+        self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
+    ) -> tuple[NodeState, list[str]]:
         usable = self._usable("decode")
         decodes = [n for n in usable if n.member.address not in exclude] or usable  # excluded ones as a last resort
         prefills = self._usable("prefill")
         if not decodes:  # with no usable prefill node, the decode node prefills locally (no addresses)
             raise NoCapacityError("no healthy decode node is available; try again later")
         by_load = {id(n.load): n for n in decodes}
-        chosen = self.decode_balancer.pick([n.load for n in decodes], tokens_needed, time.monotonic())
+        loads, now = [n.load for n in decodes], time.monotonic()
+        if self.routing == "kv-aware":
+            chosen = self.kv_router.choose_decode(loads, prompt, cache_salt, tokens_needed, now)
+        else:
+            chosen = self.decode_balancer.pick(loads, tokens_needed, now)
         if chosen is None:
             raise NoCapacityError("no decode node has room for this request now; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
-        ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
-        if ordered:
+        if self.routing == "kv-aware":
+            ordered = self.kv_router.order_prefill([n.load for n in prefills], prompt, cache_salt)[:3]
+        else:
+            ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
+        if ordered:  # none: the decode node prefills locally
             ordered[0].inflight_tokens += tokens_needed
         return by_load[id(chosen)], [n.address for n in ordered]
 
-    async def _choose_waiting(self, tokens_needed: int, exclude: set[str]) -> tuple[NodeState, list[str]]:
+    async def _choose_waiting(
+        self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
+    ) -> tuple[NodeState, list[str]]:
         """_choose, waiting up to capacity_wait for a node to come back or to free room."""
         deadline = time.monotonic() + self.deadlines.capacity_wait
         while True:
             try:
-                return self._choose(tokens_needed, exclude)
+                return self._choose(tokens_needed, exclude, prompt, cache_salt)
             except NoCapacityError:
                 if time.monotonic() >= deadline:
                     raise
             await asyncio.sleep(min(0.2, self.refresh_interval))
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: common_pb2.SamplingParams
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: common_pb2.SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[GenerateChunk]:
-        """Stream one request; retries before the first token, migrates after it (no gap, no duplicate)."""
+        """Stream one request; retries before the first token, migrates after it (no gap, no duplicate).
+        `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt."""
         sent: list[int] = []
         tried: set[str] = set()
         retries = migrations = 0
         while True:
             remaining = params.max_tokens - len(sent)
-            node, prefills = await self._choose_waiting(len(prompt) + len(sent) + remaining, tried)
+            node, prefills = await self._choose_waiting(
+                len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt
+            )
             attempt = common_pb2.SamplingParams()
             attempt.CopyFrom(params)
             attempt.max_tokens = remaining
@@ -274,6 +326,7 @@ class Cluster:
                 prompt_token_ids=prompt + sent,
                 params=attempt,
                 prefill_addresses=prefills,
+                cache_salt=cache_salt,
             )
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)

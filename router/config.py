@@ -14,6 +14,7 @@ from node_runtime.discovery import DiscoveryConfig
 from node_runtime.tls_options import ClusterTLSOptions
 from router.deadlines import Deadlines
 from router.http_limits import ConnectionLimits
+from router.kv_routing import ROUTING_MODES
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,12 @@ class ClusterOptions(ClusterTLSOptions):
     cluster_secret: str = ""
     """Shared secret sent on every node call (empty: none, dev only)."""
     deadlines: Deadlines = field(default_factory=Deadlines)
+    routing: str = "kv-aware"
+    """kv-aware: decode and prefill nodes by cached prefix + load (router/kv_policy.py); wrr: by load only."""
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,9 @@ class Server:
 
         async def one(choice: Choice) -> None:
             try:
-                chunks = self.cluster.generate(f"{base}-{choice.index}", choice.prompt_ids, choice.params)
+                chunks = self.cluster.generate(
+                    f"{base}-{choice.index}", choice.prompt_ids, choice.params, cache_salt=choice.cache_salt
+                )
                 async for chunk in self.metrics.track(chunks):
                     delta = choice.text.add(chunk.token_ids)
                     new_lps = chunk.logprobs or []
@@ -101,7 +103,12 @@ class Server:
     def usage(self, choices: list[Choice]) -> dict:
         prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
         completion = sum(c.usage.completion_tokens if c.usage else 0 for c in choices)
-        return usage(prompt, completion, sum(c.usage.cached_tokens if c.usage else 0 for c in choices))
+        # the nodes' count of prompt tokens not recomputed; a prompt shared by n choices counts once
+        cached_by_prompt: dict[int, int] = {}
+        for c in choices:
+            held = min(c.usage.cached_tokens, len(c.prompt_ids)) if c.usage else 0
+            cached_by_prompt[id(c.prompt_ids)] = max(cached_by_prompt.get(id(c.prompt_ids), 0), held)
+        return usage(prompt, completion, sum(cached_by_prompt.values()))
 
     async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, str]]:
         """Run every choice of `req` to its end: the choices, and each one's whole text by index."""

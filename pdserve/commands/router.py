@@ -12,7 +12,7 @@ from node_runtime.config import API_KEYS_ENV
 if TYPE_CHECKING:
     from router.config import RouterConfig
 
-__all__ = ["API_KEYS_ENV", "add_api_key_args", "api_keys", "register", "router_config", "run"]
+__all__ = ["API_KEYS_ENV", "add_api_key_args", "add_routing_args", "api_keys", "register", "router_config", "run"]
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_connection_args(p)
     add_cluster_tls_args(p)
+    add_routing_args(p)
     p.add_argument("--log-level", default=None, help="default info")
     p.set_defaults(func=run)
 
@@ -127,6 +128,16 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="seconds without a token before a stream sends an SSE keep-alive comment (default 15)",
+    )
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--routing",
+        default=None,
+        choices=("kv-aware", "wrr"),
+        help="kv-aware: route each request to the nodes that hold most of its prompt's KV, bounded by load "
+        "(nodes' KV events); wrr: weighted round robin on free KV only (default kv-aware)",
     )
 
 
@@ -169,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from router.app import create_app
     from router.cluster import Cluster
     from router.cluster_metrics import ClusterCollector
+    from router.kv_metrics import KvRoutingCollector
     from router.request_metrics import RequestMetrics
     from router.serving import Server
 
@@ -186,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         deadlines=config.cluster.deadlines,
         registry=registry,
         tls=config.cluster.tls(),
+        routing=config.cluster.routing,
     )
     server = Server(
         cluster,
@@ -197,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         keepalive_interval=config.sse_keepalive,
     )
     ClusterCollector(cluster, name, registry)
+    KvRoutingCollector(cluster, name, registry)
     app = create_app(server, api_keys=list(config.api_keys), registry=registry)
 
     @app.on_event("startup")

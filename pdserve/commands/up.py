@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pdserve.commands.generate import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, on_off
-from pdserve.commands.router import add_api_key_args, api_keys
+from pdserve.commands.router import add_api_key_args, add_routing_args, api_keys
 from node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
 from node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
@@ -82,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="mutual TLS between router and nodes with a throwaway CA made for this run (needs `cryptography`)",
     )
+    add_routing_args(p)
     p.set_defaults(func=run)
 
 
@@ -175,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         if args.model is None:
             router_args += ["--served-model-name", "pdserve-tiny"]
+        if args.routing:
+            router_args += ["--routing", args.routing]
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
         router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised(

@@ -56,8 +56,8 @@ SURFACE = {
     "skip_special_tokens": Field(False, http=True, proto=True, engine=True, batch=True),
     "logit_bias": Field({"7": -100.0, "2": 1.5}, http=True, proto=True, engine=True, batch=True),
 }
-NOT_SAMPLING = {"model", "stream", "stream_options", "user", "prompt", "echo", "messages"}
-"""Body fields that are not sampling parameters."""
+NOT_SAMPLING = {"model", "stream", "stream_options", "user", "prompt", "echo", "messages", "cache_salt"}
+"""Body fields that are not sampling parameters (cache_salt travels beside them: GenerateRequest.cache_salt)."""
 CHAT_SPELLINGS = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 """Chat's own names for two fields (chat's `logprobs` is the switch for top_logprobs)."""
 

@@ -31,9 +31,13 @@ async def test_resume_within_the_buffer_and_snapshot_after_a_gap():
     for i in range(5):
         log.stored([100 + i], 7)
     log.removed([100])
-    # still buffered (events 4..6): resumed without a snapshot
-    (batch,) = await first_batches(log, common_pb2.KvEventsRequest(after_seq=3, node_id="node-1"), 1)
+    # still buffered (events 4..6): resumed without a snapshot; the acceptance comes first, at once
+    accepted, batch = await first_batches(log, common_pb2.KvEventsRequest(after_seq=3, node_id="node-1"), 2)
+    assert (accepted.snapshot, list(accepted.events), accepted.seq, accepted.node_id) == (False, [], 3, "node-1")
     assert not batch.snapshot and [e.seq for e in batch.events] == [4, 5, 6]
+    # an accepted resume with nothing missed is announced too, without waiting for an event
+    (caught_up,) = await first_batches(log, common_pb2.KvEventsRequest(after_seq=6, node_id="node-1"), 1)
+    assert (caught_up.snapshot, list(caught_up.events), caught_up.seq) == (False, [], 6)
     assert batch.events[-1].kind == common_pb2.KvEvent.REMOVED and list(batch.events[-1].keys) == [100]
     # behind the buffer (a gap), another incarnation, or first contact: a complete snapshot
     for request in (
@@ -97,6 +101,8 @@ async def test_node_stream_matches_router_keys_resumes_and_resyncs_after_restart
             assert batch.events[0].kind == common_pb2.KvEvent.STORED and batch.events[0].medium == "cpu"
             call.cancel()
             resumed = stub.KvEvents(common_pb2.KvEventsRequest(after_seq=snap.seq, node_id=snap.node_id), metadata=meta)
+            accepted = await asyncio.wait_for(resumed.read(), 30)
+            assert not accepted.snapshot and not accepted.events and accepted.seq == snap.seq
             again = await asyncio.wait_for(resumed.read(), 30)
             assert not again.snapshot and again.events[0].seq == snap.seq + 1
             # the node stops: the open stream ends instead of hanging

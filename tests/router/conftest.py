@@ -24,6 +24,8 @@ class FakeCluster:
         self.healthy = healthy
         self.crash = crash
         self.requests: list[tuple[list[int], common_pb2.SamplingParams]] = []
+        self.salts: list[str | None] = []
+        self.cached_tokens = 0  # reported as the node's Usage.cached_tokens
 
     def is_healthy(self) -> bool:
         return self.healthy
@@ -34,12 +36,13 @@ class FakeCluster:
     def snapshot(self) -> list:
         return []
 
-    async def generate(self, request_id, prompt, params):
+    async def generate(self, request_id, prompt, params, cache_salt=None):
         if not self.healthy:
             raise NoCapacityError("no healthy prefill and decode node is available")
         if self.crash is not None:
             raise self.crash
         self.requests.append((prompt, params))
+        self.salts.append(cache_salt)
         n = min(len(self.tokens), params.max_tokens)
         for i, t in enumerate(self.tokens[:n]):
             if self.fail_after is not None and i == self.fail_after:
@@ -49,7 +52,9 @@ class FakeCluster:
                 [t],
                 None,
                 "length" if last else None,
-                common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n) if last else None,
+                common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=self.cached_tokens)
+                if last
+                else None,
             )
 
 

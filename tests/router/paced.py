@@ -17,7 +17,7 @@ class PacedCluster:
     def max_model_len(self) -> int:
         return 128
 
-    async def generate(self, request_id, prompt, params):
+    async def generate(self, request_id, prompt, params, cache_salt=None):
         await asyncio.sleep(self.first_delay)
         n = min(len(self.tokens), params.max_tokens)
         for i, t in enumerate(self.tokens[:n]):

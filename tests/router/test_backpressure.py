@@ -21,7 +21,7 @@ class EndlessCluster:
     def max_model_len(self) -> int:
         return 10**6
 
-    async def generate(self, request_id, prompt, params):
+    async def generate(self, request_id, prompt, params, cache_salt=None):
         while True:
             self.pulled += 1
             yield GenerateChunk([self.token], None, None, None)

@@ -36,7 +36,7 @@ async def test_a_request_waits_for_capacity_then_fails_cleanly():
     cluster = Cluster(StaticDiscovery([]), refresh_interval=0.01, deadlines=Deadlines(capacity_wait=5.0))
     calls = []
 
-    def choose(tokens_needed, exclude):
+    def choose(tokens_needed, exclude, *route):
         calls.append(tokens_needed)
         if len(calls) < 3:
             raise NoCapacityError("a node is restarting")

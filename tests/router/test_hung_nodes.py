@@ -25,11 +25,11 @@ def pin_first(cluster, decode: tuple[str, str], prefills: list[str]) -> None:
     """The first choice goes to `decode` with `prefills`; later ones to the balancer."""
     choose, calls = cluster._choose, []
 
-    def pinned(tokens_needed, exclude):
+    def pinned(tokens_needed, exclude, *route):
         calls.append(1)
         if len(calls) == 1:
             return cluster.nodes[decode], prefills
-        return choose(tokens_needed, exclude)
+        return choose(tokens_needed, exclude, *route)
 
     cluster._choose = pinned
 
@@ -77,7 +77,9 @@ async def test_a_stalled_stream_makes_its_node_hung_for_attempts_sent_before():
     cluster = await fake_cluster(fakes, refresh_interval=0.05, deadlines=deadlines, backoff=0.01)
     try:
         choose = cluster._choose
-        cluster._choose = lambda n, exclude: (cluster.nodes[D1], [P1[1]]) if not exclude else choose(n, exclude)
+        cluster._choose = lambda n, exclude, *route: (
+            (cluster.nodes[D1], [P1[1]]) if not exclude else choose(n, exclude, *route)
+        )
         stream_a = cluster.generate("r-a", [1, 2, 3], PARAMS)
         assert (await stream_a.__anext__()).token_ids == [1]
         waiting_b = asyncio.create_task(collect(cluster, "r-b"))
