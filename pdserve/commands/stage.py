@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _num_kv_blocks(args: argparse.Namespace, device: str) -> int:
-    """What `pdserve batch --external-stages` derives from the same flags (pdserve/commands/batch_kv)."""
+    """What `pdserve batch --external-stages` derives from the same flags (tdpipe/runtime/batch_kv)."""
     import os
 
     from engine.model_config import ModelConfig
