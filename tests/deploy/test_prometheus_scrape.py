@@ -83,6 +83,8 @@ def test_prometheus_scrapes_every_process_and_every_query_has_data(tmp_path, tin
                 "1",
                 "--num-decode",
                 "1",
+                "--local-prefill-max-tokens",  # short prompts would prefill on the decode node: the
+                "0",  # KV-transfer queries need bytes on the wire
                 "--port",
                 str(http_port),
                 "--metrics-base-port",

@@ -78,7 +78,9 @@ def test_a_partitioned_prefill_node_costs_hung_after_not_kv_timeout(net, tiny_mo
     slow = {"PDSERVE_FAULT_WRITE_DELAY_RATE": "1", "PDSERVE_FAULT_WRITE_DELAY_SECONDS": "0.5"}
     doomed = start_in(net, net.a, "prefill", [*common, "--host", net.addr_a], slow)
     healthy = start_in(net, net.b, "prefill", [*common, "--host", net.addr_b])
-    decode = start_in(net, net.b, "decode", [*common, "--host", net.addr_b])
+    # never prefill locally: the repeated prompt is cached on the decode node, and the test needs
+    # its prefills on the prefill nodes
+    decode = start_in(net, net.b, "decode", [*common, "--host", net.addr_b, "--local-prefill-max-tokens", "0"])
     port = 8000  # namespace B is new: nothing else listens there
     router_args = ["--port", str(port), "--model", str(tiny_model_dir), "--served-model-name", "pdserve-tiny"]
     router_args += ["--cluster-secret", SECRET, "--prefill", f"{doomed.address},{healthy.address}"]
