@@ -101,7 +101,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the memory flags)"
     )
-    add_kv_memory_args(p, max_model_len=False)
+    add_kv_memory_args(p)  # with --max-model-len, which the pool's fit check reads
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default 64)")
     p.add_argument(
@@ -110,13 +110,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="token budget per step; longer prompts are prefilled in chunks "
         "(default: 8192 on prefill nodes, 2048 on decode nodes)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output; refused at start when the KV pool cannot hold it "
-        "(default: the model's max_position_embeddings, lowered to what the pool holds)",
     )
     p.add_argument(
         "--enable-prefix-caching",
