@@ -83,9 +83,6 @@ REFUSED: dict[str, Refused] = {
     "prediction": Refused("predicted outputs are not implemented", endpoints=CHAT),
     "web_search_options": Refused("web search is not implemented", endpoints=CHAT),
 }
-ACCEPTED_ELSEWHERE = frozenset({"cache_salt"})
-"""Honoured fields declared on another branch's models (prefix-cache salting): never refused here."""
-
 MESSAGE_REFUSED: dict[str, Refused] = {
     "tool_calls": Refused("assistant tool calls are not implemented"),
     "function_call": Refused("function calling is not implemented"),
@@ -114,8 +111,6 @@ def check_request_fields(req: BaseModel, endpoint: str) -> None:
 
 
 def _check_one(name: str, value: Any, table: dict[str, Refused], endpoint: str, param: str) -> None:
-    if name in ACCEPTED_ELSEWHERE:
-        return
     rule = table.get(name)
     if rule is None or endpoint not in rule.endpoints:
         raise BadRequest(f"unknown field {param!r} (see the README's request field table)", param)
