@@ -8,6 +8,14 @@ import torch
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+CUDA_NODE_FLAGS = [
+    *("--device", "cuda", "--attention-backend", "torch", "--dtype", "float32"),
+    # the cluster's processes share one card: each sizes its KV pool from its own share of it
+    *("--gpu-memory-utilization", "0.25"),
+]
+"""Node flags of the CUDA cluster tests."""
+
+
 def flashinfer_or_skip() -> None:
     from pdserve.commands.device_args import flashinfer_available
 

@@ -16,7 +16,7 @@ from engine import LLM, SamplingParams
 from tests.e2e.cluster import start_cluster
 from tests.e2e.grpc_client import generate, greedy
 from tests.e2e.test_nodes import mixed_prompts
-from tests.gpu.helpers import requires_cuda
+from tests.gpu.helpers import CUDA_NODE_FLAGS, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 GEO = PoolGeometry(num_layers=4, num_blocks=32, block_bytes=64 << 10)
@@ -78,17 +78,7 @@ async def test_one_gpu_cluster_over_emulated_rdma_equals_llm(tiny_model_dir):
         transport="rdma",
         model=str(tiny_model_dir),
         env={"PDSERVE_RDMA_EMULATOR": "1"},
-        # three processes share the card: each sizes its KV pool from its own share of it
-        extra=[
-            "--device",
-            "cuda",
-            "--attention-backend",
-            "torch",
-            "--dtype",
-            "float32",
-            "--gpu-memory-utilization",
-            "0.25",
-        ],
+        extra=CUDA_NODE_FLAGS,
     )
     try:
         results = await asyncio.gather(

@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from tests.e2e.cluster import start_cluster
 from tests.e2e.grpc_client import generate, greedy
 from tests.e2e.test_nodes import all_free, mixed_prompts
-from tests.gpu.helpers import requires_cuda
+from tests.gpu.helpers import CUDA_NODE_FLAGS, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -39,17 +39,7 @@ def gpu_cluster(tiny_model_dir):
         1,
         2,
         model=str(tiny_model_dir),
-        # three processes share the card: each sizes its KV pool from its own share of it
-        extra=[
-            "--device",
-            "cuda",
-            "--attention-backend",
-            "torch",
-            "--dtype",
-            "float32",
-            "--gpu-memory-utilization",
-            "0.25",
-        ],
+        extra=CUDA_NODE_FLAGS,
     )
     try:
         yield c
