@@ -119,8 +119,8 @@ class KvSubscriber:
                 self.index.drop(self.address)
                 self._resync("error")
                 seen = self.last_message
-            if self.last_message != seen:
-                delay = min(delay, self.backoff)  # the stream worked for a while: back off from the start
+            if self.last_message != seen and delay:
+                delay = self.backoff  # the stream worked for a while: back off from the start (0: reset())
             self.unsupported = False
             self.index.suspend(self.address)  # stale until the resumed stream catches up
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # jitter: routers do not reconnect in step
