@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import ssl
 import struct
 from typing import Protocol
 
 from cachestore import wire
+from cachestore.sockio import shutdown_both
 
 log = logging.getLogger("pdserve.cachestore")
 
@@ -30,8 +32,50 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     set_recv_timeout(sock, seconds)
 
 
+def hold_blocking(sock: socket.socket, seconds: float) -> None:
+    """Blocking mode for a worker, each call bounded by `seconds`. A plain socket is bounded by its
+    kernel timeouts (set at accept). A TLS socket needs a Python-level timeout: on a kernel timeout
+    its read only hears "want more data" and blocks again, so the bound would never fire."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+    else:
+        sock.setblocking(True)
+
+
+def bound_receive(sock: socket.socket, seconds: float) -> None:
+    """Bound the worker's receives of `sock` by `seconds` (see `hold_blocking`)."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+    else:
+        set_recv_timeout(sock, seconds)
+
+
+def recv_nowait(sock: socket.socket, view: memoryview) -> int | None:
+    """What is already there, up to len(view) bytes, without waiting: None if nothing is, 0 if the
+    peer closed. A TLS socket is read in non-blocking mode for the call (it takes no MSG_DONTWAIT),
+    and only when something is buffered or readable, which spares most calls the mode switch."""
+    if not isinstance(sock, ssl.SSLSocket):
+        try:
+            return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+    if not wait_readable(sock, 0):
+        return None
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        return sock.recv_into(view)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):  # only part of a TLS record has arrived
+        return None
+    finally:
+        sock.settimeout(timeout)
+
+
 def wait_readable(sock: socket.socket, seconds: float) -> bool:
-    """Whether `sock` has something to read (or was closed) within `seconds`: one poll(2), any fd number."""
+    """Whether `sock` has something to read (or was closed) within `seconds`: one poll(2), any fd
+    number. Bytes a TLS socket already decrypted count, though poll cannot see them."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(seconds * 1000))
@@ -51,11 +95,24 @@ class Attachment(Protocol):
 class Connection:
     """One sender connection: its socket, handshake state and the frame header being read."""
 
-    __slots__ = ("sock", "nonce", "deadline", "buf", "filled", "authenticated", "busy", "closed", "attached")
+    __slots__ = (
+        "sock",
+        "nonce",
+        "deadline",
+        "buf",
+        "filled",
+        "handshaking",
+        "authenticated",
+        "busy",
+        "closed",
+        "attached",
+    )
 
-    def __init__(self, sock: socket.socket, nonce: bytes, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, nonce: bytes, deadline: float, handshaking: bool = False) -> None:
         self.sock = sock
         self.nonce = nonce
+        self.handshaking = handshaking
+        """Its TLS handshake is not done yet (the nonce is sent after it)."""
         self.deadline: float | None = deadline
         """Handshake deadline, then the deadline of a started frame header; None while idle."""
         self.buf = bytearray(max(wire.HEADER_BYTES, wire.MAC_BYTES))
@@ -72,10 +129,7 @@ class Connection:
         return memoryview(self.buf)[self.filled : want]
 
     def shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown_both(self.sock)
 
     def close(self) -> None:
         if not self.closed:
@@ -103,7 +157,4 @@ class Fence:
 
     def cut(self) -> None:
         self.cut_off = True
-        try:
-            self.conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown_both(self.conn)

@@ -7,6 +7,11 @@ Only a connection with a complete frame header in hand is passed to a worker, wh
 payload straight into the pool with a blocking `recv_into` (fast, releases the GIL) and keeps the
 connection while further frames follow at once, so a streaming sender costs no wake-up per frame.
 Threads: 1 poller + at most `max_workers`, whatever the number of sockets.
+
+With a `LinkTLS` every accepted socket is wrapped, and the poller drives its TLS handshake without
+blocking (under the same handshake deadline) before it sends the nonce of the HMAC handshake. TLS
+decrypts whole records, so bytes can wait inside the TLS layer where poll cannot see them: the
+poller drains those itself, after a read and when a worker hands a connection back.
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ import logging
 import os
 import selectors
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cachestore import wire
-from cachestore.tcp import Connection, set_kernel_timeouts
+from cachestore.tcp import Connection, hold_blocking, set_kernel_timeouts
 from cachestore.tcp_receiver import FrameWorker
+from cachestore.tls import LinkTLS
 
 log = logging.getLogger("pdserve.cachestore")
 SWEEP_SECONDS = 0.2
@@ -55,9 +62,12 @@ class TcpLimits:
 class TcpListener:
     """Accepts sender connections for one CacheStoreServer (see the module docstring for the threads)."""
 
-    def __init__(self, server, host: str, port: int, limits: TcpLimits | None = None) -> None:
+    def __init__(
+        self, server, host: str, port: int, limits: TcpLimits | None = None, tls: LinkTLS | None = None
+    ) -> None:
         self.server = server
         self.limits = limits or TcpLimits()
+        self.tls = tls
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.sock.setblocking(False)
         self.selector = selectors.DefaultSelector()
@@ -148,10 +158,12 @@ class TcpListener:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_kernel_timeouts(sock, self.limits.frame_timeout)  # bounds a worker's blocking calls (see FrameWorker)
         sock.setblocking(False)
-        c = Connection(sock, os.urandom(wire.NONCE_BYTES), time.monotonic() + self.limits.handshake_timeout)
-        try:
-            sock.send(c.nonce)  # 16 bytes into an empty send buffer: never blocks
-        except OSError:
+        if self.tls is not None:
+            sock = self.tls.wrap_server(sock)
+        c = Connection(
+            sock, os.urandom(wire.NONCE_BYTES), time.monotonic() + self.limits.handshake_timeout, self.tls is not None
+        )
+        if not c.handshaking and not self._send_nonce(c):
             sock.close()
             return
         with self._lock:
@@ -159,10 +171,42 @@ class TcpListener:
         self.server.metrics.connections.set(len(self._conns))
         self.selector.register(sock, selectors.EVENT_READ, c)
 
+    @staticmethod
+    def _send_nonce(c: Connection) -> bool:
+        try:
+            c.sock.send(c.nonce)  # 16 bytes into an empty send buffer: never blocks
+            return True
+        except OSError:
+            return False
+
+    def _handshake(self, c: Connection) -> None:
+        """One step of a TLS handshake; once done, the nonce goes out (inside TLS)."""
+        try:
+            c.sock.do_handshake()  # type: ignore[attr-defined]
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return  # more of the peer's flight to come (the handshake deadline still runs)
+        except OSError as e:  # no certificate, one from another CA, not TLS at all
+            log.warning("cachestore TLS handshake refused: %s", e)
+            self.server.reject("tls_handshake")
+            self._close(c)
+            return
+        c.handshaking = False
+        if not self._send_nonce(c):
+            self._close(c)
+
     def _on_readable(self, c: Connection) -> None:
+        if c.handshaking:
+            self._handshake(c)
+            return
+        self._read_some(c)
+        # bytes already decrypted in the TLS layer never wake the selector: read them now
+        while isinstance(c.sock, ssl.SSLSocket) and not (c.busy or c.closed) and c.sock.pending():
+            self._read_some(c)
+
+    def _read_some(self, c: Connection) -> None:
         try:
             n = c.sock.recv_into(c.pending_view())
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             n = 0
@@ -183,7 +227,7 @@ class TcpListener:
         if c.filled == wire.HEADER_BYTES:
             self.selector.unregister(c.sock)
             c.busy = True
-            c.sock.setblocking(True)
+            hold_blocking(c.sock, self.limits.frame_timeout)
             self._workers.submit(self._serve, c)
 
     def _sweep(self, now: float) -> None:
@@ -210,6 +254,8 @@ class TcpListener:
                 continue
             c.sock.setblocking(False)
             self.selector.register(c.sock, selectors.EVENT_READ, c)
+            if isinstance(c.sock, ssl.SSLSocket) and c.sock.pending():  # already read by TLS: poll will not say
+                self._on_readable(c)
 
     def _close(self, c: Connection) -> None:
         if not c.busy:
