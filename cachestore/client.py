@@ -37,6 +37,7 @@ class CacheStoreClient:
         self.metrics = CacheStoreMetrics(self.active_transport, registry)
         self.faults = faults
         self.tls = tls
+        self.metrics.tls.set(1 if tls else 0)
         """Mutual TLS to receivers over TCP (data and rdma control), or None: plaintext."""
         if self.active_transport == "rdma":  # GPUDirect or staging, decided now (registered at first use)
             from cachestore import rdma_memory

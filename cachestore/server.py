@@ -67,6 +67,7 @@ class CacheStoreServer:
         self.faults = faults
         self.tcp_limits = tcp_limits
         self.tls = tls
+        self.metrics.tls.set(1 if tls else 0)
         """Mutual TLS on the TCP links (data and rdma control), or None: plaintext with the HMAC handshake."""
         self.on_listener_change: Callable[[bool], None] | None = None
         """Called (from the listener's thread) when the listener stops or resumes accepting."""
