@@ -204,3 +204,37 @@ async def test_peer_without_a_cluster_certificate_is_refused(server, ours, tmp_p
     await send(server, ours, "after", [3], [5])  # and the receiver still serves cluster peers
     src, dst = server.test_pools
     assert block(dst, GEO, 2, 5) == block(src, GEO, 2, 3)
+
+
+async def test_rdma_control_connections_run_over_tls(ours, tmp_path, monkeypatch):
+    """The rdma transport's TCP control connections (QP exchange, grants) take the same TLS: a
+    transfer over the emulated verbs device works with it, and a sender of another CA cannot even
+    exchange QPs."""
+    from cachestore import rdma
+
+    monkeypatch.setenv(rdma.EMULATOR_ENV, "1")
+    geo = PoolGeometry(num_layers=2, num_blocks=8, block_bytes=1024)
+    src, dst = pools(geo)
+    srv = CacheStoreServer(MemoryRegion.from_buffer(dst), geo, transport="rdma", secret=SECRET, tls=ours)
+    await srv.start()
+    try:
+        for tls, rid in ((ours, "member"), (link_tls(tmp_path / "theirs"), "intruder")):
+            client = CacheStoreClient(MemoryRegion.from_buffer(src), geo, transport="rdma", secret=SECRET, tls=tls)
+            creds = srv.open_session(rid, [5, 6], timeout=30)
+            try:
+                tx = client.open_transfer(creds)
+                for layer in range(geo.num_layers):
+                    tx.write_layer(layer, [1, 2])
+                if tls is ours:
+                    await tx.finish(30)
+                    await srv.get_session(rid).wait_complete(30)
+                else:
+                    with pytest.raises(TransferError):
+                        await tx.finish(30)
+            finally:
+                srv.close_session(rid)
+                await client.close()
+        assert block(dst, geo, 1, 6) == block(src, geo, 1, 2)
+        assert await until(lambda: rejected(srv, "tls_handshake", "rdma") >= 1)
+    finally:
+        await srv.stop()
