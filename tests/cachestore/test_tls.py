@@ -45,10 +45,10 @@ async def server(ours):
     assert srv.num_sessions == 0
 
 
-def rejected(srv, reason: str) -> float:
+def rejected(srv, reason: str, transport: str = "tcp") -> float:
     return (
         srv.metrics.registry.get_sample_value(
-            "pdserve_cachestore_rejected_frames_total", {"transport": "tcp", "reason": reason}
+            "pdserve_cachestore_rejected_frames_total", {"transport": transport, "reason": reason}
         )
         or 0.0
     )
