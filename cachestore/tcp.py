@@ -1,4 +1,5 @@
-"""TCP transport basics shared by both sides: exact receives, the receiver's per-connection state,
+"""TCP transport basics shared by both sides: the listener's limits, socket timeouts and receives
+(plain or TLS), the receiver's per-connection state,
 and the fence that cuts a writer off.
 
 `TcpListener` (tcp_listener.py) owns the receiving sockets and threads, `FrameWorker`
@@ -12,12 +13,34 @@ import select
 import socket
 import ssl
 import struct
+from dataclasses import dataclass
 from typing import Protocol
 
 from cachestore import wire
 from cachestore.sockio import shutdown_both
 
 log = logging.getLogger("pdserve.cachestore")
+
+
+@dataclass(frozen=True)
+class TcpLimits:
+    """Resource bounds of one TCP listener."""
+
+    max_connections: int = 256
+    """Open connections (authenticated or not); further ones are closed at accept."""
+    max_unauthenticated: int = 32
+    """Connections still in their handshake; further ones are closed at accept."""
+    max_workers: int = 8
+    """Threads that receive payloads (the poller thread comes on top)."""
+    handshake_timeout: float = 5.0
+    """Seconds from accept to a valid authentication tag."""
+    frame_timeout: float = 10.0
+    """Seconds from the first byte of a frame header to its last (and the bound on discarding a refused payload)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_unauthenticated", "max_workers", "handshake_timeout", "frame_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TcpLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
@@ -123,6 +146,24 @@ class Connection:
         self.closed = False
         self.attached: Attachment | None = None
         """What lives as long as the connection (the rdma transport's responder QP); closed with it."""
+
+    def send_nonce(self) -> bool:
+        """The receiver's nonce out: 16 bytes into an empty send buffer, never blocks. False: failed."""
+        try:
+            self.sock.send(self.nonce)
+            return True
+        except OSError:
+            return False
+
+    def tls_step(self) -> bool:
+        """Advance the TLS handshake without blocking: True once it is done, False while the peer's
+        next flight is due; OSError (ssl.SSLError) when the peer is refused."""
+        try:
+            self.sock.do_handshake()  # type: ignore[attr-defined]
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False
+        self.handshaking = False
+        return True
 
     def pending_view(self) -> memoryview:
         want = wire.HEADER_BYTES if self.authenticated else wire.MAC_BYTES

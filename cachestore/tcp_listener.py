@@ -25,10 +25,9 @@ import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from cachestore import wire
-from cachestore.tcp import Connection, hold_blocking, set_kernel_timeouts
+from cachestore.tcp import Connection, TcpLimits, hold_blocking, set_kernel_timeouts
 from cachestore.tcp_receiver import FrameWorker
 from cachestore.tls import LinkTLS
 
@@ -36,27 +35,6 @@ log = logging.getLogger("pdserve.cachestore")
 SWEEP_SECONDS = 0.2
 """How often the poller checks handshake and header deadlines."""
 MAX_ACCEPT_BACKOFF = 1.0
-
-
-@dataclass(frozen=True)
-class TcpLimits:
-    """Resource bounds of one TCP listener."""
-
-    max_connections: int = 256
-    """Open connections (authenticated or not); further ones are closed at accept."""
-    max_unauthenticated: int = 32
-    """Connections still in their handshake; further ones are closed at accept."""
-    max_workers: int = 8
-    """Threads that receive payloads (the poller thread comes on top)."""
-    handshake_timeout: float = 5.0
-    """Seconds from accept to a valid authentication tag."""
-    frame_timeout: float = 10.0
-    """Seconds from the first byte of a frame header to its last (and the bound on discarding a refused payload)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "max_unauthenticated", "max_workers", "handshake_timeout", "frame_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TcpLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 class TcpListener:
@@ -163,7 +141,7 @@ class TcpListener:
         c = Connection(
             sock, os.urandom(wire.NONCE_BYTES), time.monotonic() + self.limits.handshake_timeout, self.tls is not None
         )
-        if not c.handshaking and not self._send_nonce(c):
+        if not c.handshaking and not c.send_nonce():
             sock.close()
             return
         with self._lock:
@@ -171,27 +149,18 @@ class TcpListener:
         self.server.metrics.connections.set(len(self._conns))
         self.selector.register(sock, selectors.EVENT_READ, c)
 
-    @staticmethod
-    def _send_nonce(c: Connection) -> bool:
-        try:
-            c.sock.send(c.nonce)  # 16 bytes into an empty send buffer: never blocks
-            return True
-        except OSError:
-            return False
-
     def _handshake(self, c: Connection) -> None:
-        """One step of a TLS handshake; once done, the nonce goes out (inside TLS)."""
+        """One step of a TLS handshake (the handshake deadline runs meanwhile); once done, the nonce
+        goes out, inside TLS."""
         try:
-            c.sock.do_handshake()  # type: ignore[attr-defined]
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            return  # more of the peer's flight to come (the handshake deadline still runs)
+            if not c.tls_step():
+                return
         except OSError as e:  # no certificate, one from another CA, not TLS at all
             log.warning("cachestore TLS handshake refused: %s", e)
             self.server.reject("tls_handshake")
             self._close(c)
             return
-        c.handshaking = False
-        if not self._send_nonce(c):
+        if not c.send_nonce():
             self._close(c)
 
     def _on_readable(self, c: Connection) -> None:

@@ -65,9 +65,11 @@ def _context(protocol: int, cert: str, key: str | None, ca: str | bytes) -> ssl.
     else:
         ctx.load_verify_locations(cafile=ca)
     ctx.load_cert_chain(cert, key)
+    # After the handshake no TLS control record may flow on its own (no TLS 1.2 renegotiation, no
+    # TLS 1.3 session tickets: nothing resumes these long-lived connections), so the sender's send
+    # thread and ack thread each only ever write or only ever read the connection's TLS state.
+    ctx.options |= ssl.OP_NO_RENEGOTIATION
     if protocol == ssl.PROTOCOL_TLS_SERVER:
-        # No session tickets: after the handshake no TLS control record flows on its own, so the
-        # sender's send thread and ack thread can write and read one connection at the same time.
         ctx.num_tickets = 0
     return ctx
 
