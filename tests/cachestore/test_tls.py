@@ -238,3 +238,30 @@ async def test_rdma_control_connections_run_over_tls(ours, tmp_path, monkeypatch
         assert await until(lambda: rejected(srv, "tls_handshake", "rdma") >= 1)
     finally:
         await srv.stop()
+
+
+async def test_refused_handshakes_leak_no_descriptor(server, ours):
+    """30 peers refused at the TLS handshake (no certificate, or not TLS at all): every descriptor
+    the receiver opened for them is closed again, and it still serves cluster peers."""
+    import os
+
+    await send(server, ours, "warm", [1], [1])  # the listener's own descriptors exist already
+    before = len(os.listdir("/proc/self/fd"))
+    host, port = server.endpoint.rsplit(":", 1)
+
+    def attack(i: int) -> None:
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            try:
+                if i % 2:
+                    raw.sendall(b"GET / HTTP/1.1\r\n\r\n" * 20)  # not a TLS ClientHello
+                    raw.recv(16)
+                else:
+                    tls_client().wrap_socket(raw, server_hostname=TLS_SERVER_NAME).recv(16)
+            except (ssl.SSLError, OSError):
+                pass
+
+    await asyncio.to_thread(lambda: [attack(i) for i in range(30)])
+    assert await until(lambda: rejected(server, "tls_handshake") >= 30)
+    assert await until(lambda: server._listener.num_connections == 0)
+    assert await until(lambda: len(os.listdir("/proc/self/fd")) <= before)
+    await send(server, ours, "after", [2], [3])
