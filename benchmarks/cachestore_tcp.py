@@ -9,8 +9,10 @@ socket baseline), rounds interleaved so both see the same machine load. Also
 measures the latency of a small transfer (1 block x 32 layers), and the plain socket's for the
 same bytes (one sendall per layer), interleaved.
 Targets: >= 0.85x the plain socket on every layout; small transfer p50 <= 1.3 ms.
+`--tls` adds a third sender, CacheStore over mutual TLS (a throwaway CA, as `pdserve up --cluster-tls`),
+its rounds interleaved with the others: the cost of TLS is its GB/s and latency over plaintext's.
 
-    python -m benchmarks.cachestore_tcp [--quick] [--layout contiguous|scattered|random|all]
+    python -m benchmarks.cachestore_tcp [--quick] [--layout contiguous|scattered|random|all] [--tls]
 """
 
 from __future__ import annotations
@@ -22,21 +24,32 @@ import os
 import random
 import socket
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import emit, pct
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
+from cachestore import CacheStoreClient, CacheStoreServer, LinkTLS, MemoryRegion, PoolGeometry, SessionCredentials
+from node_runtime.cluster_tls import TLS_SERVER_NAME, make_throwaway
 
 SECRET = b"bench"
 
 
-def receiver(conn, geo_args, transport: str = "tcp") -> None:
+def link_tls(files: tuple[str, str, str] | None) -> LinkTLS | None:
+    return LinkTLS.from_files(*files, TLS_SERVER_NAME) if files else None
+
+
+def receiver(conn, geo_args, transport: str = "tcp", tls_files: tuple[str, str, str] | None = None) -> None:
     """Child: a CacheStoreServer that opens sessions on request and reports completion."""
     geo = PoolGeometry(*geo_args)
 
     async def main() -> None:
         server = CacheStoreServer(
-            MemoryRegion.from_buffer(bytearray(geo.total_bytes)), geo, transport=transport, secret=SECRET
+            MemoryRegion.from_buffer(bytearray(geo.total_bytes)),
+            geo,
+            transport=transport,
+            secret=SECRET,
+            tls=link_tls(tls_files),
         )
         await server.start()
         conn.send(server.endpoint)
@@ -116,19 +129,24 @@ def layouts(num_blocks: int) -> dict[str, list[int]]:
 
 
 class CacheStorePair:
-    """A CacheStoreServer in a child process and a CacheStoreClient here."""
+    """A CacheStoreServer in a child process and a CacheStoreClient here (over mutual TLS with
+    `tls_files`: cert, key, CA)."""
 
-    def __init__(self, geo: PoolGeometry, transport: str = "tcp") -> None:
+    def __init__(
+        self, geo: PoolGeometry, transport: str = "tcp", tls_files: tuple[str, str, str] | None = None
+    ) -> None:
         self.geo = geo
         ctx = mp.get_context("spawn")
         self.parent, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=receiver, args=(child, (geo.num_layers, geo.num_blocks, geo.block_bytes), transport)
+            target=receiver, args=(child, (geo.num_layers, geo.num_blocks, geo.block_bytes), transport, tls_files)
         )
         self.proc.start()
         self.parent.recv()
         src = bytearray(os.urandom(1024)) * (geo.total_bytes // 1024)
-        self.client = CacheStoreClient(MemoryRegion.from_buffer(src), geo, transport=transport, secret=SECRET)
+        self.client = CacheStoreClient(
+            MemoryRegion.from_buffer(src), geo, transport=transport, secret=SECRET, tls=link_tls(tls_files)
+        )
         self.n = 0
 
     async def transfer(self, src_blocks: list[int], dst_blocks: list[int]) -> float:
@@ -166,29 +184,38 @@ async def cachestore_run(
     return best, latencies
 
 
-async def run(geo: PoolGeometry, names: list[str], rounds: int, small_rounds: int):
+async def run(
+    geo: PoolGeometry, names: list[str], rounds: int, small_rounds: int, tls_files: tuple[str, str, str] | None
+):
     """Best GB/s per layout and for the plain socket (rounds interleaved), and small-transfer latencies
-    of CacheStore and of the plain socket (interleaved too). Both sides get one untimed warm-up round
-    (connection set-up, first touch of the destination pages)."""
+    of CacheStore and of the plain socket (interleaved too); with `tls_files`, CacheStore over TLS in
+    the same rounds (keys `<layout>_tls`, latencies under "tls"). Every sender gets one untimed
+    warm-up round (connection set-up, first touch of the destination pages)."""
     plain = PlainSocket(geo, rounds, small_rounds)
-    pair = CacheStorePair(geo)
+    pairs = {"": CacheStorePair(geo)}
+    if tls_files:
+        pairs["_tls"] = CacheStorePair(geo, tls_files=tls_files)
     src, dst_of = list(range(geo.num_blocks)), layouts(geo.num_blocks)
-    best = {name: 0.0 for name in ["plain", *names]}
-    latencies: list[float] = []
-    plain_latencies: list[float] = []
+    best = {name + suffix: 0.0 for name in names for suffix in pairs} | {"plain": 0.0}
+    latencies: dict[str, list[float]] = {"plain": [], **{suffix: [] for suffix in pairs}}
     try:
-        await pair.transfer(src, src)  # warm-up
+        for pair in pairs.values():
+            await pair.transfer(src, src)  # warm-up
         for _ in range(rounds):
             best["plain"] = max(best["plain"], plain.round_gbps())
             for name in names:
-                best[name] = max(best[name], geo.total_bytes / await pair.transfer(src, dst_of[name]) / 1e9)
+                for suffix, pair in pairs.items():
+                    seconds = await pair.transfer(src, dst_of[name])
+                    best[name + suffix] = max(best[name + suffix], geo.total_bytes / seconds / 1e9)
         for i in range(small_rounds):
-            plain_latencies.append(plain.small_seconds())
-            latencies.append(await pair.transfer([i % geo.num_blocks], [(7 * i) % geo.num_blocks]))
+            latencies["plain"].append(plain.small_seconds())
+            for suffix, pair in pairs.items():
+                latencies[suffix].append(await pair.transfer([i % geo.num_blocks], [(7 * i) % geo.num_blocks]))
     finally:
         plain.close()
-        await pair.close()
-    return best, latencies, plain_latencies
+        for pair in pairs.values():
+            await pair.close()
+    return best, latencies
 
 
 def main() -> None:
@@ -198,13 +225,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--block-kib", type=int, default=64)
+    parser.add_argument("--tls", action="store_true", help="also CacheStore over mutual TLS (throwaway CA)")
     args = parser.parse_args()
     geo = PoolGeometry(args.layers, args.blocks, args.block_kib * 1024)
     rounds, small = (3, 50) if args.quick else (8, 300)
     names = ["contiguous", "scattered", "random"] if args.layout == "all" else [args.layout]
-    best, lat, plain_lat = asyncio.run(run(geo, names, rounds, small))
-    lat_ms = [x * 1e3 for x in lat]
-    plain_lat_ms = [x * 1e3 for x in plain_lat]
+    with tempfile.TemporaryDirectory() as tmp:
+        tls_files = tuple(map(str, make_throwaway(Path(tmp)))) if args.tls else None
+        best, lat = asyncio.run(run(geo, names, rounds, small, tls_files))  # type: ignore[arg-type]
+    lat_ms = [x * 1e3 for x in lat[""]]
+    plain_lat_ms = [x * 1e3 for x in lat["plain"]]
     plain = best["plain"]
     worst = min(names, key=lambda n: best[n])
     for name in names:
@@ -228,6 +258,15 @@ def main() -> None:
         "small_transfer_plain_p99_ms": round(pct(plain_lat_ms, 0.99), 3),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
+    if args.tls:
+        tls_ms = [x * 1e3 for x in lat["_tls"]]
+        for name in names:
+            ratio = best[name + "_tls"] / best[name]
+            print(f"{name:>10}: cachestore over TLS {best[name + '_tls']:.2f} GB/s, {ratio:.2f}x plaintext cachestore")
+            result[f"{name}_tls_gbps"] = round(best[name + "_tls"], 3)
+            result[f"{name}_tls_over_plaintext"] = round(ratio, 3)
+        result["small_transfer_tls_p50_ms"] = round(statistics.median(tls_ms), 3)
+        result["small_transfer_tls_p99_ms"] = round(pct(tls_ms, 0.99), 3)
     print(
         f"1 block x {args.layers} layers: cachestore p50 {result['small_transfer_p50_ms']} ms, "
         f"p99 {result['small_transfer_p99_ms']} ms; plain socket p50 {result['small_transfer_plain_p50_ms']} ms, "

@@ -19,6 +19,8 @@ Sender (prefill side)::
     tx = client.open_transfer(SessionCredentials.from_bytes(creds_bytes))
     tx.write_layer(layer, src_block_ids)     # any thread; non-blocking; coalesces runs
     await tx.finish(timeout=30.0)            # all acknowledged, or TransferError
+
+Mutual TLS on the TCP links: pass the same `tls=LinkTLS.from_files(cert, key, ca, name)` to both ends.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from cachestore.faults import FaultInjector
 from cachestore.geometry import MemoryRegion, PoolGeometry, Run, coalesce
 from cachestore.server import CacheStoreServer
 from cachestore.session import Session, SessionError, SessionState
+from cachestore.tls import LinkTLS
 from cachestore.transport import resolve_transport
 
 __all__ = [
     "CacheStoreClient",
     "CacheStoreServer",
     "FaultInjector",
+    "LinkTLS",
     "MemoryRegion",
     "PoolGeometry",
     "Run",

@@ -16,6 +16,7 @@ from cachestore.credentials import SessionCredentials
 from cachestore.faults import FaultInjector
 from cachestore.geometry import MemoryRegion, PoolGeometry, Run, coalesce
 from cachestore.metrics import CacheStoreMetrics
+from cachestore.tls import LinkTLS
 
 
 class Sender(Protocol):
@@ -26,6 +27,7 @@ class Sender(Protocol):
     secret: bytes
     metrics: CacheStoreMetrics
     faults: FaultInjector | None
+    tls: LinkTLS | None
 
     def source(self, layer: int, run: Run) -> memoryview:
         """The sender pool's bytes of `run` in `layer` (a host pool only)."""

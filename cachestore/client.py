@@ -13,6 +13,7 @@ from cachestore.credentials import SessionCredentials
 from cachestore.faults import FaultInjector
 from cachestore.geometry import MemoryRegion, PoolGeometry, Run
 from cachestore.metrics import CacheStoreMetrics
+from cachestore.tls import LinkTLS
 from cachestore.transport import resolve_transport
 
 
@@ -27,6 +28,7 @@ class CacheStoreClient:
         secret: bytes | str = b"",
         registry: CollectorRegistry | None = None,
         faults: FaultInjector | None = None,
+        tls: LinkTLS | None = None,
     ) -> None:
         self.region = region
         self.geometry = geometry
@@ -34,6 +36,9 @@ class CacheStoreClient:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.metrics = CacheStoreMetrics(self.active_transport, registry)
         self.faults = faults
+        self.tls = tls
+        self.metrics.tls.set(1 if tls else 0)
+        """Mutual TLS to receivers over TCP (data and rdma control), or None: plaintext."""
         if self.active_transport == "rdma":  # GPUDirect or staging, decided now (registered at first use)
             from cachestore import rdma_memory
             from cachestore.rdma_verbs import verbs

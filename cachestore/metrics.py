@@ -55,6 +55,7 @@ class CacheStoreMetrics:
         )
         self.listener_up = bound(Gauge, "pdserve_cachestore_listener_up", "1 while the listener accepts connections")
         self.connections = bound(Gauge, "pdserve_cachestore_connections", "open sender connections")
+        self.tls = bound(Gauge, "pdserve_cachestore_tls", "1 when the TCP links run over mutual TLS")
         self.active = Gauge(
             "pdserve_cachestore_active_transport", "1 for the transport in use", ["transport"], registry=r
         )

@@ -113,7 +113,7 @@ class RdmaLane:
 
         assert self._peer is not None, "grants follow the QP exchange"
         request = {"grant": {"session_id": creds.session_id, "token": creds.token, "qp_num": self._peer.qp_num}}
-        sock = connect(self.endpoint, self.client.secret)
+        sock = connect(self.endpoint, self.client.secret, self.client.tls)
         try:
             status, reply = control_request(sock, json.dumps(request).encode(), MAX_GRANT_BYTES)
         finally:

@@ -18,6 +18,7 @@ from cachestore.geometry import MemoryRegion, PoolGeometry
 from cachestore.metrics import CacheStoreMetrics
 from cachestore.session import Session, SessionState
 from cachestore.tcp_listener import TcpLimits
+from cachestore.tls import LinkTLS
 from cachestore.transport import resolve_transport
 
 if TYPE_CHECKING:  # both load on start() for their transport
@@ -51,6 +52,7 @@ class CacheStoreServer:
         registry: CollectorRegistry | None = None,
         faults: FaultInjector | None = None,
         tcp_limits: TcpLimits | None = None,
+        tls: LinkTLS | None = None,
     ) -> None:
         if len(region) < geometry.total_bytes:
             raise ValueError(
@@ -64,6 +66,9 @@ class CacheStoreServer:
         self.metrics = CacheStoreMetrics(self.active_transport, registry)
         self.faults = faults
         self.tcp_limits = tcp_limits
+        self.tls = tls
+        self.metrics.tls.set(1 if tls else 0)
+        """Mutual TLS on the TCP links (data and rdma control), or None: plaintext with the HMAC handshake."""
         self.on_listener_change: Callable[[bool], None] | None = None
         """Called (from the listener's thread) when the listener stops or resumes accepting."""
         self._lock = threading.Lock()
@@ -89,7 +94,7 @@ class CacheStoreServer:
                 self._rdma = RdmaReceiver(self, *device_choice())
             from cachestore.tcp_listener import TcpListener
 
-            listener = self._listener = TcpListener(self, self.host, self.port, self.tcp_limits)
+            listener = self._listener = TcpListener(self, self.host, self.port, self.tcp_limits, self.tls)
             self.endpoint = listener.start()
         log.info("cachestore receiver on %s (transport=%s)", self.endpoint, self.active_transport)
 

@@ -1,9 +1,11 @@
 """Blocking socket helpers shared by the tcp transport and the emulated verbs wire: exact receives and
-vectored sends that resume after partial transfers. Imports nothing from the package."""
+vectored sends that resume after partial transfers, on plain or TLS sockets. Imports nothing from
+the package."""
 
 from __future__ import annotations
 
 import socket
+import ssl
 
 IOV_MAX = 1024  # most buffers one sendmsg/recvmsg_into call may take (Linux's UIO_MAXIOV)
 
@@ -40,9 +42,26 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 def sendmsg_all(sock: socket.socket, buffers: list) -> None:
     """Send every buffer (bytes or memoryviews) with vectored `sendmsg` calls: no join, no copy,
-    resuming after partial sends."""
+    resuming after partial sends. A TLS socket has no `sendmsg`: each buffer goes through `sendall`
+    (TLS copies into its records anyway)."""
+    if isinstance(sock, ssl.SSLSocket):
+        for b in buffers:
+            sock.sendall(b)
+        return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     i = 0
     while i < len(views):
         n = sock.sendmsg(views[i : i + IOV_MAX])
         i = advance_views(views, i, n)
+
+
+def shutdown_both(sock: socket.socket) -> None:
+    """Shut both directions of the connection down, waking any thread blocked on it.
+
+    On a TLS socket the descriptor is shut down beneath the TLS layer (`SSLSocket.shutdown` would
+    also drop the TLS object under a thread still reading through it): that reader sees an end of
+    stream, as on a plain socket."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,4 +1,5 @@
-"""TCP transport basics shared by both sides: exact receives, the receiver's per-connection state,
+"""TCP transport basics shared by both sides: the listener's limits, socket timeouts and receives
+(plain or TLS), the receiver's per-connection state,
 and the fence that cuts a writer off.
 
 `TcpListener` (tcp_listener.py) owns the receiving sockets and threads, `FrameWorker`
@@ -10,12 +11,36 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import ssl
 import struct
+from dataclasses import dataclass
 from typing import Protocol
 
 from cachestore import wire
+from cachestore.sockio import shutdown_both
 
 log = logging.getLogger("pdserve.cachestore")
+
+
+@dataclass(frozen=True)
+class TcpLimits:
+    """Resource bounds of one TCP listener."""
+
+    max_connections: int = 256
+    """Open connections (authenticated or not); further ones are closed at accept."""
+    max_unauthenticated: int = 32
+    """Connections still in their handshake; further ones are closed at accept."""
+    max_workers: int = 8
+    """Threads that receive payloads (the poller thread comes on top)."""
+    handshake_timeout: float = 5.0
+    """Seconds from accept to a valid authentication tag."""
+    frame_timeout: float = 10.0
+    """Seconds from the first byte of a frame header to its last (and the bound on discarding a refused payload)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_unauthenticated", "max_workers", "handshake_timeout", "frame_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TcpLimits.{name} must be positive, got {getattr(self, name)}")
 
 
 def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
@@ -30,8 +55,50 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     set_recv_timeout(sock, seconds)
 
 
+def hold_blocking(sock: socket.socket, seconds: float) -> None:
+    """Blocking mode for a worker, each call bounded by `seconds`. A plain socket is bounded by its
+    kernel timeouts (set at accept). A TLS socket needs a Python-level timeout: on a kernel timeout
+    its read only hears "want more data" and blocks again, so the bound would never fire."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+    else:
+        sock.setblocking(True)
+
+
+def bound_receive(sock: socket.socket, seconds: float) -> None:
+    """Bound the worker's receives of `sock` by `seconds` (see `hold_blocking`)."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+    else:
+        set_recv_timeout(sock, seconds)
+
+
+def recv_nowait(sock: socket.socket, view: memoryview) -> int | None:
+    """What is already there, up to len(view) bytes, without waiting: None if nothing is, 0 if the
+    peer closed. A TLS socket is read in non-blocking mode for the call (it takes no MSG_DONTWAIT),
+    and only when something is buffered or readable, which spares most calls the mode switch."""
+    if not isinstance(sock, ssl.SSLSocket):
+        try:
+            return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+    if not wait_readable(sock, 0):
+        return None
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        return sock.recv_into(view)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):  # only part of a TLS record has arrived
+        return None
+    finally:
+        sock.settimeout(timeout)
+
+
 def wait_readable(sock: socket.socket, seconds: float) -> bool:
-    """Whether `sock` has something to read (or was closed) within `seconds`: one poll(2), any fd number."""
+    """Whether `sock` has something to read (or was closed) within `seconds`: one poll(2), any fd
+    number. Bytes a TLS socket already decrypted count, though poll cannot see them."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(seconds * 1000))
@@ -51,11 +118,24 @@ class Attachment(Protocol):
 class Connection:
     """One sender connection: its socket, handshake state and the frame header being read."""
 
-    __slots__ = ("sock", "nonce", "deadline", "buf", "filled", "authenticated", "busy", "closed", "attached")
+    __slots__ = (
+        "sock",
+        "nonce",
+        "deadline",
+        "buf",
+        "filled",
+        "handshaking",
+        "authenticated",
+        "busy",
+        "closed",
+        "attached",
+    )
 
-    def __init__(self, sock: socket.socket, nonce: bytes, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, nonce: bytes, deadline: float, handshaking: bool = False) -> None:
         self.sock = sock
         self.nonce = nonce
+        self.handshaking = handshaking
+        """Its TLS handshake is not done yet (the nonce is sent after it)."""
         self.deadline: float | None = deadline
         """Handshake deadline, then the deadline of a started frame header; None while idle."""
         self.buf = bytearray(max(wire.HEADER_BYTES, wire.MAC_BYTES))
@@ -67,15 +147,30 @@ class Connection:
         self.attached: Attachment | None = None
         """What lives as long as the connection (the rdma transport's responder QP); closed with it."""
 
+    def send_nonce(self) -> bool:
+        """The receiver's nonce out: 16 bytes into an empty send buffer, never blocks. False: failed."""
+        try:
+            self.sock.send(self.nonce)
+            return True
+        except OSError:
+            return False
+
+    def tls_step(self) -> bool:
+        """Advance the TLS handshake without blocking: True once it is done, False while the peer's
+        next flight is due; OSError (ssl.SSLError) when the peer is refused."""
+        try:
+            self.sock.do_handshake()  # type: ignore[attr-defined]
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False
+        self.handshaking = False
+        return True
+
     def pending_view(self) -> memoryview:
         want = wire.HEADER_BYTES if self.authenticated else wire.MAC_BYTES
         return memoryview(self.buf)[self.filled : want]
 
     def shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown_both(self.sock)
 
     def close(self) -> None:
         if not self.closed:
@@ -103,7 +198,4 @@ class Fence:
 
     def cut(self) -> None:
         self.cut_off = True
-        try:
-            self.conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown_both(self.conn)

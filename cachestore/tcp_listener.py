@@ -7,6 +7,11 @@ Only a connection with a complete frame header in hand is passed to a worker, wh
 payload straight into the pool with a blocking `recv_into` (fast, releases the GIL) and keeps the
 connection while further frames follow at once, so a streaming sender costs no wake-up per frame.
 Threads: 1 poller + at most `max_workers`, whatever the number of sockets.
+
+With a `LinkTLS` every accepted socket is wrapped, and the poller drives its TLS handshake without
+blocking (under the same handshake deadline) before it sends the nonce of the HMAC handshake. TLS
+decrypts whole records, so bytes can wait inside the TLS layer where poll cannot see them: the
+poller drains those itself, after a read and when a worker hands a connection back.
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ import logging
 import os
 import selectors
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from cachestore import wire
-from cachestore.tcp import Connection, set_kernel_timeouts
+from cachestore.tcp import Connection, TcpLimits, hold_blocking, set_kernel_timeouts
 from cachestore.tcp_receiver import FrameWorker
+from cachestore.tls import LinkTLS
 
 log = logging.getLogger("pdserve.cachestore")
 SWEEP_SECONDS = 0.2
@@ -31,33 +37,15 @@ SWEEP_SECONDS = 0.2
 MAX_ACCEPT_BACKOFF = 1.0
 
 
-@dataclass(frozen=True)
-class TcpLimits:
-    """Resource bounds of one TCP listener."""
-
-    max_connections: int = 256
-    """Open connections (authenticated or not); further ones are closed at accept."""
-    max_unauthenticated: int = 32
-    """Connections still in their handshake; further ones are closed at accept."""
-    max_workers: int = 8
-    """Threads that receive payloads (the poller thread comes on top)."""
-    handshake_timeout: float = 5.0
-    """Seconds from accept to a valid authentication tag."""
-    frame_timeout: float = 10.0
-    """Seconds from the first byte of a frame header to its last (and the bound on discarding a refused payload)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "max_unauthenticated", "max_workers", "handshake_timeout", "frame_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TcpLimits.{name} must be positive, got {getattr(self, name)}")
-
-
 class TcpListener:
     """Accepts sender connections for one CacheStoreServer (see the module docstring for the threads)."""
 
-    def __init__(self, server, host: str, port: int, limits: TcpLimits | None = None) -> None:
+    def __init__(
+        self, server, host: str, port: int, limits: TcpLimits | None = None, tls: LinkTLS | None = None
+    ) -> None:
         self.server = server
         self.limits = limits or TcpLimits()
+        self.tls = tls
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.sock.setblocking(False)
         self.selector = selectors.DefaultSelector()
@@ -148,10 +136,12 @@ class TcpListener:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_kernel_timeouts(sock, self.limits.frame_timeout)  # bounds a worker's blocking calls (see FrameWorker)
         sock.setblocking(False)
-        c = Connection(sock, os.urandom(wire.NONCE_BYTES), time.monotonic() + self.limits.handshake_timeout)
-        try:
-            sock.send(c.nonce)  # 16 bytes into an empty send buffer: never blocks
-        except OSError:
+        if self.tls is not None:
+            sock = self.tls.wrap_server(sock)
+        c = Connection(
+            sock, os.urandom(wire.NONCE_BYTES), time.monotonic() + self.limits.handshake_timeout, self.tls is not None
+        )
+        if not c.handshaking and not c.send_nonce():
             sock.close()
             return
         with self._lock:
@@ -159,10 +149,33 @@ class TcpListener:
         self.server.metrics.connections.set(len(self._conns))
         self.selector.register(sock, selectors.EVENT_READ, c)
 
+    def _handshake(self, c: Connection) -> None:
+        """One step of a TLS handshake (the handshake deadline runs meanwhile); once done, the nonce
+        goes out, inside TLS."""
+        try:
+            if not c.tls_step():
+                return
+        except OSError as e:  # no certificate, one from another CA, not TLS at all
+            log.warning("cachestore TLS handshake refused: %s", e)
+            self.server.reject("tls_handshake")
+            self._close(c)
+            return
+        if not c.send_nonce():
+            self._close(c)
+
     def _on_readable(self, c: Connection) -> None:
+        if c.handshaking:
+            self._handshake(c)
+            return
+        self._read_some(c)
+        # bytes already decrypted in the TLS layer never wake the selector: read them now
+        while isinstance(c.sock, ssl.SSLSocket) and not (c.busy or c.closed) and c.sock.pending():
+            self._read_some(c)
+
+    def _read_some(self, c: Connection) -> None:
         try:
             n = c.sock.recv_into(c.pending_view())
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             n = 0
@@ -183,7 +196,7 @@ class TcpListener:
         if c.filled == wire.HEADER_BYTES:
             self.selector.unregister(c.sock)
             c.busy = True
-            c.sock.setblocking(True)
+            hold_blocking(c.sock, self.limits.frame_timeout)
             self._workers.submit(self._serve, c)
 
     def _sweep(self, now: float) -> None:
@@ -210,6 +223,8 @@ class TcpListener:
                 continue
             c.sock.setblocking(False)
             self.selector.register(c.sock, selectors.EVENT_READ, c)
+            if isinstance(c.sock, ssl.SSLSocket) and c.sock.pending():  # already read by TLS: poll will not say
+                self._on_readable(c)
 
     def _close(self, c: Connection) -> None:
         if not c.busy:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from cachestore import wire
 from cachestore.geometry import block_runs
 from cachestore.sockio import IOV_MAX, advance_views, recv_exact, recv_exact_into
-from cachestore.tcp import Connection, Fence, set_recv_timeout, wait_readable
+from cachestore.tcp import Connection, Fence, bound_receive, hold_blocking, recv_nowait, wait_readable
 
 log = logging.getLogger("pdserve.cachestore")
 DISCARD_CHUNK = 1 << 20
@@ -85,12 +86,10 @@ class FrameWorker:
                         sock.sendall(_ack(h, wire.OK, ok_through))
                         ok_through, unacked = None, 0
                     sock.sendall(_ack(h, status, h.seq))
-                try:  # is the next frame already here? then ack later, with it
-                    c.filled = sock.recv_into(header, 0, socket.MSG_DONTWAIT)
-                    if c.filled == 0:
-                        return False
-                except BlockingIOError:
-                    c.filled = 0
+                got = recv_nowait(sock, header)  # is the next frame already here? then ack later, with it
+                if got == 0:
+                    return False
+                c.filled = got or 0
                 promised = h.status & wire.FLAG_MORE
                 if ok_through is not None and ((c.filled == 0 and not promised) or unacked >= ACK_WINDOW):
                     sock.sendall(_ack(h, wire.OK, ok_through))
@@ -114,9 +113,8 @@ class FrameWorker:
                 if c.filled:
                     c.deadline = time.monotonic() + self.frame_timeout
                 return False
-            try:
-                n = c.sock.recv_into(header[c.filled :], 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
+            n = recv_nowait(c.sock, header[c.filled :])
+            if n is None:
                 continue
             if n == 0:
                 return None
@@ -191,7 +189,7 @@ class FrameWorker:
         left = deadline - time.monotonic()
         near_deadline = left < self.frame_timeout  # the kernel's receive timeout must stop at the deadline
         if near_deadline:
-            set_recv_timeout(conn, max(left, 0.001))
+            bound_receive(conn, max(left, 0.001))
         try:
             runs = block_runs(block_ids)
             if not server.region.is_device:
@@ -215,7 +213,7 @@ class FrameWorker:
             return False
         finally:
             if near_deadline:
-                set_recv_timeout(conn, self.frame_timeout)
+                bound_receive(conn, self.frame_timeout)
 
     def _discard(self, conn: socket.socket, n: int) -> bool:
         deadline = time.monotonic() + self.frame_timeout + n / DISCARD_BYTES_PER_SECOND
@@ -226,20 +224,25 @@ class FrameWorker:
             if not recv_exact_into(conn, scratch[:chunk]):
                 return False
             n -= chunk
-        conn.settimeout(None)  # blocking again, bounded by the kernel timeouts (see serve)
+        hold_blocking(conn, self.frame_timeout)  # blocking again, bounded as in serve
         return True
 
 
 def _recv_fenced(conn: socket.socket, views: list[memoryview], fence: Fence) -> bool:
     """Fill `views` in order with vectored receives (`recvmsg_into`, no extra copy), checking the
-    fence after every receive."""
+    fence after every receive. A TLS socket has no `recvmsg_into`: one view per receive."""
+    vectored = not isinstance(conn, ssl.SSLSocket)
     i = 0
     while i < len(views):
         if fence.cut_off:
             return False
         # no MSG_WAITALL: it would wake this thread for every segment that arrives (measured: 6x the
         # context switches per 64 KiB frame); returning with what is there lets the data pile up meanwhile
-        n = conn.recvmsg_into(views[i : i + IOV_MAX])[0] if len(views) - i > 1 else conn.recv_into(views[i])
+        n = (
+            conn.recvmsg_into(views[i : i + IOV_MAX])[0]
+            if vectored and len(views) - i > 1
+            else conn.recv_into(views[i])
+        )
         if n == 0:
             return False
         i = advance_views(views, i, n)  # past what landed

@@ -8,19 +8,23 @@ import threading
 from cachestore import wire
 from cachestore.channel import Sender, Transfer
 from cachestore.geometry import Run
-from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all
+from cachestore.sockio import recv_exact, recv_exact_into, sendmsg_all, shutdown_both
 from cachestore.staging import HostStaging
+from cachestore.tls import LinkTLS
 from cachestore.write_queue import WriteQueue
 
 CONNECT_TIMEOUT = 5.0
 
 
-def connect(endpoint: str, secret: bytes) -> socket.socket:
-    """An authenticated connection to a receiver (the HMAC handshake done); OSError otherwise."""
+def connect(endpoint: str, secret: bytes, tls: LinkTLS | None = None) -> socket.socket:
+    """An authenticated connection to a receiver (the HMAC handshake done, inside mutual TLS when
+    `tls` is given); OSError otherwise (ssl.SSLError, a subclass, when a certificate is refused)."""
     host, port = endpoint.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_client(sock)  # the handshake runs under CONNECT_TIMEOUT too
         nonce = recv_exact(sock, wire.NONCE_BYTES)
         if nonce is None:
             raise OSError("receiver closed the connection during the handshake")
@@ -82,7 +86,7 @@ class TcpChannel:
     def _connect(self, hello: bytes | None) -> bool:
         """Connect and authenticate (and, with a hello, exchange it); False and broken if that failed."""
         try:
-            sock = connect(self.endpoint, self.client.secret)
+            sock = connect(self.endpoint, self.client.secret, self.client.tls)
             self.sock = sock
             if hello is not None:
                 status, self.peer_hello = control_request(sock, hello)
@@ -212,8 +216,5 @@ class TcpChannel:
         sock = self.sock
         if sock is None:
             return
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown_both(sock)  # wakes the ack thread
         sock.close()

@@ -47,6 +47,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         self.advertise_host = config.node.advertise_host
         """Host prefill nodes use to reach our CacheStore listener (needed when bound to 0.0.0.0)."""
         pool = self.rt.engine.runner.kv_pool
+        tls = config.node.tls()
         self.cachestore = CacheStoreServer(
             MemoryRegion.from_tensor(pool.tensor),
             PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes),
@@ -55,9 +56,10 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             port=config.transfer.cachestore_port,
             secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry,
+            tls=tls.cachestore_tls() if tls else None,
         )
         self.prefills = PrefillClients(
-            config.node.cluster_secret, self.rt.compatibility, config.transfer.peer_timeout, config.node.tls()
+            config.node.cluster_secret, self.rt.compatibility, config.transfer.peer_timeout, tls
         )
         self._fencing: dict[str, Session] = {}
         """request id -> a closed session whose writers may not have left its blocks yet."""

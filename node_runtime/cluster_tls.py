@@ -9,7 +9,8 @@ Peers are reached by address (pod IPs change), so the server name checked is the
 TLS_SERVER_NAME: every certificate of the cluster carries it as a DNS subject alternative name,
 and the CA, not the address, says who belongs to the cluster. `pdserve up --cluster-tls` makes a
 throwaway CA and certificate (`make_throwaway`, needs the `cryptography` package).
-The CacheStore KV links are not covered: they keep their HMAC handshake on the cluster secret.
+The CacheStore KV links (tcp data, rdma control) run over mutual TLS with the same files
+(`cachestore_tls`), their HMAC handshake on the cluster secret inside it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 from pathlib import Path
 
 import grpc
+
+from cachestore.tls import LinkTLS
 
 TLS_SERVER_NAME = "pdserve.cluster"
 """The DNS name every cluster certificate carries and every caller checks."""
@@ -47,6 +50,10 @@ class ClusterTLS:
             return cls(*(Path(p).read_bytes() for p in (cert, key, ca)))  # type: ignore[arg-type]
         except OSError as e:
             raise ValueError(f"cannot read a cluster TLS file: {e}") from None
+
+    def cachestore_tls(self) -> LinkTLS:
+        """The same certificate, key and CA for the CacheStore TCP links (Python ssl contexts)."""
+        return LinkTLS.from_pem(self.cert, self.key, self.ca, TLS_SERVER_NAME)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)

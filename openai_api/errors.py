@@ -43,6 +43,12 @@ class PayloadTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class RequestTimeout(RouterError):
+    """The request body did not arrive in time (a slow-body drip)."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class NoCapacityError(RouterError):
     """No healthy prefill+decode pair, or no decode node can fit the request."""
 

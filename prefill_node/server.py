@@ -34,14 +34,16 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         self.rt.engine.layer_hook = self._layer_hook
         pool = self.rt.engine.runner.kv_pool
         self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
+        tls = config.node.tls()
         self.client = CacheStoreClient(
             MemoryRegion.from_tensor(pool.tensor),
             self.geometry,
             transport=config.transfer.transport,
             secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry,
-            faults=FaultInjector.from_env(),
-        )  # None unless a chaos test sets it
+            faults=FaultInjector.from_env(),  # None unless a chaos test sets it
+            tls=tls.cachestore_tls() if tls else None,
+        )
         self.transfers: dict[str, tuple[Transfer, int]] = {}
         """request id -> (Transfer, index of the first block it writes: the decode node holds the ones
         before); read by the engine thread in the layer hook."""

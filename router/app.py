@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException
 
 import node_runtime
-from router.body_limit import BodyLimit
+from router.body_limit import DEFAULT_BODY_TIMEOUT, BodyLimit
 from openai_api.errors import (
     ModelNotFound,
     NoCapacityError,
@@ -37,6 +37,7 @@ def create_app(
     api_keys: list[str] | None = None,
     registry: CollectorRegistry | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
     """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
     app = FastAPI(
@@ -47,7 +48,8 @@ def create_app(
     registry = registry or CollectorRegistry()
     http_metrics = HttpMetrics(registry, server.model_name)
     keys = [k.encode() for k in (api_keys or []) if k]
-    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)  # inside `guard`, so its 413s are counted
+    # inside `guard`, so its 413s and 408s are counted
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):

@@ -9,7 +9,9 @@ which point every new client is refused. Here:
   previous response plus `keepalive_timeout`; otherwise it is closed (idle sockets, header drippers);
 - at most `max_connections` are open: a new connection beyond it closes the connection idle the
   longest (no request in progress), so a flood of idle sockets cannot lock out real clients; when
-  every connection has a request in progress, the new one gets a 503 in the OpenAI error shape.
+  every connection has a request in progress, the new one gets a 503 in the OpenAI error shape;
+- the whole body must arrive within `body_timeout` of the request head (enforced where the body is
+  read, router.body_limit: a 408 in the OpenAI error shape), so a body drip holds no connection long.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openai_api.errors import error_body
 from router.http_protocol import OpenAIErrorH11Protocol
@@ -38,9 +40,11 @@ class ConnectionLimits:
     """An idle keep-alive connection is closed this long after its last response."""
     max_connections: int = 4096
     """Open connections at most (lowered to the fd limit minus FD_RESERVE at start)."""
+    body_timeout: float = 60.0
+    """A request's whole body must arrive this long after its head (4 MiB, the body cap, at 70 KB/s)."""
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout", "keepalive_timeout"):
+        for name in ("header_timeout", "keepalive_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
@@ -49,7 +53,7 @@ class ConnectionLimits:
     def for_fd_limit(self, nofile: int) -> "ConnectionLimits":
         """These limits with max_connections lowered to fit `nofile` descriptors."""
         cap = max(1, min(self.max_connections, nofile - FD_RESERVE))
-        return ConnectionLimits(self.header_timeout, self.keepalive_timeout, cap)
+        return replace(self, max_connections=cap)
 
 
 def raise_nofile_limit() -> int:

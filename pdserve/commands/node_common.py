@@ -87,8 +87,10 @@ def on_off(value: str) -> bool:
 
 
 def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
-    """Mutual TLS on the cluster's gRPC links (node_runtime.cluster_tls): all three or none."""
-    p.add_argument("--cluster-tls-cert", default=None, help="this process's certificate (PEM) for cluster gRPC")
+    """Mutual TLS on the cluster's gRPC and CacheStore links (node_runtime.cluster_tls): all three or none."""
+    p.add_argument(
+        "--cluster-tls-cert", default=None, help="this process's certificate (PEM) for cluster gRPC and CacheStore"
+    )
     p.add_argument("--cluster-tls-key", default=None, help="its private key (PEM)")
     p.add_argument(
         "--cluster-tls-ca", default=None, help="the cluster CA (PEM): peers must present a certificate it signed"

@@ -117,6 +117,13 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
         help="close an idle keep-alive connection this long after its last response (default 5)",
     )
     p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=None,
+        help="answer 408 and close when a request's whole body has not arrived this long after its head "
+        "(a slow-body drip; default 60)",
+    )
+    p.add_argument(
         "--max-connections",
         type=int,
         default=None,
@@ -211,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
     )
     ClusterCollector(cluster, name, registry)
     KvRoutingCollector(cluster, name, registry)
-    app = create_app(server, api_keys=list(config.api_keys), registry=registry)
+    app = create_app(
+        server, api_keys=list(config.api_keys), registry=registry, body_timeout=config.connections.body_timeout
+    )
 
     @app.on_event("startup")
     async def _start() -> None:

@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cluster-tls",
         action="store_true",
-        help="mutual TLS between router and nodes with a throwaway CA made for this run (needs `cryptography`)",
+        help="mutual TLS between router and nodes and on the KV links, with a throwaway CA made for this run "
+        "(needs `cryptography`)",
     )
     add_routing_args(p)
     p.set_defaults(func=run)

@@ -21,10 +21,10 @@ async def test_tcp_channel_connects_off_the_event_loop(monkeypatch):
     client = CacheStoreClient(MemoryRegion.from_buffer(src), GEO, transport="tcp", secret=SECRET)
     real_connect, threads = tcp_sender.connect, []
 
-    def slow_connect(endpoint: str, secret: bytes):
+    def slow_connect(endpoint: str, secret: bytes, tls=None):
         threads.append(threading.current_thread())
         time.sleep(0.5)  # a slow peer: the event loop must not wait for it
-        return real_connect(endpoint, secret)
+        return real_connect(endpoint, secret, tls)
 
     monkeypatch.setattr(tcp_sender, "connect", slow_connect)
     try:

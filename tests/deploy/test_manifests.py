@@ -304,3 +304,32 @@ def test_offline_overlay_is_an_indexed_pipeline_job(monkeypatch):
     args = parser.parse_args(stage)
     assert args.model_dir == config["data"]["PDSERVE_MODEL"]  # the stages load what the controller reads
     assert args.num_kv_blocks == int(config["data"]["PDSERVE_NUM_KV_BLOCKS"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cluster_tls_component_takes_the_certificates_from_a_secret(overlay, tmp_path, monkeypatch):
+    """Every serving process mounts the Secret pdserve-cluster-tls read-only, and its
+    PDSERVE_CLUSTER_TLS_* variables name the Secret's files and parse as the --cluster-tls-* flags
+    (which cover gRPC and the CacheStore links)."""
+    from pdserve.cli import build_parser
+
+    docs = render(overlay, ("cluster-tls",), tmp_path)
+    for key in [k for k in os.environ if k.startswith("PDSERVE_")]:
+        monkeypatch.delenv(key)
+    for role in ("router", "prefill", "decode"):
+        pod = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]
+        (secret,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "pdserve-cluster-tls"]
+        assert secret["secret"]["defaultMode"] == 0o400
+        c = pod["containers"][0]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == secret["name"]]
+        assert mount["readOnly"] is True
+        env = {e["name"]: e["value"] for e in c["env"] if e["name"].startswith("PDSERVE_CLUSTER_TLS_")}
+        files = {"CERT": "tls.crt", "KEY": "tls.key", "CA": "ca.crt"}
+        assert env == {f"PDSERVE_CLUSTER_TLS_{k}": f"{mount['mountPath']}/{f}" for k, f in files.items()}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert c["args"][0] == role
+        args = build_parser().parse_args(c["args"])
+        assert (args.cluster_tls_cert, args.cluster_tls_key, args.cluster_tls_ca) == tuple(
+            env[f"PDSERVE_CLUSTER_TLS_{k}"] for k in files
+        )

@@ -4,6 +4,7 @@ and a node refuses a plaintext caller and a TLS caller without a certificate of 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,14 +59,28 @@ async def test_cluster_over_mutual_tls(tmp_path, tiny_model_dir):
         cluster.stop()
 
 
+def cachestore_samples(metrics_port: int) -> dict[str, float]:
+    """A node's CacheStore series from its /metrics, by name and sorted labels."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    out = {}
+    for m in re.finditer(r"^(pdserve_cachestore_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
+        labels = ",".join(sorted(x for x in (m[2] or "").split(",") if x and not x.startswith("transport=")))
+        out[f"{m[1]}{{{labels}}}"] = float(m[3])
+    return out
+
+
 def test_up_with_a_throwaway_ca_serves_and_cleans_up():
-    """`pdserve up --cluster-tls`: every node runs with the certificate, requests are served, and the
-    throwaway key is gone after Ctrl-C."""
+    """`pdserve up --cluster-tls`: every node runs with the certificate, requests are served with
+    their KV crossing the CacheStore link over mutual TLS (prefill -> decode), and the throwaway key
+    is gone after Ctrl-C."""
     pytest.importorskip("cryptography")
-    port = free_port()
+    port, metrics = free_port(), free_port()  # metrics: prefill-0 on it, decode-0 on the next port
     tmp = tempfile.mkdtemp(prefix="up-tls-test-")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--cluster-tls", "--num-decode", "1", "--port", str(port)],
+        [
+            *(sys.executable, "-m", "pdserve.cli", "up", "--cluster-tls", "--num-decode", "1", "--port", str(port)),
+            *("--local-prefill-max-tokens", "0", "--metrics-base-port", str(metrics)),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -81,9 +96,13 @@ def test_up_with_a_throwaway_ca_serves_and_cleans_up():
                 break
         assert any("pdserve is up" in x for x in lines), "".join(lines)
         assert len(list(Path(tmp).glob("pdserve-tls-*/cluster.key"))) == 1
-        body = {"model": "pdserve-tiny", "prompt": "Hi", "max_tokens": 3}
+        body = {"model": "pdserve-tiny", "prompt": "Hi there, a prompt for the prefill node", "max_tokens": 3}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
+        sent, received = cachestore_samples(metrics), cachestore_samples(metrics + 1)
+        assert sent["pdserve_cachestore_tls{}"] == received["pdserve_cachestore_tls{}"] == 1
+        assert sent['pdserve_cachestore_bytes_total{side="send"}'] > 0
+        assert received['pdserve_cachestore_bytes_total{side="recv"}'] > 0
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:

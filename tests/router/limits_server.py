@@ -1,4 +1,4 @@
-"""`python -m tests.router.limits_server PORT MAX_CONNECTIONS HEADER_TIMEOUT FIRST_DELAY`: the router's
+"""`python -m tests.router.limits_server PORT MAX_CONNECTIONS HEADER_TIMEOUT FIRST_DELAY [BODY_TIMEOUT]`: the router's
 HTTP app over a paced fake cluster, served exactly as `pdserve router` serves it (serve_http), for
 tests that need a separate process (an fd limit of its own)."""
 
@@ -15,17 +15,19 @@ from router.serving import Server
 from tests.router.paced import PacedCluster
 
 
-def main(port: int, max_connections: int, header_timeout: float, first_delay: float) -> None:
+def main(port: int, max_connections: int, header_timeout: float, first_delay: float, body_timeout: float) -> None:
     cluster = PacedCluster(list(range(300, 308)), first_delay=first_delay)
-    app = create_app(Server(cluster, Tokenizer(default_model_dir("tiny")), "m", 128))
+    app = create_app(Server(cluster, Tokenizer(default_model_dir("tiny")), "m", 128), body_timeout=body_timeout)
 
     @app.on_event("startup")
     async def ready() -> None:
         print(f"READY limits http://127.0.0.1:{port}", flush=True)
 
-    limits = ConnectionLimits(header_timeout=header_timeout, keepalive_timeout=1.0, max_connections=max_connections)
+    limits = ConnectionLimits(
+        header_timeout=header_timeout, keepalive_timeout=1.0, max_connections=max_connections, body_timeout=body_timeout
+    )
     serve_http(app, "127.0.0.1", port, limits, log_level="warning", graceful_timeout=1.0)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
+    main(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), float((sys.argv + ["60"])[5]))

@@ -23,11 +23,11 @@ NOFILE = 1024
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
 
-def start_server(max_connections: int, header_timeout: float, first_delay: float = 0.0):
+def start_server(max_connections: int, header_timeout: float, first_delay: float = 0.0, body_timeout: float = 60.0):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.router.limits_server", str(port), str(max_connections), str(header_timeout)]
-        + [str(first_delay)],
+        + [str(first_delay), str(body_timeout)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -130,6 +130,6 @@ def test_beyond_the_cap_with_every_connection_busy_a_503_in_the_openai_shape():
 def test_limits_fit_the_fd_limit_and_refuse_bad_values():
     assert ConnectionLimits(max_connections=4096).for_fd_limit(1024).max_connections == 1024 - 256
     assert ConnectionLimits(max_connections=100).for_fd_limit(65536).max_connections == 100
-    for bad in ({"header_timeout": 0}, {"keepalive_timeout": -1}, {"max_connections": 0}):
+    for bad in ({"header_timeout": 0}, {"keepalive_timeout": -1}, {"max_connections": 0}, {"body_timeout": 0}):
         with pytest.raises(ValueError):
             ConnectionLimits(**bad)
