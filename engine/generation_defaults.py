@@ -44,7 +44,14 @@ def generation_defaults(setting: str, model_dir: str | Path) -> dict[str, float 
         raise ValueError(f"cannot read {file}: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
-    defaults = {field: config[key] for key, field in KEYS.items() if config.get(key) is not None}
+    defaults = {}
+    for key, field in KEYS.items():
+        value = config.get(key)
+        integral = key in ("top_k", "max_new_tokens")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int if integral else (int, float))):
+            raise ValueError(f"{file}: {key} must be {'an integer' if integral else 'a number'}, got {value!r}")
+        if value is not None:
+            defaults[field] = value
     try:
         SamplingParams(**defaults)  # the same checks as a request's values
     except (TypeError, ValueError) as e:
