@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             "--decode",
             ",".join(d_addrs),
             *tls_args,
-            *child_flags(args, ROUTER_FLAGS + ("max_model_len",)),
+            *child_flags(args, ROUTER_FLAGS),  # --max-model-len: the router learns it from the nodes
         ]
         if args.model is None and not args.served_model_name:
             router_args += ["--served-model-name", "pdserve-tiny"]
