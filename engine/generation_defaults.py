@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ KEYS = {
 """generation_config.json key -> the request field it is the default of."""
 
 
-def generation_defaults(setting: str, model_dir: str | Path) -> dict[str, float | int]:
+def generation_defaults(setting: str, model_dir: str | Path) -> dict[str, Any]:
     """The request-field defaults of `setting` for the checkpoint at `model_dir` (empty: none).
     ValueError for a directory without the file, unreadable JSON or a value no request may have."""
     if setting == "vllm":
@@ -44,7 +45,7 @@ def generation_defaults(setting: str, model_dir: str | Path) -> dict[str, float 
         raise ValueError(f"cannot read {file}: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object")
-    defaults = {}
+    defaults: dict[str, Any] = {}
     for key, field in KEYS.items():
         value = config.get(key)
         integral = key in ("top_k", "max_new_tokens")

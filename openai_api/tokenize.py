@@ -15,10 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.tokenizer import Tokenizer
 from openai_api.errors import BadRequest
-from openai_api.protocol import ChatMessage, _check_utf8
+from openai_api.protocol import ChatMessage, TextBody
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TextBody):
     """POST /tokenize: exactly one of `prompt` and `messages`."""
 
     model_config = ConfigDict(extra="forbid")
@@ -32,12 +32,6 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
     tools: list[dict] | None = None
     """Passed to the chat template (which may describe them in the prompt)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data):
-        _check_utf8(data)
-        return data
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -155,3 +155,10 @@ async def test_the_routers_max_model_len_caps_what_nodes_report(client):
         assert (await c.get("/v1/models")).json()["data"][0]["max_model_len"] == 20
         r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 30})
         assert_openai_400(r)
+
+
+async def test_a_lone_surrogate_in_a_tokenize_prompt_is_a_400(client):
+    make, _, _ = client
+    async with make() as c:
+        r = await c.post("/tokenize", content=b'{"prompt": "a\\ud800"}', headers={"content-type": "application/json"})
+        assert_openai_400(r)
