@@ -55,6 +55,12 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         help="report usage.prompt_tokens_details.cached_tokens (default on, as OpenAI does; "
         "--no-enable-prompt-tokens-details leaves it out, vLLM's default)",
     )
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        default=None,
+        help="accepted for vLLM command lines: pdserve never logs requests (no access log, no prompts)",
+    )
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:

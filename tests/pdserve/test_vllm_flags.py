@@ -110,3 +110,8 @@ def test_up_hands_each_flag_to_the_children_that_use_it():
             assert getattr(node, dest) == getattr(up, dest), (role, dest)
     assert child_flags(parse(["up"]), ROUTER_FLAGS + NODE_FLAGS) == []  # unset: the children's defaults
     assert parse(["up", "--enable-prompt-tokens-details"]).enable_prompt_tokens_details is True
+
+
+@pytest.mark.parametrize("command", ("router", "up"))
+def test_disable_log_requests_is_accepted(command):
+    assert parse([command, "--disable-log-requests"]).disable_log_requests is True
