@@ -30,14 +30,15 @@ class EngineConfig:
     """Exact number of KV blocks; default derives from kv_cache_bytes / gpu_memory_utilization."""
     kv_cache_bytes: int | None = None
     """KV pool budget in bytes (`--kv-cache-memory`). Default on CPU: a tenth of the host's available
-    memory, capped at what max_num_seqs sequences of max_model_len tokens fill; on CUDA: profiled
+    memory, capped at what max_num_seqs (at most 64) sequences of max_model_len tokens fill; on CUDA: profiled
     from gpu_memory_utilization (see engine.kv_sizing)."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the share of the card this process may use; the KV pool gets what weights and the peak
     activations of a forward at the largest batch leave of it (as vLLM sizes it)."""
     max_num_seqs: int = 256
-    """Most sequences in one step (vLLM's default). On CPU it bounds the default KV pool with
-    max_model_len (see kv_cache_bytes) and the logits of one step (max_num_seqs x vocab floats)."""
+    """Most sequences in one step (vLLM's default). It bounds the logits of one step (max_num_seqs x
+    vocab floats) and, on CPU, with max_model_len the default KV pool (at most 64 full-length sequences:
+    engine.kv_sizing.CPU_KV_MAX_FULL_SEQS)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step; longer prompts are prefilled in chunks."""
     max_model_len: int | None = None

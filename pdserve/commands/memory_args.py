@@ -42,7 +42,7 @@ def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True
         type=memory_size,
         default=None,
         help="KV pool size, e.g. 4GiB or 512MiB or bytes (default on CPU: a tenth of the available "
-        "memory, at most what --max-num-seqs sequences of --max-model-len tokens fill; on CUDA: "
+        "memory, at most what --max-num-seqs (at most 64) sequences of --max-model-len tokens fill; on CUDA: "
         "from --gpu-memory-utilization)",
     )
     if gpu:
