@@ -56,6 +56,8 @@ def test_up_takes_vllm_flags_and_hands_each_to_its_process(tiny_model_dir, tmp_p
             "acme/tiny",
             "--tokenizer",
             "acme/tiny",
+            "--num-prefill",
+            "0",
             "--num-decode",
             "1",
             "--served-model-name",
