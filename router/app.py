@@ -91,7 +91,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        """Every served name (vLLM's shape: root is the checkpoint every name serves); sampling_defaults
+        """Every served name (vLLM's shape; root: the first name, the one model they all serve); sampling_defaults
         are the generation_config.json values applied to requests that leave the field unset."""
         created = int(time.time())
         return {
