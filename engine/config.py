@@ -6,6 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's (and torch's) other names of the dtypes: `--dtype half` means float16."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Options of one engine instance. Facts found at start-up (number of KV blocks, eos ids)
@@ -13,8 +18,11 @@ class EngineConfig:
 
     model_dir: str | Path
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
+    tokenizer: str | Path | None = None
+    """Directory of the tokenizer (tokenizer.json, tokenizer_config.json) when not the checkpoint's."""
     dtype: str = "auto"
-    """auto (float32 on CPU, checkpoint dtype on GPU), float32, bfloat16 or float16."""
+    """auto (float32 on CPU, checkpoint dtype on GPU), float32, bfloat16 or float16 (or an alias:
+    half, float)."""
     device: str = "cpu"
     block_size: int = 16
     """Tokens per KV block."""
@@ -22,13 +30,15 @@ class EngineConfig:
     """Exact number of KV blocks; default derives from kv_cache_bytes / gpu_memory_utilization."""
     kv_cache_bytes: int | None = None
     """KV pool budget in bytes (`--kv-cache-memory`). Default on CPU: a tenth of the host's available
-    memory, capped at what max_num_seqs sequences of max_model_len tokens fill; on CUDA: profiled
+    memory, capped at what max_num_seqs (at most 64) sequences of max_model_len tokens fill; on CUDA: profiled
     from gpu_memory_utilization (see engine.kv_sizing)."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the share of the card this process may use; the KV pool gets what weights and the peak
     activations of a forward at the largest batch leave of it (as vLLM sizes it)."""
-    max_num_seqs: int = 64
-    """Most sequences in one step."""
+    max_num_seqs: int = 256
+    """Most sequences in one step (vLLM's default). It bounds the logits of one step (max_num_seqs x
+    vocab floats) and, on CPU, with max_model_len the default KV pool (at most 64 full-length sequences:
+    engine.kv_sizing.CPU_KV_MAX_FULL_SEQS)."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step; longer prompts are prefilled in chunks."""
     max_model_len: int | None = None
@@ -56,7 +66,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.preemption not in ("recompute", "never"):
             raise ValueError(f"preemption must be 'recompute' or 'never', got {self.preemption!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

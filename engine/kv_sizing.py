@@ -19,6 +19,12 @@ if TYPE_CHECKING:  # the CLI parses memory sizes without importing torch
 CPU_KV_FRACTION = 0.1
 """Default CPU budget: this share of the host's available memory. Small, because several processes
 share a host (`pdserve up` runs three nodes; a batch job one per stage) and each allocates its pool."""
+CPU_KV_MAX_FULL_SEQS = 64
+"""The default CPU pool holds at most this many sequences of max_model_len tokens (fewer with a lower
+max_num_seqs). max_num_seqs is 256 as in vLLM, but the CPU pool is allocated and zeroed up front, so
+every byte of it is resident: 256 full-length sequences of the built-in model would pin ~2 GiB per
+node (three under `pdserve up`) that CPU compute could rarely fill. 256 sequences of a quarter of the
+context still fit; --kv-cache-memory asks for more."""
 MIN_DEFAULT_CPU_KV_BYTES = 64 * 1024**2
 """Floor of the default CPU budget, so a host short of memory still gets a usable pool."""
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -139,7 +145,8 @@ class CpuKvMemory(KvMemory):
     def budget_bytes(self, runner: ProfiledRunner, bytes_per_token: int) -> int:
         if self.requested_bytes is not None:
             return self.requested_bytes
-        return default_cpu_kv_bytes(bytes_per_token, self.max_num_seqs, runner.max_model_len, available_memory_bytes())
+        full_seqs = min(self.max_num_seqs, CPU_KV_MAX_FULL_SEQS)
+        return default_cpu_kv_bytes(bytes_per_token, full_seqs, runner.max_model_len, available_memory_bytes())
 
 
 class CudaKvMemory(KvMemory):

@@ -65,7 +65,7 @@ class LLMEngine(RemotePrefill):
         )
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
-        self.tokenizer = Tokenizer(config.model_dir)
+        self.tokenizer = Tokenizer(config.tokenizer or config.model_dir)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         pool = self.runner.kv_pool
         self.kv_compatibility = kv_compatibility(self.model_config, pool)

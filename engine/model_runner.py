@@ -47,7 +47,7 @@ class ModelRunner:
         fused_ops: bool = True,
         prepack: bool | None = None,
         gpu_memory_utilization: float = 0.9,
-        max_num_seqs: int = 64,
+        max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         kv_memory: KvMemory | None = None,
     ) -> None:

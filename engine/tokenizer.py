@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
+from jinja2.exceptions import TemplateError
+
 from tokenizers import Tokenizer as HFTokenizer
+
+from engine.chat_template import compile_template
 
 
 LONG_TEXT_CHARS = 16384
@@ -26,9 +27,10 @@ def _token_text(value: object) -> str | None:
 
 
 class Tokenizer:
-    """encode/decode and chat templating of a Hugging Face checkpoint directory."""
+    """encode/decode and chat templating of a Hugging Face checkpoint directory; `chat_template`
+    replaces the checkpoint's own (`--chat-template`)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None) -> None:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -44,8 +46,8 @@ class Tokenizer:
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        self.chat_template: str | None = template
-        self._compiled = _compile(template) if template else None
+        self.chat_template: str | None = chat_template or template
+        self._compiled = compile_template(self.chat_template) if self.chat_template else None
         eos_ids = [self._tok.token_to_id(self.eos_token)] if self.eos_token else []
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
@@ -67,34 +69,36 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render `messages` the way transformers' apply_chat_template(tokenize=False) does."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
+        """Render `messages` the way transformers' apply_chat_template(tokenize=False) does: the same
+        variables (tools, documents, the special tokens) and the same environment (engine.chat_template)."""
         if self._compiled is None:
-            raise ValueError("this model has no chat template (tokenizer_config.json lacks chat_template)")
-        return self._compiled.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json lacks chat_template; pass --chat-template)"
+            )
+        try:
+            return self._compiled.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except TemplateError as e:  # raise_exception, a sandbox violation: the conversation's fault
+            raise ValueError(str(e)) from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # the template already writes any BOS, so no special tokens are added on top
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
-
-
-def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _compile(template: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = _raise
-    return env.from_string(template)
 
 
 class IncrementalDetokenizer:

@@ -58,8 +58,11 @@ class NodeRuntime:
         self.config = config
         self.engine = LLMEngine(config.engine)
         self.compatibility = self.engine.kv_compatibility
+        names = config.node.served_model_name
         self.metrics = NodeMetrics(
-            role, served_model_name(config.engine.model_dir), transport_requested=config.transfer.transport
+            role,
+            names[0] if names else served_model_name(config.engine.model_dir),
+            transport_requested=config.transfer.transport,
         )
         self.draining = False
         self.inflight = 0

@@ -60,8 +60,12 @@ class NodeOptions(ClusterTLSOptions):
     """Decode node with kv_reuse: prefill here, not on a prefill node, when the prompt tokens this
     node lacks are at most this many (0: only when no prefill node is usable)."""
     log_level: str = "INFO"
+    served_model_name: tuple[str, ...] = ()
+    """--served-model-name: the first is the model_name label of the node's metrics (empty: the
+    model directory's name)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
 

@@ -7,7 +7,7 @@ parameters) from both front ends.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from engine.prompt_check import EMPTY_PROMPT, PromptError, check_max_tokens, check_prompt
 from engine.tokenizer import Tokenizer
@@ -49,12 +49,19 @@ class ChoiceBuilder:
     field) for anything the cluster cannot run."""
 
     def __init__(
-        self, tokenizer: Tokenizer, max_model_len: Callable[[], int], max_prompt_tokens: int | None = None
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: Callable[[], int],
+        max_prompt_tokens: int | None = None,
+        defaults: Mapping[str, float | int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         """The context to check against, asked per request (a router learns it from its nodes)."""
         self.max_prompt_tokens = max_prompt_tokens
+        self.defaults = dict(defaults or {})
+        """Request field -> value used when a request leaves it unset (the model's generation_config.json,
+        engine.generation_defaults); `max_tokens` here replaces the endpoint's own default."""
 
     def _params(
         self,
@@ -66,7 +73,7 @@ class ChoiceBuilder:
     ) -> common_pb2.SamplingParams:
         limit = self.max_model_len()  # the prompt fits (_check_ids)
         if max_tokens is None:
-            max_tokens = min(default_max or limit, limit - prompt_len)
+            max_tokens = min(self.defaults.get("max_tokens") or default_max or limit, limit - prompt_len)
         try:
             check_max_tokens(prompt_len, max_tokens, limit)
         except PromptError as e:
@@ -83,7 +90,9 @@ class ChoiceBuilder:
             p.logit_bias[self._token_id(key)] = bias
         for name in SHARED_SAMPLING_FIELDS:
             value = getattr(req, name)
-            if value is not None:  # unset: the engine's default
+            if value is None:  # unset: the model's default, else the engine's
+                value = self.defaults.get(name)
+            if value is not None:
                 setattr(p, name, value)
         if logprobs is not None:
             p.logprobs = logprobs

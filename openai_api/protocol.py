@@ -33,7 +33,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class TextBody(BaseModel):
+    """A request body whose strings reach the tokenizer: a lone UTF-16 surrogate is refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data):
+        """JSON can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or proto string accepts."""
+        _check_utf8(data)
+        return data
+
+
+class SamplingFields(TextBody):
     """Fields shared by completions and chat completions. Other fields are kept in `model_extra`
     and refused with a 400 unless they ask for nothing (openai_api.request_fields)."""
 
@@ -76,13 +87,6 @@ class SamplingFields(BaseModel):
         if value is not None and len(value.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
             raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes of UTF-8")
         return value
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_lone_surrogates(cls, data):
-        """JSON can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or proto string accepts."""
-        _check_utf8(data)
-        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -6,14 +6,17 @@ import time
 import uuid
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    """The `usage` object of a response."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    """The `usage` object of a response; None `cached_tokens` leaves out prompt_tokens_details
+    (`--no-enable-prompt-tokens-details`, vLLM's default shape)."""
+    body: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def response_body(chat: bool, model: str, choices: list[dict], usage_obj: dict) -> dict:

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "download_dir"):  # a command that loads a model: Hub ids become cached directories
+        from pdserve.commands.model_args import resolve_model_args
+
+        resolve_model_args(args)
     return int(args.func(args) or 0)
 
 

@@ -26,6 +26,7 @@ from openai_api.errors import (
 from router.http_metrics import HttpMetrics
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from router.serving import Server
+from router.utility_routes import add_utility_routes
 
 log = logging.getLogger("pdserve.router")
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -86,21 +87,29 @@ def create_app(
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     def check_model(name: str) -> None:
-        if name != server.model_name:
-            raise ModelNotFound(f"the model {name!r} does not exist; this server serves {server.model_name!r}", "model")
+        if name not in server.model_names:
+            served = ", ".join(repr(n) for n in server.model_names)
+            raise ModelNotFound(f"the model {name!r} does not exist; this server serves {served}", "model")
 
     @app.get("/v1/models")
     async def models() -> dict:
+        """Every served name (vLLM's shape; root: the first name, the one model they all serve); sampling_defaults
+        are the generation_config.json values applied to requests that leave the field unset."""
+        created = int(time.time())
         return {
             "object": "list",
             "data": [
                 {
-                    "id": server.model_name,
+                    "id": name,
                     "object": "model",
-                    "created": int(time.time()),
+                    "created": created,
                     "owned_by": "pdserve",
+                    "root": server.model_name,
+                    "parent": None,
                     "max_model_len": server.max_model_len,
+                    "sampling_defaults": server.generation_defaults,
                 }
+                for name in server.model_names
             ],
         }
 
@@ -129,6 +138,8 @@ def create_app(
     @app.get("/version")
     async def version() -> dict:
         return {"version": node_runtime.__version__}
+
+    add_utility_routes(app, server, check_model)
 
     @app.get("/metrics")
     async def metrics() -> Response:

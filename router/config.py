@@ -38,8 +38,18 @@ class RouterConfig:
 
     model_dir: str | Path
     """Checkpoint directory: the router needs its tokenizer, chat template and context length."""
-    served_model_name: str | None = None
-    """Model id clients use (None: the model directory's name)."""
+    served_model_name: tuple[str, ...] = ()
+    """Model ids clients may use, the first labels the metrics (empty: the model directory's name)."""
+    tokenizer: str | Path | None = None
+    """Tokenizer directory when not the checkpoint's."""
+    chat_template: str | None = None
+    """--chat-template: a template or a file holding one, instead of the checkpoint's."""
+    generation_config: str = "auto"
+    """auto | vllm | DIR: where the sampling defaults come from (engine.generation_defaults)."""
+    enable_prompt_tokens_details: bool = True
+    """Report usage.prompt_tokens_details.cached_tokens (vLLM reports it only with the flag)."""
+    max_model_len: int | None = None
+    """A ceiling on the context the nodes report (None: theirs)."""
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -58,5 +68,10 @@ class RouterConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if any(not n for n in self.served_model_name):
+            raise ValueError("--served-model-name: names must not be empty")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.sse_keepalive <= 0:
             raise ValueError(f"--sse-keepalive must be > 0, got {self.sse_keepalive}")

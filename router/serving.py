@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -33,24 +33,39 @@ class Server:
         self,
         cluster: Cluster,
         tokenizer: Tokenizer,
-        model_name: str,
+        model_name: str | Sequence[str],
         max_model_len: int,
         max_prompt_tokens: int | None = None,
         metrics: RequestMetrics | None = None,
         keepalive_interval: float = DEFAULT_INTERVAL,
+        *,
+        generation_defaults: Mapping[str, float | int] | None = None,
+        prompt_tokens_details: bool = True,
+        max_model_len_cap: int | None = None,
     ) -> None:
         self.cluster = cluster
         self.keepalive_interval = keepalive_interval
         """Seconds without a chunk before a stream sends an SSE keep-alive comment."""
-        self.metrics = metrics or RequestMetrics(CollectorRegistry(), model_name)
+        self.model_names: tuple[str, ...] = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        """Every served name (--served-model-name); a request may use any, and its response echoes it."""
+        if not self.model_names:
+            raise ValueError("at least one served model name is needed")
+        self.model_name = self.model_names[0]
+        """The first name: the metrics' model_name label."""
+        self.metrics = metrics or RequestMetrics(CollectorRegistry(), self.model_name)
         self.tokenizer = tokenizer
-        self.model_name = model_name
         self.default_max_model_len = max_model_len
-        self.builder = ChoiceBuilder(tokenizer, lambda: self.max_model_len, max_prompt_tokens)
+        self.max_model_len_cap = max_model_len_cap
+        """The router's --max-model-len: a ceiling on what the nodes report."""
+        self.generation_defaults = dict(generation_defaults or {})
+        self.prompt_tokens_details = prompt_tokens_details
+        """Report usage.prompt_tokens_details (cached_tokens); vLLM's --enable-prompt-tokens-details."""
+        self.builder = ChoiceBuilder(tokenizer, lambda: self.max_model_len, max_prompt_tokens, generation_defaults)
 
     @property
     def max_model_len(self) -> int:
-        return self.cluster.max_model_len() or self.default_max_model_len
+        reported = self.cluster.max_model_len() or self.default_max_model_len
+        return min(reported, self.max_model_len_cap) if self.max_model_len_cap else reported
 
     async def choices(self, req: SamplingFields, chat: bool) -> list[Choice]:
         """Validate and tokenize in a worker thread: a multi-megabyte prompt must not stall every other
@@ -108,7 +123,7 @@ class Server:
         for c in choices:
             held = min(c.usage.cached_tokens, len(c.prompt_ids)) if c.usage else 0
             cached_by_prompt[id(c.prompt_ids)] = max(cached_by_prompt.get(id(c.prompt_ids), 0), held)
-        return usage(prompt, completion, sum(cached_by_prompt.values()))
+        return usage(prompt, completion, sum(cached_by_prompt.values()) if self.prompt_tokens_details else None)
 
     async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, str]]:
         """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
@@ -125,7 +140,7 @@ class Server:
             prefix = (c.prompt_text or self.tokenizer.decode(c.prompt_ids)) if req.echo else ""
             lp = completion_logprobs(self.tokenizer, c.logprobs, len(prefix)) if req.logprobs is not None else None
             out.append(completion_choice(c.index, prefix + texts[c.index], lp, c.finish_reason))
-        return response_body(False, self.model_name, out, self.usage(choices))
+        return response_body(False, req.model, out, self.usage(choices))
 
     async def chat(self, req: ChatCompletionRequest) -> dict:
         choices, texts = await self.run_to_end(req, chat=True)
@@ -138,7 +153,7 @@ class Server:
             )
             for c in choices
         ]
-        return response_body(True, self.model_name, out, self.usage(choices))
+        return response_body(True, req.model, out, self.usage(choices))
 
     async def stream(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> AsyncIterator[str]:
         """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
@@ -149,7 +164,7 @@ class Server:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice_list: list[dict], usage: dict | None = None) -> str:
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choice_list}
+            body = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": choice_list}
             if include_usage:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"

@@ -5,16 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--dtype, shared by every command that loads a model."""
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the built-in tiny model)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto (float32 on CPU, the checkpoint's dtype on GPU; the default), float32, bfloat16, float16",
-    )
+from pdserve.commands.model_args import add_model_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
-        dtype = {"dtype": args.dtype} if args.dtype else {}  # unset: EngineConfig's default
-        llm = LLM(args.model, **dtype, **device_options(args), **kv_memory_options(args))
+        # unset: EngineConfig's defaults
+        files = {k: v for k, v in (("dtype", args.dtype), ("tokenizer", args.tokenizer)) if v}
+        llm = LLM(args.model, **files, **device_options(args), **kv_memory_options(args))
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:

@@ -42,7 +42,7 @@ def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True
         type=memory_size,
         default=None,
         help="KV pool size, e.g. 4GiB or 512MiB or bytes (default on CPU: a tenth of the available "
-        "memory, at most what --max-num-seqs sequences of --max-model-len tokens fill; on CUDA: "
+        "memory, at most what --max-num-seqs (at most 64) sequences of --max-model-len tokens fill; on CUDA: "
         "from --gpu-memory-utilization)",
     )
     if gpu:
@@ -54,13 +54,19 @@ def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True
             "activations of a forward at the largest batch leave (default 0.9)",
         )
     if max_model_len:
-        p.add_argument(
-            "--max-model-len",
-            type=int,
-            default=None,
-            help="longest prompt + output; refused at start when the KV pool cannot hold it "
-            "(default: the model's max_position_embeddings, lowered to what the pool holds)",
-        )
+        add_max_model_len_arg(p)
+
+
+def add_max_model_len_arg(p: argparse.ArgumentParser) -> None:
+    """--max-model-len: the engine's (with the KV flags above), and the router's ceiling on it."""
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output; refused at start when the KV pool cannot hold it "
+        "(default: the model's max_position_embeddings, lowered to what the pool holds; on the router: "
+        "a ceiling on what its nodes report)",
+    )
 
 
 def kv_memory_options(args: argparse.Namespace) -> dict:

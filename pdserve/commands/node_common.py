@@ -10,8 +10,9 @@ import sys
 from typing import TYPE_CHECKING, Callable
 
 from pdserve.commands.device_args import add_device_args, device_options
-from pdserve.commands.generate import add_model_args
+from pdserve.commands.model_args import add_model_args
 from pdserve.commands.memory_args import add_kv_memory_args
+from pdserve.commands.serving_args import add_scheduler_args, add_served_name_args
 
 if TYPE_CHECKING:  # the CLI imports no node code until a node runs
     from node_runtime.node import Node
@@ -33,6 +34,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     """Flags of NodeConfig, one per field (EngineConfig's are named after its fields, `--model` for
     model_dir); every default is None so that the dataclass default applies (see node_config)."""
     add_model_args(p)
+    add_served_name_args(p)  # the model_name label of the node's metrics
     add_device_args(p)
     add_engine_args(p)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
@@ -105,14 +107,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     add_kv_memory_args(p)  # with --max-model-len, which the pool's fit check reads
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default 64)")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget per step; longer prompts are prefilled in chunks "
-        "(default: 8192 on prefill nodes, 2048 on decode nodes)",
-    )
+    add_scheduler_args(p)
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -126,7 +121,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="under KV pressure: recompute (free the newest request, rerun it later; prefill default) "
         "or never (admission reserves every block; the only choice on decode nodes)",
     )
-    p.add_argument("--seed", type=int, default=None, help="sampling seed of the engine (default 0)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from pdserve.commands.generate import add_model_args
+from pdserve.commands.memory_args import add_max_model_len_arg
+from pdserve.commands.model_args import add_model_args
+from pdserve.commands.serving_args import add_frontend_args, add_served_name_args, load_frontend
 from pdserve.commands.node_common import add_cluster_tls_args
 from node_runtime.config import API_KEYS_ENV
 
@@ -53,7 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_discovery_args(p)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    p.add_argument("--served-model-name", default=None, help="model id clients use (default: model dir name)")
+    add_served_name_args(p)
+    add_frontend_args(p)
+    add_max_model_len_arg(p)
     add_api_key_args(p)
     p.add_argument("--cluster-secret", default=None, help="shared node secret (default: $PDSERVE_CLUSTER_SECRET)")
     p.add_argument("--ssl-certfile", default=None)
@@ -163,6 +167,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             **flag_values(args, ClusterOptions, deadlines=None), deadlines=Deadlines(**flag_values(args, Deadlines))
         )
         top = flag_values(args, RouterConfig, model_dir="model", cluster=None, discovery=None, connections=None)
+        top["served_model_name"] = tuple(top.get("served_model_name") or ())
         top.setdefault("model_dir", default_model_dir())
         return RouterConfig(
             **top,
@@ -181,7 +186,6 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from engine.model_config import ModelConfig
-    from engine.tokenizer import Tokenizer
     from node_runtime.discovery import discovery_from_config
     from node_runtime.node_metrics import add_process_collectors, served_model_name
     from router.app import create_app
@@ -193,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = router_config(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
-    name = config.served_model_name or served_model_name(config.model_dir)
+    names = config.served_model_name or (served_model_name(config.model_dir),)
+    name = names[0]
+    tokenizer, defaults = load_frontend(config)
     if args.api_key:
         logging.getLogger("pdserve.router").warning(
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY"
@@ -209,12 +215,15 @@ def run(args: argparse.Namespace) -> int:
     )
     server = Server(
         cluster,
-        Tokenizer(config.model_dir),
-        name,
+        tokenizer,
+        names,
         ModelConfig.from_dir(config.model_dir).max_position_embeddings,
         config.max_prompt_tokens,
         metrics=RequestMetrics(registry, name),
         keepalive_interval=config.sse_keepalive,
+        generation_defaults=defaults,
+        prompt_tokens_details=config.enable_prompt_tokens_details,
+        max_model_len_cap=config.max_model_len,
     )
     ClusterCollector(cluster, name, registry)
     KvRoutingCollector(cluster, name, registry)

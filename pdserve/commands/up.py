@@ -14,9 +14,17 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.commands.generate import add_model_args
+from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, on_off
 from pdserve.commands.router import add_api_key_args, add_routing_args, api_keys
+from pdserve.commands.serving_args import (
+    NODE_FLAGS,
+    ROUTER_FLAGS,
+    add_frontend_args,
+    add_scheduler_args,
+    add_served_name_args,
+    child_flags,
+)
 from node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
 from node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
@@ -32,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.commands.memory_args import add_kv_memory_args
 
     add_kv_memory_args(p)  # per node: on one GPU, N nodes at 0.9 each cannot all start; give each 0.9/N
+    add_served_name_args(p)
+    add_frontend_args(p)  # the router's
+    add_scheduler_args(p)  # each node's
     p.add_argument(
         "--num-prefill", type=int, default=1, help="prefill nodes (0: decode-only nodes prefill every prompt)"
     )
@@ -128,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         + (["--dtype", args.dtype] if args.dtype else [])
         + device_flags(args)
         + kv_memory_flags(args)
+        + child_flags(args, NODE_FLAGS)
         + ["--kv-reuse", "on" if args.kv_reuse else "off"]
     )
     decode_args = (
@@ -174,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
             "--decode",
             ",".join(d_addrs),
             *tls_args,
+            *child_flags(args, ROUTER_FLAGS),  # --max-model-len: the router learns it from the nodes
         ]
-        if args.model is None:
+        if args.model is None and not args.served_model_name:
             router_args += ["--served-model-name", "pdserve-tiny"]
         if args.routing:
             router_args += ["--routing", args.routing]
@@ -189,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         # a wildcard bind is reached (and shown) through loopback; a specific address through itself
         reach = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         _wait_health(f"http://{reach}:{args.port}/health", deadline, supervisor.members)
-        name = "pdserve-tiny" if args.model is None else os.path.basename(model.rstrip("/"))
+        default_name = "pdserve-tiny" if args.model is None else os.path.basename(model.rstrip("/"))
+        name = ", ".join(args.served_model_name or [default_name])
         print(
             f"pdserve is up: http://{reach}:{args.port}/v1  (model: {name}; "
             f"{args.num_prefill} prefill, {args.num_decode} decode, transport {args.transport})",

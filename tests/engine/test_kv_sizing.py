@@ -119,6 +119,11 @@ def test_default_cpu_budget_sets_the_block_count(tiny_model_dir, monkeypatch):
     assert engine.block_manager.num_blocks == 100 * MiB // _block_bytes(tiny_model_dir)
     small = LLMEngine(EngineConfig(tiny_model_dir, max_num_seqs=2, max_model_len=256))
     assert small.block_manager.num_blocks == 2 * 256 // 16  # the cap: two full-length sequences
+    # max_num_seqs 256 (vLLM's default) schedules 256 sequences; the default pool holds 64 full ones
+    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 100 * GiB)
+    default = LLMEngine(EngineConfig(tiny_model_dir, max_model_len=256))
+    assert default.scheduler.max_num_seqs == 256
+    assert default.block_manager.num_blocks == kv_sizing.CPU_KV_MAX_FULL_SEQS * 256 // 16
 
 
 class InjectedCuda(CudaKvMemory):

@@ -21,6 +21,7 @@ NOT_ON_NODES = {"layer_range": "a pipeline stage's slice of the layers (`pdserve
 
 SAMPLES: dict[str, tuple[list[str], object]] = {
     "model_dir": (["--model", "/models/m"], "/models/m"),
+    "tokenizer": (["--tokenizer", "/models/t"], "/models/t"),
     "dtype": (["--dtype", "float16"], "float16"),
     "device": (["--device", "cuda:0"], "cuda:0"),
     "block_size": (["--block-size", "32"], 32),
