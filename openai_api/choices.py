@@ -73,7 +73,8 @@ class ChoiceBuilder:
     ) -> common_pb2.SamplingParams:
         limit = self.max_model_len()  # the prompt fits (_check_ids)
         if max_tokens is None:
-            max_tokens = min(self.defaults.get("max_tokens") or default_max or limit, limit - prompt_len)
+            default = self.defaults.get("max_tokens")  # an int in generation_config.json (max_new_tokens)
+            max_tokens = min(int(default) if default else (default_max or limit), limit - prompt_len)
         try:
             check_max_tokens(prompt_len, max_tokens, limit)
         except PromptError as e:
