@@ -36,7 +36,8 @@ class TDPipeScheduler:
         """Run `requests` to completion on `executor` (default: the simulator)."""
         self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
         self.ex.attach(self.stats)
-        waiting: deque[SimRequest] = deque(requests)
+        # a deque (tdpipe.feed.RequestFeed) is used as is: it fills itself as the phases drain it
+        waiting: deque[SimRequest] = requests if isinstance(requests, deque) else deque(requests)
         resident: list[SimRequest] = []
         now = 0.0
         while waiting or resident:
