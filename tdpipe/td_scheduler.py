@@ -58,6 +58,7 @@ class TDPipeScheduler:
 
     def _release(self, r: SimRequest, end: float) -> None:
         self.kv.release(r)
+        self.ready_ms.pop(r.request_id, None)  # a streamed job retires millions of ids: keep only the live ones
         r.finish_ms = end
         self.ex.finish(r)
 
