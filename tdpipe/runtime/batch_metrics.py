@@ -10,7 +10,6 @@ stages' own timelines.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server

@@ -13,7 +13,6 @@ import subprocess
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
