@@ -47,7 +47,7 @@ class PPScheduler:
         n = self.inst.num_stages
         # a RequestFeed (tdpipe.feed) is shared: each engine draws from it as it has room
         feed = requests.split(n) if isinstance(requests, RequestFeed) else None
-        queues = feed or [deque(requests[i::n]) for i in range(n)]
+        queues: list[deque[SimRequest]] = list(feed) if feed else [deque(requests[i::n]) for i in range(n)]
         engines = [_VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, q) for q in queues]
         for i, ve in enumerate(engines):
             self._schedule(i, ve, 0.0)

@@ -35,7 +35,7 @@ def open_output(path: str, resume: bool) -> tuple[BinaryIO, set[ResumeKey]]:
     """The output file opened for appending and locked for this job alone (ValueError, at once,
     when another job holds it), with what it already answers (`--resume`; empty otherwise).
     Without `--resume` a non-empty file is refused: a rerun must not throw results away."""
-    f = open(path, "ab")  # never truncate before holding the lock: the file may be another job's
+    f: BinaryIO = open(path, "ab")  # never truncate before holding the lock: the file may be another job's
     _lock(f, path)
     if not resume:
         if os.fstat(f.fileno()).st_size > 0:

@@ -39,7 +39,7 @@ class LineSource:
         window: int,
         capacity: int,
         kv_hint: str = "",
-        on_skip: Callable[[], None] | None = None,
+        on_skip: Callable[[], object] | None = None,
     ) -> None:
         self.lines, self.builder, self.model_name, self.writer, self.done = lines, builder, model_name, writer, done
         self.eos = frozenset(tokenizer.eos_token_ids)

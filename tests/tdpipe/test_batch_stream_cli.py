@@ -170,3 +170,20 @@ def test_200k_lines_run_in_bounded_memory(tmp_path) -> None:
     print(f"\n200k lines: controller peak RSS {peak / 2**20:.0f} MiB, {early / 2**20:.0f} MiB in the first 10%")
     # memory does not grow with the lines read: the last 90% add little to the first 10%'s peak
     assert peak - early < 200 * 2**20
+
+
+def test_url_errors_are_clear(tmp_path, store, capsys) -> None:
+    from pdserve.cli import main
+    from tdpipe.runtime.batch_url import upload
+
+    base, files = store
+    cmd = batch_cmd(tmp_path)[3:]
+    cmd[cmd.index("-i") + 1] = f"{base}/missing.jsonl"
+    assert main(cmd) == 2
+    assert f"GET {base}/missing.jsonl: HTTP 404" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()  # nothing locked or written for an unreadable input
+    (tmp_path / "r.jsonl").write_text("{}\n")
+    with pytest.raises(OSError, match=f"PUT {base}/o.jsonl: HTTP 503.*stay in"):
+        upload(str(tmp_path / "r.jsonl"), f"{base}/o.jsonl", attempts=1)
+    upload(str(tmp_path / "r.jsonl"), f"{base}/o.jsonl", attempts=2, backoff_s=0.01)  # the retry lands
+    assert files["/o.jsonl"] == b"{}\n"
