@@ -13,7 +13,7 @@ import pytest
 
 from tests.tdpipe.batch_helpers import request_line
 
-WINDOW = 8
+WINDOW = 40
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +152,11 @@ def test_ordered_writer_holds_early_finishers_until_their_turn() -> None:
 
 
 @pytest.mark.parametrize("policy", ["tdpipe", "pp-sb", "pp-hb"])
-def test_policies_run_a_feed_with_a_bounded_window(policy) -> None:
+@pytest.mark.parametrize("max_out", [40, 1])
+def test_policies_run_a_feed_with_a_bounded_window(policy, max_out) -> None:
     """The simulator's policies drain a RequestFeed whose source stops at WINDOW unfinished requests,
-    and every request completes (a full window never stalls them)."""
+    and every request completes (a full window never stalls them; nor do prefill phases whose
+    requests all finish at their prefill, which TD-Pipe once took for requests that cannot fit)."""
     from tdpipe.config import InstanceConfig
     from tdpipe.cost_table import CostTable
     from tdpipe.executor import SimExecutor
@@ -163,7 +165,7 @@ def test_policies_run_a_feed_with_a_bounded_window(policy) -> None:
     from tdpipe.workload import SimRequest
 
     rng = random.Random(1)
-    todo = [SimRequest(i, rng.randint(4, 60), rng.randint(1, 40), 20) for i in range(300)]
+    todo = [SimRequest(i, rng.randint(4, 60), rng.randint(1, max_out), 20) for i in range(300)]
     expected = sum(r.output_len for r in todo)
     source, open_, peak = iter(todo), [0], [0]
 
@@ -184,4 +186,4 @@ def test_policies_run_a_feed_with_a_bounded_window(policy) -> None:
     inst = InstanceConfig(num_stages=2, capacity_blocks=64, block_size=4, max_batch_tokens=128)
     table = CostTable.analytic()
     stats = make_policy(policy, table, inst).run(RequestFeed(pull, WINDOW), Counting(table, 2))
-    assert stats.output_tokens == expected and open_[0] == 0 and peak[0] == WINDOW
+    assert stats.output_tokens == expected and open_[0] == 0 and 0 < peak[0] <= WINDOW
