@@ -112,6 +112,11 @@ def parse_request(obj: dict, builder: ChoiceBuilder, model_name: str) -> BatchIt
         raise _bad_body("invalid_body", f"the body cannot be read: {type(e).__name__}: {str(e)[:200]}") from None
 
 
+def parse_line(text: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
+    """load_line then parse_request: one line's text to a validated item, LineError otherwise."""
+    return parse_request(load_line(text), builder, model_name)
+
+
 def _parse(obj: dict, builder: ChoiceBuilder, model_name: str) -> BatchItem:
     if custom_id_in(obj) is None:
         raise LineError("missing_custom_id", "line needs a non-empty string custom_id")
