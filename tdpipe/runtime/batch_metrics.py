@@ -1,10 +1,10 @@
 """`pdserve batch --enable-metrics --port N`: Prometheus series of the running job.
 
 Counters follow the lines written (a line's usage is what its output says); the phase and the
-bubble fraction are read from the controller's executor. The bubble fraction is estimated live
-from how many batches are in flight (a stage is idle whenever fewer than `stages` batches are
-in the pipeline), sampled every 100 ms; the summary at the end reports the exact one from the
-stages' own timelines.
+bubble fraction are read from the controller's executor: its live gauge (`executor.gauge`) where
+the runtime keeps one, else sampled here every 100 ms. Either way the bubble is estimated from how
+many batches are in flight (a stage is idle whenever fewer than `stages` batches are in the
+pipeline); when the job ends it is set to the exact figure from the stages' own timelines.
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ class BatchMetrics:
             self.in_flight.set(in_flight())
             ex = executor()
             if ex is None:
+                continue
+            gauge = getattr(ex, "gauge", None)
+            if gauge is not None:  # the runtime's own live view: exact time integral
+                self.set_phase(gauge.phase)
+                self.bubble.set(gauge.bubble_fraction)
                 continue
             decisions = ex.decisions
             if decisions:

@@ -20,11 +20,26 @@ from tdpipe.runtime.batch_output import OrderedWriter, ResumeKey
 from tdpipe.runtime.controller import PipeRequest
 
 
+def fit_capacity(item: BatchItem, capacity: int, where: str = "") -> None:
+    """LineError `prompt_too_long` when prompt + max_tokens exceeds the KV one request can hold."""
+    need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
+    if need > capacity:
+        raise LineError(
+            "prompt_too_long",
+            f"prompt + max_tokens is {need} tokens; the pipeline's KV holds {capacity}{where} "
+            f"(raise --num-kv-blocks or --block-size)",
+            status=400,
+            param="max_tokens",
+        )
+
+
 class LineSource:
     """Validates lines from `lines` into PipeRequests as the policy pulls them (see module doc).
 
     `capacity` is the KV tokens one request may hold (the pipeline's pool, or a PP virtual
-    engine's share); `kv_hint` names it in the refusal of a line that cannot fit.
+    engine's share); `fit(item, capacity, kv_hint)` refuses (LineError) or adapts a line that does
+    not fit it. `predict(item)`, when given, is the output length the planner admits the line on
+    (default: its max_tokens).
     """
 
     def __init__(
@@ -40,10 +55,13 @@ class LineSource:
         capacity: int,
         kv_hint: str = "",
         on_skip: Callable[[], object] | None = None,
+        fit: Callable[[BatchItem, int, str], None] = fit_capacity,
+        predict: Callable[[BatchItem], int] | None = None,
     ) -> None:
         self.lines, self.builder, self.model_name, self.writer, self.done = lines, builder, model_name, writer, done
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.window, self.capacity, self.kv_hint, self.on_skip = max(1, window), capacity, kv_hint, on_skip
+        self.fit, self.predict = fit, predict
         self.items: dict[str, BatchItem] = {}
         """The lines running now, by custom_id (removed when their result is written)."""
         self._tickets: dict[str, int] = {}
@@ -104,18 +122,12 @@ class LineSource:
             return None
 
     def _request(self, item: BatchItem) -> PipeRequest:
-        need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
-        if need > self.capacity:
-            raise LineError(
-                "prompt_too_long",
-                f"prompt + max_tokens is {need} tokens; the pipeline's KV holds {self.capacity}{self.kv_hint} "
-                f"(raise --num-kv-blocks or --block-size)",
-                status=400,
-                param="max_tokens",
-            )
+        self.fit(item, self.capacity, self.kv_hint)
         params = params_from_pb(item.choice.params)  # the router's wire params, as the nodes convert them
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
-        req = PipeRequest(item.custom_id, item.choice.prompt_ids, item.choice.params.max_tokens, stops, params=params)
+        max_tokens = item.choice.params.max_tokens
+        guess = self.predict(item) if self.predict is not None else None
+        req = PipeRequest(item.custom_id, item.choice.prompt_ids, max_tokens, stops, predicted_len=guess, params=params)
         self.items[item.custom_id] = item
         self._tickets[item.custom_id] = self.writer.ticket()
         return req

@@ -141,7 +141,8 @@ def test_input_order_after_sigkill_and_resume_and_a_second_job_refused(tmp_path)
     assert [r["custom_id"] for r in read_results(out)] == ids  # input order, each exactly once
 
 
-@pytest.mark.slow  # minutes: 200,000 lines through the tiny model's 2-stage pipeline
+@pytest.mark.slow  # 10-25 minutes on 2 loaded cores: 200,000 lines through the tiny model's 2-stage pipeline
+@pytest.mark.timeout(3600)
 def test_200k_lines_run_in_bounded_memory(tmp_path) -> None:
     psutil = pytest.importorskip("psutil")
     n = 200_000
