@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--input",
         dest="input",
         required=True,
-        help="input JSONL (custom_id, method, url, body per line): a path or an http(s) URL (streamed with GET)",
+        help="input JSONL (custom_id, method, url, body per line): a path or an http(s) URL (fetched with GET)",
     )
     p.add_argument(
         "-o",

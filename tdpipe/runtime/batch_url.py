@@ -1,6 +1,8 @@
 """http(s) input and output for `pdserve batch`, as vLLM's run-batch takes them.
 
-The input is streamed with a GET (read line by line, never held whole). The output is written to
+The input is downloaded with a GET into an anonymous temporary file (in pieces, never held whole in
+memory), then read from there line by line: a job may pause reading for minutes while its window is
+full, which an HTTP server would take for a dead client. The output is written to
 a local file first, with the lock, per-line flushing and `--resume` of a local output; when the
 job ends it is uploaded with a PUT, retried with backoff. The local file's name derives from the
 URL, so a `--resume` of an interrupted job finds what it had written.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -26,16 +29,22 @@ def is_url(name: str) -> bool:
 
 
 def open_input(name: str) -> BinaryIO:
-    """The input as a binary stream: the file, or the body of a GET (OSError when unreachable or
-    answered with an error status, with the URL in the message)."""
+    """The input as a binary stream: the file, or the body of a GET spooled to a temporary file
+    (OSError when unreachable or answered with an error status, with the URL in the message)."""
     if not is_url(name):
         return open(name, "rb")
+    spool = tempfile.TemporaryFile()  # removed when closed, or when the process dies
     try:
-        return urllib.request.urlopen(urllib.request.Request(name, method="GET"), timeout=HTTP_TIMEOUT_S)
+        with urllib.request.urlopen(urllib.request.Request(name, method="GET"), timeout=HTTP_TIMEOUT_S) as resp:
+            shutil.copyfileobj(resp, spool, 1 << 20)
     except urllib.error.HTTPError as e:
+        spool.close()
         raise OSError(f"GET {name}: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, OSError) as e:
+        spool.close()
         raise OSError(f"GET {name}: {getattr(e, 'reason', e)}") from None
+    spool.seek(0)
+    return spool
 
 
 def local_output(name: str, local_dir: str | None = None) -> str:
