@@ -187,3 +187,17 @@ def test_policies_run_a_feed_with_a_bounded_window(policy, max_out) -> None:
     table = CostTable.analytic()
     stats = make_policy(policy, table, inst).run(RequestFeed(pull, WINDOW), Counting(table, 2))
     assert stats.output_tokens == expected and open_[0] == 0 and 0 < peak[0] <= WINDOW
+
+
+def test_completion_order_writes_at_once() -> None:
+    from tdpipe.runtime.batch_output import OrderedWriter
+
+    out = io.BytesIO()
+    w = OrderedWriter(out, "completion")
+    first, second = w.ticket(), w.ticket()
+    w.put(second, {"n": 1})
+    assert json.loads(out.getvalue()) == {"n": 1} and w.in_flight == 1
+    w.put(first, {"n": 0})
+    assert w.in_flight == 0 and w.held == 0
+    with pytest.raises(ValueError, match="input or completion"):
+        OrderedWriter(out, "random")
