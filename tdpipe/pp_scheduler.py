@@ -15,14 +15,15 @@ from engine.block_manager import blocks_for
 from tdpipe.config import InstanceConfig
 from tdpipe.cost_table import CostTable
 from tdpipe.executor import Batch, BatchItem, Executor, SimExecutor
+from tdpipe.feed import RequestFeed
 from tdpipe.pipeline import KVPool, SimStats
 from tdpipe.workload import SimRequest
 
 
 class _VirtualEngine:
-    def __init__(self, capacity_blocks: int, block_size: int, requests: list[SimRequest]) -> None:
+    def __init__(self, capacity_blocks: int, block_size: int, waiting: deque[SimRequest]) -> None:
         self.kv = KVPool(capacity_blocks, block_size)
-        self.waiting: deque[SimRequest] = deque(requests)
+        self.waiting = waiting
         self.running: list[SimRequest] = []
 
 
@@ -44,9 +45,10 @@ class PPScheduler:
         self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
         self.ex.attach(self.stats)
         n = self.inst.num_stages
-        engines = [
-            _VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, list(requests[i::n])) for i in range(n)
-        ]
+        # a RequestFeed (tdpipe.feed) is shared: each engine draws from it as it has room
+        feed = requests.split(n) if isinstance(requests, RequestFeed) else None
+        queues: list[deque[SimRequest]] = list(feed) if feed else [deque(requests[i::n]) for i in range(n)]
+        engines = [_VirtualEngine(self.inst.capacity_blocks // n, self.inst.block_size, q) for q in queues]
         for i, ve in enumerate(engines):
             self._schedule(i, ve, 0.0)
         # Batches leave in the order they entered, so the oldest in flight is the next
@@ -57,6 +59,11 @@ class PPScheduler:
             self._complete(ve, done)
             self.stats.kv_samples.append((done.end_ms, sum(e.kv.used for e in engines) / self.inst.capacity_blocks))
             self._schedule(done.tag, ve, done.end_ms)
+            if feed:  # an engine that found its feed empty (the window was full) takes new work now
+                busy = {b.tag for b in self.ex.inflight}
+                for i, idle in enumerate(engines):
+                    if i not in busy:
+                        self._schedule(i, idle, done.end_ms)
         for ve in engines:
             if ve.waiting:
                 r = ve.waiting[0]

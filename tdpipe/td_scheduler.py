@@ -31,24 +31,29 @@ class TDPipeScheduler:
         )
         self.ready_ms: dict[int | str, float] = {}
         self.ex: Executor = SimExecutor(table, inst.num_stages)
+        self._num_admitted = 0
+        """Requests the last prefill phase admitted (all may finish at their prefill)."""
 
     def run(self, requests: Sequence[SimRequest], executor: Executor | None = None) -> SimStats:
         """Run `requests` to completion on `executor` (default: the simulator)."""
         self.ex = executor or SimExecutor(self.table, self.inst.num_stages)
         self.ex.attach(self.stats)
-        waiting: deque[SimRequest] = deque(requests)
+        # a deque (tdpipe.feed.RequestFeed) is used as is: it fills itself as the phases drain it
+        waiting: deque[SimRequest] = requests if isinstance(requests, deque) else deque(requests)
         resident: list[SimRequest] = []
         now = 0.0
         while waiting or resident:
+            admitted = 0
             if waiting:
                 resident += self._prefill_phase(waiting, resident, now)
+                admitted = self._num_admitted
             if not resident:
-                if waiting:
+                if waiting and not admitted:
                     raise ValueError(
                         f"request {waiting[0].request_id} ({waiting[0].input_len} prompt tokens) "
                         "does not fit in the KV capacity"
                     )
-                break
+                continue  # every admitted request finished at its prefill (max_tokens 1): admit more
             resident, now = self._decode_phase(resident, waiting)
         return self.stats
 
@@ -57,6 +62,7 @@ class TDPipeScheduler:
 
     def _release(self, r: SimRequest, end: float) -> None:
         self.kv.release(r)
+        self.ready_ms.pop(r.request_id, None)  # a streamed job retires millions of ids: keep only the live ones
         r.finish_ms = end
         self.ex.finish(r)
 
@@ -88,6 +94,7 @@ class TDPipeScheduler:
             admitted.append(r)
         if batch:
             self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
+        self._num_admitted = len(admitted)
         # The phase ends when every prefill is back: the first decode step needs each prompt's token.
         while self.ex.inflight:
             done = self.ex.collect()

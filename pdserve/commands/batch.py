@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.commands.batch_io_args import add_batch_io_args
 from pdserve.commands.device_args import add_device_args, device_options
 from tdpipe.simulator import CLI_NAMES
 
@@ -19,13 +20,25 @@ DEFAULT_STAGES = 2
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("batch", help="offline batch job: OpenAI Batch JSONL in, results JSONL out")
-    p.add_argument("-i", "--input", required=True, help="input JSONL (custom_id, method, url, body per line)")
+    p.add_argument(
+        "-i",
+        "--input-file",
+        "--input",
+        dest="input",
+        required=True,
+        help="input JSONL (custom_id, method, url, body per line): a path or an http(s) URL (fetched with GET)",
+    )
     p.add_argument(
         "-o",
+        "--output-file",
         "--output",
+        dest="output",
         required=True,
-        help="output JSONL; each result is appended as it completes (an existing non-empty file needs --resume)",
+        help="output JSONL, written line by line and locked against a second job (an existing non-empty file "
+        "needs --resume); an http(s) URL is written locally first (--local-output-dir) and uploaded with PUT "
+        "when the job ends",
     )
+    add_batch_io_args(p)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument(
         "--stages",

@@ -82,15 +82,43 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
         )
 
 
-def parse_line(line: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
-    """Validate one input line; LineError (see its kinds) otherwise."""
+def load_line(text: str) -> dict:
+    """The JSON object of one line; LineError("invalid_json") for anything else. Every failure of
+    the parser counts (a 10,000-deep line raises RecursionError, not ValueError): one bad line must
+    never end the job."""
     try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise LineError("invalid_json", f"line is not JSON: {e}") from None
+        obj = json.loads(text)
+    except Exception as e:
+        raise LineError("invalid_json", f"line is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise LineError("invalid_json", "line must be a JSON object with custom_id, method, url and body")
-    if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
+    return obj
+
+
+def custom_id_in(obj: dict) -> str | None:
+    """The line's custom_id when it is a non-empty string (what labels its output line)."""
+    cid = obj.get("custom_id")
+    return cid if isinstance(cid, str) and cid else None
+
+
+def parse_request(obj: dict, builder: ChoiceBuilder, model_name: str) -> BatchItem:
+    """Validate one line's object (from load_line) as the HTTP API validates a request; LineError
+    (see its kinds) otherwise, whatever the validators raise."""
+    try:
+        return _parse(obj, builder, model_name)
+    except LineError:
+        raise
+    except Exception as e:  # e.g. RecursionError from a deeply nested body: the line's fault, not the job's
+        raise _bad_body("invalid_body", f"the body cannot be read: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def parse_line(text: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
+    """load_line then parse_request: one line's text to a validated item, LineError otherwise."""
+    return parse_request(load_line(text), builder, model_name)
+
+
+def _parse(obj: dict, builder: ChoiceBuilder, model_name: str) -> BatchItem:
+    if custom_id_in(obj) is None:
         raise LineError("missing_custom_id", "line needs a non-empty string custom_id")
     if obj.get("method") != "POST":
         raise LineError("invalid_method", f'method must be "POST", not {obj.get("method")!r}')
@@ -100,9 +128,16 @@ def parse_line(line: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise _bad_body("invalid_body", f"body must be a JSON object, not {type(body).__name__}")
+    if body.get("model") is not None and body["model"] != model_name:
+        # the router's answer to the same body (404 model_not_found); omitting `model` is allowed here
+        raise LineError(
+            "model_not_found",
+            f"the model {body['model']!r} does not exist; this job serves {model_name!r}",
+            status=404,
+            param="model",
+        )
     try:
-        # `model` is optional here: the job runs one model, whatever a line names
-        req = model.model_validate({"model": model_name, **body})
+        req = model.model_validate({**body, "model": model_name})
     except ValidationError as e:
         raise _bad_body("invalid_body", *validation_message(e.errors())) from None
     _check_supported(req)
@@ -119,17 +154,8 @@ def parse_line(line: str, builder: ChoiceBuilder, model_name: str) -> BatchItem:
         choices = builder.choices(req)
     except RouterError as e:
         code = e.code or ("context_length_exceeded" if "context" in e.message else "invalid_body")
-        raise _bad_body(code, e.message, e.param) from None
+        raise LineError(code, e.message, status=e.status, param=e.param) from None
     return BatchItem(obj["custom_id"], obj["url"], req, choices[0])
-
-
-def custom_id_of(line: str) -> str | None:
-    """The custom_id of a line if it has one, to label error lines."""
-    try:
-        obj = json.loads(line)
-        return obj.get("custom_id") if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) else None
-    except ValueError:
-        return None
 
 
 def result_line(
@@ -184,29 +210,3 @@ def resume_key(row: dict) -> tuple[str, object] | None:
     if isinstance(err, dict) and (row.get("custom_id") is None or err.get("code") == "duplicate_custom_id"):
         return ("line", err.get("line"))
     return ("id", row["custom_id"]) if isinstance(row.get("custom_id"), str) else None
-
-
-def done_keys(path: str) -> set:
-    """What the output file already answers (see resume_key); a torn last line (killed
-    mid-write) is cut off the file so that the rerun appends after the last whole line."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return set()
-    done, good = set(), 0
-    for raw in data.split(b"\n"):
-        if not raw.strip():
-            good += len(raw) + 1
-            continue
-        try:
-            key = resume_key(json.loads(raw))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            break  # a torn line can only be the last one: everything after it is ours to redo
-        if key is not None:
-            done.add(key)
-        good += len(raw) + 1
-    if good < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return done

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
+from collections import deque
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Iterator
 
 from engine.tokenizer import Tokenizer
+from node_runtime.node_metrics import served_model_name
 from openai_api.choices import ChoiceBuilder
-from tdpipe.runtime.batch_io import BatchItem, LineError, custom_id_of, error_line, parse_line, result_line
-from node_runtime.convert import params_from_pb
+from tdpipe.feed import RequestFeed
+from tdpipe.runtime.batch_input import RawLine
+from tdpipe.runtime.batch_io import result_line
+from tdpipe.runtime.batch_output import OrderedWriter, ResumeKey
+from tdpipe.runtime.batch_stream import LineSource
 from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
@@ -27,9 +31,6 @@ from tdpipe.runtime.batch_watchdog import StageWatchdog
 
 if TYPE_CHECKING:
     from tqdm import tqdm
-
-ResumeKey = tuple[str, object]
-"""("id", custom_id) or ("line", 1-based input line number): see batch_io.resume_key."""
 
 
 def table_choice(choice: str, device: str, external: bool) -> CostTable | str:
@@ -57,7 +58,8 @@ def table_choice(choice: str, device: str, external: bool) -> CostTable | str:
 
 
 class BatchJob:
-    """One batch run: error lines are written at once, results as the pipeline retires requests."""
+    """One batch run: lines are read as the policy pulls them (batch_stream), and every output
+    line goes through the ordered writer (batch_output) as soon as its order allows."""
 
     def __init__(
         self,
@@ -66,82 +68,65 @@ class BatchJob:
         device: dict[str, str],
         tokenizer: Tokenizer,
         max_model_len: int,
-        out: TextIO,
+        writer: OrderedWriter,
     ) -> None:
-        self.args, self.model_dir, self.device, self.tokenizer, self.out = args, model_dir, device, tokenizer, out
-        self.model_name = model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.args, self.model_dir, self.device, self.tokenizer, self.writer = args, model_dir, device, tokenizer, writer
+        self.model_name = getattr(args, "served_model_name", None) or served_model_name(model_dir)
         self.builder = ChoiceBuilder(tokenizer, lambda: max_model_len)
         self.progress: tqdm | None = None
         self.watchdog: StageWatchdog | None = None
-        self.written = self.completed = self.errors = self.skipped = 0
+        self.executor: StageExecutor | None = None
+        self.source: LineSource | None = None
+        self.completed = 0
         self.table_name: str | None = None
         """The cost table the policy planned on (set once the job starts)."""
         self.profile_seconds = 0.0
         """Time spent profiling the stages for the cost table (0 for a given table)."""
 
-    def _write(self, obj: dict) -> None:
-        self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
-        self.out.flush()  # a killed job keeps every finished line (--resume relies on it)
-        self.written += 1
-        if self.progress is not None:
-            self.progress.update(1)
+    @property
+    def written(self) -> int:
+        return self.writer.written
+
+    @property
+    def errors(self) -> int:
+        return self.source.errors if self.source else 0
+
+    @property
+    def skipped(self) -> int:
+        return self.source.skipped if self.source else 0
+
+    def _write(self, row: dict) -> None:
+        assert self.source is not None
+        self.writer.put(self.source.release(row["custom_id"]), row)
 
     def _phase(self, phase: str) -> None:
         if self.progress is not None:
             self.progress.set_postfix_str(phase, refresh=False)
 
-    def plan(self, lines: list[tuple[int, str]], done: set[ResumeKey]) -> dict[str, BatchItem]:
-        """Validate every (line number, text); write error lines; return custom_id -> BatchItem to run."""
+    def _source(self, lines: Iterator[RawLine], done: set[ResumeKey]) -> LineSource:
         # PP's virtual engines each own 1/stages of the pool, and a request must fit one of them
         share = self.args.stages if getattr(self.args, "policy", "tdpipe").startswith("pp") else 1
-        items, claimed = {}, set()
-        capacity = self.args.num_kv_blocks // share * self.args.block_size
-        for line_no, line in lines:
-            cid = custom_id_of(line)
-            first = cid is not None and cid not in claimed
-            if ("line", line_no) in done or (first and ("id", cid) in done):
-                claimed.add(cid)
-                self.skipped += 1
-                if self.progress is not None:
-                    self.progress.update(1)
-                continue
-            try:
-                if cid is not None and not first:
-                    raise LineError(
-                        "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; this line is not run"
-                    )
-                item = parse_line(line, self.builder, self.model_name)
-                need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
-                if need > capacity:
-                    raise LineError(
-                        "prompt_too_long",
-                        f"prompt + max_tokens is {need} tokens; the pipeline's KV "
-                        f"holds {capacity}{' per virtual engine' if share > 1 else ''} "
-                        f"(raise --num-kv-blocks or --block-size)",
-                        status=400,
-                        param="max_tokens",
-                    )
-            except LineError as e:
-                if cid is not None:
-                    claimed.add(cid)
-                self.errors += 1
-                self._write(error_line(cid, e, line_no))
-                continue
-            claimed.add(item.custom_id)
-            items[item.custom_id] = item
-        return items
+        bar = self.progress
+        return LineSource(
+            lines,
+            self.builder,
+            self.tokenizer,
+            self.model_name,
+            self.writer,
+            done,
+            window=self.args.max_lines_in_flight,
+            capacity=self.args.num_kv_blocks // share * self.args.block_size,
+            kv_hint=" per virtual engine" if share > 1 else "",
+            on_skip=(lambda: bar.update(1)) if bar is not None else None,
+        )
 
-    def run(self, lines: list[tuple[int, str]], done: set[ResumeKey]) -> tuple[SimStats, list]:
+    def run(self, lines: Iterator[RawLine], done: set[ResumeKey]) -> tuple[SimStats, list]:
         """Run the job; exceptions from the pipeline propagate (finished lines stay written)."""
         self._phase("validating")
-        items = self.plan(lines, done)
-        eos = frozenset(self.tokenizer.eos_token_ids)
-        reqs = []
-        for cid, it in items.items():
-            params = params_from_pb(it.choice.params)  # the router's wire params, as the nodes convert them
-            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
-            reqs.append(PipeRequest(cid, it.choice.prompt_ids, it.choice.params.max_tokens, stops, params=params))
-        if not reqs:
+        self.source = self._source(lines, done)
+        items = self.source.items
+        reqs = RequestFeed(self.source.pull, self.args.max_lines_in_flight)
+        if not reqs:  # reads lines until one can run: a job of error lines starts no stage
             return SimStats(self.args.policy), []
         self._phase("starting stages")
 
@@ -153,6 +138,8 @@ class BatchJob:
             self.completed += 1
 
         def on_executor(executor: StageExecutor) -> None:
+            executor.decisions = deque(maxlen=64)  # type: ignore[assignment]  # the log is per batch: unbounded
+            self.executor = executor
             if self.watchdog is not None:
                 self.watchdog.executor = executor
 
@@ -165,7 +152,7 @@ class BatchJob:
             **self.device,
         )
         external = getattr(self.args, "external_stages", False)
-        table = self.cost_table(cfg, reqs, external)
+        table = self.cost_table(cfg, list(reqs), external)  # planned on the first window of lines
         # external stages join on their own; local ones are started (and watched) by the launcher
         on_spawn = self.watchdog.watch if self.watchdog else None
         run = run_controller if external else functools.partial(run_local_pipeline, on_spawn=on_spawn)

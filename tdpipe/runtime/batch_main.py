@@ -17,9 +17,12 @@ import traceback
 
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
-from tdpipe.runtime.batch_io import done_keys
+from tdpipe.runtime.batch_input import count_lines, read_lines
 from tdpipe.runtime.batch_job import BatchJob, table_choice
 from tdpipe.runtime.batch_kv import stage_kv_blocks
+from tdpipe.runtime.batch_metrics import BatchMetrics
+from tdpipe.runtime.batch_output import OrderedWriter, open_output
+from tdpipe.runtime.batch_url import local_output, open_input, upload
 from tdpipe.runtime.batch_watchdog import StageWatchdog
 
 
@@ -44,31 +47,44 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         cfg = ModelConfig.from_dir(model_dir)
         if args.stages > cfg.num_hidden_layers:
             raise ValueError(f"--stages {args.stages} is more than the model's {cfg.num_hidden_layers} layers")
+        if args.max_lines_in_flight < 1:
+            raise ValueError(f"--max-lines-in-flight must be at least 1, got {args.max_lines_in_flight}")
         tokenizer = Tokenizer(model_dir)
-        with open(args.input, encoding="utf-8", errors="replace") as f:
-            lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), start=1) if ln.strip()]
-        args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], len(lines))
-        if not args.resume and os.path.exists(args.output) and os.path.getsize(args.output) > 0:
-            # rerunning after a crash without --resume would throw away every result written so far
-            raise ValueError(
-                f"{args.output} already has results: add --resume to finish that job, or remove the file to start over"
-            )
-        done = done_keys(args.output) if args.resume else set()
-        out = open(args.output, "a" if args.resume else "w", encoding="utf-8")
+        # at most a window of lines is in flight: the KV never needs more than they can fill
+        args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], args.max_lines_in_flight)
+        stream = open_input(args.input)
+        out_path = local_output(args.output, args.local_output_dir)
+        out, done = open_output(out_path, args.resume)  # locked: a second job on this output fails here
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    with out:
-        job = BatchJob(args, model_dir, device, tokenizer, cfg.max_position_embeddings, out)
+    with out, stream:
         # a terminal gets a live bar; a log (a Kubernetes pod) one line every 30 s
         bar = tqdm(
-            total=len(lines),
+            total=count_lines(args.input),
             desc="batch",
             unit="req",
             file=sys.stderr,
             dynamic_ncols=True,
             mininterval=0.5 if sys.stderr.isatty() else 30.0,
         )
+        metrics: BatchMetrics | None = None
+
+        def on_write(row: dict) -> None:
+            bar.update(1)
+            if metrics is not None:
+                metrics.observe(row)
+
+        writer = OrderedWriter(out, args.output_order, on_write)
+        job = BatchJob(args, model_dir, device, tokenizer, cfg.max_position_embeddings, writer)
+        lines = read_lines(stream, args.max_line_bytes)
+        if args.enable_metrics:
+            metrics = BatchMetrics(job.model_name, args.stages)
+            try:
+                metrics.serve(args.port, args.metrics_host, lambda: job.executor, lambda: writer.in_flight)
+            except OSError as e:
+                print(f"error: --port {args.port}: {e}", file=sys.stderr)
+                return 2
         job.progress = bar
         watchdog = job.watchdog = StageWatchdog(bar)
         start = time.perf_counter()
@@ -79,7 +95,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
             bar.close()
             name = signal.Signals(watchdog.signum or signal.SIGINT).name
             print(
-                f"interrupted by {name}: {job.written} lines written to {args.output}; rerun with --resume to finish",
+                f"interrupted by {name}: {job.written} lines written to {out_path}; rerun with --resume to finish",
                 file=sys.stderr,
             )
             return 128 + (watchdog.signum or 2)
@@ -91,7 +107,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
             if not isinstance(e, RuntimeError):  # not a pipeline failure (those are RuntimeErrors): our bug
                 traceback.print_exc()
                 print(
-                    f"internal error: {type(e).__name__}: {e}. {job.written} lines written to {args.output}; "
+                    f"internal error: {type(e).__name__}: {e}. {job.written} lines written to {out_path}; "
                     f"rerun with --resume to finish",
                     file=sys.stderr,
                 )
@@ -106,7 +122,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
             else:
                 why = f"pipeline failed: {e}"
             print(
-                f"error: {why}. {job.written} lines written to {args.output}; rerun with --resume to finish",
+                f"error: {why}. {job.written} lines written to {out_path}; rerun with --resume to finish",
                 file=sys.stderr,
             )
             return 1
@@ -114,9 +130,19 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
             watchdog.close()
         bar.close()
     elapsed = time.perf_counter() - start
+    bubble = _bubble_fraction(timelines)
+    if metrics is not None:
+        metrics.finish(bubble)
+    if out_path != args.output:  # an http(s) output: the local file is complete, upload it
+        try:
+            upload(out_path, args.output)
+        except OSError as e:
+            print(f"error: {e}; rerun with --resume to upload again", file=sys.stderr)
+            return 1
+        os.unlink(out_path)
     running = elapsed - job.profile_seconds  # throughput of the pipeline itself; profiling is reported apart
     summary = {
-        "requests": len(lines),
+        "requests": job.source.read if job.source else 0,
         "skipped_resume": job.skipped,
         "completed": job.completed,
         "errors": job.errors,
@@ -126,7 +152,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         "output_tokens_per_s": round(stats.output_tokens / running, 2) if running > 0 else None,
         "phase_switches": len(stats.phase_switches),
         "preemptions": stats.num_preemptions,
-        "bubble_fraction": _bubble_fraction(timelines),
+        "bubble_fraction": bubble,
         "stages": args.stages,
         "policy": args.policy,
         "cost_table": job.table_name,

@@ -41,7 +41,7 @@ def stage_command(cfg: StageConfig) -> list[str]:
 
 def run_policy(
     executor: StageExecutor,
-    requests: list[PipeRequest],
+    requests: Sequence[PipeRequest],
     *,
     policy: str,
     num_stages: int,
@@ -112,7 +112,7 @@ def run_local_pipeline(
 def run_controller(
     cfg: StageConfig,
     num_stages: int,
-    requests: list[PipeRequest],
+    requests: Sequence[PipeRequest],
     max_batch_tokens: int = 2048,
     on_finish: Callable[[PipeRequest], None] | None = None,
     *,

@@ -55,7 +55,7 @@ def batch_cmd(tmp: Path, *extra: str) -> list[str]:
 
 def read_results(path: Path) -> list[dict]:
     """The output lines of a job, parsed."""
-    return [json.loads(ln) for ln in path.read_text().splitlines()]
+    return [json.loads(ln) for ln in path.read_bytes().split(b"\n") if ln]  # JSON may hold a raw U+2028
 
 
 def _code(row: dict) -> str | None:

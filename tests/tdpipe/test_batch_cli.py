@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-from argparse import Namespace
 
 import pytest
 
@@ -120,29 +119,40 @@ def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tin
     """A duplicate's error line carries the repeated custom_id: on resume it must not count as the
     answer of the line that owns that id; error lines without an id are matched by line number."""
     from engine.tokenizer import Tokenizer
-    from tdpipe.runtime.batch_io import done_keys
-    from tdpipe.runtime.batch_job import BatchJob
+    from openai_api.choices import ChoiceBuilder
+    from tdpipe.runtime.batch_input import read_lines
+    from tdpipe.runtime.batch_output import OrderedWriter, open_output
+    from tdpipe.runtime.batch_stream import LineSource
 
-    lines = list(
-        enumerate([request_line("a", "x"), request_line("a", "again"), "{bad", request_line("b", "y")], start=1)
-    )
-    args = Namespace(num_kv_blocks=128, block_size=4)
+    data = "\n".join([request_line("a", "x"), request_line("a", "again"), "{bad", request_line("b", "y")]).encode()
     tok = Tokenizer(str(tiny_model_dir))
 
     def plan(output: str) -> tuple[list[str], list[dict], int]:
         path = tmp_path / "out.jsonl"
         path.write_text(output)
-        out = io.StringIO()
-        job = BatchJob(args, str(tiny_model_dir), "cpu", tok, 4096, out)
-        items = job.plan(lines, done_keys(str(path)))
-        return sorted(items), [json.loads(x) for x in out.getvalue().splitlines()], job.skipped
+        f, done = open_output(str(path), resume=True)
+        f.close()
+        out = io.BytesIO()
+        src = LineSource(
+            read_lines(io.BytesIO(data)),
+            ChoiceBuilder(tok, lambda: 4096),
+            tok,
+            "m",
+            OrderedWriter(out, "completion"),  # input order would hold the errors behind "a"
+            done,
+            window=16,
+            capacity=512,
+        )
+        todo = []
+        while (req := src.pull()) is not None:
+            todo.append(req.request_id)
+        return sorted(todo), [json.loads(x) for x in out.getvalue().splitlines()], src.skipped
 
-    first_out = io.StringIO()
-    first = BatchJob(args, str(tiny_model_dir), "cpu", tok, 4096, first_out)
-    assert sorted(first.plan(lines, set())) == ["a", "b"]
-    errors = first_out.getvalue()  # the duplicate (line 2) and the bad JSON (line 3)
+    # nothing answered yet: both requests run, the duplicate (line 2) and the bad JSON (line 3) are errors
+    todo, errors, _ = plan("")
+    assert todo == ["a", "b"] and len(errors) == 2
     # killed before any result: both requests still run, the error lines are not repeated
-    assert plan(errors) == (["a", "b"], [], 2)
+    assert plan("".join(json.dumps(r) + "\n" for r in errors)) == (["a", "b"], [], 2)
     # "a" answered, plus a line torn by the kill: "a" is skipped, the error lines are written again
     # (they were not in the output), and the torn tail is cut off the file
     answered_a = json.dumps({"id": "batch_req_1", "custom_id": "a", "response": {"status_code": 200}, "error": None})
