@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,11 +54,12 @@ class TPGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self.idle_timeout = timedelta(seconds=idle_timeout_s)
         self.store = store
-        self.ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", self.store), rank, size, self.timeout)
+        # Any: torch's stubs lack the Backend collectives (allreduce, broadcast) these objects have
+        self.ctl: Any = dist.ProcessGroupGloo(dist.PrefixStore("ctl", self.store), rank, size, self.timeout)
         if device.type == "cuda":  # written for CUDA, not run here (no GPU on the CI machine)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
-            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("dev", self.store), rank, size, opts)
+            self.dev: Any = dist.ProcessGroupNCCL(dist.PrefixStore("dev", self.store), rank, size, opts)
         else:
             self.dev = self.ctl
         self._buf = torch.empty(STEP_CAPACITY, dtype=torch.uint8)

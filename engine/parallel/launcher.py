@@ -18,8 +18,12 @@ import subprocess
 import sys
 import threading
 from dataclasses import asdict
+from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankFailure, TPGroup, rendezvous
@@ -38,11 +42,17 @@ def rank_spec(config: EngineConfig, rank: int, port: int) -> dict:
     return {"config": fields, "rank": rank, "port": port}
 
 
-def default_threads(config: EngineConfig) -> int | None:
-    """CPU: the host's cores shared out over the ranks, so N ranks do not oversubscribe them."""
-    if config.num_threads or config.device != "cpu":
-        return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+def rank_options(config: EngineConfig, rank: int) -> dict:
+    """ModelRunner options of `rank`: on CUDA its own GPU (`cuda:k` -> `cuda:k+rank`); on CPU,
+    unless --num-threads says otherwise, the host's cores shared out so the ranks do not
+    oversubscribe them."""
+    options = config.runner_options()
+    if config.device.startswith("cuda"):
+        base = int(config.device.split(":")[1]) if ":" in config.device else 0
+        options["device"] = f"cuda:{base + rank}"
+    elif not config.num_threads:
+        options["num_threads"] = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return options
 
 
 class RankProcesses:
@@ -96,12 +106,11 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, config: EngineConfig) -> None:
         TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_dir(config.model_dir))  # before any spawn
-        options = config.runner_options()
-        options["num_threads"] = default_threads(config)
+        options = rank_options(config, 0)
         store = rendezvous(0, config.tensor_parallel_size, 0, START_TIMEOUT_S)
         self.ranks = RankProcesses(config, store.port)
         try:
-            tp = TPGroup(0, config.tensor_parallel_size, store, _device(config.device), START_TIMEOUT_S)
+            tp = TPGroup(0, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
             super().__init__(config.model_dir, **options, tp=tp)
         except BaseException as e:
             self.ranks.stop(grace_s=2.0)
@@ -113,7 +122,7 @@ class TensorParallelRunner(ModelRunner):
         if self.ranks.dead is not None:
             raise RankFailure(self.ranks.dead)
 
-    def run(self, batch, **kwargs):  # type: ignore[no-untyped-def]
+    def run(self, batch: ForwardBatch, **kwargs: Any) -> torch.Tensor:
         self.check()
         try:
             return super().run(batch, **kwargs)
@@ -128,9 +137,3 @@ class TensorParallelRunner(ModelRunner):
         except RankFailure:
             pass  # a rank died meanwhile: stop() below ends the rest
         self.ranks.stop()
-
-
-def _device(name: str):  # noqa: ANN202 - torch.device
-    import torch
-
-    return torch.device(name)

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankFailure, TPGroup, rendezvous
-from engine.parallel.launcher import START_TIMEOUT_S, default_threads
+from engine.parallel.launcher import START_TIMEOUT_S, rank_options
 
 
 def _exit_with_rank0() -> None:
@@ -35,9 +35,8 @@ def serve(spec: dict) -> None:
     config = EngineConfig(**fields)
     rank = int(spec["rank"])
     store = rendezvous(rank, config.tensor_parallel_size, int(spec["port"]), START_TIMEOUT_S)
-    tp = TPGroup(rank, config.tensor_parallel_size, store, torch.device(config.device), START_TIMEOUT_S)
-    options = config.runner_options()
-    options["num_threads"] = default_threads(config)
+    options = rank_options(config, rank)
+    tp = TPGroup(rank, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
     runner = ModelRunner(config.model_dir, **options, tp=tp)
     while (msg := tp.recv_step()) is not None:
         runner.run(ForwardBatch(**msg["batch"]))

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Callable
 
-from pdserve.commands.device_args import add_device_args, device_options
+from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
 from pdserve.commands.generate import add_model_args
 from pdserve.commands.memory_args import add_kv_memory_args
 
@@ -126,6 +126,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed of the engine (default 0)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+    add_tensor_parallel_arg(p)
 
 
 RDMA_HELP = {
