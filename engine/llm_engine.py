@@ -55,7 +55,11 @@ class LLMEngine(RemotePrefill):
         self.runner = runner or ModelRunner(config.model_dir, **config.runner_options())
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
-        self.tokenizer = Tokenizer(config.model_dir)
+        try:
+            self.tokenizer = Tokenizer(config.model_dir)
+        except BaseException:
+            self.runner.close()  # stop the other tensor-parallel ranks, if any, with the failed start
+            raise
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         pool = self.runner.kv_pool
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
