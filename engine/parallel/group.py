@@ -57,6 +57,7 @@ class TPGroup:
         # Any: torch's stubs lack the Backend collectives (allreduce, broadcast) these objects have
         self.ctl: Any = dist.ProcessGroupGloo(dist.PrefixStore("ctl", self.store), rank, size, self.timeout)
         if device.type == "cuda":  # written for CUDA, not run here (no GPU on the CI machine)
+            torch.cuda.set_device(device)  # NCCL binds each rank to the current device: its own card
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             self.dev: Any = dist.ProcessGroupNCCL(dist.PrefixStore("dev", self.store), rank, size, opts)
