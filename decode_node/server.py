@@ -103,7 +103,9 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request: decode_pb2.GenerateRequest, context) -> AsyncIterator[decode_pb2.GenerateEvent]:
         rt, engine = self.rt, self.rt.engine
         rid, prompt, params, salt = self._parse(request)
-        addresses = list(request.prefill_addresses)
+        # KV from a prefill node lands in one pool; a tensor-parallel node's KV is split over its
+        # ranks' pools, which CacheStore does not address yet: such a node prefills every prompt itself
+        addresses = list(request.prefill_addresses) if self.rt.engine.config.tensor_parallel_size == 1 else []
         async with rt.request(
             rid,
             partial(self._end, rid),

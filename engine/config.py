@@ -55,7 +55,28 @@ class EngineConfig:
     """Load only these layers (pipeline stage)."""
     seed: int = 0
     num_threads: int | None = None
-    """torch intra-op threads (default: torch's choice)."""
+    """torch intra-op threads (default: torch's choice; with tensor parallelism on CPU, the host's
+    cores shared out over the ranks)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (engine.parallel): one process each, this one rank 0."""
+
+    def runner_options(self) -> dict:
+        """ModelRunner's keyword arguments: every rank of a tensor-parallel engine builds its runner
+        from the same ones."""
+        return dict(
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_bytes=self.kv_cache_bytes,
+            layer_range=self.layer_range,
+            attention_backend=self.attention_backend,
+            max_model_len=self.max_model_len,
+            num_threads=self.num_threads,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -73,5 +94,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.layer_range is not None:
+            raise ValueError("tensor parallelism runs whole models: it cannot be combined with a layer_range")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -29,6 +29,7 @@ class ProfiledRunner(Protocol):
     max_model_len: int
     layer_range: tuple[int, int]
     model_config: ModelConfig
+    local_config: ModelConfig
     kv_pool: KVPool
 
     @property
@@ -102,7 +103,7 @@ def measure_cuda_memory(
     batch = profile_batch(max_num_seqs, max_num_batched_tokens, runner.max_model_len, runner.block_size)
     num_blocks = max(2, sum(len(t) for t in batch.block_tables))
     start, end = runner.layer_range
-    scratch = KVPool(runner.model_config, end - start, runner.block_size, runner.dtype, dev, num_blocks=num_blocks)
+    scratch = KVPool(runner.local_config, end - start, runner.block_size, runner.dtype, dev, num_blocks=num_blocks)
     runner.kv_pool = scratch
     hidden = None
     if not runner.is_first_stage:  # a later pipeline stage starts from hidden states

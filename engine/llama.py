@@ -45,8 +45,11 @@ class LlamaModel:
         device: torch.device,
         fused_ops: bool = True,
         prepack: bool = False,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """`prepack`: hold the linear weights in oneDNN's layout (`Linear`, CPU only)."""
+        """`prepack`: hold the linear weights in oneDNN's layout (`Linear`, CPU only). `all_reduce`:
+        this is one tensor-parallel rank (`config` its share, engine.parallel): the row-parallel
+        o_proj and down outputs are summed over the ranks by it, once per block."""
         self.config = config
         self.fused_ops = fused_ops  # use CpuFusedOps on steps that run the compiled CPU ops
         self.start, self.end = layer_range
@@ -59,6 +62,7 @@ class LlamaModel:
         self.layers = [self._fuse(tensors, i, prepack) for i in range(self.start, self.end)]
         self.rotary = RotaryEmbedding(config, device)
         self.scale = config.head_dim**-0.5
+        self.reduce = all_reduce or (lambda t: t)
 
     @staticmethod
     def _fuse(t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
@@ -110,9 +114,9 @@ class LlamaModel:
             o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
             if layer_hook is not None:
                 layer_hook(self.start + local, batch)
-            h = ops.add_rms_norm(x, layer.o_proj(o.reshape(-1, hq * d)), layer.post_norm, eps)
+            h = ops.add_rms_norm(x, self.reduce(layer.o_proj(o.reshape(-1, hq * d))), layer.post_norm, eps)
             # MLP block: SiLU-gated, gate_up [T, 2I] -> [T, I]
-            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            mlp = self.reduce(layer.down(ops.silu_mul(layer.gate_up(h))))
             if next_norm is None:  # a non-last pipeline stage hands on the un-normed stream
                 x.add_(mlp)
             else:

@@ -28,6 +28,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (the object is unusable after)."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],

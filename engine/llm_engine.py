@@ -48,24 +48,18 @@ class LLMEngine(RemotePrefill):
     ) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        self.runner = runner or ModelRunner(
-            config.model_dir,
-            dtype=config.dtype,
-            device=config.device,
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            kv_cache_bytes=config.kv_cache_bytes,
-            layer_range=config.layer_range,
-            attention_backend=config.attention_backend,
-            max_model_len=config.max_model_len,
-            num_threads=config.num_threads,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
+        if runner is None and config.tensor_parallel_size > 1:
+            from engine.parallel.launcher import TensorParallelRunner
+
+            runner = TensorParallelRunner(config)
+        self.runner = runner or ModelRunner(config.model_dir, **config.runner_options())
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
-        self.tokenizer = Tokenizer(config.tokenizer or config.model_dir)
+        try:
+            self.tokenizer = Tokenizer(config.tokenizer or config.model_dir)
+        except BaseException:
+            self.runner.close()  # stop the other tensor-parallel ranks, if any, with the failed start
+            raise
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         pool = self.runner.kv_pool
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
@@ -230,6 +224,15 @@ class LLMEngine(RemotePrefill):
         self._finish(req)
         self._finished.append(self._output(req))
         return True
+
+    def check_ranks(self) -> None:
+        """Raise RankFailure if a tensor-parallel rank of this engine died (a no-op without TP), so
+        an idle node notices at once rather than at its next step."""
+        self.runner.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (their processes exit)."""
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._finished)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from engine.kv_sizing import KvMemory, fit_max_model_len, kv_memory_for
 from engine.layers import can_prepack
 from engine.llama import LayerHook, LlamaModel
 from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.sharding import TPShard
 from engine.weights import load_tensors, resolve_dtype
 
 
@@ -29,6 +32,11 @@ class ModelRunner:
     The KV pool is sized after the weights load: `num_kv_blocks` exactly, else from `kv_memory`
     (default `kv_memory_for`: `kv_cache_bytes` or a share of the host's memory on CPU, a profiled
     `gpu_memory_utilization` share of the card on CUDA). `max_model_len` must fit the pool.
+
+    With `tp` (engine.parallel), this is one tensor-parallel rank: it loads its shard of the
+    weights, holds the KV of its heads only (`local_config`), all-reduces the attention and MLP
+    outputs, and the ranks agree on one pool size. Every rank must `run` the same batches in the
+    same order; rank 0 sends each batch to the others before running it.
     """
 
     def __init__(
@@ -50,11 +58,18 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         kv_memory: KvMemory | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
-        cfg = self.model_config
+        self.tp = tp
+        shard = TPShard(tp.rank, tp.size) if tp is not None else None
+        if shard is not None:
+            shard.check(self.model_config)
+        self.local_config = shard.local_config(self.model_config) if shard is not None else self.model_config
+        """The geometry this process computes with: the whole model, or one rank's heads and MLP share."""
+        cfg = self.local_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         start, end = layer_range or (0, cfg.num_hidden_layers)
@@ -75,19 +90,35 @@ class ModelRunner:
             fit_max_model_len(max_model_len, cfg.max_position_embeddings, num_kv_blocks, block_size)
         elif kv_memory is not None:
             kv_memory.before_load(self.device)
-        tensors = load_tensors(model_dir, cfg, self.layer_range, self.dtype, self.device)
+        tensors = load_tensors(model_dir, self.model_config, self.layer_range, self.dtype, self.device, shard)
         if prepack is None:
             prepack = can_prepack(self.dtype, self.device)
-        self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack)
+        all_reduce = tp.all_reduce if tp is not None else None
+        self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack, all_reduce)
         self.attention = make_backend(resolve_backend(attention_backend, self.device.type))
         self.attention.configure(cfg.num_attention_heads, self.dtype)
         if num_kv_blocks is None:  # profiled: measured with the weights in place
             assert kv_memory is not None
             num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)
+        if tp is not None:  # block ids are per node: every rank's pool has the same number of blocks
+            num_kv_blocks = tp.agree_min(num_kv_blocks)
         self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks)
         self.max_model_len = fit_max_model_len(
             max_model_len, cfg.max_position_embeddings, self.kv_pool.num_blocks, block_size
         )
+        self._drives_ranks = tp is not None and tp.rank == 0
+        """Rank 0 sends each batch to the other ranks; set last, so the start-up profile run (every
+        rank runs the same one) sends nothing."""
+
+    def check(self) -> None:
+        """Raise if this runner can no longer step (engine.parallel.launcher: a rank died)."""
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop (their processes exit)."""
+        if self._drives_ranks:
+            assert self.tp is not None
+            self._drives_ranks = False
+            self.tp.send_step(None)
 
     @property
     def is_first_stage(self) -> bool:
@@ -103,6 +134,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Last stage: float32 logits [num_sampled, vocab] (rows of sample_mask, in order); else hidden [T, H]."""
         assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
+        if self._drives_ranks:
+            assert self.tp is not None and hidden_states is None, "tensor-parallel ranks run whole models"
+            self.tp.send_step({"batch": dataclasses.asdict(batch)})
         input_ids = None
         if self.is_first_stage:
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model_config import ModelConfig
+from engine.parallel.sharding import TPShard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,9 +60,17 @@ def needed_tensor_names(config: ModelConfig, layer_range: tuple[int, int]) -> li
 
 
 def load_tensors(
-    model_dir: str | Path, config: ModelConfig, layer_range: tuple[int, int], dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    config: ModelConfig,
+    layer_range: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: TPShard | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read exactly the tensors of `layer_range` (plus embeddings / norm / lm_head at the ends)."""
+    """Read exactly the tensors of `layer_range` (plus embeddings / norm / lm_head at the ends).
+
+    With `shard`, a tensor-parallel rank reads only its slice of each split tensor from the file
+    (safetensors slices: the rest of the tensor is never materialized on this rank)."""
     files = _tensor_files(Path(model_dir))
     wanted = needed_tensor_names(config, layer_range)
     missing = [n for n in wanted if n not in files]
@@ -74,5 +83,12 @@ def load_tensors(
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                cut = shard.tensor_slice(name, config) if shard is not None else None
+                if cut is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, start, stop = cut
+                    index = (slice(None),) * dim + (slice(start, stop),)
+                    tensor = f.get_slice(name)[index]
+                out[name] = tensor.to(device=device, dtype=dtype)
     return out

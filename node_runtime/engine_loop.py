@@ -128,6 +128,7 @@ class EngineLoop:
     def _serve(self) -> None:
         engine = self.engine
         while self._running:
+            engine.check_ranks()  # a dead tensor-parallel rank ends this thread, hence the node, at once
             # block for a command only when the engine has nothing to step
             block = not engine.has_unfinished_requests()
             try:

@@ -179,6 +179,7 @@ class NodeRuntime:
             await self.server.stop(grace=1.0)
         if self._loop_thread is not None:
             self._loop_thread.stop()
+        self.engine.close()  # the other tensor-parallel ranks stop with the node
 
     async def _drain(self) -> None:
         self.draining = True

@@ -28,6 +28,8 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     compute of layer i+1. The first token is returned only once every layer is acknowledged."""
 
     def __init__(self, config: NodeConfig) -> None:
+        if config.engine.tensor_parallel_size > 1:  # see DecodeNode.Generate: KV is split over ranks
+            raise ValueError("a prefill node ships KV from one pool: --tensor-parallel-size > 1 is not supported yet")
         if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
         self.rt = NodeRuntime("prefill", config)

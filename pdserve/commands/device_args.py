@@ -33,6 +33,17 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size: the model split over N ranks, one process each (engine.parallel)."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="split the model over N ranks, one process each (gloo on CPU, NCCL on CUDA: rank r uses "
+        "GPU index+r); must divide the attention heads and the MLP width (default 1)",
+    )
+
+
 def resolve_device(requested: str | None) -> str:
     """The torch device string to run on; ValueError for a malformed name or a missing GPU."""
     device = (requested or _DEFAULT_DEVICE).strip()

@@ -11,9 +11,10 @@ from pdserve.commands.model_args import add_model_args
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text offline from prompts")
     add_model_args(p)
-    from pdserve.commands.device_args import add_device_args
+    from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg
 
     add_device_args(p)
+    add_tensor_parallel_arg(p)
     from pdserve.commands.memory_args import add_kv_memory_args
 
     add_kv_memory_args(p)
@@ -28,17 +29,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    from engine.parallel.group import RankFailure
     from pdserve.commands.device_args import device_options
     from pdserve.commands.memory_args import kv_memory_options
 
     prompts = args.prompt or ["The old lighthouse keeper"]
+    llm = None
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
         # unset: EngineConfig's defaults
-        files = {k: v for k, v in (("dtype", args.dtype), ("tokenizer", args.tokenizer)) if v}
-        llm = LLM(args.model, **files, **device_options(args), **kv_memory_options(args))
+        chosen = (
+            ("dtype", args.dtype),
+            ("tokenizer", args.tokenizer),
+            ("tensor_parallel_size", args.tensor_parallel_size),
+        )
+        options = {k: v for k, v in chosen if v}
+        llm = LLM(args.model, **options, **device_options(args), **kv_memory_options(args))
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:
@@ -46,6 +54,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RankFailure as e:  # a rank died: every other rank is already stopped
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if llm is not None:
+            llm.close()
     for prompt, out in zip(prompts, outputs):
         comp = out.outputs[0]
         print(

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Callable
 
-from pdserve.commands.device_args import add_device_args, device_options
+from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.memory_args import add_kv_memory_args
 from pdserve.commands.serving_args import add_scheduler_args, add_served_name_args
@@ -122,6 +122,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "or never (admission reserves every block; the only choice on decode nodes)",
     )
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+    add_tensor_parallel_arg(p)
 
 
 RDMA_HELP = {

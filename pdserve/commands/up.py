@@ -34,7 +34,7 @@ READY_TIMEOUT = 180.0
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="start router + prefill + decode nodes on 127.0.0.1")
     add_model_args(p)
-    from pdserve.commands.device_args import add_device_args
+    from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg
 
     add_device_args(p)  # every node of the cluster shares the device (one GPU: they share it)
     from pdserve.commands.memory_args import add_kv_memory_args
@@ -80,7 +80,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(0: nodes serve no metrics; the router always serves /metrics on --port)",
     )
     add_api_key_args(p)
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads per node process")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per node process (per rank with TP)")
+    add_tensor_parallel_arg(p)
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=None,
+            help=f"tensor-parallel ranks of each {role} node (default: --tensor-parallel-size, else 1)",
+        )
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -157,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         index = i if role == "prefill" else args.num_prefill + i
         metrics = ["--metrics-port", str(args.metrics_base_port + index)] if args.metrics_base_port else []
         own = decode_args if role == "decode" else []
+        tp = getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
+        own = own + (["--tensor-parallel-size", str(tp)] if tp else [])
         return Supervised(
             f"{role}-{i}", lambda p: base + [role, "--port", str(p)] + node_args + own + metrics, port, env, policy()
         )

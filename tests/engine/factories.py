@@ -8,8 +8,9 @@ import torch
 
 
 def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
-    """A random transformers checkpoint of `kind` (gqa | qwen2 | llama3 | mistral, the last with a
-    sliding window of 32) using the tiny model's tokenizer."""
+    """A random transformers checkpoint of `kind` (gqa | mqa | qwen2 | llama3 | mistral, the last
+    with a sliding window of 32; mqa has one KV head, fewer than any tensor-parallel degree) using
+    the tiny model's tokenizer."""
     import shutil
 
     from transformers import (
@@ -31,6 +32,8 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     )
     if kind == "gqa":
         cfg, cls = LlamaConfig(num_key_value_heads=2, **common), LlamaForCausalLM
+    elif kind == "mqa":
+        cfg, cls = LlamaConfig(num_key_value_heads=1, **common), LlamaForCausalLM
     elif kind == "qwen2":
         cfg, cls = Qwen2Config(num_key_value_heads=3, tie_word_embeddings=True, **common), Qwen2ForCausalLM
     elif kind == "llama3":

@@ -1,7 +1,9 @@
 """Greedy ids and logprobs of pdserve's engine equal Hugging Face transformers on the same weights.
 
 Tolerance: logprobs within 1e-4 (float32; observed differences are ~1e-6, from
-fused q/k/v and gate/up matmuls and a different attention kernel).
+fused q/k/v and gate/up matmuls and a different attention kernel). Some cases also run at
+tensor-parallel size 2 (engine.parallel, two gloo ranks): the built-in model, a GQA model whose
+two KV heads are split, and an MQA model whose one KV head is replicated on both ranks.
 """
 
 from __future__ import annotations
@@ -20,23 +22,37 @@ LOGPROB_ATOL = 1e-4
 
 
 BACKENDS = ["torch", "cpu_paged"]
+TP_CASES = [("builtin", "cpu_paged", 2), ("gqa", "torch", 2), ("mqa", "cpu_paged", 2)]
+"""(kind, backend, tensor_parallel_size): a few, since each starts a second rank process."""
 
 
-@pytest.fixture(scope="module", params=[(c, b) for c in CASES for b in BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(c, b, 1) for c in CASES for b in BACKENDS] + TP_CASES,
+    ids=lambda p: f"{p[0]}-{p[1]}" + (f"-tp{p[2]}" if p[2] > 1 else ""),
+)
 def case(request, tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    kind, backend = request.param
+    kind, backend, tp = request.param
     if kind == "builtin":
         model_dir = tiny_model_dir
     else:
         model_dir = build_checkpoint(kind, tmp_path_factory.mktemp(kind), tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(model_dir, num_kv_blocks=512, block_size=8, max_num_batched_tokens=96, attention_backend=backend)
+    llm = LLM(
+        model_dir,
+        num_kv_blocks=512,
+        block_size=8,
+        max_num_batched_tokens=96,
+        attention_backend=backend,
+        tensor_parallel_size=tp,
+    )
     if backend == "cpu_paged":  # this machine has a compiler: the kernel must be what is tested
         llm.engine.runner.attention.wait_ready()
         assert llm.engine.runner.attention.uses_kernel
-    return hf, llm
+    yield hf, llm
+    llm.close()
 
 
 def _prompts(n: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:

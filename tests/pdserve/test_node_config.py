@@ -36,6 +36,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "attention_backend": (["--attention-backend", "torch"], "torch"),
     "seed": (["--seed", "7"], 7),
     "num_threads": (["--num-threads", "2"], 2),
+    "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
 }
 """Per EngineConfig field: flags that set it to a value other than its default, and that value."""
 

@@ -1,0 +1,139 @@
+"""Rank 0 of a tensor-parallel engine: starts ranks 1..N-1 as child processes and drives them.
+
+The ranks start together (rank 0 hosts the rendezvous and waits, bounded, for every rank to join)
+and stop together: `close` sends the stop step, and each child also exits when its stdin, a pipe
+from rank 0, reaches EOF, so rank 0's death by any signal ends every rank. A child's death is
+noticed by a watcher thread at once: the other children are killed and the runner raises
+RankFailure at its next call (`check`, called by an idle node loop too) or in the collective it
+was in, which gloo fails as soon as the peer's sockets close. Nothing is left behind and nothing
+hangs: the node dies as a whole and `pdserve up` restarts it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel.group import RankFailure, TPGroup, rendezvous
+from engine.parallel.sharding import TPShard
+
+log = logging.getLogger("pdserve.engine.tp")
+
+START_TIMEOUT_S = 120.0
+"""How long rank 0 waits for the other ranks to join (their start-up: python, torch, the model)."""
+
+
+def rank_spec(config: EngineConfig, rank: int, port: int) -> dict:
+    """What a child rank is started with: the engine config, its rank and the rendezvous port."""
+    fields = asdict(config)
+    fields["model_dir"] = str(config.model_dir)
+    return {"config": fields, "rank": rank, "port": port}
+
+
+def rank_options(config: EngineConfig, rank: int) -> dict:
+    """ModelRunner options of `rank`: on CUDA its own GPU (`cuda:k` -> `cuda:k+rank`); on CPU,
+    unless --num-threads says otherwise, the host's cores shared out so the ranks do not
+    oversubscribe them."""
+    options = config.runner_options()
+    if config.device.startswith("cuda"):
+        base = int(config.device.split(":")[1]) if ":" in config.device else 0
+        options["device"] = f"cuda:{base + rank}"
+    elif not config.num_threads:
+        options["num_threads"] = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return options
+
+
+class RankProcesses:
+    """Child processes of ranks 1..N-1; `dead` names the first that exited unasked."""
+
+    def __init__(self, config: EngineConfig, port: int) -> None:
+        self.dead: str | None = None
+        self._stopping = False
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, config.tensor_parallel_size):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE, env=dict(os.environ)
+            )
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps(rank_spec(config, rank, port)) + "\n").encode())
+            proc.stdin.flush()  # the pipe stays open: its EOF is rank 0's death
+            self.procs.append(proc)
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-rank-{rank}").start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._stopping:
+            return
+        if self.dead is None:
+            self.dead = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+            log.critical("%s: stopping every rank of this engine", self.dead)
+        self.stop(grace_s=0.0)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Close every child's lifeline, wait up to `grace_s`, then kill what is left."""
+        self._stopping = True
+        for proc in self.procs:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's ModelRunner: owns the other ranks' processes, sends them each batch it runs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_dir(config.model_dir))  # before any spawn
+        options = rank_options(config, 0)
+        store = rendezvous(0, config.tensor_parallel_size, 0, START_TIMEOUT_S)
+        self.ranks = RankProcesses(config, store.port)
+        try:
+            tp = TPGroup(0, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
+            super().__init__(config.model_dir, **options, tp=tp)
+        except BaseException as e:
+            self.ranks.stop(grace_s=2.0)
+            if isinstance(e, RankFailure) or self.ranks.dead:
+                raise RankFailure(f"tensor-parallel start failed: {self.ranks.dead or e}") from e
+            raise
+
+    def check(self) -> None:
+        if self.ranks.dead is not None:
+            raise RankFailure(self.ranks.dead)
+
+    def run(self, batch: ForwardBatch, **kwargs: Any) -> torch.Tensor:
+        self.check()
+        try:
+            return super().run(batch, **kwargs)
+        except RankFailure as e:
+            self.ranks.stop(grace_s=0.0)
+            raise RankFailure(f"{self.ranks.dead or 'a tensor-parallel rank failed'}: {e}") from e
+
+    def close(self) -> None:
+        try:
+            if self.ranks.dead is None:
+                super().close()
+        except RankFailure:
+            pass  # a rank died meanwhile: stop() below ends the rest
+        self.ranks.stop()

@@ -1,0 +1,57 @@
+"""`python -m engine.parallel.worker`: one tensor-parallel rank other than 0.
+
+Reads its spec (engine.parallel.launcher.rank_spec) as one JSON line on stdin, joins the group,
+builds its ModelRunner shard and runs every batch rank 0 broadcasts until the stop step. It exits
+when stdin reaches EOF (rank 0 is gone, by whatever signal) or when the group fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
+from engine.model_runner import ModelRunner
+from engine.parallel.group import RankFailure, TPGroup, rendezvous
+from engine.parallel.launcher import START_TIMEOUT_S, rank_options
+
+
+def _exit_with_rank0() -> None:
+    """Reads stdin to EOF: rank 0 closed it (stop) or died; either way this rank is done."""
+    sys.stdin.buffer.read()
+    os._exit(0)
+
+
+def serve(spec: dict) -> None:
+    """Join the group and run rank 0's steps until it says stop."""
+    fields = dict(spec["config"])
+    if fields.get("layer_range") is not None:
+        fields["layer_range"] = tuple(fields["layer_range"])
+    config = EngineConfig(**fields)
+    rank = int(spec["rank"])
+    store = rendezvous(rank, config.tensor_parallel_size, int(spec["port"]), START_TIMEOUT_S)
+    options = rank_options(config, rank)
+    tp = TPGroup(rank, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
+    runner = ModelRunner(config.model_dir, **options, tp=tp)
+    while (msg := tp.recv_step()) is not None:
+        runner.run(ForwardBatch(**msg["batch"]))
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.buffer.readline())
+    threading.Thread(target=_exit_with_rank0, daemon=True, name="rank0-lifeline").start()
+    try:
+        serve(spec)
+    except RankFailure as e:
+        print(f"tensor-parallel rank {spec.get('rank')}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

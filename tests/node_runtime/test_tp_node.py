@@ -1,0 +1,49 @@
+"""A tensor-parallel node (engine.parallel) is one unit: it serves through rank 0, and the death of
+any rank is the node's death (NOT_SERVING, `failed`), with no rank left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from grpc_health.v1 import health_pb2
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from node_runtime.node import NodeRuntime
+from node_runtime.node_config import NodeConfig
+from prefill_node.server import PrefillNode
+
+
+async def test_killing_a_rank_kills_the_node(tiny_model_dir):
+    rt = NodeRuntime("decode", NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64, tensor_parallel_size=2)))
+    await rt.start(lambda server: None)
+    (pid,) = rt.engine.runner.ranks.pids()
+    try:
+        queue = rt.loop_thread.subscribe("r1")
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        await rt.loop_thread.call(rt.engine.add_request, "r1", [5, 6, 7], params)
+        tokens: list[int] = []
+        while len(tokens) < 4:
+            tokens += (await asyncio.wait_for(queue.get(), 60)).new_token_ids
+        os.kill(pid, signal.SIGKILL)  # idle node: noticed by the engine loop's rank check
+        await asyncio.wait_for(rt.failed.wait(), 15)
+        status = None
+        for _ in range(50):
+            status = await rt.health.Check(health_pb2.HealthCheckRequest(), None)
+            if status.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.05)
+        assert status is not None and status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await rt.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_tensor_parallel_prefill_node_is_refused_before_loading(tiny_model_dir):
+    config = NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor-parallel-size > 1 is not supported yet"):
+        PrefillNode(config)
