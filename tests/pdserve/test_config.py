@@ -53,7 +53,8 @@ def test_every_value_flag_of_every_command_reads_env_and_config(tmp_path, monkey
         positional = ["placeholder" for a in sub._actions if not a.option_strings and a.required]
         required = [a for a in sub._actions if a.option_strings and a.required]  # e.g. batch -i/-o, stage --model-dir
         for action in _value_flags(sub):
-            flag = action.option_strings[-1]
+            # configargparse names the variable after the first long option (--input-file, not its --input alias)
+            flag = next(o for o in action.option_strings if o.startswith("--"))
             if action.type not in (None, str, int, float):
                 continue  # a custom parser type: its own tests cover values
             # every other required flag on the command line, so that only `flag` comes from env/config
