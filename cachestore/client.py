@@ -27,12 +27,13 @@ class CacheStoreClient:
         secret: bytes | str = b"",
         registry: CollectorRegistry | None = None,
         faults: FaultInjector | None = None,
+        model_name: str = "unknown",
     ) -> None:
         self.region = region
         self.geometry = geometry
         self.active_transport = resolve_transport(transport)
         self.secret = secret.encode() if isinstance(secret, str) else secret
-        self.metrics = CacheStoreMetrics(self.active_transport, registry)
+        self.metrics = CacheStoreMetrics(self.active_transport, registry, model_name)
         self.faults = faults
         if self.active_transport == "rdma":  # GPUDirect or staging, decided now (registered at first use)
             from cachestore import rdma_memory

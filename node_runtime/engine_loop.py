@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 log = logging.getLogger("pdserve.engine_loop")
@@ -40,6 +41,9 @@ class Subscription(asyncio.Queue):
 class EngineLoop:
     """The engine thread: drain commands, step while there is work, dispatch outputs."""
 
+    SNAPSHOT_INTERVAL = 0.01
+    """Seconds between load snapshots while busy (llm-d's endpoint picker scrapes every 50 ms)."""
+
     def __init__(
         self, engine, loop: asyncio.AbstractEventLoop, on_death: Callable[[BaseException], None] | None = None
     ) -> None:
@@ -51,6 +55,11 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, Subscription] = {}
         self._running = False
+        self.load: Any = None
+        """The engine's last `load()` (EngineLoad), refreshed by the engine thread at most every
+        SNAPSHOT_INTERVAL while busy and whenever it goes idle: a scrape reads it without
+        touching the (not thread-safe) engine."""
+        self._load_at = 0.0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -146,3 +155,10 @@ class EngineLoop:
                 outputs = engine.step()  # an exception here ends the thread: see _run
                 if outputs and not self.loop.is_closed():
                     self.loop.call_soon_threadsafe(self._dispatch, outputs)
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Refresh `load` if it is older than SNAPSHOT_INTERVAL or the engine has gone idle."""
+        now = time.monotonic()
+        if now - self._load_at >= self.SNAPSHOT_INTERVAL or not self.engine.has_unfinished_requests():
+            self.load, self._load_at = self.engine.load(), now

@@ -40,6 +40,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             transport=config.transfer.transport,
             secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry,
+            model_name=self.rt.metrics.model_name,
             faults=FaultInjector.from_env(),
         )  # None unless a chaos test sets it
         self.transfers: dict[str, tuple[Transfer, int]] = {}
@@ -106,7 +107,6 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             prefill_seconds = time.monotonic() - scope.started
             transfer_seconds = await tx.finish(timeout=rt.config.transfer.kv_timeout)  # TransferError: UNAVAILABLE
             scope.finished = True
-            rt.metrics.ttft.observe(time.monotonic() - scope.started)
             response = prefill_pb2.PrefillResponse(
                 first_token_id=out.new_token_ids[0],
                 num_cached_tokens=out.num_cached_tokens,

@@ -192,8 +192,10 @@ def run(args: argparse.Namespace) -> int:
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY"
         )
     registry = add_process_collectors(CollectorRegistry())
+    max_model_len = ModelConfig.from_dir(config.model_dir).max_position_embeddings
     cluster = Cluster(
         discovery_from_config(config.discovery),
+        model_name=name,
         cluster_secret=config.cluster.cluster_secret,
         deadlines=config.cluster.deadlines,
         registry=registry,
@@ -204,9 +206,9 @@ def run(args: argparse.Namespace) -> int:
         cluster,
         Tokenizer(config.model_dir),
         name,
-        ModelConfig.from_dir(config.model_dir).max_position_embeddings,
+        max_model_len,
         config.max_prompt_tokens,
-        metrics=RequestMetrics(registry, name),
+        metrics=RequestMetrics(registry, name, max_model_len),
         keepalive_interval=config.sse_keepalive,
     )
     ClusterCollector(cluster, name, registry)
