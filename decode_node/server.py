@@ -108,6 +108,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             partial(self._end, rid),
             event="admit",
             prompt_tokens=len(prompt),
+            max_tokens=params.max_tokens,
             prefill=",".join(addresses) or "local",
         ) as scope:
             plan = await rt.loop_thread.call(

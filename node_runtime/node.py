@@ -128,7 +128,12 @@ class NodeRuntime:
 
     @contextlib.asynccontextmanager
     async def request(
-        self, request_id: str, end: Callable[[bool], Awaitable[None]], prompt_tokens: int = 0, **log_fields: object
+        self,
+        request_id: str,
+        end: Callable[[bool], Awaitable[None]],
+        prompt_tokens: int = 0,
+        max_tokens: int | None = None,
+        **log_fields: object,
     ) -> AsyncIterator[RequestScope]:
         """Admit one (already validated) request for the duration of the block: refuse it while
         draining, subscribe to its outputs, count it in flight and log its admission and end.
@@ -138,7 +143,7 @@ class NodeRuntime:
         so a drain waits for its blocks to be freed."""
         if self.draining:
             raise NodeUnavailable(f"{self.role} node is draining")
-        clock = self.metrics.requests.clock(prompt_tokens)
+        clock = self.metrics.requests.clock(prompt_tokens, max_tokens=max_tokens)
         scope = RequestScope(request_id, self.loop_thread.subscribe(request_id), clock, self.metrics)
         self.inflight += 1
         fields = {k: v for k, v in log_fields.items() if k == "event"} | {"prompt_tokens": prompt_tokens} | log_fields

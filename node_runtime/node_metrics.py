@@ -54,12 +54,14 @@ class NodeMetrics:
         self.model_name = model_name
         self.requests = RequestFamilies(r, model_name, "0", max_model_len)
         vllm_values = (model_name, "0")
-        self.prefix_cache_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", LABELS, registry=r
-        ).labels(*vllm_values)
-        self.prefix_cache_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", LABELS, registry=r
-        ).labels(*vllm_values)
+        # vLLM still exports the pre-0.9 gpu_ names beside the new ones; production-stack's dashboard reads them.
+        self.prefix_cache: list[tuple[Counter, Counter]] = []
+        for prefix in ("", "gpu_"):
+            queries = Counter(
+                f"vllm:{prefix}prefix_cache_queries", "Prefix cache queries, in tokens.", LABELS, registry=r
+            )
+            hits = Counter(f"vllm:{prefix}prefix_cache_hits", "Prefix cache hits, in tokens.", LABELS, registry=r)
+            self.prefix_cache.append((queries.labels(*vllm_values), hits.labels(*vllm_values)))
         # Static facts to join on (the RDMA->TCP fallback alert compares this with the active transport).
         Gauge(
             "pdserve_node_info",
@@ -85,8 +87,9 @@ class NodeMetrics:
 
     def count_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         """One request's prompt was looked up in this node's prefix cache; `cached_tokens` were found."""
-        self.prefix_cache_queries.inc(prompt_tokens)
-        self.prefix_cache_hits.inc(cached_tokens)
+        for queries, hits in self.prefix_cache:
+            queries.inc(prompt_tokens)
+            hits.inc(cached_tokens)
 
     def count_prefill(self, location: str) -> None:
         """One decode-node request prefilled at `location` ("local" or "remote")."""

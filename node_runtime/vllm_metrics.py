@@ -76,6 +76,21 @@ class RequestFamilies:
         self.request_generation = bound(
             Histogram, "vllm:request_generation_tokens", "generated tokens per request", buckets=token_buckets
         )
+        self.request_tpot = bound(
+            Histogram,
+            "vllm:request_time_per_output_token_seconds",
+            "decode time / (generated tokens - 1), per request",
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self.max_generation = bound(
+            Histogram,
+            "vllm:request_max_num_generation_tokens",
+            "maximum number of requested generation tokens",
+            buckets=token_buckets,
+        )
+        self.max_tokens = bound(
+            Histogram, "vllm:request_params_max_tokens", "the max_tokens request parameter", buckets=token_buckets
+        )
         self.prompt_tokens = bound(Counter, "vllm:prompt_tokens", "prefill tokens processed")
         self.generation_tokens = bound(Counter, "vllm:generation_tokens", "generation tokens processed")
         success = Counter(
@@ -84,9 +99,10 @@ class RequestFamilies:
         # children for every reason exist from the start, so rate() works before the first finish
         self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
 
-    def clock(self, prompt_tokens: int, started: float | None = None) -> RequestClock:
-        """A clock for one request that arrived at `started` (default: now)."""
-        return RequestClock(self, prompt_tokens, time.monotonic() if started is None else started)
+    def clock(self, prompt_tokens: int, started: float | None = None, max_tokens: int | None = None) -> RequestClock:
+        """A clock for one request that arrived at `started` (default: now), asking for up to
+        `max_tokens` (None: not known here)."""
+        return RequestClock(self, prompt_tokens, time.monotonic() if started is None else started, max_tokens)
 
 
 class RequestClock:
@@ -96,8 +112,11 @@ class RequestClock:
     of g seconds counts as n gaps of g/n (vLLM observes per token, not per delivery).
     """
 
-    def __init__(self, families: RequestFamilies, prompt_tokens: int, started: float) -> None:
+    def __init__(
+        self, families: RequestFamilies, prompt_tokens: int, started: float, max_tokens: int | None = None
+    ) -> None:
         self.f = families
+        self.max_tokens = max_tokens
         self.prompt_tokens = prompt_tokens
         self.started = started
         self.queue_seconds: float | None = None
@@ -160,5 +179,11 @@ class RequestClock:
         self.f.prefill.observe(prefill)
         self.f.decode.observe(decode)
         self.f.inference.observe(prefill + decode)
+        generated = self.num_tokens if num_generated is None else num_generated
         self.f.request_prompt.observe(self.prompt_tokens)
-        self.f.request_generation.observe(self.num_tokens if num_generated is None else num_generated)
+        self.f.request_generation.observe(generated)
+        if generated > 1:
+            self.f.request_tpot.observe(decode / (generated - 1))
+        if self.max_tokens is not None:
+            self.f.max_generation.observe(self.max_tokens)
+            self.f.max_tokens.observe(self.max_tokens)

@@ -95,7 +95,12 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         skip = request.decode_cached_tokens // self.geometry_block_size
         tx = self.client.open_transfer(creds)
         async with rt.request(
-            rid, partial(self._end, rid, tx), event="prefill", prompt_tokens=len(prompt), destination=creds.endpoint
+            rid,
+            partial(self._end, rid, tx),
+            event="prefill",
+            prompt_tokens=len(prompt),
+            max_tokens=params.max_tokens,
+            destination=creds.endpoint,
         ) as scope:
             self.transfers[rid] = (tx, skip)
             await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True, cache_salt=salt)
