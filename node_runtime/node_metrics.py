@@ -56,12 +56,13 @@ class NodeMetrics:
         vllm_values = (model_name, "0")
         # vLLM still exports the pre-0.9 gpu_ names beside the new ones; production-stack's dashboard reads them.
         self.prefix_cache: list[tuple[Counter, Counter]] = []
-        for prefix in ("", "gpu_"):
-            queries = Counter(
-                f"vllm:{prefix}prefix_cache_queries", "Prefix cache queries, in tokens.", LABELS, registry=r
-            )
-            hits = Counter(f"vllm:{prefix}prefix_cache_hits", "Prefix cache hits, in tokens.", LABELS, registry=r)
-            self.prefix_cache.append((queries.labels(*vllm_values), hits.labels(*vllm_values)))
+        for queries, hits in (
+            ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"),
+            ("vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits"),
+        ):
+            q = Counter(queries, "Prefix cache queries, in tokens.", LABELS, registry=r).labels(*vllm_values)
+            h = Counter(hits, "Prefix cache hits, in tokens.", LABELS, registry=r).labels(*vllm_values)
+            self.prefix_cache.append((q, h))
         # Static facts to join on (the RDMA->TCP fallback alert compares this with the active transport).
         Gauge(
             "pdserve_node_info",

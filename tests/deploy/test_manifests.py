@@ -23,8 +23,10 @@ OVERLAYS = [o for o in ALL_OVERLAYS if o not in OFFLINE]
 """The serving overlays (router, prefill and decode Deployments)."""
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").exists())
 # Components that only make sense with some overlays (the CPU HPA scales on CPU, meaningless on GPUs;
-# cpu-demo already includes it).
-ONLY_WITH = {"autoscaling-cpu": set(), "rdma-sriov": {"gpu-rdma"}}
+# cpu-demo already includes it). The gateway components add only custom resources that touch no
+# other object: tests/deploy/test_gateway.py renders them with every overlay, and leaving them out of
+# the product keeps it from quadrupling.
+ONLY_WITH = {"autoscaling-cpu": set(), "rdma-sriov": {"gpu-rdma"}, "gateway-api": set(), "inference-pool": set()}
 # Custom resources (no schema in kubernetes-validate), each checked in its own test, and the
 # opt-in components that may bring them.
 CUSTOM_GROUPS = {
@@ -218,9 +220,7 @@ def exported(name: str) -> bool:
         for d in ("engine", "cachestore", "router", "pdserve", "node_runtime", "openai_api")
         for p in (ROOT / d).rglob("*.py")
     )
-    base = re.sub(r"_(total|bucket|sum|count)$", "", name)
-    # node_metrics builds the gpu_ prefix-cache aliases from one f-string
-    return f'"{base}"' in sources or f'"{base.replace("gpu_", "{prefix}")}"' in sources
+    return f'"{re.sub(r"_(total|bucket|sum|count)$", "", name)}"' in sources
 
 
 def test_dashboard_queries_exported_series():
