@@ -150,8 +150,7 @@ class RequestClock:
             self.f.ttft.observe(now - self.started)
             self.f.prompt_tokens.inc(self.prompt_tokens)
             self._prompt_counted = self.prompt_tokens
-            gaps = n - 1  # tokens after the first in the same delivery arrived with it
-            gap = 0.0
+            gaps, gap = 0, 0.0  # tokens delivered with the first one have no gap of their own to measure
         else:
             gaps, gap = n, (now - (self.last or now)) / n
         for _ in range(gaps):

@@ -46,6 +46,8 @@ async def test_a_request_is_counted_observed_once_and_ended_once(tiny_model_dir)
         assert vllm_sample(rt, "vllm:request_success_total", finished_reason="length") == 1
         assert vllm_sample(rt, "vllm:request_generation_tokens_sum") == 3
         assert vllm_sample(rt, "vllm:prefix_cache_queries_total") == 3
+        info = next(m for m in rt.metrics.registry.collect() if m.name == "vllm:cache_config_info").samples[0]
+        assert info.labels["num_gpu_blocks"] == "64" and info.labels["block_size"] == str(rt.engine.config.block_size)
 
         with pytest.raises(RuntimeError):
             async with rt.request("r2", end):
