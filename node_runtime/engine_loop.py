@@ -16,7 +16,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from typing import Any, Callable
 
 log = logging.getLogger("pdserve.engine_loop")
@@ -41,9 +40,6 @@ class Subscription(asyncio.Queue):
 class EngineLoop:
     """The engine thread: drain commands, step while there is work, dispatch outputs."""
 
-    SNAPSHOT_INTERVAL = 0.01
-    """Seconds between load snapshots while busy (llm-d's endpoint picker scrapes every 50 ms)."""
-
     def __init__(
         self, engine, loop: asyncio.AbstractEventLoop, on_death: Callable[[BaseException], None] | None = None
     ) -> None:
@@ -56,10 +52,10 @@ class EngineLoop:
         self._queues: dict[str, Subscription] = {}
         self._running = False
         self.load: Any = None
-        """The engine's last `load()` (EngineLoad), refreshed by the engine thread at most every
-        SNAPSHOT_INTERVAL while busy and whenever it goes idle: a scrape reads it without
-        touching the (not thread-safe) engine."""
-        self._load_at = 0.0
+        """The engine's last `load()` (EngineLoad), published by the engine thread in every step
+        once the batch is scheduled (engine.on_scheduled) and whenever it is idle: a scrape (llm-d's
+        endpoint picker polls every 50 ms) reads it without touching the not thread-safe engine."""
+        engine.on_scheduled = self._publish_load
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -155,10 +151,9 @@ class EngineLoop:
                 outputs = engine.step()  # an exception here ends the thread: see _run
                 if outputs and not self.loop.is_closed():
                     self.loop.call_soon_threadsafe(self._dispatch, outputs)
-            self._snapshot()
+            if not engine.has_unfinished_requests():  # idle, or only parked requests: no step publishes
+                self._publish_load()
 
-    def _snapshot(self) -> None:
-        """Refresh `load` if it is older than SNAPSHOT_INTERVAL or the engine has gone idle."""
-        now = time.monotonic()
-        if now - self._load_at >= self.SNAPSHOT_INTERVAL or not self.engine.has_unfinished_requests():
-            self.load, self._load_at = self.engine.load(), now
+    def _publish_load(self) -> None:
+        """In the engine thread: replace `load` with the engine's state now (one reference swap)."""
+        self.load = self.engine.load()

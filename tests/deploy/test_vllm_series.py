@@ -106,7 +106,9 @@ def test_every_dashboard_and_endpoint_picker_series_is_exported_and_moves(tmp_pa
             return seen == set(busy)
 
         try:
-            wait_for(every_gauge_was_busy, "every gauge above zero under load", timeout=120)
+            wait_for(every_gauge_was_busy, f"every gauge above zero under load (seen: {seen})", timeout=120)
+        except AssertionError:
+            raise AssertionError(f"never above zero under load: {set(busy) - seen}") from None
         finally:
             stop.set()
             for w in workers:
@@ -117,7 +119,10 @@ def test_every_dashboard_and_endpoint_picker_series_is_exported_and_moves(tmp_pa
         def grown() -> list[str]:
             return [s for s, v in before.items() if (cluster.value(f"sum({s})") or 0) <= (v or 0)]
 
-        wait_for(lambda: not grown(), "every counter and histogram to grow", timeout=30)
+        try:
+            wait_for(lambda: not grown(), "every counter and histogram to grow", timeout=30)
+        except AssertionError:
+            raise AssertionError(f"did not grow under load: {grown()}") from None
         for name, labels in INFO_LABELS.items():
             result = cluster.query(name)
             assert result and all(labels <= r["metric"].keys() for r in result), (name, result)
