@@ -2,8 +2,8 @@
 
 Scrapers that route by these (llm-d's endpoint picker polls every 50 ms) need the value of the
 moment, not the one of the router's last load poll: the collector reads the EngineLoop's load
-snapshot (refreshed every 10 ms while busy) and the scheduler's preemption count on every
-scrape. Names, types and labels are vLLM's (vllm/v1/metrics/loggers.py).
+snapshot (published in every step once the batch is scheduled, and when idle) and the
+scheduler's preemption count on every scrape. Names, types and labels are vLLM's (vllm/v1/metrics/loggers.py).
 """
 
 from __future__ import annotations

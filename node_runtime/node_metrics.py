@@ -6,12 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 
 from node_runtime import __version__
 from node_runtime.engine_metrics import EngineState, cache_config_info
+from node_runtime.metrics_server import serve_metrics
 from node_runtime.vllm_metrics import LABELS, RequestFamilies
 
 
@@ -101,4 +102,4 @@ class NodeMetrics:
 
     def serve(self, host: str, port: int) -> None:
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            serve_metrics(host, port, self.registry)
