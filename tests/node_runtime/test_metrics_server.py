@@ -11,7 +11,10 @@ from node_runtime.metrics_server import serve_metrics
 
 # What Prometheus 2.x sends: OpenMetrics preferred, which prometheus_client would answer with
 # `vllm_num_requests_running` sample lines.
-PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 def test_colon_names_survive_an_openmetrics_accept_header():
