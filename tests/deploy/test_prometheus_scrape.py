@@ -27,7 +27,13 @@ def test_prometheus_scrapes_every_process_and_every_query_has_data(tmp_path, tin
         for target in cluster.targets.values():  # the exposition itself passes promtool's linter
             body = urllib.request.urlopen(f"http://{target}/metrics", timeout=10).read()
             lint = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60)
-            assert lint.returncode == 0, (target, lint.stdout.decode() + lint.stderr.decode())
+            # vLLM's names use the colon promtool reserves for recording rules: matching them is the point
+            problems = [
+                line
+                for line in (lint.stdout.decode() + lint.stderr.decode()).splitlines()
+                if line and not (line.startswith("vllm:") and line.endswith("metric names should not contain ':'"))
+            ]
+            assert not problems, (target, problems)
 
         with cluster.client() as client:
             for i in range(4):
