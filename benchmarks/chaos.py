@@ -75,7 +75,7 @@ class Up:
 
     def counter(self, name: str) -> float:
         text = httpx.get(f"{self.base}/metrics", timeout=10).text
-        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " "))
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith((name + " ", name + "{")))
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:

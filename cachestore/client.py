@@ -29,12 +29,13 @@ class CacheStoreClient:
         registry: CollectorRegistry | None = None,
         faults: FaultInjector | None = None,
         tls: LinkTLS | None = None,
+        model_name: str = "unknown",
     ) -> None:
         self.region = region
         self.geometry = geometry
         self.active_transport = resolve_transport(transport)
         self.secret = secret.encode() if isinstance(secret, str) else secret
-        self.metrics = CacheStoreMetrics(self.active_transport, registry)
+        self.metrics = CacheStoreMetrics(self.active_transport, registry, model_name)
         self.faults = faults
         self.tls = tls
         self.metrics.tls.set(1 if tls else 0)

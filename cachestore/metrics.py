@@ -11,21 +11,23 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class CacheStoreMetrics:
-    """All series carry a `transport` label, so a silent fallback from RDMA to TCP shows up.
+    """All series carry `model_name` (the node's served model, so one query selects a model's whole
+    pipeline) and `transport` (so a silent fallback from RDMA to TCP shows up).
 
     With no registry given, each instance gets a private one (several servers in
     one process must not collide in the default registry).
     """
 
-    def __init__(self, transport: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, transport: str, registry: CollectorRegistry | None = None, model_name: str = "unknown") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r, t = self.registry, transport
-        self.bytes = Counter("pdserve_cachestore_bytes", "KV bytes moved", ["transport", "side"], registry=r)
+        r, t, m = self.registry, transport, model_name
+        base = ["model_name", "transport"]
+        self.bytes = Counter("pdserve_cachestore_bytes", "KV bytes moved", base + ["side"], registry=r)
         self._bytes_by_side: dict[str, Counter] = {}
 
         def bound(kind: type[M], name: str, doc: str, **kw) -> M:
-            """A series whose only label is `transport`, bound to this endpoint's."""
-            return kind(name, doc, ["transport"], registry=r, **kw).labels(t)
+            """A series labelled only model_name and transport, bound to this endpoint's."""
+            return kind(name, doc, base, registry=r, **kw).labels(m, t)
 
         self.transfer_seconds = bound(
             Histogram, "pdserve_cachestore_transfer_seconds", "first write to last ack", buckets=LATENCY_BUCKETS
@@ -42,9 +44,7 @@ class CacheStoreMetrics:
             "session open to all layers landed",
             buckets=LATENCY_BUCKETS,
         )
-        self.rejected = Counter(
-            "pdserve_cachestore_rejected_frames", "frames refused", ["transport", "reason"], registry=r
-        )
+        self.rejected = Counter("pdserve_cachestore_rejected_frames", "frames refused", base + ["reason"], registry=r)
         self.failed = bound(Counter, "pdserve_cachestore_sessions_failed", "sessions or transfers that failed")
         self.expired = bound(Counter, "pdserve_cachestore_sessions_expired", "sessions that timed out")
         self.fenced = bound(
@@ -56,30 +56,29 @@ class CacheStoreMetrics:
         self.listener_up = bound(Gauge, "pdserve_cachestore_listener_up", "1 while the listener accepts connections")
         self.connections = bound(Gauge, "pdserve_cachestore_connections", "open sender connections")
         self.tls = bound(Gauge, "pdserve_cachestore_tls", "1 when the TCP links run over mutual TLS")
-        self.active = Gauge(
-            "pdserve_cachestore_active_transport", "1 for the transport in use", ["transport"], registry=r
-        )
-        self.active.labels(t).set(1)
+        self.active = Gauge("pdserve_cachestore_active_transport", "1 for the transport in use", base, registry=r)
+        self.active.labels(m, t).set(1)
         self.pool_memory = Gauge(
             "pdserve_cachestore_rdma_pool_memory",
             "1 for the memory the rdma transport registers: host (a host pool), "
             "gpudirect (the CUDA pool itself) or staging (pinned host buffers)",
-            ["transport", "mode"],
+            base + ["mode"],
             registry=r,
         )
         self.transport = t
+        self.model_name = m
 
     def set_pool_memory(self, mode: str) -> None:
         """The rdma pool registration chosen at start (`cachestore.rdma_memory`): one label set to 1."""
         for m in ("host", "gpudirect", "staging"):
-            self.pool_memory.labels(self.transport, m).set(1 if m == mode else 0)
+            self.pool_memory.labels(self.model_name, self.transport, m).set(1 if m == mode else 0)
 
     def reject(self, reason: str) -> None:
-        self.rejected.labels(self.transport, reason).inc()
+        self.rejected.labels(self.model_name, self.transport, reason).inc()
 
     def add_bytes(self, side: str, n: int) -> None:
         """Called once per frame: the labelled child is looked up once (labels() takes a lock and builds a key)."""
         child = self._bytes_by_side.get(side)
         if child is None:
-            child = self._bytes_by_side[side] = self.bytes.labels(self.transport, side)
+            child = self._bytes_by_side[side] = self.bytes.labels(self.model_name, self.transport, side)
         child.inc(n)

@@ -51,6 +51,7 @@ class CacheStoreServer:
         secret: bytes | str = b"",
         registry: CollectorRegistry | None = None,
         faults: FaultInjector | None = None,
+        model_name: str = "unknown",
         tcp_limits: TcpLimits | None = None,
         tls: LinkTLS | None = None,
     ) -> None:
@@ -63,7 +64,7 @@ class CacheStoreServer:
         self.active_transport = resolve_transport(transport)
         self.host, self.port = host, port
         self.secret = secret.encode() if isinstance(secret, str) else secret
-        self.metrics = CacheStoreMetrics(self.active_transport, registry)
+        self.metrics = CacheStoreMetrics(self.active_transport, registry, model_name)
         self.faults = faults
         self.tcp_limits = tcp_limits
         self.tls = tls

@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from node_runtime import convert
 from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import NodeUnavailable
-from node_runtime.node import NodeRuntime, RequestScope
+from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
@@ -57,6 +57,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry,
             tls=tls.cachestore_tls() if tls else None,
+            model_name=self.rt.metrics.model_name,
         )
         self.prefills = PrefillClients(
             config.node.cluster_secret, self.rt.compatibility, config.transfer.peer_timeout, tls
@@ -111,6 +112,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             partial(self._end, rid),
             event="admit",
             prompt_tokens=len(prompt),
+            max_tokens=params.max_tokens,
             prefill=",".join(addresses) or "local",
         ) as scope:
             plan = await rt.loop_thread.call(
@@ -135,27 +137,19 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
                 plan.held_tokens,
             )
             if first is not None:
-                ttft = time.monotonic() - scope.started
-                rt.metrics.ttft.observe(ttft)
+                now = time.monotonic()
+                scope.clock.tokens(1, now)
                 yield decode_pb2.GenerateEvent(
                     token_ids=[first.first_token_id],
-                    ttft_seconds=ttft,
+                    ttft_seconds=now - scope.started,
                     logprobs=[first.first_logprob] if first.HasField("first_logprob") else [],
                 )
-            first_token_sent, last = first is not None, time.monotonic()
             while not scope.finished:
-                out = await scope.next_output()
-                now = time.monotonic()
-                if out.new_token_ids and first_token_sent:
-                    rt.metrics.itl.observe(now - last)
-                elif out.new_token_ids:
-                    rt.metrics.ttft.observe(now - scope.started)
-                    first_token_sent = True
-                last = now
+                out = await scope.next_output()  # observes the tokens and the end in vllm:* series
                 scope.finished = out.finished
-                yield self._event(out, scope)
+                yield self._event(out)
 
-    def _event(self, out: StepOutput, scope: RequestScope) -> decode_pb2.GenerateEvent:
+    def _event(self, out: StepOutput) -> decode_pb2.GenerateEvent:
         """One step's output as a stream event; the last one carries the finish reason and usage."""
         event = decode_pb2.GenerateEvent(
             token_ids=out.new_token_ids, logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs or []]
@@ -169,7 +163,6 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
                     cached_tokens=out.num_cached_tokens,
                 )
             )
-            self.rt.metrics.e2e.observe(time.monotonic() - scope.started)
         return event
 
     def _parse(self, request: decode_pb2.GenerateRequest) -> tuple[str, list[int], SamplingParams, str | None]:

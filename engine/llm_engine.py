@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -47,6 +47,9 @@ class LLMEngine(RemotePrefill):
         self, config: EngineConfig, *, layer_hook: LayerHook | None = None, runner: ModelRunner | None = None
     ) -> None:
         self.config = config
+        self.on_scheduled: Callable[[], None] | None = None
+        """Called in every step after scheduling, before the model runs: the state vLLM's scheduler
+        stats describe (the batch admitted, the rest waiting). A node publishes its load here."""
         torch.manual_seed(config.seed)
         if runner is None and config.tensor_parallel_size > 1:
             from engine.parallel.launcher import TensorParallelRunner
@@ -137,6 +140,8 @@ class LLMEngine(RemotePrefill):
     def step(self) -> list[StepOutput]:
         """Run one model step; return what changed (token deltas, finishes)."""
         scheduled, batch = self.scheduler.schedule(self.parked)
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         if batch is not None:
             logits = self.runner.run(batch, layer_hook=self.layer_hook)
             sampled = iter(

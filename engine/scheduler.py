@@ -30,6 +30,8 @@ class Scheduler:
         self.never_preempt = preemption == "never"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
+        """Requests preempted since start (vllm:num_preemptions; read from other threads, only ever grows)."""
 
     # --- reservation (never-preempt policy) -------------------------------------------------
     def future_blocks(self, req: Request) -> int:
@@ -97,6 +99,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Drop req's KV and put it back at the head of the queue (recomputed later)."""
         self.running.remove(req)
+        self.num_preemptions += 1
         self.bm.free_blocks(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0

@@ -51,6 +51,11 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, Subscription] = {}
         self._running = False
+        self.load: Any = None
+        """The engine's last `load()` (EngineLoad), published by the engine thread in every step
+        once the batch is scheduled (engine.on_scheduled) and whenever it is idle: a scrape (llm-d's
+        endpoint picker polls every 50 ms) reads it without touching the not thread-safe engine."""
+        engine.on_scheduled = self._publish_load
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -147,3 +152,9 @@ class EngineLoop:
                 outputs = engine.step()  # an exception here ends the thread: see _run
                 if outputs and not self.loop.is_closed():
                     self.loop.call_soon_threadsafe(self._dispatch, outputs)
+            if not engine.has_unfinished_requests():  # idle, or only parked requests: no step publishes
+                self._publish_load()
+
+    def _publish_load(self) -> None:
+        """In the engine thread: replace `load` with the engine's state now (one reference swap)."""
+        self.load = self.engine.load()

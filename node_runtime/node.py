@@ -6,13 +6,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Histogram
-
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
 from node_runtime.auth import SecretInterceptor
@@ -21,6 +19,7 @@ from node_runtime.engine_loop import EngineLoop, Subscription
 from node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from node_runtime.node_config import NodeConfig
 from node_runtime.node_metrics import NodeMetrics, served_model_name
+from node_runtime.vllm_metrics import RequestClock
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.node")
@@ -29,24 +28,31 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 @dataclass
 class RequestScope:
-    """One request's time on a node: its output queue, when it was admitted, and whether it ended
-    with its result (else it is aborted when the scope closes)."""
+    """One request's time on a node: its output queue, its clock (vLLM's request series), and
+    whether it ended with its result (else it is aborted when the scope closes)."""
 
     request_id: str
     queue: Subscription
-    queue_time: Histogram
-    """pdserve_queue_time_seconds of this node, observed once per request."""
-    started: float = field(default_factory=time.monotonic)
+    clock: RequestClock
+    """Observes the request's queue time, tokens and end as its outputs arrive."""
+    metrics: NodeMetrics
     finished: bool = False
-    _queue_time_observed: bool = False
+
+    @property
+    def started(self) -> float:
+        """When the node admitted the request (monotonic seconds)."""
+        return self.clock.started
 
     async def next_output(self) -> StepOutput:
-        """The request's next step output (EngineDeadError if the engine died); the first one that
-        knows how long the request waited before it ran records that wait."""
+        """The request's next step output (EngineDeadError if the engine died), observed on its way:
+        the wait before it first ran, its new tokens, and how it ended."""
         out = await self.queue.get()
-        if out.queue_seconds is not None and not self._queue_time_observed:
-            self.queue_time.observe(out.queue_seconds)
-            self._queue_time_observed = True
+        if out.queue_seconds is not None:
+            self.clock.queued(out.queue_seconds)
+        self.clock.tokens(len(out.new_token_ids))
+        if out.finished:
+            self.metrics.count_prefix_lookup(out.num_prompt_tokens, out.num_cached_tokens)
+            self.clock.finish(out.finish_reason, out.num_output_tokens)
         return out
 
 
@@ -63,7 +69,9 @@ class NodeRuntime:
             role,
             names[0] if names else served_model_name(config.engine.model_dir),
             transport_requested=config.transfer.transport,
+            max_model_len=self.engine.max_model_len,
         )
+        self.metrics.watch_engine(self._engine_state, self._cache_info())
         self.draining = False
         self.inflight = 0
         self._loop_thread: EngineLoop | None = None
@@ -121,7 +129,12 @@ class NodeRuntime:
 
     @contextlib.asynccontextmanager
     async def request(
-        self, request_id: str, end: Callable[[bool], Awaitable[None]], **log_fields: object
+        self,
+        request_id: str,
+        end: Callable[[bool], Awaitable[None]],
+        prompt_tokens: int = 0,
+        max_tokens: int | None = None,
+        **log_fields: object,
     ) -> AsyncIterator[RequestScope]:
         """Admit one (already validated) request for the duration of the block: refuse it while
         draining, subscribe to its outputs, count it in flight and log its admission and end.
@@ -131,9 +144,11 @@ class NodeRuntime:
         so a drain waits for its blocks to be freed."""
         if self.draining:
             raise NodeUnavailable(f"{self.role} node is draining")
-        scope = RequestScope(request_id, self.loop_thread.subscribe(request_id), self.metrics.queue_time)
+        clock = self.metrics.requests.clock(prompt_tokens, max_tokens=max_tokens)
+        scope = RequestScope(request_id, self.loop_thread.subscribe(request_id), clock, self.metrics)
         self.inflight += 1
-        log.info("request_id=%s %s", request_id, " ".join(f"{k}={v}" for k, v in log_fields.items()))
+        fields = {k: v for k, v in log_fields.items() if k == "event"} | {"prompt_tokens": prompt_tokens} | log_fields
+        log.info("request_id=%s %s", request_id, " ".join(f"{k}={v}" for k, v in fields.items()))
         try:
             yield scope
         finally:
@@ -150,7 +165,25 @@ class NodeRuntime:
             )
             await end(scope.finished)
         finally:
+            scope.clock.finish("abort")  # no-op when its last output already ended it
             self.inflight -= 1
+
+    def _engine_state(self) -> tuple[object, int]:
+        """(last load snapshot, preemptions so far), read by a scrape on the metrics server's thread."""
+        return (self._loop_thread.load if self._loop_thread else None), self.engine.scheduler.num_preemptions
+
+    def _cache_info(self) -> dict[str, str]:
+        """vllm:cache_config_info's labels: vLLM's CacheConfig fields this engine has."""
+        cfg = self.engine.config
+        return {
+            "engine": "0",
+            "block_size": str(self.engine.runner.kv_pool.block_size),
+            "num_gpu_blocks": str(self.engine.block_manager.num_blocks),
+            "num_cpu_blocks": "None",
+            "cache_dtype": str(self.engine.runner.dtype).removeprefix("torch."),
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+        }
 
     async def load_report(self) -> common_pb2.LoadReport:
         load = await self.loop_thread.call(self.engine.load)

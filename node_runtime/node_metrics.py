@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 
 from node_runtime import __version__
-
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+from node_runtime.engine_metrics import EngineState, cache_config_info
+from node_runtime.metrics_server import serve_metrics
+from node_runtime.vllm_metrics import LABELS, RequestFamilies
 
 
 def add_process_collectors(registry: CollectorRegistry) -> CollectorRegistry:
@@ -35,7 +38,8 @@ def served_model_name(model_dir: str | Path) -> str:
 
 
 class NodeMetrics:
-    """pdserve_* series of one node, labelled role (prefill | decode) and model_name."""
+    """Every series of one node: vLLM's (node_runtime.vllm_metrics, .engine_metrics) for its engine,
+    and the pdserve_* ones vLLM has no name for, labelled role (prefill | decode) and model_name."""
 
     def __init__(
         self,
@@ -43,27 +47,23 @@ class NodeMetrics:
         model_name: str = "unknown",
         registry: CollectorRegistry | None = None,
         transport_requested: str = "tcp",
+        max_model_len: int = 2048,
     ) -> None:
         self.registry = registry or add_process_collectors(CollectorRegistry())
         r, names, values = self.registry, ["role", "model_name"], (role, model_name)
         self.role = role
-        self.ttft = Histogram("pdserve_ttft_seconds", "time to first token", names, buckets=BUCKETS, registry=r).labels(
-            *values
-        )
-        self.itl = Histogram(
-            "pdserve_inter_token_latency_seconds", "time between tokens", names, buckets=BUCKETS, registry=r
-        ).labels(*values)
-        self.e2e = Histogram(
-            "pdserve_e2e_latency_seconds", "request latency", names, buckets=BUCKETS, registry=r
-        ).labels(*values)
-        self.queue_time = Histogram(
-            "pdserve_queue_time_seconds", "admission to first compute", names, buckets=BUCKETS, registry=r
-        ).labels(*values)
-        self.running = Gauge("pdserve_requests_running", "requests running", names, registry=r).labels(*values)
-        self.waiting = Gauge("pdserve_requests_waiting", "requests waiting", names, registry=r).labels(*values)
-        self.kv_usage = Gauge("pdserve_kv_usage_ratio", "fraction of KV blocks in use", names, registry=r).labels(
-            *values
-        )
+        self.model_name = model_name
+        self.requests = RequestFamilies(r, model_name, "0", max_model_len)
+        vllm_values = (model_name, "0")
+        # vLLM still exports the pre-0.9 gpu_ names beside the new ones; production-stack's dashboard reads them.
+        self.prefix_cache: list[tuple[Counter, Counter]] = []
+        for queries, hits in (
+            ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"),
+            ("vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits"),
+        ):
+            q = Counter(queries, "Prefix cache queries, in tokens.", LABELS, registry=r).labels(*vllm_values)
+            h = Counter(hits, "Prefix cache hits, in tokens.", LABELS, registry=r).labels(*vllm_values)
+            self.prefix_cache.append((q, h))
         # Static facts to join on (the RDMA->TCP fallback alert compares this with the active transport).
         Gauge(
             "pdserve_node_info",
@@ -82,16 +82,24 @@ class NodeMetrics:
         )
         self._values = values
 
+    def watch_engine(self, source: Callable[[], tuple[Any, int]], cache_info: dict[str, str]) -> None:
+        """Export the engine's state (read at scrape time from `source`) and its cache configuration."""
+        EngineState(self.registry, self.model_name, source)
+        cache_config_info(self.registry, cache_info)
+
+    def count_prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """One request's prompt was looked up in this node's prefix cache; `cached_tokens` were found."""
+        for queries, hits in self.prefix_cache:
+            queries.inc(prompt_tokens)
+            hits.inc(cached_tokens)
+
     def count_prefill(self, location: str) -> None:
         """One decode-node request prefilled at `location` ("local" or "remote")."""
         self.prefill_location.labels(*self._values, location).inc()
 
     def observe_load(self, load) -> None:
-        self.running.set(load.num_running)
-        self.waiting.set(load.num_waiting)
-        self.kv_usage.set(1 - load.num_free_blocks / max(load.num_total_blocks, 1))
         self.queued_prefill_tokens.set(load.num_queued_prefill_tokens)
 
     def serve(self, host: str, port: int) -> None:
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            serve_metrics(host, port, self.registry)

@@ -43,6 +43,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             transport=config.transfer.transport,
             secret=config.node.cluster_secret,
             registry=self.rt.metrics.registry,
+            model_name=self.rt.metrics.model_name,
             faults=FaultInjector.from_env(),  # None unless a chaos test sets it
             tls=tls.cachestore_tls() if tls else None,
         )
@@ -98,7 +99,12 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         skip = request.decode_cached_tokens // self.geometry_block_size
         tx = self.client.open_transfer(creds)
         async with rt.request(
-            rid, partial(self._end, rid, tx), event="prefill", prompt_tokens=len(prompt), destination=creds.endpoint
+            rid,
+            partial(self._end, rid, tx),
+            event="prefill",
+            prompt_tokens=len(prompt),
+            max_tokens=params.max_tokens,
+            destination=creds.endpoint,
         ) as scope:
             self.transfers[rid] = (tx, skip)
             await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True, cache_salt=salt)
@@ -110,7 +116,6 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             prefill_seconds = time.monotonic() - scope.started
             transfer_seconds = await tx.finish(timeout=rt.config.transfer.kv_timeout)  # TransferError: UNAVAILABLE
             scope.finished = True
-            rt.metrics.ttft.observe(time.monotonic() - scope.started)
             response = prefill_pb2.PrefillResponse(
                 first_token_id=out.new_token_ids[0],
                 num_cached_tokens=out.num_cached_tokens,

@@ -90,6 +90,7 @@ class Cluster:
         request_timeout: float = 600.0,
         deadlines: Deadlines | None = None,
         registry: CollectorRegistry | None = None,
+        model_name: str = "unknown",
         tls: cluster_tls.ClusterTLS | None = None,
         routing: str = "kv-aware",
         kv_router: KvRouter | None = None,
@@ -116,8 +117,12 @@ class Cluster:
         )
         self._task: asyncio.Task | None = None
         r = registry or CollectorRegistry()
-        self.retries = Counter("pdserve_router_retries", "requests retried before the first token", registry=r)
-        self.migrations = Counter("pdserve_router_migrations", "streams moved to another decode node", registry=r)
+        self.retries = Counter(
+            "pdserve_router_retries", "requests retried before the first token", ["model_name"], registry=r
+        ).labels(model_name)
+        self.migrations = Counter(
+            "pdserve_router_migrations", "streams moved to another decode node", ["model_name"], registry=r
+        ).labels(model_name)
 
     async def start(self) -> None:
         await self.discovery.start()

@@ -205,8 +205,10 @@ def run(args: argparse.Namespace) -> int:
             "--api-key puts the key on the command line, where `ps` shows it; use --api-key-file or $PDSERVE_API_KEY"
         )
     registry = add_process_collectors(CollectorRegistry())
+    max_model_len = ModelConfig.from_dir(config.model_dir).max_position_embeddings
     cluster = Cluster(
         discovery_from_config(config.discovery),
+        model_name=name,
         cluster_secret=config.cluster.cluster_secret,
         deadlines=config.cluster.deadlines,
         registry=registry,
@@ -217,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
         cluster,
         tokenizer,
         names,
-        ModelConfig.from_dir(config.model_dir).max_position_embeddings,
+        max_model_len,
         config.max_prompt_tokens,
-        metrics=RequestMetrics(registry, name),
+        metrics=RequestMetrics(registry, name, max_model_len),
         keepalive_interval=config.sse_keepalive,
         generation_defaults=defaults,
         prompt_tokens_details=config.enable_prompt_tokens_details,

@@ -54,8 +54,14 @@ async def test_stalled_writer_is_cut_off_before_blocks_are_reused(server, ending
         server.close_session("stalled")
     await session.wait_safe_to_reuse(10)  # returns because the writer was cut off, not after a timeout
     sample = server.metrics.registry.get_sample_value
-    cut = sample("pdserve_cachestore_writers_cut_total", {"transport": "tcp"})
-    missed = sample("pdserve_cachestore_rejected_frames_total", {"transport": "tcp", "reason": "deadline"}) or 0
+    cut = sample("pdserve_cachestore_writers_cut_total", {"model_name": "unknown", "transport": "tcp"})
+    missed = (
+        sample(
+            "pdserve_cachestore_rejected_frames_total",
+            {"model_name": "unknown", "transport": "tcp", "reason": "deadline"},
+        )
+        or 0
+    )
     assert cut + missed >= 1  # on expiry the receiver's own deadline and the session timer race: either stops it
     # the owner reuses the blocks: a new request's data (the canary) must survive the late bytes
     for layer in range(GEO.num_layers):

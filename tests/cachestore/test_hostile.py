@@ -30,7 +30,7 @@ async def server():
 def rejected(srv, reason: str) -> float:
     return (
         srv.metrics.registry.get_sample_value(
-            "pdserve_cachestore_rejected_frames_total", {"transport": "tcp", "reason": reason}
+            "pdserve_cachestore_rejected_frames_total", {"model_name": "unknown", "transport": "tcp", "reason": reason}
         )
         or 0.0
     )

@@ -24,7 +24,7 @@ GEO = PoolGeometry(num_layers=4, num_blocks=32, block_bytes=4096)
 def expired_count(server) -> float:
     return (
         server.metrics.registry.get_sample_value(
-            "pdserve_cachestore_sessions_expired_total", {"transport": server.active_transport}
+            "pdserve_cachestore_sessions_expired_total", {"model_name": "unknown", "transport": server.active_transport}
         )
         or 0.0
     )

@@ -36,7 +36,7 @@ async def server():
 
 
 def sample(srv, name: str, **labels) -> float:
-    return srv.metrics.registry.get_sample_value(name, {"transport": "tcp", **labels}) or 0.0
+    return srv.metrics.registry.get_sample_value(name, {"model_name": "unknown", "transport": "tcp", **labels}) or 0.0
 
 
 async def until(predicate, within: float = 30.0) -> bool:

@@ -23,10 +23,18 @@ OVERLAYS = [o for o in ALL_OVERLAYS if o not in OFFLINE]
 """The serving overlays (router, prefill and decode Deployments)."""
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kustomization.yaml").exists())
 # Components that only make sense with some overlays (the CPU HPA scales on CPU, meaningless on GPUs;
-# cpu-demo already includes it).
-ONLY_WITH = {"autoscaling-cpu": set(), "rdma-sriov": {"gpu-rdma"}}
-# Custom resources (no schema in kubernetes-validate), each checked in its own test.
-CUSTOM_GROUPS = {"monitoring.coreos.com/": "monitoring", "keda.sh/": "autoscaling-keda"}
+# cpu-demo already includes it). The gateway components add only custom resources that touch no
+# other object: tests/deploy/test_gateway.py renders them with every overlay, and leaving them out of
+# the product keeps it from quadrupling.
+ONLY_WITH = {"autoscaling-cpu": set(), "rdma-sriov": {"gpu-rdma"}, "gateway-api": set(), "inference-pool": set()}
+# Custom resources (no schema in kubernetes-validate), each checked in its own test, and the
+# opt-in components that may bring them.
+CUSTOM_GROUPS = {
+    "monitoring.coreos.com/": {"monitoring"},
+    "keda.sh/": {"autoscaling-keda"},
+    "gateway.networking.k8s.io/": {"gateway-api", "inference-pool"},
+    "inference.networking.k8s.io/": {"inference-pool"},
+}
 K8S_VERSION = "1.32.0"
 
 
@@ -87,7 +95,7 @@ def test_every_overlay_and_component_combination_validates(overlay, components, 
     for doc in docs:
         group = next((g for g in CUSTOM_GROUPS if doc["apiVersion"].startswith(g)), None)
         if group is not None:
-            assert CUSTOM_GROUPS[group] in components, f"{doc['kind']} belongs in an opt-in component"
+            assert CUSTOM_GROUPS[group] & set(components), f"{doc['kind']} belongs in an opt-in component"
             continue  # custom resources: validated in test_monitoring.py / test_keda_scaled_objects
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         assert doc["metadata"].get("namespace", overlay) != "default"
@@ -201,37 +209,72 @@ def test_cpu_demo_scale_and_dev_secret():
     assert "pdserve-secrets" in by_kind(docs, "Secret")
 
 
-def test_dashboard_queries_pdserve_metrics():
-    dash = json.loads((ROOT / "deploy" / "grafana" / "pdserve-dashboard.json").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    assert exprs and all(re.search(r"\bpdserve_[a-z0-9_]+", e) for e in exprs)
-    names = {m for e in exprs for m in re.findall(r"\bpdserve_[a-z0-9_]+", e)}
-    # every series the dashboard reads is one the code exports
+DASHBOARD = K8S / "components" / "monitoring" / "dashboards" / "pdserve.json"
+SERIES = re.compile(r"\b(pdserve_[a-z0-9_]+|vllm:[a-z0-9_]+)")
+
+
+def exported(name: str) -> bool:
+    """Whether the code exports the series `name` (a family name, or one with a _total/_bucket suffix)."""
     sources = "\n".join(
         p.read_text()
         for d in ("engine", "cachestore", "router", "pdserve", "node_runtime", "openai_api")
         for p in (ROOT / d).rglob("*.py")
     )
-    for name in names:
-        base = re.sub(r"_(total|bucket)$", "", name)
-        assert f'"{base}"' in sources, f"{name} is not exported by pdserve"
+    return f'"{re.sub(r"_(total|bucket|sum|count)$", "", name)}"' in sources
 
 
-def test_keda_scaled_objects_target_real_deployments_and_known_series(tmp_path):
-    docs = render("gpu-rdma", ("autoscaling-keda", "monitoring"), tmp_path)
+def test_dashboard_queries_exported_series():
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs and all(SERIES.search(e) for e in exprs)
+    for name in {m for e in exprs for m in SERIES.findall(e)}:  # every series read is one the code exports
+        assert exported(name), f"{name} is not exported by pdserve"
+
+
+def test_dashboard_ships_as_a_grafana_configmap(tmp_path):
+    docs = render("cpu-demo", ("monitoring",), tmp_path)
+    cm = by_kind(docs, "ConfigMap")["pdserve-grafana-dashboards"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "pdserve-demo"
+    assert json.loads(cm["data"]["pdserve.json"]) == json.loads(DASHBOARD.read_text())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_scaled_objects_target_real_deployments_and_exported_series(overlay, tmp_path):
+    docs = render(overlay, ("autoscaling-keda",), tmp_path)
     deployments = by_kind(docs, "Deployment")
-    rules = next(iter(by_kind(docs, "PrometheusRule").values()))
-    recorded = {r["record"] for g in rules["spec"]["groups"] for r in g["rules"] if "record" in r}
     scaled = by_kind(docs, "ScaledObject")
     assert set(scaled) == {"pdserve-decode", "pdserve-prefill"}
-    assert not by_kind(docs, "HorizontalPodAutoscaler"), "gpu-rdma must not inherit a CPU HPA"
-    for name, obj in scaled.items():
+    if overlay == "gpu-rdma":
+        assert not by_kind(docs, "HorizontalPodAutoscaler"), "gpu-rdma must not inherit a CPU HPA"
+    for obj in scaled.values():
+        namespace = obj["metadata"]["namespace"]
+        assert namespace == deployments["pdserve-decode"]["metadata"]["namespace"]
         assert obj["spec"]["scaleTargetRef"]["name"] in deployments
         for trigger in obj["spec"]["triggers"]:
+            query = trigger["metadata"]["query"]
             assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
-            for series in re.findall(r"\b([a-z_]+:[a-z_:]+|pdserve_[a-z_]+)\{", trigger["metadata"]["query"]):
-                assert series in recorded or series.startswith("pdserve_"), series
-                assert f'namespace="{obj["metadata"]["namespace"]}"' in trigger["metadata"]["query"]
+            # the release namespace, whatever the overlay: never a hard-coded one
+            assert re.findall(r'namespace="([^"]*)"', query) == [namespace], query
+            for series in SERIES.findall(query):
+                assert exported(series), series
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_spread_over_nodes_and_zones_and_prefill_has_a_pdb(overlay):
+    docs = render(overlay)
+    for name, dep in by_kind(docs, "Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        keys = set()
+        for c in pod["topologySpreadConstraints"]:
+            assert c["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"], name
+            keys.add(c["topologyKey"])
+        assert keys == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}, name
+    router = by_kind(docs, "Deployment")["pdserve-router"]["spec"]["template"]["spec"]
+    (term,) = router["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == {"app": "pdserve-router"}
+    pdbs = {p["spec"]["selector"]["matchLabels"]["app"] for p in by_kind(docs, "PodDisruptionBudget").values()}
+    assert pdbs == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
 
 
 def test_network_host_and_rdma_sriov_components(tmp_path):

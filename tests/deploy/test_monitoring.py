@@ -1,4 +1,4 @@
-"""The monitoring component: CRD-schema validation of its objects, promtool checks of its rules."""
+"""The monitoring component: CRD-schema validation of its objects, promtool checks of its rules and dashboard."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ from tests.deploy.test_manifests import OVERLAYS, render
 
 HERE = Path(__file__).resolve().parent
 RULE_FILE = HERE.parents[1] / "deploy" / "k8s" / "components" / "monitoring" / "prometheusrule.yaml"
-SCHEMAS = {"ServiceMonitor": "servicemonitor.v1.json", "PrometheusRule": "prometheusrule.v1.json"}
+SCHEMAS = {
+    "ServiceMonitor": "servicemonitor.v1.json",
+    "PrometheusRule": "prometheusrule.v1.json",
+    "HTTPRoute": "httproute.v1.json",
+    "InferencePool": "inferencepool.v1.json",
+}
 
 
 def closed(schema: dict) -> dict:
@@ -99,7 +104,7 @@ def test_every_alert_has_a_passing_promtool_test_case(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-DASHBOARD = HERE.parents[1] / "deploy" / "grafana" / "pdserve-dashboard.json"
+DASHBOARD = HERE.parents[1] / "deploy" / "k8s" / "components" / "monitoring" / "dashboards" / "pdserve.json"
 
 
 def dashboard_exprs(concrete: bool = False) -> list[str]:

@@ -87,6 +87,7 @@ def test_recompute_preemption_gives_same_tokens(make_engine):
             out_small.setdefault(o.request_id, []).extend(o.new_token_ids)
         preempted |= any(r.status == RequestStatus.PREEMPTED for r in small.scheduler.waiting)
     assert preempted, "pool was meant to be too small for all four requests"
+    assert small.scheduler.num_preemptions >= 1 and big.scheduler.num_preemptions == 0  # vllm:num_preemptions
     assert out_small == run_all(big)
 
 
@@ -149,7 +150,7 @@ def test_abort_in_every_state(make_engine):
 
 
 def test_outputs_report_how_long_a_request_waited_before_it_ran(make_engine):
-    """Local requests wait for a slot; a remote-prefill request waits for its KV (pdserve_queue_time_seconds)."""
+    """Local requests wait for a slot; a remote-prefill request waits for its KV (vllm:request_queue_time_seconds)."""
     engine = make_engine(max_num_seqs=1)
     engine.add_request("a", [1, 2, 3], GREEDY)
     engine.add_request("b", [4, 5, 6], GREEDY)  # waits until "a" finishes: one slot

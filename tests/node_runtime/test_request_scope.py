@@ -13,10 +13,14 @@ from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
 
 
+def vllm_sample(rt: NodeRuntime, name: str, **labels: str) -> float:
+    value = rt.metrics.registry.get_sample_value(name, {"model_name": "pdserve-tiny", "engine": "0", **labels})
+    assert value is not None, name
+    return value
+
+
 def queue_time_count(rt: NodeRuntime) -> float:
-    return rt.metrics.registry.get_sample_value(
-        "pdserve_queue_time_seconds_count", {"role": rt.role, "model_name": "pdserve-tiny"}
-    )
+    return vllm_sample(rt, "vllm:request_queue_time_seconds_count")
 
 
 async def test_a_request_is_counted_observed_once_and_ended_once(tiny_model_dir):
@@ -37,11 +41,19 @@ async def test_a_request_is_counted_observed_once_and_ended_once(tiny_model_dir)
                 scope.finished = (await asyncio.wait_for(scope.next_output(), 30)).finished
         assert rt.inflight == 0 and ends == [True]
         assert queue_time_count(rt) == 1  # once per request, not per output
+        assert vllm_sample(rt, "vllm:generation_tokens_total") == 3
+        assert vllm_sample(rt, "vllm:inter_token_latency_seconds_count") == 2  # per token after the first
+        assert vllm_sample(rt, "vllm:request_success_total", finished_reason="length") == 1
+        assert vllm_sample(rt, "vllm:request_generation_tokens_sum") == 3
+        assert vllm_sample(rt, "vllm:prefix_cache_queries_total") == 3
+        info = next(m for m in rt.metrics.registry.collect() if m.name == "vllm:cache_config_info").samples[0]
+        assert info.labels["num_gpu_blocks"] == "64" and info.labels["block_size"] == str(rt.engine.config.block_size)
 
         with pytest.raises(RuntimeError):
             async with rt.request("r2", end):
                 raise RuntimeError("the servicer failed")
         assert rt.inflight == 0 and ends == [True, False]  # not finished: the node aborts it
+        assert vllm_sample(rt, "vllm:request_success_total", finished_reason="abort") == 1
 
         rt.draining = True
         with pytest.raises(NodeUnavailable, match="draining"):

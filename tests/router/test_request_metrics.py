@@ -45,15 +45,43 @@ async def test_tokens_reasons_and_latency():
     assert _value(registry, "pdserve_router_requests_in_flight") == 1
     await early.aclose()  # the client went away after one token
     assert _value(registry, "pdserve_router_requests_in_flight") == 0
-    assert _value(registry, "pdserve_router_generation_tokens_total") == 3 + 2 + 1
-    assert _value(registry, "pdserve_router_prompt_tokens_total") == 5
-    assert _value(registry, "pdserve_router_prefix_cache_queries_total") == 5
-    assert _value(registry, "pdserve_router_prefix_cache_hits_total") == 4
+    vllm = {"engine": "router"}
+    assert _value(registry, "vllm:generation_tokens_total", **vllm) == 3 + 2 + 1
+    assert _value(registry, "vllm:prompt_tokens_total", **vllm) == 5  # learnt from the final usage
     for reason, count in (("length", 1), ("error", 1), ("abort", 1), ("stop", 0)):
-        assert _value(registry, "pdserve_router_requests_finished_total", finished_reason=reason) == count
-    assert _value(registry, "pdserve_router_time_to_first_token_seconds_count") == 3
-    assert _value(registry, "pdserve_router_inter_token_latency_seconds_count") == 2 + 1
-    assert _value(registry, "pdserve_router_e2e_request_latency_seconds_count") == 3
+        assert _value(registry, "vllm:request_success_total", finished_reason=reason, **vllm) == count
+    assert _value(registry, "vllm:time_to_first_token_seconds_count", **vllm) == 3
+    assert _value(registry, "vllm:inter_token_latency_seconds_count", **vllm) == 2 + 1
+    assert _value(registry, "vllm:time_per_output_token_seconds_count", **vllm) == 2 + 1
+    assert _value(registry, "vllm:e2e_request_latency_seconds_count", **vllm) == 3
+    assert _value(registry, "vllm:request_generation_tokens_count", **vllm) == 3
+    assert _value(registry, "vllm:request_generation_tokens_sum", **vllm) == 3 + 2 + 1  # usage, else streamed
+
+
+async def test_a_chunk_of_several_tokens_counts_one_gap_per_token():
+    """ITL is per token: a chunk of 4 tokens 0.4 s after the last is 4 gaps of 0.1 s, not one of 0.4 s."""
+    registry = CollectorRegistry()
+    clock = RequestMetrics(registry, "m").families.clock(7, started=100.0)
+    clock.tokens(1, now=100.5)
+    clock.tokens(4, now=100.9)
+    clock.finish("stop", now=101.0)
+    vllm = {"engine": "router"}
+    assert _value(registry, "vllm:time_to_first_token_seconds_sum", **vllm) == pytest.approx(0.5)
+    assert _value(registry, "vllm:inter_token_latency_seconds_count", **vllm) == 4
+    assert _value(registry, "vllm:inter_token_latency_seconds_sum", **vllm) == pytest.approx(0.4)
+    assert _value(registry, "vllm:inter_token_latency_seconds_bucket", le="0.075", **vllm) == 0
+    assert _value(registry, "vllm:inter_token_latency_seconds_bucket", le="0.15", **vllm) == 4
+    assert _value(registry, "vllm:request_decode_time_seconds_sum", **vllm) == pytest.approx(0.4)
+    assert _value(registry, "vllm:e2e_request_latency_seconds_sum", **vllm) == pytest.approx(1.0)
+    assert _value(registry, "vllm:prompt_tokens_total", **vllm) == 7
+    assert _value(registry, "vllm:request_prompt_tokens_sum", **vllm) == 7
+
+
+def test_token_buckets_are_vllms_1_2_5_series():
+    from node_runtime.vllm_metrics import build_1_2_5_buckets
+
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(2048)[-1] == 2000
 
 
 def test_cluster_collector_counts_usable_nodes_per_role():
