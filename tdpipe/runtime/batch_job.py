@@ -146,7 +146,8 @@ class BatchJob:
         self._phase("starting stages")
 
         def on_finish(req: PipeRequest) -> None:
-            reason = "stop" if req.output_ids and req.output_ids[-1] in req.stop_token_ids else "length"
+            stop = req.stopped or (req.output_ids and req.output_ids[-1] in req.stop_token_ids)
+            reason = "stop" if stop else "length"
             self._write(
                 result_line(items[str(req.request_id)], req.output_ids, reason, self.tokenizer, self.model_name)
             )

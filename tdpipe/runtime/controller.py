@@ -22,7 +22,7 @@ from engine.forward_batch import ForwardBatch
 from tdpipe.executor import Batch, Executor
 from tdpipe.pipeline import blocks_for
 from engine.sampling_params import SamplingParams
-from tdpipe.runtime.stage_worker import NO_TOKEN, StageMessage
+from tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, StageMessage, needs_announcing
 from tdpipe.runtime.wire import Outbox, recv_object
 from tdpipe.workload import SimRequest
 
@@ -62,6 +62,8 @@ class PipeRequest(SimRequest):
         self.params = params
         """How the last stage samples this request; None (or greedy params) is greedy."""
         self.output_ids: list[int] = []
+        self.stopped = False
+        """The last stage saw the last token complete one of `params.stop` (ends the request)."""
         self.block_ids: list[int] = []
         self.num_computed = 0
         """Positions whose KV is in the stages' pools."""
@@ -72,7 +74,9 @@ class PipeRequest(SimRequest):
 
     @property
     def finished(self) -> bool:
-        return super().finished or (bool(self.output_ids) and self.output_ids[-1] in self.stop_token_ids)
+        return (
+            super().finished or self.stopped or (bool(self.output_ids) and self.output_ids[-1] in self.stop_token_ids)
+        )
 
     def preempt(self) -> None:
         super().preempt()
@@ -129,18 +133,14 @@ class StageExecutor(Executor):
         for item in batch.items:
             r = item.request
             assert isinstance(r, PipeRequest)
-            if (
-                r.params is not None
-                and (not r.params.greedy or r.params.has_penalties)
-                and r.request_id not in self._announced
-            ):
+            if needs_announcing(r.params) and r.request_id not in self._announced:
                 self._announced.add(r.request_id)  # type: ignore[arg-type]
                 new_params[str(r.request_id)] = (r.params, r.prompt_ids)
         msg = StageMessage(fb, new_params, tuple(self._forget))
         self._forget.clear()
         for stage in range(self.num_stages):
             self.outbox.send_object(msg, stage + 1)
-        tokens = torch.empty(len(batch.items), dtype=torch.long)
+        tokens = torch.empty((2, len(batch.items)), dtype=torch.long)  # last_stage: tokens, stop flags
         batch.handle = (tokens, dist.irecv(tokens, self.num_stages))
 
     def _complete(self, batch: Batch) -> None:
@@ -157,7 +157,7 @@ class StageExecutor(Executor):
             ]
             raise StageFailure("; ".join(dead) or f"pipeline stage failed: {e}") from e
         batch.end_ms = (time.perf_counter() - self.t0) * 1000.0
-        for item, token in zip(batch.items, tokens.tolist()):
+        for item, token, stop in zip(batch.items, tokens[TOKEN_ROW].tolist(), tokens[STOP_ROW].tolist()):
             r = item.request
             assert isinstance(r, PipeRequest)
             r.num_computed += item.num_tokens
@@ -165,6 +165,7 @@ class StageExecutor(Executor):
                 if token == NO_TOKEN:
                     raise StageFailure(f"the last stage sampled nothing for {r.request_id}")
                 r.output_ids.append(int(token))
+                r.stopped = bool(stop)
 
     def free(self, request: SimRequest) -> None:
         assert isinstance(request, PipeRequest)
