@@ -88,6 +88,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="weights and KV dtype of the stages (auto: float32 on CPU, the checkpoint's on GPU)",
     )
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per stage process")
+    p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every stage to join the pipeline (process start, not model loading); "
+        "the job then fails with exit 1",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="a stage whose heartbeat (one a second) is silent this long is stopped, hung or cut off: the "
+        "job names it and exits 1 within this + 2 s (+ 5 s to stop the others); --resume finishes the job",
+    )
     add_device_args(p)
     p.set_defaults(func=run)
 

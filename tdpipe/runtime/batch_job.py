@@ -163,6 +163,7 @@ class BatchJob:
             block_size=self.args.block_size,
             dtype=self.args.dtype,
             num_threads=self.args.num_threads,
+            init_timeout=self.args.init_timeout,
             **self.device,
         )
         external = getattr(self.args, "external_stages", False)
@@ -179,6 +180,8 @@ class BatchJob:
             policy=self.args.policy,
             table=table,
             on_executor=on_executor,
+            on_stall=self.watchdog.stage_stalled if self.watchdog else None,
+            heartbeat_timeout=self.args.heartbeat_timeout,
         )
 
     def cost_table(self, cfg: StageConfig, reqs: list[PipeRequest], external: bool) -> CostTable:

@@ -97,7 +97,9 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
                 )
                 return 1
             dead = watchdog.wait_for_dead(timeout=5.0)
-            if dead:
+            if watchdog.stalled:
+                why = "pipeline stage stalled: " + watchdog.stalled[0]
+            elif dead:
                 why = "pipeline stage died: " + dead[0]
                 if len(dead) > 1:
                     why += f" (then, stopped after it: {'; '.join(dead[1:])})"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.model_runner import ModelRunner
 from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
-from tdpipe.runtime.wire import Outbox, recv_object
+from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, Outbox, recv_object
 
 CONTROLLER_RANK = 0
 
@@ -49,6 +49,8 @@ class StageConfig:
     num_threads: int = 1
     attention_backend: str = "auto"
     """`torch`, `flashinfer` (CUDA) or `auto` (flashinfer on CUDA when importable)."""
+    init_timeout: float = DEFAULT_INIT_TIMEOUT_S
+    """Seconds to wait for the other ranks at the rendezvous (`--init-timeout`)."""
 
 
 def stage_device(device: str, rank: int) -> str:
@@ -118,16 +120,19 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
 
 def main_from_env(cfg: StageConfig) -> int:
     """Entry point of `pdserve stage`: rank and world from the torch.distributed env variables."""
-    from tdpipe.runtime.wire import init_process_group
+    from tdpipe.runtime.heartbeat import start_heartbeat
+    from tdpipe.runtime.wire import init_process_group, rendezvous_store
 
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         if var not in os.environ:
             raise ValueError(f"{var} is not set (pdserve stage is configured by the torch.distributed env variables)")
-    rank, world = init_process_group(cfg.device)
-    if rank == CONTROLLER_RANK:
+    if os.environ["RANK"] == str(CONTROLLER_RANK):
         raise ValueError("RANK 0 is the controller (pdserve batch); stages are ranks 1..WORLD_SIZE-1")
+    rank, world = init_process_group(cfg.device, cfg.init_timeout)
+    beating = start_heartbeat(rendezvous_store(), rank)  # before the model loads: that can take long
     try:
         run_stage(cfg, rank, world)
     finally:
+        beating.set()
         dist.destroy_process_group()
     return 0
