@@ -82,6 +82,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile for local CPU stages, analytic otherwise",
     )
     p.add_argument(
+        "--profile-cache",
+        default=None,
+        help="directory of cached stage profiles, one per model, dtype, device, stage count, threads, block "
+        "size and attention backend, so a rerun skips profiling (default: $PDSERVE_CACHE_DIR/tdpipe-profiles, "
+        "else ~/.cache/pdserve/tdpipe-profiles); off: always profile",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],

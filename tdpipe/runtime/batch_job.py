@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from engine.tokenizer import Tokenizer
@@ -21,7 +22,8 @@ from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.local import run_controller, run_local_pipeline
-from tdpipe.runtime.profile import plan_profile, profiled_table
+from tdpipe.runtime.profile import build_cost_table, plan_profile
+from tdpipe.runtime.profile_cache import cached_profiles, default_cache_dir
 from tdpipe.runtime.stage_worker import StageConfig
 from tdpipe.runtime.batch_watchdog import StageWatchdog
 
@@ -78,6 +80,8 @@ class BatchJob:
         """The cost table the policy planned on (set once the job starts)."""
         self.profile_seconds = 0.0
         """Time spent profiling the stages for the cost table (0 for a given table)."""
+        self.profile_reused = False
+        """The profile came from the cache (`profile_cache`): profile_seconds is only its loading."""
 
     def _write(self, obj: dict) -> None:
         self.out.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -199,25 +203,34 @@ class BatchJob:
             num_stages=self.args.stages,
             max_batch_tokens=self.args.max_batch_tokens,
         )
-        table = profiled_table(
+        cache = None if self.args.profile_cache == "off" else Path(self.args.profile_cache or default_cache_dir())
+        profiles, cached = cached_profiles(
             cfg.model_dir,
             self.args.stages,
             plan,
+            cache,
             block_size=cfg.block_size,
             num_threads=cfg.num_threads,
             dtype=cfg.dtype,
             attention_backend=cfg.attention_backend,
             device=cfg.device,
             repeats=1,
-            name="profiled",
         )
+        table = build_cost_table(profiles, "profiled", decode_max=plan.decode_max)
         self.profile_seconds = time.perf_counter() - t0
-        print(
-            f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
-            f"{len(plan.prefill_tokens)} prefill points in {self.profile_seconds:.1f} s (--cost-table analytic "
-            f"or a CSV skips this)",
-            file=sys.stderr,
-        )
+        self.profile_reused = cached is not None
+        if cached is not None:
+            print(
+                f"cost table: reused the stage profile cached in {cached} (--profile-cache off re-profiles)",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
+                f"{len(plan.prefill_tokens)} prefill points in {self.profile_seconds:.1f} s (cached for reruns; "
+                f"--cost-table analytic or a CSV skips this)",
+                file=sys.stderr,
+            )
         self.table_name = table.name
         return table
 

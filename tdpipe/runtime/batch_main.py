@@ -125,6 +125,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         "output_tokens": stats.output_tokens,
         "seconds": round(elapsed, 3),
         "profile_seconds": round(job.profile_seconds, 3),
+        "profile_cached": job.profile_reused,
         "output_tokens_per_s": round(stats.output_tokens / running, 2) if running > 0 else None,
         "phase_switches": len(stats.phase_switches),
         "preemptions": stats.num_preemptions,

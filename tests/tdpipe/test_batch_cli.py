@@ -60,7 +60,10 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
     lines = good[:2] + list(envelope) + good[2:] + [chat, hot, ""] + list(refused)  # a blank line is skipped
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     proc = subprocess.run(
-        batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json")), capture_output=True, text=True, timeout=300
+        batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json"), "--profile-cache", str(tmp_path / "profiles")),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     rows = read_results(tmp_path / "out.jsonl")
@@ -114,6 +117,21 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
     assert stats["cost_table"] == "profiled"  # auto: local CPU stages are profiled before the job
     assert 0 < stats["profile_seconds"] < stats["seconds"]
     assert "cost table: profiled 2 stage(s)" in proc.stderr
+    assert stats["profile_cached"] is False
+
+    # a rerun on the same model, dtype, device and stages takes the cached profile (a smaller job: covered)
+    (tmp_path / "in.jsonl").write_text("\n".join(good[:2]) + "\n")
+    (tmp_path / "out.jsonl").unlink()
+    again = subprocess.run(
+        batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json"), "--profile-cache", str(tmp_path / "profiles")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
+    assert "cost table: reused the stage profile cached in" in again.stderr, again.stderr
+    assert json.loads((tmp_path / "stats.json").read_text())["profile_cached"] is True
+    assert texts_by_id(read_results(tmp_path / "out.jsonl")) == {k: batch_expected[k] for k in ("r0", "r1")}
 
 
 def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tiny_model_dir) -> None:
