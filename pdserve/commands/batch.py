@@ -82,6 +82,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile for local CPU stages, analytic otherwise",
     )
     p.add_argument(
+        "--length-predictor",
+        default=None,
+        help="directory of a trained output-length predictor (python -m tdpipe.train_predictor) the "
+        "planner admits requests on; default: lines with max_tokens plan on it, chat lines without "
+        "it on the median of those (256 when none has one)",
+    )
+    p.add_argument(
         "--profile-cache",
         default=None,
         help="directory of cached stage profiles, one per model, dtype, device, stage count, threads, block "

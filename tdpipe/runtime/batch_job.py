@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 from engine.tokenizer import Tokenizer
 from openai_api.choices import ChoiceBuilder
 from tdpipe.runtime.batch_io import BatchItem, LineError, custom_id_of, error_line, parse_line, result_line
+from tdpipe.runtime.batch_lengths import LengthPlanner, fit_line
 from node_runtime.convert import params_from_pb
 from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
@@ -81,6 +82,8 @@ class BatchJob:
         self.profile_seconds = 0.0
         """Time spent profiling the stages for the cost table (0 for a given table)."""
         self.profile_reused = False
+        self.lengths = LengthPlanner()
+        """The planner's output-length predictions (`--length-predictor`; batch_main sets it)."""
         """The profile came from the cache (`profile_cache`): profile_seconds is only its loading."""
 
     def _write(self, obj: dict) -> None:
@@ -115,16 +118,7 @@ class BatchJob:
                         "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; this line is not run"
                     )
                 item = parse_line(line, self.builder, self.model_name)
-                need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
-                if need > capacity:
-                    raise LineError(
-                        "prompt_too_long",
-                        f"prompt + max_tokens is {need} tokens; the pipeline's KV "
-                        f"holds {capacity}{' per virtual engine' if share > 1 else ''} "
-                        f"(raise --num-kv-blocks or --block-size)",
-                        status=400,
-                        param="max_tokens",
-                    )
+                fit_line(item, capacity, " per virtual engine" if share > 1 else "")
             except LineError as e:
                 if cid is not None:
                     claimed.add(cid)
@@ -141,10 +135,12 @@ class BatchJob:
         items = self.plan(lines, done)
         eos = frozenset(self.tokenizer.eos_token_ids)
         reqs = []
-        for cid, it in items.items():
+        predicted = self.lengths.predict(list(items.values()), self.tokenizer)
+        for (cid, it), guess in zip(items.items(), predicted):
             params = params_from_pb(it.choice.params)  # the router's wire params, as the nodes convert them
             stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
-            reqs.append(PipeRequest(cid, it.choice.prompt_ids, it.choice.params.max_tokens, stops, params=params))
+            max_tokens = it.choice.params.max_tokens
+            reqs.append(PipeRequest(cid, it.choice.prompt_ids, max_tokens, stops, predicted_len=guess, params=params))
         if not reqs:
             return SimStats(self.args.policy), []
         self._phase("starting stages")

@@ -20,6 +20,7 @@ from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_io import done_keys
 from tdpipe.runtime.batch_job import BatchJob, table_choice
 from tdpipe.runtime.batch_kv import stage_kv_blocks
+from tdpipe.runtime.batch_lengths import LengthPlanner
 from tdpipe.runtime.batch_watchdog import StageWatchdog
 
 
@@ -45,6 +46,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         if args.stages > cfg.num_hidden_layers:
             raise ValueError(f"--stages {args.stages} is more than the model's {cfg.num_hidden_layers} layers")
         tokenizer = Tokenizer(model_dir)
+        lengths = LengthPlanner(args.length_predictor)
         with open(args.input, encoding="utf-8", errors="replace") as f:
             lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), start=1) if ln.strip()]
         args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], len(lines))
@@ -60,6 +62,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         return 2
     with out:
         job = BatchJob(args, model_dir, device, tokenizer, cfg.max_position_embeddings, out)
+        job.lengths = lengths
         # a terminal gets a live bar; a log (a Kubernetes pod) one line every 30 s
         bar = tqdm(
             total=len(lines),
