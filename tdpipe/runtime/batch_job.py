@@ -82,6 +82,8 @@ class BatchJob:
         self.profile_seconds = 0.0
         """Time spent profiling the stages for the cost table (0 for a given table)."""
         self.profile_reused = False
+        self.executor: StageExecutor | None = None
+        """The running pipeline's executor, once it exists; `executor.gauge` is its live view."""
         self.lengths = LengthPlanner()
         """The planner's output-length predictions (`--length-predictor`; batch_main sets it)."""
         """The profile came from the cache (`profile_cache`): profile_seconds is only its loading."""
@@ -154,6 +156,7 @@ class BatchJob:
             self.completed += 1
 
         def on_executor(executor: StageExecutor) -> None:
+            self.executor = executor  # metrics read executor.gauge (phase, tokens, bubble) and .stats
             if self.watchdog is not None:
                 self.watchdog.executor = executor
 

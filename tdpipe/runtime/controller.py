@@ -23,6 +23,7 @@ from tdpipe.executor import Batch, Executor
 from tdpipe.pipeline import blocks_for
 from engine.sampling_params import SamplingParams
 from tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, StageMessage, needs_announcing
+from tdpipe.runtime.live_stats import PipelineGauge
 from tdpipe.runtime.wire import Outbox, recv_object
 from tdpipe.workload import SimRequest
 
@@ -103,6 +104,8 @@ class StageExecutor(Executor):
         self.t0 = time.perf_counter()
         self._announced: set[str] = set()
         self._forget: list[str] = []
+        self.gauge = PipelineGauge(num_stages)
+        """Live phase, tokens and bubble estimate (progress and metrics read it from other threads)."""
 
     def _start(self, batch: Batch) -> None:
         ids, query, context, tables = [], [], [], []
@@ -140,6 +143,9 @@ class StageExecutor(Executor):
         self._forget.clear()
         for stage in range(self.num_stages):
             self.outbox.send_object(msg, stage + 1)
+        if not self.gauge.batches_done and not self.gauge.in_flight:
+            self.gauge.start()  # the first batch: the stages are up, the pipeline starts filling
+        self.gauge.on_submit(batch.phase)
         tokens = torch.empty((2, len(batch.items)), dtype=torch.long)  # last_stage: tokens, stop flags
         batch.handle = (tokens, dist.irecv(tokens, self.num_stages))
 
@@ -166,6 +172,7 @@ class StageExecutor(Executor):
                     raise StageFailure(f"the last stage sampled nothing for {r.request_id}")
                 r.output_ids.append(int(token))
                 r.stopped = bool(stop)
+        self.gauge.on_complete(sum(1 for item in batch.items if item.sample))
 
     def free(self, request: SimRequest) -> None:
         assert isinstance(request, PipeRequest)
