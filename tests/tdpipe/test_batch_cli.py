@@ -18,6 +18,12 @@ from engine import LLM, SamplingParams
 from tests.tdpipe.batch_helpers import MAX_TOKENS, PROMPTS, batch_cmd, read_results, request_line, texts_by_id
 
 
+def _run_with_stats(tmp_path) -> subprocess.CompletedProcess:
+    """The job on tmp_path/in.jsonl with --stats and a profile cache of this test's own."""
+    cmd = batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json"), "--profile-cache", str(tmp_path / "profiles"))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expected, tiny_model_dir) -> None:
     envelope = {  # not a request at all: `"response": null, "error": {code, message, line}`
         "{not json": "invalid_json",
@@ -59,12 +65,7 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
     hot = request_line("hot", "sampled", temperature=0.8, top_p=0.9, seed=3)  # the last stage samples like the engine
     lines = good[:2] + list(envelope) + good[2:] + [chat, hot, ""] + list(refused)  # a blank line is skipped
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    proc = subprocess.run(
-        batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json"), "--profile-cache", str(tmp_path / "profiles")),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_with_stats(tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = read_results(tmp_path / "out.jsonl")
     assert len(rows) == len(lines) - 1
@@ -122,12 +123,7 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
     # a rerun on the same model, dtype, device and stages takes the cached profile (a smaller job: covered)
     (tmp_path / "in.jsonl").write_text("\n".join(good[:2]) + "\n")
     (tmp_path / "out.jsonl").unlink()
-    again = subprocess.run(
-        batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json"), "--profile-cache", str(tmp_path / "profiles")),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = _run_with_stats(tmp_path)
     assert again.returncode == 0, again.stderr
     assert "cost table: reused the stage profile cached in" in again.stderr, again.stderr
     assert json.loads((tmp_path / "stats.json").read_text())["profile_cached"] is True
