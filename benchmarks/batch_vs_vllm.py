@@ -1,8 +1,9 @@
 """`pdserve batch` (TD-Pipe over 2 stages) vs vLLM CPU's `run-batch`, end to end, on one JSONL file.
 
-Both read the same OpenAI Batch file (greedy /v1/completions lines with token-id prompts, ignore_eos,
-on the built-in `bench` model, float32) and write their results; each is timed from process start
-to exit, as a user waits for it: start-up, model load, vLLM's compile, pdserve's stage profiling.
+Both read the same OpenAI Batch file (greedy /v1/chat/completions lines of random words, ignore_eos,
+on the built-in `bench` model, float32; vLLM's run-batch serves no other endpoint) and write their
+results; each is timed from process start to exit, as a user waits for it: start-up, model load,
+vLLM's compile, pdserve's stage profiling.
 pdserve runs twice against one profile cache: cold (profiles the stages) and warm (a rerun reuses
 the profile); the ratio is the warm run's, both are printed. Output tok/s = completion tokens of the
 output file / wall seconds. Also counts lines whose text is identical between the two.
@@ -28,15 +29,29 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were their one all we can her has there been if more when will would who so no time river city "
+    "light water story music garden winter north morning machine language window mountain letter market"
+).split()
 
 
-def write_input(path: Path, n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int) -> None:
+def write_input(
+    path: Path, n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], words: list[str]
+) -> None:
+    """Chat lines (vLLM's run-batch serves /v1/chat/completions only) of random words, greedy, ignore_eos."""
     rng = random.Random(0)
     with path.open("w") as f:
         for i in range(n):
-            prompt = [rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_range))]
-            body = {"prompt": prompt, "max_tokens": rng.randint(*out_range), "temperature": 0, "ignore_eos": True}
-            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(*prompt_range)))
+            body = {
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": rng.randint(*out_range),
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            row = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            f.write(json.dumps(row) + "\n")
 
 
 def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -57,7 +72,9 @@ def read_output(path: Path) -> dict[str, tuple[str, int]]:
         row = json.loads(line)
         body = (row.get("response") or {}).get("body") or {}
         if "choices" in body:
-            got[row["custom_id"]] = (body["choices"][0]["text"], body["usage"]["completion_tokens"])
+            choice = body["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            got[row["custom_id"]] = (text, body["usage"]["completion_tokens"])
     return got
 
 
@@ -68,11 +85,12 @@ def engine_loop(model_dir: str, inp: str, out: str) -> None:
 
     rows = [json.loads(line) for line in Path(inp).read_text().splitlines()]
     llm = LLM(model_dir, num_threads=2)
-    engine = llm.engine
+    engine, tok = llm.engine, llm.tokenizer
     ids: dict[str, list[int]] = {}
     for r in rows:
         params = SamplingParams(max_tokens=r["body"]["max_tokens"], temperature=0.0, ignore_eos=True)
-        engine.add_request(r["custom_id"], r["body"]["prompt"], params)
+        prompt = tok.encode_chat(r["body"]["messages"])
+        engine.add_request(r["custom_id"], prompt, params)
         ids[r["custom_id"]] = []
     while engine.has_unfinished_requests():
         for step in engine.step():
@@ -101,11 +119,10 @@ def main() -> None:
 
     from benchmarks.common import emit
     from engine.builtin import default_model_dir
-    from engine.tokenizer import Tokenizer
 
     model = str(default_model_dir("bench"))
     n = args.requests or (64 if args.quick else 256)
-    shape = ((16, 96), (8, 64)) if args.quick else ((16, 512), (16, 256))
+    shape = ((8, 64), (8, 64)) if args.quick else ((8, 384), (16, 256))  # words, output tokens
     vllm_python = Path(args.vllm_python)
     peer = "vllm" if has_vllm(vllm_python) else "engine-loop"
     if peer != "vllm":
@@ -117,7 +134,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         inp = tmp / "in.jsonl"
-        write_input(inp, n, *shape, Tokenizer(model).vocab_size)
+        write_input(inp, n, *shape, WORDS)
         ours = [sys.executable, "-m", "pdserve.cli", "batch", "-i", str(inp), "--model", model]
         ours += ["--stages", str(args.stages), "--dtype", "float32", "--profile-cache", str(tmp / "profiles")]
         walls, stats = {}, {}
