@@ -232,6 +232,10 @@ def test_batch_help_lists_every_flag() -> None:
         "--cost-table",
         "--dtype",
         "--num-threads",
+        "--init-timeout",
+        "--heartbeat-timeout",
+        "--length-predictor",
+        "--profile-cache",
     } <= set(flags)
     assert all(flag in text for flag in flags)
     assert all(a.help for a in parser._actions), [a.option_strings for a in parser._actions if not a.help]
