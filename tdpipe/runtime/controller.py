@@ -136,7 +136,7 @@ class StageExecutor(Executor):
         for item in batch.items:
             r = item.request
             assert isinstance(r, PipeRequest)
-            if needs_announcing(r.params) and r.request_id not in self._announced:
+            if r.params is not None and needs_announcing(r.params) and r.request_id not in self._announced:
                 self._announced.add(r.request_id)  # type: ignore[arg-type]
                 new_params[str(r.request_id)] = (r.params, r.prompt_ids)
         msg = StageMessage(fb, new_params, tuple(self._forget))

@@ -80,7 +80,7 @@ def load(path: Path, key: dict) -> list[StageProfile] | None:
         return [
             StageProfile(
                 p["stage"],
-                tuple(p["layer_range"]),  # type: ignore[arg-type]
+                (p["layer_range"][0], p["layer_range"][1]),
                 p["decode_context"],
                 {int(n): float(t) for n, t in p["decode_ms"].items()},
                 {int(n): float(t) for n, t in p["prefill_ms"].items()},
