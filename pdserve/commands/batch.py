@@ -95,12 +95,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile for local CPU stages, analytic otherwise",
     )
     p.add_argument(
+        "--length-predictor",
+        default=None,
+        help="directory of a trained output-length predictor (python -m tdpipe.train_predictor) the "
+        "planner admits requests on; default: lines with max_tokens plan on it, chat lines without "
+        "it on the median of those (256 when none has one)",
+    )
+    p.add_argument(
+        "--profile-cache",
+        default=None,
+        help="directory of cached stage profiles, one per model, dtype, device, stage count, threads, block "
+        "size and attention backend, so a rerun skips profiling (default: $PDSERVE_CACHE_DIR/tdpipe-profiles, "
+        "else ~/.cache/pdserve/tdpipe-profiles); off: always profile",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV dtype of the stages (auto: float32 on CPU, the checkpoint's on GPU)",
     )
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per stage process")
+    p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every stage to join the pipeline (process start, not model loading); "
+        "the job then fails with exit 1",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="a stage whose heartbeat (one a second) is silent this long is stopped, hung or cut off: the "
+        "job names it and exits 1 within this + 2 s (+ 5 s to stop the others); --resume finishes the job",
+    )
     add_device_args(p)
     p.set_defaults(func=run)
 

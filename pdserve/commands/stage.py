@@ -24,11 +24,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_device_args(p)  # a bare `cuda` gives each stage its own GPU ($LOCAL_RANK, else stage index)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of this stage")
+    p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for rank 0 (the controller) at MASTER_ADDR:MASTER_PORT before giving up",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from tdpipe.runtime.stage_worker import StageConfig, main_from_env
+    from tdpipe.runtime.wire import RendezvousTimeout
 
     try:
         args.model = args.model_dir  # device_options reads the checkpoint's dtype for the backend choice
@@ -39,10 +46,11 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             dtype=args.dtype,
             num_threads=args.num_threads,
+            init_timeout=args.init_timeout,
             **device,
         )
         return main_from_env(cfg)
-    except ValueError as e:
+    except (ValueError, RendezvousTimeout) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

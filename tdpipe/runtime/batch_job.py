@@ -11,6 +11,7 @@ from collections import deque
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from engine.tokenizer import Tokenizer
@@ -19,13 +20,15 @@ from openai_api.choices import ChoiceBuilder
 from tdpipe.feed import RequestFeed
 from tdpipe.runtime.batch_input import RawLine
 from tdpipe.runtime.batch_io import result_line
+from tdpipe.runtime.batch_lengths import LengthPlanner, fit_line
 from tdpipe.runtime.batch_output import OrderedWriter, ResumeKey
 from tdpipe.runtime.batch_stream import LineSource
 from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.local import run_controller, run_local_pipeline
-from tdpipe.runtime.profile import plan_profile, profiled_table
+from tdpipe.runtime.profile import build_cost_table, plan_profile
+from tdpipe.runtime.profile_cache import cached_profiles, default_cache_dir
 from tdpipe.runtime.stage_worker import StageConfig
 from tdpipe.runtime.batch_watchdog import StageWatchdog
 
@@ -76,12 +79,17 @@ class BatchJob:
         self.progress: tqdm | None = None
         self.watchdog: StageWatchdog | None = None
         self.executor: StageExecutor | None = None
+        """The running pipeline's executor, once it exists; `executor.gauge` is its live view."""
         self.source: LineSource | None = None
         self.completed = 0
         self.table_name: str | None = None
         """The cost table the policy planned on (set once the job starts)."""
         self.profile_seconds = 0.0
         """Time spent profiling the stages for the cost table (0 for a given table)."""
+        self.profile_reused = False
+        """The profile came from the cache (`profile_cache`): profile_seconds is only its loading."""
+        self.lengths = LengthPlanner()
+        """The planner's output-length predictions (`--length-predictor`; batch_main sets it)."""
 
     @property
     def written(self) -> int:
@@ -118,6 +126,8 @@ class BatchJob:
             capacity=self.args.num_kv_blocks // share * self.args.block_size,
             kv_hint=" per virtual engine" if share > 1 else "",
             on_skip=(lambda: bar.update(1)) if bar is not None else None,
+            fit=fit_line,
+            predict=lambda item: self.lengths.predict([item], self.tokenizer)[0],
         )
 
     def run(self, lines: Iterator[RawLine], done: set[ResumeKey]) -> tuple[SimStats, list]:
@@ -131,7 +141,8 @@ class BatchJob:
         self._phase("starting stages")
 
         def on_finish(req: PipeRequest) -> None:
-            reason = "stop" if req.output_ids and req.output_ids[-1] in req.stop_token_ids else "length"
+            stop = req.stopped or (req.output_ids and req.output_ids[-1] in req.stop_token_ids)
+            reason = "stop" if stop else "length"
             self._write(
                 result_line(items[str(req.request_id)], req.output_ids, reason, self.tokenizer, self.model_name)
             )
@@ -139,7 +150,7 @@ class BatchJob:
 
         def on_executor(executor: StageExecutor) -> None:
             executor.decisions = deque(maxlen=64)  # type: ignore[assignment]  # the log is per batch: unbounded
-            self.executor = executor
+            self.executor = executor  # metrics read executor.gauge (phase, tokens, bubble) and .stats
             if self.watchdog is not None:
                 self.watchdog.executor = executor
 
@@ -149,6 +160,7 @@ class BatchJob:
             block_size=self.args.block_size,
             dtype=self.args.dtype,
             num_threads=self.args.num_threads,
+            init_timeout=self.args.init_timeout,
             **self.device,
         )
         external = getattr(self.args, "external_stages", False)
@@ -165,6 +177,8 @@ class BatchJob:
             policy=self.args.policy,
             table=table,
             on_executor=on_executor,
+            on_stall=self.watchdog.stage_stalled if self.watchdog else None,
+            heartbeat_timeout=self.args.heartbeat_timeout,
         )
 
     def cost_table(self, cfg: StageConfig, reqs: list[PipeRequest], external: bool) -> CostTable:
@@ -182,25 +196,34 @@ class BatchJob:
             num_stages=self.args.stages,
             max_batch_tokens=self.args.max_batch_tokens,
         )
-        table = profiled_table(
+        cache = None if self.args.profile_cache == "off" else Path(self.args.profile_cache or default_cache_dir())
+        profiles, cached = cached_profiles(
             cfg.model_dir,
             self.args.stages,
             plan,
+            cache,
             block_size=cfg.block_size,
             num_threads=cfg.num_threads,
             dtype=cfg.dtype,
             attention_backend=cfg.attention_backend,
             device=cfg.device,
             repeats=1,
-            name="profiled",
         )
+        table = build_cost_table(profiles, "profiled", decode_max=plan.decode_max)
         self.profile_seconds = time.perf_counter() - t0
-        print(
-            f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
-            f"{len(plan.prefill_tokens)} prefill points in {self.profile_seconds:.1f} s (--cost-table analytic "
-            f"or a CSV skips this)",
-            file=sys.stderr,
-        )
+        self.profile_reused = cached is not None
+        if cached is not None:
+            print(
+                f"cost table: reused the stage profile cached in {cached} (--profile-cache off re-profiles)",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"cost table: profiled {self.args.stages} stage(s) at {len(plan.decode_batches)} decode and "
+                f"{len(plan.prefill_tokens)} prefill points in {self.profile_seconds:.1f} s (cached for reruns; "
+                f"--cost-table analytic or a CSV skips this)",
+                file=sys.stderr,
+            )
         self.table_name = table.name
         return table
 

@@ -23,6 +23,7 @@ from tdpipe.runtime.batch_kv import stage_kv_blocks
 from tdpipe.runtime.batch_metrics import BatchMetrics
 from tdpipe.runtime.batch_output import OrderedWriter, open_output
 from tdpipe.runtime.batch_url import local_output, open_input, upload
+from tdpipe.runtime.batch_lengths import LengthPlanner
 from tdpipe.runtime.batch_watchdog import StageWatchdog
 
 
@@ -50,6 +51,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         if args.max_lines_in_flight < 1:
             raise ValueError(f"--max-lines-in-flight must be at least 1, got {args.max_lines_in_flight}")
         tokenizer = Tokenizer(model_dir)
+        lengths = LengthPlanner(args.length_predictor)
         # at most a window of lines is in flight: the KV never needs more than they can fill
         args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], args.max_lines_in_flight)
         stream = open_input(args.input)
@@ -77,6 +79,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
 
         writer = OrderedWriter(out, args.output_order, on_write)
         job = BatchJob(args, model_dir, device, tokenizer, cfg.max_position_embeddings, writer)
+        job.lengths = lengths
         lines = read_lines(stream, args.max_line_bytes)
         if args.enable_metrics:
             metrics = BatchMetrics(job.model_name, args.stages)
@@ -113,7 +116,9 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
                 )
                 return 1
             dead = watchdog.wait_for_dead(timeout=5.0)
-            if dead:
+            if watchdog.stalled:
+                why = "pipeline stage stalled: " + watchdog.stalled[0]
+            elif dead:
                 why = "pipeline stage died: " + dead[0]
                 if len(dead) > 1:
                     why += f" (then, stopped after it: {'; '.join(dead[1:])})"
@@ -149,6 +154,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         "output_tokens": stats.output_tokens,
         "seconds": round(elapsed, 3),
         "profile_seconds": round(job.profile_seconds, 3),
+        "profile_cached": job.profile_reused,
         "output_tokens_per_s": round(stats.output_tokens / running, 2) if running > 0 else None,
         "phase_switches": len(stats.phase_switches),
         "preemptions": stats.num_preemptions,

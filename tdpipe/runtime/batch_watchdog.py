@@ -62,6 +62,8 @@ class StageWatchdog:
         the launcher or this watchdog stopped (`stopped`): a waiter thread can notice a stage killed
         during the stop before the one whose death caused it."""
         self.stopped: list[str] = []
+        self.stalled: list[str] = []
+        """Stages whose heartbeat went silent (SIGSTOPped, hung, cut off): `stage_stalled`."""
         self.signum: int | None = None
         self.executor: StageExecutor | None = None
         self.progress = progress
@@ -93,6 +95,23 @@ class StageWatchdog:
         if code != 0:  # 0 comes only after the controller's shutdown message: not a failure
             with self._lock:
                 (self.stopped if stopped_on_purpose(proc) else self.dead).append(describe_exit(rank, proc.pid, code))
+
+    def stage_stalled(self, rank: int, silent_s: float) -> None:
+        """The heartbeat monitor's `on_stall`: name the stage and stop the pipeline. A local stage is
+        SIGKILLed (a stopped process ignores SIGTERM until continued), which fails the receive the
+        main thread is blocked in; the loop then stops the other stages as for a death. A stage
+        elsewhere cannot be stopped from here, so the job ends at once (every result is flushed)."""
+        proc = self.procs[rank - 1] if rank <= len(self.procs) else None
+        who = f"stage rank {rank}" + (f" (pid {proc.pid})" if proc is not None else "")
+        why = f"{who} stopped answering: no heartbeat for {silent_s:.0f} s (stopped, hung or cut off)"
+        with self._lock:
+            self.stalled.append(why)
+        if proc is None:
+            os.write(2, f"\nerror: pipeline stage stalled: {why}; rerun with --resume to finish\n".encode())
+            os._exit(1)
+        stop_on_purpose(proc)
+        with self._lock:
+            self.dead.append(why)  # wakes the loop, which stops the others and bounds the unwinding
 
     def _on_signal(self, signum: int, frame) -> None:
         # Runs in the main thread whenever it gets back to Python: unwinds the job from there.

@@ -22,7 +22,8 @@ from engine.forward_batch import ForwardBatch
 from tdpipe.executor import Batch, Executor
 from tdpipe.pipeline import blocks_for
 from engine.sampling_params import SamplingParams
-from tdpipe.runtime.stage_worker import NO_TOKEN, StageMessage
+from tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, StageMessage, needs_announcing
+from tdpipe.runtime.live_stats import PipelineGauge
 from tdpipe.runtime.wire import Outbox, recv_object
 from tdpipe.workload import SimRequest
 
@@ -62,6 +63,8 @@ class PipeRequest(SimRequest):
         self.params = params
         """How the last stage samples this request; None (or greedy params) is greedy."""
         self.output_ids: list[int] = []
+        self.stopped = False
+        """The last stage saw the last token complete one of `params.stop` (ends the request)."""
         self.block_ids: list[int] = []
         self.num_computed = 0
         """Positions whose KV is in the stages' pools."""
@@ -72,7 +75,9 @@ class PipeRequest(SimRequest):
 
     @property
     def finished(self) -> bool:
-        return super().finished or (bool(self.output_ids) and self.output_ids[-1] in self.stop_token_ids)
+        return (
+            super().finished or self.stopped or (bool(self.output_ids) and self.output_ids[-1] in self.stop_token_ids)
+        )
 
     def preempt(self) -> None:
         super().preempt()
@@ -99,6 +104,8 @@ class StageExecutor(Executor):
         self.t0 = time.perf_counter()
         self._announced: set[str] = set()
         self._forget: list[str] = []
+        self.gauge = PipelineGauge(num_stages)
+        """Live phase, tokens and bubble estimate (progress and metrics read it from other threads)."""
 
     def _start(self, batch: Batch) -> None:
         ids, query, context, tables = [], [], [], []
@@ -129,18 +136,17 @@ class StageExecutor(Executor):
         for item in batch.items:
             r = item.request
             assert isinstance(r, PipeRequest)
-            if (
-                r.params is not None
-                and (not r.params.greedy or r.params.has_penalties)
-                and r.request_id not in self._announced
-            ):
+            if r.params is not None and needs_announcing(r.params) and r.request_id not in self._announced:
                 self._announced.add(r.request_id)  # type: ignore[arg-type]
                 new_params[str(r.request_id)] = (r.params, r.prompt_ids)
         msg = StageMessage(fb, new_params, tuple(self._forget))
         self._forget.clear()
         for stage in range(self.num_stages):
             self.outbox.send_object(msg, stage + 1)
-        tokens = torch.empty(len(batch.items), dtype=torch.long)
+        if not self.gauge.batches_done and not self.gauge.in_flight:
+            self.gauge.start()  # the first batch: the stages are up, the pipeline starts filling
+        self.gauge.on_submit(batch.phase)
+        tokens = torch.empty((2, len(batch.items)), dtype=torch.long)  # last_stage: tokens, stop flags
         batch.handle = (tokens, dist.irecv(tokens, self.num_stages))
 
     def _complete(self, batch: Batch) -> None:
@@ -157,7 +163,7 @@ class StageExecutor(Executor):
             ]
             raise StageFailure("; ".join(dead) or f"pipeline stage failed: {e}") from e
         batch.end_ms = (time.perf_counter() - self.t0) * 1000.0
-        for item, token in zip(batch.items, tokens.tolist()):
+        for item, token, stop in zip(batch.items, tokens[TOKEN_ROW].tolist(), tokens[STOP_ROW].tolist()):
             r = item.request
             assert isinstance(r, PipeRequest)
             r.num_computed += item.num_tokens
@@ -165,6 +171,8 @@ class StageExecutor(Executor):
                 if token == NO_TOKEN:
                     raise StageFailure(f"the last stage sampled nothing for {r.request_id}")
                 r.output_ids.append(int(token))
+                r.stopped = bool(stop)
+        self.gauge.on_complete(sum(1 for item in batch.items if item.sample))
 
     def free(self, request: SimRequest) -> None:
         assert isinstance(request, PipeRequest)

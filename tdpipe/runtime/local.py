@@ -18,7 +18,8 @@ from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
 from tdpipe.runtime.stage_worker import StageConfig
-from tdpipe.runtime.wire import init_process_group
+from tdpipe.runtime.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT_S, HeartbeatMonitor
+from tdpipe.runtime.wire import init_process_group, rendezvous_store
 from tdpipe.simulator import make_policy
 
 Timelines = list[list[tuple[float, float, int, str]]]
@@ -121,19 +122,26 @@ def run_controller(
     decisions: list | None = None,
     stage_procs: Sequence[subprocess.Popen] = (),
     on_executor: Callable[[StageExecutor], None] | None = None,
+    on_stall: Callable[[int, float], None] | None = None,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> tuple[SimStats, Timelines]:
     """Rank 0 of a pipeline whose stages join through MASTER_ADDR/MASTER_PORT/WORLD_SIZE (RANK=0 here):
     runs `requests` through the `num_stages` stages under `policy` (tdpipe | pp-sb | pp-hb, or any
     simulator policy name). `table` is the cost table the TD-Pipe switch decisions read (default: the
     analytic one). Returns (stats, stage timelines); `decisions`, when given, receives the executor's
     decision log; `on_executor(executor)` sees the executor before the policy runs (progress display).
+    `on_stall(rank, silent_s)` is called (from a monitor thread) when a stage's heartbeat has been
+    silent for `heartbeat_timeout` s (`tdpipe.runtime.heartbeat`); it must unblock or end the job.
 
     Shared by the local launcher above (the stages are its children, `stage_procs`) and
     `pdserve batch --external-stages` (`pdserve stage` ranks started elsewhere, e.g. the pods
     of a Kubernetes Indexed Job).
     """
+    monitor = None
     try:
-        init_process_group(cfg.device)
+        init_process_group(cfg.device, cfg.init_timeout)
+        if on_stall is not None:
+            monitor = HeartbeatMonitor(rendezvous_store(), num_stages, heartbeat_timeout, on_stall)
         executor = StageExecutor(num_stages, cfg.num_kv_blocks, cfg.block_size, list(stage_procs), on_finish)
         if on_executor is not None:
             on_executor(executor)
@@ -150,9 +158,13 @@ def run_controller(
         if decisions is not None:
             decisions.extend(executor.decisions)
         timelines = executor.shutdown()
+        if monitor is not None:
+            monitor.close()  # the stages stop beating as they exit
         for proc in stage_procs:
             proc.wait(timeout=60)
         return stats, timelines
     finally:
+        if monitor is not None:
+            monitor.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -4,8 +4,8 @@ Rank 0 is the controller; stage k (0-based) is rank k + 1 and holds layers
 `stage_layer_range(k)`. Per batch a stage receives one control message (a
 `ForwardBatch` whose block tables the controller owns), receives the previous
 stage's hidden states, runs its layers (writing its own KV), and passes hidden
-states on; the last stage samples (each request with its own parameters) and sends
-one token id per sequence to the controller.
+states on; the last stage samples (each request with its own parameters, watching its
+stop strings: `last_stage`) and sends one token id and stop flag per sequence to the controller.
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.forward_batch import ForwardBatch
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, make_generator
-from engine.sampling_params import SamplingParams
-from tdpipe.runtime.wire import Outbox, recv_object
+from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
+from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, Outbox, recv_object
 
 CONTROLLER_RANK = 0
-NO_TOKEN = -1
-"""What the last stage returns for a sequence that samples nothing (a non-final prompt chunk)."""
 
 
 def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
@@ -53,6 +49,8 @@ class StageConfig:
     num_threads: int = 1
     attention_backend: str = "auto"
     """`torch`, `flashinfer` (CUDA) or `auto` (flashinfer on CUDA when importable)."""
+    init_timeout: float = DEFAULT_INIT_TIMEOUT_S
+    """Seconds to wait for the other ranks at the rendezvous (`--init-timeout`)."""
 
 
 def stage_device(device: str, rank: int) -> str:
@@ -66,67 +64,6 @@ def stage_device(device: str, rank: int) -> str:
     import torch.cuda
 
     return f"cuda:{(rank - 1) % max(1, torch.cuda.device_count())}"
-
-
-@dataclass(frozen=True)
-class StageMessage:
-    """The per-batch control message every stage receives from the controller."""
-
-    batch: ForwardBatch
-    new_params: dict[str, tuple[SamplingParams, list[int]]] = field(default_factory=dict)
-    """Sampling parameters and prompt ids of requests the last stage has not seen yet; requests
-    absent from it, and never announced, are sampled greedily."""
-    forget: tuple[str, ...] = ()
-    """Requests that ended: the last stage drops their sampling state."""
-
-
-class _SampleState:
-    """What `engine.sampler.Sampler` reads of a request (params, token history, id)."""
-
-    def __init__(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
-        self.request_id, self.params = request_id, params
-        self.prompt_token_ids = prompt_ids
-        self.output_token_ids: list[int] = []
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-class LastStageSampler:
-    """Samples each sequence's token with its own parameters and seeded generator (the engine's
-    Sampler, so a batch job samples exactly as the engine does)."""
-
-    def __init__(self) -> None:
-        self.sampler = Sampler()
-        self.states: dict[str, _SampleState] = {}
-        self.generators: dict[str, torch.Generator] = {}
-
-    def __call__(self, msg: StageMessage, logits: torch.Tensor) -> torch.Tensor:
-        """Tokens [num_seqs] (NO_TOKEN where nothing is sampled) from logits [num_sampled, V]."""
-        for rid in msg.forget:
-            self.states.pop(rid, None)
-            self.generators.pop(rid, None)
-        for rid, (params, prompt) in msg.new_params.items():
-            self.states[rid] = _SampleState(rid, params, list(prompt))
-            self.generators[rid] = make_generator(params.seed)
-        batch = msg.batch
-        tokens = torch.full((batch.num_seqs,), NO_TOKEN, dtype=torch.long)
-        rows = [i for i, sample in enumerate(batch.sample_mask) if sample]
-        if not rows:
-            return tokens
-        logits = logits.float().cpu()
-        states = [self.states.get(batch.request_ids[i]) for i in rows]
-        if all(s is None for s in states):  # all greedy: one argmax
-            tokens[rows] = logits.argmax(dim=-1)
-            return tokens
-        greedy = _SampleState("", SamplingParams(temperature=0.0), [])
-        picked = self.sampler(logits, [s or greedy for s in states], self.generators)  # type: ignore[misc]
-        for i, s, (token, _) in zip(rows, states, picked):
-            tokens[i] = token
-            if s is not None:
-                s.output_token_ids.append(token)
-        return tokens
 
 
 @dataclass
@@ -155,7 +92,7 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     )
     hidden_size = runner.model_config.hidden_size
     outbox, timeline = Outbox(), StageTimeline()
-    sampling = LastStageSampler() if runner.is_last_stage else None
+    sampling = LastStageSampler(cfg.model_dir) if runner.is_last_stage else None
     while True:
         msg = recv_object(CONTROLLER_RANK)
         if msg is None:
@@ -183,16 +120,19 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
 
 def main_from_env(cfg: StageConfig) -> int:
     """Entry point of `pdserve stage`: rank and world from the torch.distributed env variables."""
-    from tdpipe.runtime.wire import init_process_group
+    from tdpipe.runtime.heartbeat import start_heartbeat
+    from tdpipe.runtime.wire import init_process_group, rendezvous_store
 
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         if var not in os.environ:
             raise ValueError(f"{var} is not set (pdserve stage is configured by the torch.distributed env variables)")
-    rank, world = init_process_group(cfg.device)
-    if rank == CONTROLLER_RANK:
+    if os.environ["RANK"] == str(CONTROLLER_RANK):
         raise ValueError("RANK 0 is the controller (pdserve batch); stages are ranks 1..WORLD_SIZE-1")
+    rank, world = init_process_group(cfg.device, cfg.init_timeout)
+    beating = start_heartbeat(rendezvous_store(), rank)  # before the model loads: that can take long
     try:
         run_stage(cfg, rank, world)
     finally:
+        beating.set()
         dist.destroy_process_group()
     return 0

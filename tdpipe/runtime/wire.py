@@ -11,7 +11,9 @@ CUDA go over NCCL.
 
 from __future__ import annotations
 
+import os
 import pickle
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -53,12 +55,48 @@ def recv_object(src: int) -> object:
     return pickle.loads(payload.numpy().tobytes())
 
 
-def init_process_group(device: str) -> tuple[int, int]:
+DEFAULT_INIT_TIMEOUT_S = 300.0
+"""How long rank 0 waits for every stage to join (and a stage for rank 0): process start and
+`import torch` on a loaded machine, not model loading, which comes after the join."""
+_store: dist.Store | None = None
+
+
+class RendezvousTimeout(RuntimeError):
+    """The ranks did not all meet within the init timeout (a pipeline failure: exit 1, not a bug)."""
+
+
+def rendezvous_store() -> dist.Store:
+    """The TCP store the group met through (rank 0 hosts it); stage heartbeats travel on it."""
+    if _store is None:
+        raise RuntimeError("init_process_group has not run")
+    return _store
+
+
+def init_process_group(device: str, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> tuple[int, int]:
     """Join the group from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE; returns (rank, world_size).
 
-    CPU: gloo. CUDA: gloo for CPU tensors (control, tokens) and NCCL for CUDA
-    tensors (hidden states); the CUDA path is not exercised on these machines.
+    Rank 0 hosts the store and waits at most `timeout_s` for every rank to connect; a stage waits
+    as long for rank 0 (TimeoutError naming the rendezvous either way). CPU: gloo. CUDA: gloo for
+    CPU tensors (control, tokens) and NCCL for CUDA tensors (hidden states); the CUDA path is not
+    exercised on these machines.
     """
+    global _store
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    try:
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            world,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=True,
+        )
+    except (RuntimeError, dist.DistStoreError) as e:  # DistStoreError: the timeout; RuntimeError: refused
+        who = f"all {world - 1} stage ranks" if rank == 0 else "rank 0 (the controller)"
+        raise RendezvousTimeout(f"{who} did not join at {where} within {timeout_s:g} s (--init-timeout): {e}") from None
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend=backend, init_method="env://")
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+    _store = store
     return dist.get_rank(), dist.get_world_size()

@@ -17,6 +17,12 @@ from engine import LLM, SamplingParams
 from tests.tdpipe.batch_helpers import MAX_TOKENS, PROMPTS, batch_cmd, read_results, request_line, texts_by_id
 
 
+def _run_with_stats(tmp_path) -> subprocess.CompletedProcess:
+    """The job on tmp_path/in.jsonl with --stats and a profile cache of this test's own."""
+    cmd = batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json"), "--profile-cache", str(tmp_path / "profiles"))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expected, tiny_model_dir) -> None:
     envelope = {  # not a request at all: `"response": null, "error": {code, message, line}`
         "{not json": "invalid_json",
@@ -58,9 +64,7 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
     hot = request_line("hot", "sampled", temperature=0.8, top_p=0.9, seed=3)  # the last stage samples like the engine
     lines = good[:2] + list(envelope) + good[2:] + [chat, hot, ""] + list(refused)  # a blank line is skipped
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    proc = subprocess.run(
-        batch_cmd(tmp_path, "--stats", str(tmp_path / "stats.json")), capture_output=True, text=True, timeout=300
-    )
+    proc = _run_with_stats(tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = read_results(tmp_path / "out.jsonl")
     assert len(rows) == len(lines) - 1
@@ -113,6 +117,16 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
     assert stats["cost_table"] == "profiled"  # auto: local CPU stages are profiled before the job
     assert 0 < stats["profile_seconds"] < stats["seconds"]
     assert "cost table: profiled 2 stage(s)" in proc.stderr
+    assert stats["profile_cached"] is False
+
+    # a rerun on the same model, dtype, device and stages takes the cached profile (a smaller job: covered)
+    (tmp_path / "in.jsonl").write_text("\n".join(good[:2]) + "\n")
+    (tmp_path / "out.jsonl").unlink()
+    again = _run_with_stats(tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "cost table: reused the stage profile cached in" in again.stderr, again.stderr
+    assert json.loads((tmp_path / "stats.json").read_text())["profile_cached"] is True
+    assert texts_by_id(read_results(tmp_path / "out.jsonl")) == {k: batch_expected[k] for k in ("r0", "r1")}
 
 
 def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tiny_model_dir) -> None:
@@ -228,6 +242,10 @@ def test_batch_help_lists_every_flag() -> None:
         "--cost-table",
         "--dtype",
         "--num-threads",
+        "--init-timeout",
+        "--heartbeat-timeout",
+        "--length-predictor",
+        "--profile-cache",
     } <= set(flags)
     assert all(flag in text for flag in flags)
     assert all(a.help for a in parser._actions), [a.option_strings for a in parser._actions if not a.help]

@@ -31,8 +31,8 @@ from tests.tdpipe.batch_helpers import (
 )
 
 
-def _start_mid_run(tmp_path: Path, llm_dir) -> tuple[subprocess.Popen, list[int], dict[str, str]]:
-    """Start a job whose requests retire one by one; return it once the first result is written."""
+def start_mid_run(tmp_path: Path, llm_dir, *extra: str) -> tuple[subprocess.Popen, list[int], dict[str, str]]:
+    """Start a job (`extra` flags) whose requests retire one by one; return it once the first result is written."""
     # staggered lengths: requests retire one by one, so what comes after the first result lands mid-job
     lengths = {f"r{i}": 2 + 10 * i for i in range(len(PROMPTS))}
     llm = LLM(llm_dir)
@@ -47,7 +47,7 @@ def _start_mid_run(tmp_path: Path, llm_dir) -> tuple[subprocess.Popen, list[int]
         "\n".join(request_line(cid, PROMPTS[i], max_tokens=n) for i, (cid, n) in enumerate(lengths.items())) + "\n"
     )
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(batch_cmd(tmp_path), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(batch_cmd(tmp_path, *extra), stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT
     stages = stage_pids(proc.pid, 2, deadline)
     while proc.poll() is None and time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n")):
@@ -56,7 +56,7 @@ def _start_mid_run(tmp_path: Path, llm_dir) -> tuple[subprocess.Popen, list[int]
     return proc, stages, expected
 
 
-def _finish_and_check(tmp_path: Path, expected: dict[str, str]) -> None:
+def finish_and_check(tmp_path: Path, expected: dict[str, str]) -> None:
     out = tmp_path / "out.jsonl"
     assert 0 < len(out.read_text().splitlines()) < len(PROMPTS), "the interruption should land mid-job"
     resumed = subprocess.run(batch_cmd(tmp_path, "--resume"), capture_output=True, text=True, timeout=300)
@@ -68,7 +68,7 @@ def _finish_and_check(tmp_path: Path, expected: dict[str, str]) -> None:
 
 @pytest.mark.slow  # 35-80 s: a tiny-model job run twice plus engine.LLM for the reference texts
 def test_batch_killed_then_resumed_answers_each_id_once(tmp_path, tiny_model_dir) -> None:
-    proc, stages, expected = _start_mid_run(tmp_path, tiny_model_dir)
+    proc, stages, expected = start_mid_run(tmp_path, tiny_model_dir)
     try:
         proc.kill()  # SIGKILL the job alone, as a crash would: its stages must not outlive it
         proc.wait(timeout=STOP_TIMEOUT)
@@ -77,13 +77,13 @@ def test_batch_killed_then_resumed_answers_each_id_once(tmp_path, tiny_model_dir
         kill_job(proc)
     with (tmp_path / "out.jsonl").open("a") as f:
         f.write('{"id": "batch_req_torn", "custom_id": "r')  # a line torn by the kill
-    _finish_and_check(tmp_path, expected)
+    finish_and_check(tmp_path, expected)
 
 
 @pytest.mark.slow  # 35-80 s: as above
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_batch_stopped_by_signal_stops_its_stages_and_resumes(tmp_path, tiny_model_dir, sig) -> None:
-    proc, stages, expected = _start_mid_run(tmp_path, tiny_model_dir)
+    proc, stages, expected = start_mid_run(tmp_path, tiny_model_dir)
     try:
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=STOP_TIMEOUT)
@@ -92,12 +92,12 @@ def test_batch_stopped_by_signal_stops_its_stages_and_resumes(tmp_path, tiny_mod
         assert all_gone(stages, time.monotonic() + STOP_TIMEOUT), "stage processes left behind"
     finally:
         kill_job(proc)
-    _finish_and_check(tmp_path, expected)
+    finish_and_check(tmp_path, expected)
 
 
 @pytest.mark.slow  # 35-80 s: as above
 def test_batch_names_a_killed_stage_then_resumes(tmp_path, tiny_model_dir) -> None:
-    proc, stages, expected = _start_mid_run(tmp_path, tiny_model_dir)
+    proc, stages, expected = start_mid_run(tmp_path, tiny_model_dir)
     try:
         os.kill(stages[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=STOP_TIMEOUT)  # no hang: the job notices within the timeout
@@ -106,7 +106,7 @@ def test_batch_names_a_killed_stage_then_resumes(tmp_path, tiny_model_dir) -> No
         assert all_gone(stages, time.monotonic() + STOP_TIMEOUT), "the surviving stage was left behind"
     finally:
         kill_job(proc)
-    _finish_and_check(tmp_path, expected)
+    finish_and_check(tmp_path, expected)
 
 
 WATCHDOG_SCRIPT = """

@@ -1,0 +1,124 @@
+"""What the last pipeline stage does after its layers: sample each sequence and end it on a stop string.
+
+The last stage samples with the engine's own `Sampler` (so a batch job samples exactly as the
+engine does) and watches the detokenized output of requests with stop strings with the engine's
+own `StopStringChecker`: a request ends on the token that completes a stop string, as in
+`engine.llm_engine` and the decode node, so no compute is spent past it and `completion_tokens`
+equals what the HTTP API reports for the same request.
+
+It answers the controller with one `[2, num_seqs]` tensor: row `TOKEN_ROW` the sampled token
+(`NO_TOKEN` where nothing is sampled, a non-final prompt chunk), row `STOP_ROW` 1 where that token
+completed a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+
+NO_TOKEN = -1
+"""What the last stage returns for a sequence that samples nothing (a non-final prompt chunk)."""
+TOKEN_ROW, STOP_ROW = 0, 1
+
+
+def needs_announcing(params: SamplingParams | None) -> bool:
+    """Whether the last stage must be told a request's parameters: it samples anything but plain
+    greedy argmax, or it has stop strings to watch."""
+    return params is not None and (not params.greedy or params.has_penalties or bool(params.stop))
+
+
+@dataclass(frozen=True)
+class StageMessage:
+    """The per-batch control message every stage receives from the controller."""
+
+    batch: ForwardBatch
+    new_params: dict[str, tuple[SamplingParams, list[int]]] = field(default_factory=dict)
+    """Sampling parameters and prompt ids of requests the last stage has not seen yet; requests
+    absent from it, and never announced, are sampled greedily with no stop strings."""
+    forget: tuple[str, ...] = ()
+    """Requests that ended: the last stage drops their sampling and stop state."""
+
+
+class _SampleState:
+    """What `engine.sampler.Sampler` reads of a request (params, token history, id)."""
+
+    def __init__(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
+        self.request_id, self.params = request_id, params
+        self.prompt_token_ids = prompt_ids
+        self.output_token_ids: list[int] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+class LastStageSampler:
+    """Samples each sequence with its own parameters and seeded generator, and flags the token that
+    completes a stop string. `model_dir` gives the tokenizer, loaded on the first stop string."""
+
+    def __init__(self, model_dir: str | None = None) -> None:
+        self.model_dir = model_dir
+        self.sampler = Sampler()
+        self.states: dict[str, _SampleState] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.stops: dict[str, tuple[StopStringChecker, frozenset[int]]] = {}
+        """Per request with stop strings: its checker and the token ids that end it anyway (EOS,
+        stop_token_ids), which the engine never feeds to the checker."""
+        self._tokenizer: Tokenizer | None = None
+
+    def _announce(self, rid: str, params: SamplingParams, prompt: list[int]) -> None:
+        if not params.greedy or params.has_penalties:
+            self.states[rid] = _SampleState(rid, params, list(prompt))
+            self.generators[rid] = make_generator(params.seed)
+        if params.stop:
+            if self.model_dir is None:
+                raise ValueError("stop strings need the model's tokenizer: LastStageSampler(model_dir)")
+            if self._tokenizer is None:
+                self._tokenizer = Tokenizer(self.model_dir)
+            tok = self._tokenizer
+            detok = IncrementalDetokenizer(tok, prompt, params.skip_special_tokens)
+            ends = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else frozenset(tok.eos_token_ids)
+            )
+            self.stops[rid] = (StopStringChecker(detok, params.stop, params.include_stop_str_in_output), ends)
+
+    def __call__(self, msg: StageMessage, logits: torch.Tensor) -> torch.Tensor:
+        """[2, num_seqs] tokens and stop flags (module docstring) from logits [num_sampled, V]."""
+        for rid in msg.forget:
+            self.states.pop(rid, None)
+            self.generators.pop(rid, None)
+            self.stops.pop(rid, None)
+        for rid, (params, prompt) in msg.new_params.items():
+            self._announce(rid, params, prompt)
+        batch = msg.batch
+        out = torch.zeros((2, batch.num_seqs), dtype=torch.long)
+        out[TOKEN_ROW] = NO_TOKEN
+        rows = [i for i, sample in enumerate(batch.sample_mask) if sample]
+        if not rows:
+            return out
+        logits = logits.float().cpu()
+        states = [self.states.get(batch.request_ids[i]) for i in rows]
+        if all(s is None for s in states):  # all greedy: one argmax
+            out[TOKEN_ROW, rows] = logits.argmax(dim=-1)
+        else:
+            greedy = _SampleState("", SamplingParams(temperature=0.0), [])
+            picked = self.sampler(logits, [s or greedy for s in states], self.generators)  # type: ignore[misc]
+            for i, s, (token, _) in zip(rows, states, picked):
+                out[TOKEN_ROW, i] = token
+                if s is not None:
+                    s.output_token_ids.append(token)
+        for i in rows:
+            watch = self.stops.get(batch.request_ids[i])
+            if watch is not None:
+                checker, ends = watch
+                token = int(out[TOKEN_ROW, i])
+                # as engine.llm_engine._append_token: a token that ends the request anyway is not text
+                if token not in ends and checker.check(token):
+                    out[STOP_ROW, i] = 1
+        return out
