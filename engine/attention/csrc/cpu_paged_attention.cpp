@@ -5,12 +5,20 @@
 // sit at the last positions of its context (context_lens[s]); query j attends
 // causally to keys 0 .. ctx - q_len + j, found through block_table[s]; with a sliding window W > 0
 // (Mistral) only to the last W of them, its own included (Hugging Face: key > query - W).
-// One work item is (query token, kv head): the group's Hq/Hkv query heads share
-// each K/V row read. Softmax is exact (scores kept, then max/exp/sum) in float32.
 //
-// The inner loops are written so that the compiler vectorises them; on x86-64
-// with GCC they are compiled for AVX-512, AVX2 and baseline and picked at load
-// time (target_clones), so one build is correct on any x86-64 CPU.
+// One work item is (query token, kv head): the group's Hq/Hkv query heads share each K/V row
+// read. Keys are taken 8 at a time from one page (blocked): each key's 8-lane partial dot
+// products are summed into one vector of 8 scores by a shuffle tree (7 vector adds for 8 keys,
+// where summing each key's lanes on its own costs 8 scalar adds per key), softmax is online
+// (running max and sum per query head, in float32), and each 8-wide slice of the output
+// accumulator stays in a register while the chunk's value rows are added into it.
+// Measured against the per-key kernel it replaced (one thread, bench-model heads, AVX2 EPYC):
+// 0.83x the time for one decode token over 512 keys (L2-resident); at 8-16 sequences both are
+// bound by DRAM bandwidth and within noise of each other.
+//
+// The vector code uses GCC vector extensions, so it compiles to whatever the clone's ISA has:
+// on x86-64 with GCC the item function is built for AVX-512, AVX2 and baseline and picked at
+// load time (target_clones), so one build is correct on any x86-64 CPU.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,69 +27,178 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
 
 namespace {
 
-using pds::b2f;
+// 8 lanes: one AVX2 register (half an AVX-512 one). Wider vectors than the ISA has make GCC
+// emulate the shuffles through memory, and the machines we run on include AVX2-only ones.
+constexpr int64_t L = 8;  // lanes of a vector, and keys per chunk
+typedef float f32xL __attribute__((vector_size(L * 4)));
+typedef uint16_t u16xL __attribute__((vector_size(L * 2)));
+typedef uint32_t u32xL __attribute__((vector_size(L * 4)));
+typedef int32_t i32xL __attribute__((vector_size(L * 4)));
 
-// 16 partial sums: lets the compiler vectorise the reduction without -ffast-math
-PDS_CLONES float dot_f32(const float* a, const float* b, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = 0;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int l = 0; l < 16; ++l) s += acc[l];
-  return s;
-}
-
-PDS_CLONES float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b2f(b[i + l]);
-  float s = 0;
-  for (; i < n; ++i) s += a[i] * b2f(b[i]);
-  for (int l = 0; l < 16; ++l) s += acc[l];
-  return s;
+// n (<= L) values of a row as float32 lanes; the lanes past n are zero
+__attribute__((always_inline)) inline f32xL load_row(const float* p, int64_t n) {
+  f32xL v = {};
+  if (n == L)
+    std::memcpy(&v, p, sizeof(v));
+  else
+    std::memcpy(&v, p, n * sizeof(float));
+  return v;
 }
 
-PDS_CLONES void axpy_f32(float* y, float w, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+__attribute__((always_inline)) inline f32xL load_row(const at::BFloat16* p, int64_t n) {
+  u16xL h = {};
+  if (n == L)
+    std::memcpy(&h, p, sizeof(h));
+  else
+    std::memcpy(&h, p, n * sizeof(uint16_t));
+  const u32xL bits = __builtin_convertvector(h, u32xL) << 16;  // bfloat16 -> float32 is exact
+  return reinterpret_cast<const f32xL&>(bits);
 }
 
-PDS_CLONES void axpy_bf16(float* y, float w, const uint16_t* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += w * b2f(x[i]);
+// lane k of the result = the sum of the L lanes of v[k]
+__attribute__((always_inline)) inline f32xL sum_lanes_of_each(const f32xL* v) {
+#if defined(__GNUC__) && !defined(__clang__)
+  // each level adds the two halves of every partial sum, packing two inputs into one output
+  const i32xL lo1 = {0, 1, 2, 3, 8, 9, 10, 11};
+  const i32xL hi1 = lo1 + 4;
+  const i32xL lo2 = {0, 1, 4, 5, 8, 9, 12, 13};
+  const i32xL hi2 = lo2 + 2;
+  const i32xL lo3 = {0, 2, 4, 6, 8, 10, 12, 14};
+  const i32xL hi3 = lo3 + 1;
+  f32xL a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  return __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
+#else
+  f32xL out = {};
+  for (int k = 0; k < L; ++k)
+    for (int l = 0; l < L; ++l) out[k] += v[k][l];
+  return out;
+#endif
 }
 
-inline float dot(const float* a, const float* b, int64_t n) { return dot_f32(a, b, n); }
-inline float dot(const float* a, const at::BFloat16* b, int64_t n) {
-  return dot_bf16(a, reinterpret_cast<const uint16_t*>(b), n);
+// What every work item of one call reads.
+struct Problem {
+  const void* q;
+  int64_t q_row;  // q may be a row view of the fused qkv projection
+  const void* kv;
+  void* out;
+  const int32_t* table;
+  const int32_t* qstart;
+  const int32_t* ctx;
+  const int32_t* seq_of;  // token -> sequence
+  int64_t hq, hkv, d, bs, max_pages, window;
+  float scale;
+};
+
+// Per-thread buffers, sized once per parallel chunk. Vectors are kept in plain float storage and
+// moved with memcpy (unaligned loads): a std::vector of a vector type is not reliably aligned.
+struct Scratch {
+  std::vector<float> q, acc;  // [group][d rounded up to L]
+  std::vector<float> prob;    // [group][L]: this chunk's softmax numerators
+  std::vector<float> max, sum, corr;
+  Scratch(int64_t group, int64_t vecs)
+      : q(group * vecs * L), acc(group * vecs * L), prob(group * L), max(group), sum(group), corr(group) {}
+};
+
+__attribute__((always_inline)) inline f32xL get(const float* p) {
+  f32xL v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
-inline void axpy(float* y, float w, const float* x, int64_t n) { axpy_f32(y, w, x, n); }
-inline void axpy(float* y, float w, const at::BFloat16* x, int64_t n) {
-  axpy_bf16(y, w, reinterpret_cast<const uint16_t*>(x), n);
+__attribute__((always_inline)) inline void put(float* p, const f32xL& v) { std::memcpy(p, &v, sizeof(v)); }
+
+template <typename T>
+__attribute__((always_inline)) inline void attend(const Problem& pb, int64_t item, Scratch& sc) {
+  const int64_t hkv = pb.hkv, d = pb.d, bs = pb.bs, group = pb.hq / hkv;
+  const int64_t vecs = (d + L - 1) / L, tail = d - (vecs - 1) * L;
+  const int64_t t = item / hkv, h = item % hkv, s = pb.seq_of[t];
+  const int64_t q_len = pb.qstart[s + 1] - pb.qstart[s];
+  const int64_t end_key = pb.ctx[s] - q_len + (t - pb.qstart[s]) + 1;  // causal: keys 0 .. own position
+  const int64_t first = pb.window > 0 ? std::max<int64_t>(0, end_key - pb.window) : 0;
+  const int32_t* pages = pb.table + s * pb.max_pages;
+  const T* qp = static_cast<const T*>(pb.q);
+  const T* kvp = static_cast<const T*>(pb.kv);
+  // strides of kv[N, 2, Hkv, B, D] (contiguous)
+  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
+  auto width = [&](int64_t c) { return c == vecs - 1 ? tail : L; };
+
+  for (int64_t g = 0; g < group; ++g) {
+    const T* row = qp + t * pb.q_row + (h * group + g) * d;
+    for (int64_t c = 0; c < vecs; ++c) put(&sc.q[(g * vecs + c) * L], load_row(row + c * L, width(c)) * pb.scale);
+    std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);
+    sc.max[g] = -INFINITY;
+    sc.sum[g] = 0.0f;
+  }
+  f32xL partial[L];
+  for (int64_t key = first; key < end_key;) {
+    const int64_t off = key % bs;
+    const int64_t n = std::min({end_key - key, bs - off, L});  // keys of this chunk, all in one page
+    const T* krows = kvp + pages[key / bs] * s_block + h * s_head + off * d;
+    const T* vrows = krows + s_kv;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = &sc.q[g * vecs * L];
+      for (int64_t j = 0; j < L; ++j) {
+        f32xL x = {};
+        if (j < n)
+          for (int64_t c = 0; c < vecs; ++c) x += get(qg + c * L) * load_row(krows + j * d + c * L, width(c));
+        partial[j] = x;
+      }
+      float scores[L];
+      put(scores, sum_lanes_of_each(partial));
+      float mx = sc.max[g];
+      for (int64_t j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
+      float* p = &sc.prob[g * L];
+      float total = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = std::exp(scores[j] - mx);
+        total += p[j];
+      }
+      sc.corr[g] = std::exp(sc.max[g] - mx);  // rescales what earlier chunks summed (0 on the first)
+      sc.sum[g] = sc.sum[g] * sc.corr[g] + total;
+      sc.max[g] = mx;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = &sc.prob[g * L];
+      const float corr = sc.corr[g];
+      for (int64_t c = 0; c < vecs; ++c) {
+        float* slot = &sc.acc[(g * vecs + c) * L];
+        f32xL a = get(slot) * corr;
+        for (int64_t j = 0; j < n; ++j) a += p[j] * load_row(vrows + j * d + c * L, width(c));
+        put(slot, a);
+      }
+    }
+    key += n;
+  }
+  T* op = static_cast<T*>(pb.out);
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.0f / sc.sum[g];
+    const float* acc = &sc.acc[g * vecs * L];
+    T* dst = op + (t * pb.hq + h * group + g) * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+  }
 }
+
+PDS_CLONES void attend_f32(const Problem& pb, int64_t item, Scratch& sc) { attend<float>(pb, item, sc); }
+PDS_CLONES void attend_bf16(const Problem& pb, int64_t item, Scratch& sc) { attend<at::BFloat16>(pb, item, sc); }
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
          const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t num_tokens = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = kv.size(2), bs = kv.size(3);
-  const int64_t group = hq / hkv, num_seqs = context_lens.size(0), max_pages = block_table.size(1);
-  const T* qp = q.data_ptr<T>();
-  const int64_t q_row = q.stride(0);  // q may be a row view of the fused qkv projection
-  const T* kvp = kv.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_seqs = context_lens.size(0);
   const int32_t* qstart = query_start.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  // strides of kv[N, 2, Hkv, B, D] (contiguous)
-  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
   // token -> sequence, so work items can be flat over (token, kv head)
   std::vector<int32_t> seq_of(num_tokens);
   int64_t total_keys = 0;
@@ -91,46 +208,20 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
       const int64_t keys = ctx[s] - (qstart[s + 1] - t) + 1;
       total_keys += window > 0 ? std::min<int64_t>(keys, window) : keys;
     }
+  const Problem pb{q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), out.data_ptr<T>(),
+                   block_table.data_ptr<int32_t>(), qstart, ctx, seq_of.data(),
+                   hq, hkv, d, bs, block_table.size(1), window, static_cast<float>(scale)};
   // Work items per thread chunk: about 256K K/V values read. A batch-1 decode step reads far fewer,
   // and waking the other OpenMP threads can cost a scheduler time slice on a loaded machine.
   const int64_t values_per_item = std::max<int64_t>(1, 2 * d * total_keys / std::max<int64_t>(num_tokens, 1));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / values_per_item);
-
   at::parallel_for(0, num_tokens * hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
+    Scratch sc(hq / hkv, (d + L - 1) / L);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / hkv, h = item % hkv, s = seq_of[t];
-      const int64_t q_len = qstart[s + 1] - qstart[s];
-      const int64_t end_key = ctx[s] - q_len + (t - qstart[s]) + 1;  // causal: keys 0 .. own position
-      const int64_t first = window > 0 ? std::max<int64_t>(0, end_key - window) : 0;
-      const int64_t n_keys = end_key - first;
-      const int32_t* pages = table + s * max_pages;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i)
-          qf[g * d + i] = static_cast<float>(qp[t * q_row + (h * group + g) * d + i]) * static_cast<float>(scale);
-      scores.resize(group * n_keys);
-      for (int64_t p = 0; p < n_keys; ++p) {
-        const int64_t key = first + p;
-        const T* krow = kvp + pages[key / bs] * s_block + h * s_head + (key % bs) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * n_keys + p] = dot(&qf[g * d], krow, d);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = &scores[g * n_keys];
-        float mx = -INFINITY;
-        for (int64_t p = 0; p < n_keys; ++p) mx = sc[p] > mx ? sc[p] : mx;
-        float sum = 0;
-        for (int64_t p = 0; p < n_keys; ++p) { sc[p] = std::exp(sc[p] - mx); sum += sc[p]; }
-        const float inv = 1.0f / sum;
-        for (int64_t p = 0; p < n_keys; ++p) sc[p] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t p = 0; p < n_keys; ++p) {
-        const int64_t key = first + p;
-        const T* vrow = kvp + pages[key / bs] * s_block + s_kv + h * s_head + (key % bs) * d;
-        for (int64_t g = 0; g < group; ++g) axpy(&acc[g * d], scores[g * n_keys + p], vrow, d);
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) op[(t * hq + h * group + g) * d + i] = static_cast<T>(acc[g * d + i]);
+      if constexpr (std::is_same_v<T, float>)
+        attend_f32(pb, item, sc);
+      else
+        attend_bf16(pb, item, sc);
     }
   });
 }
