@@ -11,6 +11,7 @@ import sys
 
 from pdserve.commands.batch_io_args import add_batch_io_args
 from pdserve.commands.device_args import add_device_args, device_options
+from pdserve.commands.serving_args import add_generation_config_arg
 from tdpipe.simulator import CLI_NAMES
 
 POLICIES = tuple(CLI_NAMES)
@@ -65,6 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.commands.memory_args import add_kv_memory_args
 
     add_kv_memory_args(p, max_model_len=False, gpu=False)  # --kv-cache-memory is per stage
+    add_generation_config_arg(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill batch")
     p.add_argument(

@@ -40,14 +40,7 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a Jinja chat template, or a file holding one, used instead of the checkpoint's",
     )
-    p.add_argument(
-        "--generation-config",
-        default=None,
-        metavar="auto|vllm|DIR",
-        help="sampling defaults for requests that leave a field unset: auto reads the model's "
-        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
-        "vllm ignores it, DIR reads DIR/generation_config.json (default auto, as vLLM)",
-    )
+    add_generation_config_arg(p)
     p.add_argument(
         "--enable-prompt-tokens-details",
         action=argparse.BooleanOptionalAction,
@@ -60,6 +53,18 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="accepted for vLLM command lines: pdserve never logs requests (no access log, no prompts)",
+    )
+
+
+def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
+    """--generation-config, shared by the router and `pdserve batch` (both build sampling parameters)."""
+    p.add_argument(
+        "--generation-config",
+        default=None,
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for requests that leave a field unset: auto reads the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+        "vllm ignores it, DIR reads DIR/generation_config.json (default auto, as vLLM)",
     )
 
 

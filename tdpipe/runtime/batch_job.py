@@ -75,7 +75,8 @@ class BatchJob:
     ) -> None:
         self.args, self.model_dir, self.device, self.tokenizer, self.writer = args, model_dir, device, tokenizer, writer
         self.model_name = getattr(args, "served_model_name", None) or served_model_name(model_dir)
-        self.builder = ChoiceBuilder(tokenizer, lambda: max_model_len)
+        defaults = getattr(args, "sampling_defaults", None)  # --generation-config, resolved by batch_main
+        self.builder = ChoiceBuilder(tokenizer, lambda: max_model_len, defaults=defaults)
         self.progress: tqdm | None = None
         self.watchdog: StageWatchdog | None = None
         self.executor: StageExecutor | None = None

@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 
+from engine.generation_defaults import generation_defaults
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_input import count_lines, read_lines
@@ -52,6 +53,8 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
             raise ValueError(f"--max-lines-in-flight must be at least 1, got {args.max_lines_in_flight}")
         tokenizer = Tokenizer(model_dir)
         lengths = LengthPlanner(args.length_predictor)
+        # generation_config.json's sampling defaults for fields a line leaves unset, as the router applies them
+        args.sampling_defaults = generation_defaults(args.generation_config or "auto", model_dir)
         # at most a window of lines is in flight: the KV never needs more than they can fill
         args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], args.max_lines_in_flight)
         stream = open_input(args.input)
