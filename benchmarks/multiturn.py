@@ -79,6 +79,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, prompt: list
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed a turn: {chunk['error']}")
             if chunk.get("usage"):
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             for choice in chunk["choices"]:
@@ -122,7 +124,10 @@ async def run_workload(url: str, model: str, system, users, max_tokens: int, met
 def start_up(model: str, port: int, metrics_base: int, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port)]
     cmd += ["--num-prefill", "2", "--num-decode", "2", "--metrics-base-port", str(metrics_base), *extra]
-    return start_server(cmd, lambda line: "pdserve is up" in line)
+    # a 2-core machine shared with other jobs stalls processes for seconds: liveness limits that
+    # would take a busy node for a hung one are raised (retries would distort both arms)
+    env = {"PDSERVE_HEALTH_TIMEOUT": "10", "PDSERVE_HUNG_AFTER": "120", "PDSERVE_TOKEN_TIMEOUT": "60", **os.environ}
+    return start_server(cmd, lambda line: "pdserve is up" in line, env)
 
 
 def start_server(cmd: list[str], ready, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -195,6 +200,11 @@ def main() -> None:
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
     parser.add_argument("--vllm-python", default=None, help="python of a vLLM install: also run `vllm serve`")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--local-prefill-max-tokens",
+        default=None,
+        help="for the reuse arm's nodes (default: pdserve's; 0: every turn remote)",
+    )
     args = parser.parse_args()
     from engine.builtin import default_model_dir
     from engine.tokenizer import Tokenizer
@@ -210,6 +220,8 @@ def main() -> None:
         ).stdout
     )
     reuse_flags = ["--kv-reuse", "on"] + (["--routing", "kv-aware"] if routing else [])
+    if args.local_prefill_max_tokens is not None:
+        reuse_flags += ["--local-prefill-max-tokens", args.local_prefill_max_tokens]
     base_flags = ["--kv-reuse", "off"] + (["--routing", "wrr"] if routing else [])
     reuse = run_arm(model, reuse_flags, system, users, max_tokens)
     base = run_arm(model, base_flags, system, users, max_tokens)
