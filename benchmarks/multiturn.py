@@ -184,8 +184,9 @@ def run_vllm(python: str, model: str, system, users, max_tokens: int) -> dict:
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32"]
-    cmd += ["--served-model-name", "vllm", "--block-size", str(BLOCK)]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
+    # one in-process worker: the multiprocess executor's workers hung at start-up on this machine
+    cmd += ["--served-model-name", "vllm", "--block-size", str(BLOCK), "--distributed-executor-backend", "uni"]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
     proc = start_server(cmd, lambda line: "Application startup complete" in line, env)
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
