@@ -138,7 +138,7 @@ def start_server(cmd: list[str], ready, env: dict[str, str] | None = None) -> su
     )
     tail: list[str] = []
     for line in proc.stdout:
-        tail = (tail + [line])[-30:]
+        tail = (tail + [line])[-200:]  # enough for a worker's traceback and its root cause
         if ready(line):
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
             return proc
@@ -184,8 +184,9 @@ def run_vllm(python: str, model: str, system, users, max_tokens: int) -> dict:
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32"]
-    # one in-process worker: the multiprocess executor's workers hung at start-up on this machine
+    # one worker, and eager mode: the default multiprocess executor's start-up hung on this machine
     cmd += ["--served-model-name", "vllm", "--block-size", str(BLOCK), "--distributed-executor-backend", "uni"]
+    cmd += ["--enforce-eager"]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
     proc = start_server(cmd, lambda line: "Application startup complete" in line, env)
     try:
@@ -227,11 +228,20 @@ def main() -> None:
     reuse = run_arm(model, reuse_flags, system, users, max_tokens)
     base = run_arm(model, base_flags, system, users, max_tokens)
     result = summarize(reuse, base, routing)
+    print(json.dumps(result), flush=True)  # pdserve's result stands even if the vLLM arm fails
     if args.vllm_python:
-        peer = run_vllm(args.vllm_python, model, system, users, max_tokens)
-        result["vllm_ttft_p50_ratio"] = round(pct(reuse["ttft"], 0.5) / pct(peer["ttft"], 0.5), 3)
-        result["vllm_ttft_p99_ratio"] = round(pct(reuse["ttft"], 0.99) / pct(peer["ttft"], 0.99), 3)
-        result["vllm_cached_fraction"] = round(peer["cached"] / peer["prompt"], 4)
+        try:
+            peer = run_vllm(args.vllm_python, model, system, users, max_tokens)
+        except RuntimeError as e:
+            print(e, flush=True)
+            result["vllm_error"] = str(e).splitlines()[-1][:300]
+        else:
+            result["vllm_ttft_p50"] = round(pct(peer["ttft"], 0.5), 4)
+            result["vllm_ttft_p99"] = round(pct(peer["ttft"], 0.99), 4)
+            result["vllm_ttft_p50_ratio"] = round(pct(reuse["ttft"], 0.5) / pct(peer["ttft"], 0.5), 3)
+            result["vllm_ttft_p99_ratio"] = round(pct(reuse["ttft"], 0.99) / pct(peer["ttft"], 0.99), 3)
+            result["vllm_cached_fraction"] = round(peer["cached"] / peer["prompt"], 4)
+            result["vllm_identical"] = peer["texts"] == reuse["texts"]
     emit({**result, "sessions": sessions, "turns": turns, "model": args.model_size})
 
 
