@@ -185,7 +185,8 @@ def run_vllm(python: str, model: str, system, users, max_tokens: int) -> dict:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32"]
     # one worker, and eager mode: the default multiprocess executor's start-up hung on this machine
-    cmd += ["--served-model-name", "vllm", "--block-size", str(BLOCK), "--distributed-executor-backend", "uni"]
+    # (its own block size: vLLM's CPU attention takes only multiples of 32)
+    cmd += ["--served-model-name", "vllm", "--distributed-executor-backend", "uni"]
     cmd += ["--enforce-eager"]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
     proc = start_server(cmd, lambda line: "Application startup complete" in line, env)
@@ -234,7 +235,8 @@ def main() -> None:
             peer = run_vllm(args.vllm_python, model, system, users, max_tokens)
         except RuntimeError as e:
             print(e, flush=True)
-            result["vllm_error"] = str(e).splitlines()[-1][:300]
+            errors = [line for line in str(e).splitlines() if "Error" in line]
+            result["vllm_error"] = (errors or str(e).splitlines() or [""])[-1][:300]
         else:
             result["vllm_ttft_p50"] = round(pct(peer["ttft"], 0.5), 4)
             result["vllm_ttft_p99"] = round(pct(peer["ttft"], 0.99), 4)
