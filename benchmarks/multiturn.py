@@ -21,11 +21,8 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -33,14 +30,9 @@ import httpx
 from benchmarks.cluster_procs import ROOT
 from benchmarks.common import emit, pct
 from benchmarks.multiturn_probe import round_line, scrape
+from benchmarks.multiturn_servers import free_port, start_server, start_up, stop
 
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(tokenizer, sessions: int, turns: int, seed: int) -> tuple[list[int], list[list[list[int]]]]:
@@ -121,47 +113,13 @@ async def run_workload(url: str, model: str, system, users, max_tokens: int, met
     return later
 
 
-def start_up(model: str, port: int, metrics_base: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port)]
-    cmd += ["--num-prefill", "2", "--num-decode", "2", "--metrics-base-port", str(metrics_base), *extra]
-    # a 2-core machine shared with other jobs stalls processes for seconds: liveness limits that
-    # would take a busy node for a hung one are raised (retries would distort both arms)
-    env = {"PDSERVE_HEALTH_TIMEOUT": "10", "PDSERVE_HUNG_AFTER": "120", "PDSERVE_TOKEN_TIMEOUT": "60", **os.environ}
-    return start_server(cmd, lambda line: "pdserve is up" in line, env)
-
-
-def start_server(cmd: list[str], ready, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` in its own process group and wait for a `ready` line; its output keeps being read
-    afterwards, so that it never blocks on a full pipe."""
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
-    )
-    tail: list[str] = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-200:]  # enough for a worker's traceback and its root cause
-        if ready(line):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc
-    stop(proc)
-    raise RuntimeError(f"{' '.join(cmd)} exited before it was ready:\n{''.join(tail)}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def run_arm(model: str, extra: list[str], system, users, max_tokens: int) -> dict:
     port, metrics = free_port(), free_port()  # node metrics on metrics..metrics+3: prefill 0-1, decode 2-3
     proc = start_up(model, port, metrics, extra)
     try:
         urls = [f"http://127.0.0.1:{p}/metrics" for p in (port, metrics + 2, metrics + 3)]
-        url, name = f"http://127.0.0.1:{port}/v1/completions", os.path.basename(model.rstrip("/"))
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]  # as served
         return asyncio.run(run_workload(url, name, system, users, max_tokens, urls, kv_block_bytes(model)))
     finally:
         stop(proc)
