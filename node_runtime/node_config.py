@@ -29,9 +29,10 @@ RDMA_ENV = {
 
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 16
 """Set by `benchmarks/local_prefill.py` (BENCHMARKS.md, "Local prefill threshold"): on the bench
-model a remote delta prefill was never slower than a local one at any size measured (8 to 256 new
-tokens over a cached 1000-token prefix), so the threshold is as low as it can be while a prompt the
-decode node fully holds (it lacks only its last, never-cached block) still moves nothing: one block."""
+model local and remote delta prefill were within about 20% of each other at every size measured (8 to
+256 new tokens over a cached 1000-token prefix), remote winning in most runs, so local prefill does not
+clearly pay; the threshold is as low as it can be while a prompt the decode node fully holds (it lacks
+only its last, never-cached block) still moves nothing: one block."""
 
 
 @dataclass(frozen=True)
