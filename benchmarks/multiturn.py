@@ -2,7 +2,11 @@
 across the split against the no-reuse baseline, in the same run.
 
 Every session opens with the same ~1k-token system prompt; each turn appends the previous answer
-and a new user message (token-id prompts on /v1/completions, greedy). Turns run in lockstep rounds
+and a new user message (token-id prompts on /v1/completions, greedy). The answer is appended as
+the token ids the server generated (`return_token_ids`, as vLLM offers it), not as its text
+re-encoded: the bench model's greedy answers do not survive a decode/encode round trip (16
+generated ids re-encode to ~36 other ids), so a text client's history would hold tokens no
+server ever saw, which no cache can hit. Turns run in lockstep rounds
 (all sessions' turn t at once), so the KV bytes the decode nodes received (their CacheStore
 counters) can be split into turn 1 and turns >= 2. The reuse arm runs `--kv-reuse on` (with
 `--routing kv-aware` when `pdserve up` offers it), the baseline `--kv-reuse off` (`--routing wrr`).
@@ -17,25 +21,18 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 
 from benchmarks.cluster_procs import ROOT
 from benchmarks.common import emit, pct
+from benchmarks.multiturn_probe import round_line, scrape
+from benchmarks.multiturn_servers import free_port, start_server, start_up, stop
 
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(tokenizer, sessions: int, turns: int, seed: int) -> tuple[list[int], list[list[list[int]]]]:
@@ -65,110 +62,95 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, prompt: list
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }
-    start, ttft, text, cached = time.perf_counter(), None, "", 0
+    start, ttft, text, cached, ids = time.perf_counter(), None, "", 0, []
     async with client.stream("POST", url, json=body, timeout=600) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed a turn: {chunk['error']}")
             if chunk.get("usage"):
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                text += chunk["choices"][0]["text"]
-    return {"ttft": ttft or float("nan"), "text": text, "cached": cached, "prompt_tokens": len(prompt)}
+            for choice in chunk["choices"]:
+                if choice["text"] or choice.get("token_ids"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                text += choice["text"]
+                ids += choice.get("token_ids") or []
+    return {"ttft": ttft or float("nan"), "text": text, "ids": ids, "cached": cached, "prompt_tokens": len(prompt)}
 
 
-def received_kv_bytes(metrics_ports: list[int]) -> float:
-    """KV bytes the decode nodes received over the CacheStore (from their /metrics)."""
-    total = 0.0
-    for port in metrics_ports:
-        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-            if line.startswith("pdserve_cachestore_bytes_total") and 'side="recv"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def run_workload(url: str, model: str, tokenizer, system, users, max_tokens: int, kv_bytes) -> dict:
-    """All sessions, turn by turn; per turn >= 2: TTFT, cached tokens, and its block-aligned bound."""
+async def run_workload(url: str, model: str, system, users, max_tokens: int, metrics: list[str], block_bytes) -> dict:
+    """All sessions, turn by turn; per turn >= 2: TTFT, cached tokens, and its block-aligned bound.
+    `metrics`: the /metrics URLs of the router and the decode nodes (none: no wire accounting)."""
     histories = [list(system) for _ in users]
     texts: list[str] = []
-    later = {"ttft": [], "cached": 0, "prompt": 0, "bound": 0}
-    bytes_before = kv_bytes()
+    later: dict = {"ttft": [], "cached": 0, "prompt": 0, "bound": 0, "kv_bytes": 0.0, "rounds": []}
     async with httpx.AsyncClient() as client:
         for t in range(len(users[0])):
-            if t == 1:
-                bytes_before = kv_bytes()  # turn 1 ships the system prompt at least once per node
+            before = scrape(metrics)
             prompts = [h + u[t] for h, u in zip(histories, users)]
             results = await asyncio.gather(*[one_turn(client, url, model, p, max_tokens) for p in prompts])
+            new_blocks = 0
             for i, (h, p, res) in enumerate(zip(histories, prompts, results)):
-                answer = tokenizer.encode(res["text"], add_special_tokens=False)
-                if t >= 1:
+                seen = min(len(h), len(p) - 1) // BLOCK * BLOCK  # history the cluster has seen
+                new_blocks += -(-len(p) // BLOCK) - seen // BLOCK
+                if t >= 1:  # turn 1 ships the system prompt at least once per node
                     later["ttft"].append(res["ttft"])
                     later["cached"] += res["cached"]
                     later["prompt"] += len(p)
-                    later["bound"] += min(len(h), len(p) - 1) // BLOCK * BLOCK  # history the cluster has seen
-                histories[i] = p + answer
+                    later["bound"] += seen
+                histories[i] = p + res["ids"]
                 texts.append(res["text"])
-    later["kv_bytes"] = kv_bytes() - bytes_before
+            line = round_line(t, before, scrape(metrics), new_blocks, block_bytes)
+            print(json.dumps(line), flush=True)
+            later["rounds"].append(line)
+            later["kv_bytes"] += line["kv_bytes"] if t >= 1 else 0.0
     later["texts"] = texts
     return later
 
 
-def start_up(model: str, port: int, metrics_base: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port)]
-    cmd += ["--num-prefill", "2", "--num-decode", "2", "--metrics-base-port", str(metrics_base), *extra]
-    return start_server(cmd, lambda line: "pdserve is up" in line)
-
-
-def start_server(cmd: list[str], ready) -> subprocess.Popen:
-    """Start `cmd` in its own process group and wait for a `ready` line; its output keeps being read
-    afterwards, so that it never blocks on a full pipe."""
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    tail: list[str] = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-30:]
-        if ready(line):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc
-    stop(proc)
-    raise RuntimeError(f"{' '.join(cmd)} exited before it was ready:\n{''.join(tail)}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def run_arm(model: str, extra: list[str], tokenizer, system, users, max_tokens: int) -> dict:
+def run_arm(model: str, extra: list[str], system, users, max_tokens: int) -> dict:
     port, metrics = free_port(), free_port()  # node metrics on metrics..metrics+3: prefill 0-1, decode 2-3
     proc = start_up(model, port, metrics, extra)
     try:
-        kv = lambda: received_kv_bytes([metrics + 2, metrics + 3])  # noqa: E731
-        url, name = f"http://127.0.0.1:{port}/v1/completions", os.path.basename(model.rstrip("/"))
-        return asyncio.run(run_workload(url, name, tokenizer, system, users, max_tokens, kv))
+        urls = [f"http://127.0.0.1:{p}/metrics" for p in (port, metrics + 2, metrics + 3)]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]  # as served
+        return asyncio.run(run_workload(url, name, system, users, max_tokens, urls, kv_block_bytes(model)))
     finally:
         stop(proc)
 
 
-def run_vllm(python: str, model: str, tokenizer, system, users, max_tokens: int) -> dict:
-    """The same workload against `vllm serve` with prefix caching (fp32 on CPU, like the nodes)."""
+def kv_block_bytes(model: str) -> float:
+    """Bytes of one block of KV over all layers (fp32, as the nodes run): what a block costs on the wire."""
+    import torch
+
+    from engine.kv_pool import kv_bytes_per_token
+    from engine.model_config import ModelConfig
+
+    config = ModelConfig.from_dir(model)
+    return float(kv_bytes_per_token(config, config.num_hidden_layers, torch.float32) * BLOCK)
+
+
+def run_vllm(python: str, model: str, system, users, max_tokens: int) -> dict:
+    """The same workload against `vllm serve` with prefix caching (fp32 on CPU, like the nodes; both
+    cores for its OpenMP threads, as ../shared/MACHINE.md says)."""
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
-    cmd += ["--enable-prefix-caching", "--dtype", "float32", "--served-model-name", "vllm"]
-    proc = start_server(cmd, lambda line: "Application startup complete" in line)
+    cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32"]
+    # one worker, and eager mode: the default multiprocess executor's start-up hung on this machine
+    # (its own block size: vLLM's CPU attention takes only multiples of 32)
+    cmd += ["--served-model-name", "vllm", "--distributed-executor-backend", "uni"]
+    cmd += ["--enforce-eager"]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
+    proc = start_server(cmd, lambda line: "Application startup complete" in line, env)
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
-        return asyncio.run(run_workload(url, "vllm", tokenizer, system, users, max_tokens, lambda: 0.0))
+        return asyncio.run(run_workload(url, "vllm", system, users, max_tokens, [], 0.0))
     finally:
         stop(proc)
 
@@ -179,6 +161,11 @@ def main() -> None:
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
     parser.add_argument("--vllm-python", default=None, help="python of a vLLM install: also run `vllm serve`")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--local-prefill-max-tokens",
+        default=None,
+        help="for the reuse arm's nodes (default: pdserve's; 0: every turn remote)",
+    )
     args = parser.parse_args()
     from engine.builtin import default_model_dir
     from engine.tokenizer import Tokenizer
@@ -194,15 +181,27 @@ def main() -> None:
         ).stdout
     )
     reuse_flags = ["--kv-reuse", "on"] + (["--routing", "kv-aware"] if routing else [])
+    if args.local_prefill_max_tokens is not None:
+        reuse_flags += ["--local-prefill-max-tokens", args.local_prefill_max_tokens]
     base_flags = ["--kv-reuse", "off"] + (["--routing", "wrr"] if routing else [])
-    reuse = run_arm(model, reuse_flags, tokenizer, system, users, max_tokens)
-    base = run_arm(model, base_flags, tokenizer, system, users, max_tokens)
+    reuse = run_arm(model, reuse_flags, system, users, max_tokens)
+    base = run_arm(model, base_flags, system, users, max_tokens)
     result = summarize(reuse, base, routing)
+    print(json.dumps(result), flush=True)  # pdserve's result stands even if the vLLM arm fails
     if args.vllm_python:
-        peer = run_vllm(args.vllm_python, model, tokenizer, system, users, max_tokens)
-        result["vllm_ttft_p50_ratio"] = round(pct(reuse["ttft"], 0.5) / pct(peer["ttft"], 0.5), 3)
-        result["vllm_ttft_p99_ratio"] = round(pct(reuse["ttft"], 0.99) / pct(peer["ttft"], 0.99), 3)
-        result["vllm_cached_fraction"] = round(peer["cached"] / peer["prompt"], 4)
+        try:
+            peer = run_vllm(args.vllm_python, model, system, users, max_tokens)
+        except RuntimeError as e:
+            print(e, flush=True)
+            errors = [line for line in str(e).splitlines() if "Error" in line]
+            result["vllm_error"] = (errors or str(e).splitlines() or [""])[-1][:300]
+        else:
+            result["vllm_ttft_p50"] = round(pct(peer["ttft"], 0.5), 4)
+            result["vllm_ttft_p99"] = round(pct(peer["ttft"], 0.99), 4)
+            result["vllm_ttft_p50_ratio"] = round(pct(reuse["ttft"], 0.5) / pct(peer["ttft"], 0.5), 3)
+            result["vllm_ttft_p99_ratio"] = round(pct(reuse["ttft"], 0.99) / pct(peer["ttft"], 0.99), 3)
+            result["vllm_cached_fraction"] = round(peer["cached"] / peer["prompt"], 4)
+            result["vllm_identical"] = peer["texts"] == reuse["texts"]
     emit({**result, "sessions": sessions, "turns": turns, "model": args.model_size})
 
 

@@ -27,10 +27,12 @@ RDMA_ENV = {
 """TransferOptions field -> the variable CacheStore's RDMA setup reads (see `export_env`)."""
 
 
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 64
-"""Up to about this many new tokens a local prefill chunk is about one decode step of compute on the
-bench model, so it barely stalls the node's decoding requests, and it saves the KV transfer and a
-place in a prefill node's queue (BENCHMARKS.md, "Local prefill threshold")."""
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 16
+"""Set by `benchmarks/local_prefill.py` (BENCHMARKS.md, "Local prefill threshold"): on the bench
+model local and remote delta prefill were within about 20% of each other at every size measured (8 to
+256 new tokens over a cached 1000-token prefix), remote winning in most runs, so local prefill does not
+clearly pay; the threshold is as low as it can be while a prompt the decode node fully holds (it lacks
+only its last, never-cached block) still moves nothing: one block."""
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ class Choice:
     params: common_pb2.SamplingParams
     text: ChoiceText
     logprobs: list = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    """The generated token ids so far."""
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
     cache_salt: str | None = None

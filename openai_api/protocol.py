@@ -109,6 +109,9 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    return_token_ids: bool = False
+    """vLLM's field: each choice also carries the prompt's and the generated token ids, so a client
+    can append exactly the tokens the model produced (re-encoding the text may give other ids)."""
 
 
 class ChatMessage(BaseModel):

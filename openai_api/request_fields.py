@@ -68,6 +68,7 @@ REFUSED: dict[str, Refused] = {
     "bad_words": Refused("bad_words is not implemented (logit_bias is)"),
     "truncate_prompt_tokens": Refused("prompts are never truncated: a long one is refused with a 400"),
     "spaces_between_special_tokens": Refused("special tokens are decoded by the tokenizer's rules", _one_of(True)),
+    "return_token_ids": Refused("token ids are returned by completions only", _one_of(False), CHAT),
     "return_tokens_as_token_ids": Refused("logprob tokens are always returned as text", _one_of(False)),
     "mm_processor_kwargs": Refused("multimodal input is not supported"),
     "kv_transfer_params": Refused("KV transfer is the cluster's own business, not a request's"),

@@ -32,8 +32,22 @@ def response_body(chat: bool, model: str, choices: list[dict], usage_obj: dict) 
     }
 
 
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(
+    index: int,
+    text: str,
+    logprobs: dict | None,
+    finish_reason: str | None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
+) -> dict:
+    """One choice of a text_completion (or of a chunk); the id lists only when asked for
+    (`return_token_ids`: vLLM sends the prompt's ids once, the generated ids as deltas)."""
+    body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_token_ids is not None:
+        body["prompt_token_ids"] = prompt_token_ids
+    if token_ids is not None:
+        body["token_ids"] = token_ids
+    return body
 
 
 def chat_delta(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:

@@ -73,9 +73,9 @@ class Server:
         return await asyncio.to_thread(self.builder.choices, req)
 
     # --- running ------------------------------------------------------------------------
-    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list, str | None]]:
-        """Run all choices concurrently; yield (choice, text delta, new logprobs, finish reason) as
-        tokens arrive. The finish reason travels with its chunk: `choice.finish_reason` is set when the
+    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list, str | None, list[int]]]:
+        """Run all choices concurrently; yield (choice, text delta, new logprobs, finish reason, new
+        token ids) as tokens arrive. The finish reason travels with its chunk: `choice.finish_reason` is set when the
         producer sees the end, possibly many queued chunks before the consumer writes them."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
         base = f"cmpl-{uuid.uuid4().hex[:16]}"
@@ -89,27 +89,28 @@ class Server:
                     delta = choice.text.add(chunk.token_ids)
                     new_lps = chunk.logprobs or []
                     choice.logprobs += new_lps
+                    choice.token_ids += chunk.token_ids
                     finish = None
                     if chunk.finish_reason:
                         delta += choice.text.finish()
                         finish = chunk.finish_reason if chunk.finish_reason != "abort" else "stop"
                         choice.finish_reason, choice.usage = finish, chunk.usage
-                    await queue.put((choice, delta, new_lps, finish))
-                await queue.put((choice, None, None, None))
+                    await queue.put((choice, delta, new_lps, finish, list(chunk.token_ids)))
+                await queue.put((choice, None, None, None, None))
             except Exception as e:  # delivered to the consumer, which owns the response
-                await queue.put((choice, e, None, None))
+                await queue.put((choice, e, None, None, None))
 
         tasks = [asyncio.create_task(one(c)) for c in choices]
         pending = len(choices)
         try:
             while pending:
-                choice, delta, lps, finish = await queue.get()
+                choice, delta, lps, finish, ids = await queue.get()
                 if delta is None:
                     pending -= 1
                 elif isinstance(delta, Exception):
                     raise delta
                 else:
-                    yield choice, delta, lps, finish
+                    yield choice, delta, lps, finish, ids
         finally:
             for t in tasks:
                 t.cancel()
@@ -129,7 +130,7 @@ class Server:
         """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
         choices = await self.choices(req, chat)
         texts = {c.index: "" for c in choices}
-        async for c, delta, _, _ in self.run(choices):
+        async for c, delta, *_ in self.run(choices):
             texts[c.index] += delta
         return choices, texts
 
@@ -139,7 +140,8 @@ class Server:
         for c in choices:
             prefix = (c.prompt_text or self.tokenizer.decode(c.prompt_ids)) if req.echo else ""
             lp = completion_logprobs(self.tokenizer, c.logprobs, len(prefix)) if req.logprobs is not None else None
-            out.append(completion_choice(c.index, prefix + texts[c.index], lp, c.finish_reason))
+            ids = (c.token_ids, c.prompt_ids) if req.return_token_ids else (None, None)
+            out.append(completion_choice(c.index, prefix + texts[c.index], lp, c.finish_reason, *ids))
         return response_body(False, req.model, out, self.usage(choices))
 
     async def chat(self, req: ChatCompletionRequest) -> dict:
@@ -177,12 +179,14 @@ class Server:
                     elif isinstance(req, CompletionRequest) and req.echo:
                         prompt = c.prompt_text or self.tokenizer.decode(c.prompt_ids)
                         yield chunk([completion_choice(c.index, prompt, None, None)])
+                token_ids = isinstance(req, CompletionRequest) and req.return_token_ids
+                unsent_prompt = {c.index for c in choices} if token_ids else set()  # sent once, first
                 offsets = {c.index: 0 for c in choices}
                 async for item in with_keepalive(self.run(choices), self.keepalive_interval):
                     if isinstance(item, type):  # the KeepAlive marker
                         yield KEEPALIVE_COMMENT
                         continue
-                    c, delta, lps, finish = item
+                    c, delta, lps, finish, ids = item
                     if chat:
                         lp = (
                             {"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]}
@@ -196,9 +200,11 @@ class Server:
                             if req.logprobs is not None and lps
                             else None
                         )
-                        body = completion_choice(c.index, delta, lp, finish)
+                        prompt_ids = c.prompt_ids if c.index in unsent_prompt else None
+                        unsent_prompt.discard(c.index)
+                        body = completion_choice(c.index, delta, lp, finish, ids if token_ids else None, prompt_ids)
                     offsets[c.index] += len(delta)
-                    if delta or finish or lp:
+                    if delta or finish or lp or (token_ids and ids):
                         yield chunk([body])
                 if include_usage:
                     yield chunk([], self.usage(choices))

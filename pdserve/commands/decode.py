@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="with --kv-reuse on: prefill on this node when the prompt tokens it lacks are at most this "
-        "many (0: only when no prefill node is usable; default 64)",
+        "many (0: only when no prefill node is usable; default 16)",
     )
     p.set_defaults(func=run)
 

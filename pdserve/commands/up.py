@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="decode nodes prefill locally when the prompt tokens they lack are at most this many "
-        "(0: only when no prefill node is usable; default 64)",
+        "(0: only when no prefill node is usable; default 16)",
     )
     p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")

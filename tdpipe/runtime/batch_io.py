@@ -63,7 +63,7 @@ class BatchItem:
 def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse what the pipeline would silently ignore. It samples as the engine does (temperature,
     top-k/p, min-p, penalties, seed: the last stage runs the engine's sampler), but returns one
-    choice per line, no logprobs and no stream, and has no minimum-length or suffix support."""
+    choice per line, no logprobs, no token ids and no stream, and has no minimum-length or suffix support."""
     unsupported = [
         name
         for name, off in [
@@ -71,6 +71,7 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
             ("n", body.n == 1),
             ("stream", not body.stream),
             ("logprobs", not body.logprobs),
+            ("return_token_ids", not getattr(body, "return_token_ids", False)),
         ]
         if not off
     ]

@@ -56,8 +56,19 @@ SURFACE = {
     "skip_special_tokens": Field(False, http=True, proto=True, engine=True, batch=True),
     "logit_bias": Field({"7": -100.0, "2": 1.5}, http=True, proto=True, engine=True, batch=True),
 }
-NOT_SAMPLING = {"model", "stream", "stream_options", "user", "prompt", "echo", "messages", "cache_salt"}
-"""Body fields that are not sampling parameters (cache_salt travels beside them: GenerateRequest.cache_salt)."""
+NOT_SAMPLING = {
+    "model",
+    "stream",
+    "stream_options",
+    "user",
+    "prompt",
+    "echo",
+    "messages",
+    "cache_salt",
+    "return_token_ids",
+}
+"""Body fields that are not sampling parameters (cache_salt travels beside them: GenerateRequest.cache_salt;
+return_token_ids only shapes the router's response)."""
 CHAT_SPELLINGS = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 """Chat's own names for two fields (chat's `logprobs` is the switch for top_logprobs)."""
 

@@ -1,7 +1,8 @@
 """A prefill node that stalls mid-payload must never corrupt the next request on the same blocks,
 and a client that cancels during the stall must leave no block and no in-flight request behind
 (issue 13, bugs 1 and 2). The decode node runs as a real process with a pool so small that the next
-request must reuse the stalled request's blocks."""
+request must reuse the stalled request's blocks; a cancel during a stalled delta transfer (issue 22) keeps the
+held prefix exact."""
 
 from __future__ import annotations
 
@@ -113,6 +114,51 @@ async def test_cancel_during_stall_frees_blocks_and_drains(tiny_model_dir):
         proc = cluster.decodes[0].popen
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+    finally:
+        await fake.stop()
+        cluster.stop()
+
+
+async def test_cancel_during_a_stalled_delta_transfer_keeps_the_held_prefix_and_leaks_nothing(tiny_model_dir):
+    """Reuse across the split: the decode node holds turn 1 (prefilled locally), so turn 2 shares
+    those blocks and opens a session over the missing ones only. A client cancel while the writer
+    stalls inside that session frees the fresh blocks; its late bytes land nowhere, and the held
+    prefix is still exact: turn 2 served afterwards matches the engine run alone."""
+    cluster, decode, fake, fake_address = await start_with_fake(tiny_model_dir, 0)
+    turn1 = [5 + (i * 7) % 1600 for i in range(100)]
+    try:
+        answer, _ = await generate(decode, cluster.secret, "turn1", turn1, greedy(4, ignore_eos=True), [])
+        turn2 = turn1 + answer + [9 + i for i in range(60)]  # 6 held blocks, 5 to fill remotely
+        async with grpc.aio.insecure_channel(decode) as ch:
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(
+                decode_pb2.GenerateRequest(
+                    request_id="delta",
+                    prompt_token_ids=turn2,
+                    params=greedy(4, ignore_eos=True),
+                    prefill_addresses=[fake_address],
+                ),
+                metadata=cluster_metadata(cluster.secret),
+                timeout=120,
+            )
+            reader = asyncio.ensure_future(call.read())
+            assert await asyncio.get_running_loop().run_in_executor(None, fake.stalled.wait, 60)
+            call.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        assert await blocks_all_free(decode, cluster.secret, within=30)
+        fake.resume.set()  # the stalled writer wakes up after its session was fenced
+        for t in fake.threads:
+            await asyncio.get_running_loop().run_in_executor(None, t.join, 60)
+        assert fake.outcomes and "ok" not in fake.outcomes, fake.outcomes
+
+        expected = (
+            LLM(tiny_model_dir, num_kv_blocks=64)
+            .generate([turn2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+            .outputs[0]
+            .token_ids
+        )
+        again, _ = await generate(decode, cluster.secret, "again", turn2, greedy(4, ignore_eos=True), [])
+        assert again == expected
+        assert await blocks_all_free(decode, cluster.secret, within=30)
     finally:
         await fake.stop()
         cluster.stop()

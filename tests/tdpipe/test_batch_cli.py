@@ -44,6 +44,7 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
             }
         ): "invalid_body",
         request_line("many", "two choices", n=2): "unsupported_parameter",
+        request_line("ids", "token ids", return_token_ids=True): "unsupported_parameter",
         request_line("long", "word " * 600): "prompt_too_long",  # over the pipeline's KV (128 x 4 tokens)
         request_line("ctx", "hello", max_tokens=5000): "context_length_exceeded",  # over the model's context
     }

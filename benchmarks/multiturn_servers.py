@@ -1,0 +1,54 @@
+"""Server processes of benchmarks/multiturn.py: a `pdserve up` cluster or a `vllm serve`, each in its
+own process group, started until its ready line and stopped with everything it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+from benchmarks.cluster_procs import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_up(model: str, port: int, metrics_base: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port)]
+    cmd += ["--num-prefill", "2", "--num-decode", "2", "--metrics-base-port", str(metrics_base), *extra]
+    # a 2-core machine shared with other jobs stalls processes for seconds: liveness limits that
+    # would take a busy node for a hung one are raised (retries would distort both arms)
+    env = {"PDSERVE_HEALTH_TIMEOUT": "10", "PDSERVE_HUNG_AFTER": "120", "PDSERVE_TOKEN_TIMEOUT": "60", **os.environ}
+    return start_server(cmd, lambda line: "pdserve is up" in line, env)
+
+
+def start_server(cmd: list[str], ready, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` in its own process group and wait for a `ready` line; its output keeps being read
+    afterwards, so that it never blocks on a full pipe."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-200:]  # enough for a worker's traceback and its root cause
+        if ready(line):
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc
+    stop(proc)
+    raise RuntimeError(f"{' '.join(cmd)} exited before it was ready:\n{''.join(tail)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
