@@ -48,7 +48,8 @@ async def server(ours):
 def rejected(srv, reason: str, transport: str = "tcp") -> float:
     return (
         srv.metrics.registry.get_sample_value(
-            "pdserve_cachestore_rejected_frames_total", {"transport": transport, "reason": reason}
+            "pdserve_cachestore_rejected_frames_total",
+            {"model_name": srv.metrics.model_name, "transport": transport, "reason": reason},
         )
         or 0.0
     )

@@ -60,11 +60,13 @@ async def test_cluster_over_mutual_tls(tmp_path, tiny_model_dir):
 
 
 def cachestore_samples(metrics_port: int) -> dict[str, float]:
-    """A node's CacheStore series from its /metrics, by name and sorted labels."""
+    """A node's CacheStore series from its /metrics, by name and sorted labels (less transport and model_name)."""
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     out = {}
     for m in re.finditer(r"^(pdserve_cachestore_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
-        labels = ",".join(sorted(x for x in (m[2] or "").split(",") if x and not x.startswith("transport=")))
+        labels = ",".join(
+            sorted(x for x in (m[2] or "").split(",") if x and not x.startswith(("transport=", "model_name=")))
+        )
         out[f"{m[1]}{{{labels}}}"] = float(m[3])
     return out
 
