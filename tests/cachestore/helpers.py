@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
@@ -101,3 +102,19 @@ def sender_process(
         await client.close()
 
     asyncio.run(run())
+
+
+def rejected(srv, reason: str, transport: str = "tcp") -> float:
+    """How many frames `srv` refused for `reason` (its pdserve_cachestore_rejected_frames counter)."""
+    labels = {"model_name": srv.metrics.model_name, "transport": transport, "reason": reason}
+    return srv.metrics.registry.get_sample_value("pdserve_cachestore_rejected_frames_total", labels) or 0.0
+
+
+async def until(predicate, within: float = 30.0) -> bool:
+    """Poll `predicate` with a deadline generous enough for a loaded 2-core machine."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True

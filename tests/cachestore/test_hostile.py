@@ -9,7 +9,16 @@ import socket
 import pytest
 
 from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, wire
-from tests.cachestore.helpers import SECRET, block, pools, raw_connect, read_ack, untouched_outside, write_header
+from tests.cachestore.helpers import (
+    SECRET,
+    block,
+    pools,
+    raw_connect,
+    read_ack,
+    rejected,
+    untouched_outside,
+    write_header,
+)
 
 GEO = PoolGeometry(num_layers=3, num_blocks=16, block_bytes=1024)
 
@@ -25,15 +34,6 @@ async def server():
     finally:
         await srv.stop()
     assert srv.num_sessions == 0
-
-
-def rejected(srv, reason: str) -> float:
-    return (
-        srv.metrics.registry.get_sample_value(
-            "pdserve_cachestore_rejected_frames_total", {"model_name": "unknown", "transport": "tcp", "reason": reason}
-        )
-        or 0.0
-    )
 
 
 async def still_serves(srv) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, wire
 from cachestore.tcp_listener import TcpLimits
-from tests.cachestore.helpers import SECRET, block, pools, raw_connect
+from tests.cachestore.helpers import SECRET, block, pools, raw_connect, until
 
 GEO = PoolGeometry(num_layers=2, num_blocks=8, block_bytes=4096)
 LIMITS = TcpLimits(
@@ -37,16 +37,6 @@ async def server():
 
 def sample(srv, name: str, **labels) -> float:
     return srv.metrics.registry.get_sample_value(name, {"model_name": "unknown", "transport": "tcp", **labels}) or 0.0
-
-
-async def until(predicate, within: float = 30.0) -> bool:
-    """Poll `predicate` with a deadline generous enough for a loaded 2-core machine."""
-    deadline = asyncio.get_running_loop().time() + within
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 async def transfer_works(srv, request_id: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 from cachestore import CacheStoreClient, CacheStoreServer, LinkTLS, MemoryRegion, PoolGeometry, TransferError
 from cachestore.tcp_listener import TcpLimits
 from node_runtime.cluster_tls import TLS_SERVER_NAME, make_throwaway
-from tests.cachestore.helpers import SECRET, block, pools, untouched_outside
+from tests.cachestore.helpers import SECRET, block, pools, rejected, until, untouched_outside
 
 GEO = PoolGeometry(num_layers=4, num_blocks=32, block_bytes=64 * 1024)  # frames span many TLS records
 LIMITS = TcpLimits(handshake_timeout=3.0)  # the plaintext peer is cut after it
@@ -43,25 +43,6 @@ async def server(ours):
     finally:
         await srv.stop()
     assert srv.num_sessions == 0
-
-
-def rejected(srv, reason: str, transport: str = "tcp") -> float:
-    return (
-        srv.metrics.registry.get_sample_value(
-            "pdserve_cachestore_rejected_frames_total",
-            {"model_name": srv.metrics.model_name, "transport": transport, "reason": reason},
-        )
-        or 0.0
-    )
-
-
-async def until(predicate, within: float = 30.0) -> bool:
-    deadline = asyncio.get_running_loop().time() + within
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 async def send(srv, tls: LinkTLS | None, rid: str, src_blocks: list[int], dst_blocks: list[int]) -> None:
