@@ -102,6 +102,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         rt, engine = self.rt, self.rt.engine
         rid, prompt, params, salt = self._parse(request)
         addresses = list(request.prefill_addresses)
+        await rt.compile_grammar(params)
         async with rt.request(
             rid,
             partial(self._end, rid),

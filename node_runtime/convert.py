@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from engine.grammar import MAX_SPEC_BYTES, GrammarSpec
 from engine.kv_namespace import MAX_CACHE_SALT_BYTES
 from engine.request import TokenLogprob
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -56,8 +57,16 @@ def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
         value = getattr(p, f.name)
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
             value = tuple(value.items())  # logit_bias: (token id, bias) pairs
+        elif f.message_type is not None:  # structured_outputs, the one message field
+            value = grammar_spec_from_pb(value)
         values[f.name] = tuple(value) if f.is_repeated else value
     return SamplingParams(**values)
+
+
+def grammar_spec_from_pb(pb: common_pb2.StructuredOutputs) -> GrammarSpec:
+    if len(pb.spec) > MAX_SPEC_BYTES:  # characters, a cheap first bound; SamplingParams checks bytes
+        raise ValueError(f"invalid sampling parameter structured_outputs: at most {MAX_SPEC_BYTES} bytes")
+    return GrammarSpec(pb.kind, pb.spec)
 
 
 def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:

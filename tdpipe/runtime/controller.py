@@ -129,11 +129,7 @@ class StageExecutor(Executor):
         for item in batch.items:
             r = item.request
             assert isinstance(r, PipeRequest)
-            if (
-                r.params is not None
-                and (not r.params.greedy or r.params.has_penalties)
-                and r.request_id not in self._announced
-            ):
+            if r.params is not None and r.params.needs_sampler_state and r.request_id not in self._announced:
                 self._announced.add(r.request_id)  # type: ignore[arg-type]
                 new_params[str(r.request_id)] = (r.params, r.prompt_ids)
         msg = StageMessage(fb, new_params, tuple(self._forget))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine.forward_batch import ForwardBatch
+from engine.grammar_cache import GrammarCache
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
@@ -81,12 +82,13 @@ class StageMessage:
 
 
 class _SampleState:
-    """What `engine.sampler.Sampler` reads of a request (params, token history, id)."""
+    """What `engine.sampler.Sampler` reads of a request (params, token history, id, grammar)."""
 
-    def __init__(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, prompt_ids: list[int], matcher=None) -> None:
         self.request_id, self.params = request_id, params
         self.prompt_token_ids = prompt_ids
         self.output_token_ids: list[int] = []
+        self.matcher = matcher
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -95,9 +97,11 @@ class _SampleState:
 
 class LastStageSampler:
     """Samples each sequence's token with its own parameters and seeded generator (the engine's
-    Sampler, so a batch job samples exactly as the engine does)."""
+    Sampler, so a batch job samples exactly as the engine does). `grammars` compiles the grammars
+    of structured-output requests (cached by spec: a batch file usually repeats one schema)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: GrammarCache | None = None) -> None:
+        self.grammars = grammars
         self.sampler = Sampler()
         self.states: dict[str, _SampleState] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -108,7 +112,9 @@ class LastStageSampler:
             self.states.pop(rid, None)
             self.generators.pop(rid, None)
         for rid, (params, prompt) in msg.new_params.items():
-            self.states[rid] = _SampleState(rid, params, list(prompt))
+            spec = params.structured_outputs
+            matcher = None if spec is None or self.grammars is None else self.grammars.matcher(spec)
+            self.states[rid] = _SampleState(rid, params, list(prompt), matcher)
             self.generators[rid] = make_generator(params.seed)
         batch = msg.batch
         tokens = torch.full((batch.num_seqs,), NO_TOKEN, dtype=torch.long)
@@ -155,7 +161,7 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     )
     hidden_size = runner.model_config.hidden_size
     outbox, timeline = Outbox(), StageTimeline()
-    sampling = LastStageSampler() if runner.is_last_stage else None
+    sampling = LastStageSampler(_grammars(cfg.model_dir, runner)) if runner.is_last_stage else None
     while True:
         msg = recv_object(CONTROLLER_RANK)
         if msg is None:
@@ -179,6 +185,14 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     outbox.send_object(timeline.spans, CONTROLLER_RANK)
     outbox.flush()
     return timeline
+
+
+def _grammars(model_dir: str | Path, runner: ModelRunner) -> GrammarCache:
+    """Grammars end at the tokenizer's EOS ids, the ones the batch job stops on (batch_job)."""
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    return GrammarCache(tokenizer, runner.model_config.vocab_size, tokenizer.eos_token_ids)
 
 
 def main_from_env(cfg: StageConfig) -> int:
