@@ -21,7 +21,7 @@ import time
 from benchmarks.common import emit
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.builtin import default_model_dir
-from engine.grammar import GrammarSpec
+from engine.grammar import GrammarSpec, xgrammar_module
 
 SCHEMA = {
     "type": "array",
@@ -60,11 +60,14 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(32)] for _ in range(num_requests)]
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    xgrammar_module()  # the import (seconds on a loaded machine) is not compilation
     start = time.perf_counter()
-    engine.grammars.compile(spec)  # cold: builds the tokenizer's grammar tables too
+    engine.grammars.compile(spec)  # cold: also reads the vocabulary into xgrammar's tables
     first_compile = time.perf_counter() - start
     compile_seconds = engine.grammars.last_compile_seconds
-    free = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(num_requests)]
+    free = [
+        SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(num_requests)
+    ]
     guided = [
         SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, structured_outputs=spec)
         for i in range(num_requests)
@@ -90,7 +93,7 @@ def main() -> None:
             "requests": num_requests,
             "max_tokens": max_tokens,
             "grammar_compile_ms": round(compile_seconds * 1000, 1),
-            "first_compile_with_tokenizer_ms": round(first_compile * 1000, 1),
+            "first_compile_with_vocabulary_ms": round(first_compile * 1000, 1),
         }
     )
 

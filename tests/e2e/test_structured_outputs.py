@@ -56,9 +56,7 @@ def _body(prompt: str, **fields) -> dict:
 async def _texts(client: httpx.AsyncClient, path: str, body: dict) -> list[tuple[str, str]]:
     r = await client.post(path, json=body)
     assert r.status_code == 200, r.text
-    return [
-        (c["text"] if "text" in c else c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]
-    ]
+    return [(c["text"] if "text" in c else c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]]
 
 
 async def test_every_constrained_output_matches_its_schema_and_free_text_does_not(tiny_model_dir):
@@ -94,7 +92,9 @@ async def test_every_constrained_output_matches_its_schema_and_free_text_does_no
 
 async def test_regex_choice_and_json_object(tiny_model_dir):
     async with http_cluster(tiny_model_dir) as (client, nodes):
-        got = await _texts(client, "/v1/completions", _body("Code:", structured_outputs={"regex": "[0-9]{3}-[a-z]{2,4}"}))
+        got = await _texts(
+            client, "/v1/completions", _body("Code:", structured_outputs={"regex": "[0-9]{3}-[a-z]{2,4}"})
+        )
         assert all(re.fullmatch("[0-9]{3}-[a-z]{2,4}", t) and why == "stop" for t, why in got), got
         choices = ["yes", "no", "maybe so"]
         got = await _texts(client, "/v1/completions", _body("Answer:", guided_choice=choices, temperature=0.0))
