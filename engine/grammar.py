@@ -27,6 +27,14 @@ class GrammarSpec(NamedTuple):
 
     kind: str
     spec: str = ""
+    generated_token_ids: tuple[int, ...] = ()
+    """Tokens already generated under this grammar elsewhere (a migrated stream): the grammar
+    starts after them. Not part of what is compiled (`key`)."""
+
+    @property
+    def key(self) -> GrammarSpec:
+        """What the compiled grammar depends on: the kind and the text."""
+        return GrammarSpec(self.kind, self.spec) if self.generated_token_ids else self
 
 
 class GrammarUnavailable(ValueError):

@@ -63,6 +63,7 @@ class GrammarCache:
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The spec's CompiledGrammar (cached); ValueError when the spec is invalid."""
+        spec = spec.key
         with self._lock:
             hit = self._compiled.get(spec)
             if hit is not None:
@@ -81,8 +82,13 @@ class GrammarCache:
         return compiled
 
     def matcher(self, spec: GrammarSpec) -> Any:
-        """A fresh xgrammar GrammarMatcher for one request (the spec compiled if it is not cached)."""
-        return xgrammar_module().GrammarMatcher(self.compile(spec))
+        """An xgrammar GrammarMatcher for one request (the spec compiled if it is not cached), past
+        the spec's already generated tokens; ValueError if the grammar refuses one of those."""
+        matcher = xgrammar_module().GrammarMatcher(self.compile(spec))
+        for token in spec.generated_token_ids:
+            if not matcher.accept_token(token):
+                raise ValueError(f"the tokens generated so far break the request's grammar (at token {token})")
+        return matcher
 
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: list[Any]) -> None:

@@ -19,6 +19,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_PREFILL_ADDRESSES = 8
+MAX_GENERATED_TOKENS = 65536
+"""Most tokens a migrated structured-output stream replays into its grammar (convert.grammar_spec_from_pb)."""
 
 
 def check_request_id(request_id: str) -> str:
@@ -66,7 +68,9 @@ def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
 def grammar_spec_from_pb(pb: common_pb2.StructuredOutputs) -> GrammarSpec:
     if len(pb.spec) > MAX_SPEC_BYTES:  # characters, a cheap first bound; SamplingParams checks bytes
         raise ValueError(f"invalid sampling parameter structured_outputs: at most {MAX_SPEC_BYTES} bytes")
-    return GrammarSpec(pb.kind, pb.spec)
+    if len(pb.generated_token_ids) > MAX_GENERATED_TOKENS:  # the engine thread replays each one
+        raise ValueError(f"structured_outputs.generated_token_ids: at most {MAX_GENERATED_TOKENS} tokens")
+    return GrammarSpec(pb.kind, pb.spec, tuple(pb.generated_token_ids))
 
 
 def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:

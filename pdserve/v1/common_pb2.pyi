@@ -55,12 +55,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
-    __slots__ = ("kind", "spec")
+    __slots__ = ("kind", "spec", "generated_token_ids")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     spec: str
-    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -118,3 +118,17 @@ def test_the_decode_side_replays_the_first_token_and_refuses_one_the_grammar_for
     assert re.fullmatch("[0-9]+", text), text
     engine.check_integrity()
     assert not engine.requests
+
+
+def test_a_migrated_stream_resumes_its_grammar_after_the_tokens_already_sent(llm) -> None:
+    """The router moves a stream to another decode node with the tokens sent so far at the end of the
+    prompt and in `generated_token_ids`: the new node's grammar starts after them."""
+    engine = llm.engine
+    sent = engine.tokenizer.encode("12", add_special_tokens=False)
+    spec = GrammarSpec("regex", "[0-9]{4}", tuple(sent))
+    out = llm.generate([[5, 6, *sent]], SamplingParams(max_tokens=8, temperature=1.0, seed=1, structured_outputs=spec))
+    assert re.fullmatch("[0-9]{2}", out[0].outputs[0].text), out[0].outputs[0].text  # 2 more digits, then stop
+    assert out[0].outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="generated so far break"):
+        engine.add_request("broken", [5, 6], SamplingParams(structured_outputs=("regex", "[a-z]+", tuple(sent))))
+    assert engine.grammars.compile(spec) is engine.grammars.compile(GrammarSpec("regex", "[0-9]{4}"))  # one key
