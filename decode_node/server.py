@@ -107,6 +107,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         # KV from a prefill node lands in one pool; a tensor-parallel node's KV is split over its
         # ranks' pools, which CacheStore does not address yet: such a node prefills every prompt itself
         addresses = list(request.prefill_addresses) if self.rt.engine.config.tensor_parallel_size == 1 else []
+        await rt.compile_grammar(params)
         async with rt.request(
             rid,
             partial(self._end, rid),

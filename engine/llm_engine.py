@@ -8,6 +8,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.grammar_cache import GrammarCache
 from engine.kv_events import KvEventLog
 from engine.kv_namespace import kv_compatibility, request_root
 from engine.llama import LayerHook
@@ -64,6 +65,8 @@ class LLMEngine(RemotePrefill):
             self.runner.close()  # stop the other tensor-parallel ranks, if any, with the failed start
             raise
         self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        """Structured-output grammars: nodes compile a request's in a worker thread before admitting it."""
         pool = self.runner.kv_pool
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
         """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
@@ -110,6 +113,8 @@ class LLMEngine(RemotePrefill):
         if self.block_manager.blocks_for(len(prompt) + max_tokens) > self.block_manager.num_blocks:
             raise ValueError(f"request needs more KV blocks than the pool has ({self.block_manager.num_blocks})")
         req = Request(request_id, list(prompt), params, max_tokens, kv_root=root)
+        if params.structured_outputs is not None:  # compiled here only if the caller did not (offline use)
+            req.matcher = self.grammars.matcher(params.structured_outputs)
         if params.stop:
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
             req.stop_checker = StopStringChecker(detok, params.stop, params.include_stop_str_in_output)
@@ -170,6 +175,8 @@ class LLMEngine(RemotePrefill):
         p, n = req.params, len(req.output_token_ids)
         stop_ids = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
         if stop_ids and n > p.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.matcher is not None and req.matcher.is_terminated():  # the grammar is complete
             req.status = RequestStatus.FINISHED_STOPPED
         elif req.stop_checker is not None and req.stop_checker.check(token):
             req.status = RequestStatus.FINISHED_STOPPED

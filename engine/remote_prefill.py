@@ -121,6 +121,9 @@ class RemotePrefill:
         `num_cached_tokens`: prompt tokens the prefill node did not compute (its own prefix-cache
         hit), reported as the request's cached tokens (default: what this node held)."""
         req = self._remote(request_id)
+        # the prefill node sampled the first token under the same grammar: replay it into ours
+        if req.matcher is not None and not req.matcher.accept_token(first_token_id):
+            raise ValueError(f"the prefill node's first token {first_token_id} breaks the request's grammar")
         if num_cached_tokens is not None:
             req.num_cached_tokens = max(0, min(num_cached_tokens, req.num_prompt_tokens - 1))
         req.num_computed_tokens = req.num_prompt_tokens

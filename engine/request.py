@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.block_keys import BlockKey
 from engine.sampling_params import SamplingParams
@@ -76,6 +76,9 @@ class Request:
     """StopStringChecker when the request has stop strings (engine.stop_strings)."""
     num_emitted: int = 0
     """Output tokens already reported by step() (for deltas)."""
+    matcher: Any = None
+    """xgrammar GrammarMatcher of a structured-output request (engine.grammar_cache): it masks the
+    logits and advances with every token sampled."""
     kv_root: BlockKey = 0
     """Root of the request's block-key chain: the engine's KV compatibility and the request's
     cache_salt (engine.kv_namespace.request_root), so tenants never share cached blocks."""

@@ -1,9 +1,10 @@
-"""Sampler: penalties, temperature/top-k/top-p/min-p, per-request seeds, logprobs."""
+"""Sampler: penalties, grammar masks, temperature/top-k/top-p/min-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.grammar_cache import accept_tokens, apply_grammar_masks
 from engine.request import Request, TokenLogprob
 
 
@@ -15,7 +16,11 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 class Sampler:
-    """Turns float32 logits [S, V] of one step into one token (and logprobs) per request."""
+    """Turns float32 logits [S, V] of one step into one token (and logprobs) per request.
+
+    A structured-output request's grammar (`Request.matcher`) masks its row, and advances by the
+    token picked: the sampler is the one place a grammar sees the tokens, in the engine and in
+    the batch pipeline's last stage alike."""
 
     def __call__(
         self, logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator]
@@ -28,6 +33,8 @@ class Sampler:
             for i, r in enumerate(requests):
                 if r.params.has_penalties:
                     apply_penalties(logits[i], r)
+        matchers = [r.matcher for r in requests]
+        apply_grammar_masks(logits, matchers)
         if all(r.params.greedy for r in requests):
             tokens = logits.argmax(dim=-1).tolist()
         else:
@@ -35,6 +42,7 @@ class Sampler:
                 int(logits[i].argmax()) if r.params.greedy else sample_one(logits[i], r, generators[r.request_id])
                 for i, r in enumerate(requests)
             ]
+        accept_tokens(matchers, tokens)
         results: list[tuple[int, TokenLogprob | None]] = []
         for i, (token, r) in enumerate(zip(tokens, requests)):
             lp = None

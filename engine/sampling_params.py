@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.grammar import GrammarSpec, check_spec
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 """Most logit_bias entries per request (OpenAI's limit)."""
@@ -49,6 +51,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits before sampling (OpenAI logit_bias), sorted by id."""
+    structured_outputs: GrammarSpec | None = None
+    """The grammar the output must match (engine.grammar); the engine ends the request ("stop") when
+    the grammar is complete, whatever min_tokens and ignore_eos say. None: free text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +63,13 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.structured_outputs is not None:
+            spec = GrammarSpec(*self.structured_outputs)
+            object.__setattr__(self, "structured_outputs", spec)
+            try:
+                check_spec(spec)
+            except ValueError as e:
+                raise ValueError(f"invalid sampling parameter structured_outputs: {e}") from None
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -110,6 +122,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_sampler_state(self) -> bool:
+        """The sampler needs this request's own state: a generator, its history or its grammar."""
+        return not self.greedy or self.has_penalties or self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -56,6 +56,11 @@ class Tokenizer:
         self.eos_token_ids: list[int] = sorted({int(e) for e in eos_ids if e is not None})
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object (the grammar engine reads the vocabulary from it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

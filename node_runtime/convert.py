@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from engine.grammar import MAX_SPEC_BYTES, GrammarSpec
 from engine.kv_namespace import MAX_CACHE_SALT_BYTES
 from engine.request import TokenLogprob
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -18,6 +19,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_PREFILL_ADDRESSES = 8
+MAX_GENERATED_TOKENS = 65536
+"""Most tokens a migrated structured-output stream replays into its grammar (convert.grammar_spec_from_pb)."""
 
 
 def check_request_id(request_id: str) -> str:
@@ -56,8 +59,18 @@ def params_from_pb(p: common_pb2.SamplingParams) -> SamplingParams:
         value = getattr(p, f.name)
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
             value = tuple(value.items())  # logit_bias: (token id, bias) pairs
+        elif f.message_type is not None:  # structured_outputs, the one message field
+            value = grammar_spec_from_pb(value)
         values[f.name] = tuple(value) if f.is_repeated else value
     return SamplingParams(**values)
+
+
+def grammar_spec_from_pb(pb: common_pb2.StructuredOutputs) -> GrammarSpec:
+    if len(pb.spec) > MAX_SPEC_BYTES:  # characters, a cheap first bound; SamplingParams checks bytes
+        raise ValueError(f"invalid sampling parameter structured_outputs: at most {MAX_SPEC_BYTES} bytes")
+    if len(pb.generated_token_ids) > MAX_GENERATED_TOKENS:  # the engine thread replays each one
+        raise ValueError(f"structured_outputs.generated_token_ids: at most {MAX_GENERATED_TOKENS} tokens")
+    return GrammarSpec(pb.kind, pb.spec, tuple(pb.generated_token_ids))
 
 
 def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.llm_engine import LLMEngine
 from engine.request import StepOutput
+from engine.sampling_params import SamplingParams
 from node_runtime.auth import SecretInterceptor
 from node_runtime import cluster_tls, keepalive
 from node_runtime.engine_loop import EngineLoop, Subscription
@@ -119,6 +120,13 @@ class NodeRuntime:
         if self._loop_thread is None:
             raise RuntimeError("the node is not started")
         return self._loop_thread
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a structured-output request's grammar in a worker thread, never in the engine
+        thread (a schema can take longer than many steps); admission then finds it in the engine's
+        cache. ValueError (INVALID_ARGUMENT) for an invalid spec or a node without xgrammar."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
 
     def _engine_died(self, error: BaseException) -> None:
         """In the event loop: stop looking healthy at once, then let the process exit non-zero."""

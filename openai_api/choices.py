@@ -14,18 +14,20 @@ from engine.tokenizer import Tokenizer
 from openai_api.errors import BadRequest
 from openai_api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from openai_api.request_fields import check_request_fields
+from openai_api.structured import structured_outputs_of
 from openai_api.text import ChoiceText
 from pdserve.v1 import common_pb2
 
 SHARED_SAMPLING_FIELDS = tuple(
     sorted(
         {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
-        & set(SamplingFields.model_fields) - {"max_tokens", "stop", "stop_token_ids", "logit_bias"}
+        & set(SamplingFields.model_fields)
+        - {"max_tokens", "stop", "stop_token_ids", "logit_bias", "structured_outputs"}
     )
 )
 """OpenAI request fields that travel unchanged in the proto field of the same name (and meaning);
 max_tokens and stop are checked and resolved first, logprobs differs between the two endpoints, and
-the list and map fields are copied on their own (`_params`)."""
+the list, map and structured-output fields are converted on their own (`_params`)."""
 
 
 @dataclass
@@ -91,6 +93,9 @@ class ChoiceBuilder:
         )
         for key, bias in (req.logit_bias or {}).items():
             p.logit_bias[self._token_id(key)] = bias
+        structured = structured_outputs_of(req)
+        if structured is not None:
+            p.structured_outputs.CopyFrom(structured)
         for name in SHARED_SAMPLING_FIELDS:
             value = getattr(req, name)
             if value is None:  # unset: the model's default, else the engine's

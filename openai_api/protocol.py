@@ -5,7 +5,7 @@ Out-of-range values are pydantic validation errors, which the app turns into
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -80,6 +80,15 @@ class SamplingFields(TextBody):
     """OpenAI: token id (as a string) -> bias added to its logit; ids are checked against the vocabulary."""
     cache_salt: Annotated[str, Field(min_length=1, strict=True)] | None = None
     """vLLM's field: prefix-cache hits only among requests with the same salt (tenant isolation)."""
+    # structured output, in OpenAI's and vLLM's spellings (at most one set; openai_api.structured)
+    response_format: dict[str, Any] | None = None
+    """OpenAI: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {name, schema, strict}}."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM: exactly one of {json, regex, choice, grammar, json_object}."""
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("cache_salt")
     @classmethod

@@ -1,7 +1,7 @@
 """Request fields pdserve knows but does not implement: each is refused with a 400 naming it,
 unless its value asks for nothing (a default, null, or empty). Unknown fields are refused too.
 
-A client that sends `response_format`, `tools` or a misspelt `max_token` must learn that nothing
+A client that sends `tools`, `best_of` or a misspelt `max_token` must learn that nothing
 was applied, not get a 200 that silently ignored it. The README's "Request fields" table lists
 what is honoured and what is refused, and tests/router/test_request_fields.py checks every row.
 """
@@ -36,16 +36,11 @@ class Refused:
     endpoints: frozenset[str] = BOTH
 
 
-_GUIDED = "guided decoding is not implemented (the structured-outputs issue will add it)"
+_GUIDED = "structured outputs are set by response_format, structured_outputs or guided_json/regex/choice/grammar"
 REFUSED: dict[str, Refused] = {
-    "response_format": Refused(_GUIDED, lambda v: _empty(v) or v == {"type": "text"}),
-    "guided_json": Refused(_GUIDED),
-    "guided_regex": Refused(_GUIDED),
-    "guided_choice": Refused(_GUIDED),
-    "guided_grammar": Refused(_GUIDED),
-    "guided_decoding_backend": Refused(_GUIDED),
-    "guided_whitespace_pattern": Refused(_GUIDED),
-    "structural_tag": Refused(_GUIDED),
+    "guided_decoding_backend": Refused("the grammar engine is always xgrammar", _one_of("xgrammar", "auto")),
+    "guided_whitespace_pattern": Refused(f"JSON is generated without free whitespace; {_GUIDED}"),
+    "structural_tag": Refused(f"structural tags are not implemented; {_GUIDED}"),
     "tools": Refused("tool calling is not implemented", endpoints=CHAT),
     "tool_choice": Refused("tool calling is not implemented", _one_of("none"), CHAT),
     "functions": Refused("function calling is not implemented", endpoints=CHAT),

@@ -96,6 +96,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rt, engine = self.rt, self.rt.engine
         rid, prompt, params, creds, salt = self._parse(request)
+        await rt.compile_grammar(params)
         skip = request.decode_cached_tokens // self.geometry_block_size
         tx = self.client.open_transfer(creds)
         async with rt.request(

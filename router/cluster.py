@@ -326,6 +326,8 @@ class Cluster:
             attempt.CopyFrom(params)
             attempt.max_tokens = remaining
             attempt.min_tokens = max(0, params.min_tokens - len(sent))
+            if params.HasField("structured_outputs"):  # the grammar resumes after what was sent
+                attempt.structured_outputs.generated_token_ids[:] = sent
             req = decode_pb2.GenerateRequest(
                 request_id=f"{request_id}-{retries}-{migrations}",
                 prompt_token_ids=prompt + sent,

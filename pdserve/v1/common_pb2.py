@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xd3\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\r\n\x0bLoadRequest\"\xff\x01\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x07 \x01(\x04\x12\x15\n\rcompatibility\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\"5\n\x0fKvEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"\xb4\x01\n\x07KvEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.KvEvent.Kind\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x06\x12\x12\n\nparent_key\x18\x04 \x01(\x06\x12\x0e\n\x06medium\x18\x05 \x01(\t\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\"\x91\x01\n\x0cKvEventBatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x15\n\rsnapshot_keys\x18\x03 \x03(\x06\x12\x15\n\rsnapshot_done\x18\x04 \x01(\x08\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12#\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x13.pdserve.v1.KvEventb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\x8e\x05\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x05\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"L\n\x11StructuredOutputs\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\r\n\x0bLoadRequest\"\xff\x01\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x07 \x01(\x04\x12\x15\n\rcompatibility\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\"5\n\x0fKvEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"\xb4\x01\n\x07KvEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.KvEvent.Kind\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x06\x12\x12\n\nparent_key\x18\x04 \x01(\x06\x12\x0e\n\x06medium\x18\x05 \x01(\t\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\"\x91\x01\n\x0cKvEventBatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x15\n\rsnapshot_keys\x18\x03 \x03(\x06\x12\x15\n\rsnapshot_done\x18\x04 \x01(\x08\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12#\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x13.pdserve.v1.KvEventb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=635
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=493
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=541
-  _globals['_TOPLOGPROB']._serialized_start=637
-  _globals['_TOPLOGPROB']._serialized_end=684
-  _globals['_TOKENLOGPROB']._serialized_start=686
-  _globals['_TOKENLOGPROB']._serialized_end=772
-  _globals['_USAGE']._serialized_start=774
-  _globals['_USAGE']._serialized_end=854
-  _globals['_LOADREQUEST']._serialized_start=856
-  _globals['_LOADREQUEST']._serialized_end=869
-  _globals['_LOADREPORT']._serialized_start=872
-  _globals['_LOADREPORT']._serialized_end=1127
-  _globals['_KVEVENTSREQUEST']._serialized_start=1129
-  _globals['_KVEVENTSREQUEST']._serialized_end=1182
-  _globals['_KVEVENT']._serialized_start=1185
-  _globals['_KVEVENT']._serialized_end=1365
-  _globals['_KVEVENT_KIND']._serialized_start=1299
-  _globals['_KVEVENT_KIND']._serialized_end=1365
-  _globals['_KVEVENTBATCH']._serialized_start=1368
-  _globals['_KVEVENTBATCH']._serialized_end=1513
+  _globals['_SAMPLINGPARAMS']._serialized_end=694
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=552
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=600
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=696
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=772
+  _globals['_TOPLOGPROB']._serialized_start=774
+  _globals['_TOPLOGPROB']._serialized_end=821
+  _globals['_TOKENLOGPROB']._serialized_start=823
+  _globals['_TOKENLOGPROB']._serialized_end=909
+  _globals['_USAGE']._serialized_start=911
+  _globals['_USAGE']._serialized_end=991
+  _globals['_LOADREQUEST']._serialized_start=993
+  _globals['_LOADREQUEST']._serialized_end=1006
+  _globals['_LOADREPORT']._serialized_start=1009
+  _globals['_LOADREPORT']._serialized_end=1264
+  _globals['_KVEVENTSREQUEST']._serialized_start=1266
+  _globals['_KVEVENTSREQUEST']._serialized_end=1319
+  _globals['_KVEVENT']._serialized_start=1322
+  _globals['_KVEVENT']._serialized_end=1502
+  _globals['_KVEVENT_KIND']._serialized_start=1436
+  _globals['_KVEVENT_KIND']._serialized_end=1502
+  _globals['_KVEVENTBATCH']._serialized_start=1505
+  _globals['_KVEVENTBATCH']._serialized_end=1650
 # @@protoc_insertion_point(module_scope)

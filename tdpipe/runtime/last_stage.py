@@ -6,18 +6,23 @@ own `StopStringChecker`: a request ends on the token that completes a stop strin
 `engine.llm_engine` and the decode node, so no compute is spent past it and `completion_tokens`
 equals what the HTTP API reports for the same request.
 
+Structured-output requests sample through their grammar's matcher (`engine.grammar_cache`, the
+engine's masks), and end on the token that completes the grammar, as the engine ends them.
+
 It answers the controller with one `[2, num_seqs]` tensor: row `TOKEN_ROW` the sampled token
 (`NO_TOKEN` where nothing is sampled, a non-final prompt chunk), row `STOP_ROW` 1 where that token
-completed a stop string.
+completed a stop string or the request's grammar.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.grammar_cache import GrammarCache
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
@@ -29,8 +34,8 @@ TOKEN_ROW, STOP_ROW = 0, 1
 
 def needs_announcing(params: SamplingParams | None) -> bool:
     """Whether the last stage must be told a request's parameters: it samples anything but plain
-    greedy argmax, or it has stop strings to watch."""
-    return params is not None and (not params.greedy or params.has_penalties or bool(params.stop))
+    greedy argmax (a generator, penalties, a grammar), or it has stop strings to watch."""
+    return params is not None and (params.needs_sampler_state or bool(params.stop))
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,13 @@ class StageMessage:
 
 
 class _SampleState:
-    """What `engine.sampler.Sampler` reads of a request (params, token history, id)."""
+    """What `engine.sampler.Sampler` reads of a request (params, token history, id, grammar)."""
 
-    def __init__(self, request_id: str, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, prompt_ids: list[int], matcher: Any = None) -> None:
         self.request_id, self.params = request_id, params
         self.prompt_token_ids = prompt_ids
         self.output_token_ids: list[int] = []
+        self.matcher = matcher
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -60,10 +66,13 @@ class _SampleState:
 
 class LastStageSampler:
     """Samples each sequence with its own parameters and seeded generator, and flags the token that
-    completes a stop string. `model_dir` gives the tokenizer, loaded on the first stop string."""
+    completes a stop string or a grammar. `model_dir` gives the tokenizer, loaded on the first stop
+    string; `grammars` compiles the grammars of structured-output requests (cached by spec: a batch
+    file usually repeats one schema)."""
 
-    def __init__(self, model_dir: str | None = None) -> None:
+    def __init__(self, model_dir: str | None = None, grammars: GrammarCache | None = None) -> None:
         self.model_dir = model_dir
+        self.grammars = grammars
         self.sampler = Sampler()
         self.states: dict[str, _SampleState] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -73,8 +82,12 @@ class LastStageSampler:
         self._tokenizer: Tokenizer | None = None
 
     def _announce(self, rid: str, params: SamplingParams, prompt: list[int]) -> None:
-        if not params.greedy or params.has_penalties:
-            self.states[rid] = _SampleState(rid, params, list(prompt))
+        if params.needs_sampler_state:
+            spec = params.structured_outputs
+            if spec is not None and self.grammars is None:
+                raise ValueError("structured outputs need the model's grammars: LastStageSampler(grammars=...)")
+            matcher = None if spec is None or self.grammars is None else self.grammars.matcher(spec)
+            self.states[rid] = _SampleState(rid, params, list(prompt), matcher)
             self.generators[rid] = make_generator(params.seed)
         if params.stop:
             if self.model_dir is None:
@@ -113,6 +126,8 @@ class LastStageSampler:
                 out[TOKEN_ROW, i] = token
                 if s is not None:
                     s.output_token_ids.append(token)
+                    if s.matcher is not None and s.matcher.is_terminated():  # the grammar is complete
+                        out[STOP_ROW, i] = 1
         for i in rows:
             watch = self.stops.get(batch.request_ids[i])
             if watch is not None:

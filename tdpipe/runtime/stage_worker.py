@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.grammar_cache import GrammarCache
 from engine.model_runner import ModelRunner
 from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
 from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, Outbox, recv_object
@@ -92,7 +93,7 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     )
     hidden_size = runner.model_config.hidden_size
     outbox, timeline = Outbox(), StageTimeline()
-    sampling = LastStageSampler(cfg.model_dir) if runner.is_last_stage else None
+    sampling = LastStageSampler(cfg.model_dir, _grammars(cfg.model_dir, runner)) if runner.is_last_stage else None
     while True:
         msg = recv_object(CONTROLLER_RANK)
         if msg is None:
@@ -116,6 +117,14 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     outbox.send_object(timeline.spans, CONTROLLER_RANK)
     outbox.flush()
     return timeline
+
+
+def _grammars(model_dir: str | Path, runner: ModelRunner) -> GrammarCache:
+    """Grammars end at the tokenizer's EOS ids, the ones the batch job stops on (batch_job)."""
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    return GrammarCache(tokenizer, runner.model_config.vocab_size, tokenizer.eos_token_ids)
 
 
 def main_from_env(cfg: StageConfig) -> int:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import pytest
 
+from engine.grammar import GrammarSpec
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from node_runtime.convert import params_from_pb
@@ -55,6 +56,7 @@ SURFACE = {
     "include_stop_str_in_output": Field(True, http=True, proto=True, engine=True, batch=True),
     "skip_special_tokens": Field(False, http=True, proto=True, engine=True, batch=True),
     "logit_bias": Field({"7": -100.0, "2": 1.5}, http=True, proto=True, engine=True, batch=True),
+    "structured_outputs": Field({"regex": "[a-z]+"}, http=True, proto=True, engine=True, batch=True),
 }
 NOT_SAMPLING = {
     "model",
@@ -71,6 +73,11 @@ NOT_SAMPLING = {
 return_token_ids only shapes the router's response)."""
 CHAT_SPELLINGS = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 """Chat's own names for two fields (chat's `logprobs` is the switch for top_logprobs)."""
+SPELLINGS = {
+    name: "structured_outputs"
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+}
+"""OpenAI's and vLLM's other names for structured output (openai_api.structured): one proto field."""
 
 
 def where(column: str) -> set[str]:
@@ -78,8 +85,9 @@ def where(column: str) -> set[str]:
 
 
 def test_the_http_bodies_have_the_http_fields() -> None:
-    assert set(CompletionRequest.model_fields) - NOT_SAMPLING == where("http")
-    chat = {CHAT_SPELLINGS.get(n, n) for n in ChatCompletionRequest.model_fields} - NOT_SAMPLING
+    assert {SPELLINGS.get(n, n) for n in CompletionRequest.model_fields} - NOT_SAMPLING == where("http")
+    spellings = CHAT_SPELLINGS | SPELLINGS
+    chat = {spellings.get(n, n) for n in ChatCompletionRequest.model_fields} - NOT_SAMPLING
     assert chat == where("http")
 
 
@@ -93,6 +101,8 @@ def test_the_engine_has_the_engine_fields() -> None:
 
 def _engine_value(name: str) -> object:
     value = SURFACE[name].value
+    if name == "structured_outputs":  # one kind and its spec in the proto and the engine
+        return GrammarSpec("regex", "[a-z]+")
     if isinstance(value, dict):  # logit_bias: string token ids in JSON, sorted (id, bias) pairs in the engine
         return tuple(sorted((int(k), v) for k, v in value.items()))
     return tuple(value) if isinstance(value, list) else value  # the engine holds sequences as tuples

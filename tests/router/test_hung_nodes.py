@@ -100,3 +100,23 @@ def test_retry_backoff_is_jittered_exponential_and_capped():
     assert backoff_delay(0.1, 50, rng, cap=5.0) <= 5.0
     with pytest.raises(ValueError):
         backoff_delay(0.1, 0)
+
+
+async def test_a_migrated_structured_stream_carries_the_tokens_its_grammar_already_took():
+    """A structured-output stream stalls after two tokens: the attempt on the other decode node gets
+    them in structured_outputs.generated_token_ids (its grammar resumes after them)."""
+    params = common_pb2.SamplingParams(max_tokens=4)
+    params.structured_outputs.kind, params.structured_outputs.spec = "regex", "[0-9]+"
+    fakes = {D1: FakeNode(lambda r: [1, 2, None]), D2: FakeNode(lambda r: [5, 6]), P1: FakeNode()}
+    deadlines = Deadlines(hung_after=30.0, health_timeout=0.2, token_timeout=0.3, capacity_wait=5.0)
+    cluster = await fake_cluster(fakes, refresh_interval=0.05, deadlines=deadlines, backoff=0.01)
+    try:
+        pin_first(cluster, D1, [P1[1]])
+        tokens = [t async for chunk in cluster.generate("s", [1, 2, 3], params) for t in chunk.token_ids]
+        assert tokens == [1, 2, 5, 6]
+        moved = fakes[D2].requests[-1]
+        assert list(moved.prompt_token_ids) == [1, 2, 3, 1, 2]
+        assert list(moved.params.structured_outputs.generated_token_ids) == [1, 2]
+        assert moved.params.structured_outputs.spec == "[0-9]+"
+    finally:
+        await cluster.stop()
