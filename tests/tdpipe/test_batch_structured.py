@@ -27,6 +27,8 @@ def test_batch_lines_match_their_schemas(tmp_path) -> None:
             lines.append(request_line(f"free-{cid}", prompt, seed=i * 10 + j, **{**sampled, "max_tokens": 24}))
             schema_of[cid] = schema_of[f"free-{cid}"] = schema
     lines.append(request_line("re", "Code:", structured_outputs={"regex": "[0-9]{3}-[a-z]{2,4}"}, **sampled))
+    # ignore_eos: the line still ends where its grammar completes (the last stage flags it), not at max_tokens
+    lines.append(request_line("choice", "Pick:", structured_outputs={"choice": ["yes", "no"]}, max_tokens=50))
     lines.append(request_line("bad", "x", response_format={"type": "json_schema", "json_schema": {"schema": []}}))
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     proc = subprocess.run(batch_cmd(tmp_path), capture_output=True, text=True, timeout=600)
@@ -42,3 +44,5 @@ def test_batch_lines_match_their_schemas(tmp_path) -> None:
     assert sum(is_valid(choices[cid]["text"], schema_of[cid]) for cid in free) <= 1  # the control
     assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", choices["re"]["text"]) and choices["re"]["finish_reason"] == "stop"
     assert json.loads(choices["person-0"]["text"])["role"] in ("admin", "user", "guest")
+    assert choices["choice"]["text"] in ("yes", "no") and choices["choice"]["finish_reason"] == "stop"
+    assert rows["choice"]["body"]["usage"]["completion_tokens"] < 50
