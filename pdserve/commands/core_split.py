@@ -47,6 +47,21 @@ def num_threads_arg(text: str) -> int | None:
     return value
 
 
+def add_num_threads_arg(p: argparse.ArgumentParser) -> None:
+    """`up`'s `--num-threads auto|N` (default auto), with the rule in its help."""
+    p.add_argument(
+        "--num-threads",
+        type=num_threads_arg,
+        default=None,
+        metavar="auto|N",
+        help="torch threads per node process (per rank with TP). auto (default): split the usable cores "
+        "between the nodes, a prefill node weighing twice a decode node (prefill GEMMs scale with threads, "
+        "decode steps are memory bound), at least one core per rank, never more threads than cores, each "
+        "node pinned to its own CPUs; with fewer cores than ranks, one thread each and no pinning. "
+        "N: N threads per rank, no pinning",
+    )
+
+
 def split_cores(cpus: list[int], nodes: list[tuple[str, int]]) -> list[Share]:
     """The share of each node, in order, given as (role, tensor-parallel ranks); see the module doc."""
     if not nodes:

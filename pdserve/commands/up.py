@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.commands.core_split import describe, node_shares, num_threads_arg
+from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, on_off
 from pdserve.commands.router import add_api_key_args, add_routing_args, api_keys
@@ -81,17 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(0: nodes serve no metrics; the router always serves /metrics on --port)",
     )
     add_api_key_args(p)
-    p.add_argument(
-        "--num-threads",
-        type=num_threads_arg,
-        default=None,
-        metavar="auto|N",
-        help="torch threads per node process (per rank with TP). auto (default): split the usable cores "
-        "between the nodes, a prefill node weighing twice a decode node (prefill GEMMs scale with threads, "
-        "decode steps are memory bound), at least one core per rank, never more threads than cores, each "
-        "node pinned to its own CPUs; with fewer cores than ranks, one thread each and no pinning. "
-        "N: N threads per rank, no pinning",
-    )
+    add_num_threads_arg(p)
     add_tensor_parallel_arg(p)
     for role in ("prefill", "decode"):
         p.add_argument(
