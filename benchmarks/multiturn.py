@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import httpx
 from benchmarks.cluster_procs import ROOT
 from benchmarks.common import emit, pct
 from benchmarks.multiturn_probe import round_line, scrape
-from benchmarks.multiturn_servers import free_port, start_server, start_up, stop
+from benchmarks.multiturn_servers import free_port, start_up, start_vllm, stop
 
 BLOCK = 16
 
@@ -140,14 +139,8 @@ def run_vllm(python: str, model: str, system, users, max_tokens: int) -> dict:
     """The same workload against `vllm serve` with prefix caching (fp32 on CPU, like the nodes; both
     cores for its OpenMP threads, as ../shared/MACHINE.md says)."""
     port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
-    cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32"]
-    # one worker, and eager mode: the default multiprocess executor's start-up hung on this machine
-    # (its own block size: vLLM's CPU attention takes only multiples of 32)
-    cmd += ["--served-model-name", "vllm", "--distributed-executor-backend", "uni"]
-    cmd += ["--enforce-eager"]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
-    proc = start_server(cmd, lambda line: "Application startup complete" in line, env)
+    extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "vllm"]
+    proc = start_vllm(python, model, port, extra)
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
         return asyncio.run(run_workload(url, "vllm", system, users, max_tokens, [], 0.0))

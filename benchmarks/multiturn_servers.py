@@ -20,12 +20,34 @@ def free_port() -> int:
 
 
 def start_up(model: str, port: int, metrics_base: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port)]
-    cmd += ["--num-prefill", "2", "--num-decode", "2", "--metrics-base-port", str(metrics_base), *extra]
+    return start_pdserve(
+        model, port, ["--num-prefill", "2", "--num-decode", "2", "--metrics-base-port", str(metrics_base), *extra]
+    )
+
+
+def start_pdserve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
+    """`pdserve up --model MODEL --port PORT EXTRA...` (its defaults otherwise), once it is up."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port), *extra]
     # a 2-core machine shared with other jobs stalls processes for seconds: liveness limits that
     # would take a busy node for a hung one are raised (retries would distort both arms)
     env = {"PDSERVE_HEALTH_TIMEOUT": "10", "PDSERVE_HUNG_AFTER": "120", "PDSERVE_TOKEN_TIMEOUT": "60", **os.environ}
     return start_server(cmd, lambda line: "pdserve is up" in line, env)
+
+
+def start_vllm(python: str, model: str, port: int, extra: list[str]) -> subprocess.Popen:
+    """`vllm serve` of a vLLM CPU install (../shared/MACHINE.md), fp32 like the nodes, once it is up."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
+    cmd += ["--dtype", "float32", *extra]
+    # one worker, and eager mode: the default multiprocess executor's start-up hung on this machine
+    # (its own block size: vLLM's CPU attention takes only multiples of 32)
+    cmd += ["--distributed-executor-backend", "uni", "--enforce-eager"]
+    # both cores for its OpenMP threads (its default computes on one of the two)
+    cpus = sorted(os.sched_getaffinity(0))
+    contiguous = cpus[-1] - cpus[0] + 1 == len(cpus)
+    cores = f"{cpus[0]}-{cpus[-1]}" if contiguous else ",".join(map(str, cpus))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
+    env.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    return start_server(cmd, lambda line: "Application startup complete" in line, env)
 
 
 def start_server(cmd: list[str], ready, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -40,9 +41,11 @@ class Child:
         ready_prefix: str = "READY ",
         max_lines: int | None = LOG_TAIL_LINES,
         echo_errors: bool = True,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         """`max_lines`: how much output to keep (None: all of it, for tests that count log lines);
-        `echo_errors`: print the child's ERROR and Traceback lines as they come (for `up`)."""
+        `echo_errors`: print the child's ERROR and Traceback lines as they come (for `up`);
+        `cpus`: pin the child (and what it starts) to these CPUs (None: wherever we may run)."""
         self.name = name
         self.popen = subprocess.Popen(
             cmd,
@@ -52,7 +55,7 @@ class Child:
             env=env,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_in_child, cpus),
         )
         self.address = ""
         self.ready = threading.Event()
@@ -114,6 +117,14 @@ def _die_with_parent() -> None:
         _prctl(1, int(signal.SIGTERM))
 
 
+def _in_child(cpus: frozenset[int] | None) -> None:
+    """Before exec: die with the parent, and take the CPU set (inherited across exec and by the
+    node's own children, e.g. its tensor-parallel ranks)."""
+    _die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 class RestartPolicy:
     """Exponential backoff between restarts; a crash loop is `max_restarts` restarts within `window` s."""
 
@@ -158,8 +169,10 @@ class Supervised:
         port: int,
         env: dict[str, str],
         policy: RestartPolicy | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.name = name
+        self.cpus = cpus  # kept across restarts: a restarted node gets its own cores back
         self.command = command
         self.port = port
         self.env = env
@@ -169,7 +182,7 @@ class Supervised:
         self.num_restarts = 0
 
     def start(self) -> Child:
-        self.child = Child(self.name, self.command(self.port), self.env)
+        self.child = Child(self.name, self.command(self.port), self.env, cpus=self.cpus)
         return self.child
 
     def wait_ready(self, deadline: float) -> str:

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, on_off
 from pdserve.commands.router import add_api_key_args, add_routing_args, api_keys
@@ -80,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(0: nodes serve no metrics; the router always serves /metrics on --port)",
     )
     add_api_key_args(p)
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads per node process (per rank with TP)")
+    add_num_threads_arg(p)
     add_tensor_parallel_arg(p)
     for role in ("prefill", "decode"):
         p.add_argument(
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, CLUSTER_SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
     base = [sys.executable, "-m", "pdserve.cli"]
     node_args = (
-        ["--host", "127.0.0.1", "--model", model, "--transport", args.transport, "--num-threads", str(args.num_threads)]
+        ["--host", "127.0.0.1", "--model", model, "--transport", args.transport]
         + (["--dtype", args.dtype] if args.dtype else [])
         + device_flags(args)
         + kv_memory_flags(args)
@@ -161,14 +162,24 @@ def run(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731
 
+    roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+    tps = [getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size for role in roles]
+    shares = node_shares(args.num_threads, [(role, tp or 1) for role, tp in zip(roles, tps)])
+    print(f"[up] threads per node: {describe(roles, shares)}", flush=True)
+
     def node(role: str, i: int, port: int) -> Supervised:
         index = i if role == "prefill" else args.num_prefill + i
         metrics = ["--metrics-port", str(args.metrics_base_port + index)] if args.metrics_base_port else []
         own = decode_args if role == "decode" else []
-        tp = getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
-        own = own + (["--tensor-parallel-size", str(tp)] if tp else [])
+        own = own + (["--tensor-parallel-size", str(tps[index])] if tps[index] else [])
+        own = own + ["--num-threads", str(shares[index].threads)]
         return Supervised(
-            f"{role}-{i}", lambda p: base + [role, "--port", str(p)] + node_args + own + metrics, port, env, policy()
+            f"{role}-{i}",
+            lambda p: base + [role, "--port", str(p)] + node_args + own + metrics,
+            port,
+            env,
+            policy(),
+            cpus=shares[index].cpus,
         )
 
     def shutdown(*_: object) -> None:

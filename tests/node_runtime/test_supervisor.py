@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -96,3 +97,24 @@ def test_children_die_with_a_killed_supervisor():
     finally:
         if sup.poll() is None:
             sup.kill()
+
+
+def test_a_pinned_member_runs_on_its_cpus_and_keeps_them_across_a_restart():
+    one = frozenset({min(os.sched_getaffinity(0))})
+    script = "import os; print('READY x:1', sorted(os.sched_getaffinity(0)), flush=True); import time; time.sleep(60)"
+    member = Supervised("pinned", lambda port: [sys.executable, "-c", script], 0, dict(os.environ), cpus=one)
+    supervisor = Supervisor([member], log=lambda msg: None)
+    try:
+        for _ in range(2):  # the first child, then the one started after it is killed
+            child = member.start()
+            child.wait_ready(time.monotonic() + 30)
+            assert os.sched_getaffinity(child.popen.pid) == one
+            assert f"{sorted(one)}" in child.tail()
+            child.stop()
+        free = Supervised("free", lambda port: [sys.executable, "-c", script], 0, dict(os.environ))
+        supervisor.members.append(free)
+        child = free.start()
+        child.wait_ready(time.monotonic() + 30)
+        assert os.sched_getaffinity(child.popen.pid) == os.sched_getaffinity(0)  # unpinned: inherits ours
+    finally:
+        supervisor.stop()
