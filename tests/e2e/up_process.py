@@ -13,7 +13,8 @@ from tests.e2e.cluster import ROOT
 
 @dataclass
 class UpProcess:
-    """A running `pdserve up`; `lines` fills as it prints, `up` is set once it says it is up (or exits)."""
+    """A running `pdserve up`; `lines` fills as it prints, `up` is set once it has said it is up and listed
+    its members (or exits)."""
 
     proc: subprocess.Popen
     lines: list[str] = field(default_factory=list)
@@ -39,7 +40,9 @@ def start_up(args: list[str]) -> UpProcess:
     def read() -> None:
         for line in proc.stdout:
             up.lines.append(line.rstrip())
-            if "pdserve is up" in line:
+            # the last line of the start-up listing: the member pid lines printed after
+            # "pdserve is up" are in `lines` by then, so tests that read them do not race
+            if "Ctrl-C stops the cluster" in line:
                 up.up.set()
         up.up.set()
 
