@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-INSTALL_HINT = "python -m venv /work/aiperf-venv && /work/aiperf-venv/bin/pip install aiperf"
+INSTALL_HINT = "python -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf"
 
 
 @dataclass(frozen=True)
