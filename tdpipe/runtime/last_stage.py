@@ -79,7 +79,8 @@ class LastStageSampler:
         self.stops: dict[str, tuple[StopStringChecker, frozenset[int]]] = {}
         """Per request with stop strings: its checker and the token ids that end it anyway (EOS,
         stop_token_ids), which the engine never feeds to the checker."""
-        self._tokenizer: Tokenizer | None = None
+        self._tokenizer: Tokenizer | None = grammars.tokenizer if grammars is not None else None
+        """Loaded once: the grammar cache's, else from `model_dir` on the first stop string."""
 
     def _announce(self, rid: str, params: SamplingParams, prompt: list[int]) -> None:
         if params.needs_sampler_state:
