@@ -17,7 +17,18 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{os.cpu_count()} CPU cores ({cpu}), no GPU"
+    return f"{os.cpu_count()} CPU cores ({cpu}), {_gpu()}"
+
+
+def _gpu() -> str:
+    """The first CUDA device's name, or "no GPU" (torch is imported only if already loaded, so a
+    benchmark that never touches torch does not pay for it)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return "no GPU"
+    return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
 
 
 def pct(xs: list[float], q: float) -> float:

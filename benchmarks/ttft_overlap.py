@@ -162,6 +162,8 @@ def main() -> None:
         "--dtype",
         args.dtype,
     ]
+    if args.device.startswith("cuda"):  # both nodes share one card: each sizes its pool from a share
+        node_args += ["--gpu-memory-utilization", "0.3"]
     prefill = NodeProc("prefill", node_args + ["--num-threads", str(args.threads)])
     rows = {}
     try:

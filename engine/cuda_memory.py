@@ -1,8 +1,9 @@
 """Measuring what a CUDA process needs besides its KV pool: weights, peak activations, other memory.
 
-Not exercised on hardware here: the development and CI machines have no GPU. The arithmetic that
-turns these numbers into a KV budget (`engine.kv_sizing.cuda_kv_bytes`) is unit-tested on CPU with
-the numbers injected; this module only reads torch.cuda's counters around one forward.
+Run on hardware on 2026-11-26 (one H200, tests/gpu/test_cuda_kv_sizing.py); CI has no GPU. The
+arithmetic that turns these numbers into a KV budget (`engine.kv_sizing.cuda_kv_bytes`) is
+unit-tested on CPU with the numbers injected; this module only reads torch.cuda's counters around
+one forward.
 """
 
 from __future__ import annotations

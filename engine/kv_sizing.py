@@ -152,8 +152,8 @@ class CpuKvMemory(KvMemory):
 class CudaKvMemory(KvMemory):
     """`--gpu-memory-utilization`: profile a forward at the maximum batch, give KV the rest.
 
-    Not exercised on hardware here (no GPU on the development machines): its arithmetic
-    (`cuda_kv_bytes`) is unit-tested on CPU with measured numbers injected through `measure`."""
+    Checked on one H200 (tests/gpu/test_cuda_kv_sizing.py, 2026-11-26); CI has no GPU, so its
+    arithmetic (`cuda_kv_bytes`) is also unit-tested on CPU with numbers injected through `measure`."""
 
     needs_weights = True
 

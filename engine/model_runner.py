@@ -64,6 +64,9 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tp = tp
+        self._drives_ranks = False
+        """Rank 0 sends each batch to the other ranks. False until the pool is sized, so the start-up
+        profile run (every rank runs the same one, engine.cuda_memory) sends nothing."""
         shard = TPShard(tp.rank, tp.size) if tp is not None else None
         if shard is not None:
             shard.check(self.model_config)
@@ -107,8 +110,6 @@ class ModelRunner:
             max_model_len, cfg.max_position_embeddings, self.kv_pool.num_blocks, block_size
         )
         self._drives_ranks = tp is not None and tp.rank == 0
-        """Rank 0 sends each batch to the other ranks; set last, so the start-up profile run (every
-        rank runs the same one) sends nothing."""
 
     def check(self) -> None:
         """Raise if this runner can no longer step (engine.parallel.launcher: a rank died)."""

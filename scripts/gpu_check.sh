@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # GPU checks for a CUDA machine: `pytest -m gpu` and the TTFT-overlap benchmark with --device cuda.
-# Logs go to $OUT (default ./gpu_out). Optional wheels/site archive in $WHEELS (default ../.whl):
+# Logs go to $OUT (default ./gpu_out). Optional wheels/site archive in $WHEELS (default .whl, in the checkout, git-ignored via .git/info/exclude):
 #   *.whl are installed with pip --no-deps into /tmp/site, fi_site.tar.gz (a pre-installed
 #   flashinfer + tvm_ffi tree) is unpacked there; both are then put on PYTHONPATH.
+#   On the lent H200/H100 image (torch 2.11+cu130, no registry) the wheels carried on 2026-11-26 were:
+#   grpcio, grpcio-health-checking, protobuf, fastapi, starlette, uvicorn, pydantic, pydantic-core,
+#   annotated-types, annotated-doc, typing-inspection, typing-extensions, opentelemetry-api,
+#   configargparse, dnspython, xgrammar, pytest-asyncio, flashinfer-python 0.6.0, apache-tvm-ffi,
+#   nvidia-cudnn-frontend (cp312 manylinux; 35 MiB together).
 #   STAGES="tests bench cli flashinfer" bash scripts/gpu_check.sh [benchmark flags, e.g. --quick]
 set -o pipefail
 OUT=${OUT:-gpu_out}
-WHEELS=${WHEELS:-../.whl}
+WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT" /tmp/site
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}

@@ -225,3 +225,30 @@ def test_cuda_measurement_reads_the_counters_around_one_forward(tiny_model_dir, 
     )
     assert ran[0].query_lens == [16, 16, 16, 16]
     assert not hasattr(runner, "kv_pool")  # the scratch pool is gone; the real one is sized next
+
+
+def test_a_budget_measured_with_the_weights_runs_a_forward_inside_the_constructor(tiny_model_dir):
+    """The CUDA sizing runs a forward from inside `ModelRunner.__init__`, after the weights load and
+    before the pool exists (found on an H200: `run` read an attribute set only at the end of the
+    constructor). A CPU stand-in with the same protocol runs a real forward at that point."""
+    from engine.cuda_memory import profile_batch
+    from engine.kv_pool import KVPool
+    from engine.kv_sizing import KvMemory
+
+    class ProfiledOnCpu(KvMemory):
+        needs_weights = True
+
+        def budget_bytes(self, runner, bytes_per_token):
+            batch = profile_batch(2, 16, runner.max_model_len, runner.block_size)
+            start, end = runner.layer_range
+            blocks = sum(len(t) for t in batch.block_tables)
+            runner.kv_pool = KVPool(
+                runner.local_config, end - start, runner.block_size, runner.dtype, runner.device, num_blocks=blocks
+            )
+            logits = runner.run(batch)
+            assert logits.shape[0] == 2
+            del runner.kv_pool
+            return 6 * bytes_per_token * runner.block_size
+
+    runner = ModelRunner(tiny_model_dir, block_size=4, max_model_len=16, kv_memory=ProfiledOnCpu())
+    assert runner.kv_pool.num_blocks == 6
