@@ -52,7 +52,8 @@ class EngineConfig:
     """auto (cpu_paged on CPU, torch elsewhere), torch (reference, any device), cpu_paged (C++ op
     reading KV pages in place; CPU) or flashinfer (CUDA)."""
     layer_range: tuple[int, int] | None = None
-    """Load only these layers (pipeline stage)."""
+    """Load only these layers (pipeline stage); with tensor_parallel_size > 1 each rank loads its
+    shard of them (a TD-Pipe stage that is a tensor-parallel group)."""
     seed: int = 0
     num_threads: int | None = None
     """torch intra-op threads (default: torch's choice; with tensor parallelism on CPU, the host's
@@ -96,7 +97,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.layer_range is not None:
-            raise ValueError("tensor parallelism runs whole models: it cannot be combined with a layer_range")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -136,8 +136,10 @@ class ModelRunner:
         """Last stage: float32 logits [num_sampled, vocab] (rows of sample_mask, in order); else hidden [T, H]."""
         assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
         if self._drives_ranks:
-            assert self.tp is not None and hidden_states is None, "tensor-parallel ranks run whole models"
-            self.tp.send_step({"batch": dataclasses.asdict(batch)})
+            assert self.tp is not None
+            self.tp.send_step({"batch": dataclasses.asdict(batch), "hidden": hidden_states is not None})
+            if hidden_states is not None:  # a later pipeline stage: only rank 0 got the previous stage's output
+                self.tp.broadcast(hidden_states.contiguous())
         input_ids = None
         if self.is_first_stage:
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)

@@ -74,6 +74,12 @@ class TPGroup:
         self.all_reduce_seconds += time.perf_counter() - t0
         return t
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype), on the device group: a pipeline
+        stage's incoming hidden states, which only its rank 0 receives from the previous stage."""
+        _wait(self.dev.broadcast(t, 0, self.timeout))
+        return t
+
     def agree_min(self, value: int) -> int:
         """The smallest `value` over the ranks (every rank gets it)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -56,10 +56,12 @@ def rank_options(config: EngineConfig, rank: int) -> dict:
 
 
 class RankProcesses:
-    """Child processes of ranks 1..N-1; `dead` names the first that exited unasked."""
+    """Child processes of ranks 1..N-1; `dead` names the first that exited unasked, and
+    `on_death(dead)`, when given, is called (from the watcher thread) once the others are stopped."""
 
-    def __init__(self, config: EngineConfig, port: int) -> None:
+    def __init__(self, config: EngineConfig, port: int, on_death: Callable[[str], None] | None = None) -> None:
         self.dead: str | None = None
+        self._on_death = on_death
         self._stopping = False
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, config.tensor_parallel_size):
@@ -80,6 +82,8 @@ class RankProcesses:
             self.dead = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
             log.critical("%s: stopping every rank of this engine", self.dead)
         self.stop(grace_s=0.0)
+        if self._on_death is not None:
+            self._on_death(self.dead)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Close every child's lifeline, wait up to `grace_s`, then kill what is left."""
@@ -102,13 +106,16 @@ class RankProcesses:
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's ModelRunner: owns the other ranks' processes, sends them each batch it runs."""
+    """Rank 0's ModelRunner: owns the other ranks' processes, sends them each batch it runs.
 
-    def __init__(self, config: EngineConfig) -> None:
+    `on_rank_death` (RankProcesses) is for a caller that blocks where `check` cannot run, e.g. a
+    pipeline stage waiting on its controller: it ends the process instead of waiting to notice."""
+
+    def __init__(self, config: EngineConfig, on_rank_death: Callable[[str], None] | None = None) -> None:
         TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_dir(config.model_dir))  # before any spawn
         options = rank_options(config, 0)
         store = rendezvous(0, config.tensor_parallel_size, 0, START_TIMEOUT_S)
-        self.ranks = RankProcesses(config, store.port)
+        self.ranks = RankProcesses(config, store.port, on_rank_death)
         try:
             tp = TPGroup(0, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
             super().__init__(config.model_dir, **options, tp=tp)

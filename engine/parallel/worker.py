@@ -39,7 +39,12 @@ def serve(spec: dict) -> None:
     tp = TPGroup(rank, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
     runner = ModelRunner(config.model_dir, **options, tp=tp)
     while (msg := tp.recv_step()) is not None:
-        runner.run(ForwardBatch(**msg["batch"]))
+        batch = ForwardBatch(**msg["batch"])
+        hidden = None
+        if msg.get("hidden"):  # a later pipeline stage (tdpipe): rank 0 broadcasts the previous stage's output
+            shape = (batch.num_tokens, runner.model_config.hidden_size)
+            hidden = tp.broadcast(torch.empty(shape, dtype=runner.dtype, device=runner.device))
+        runner.run(batch, hidden_states=hidden)
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from pdserve.commands.batch_io_args import add_batch_io_args
-from pdserve.commands.device_args import add_device_args, device_options
+from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
 from pdserve.commands.serving_args import add_generation_config_arg
 from tdpipe.simulator import CLI_NAMES
 
@@ -132,6 +132,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "job names it and exits 1 within this + 2 s (+ 5 s to stop the others); --resume finishes the job",
     )
     add_device_args(p)
+    add_tensor_parallel_arg(p)  # each stage a group of N ranks (a bare cuda: stages x N GPUs)
     p.set_defaults(func=run)
 
 
@@ -150,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--stages must be at least 1, got {args.stages}")
         if args.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
+        args.tensor_parallel_size = args.tensor_parallel_size or 1
+        if args.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
         device = device_options(args)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.commands.device_args import add_device_args, device_options
+from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_kv_memory_args(p, max_model_len=False, gpu=False)  # the same count as `pdserve batch` derives
     p.add_argument("--block-size", type=int, default=16)
-    add_device_args(p)  # a bare `cuda` gives each stage its own GPU ($LOCAL_RANK, else stage index)
+    add_device_args(p)  # a bare `cuda` gives each stage its own N GPUs ($LOCAL_RANK, else stage index)
+    add_tensor_parallel_arg(p)  # this stage is a group of N rank processes; this one talks to the pipeline
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of this stage")
     p.add_argument(
@@ -35,9 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tdpipe.runtime.stage_worker import StageConfig, main_from_env
+    from engine.parallel.group import RankFailure
     from tdpipe.runtime.wire import RendezvousTimeout
 
     try:
+        tp = args.tensor_parallel_size or 1
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}")
         args.model = args.model_dir  # device_options reads the checkpoint's dtype for the backend choice
         device = device_options(args)
         cfg = StageConfig(
@@ -47,12 +52,16 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             num_threads=args.num_threads,
             init_timeout=args.init_timeout,
+            tensor_parallel_size=tp,
             **device,
         )
         return main_from_env(cfg)
     except (ValueError, RendezvousTimeout) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RankFailure as e:  # a rank of this stage's tensor-parallel group died or hung
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def _num_kv_blocks(args: argparse.Namespace, device: str) -> int:

@@ -162,6 +162,7 @@ class BatchJob:
             dtype=self.args.dtype,
             num_threads=self.args.num_threads,
             init_timeout=self.args.init_timeout,
+            tensor_parallel_size=getattr(self.args, "tensor_parallel_size", 1),
             **self.device,
         )
         external = getattr(self.args, "external_stages", False)

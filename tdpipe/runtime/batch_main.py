@@ -17,6 +17,7 @@ import traceback
 
 from engine.generation_defaults import generation_defaults
 from engine.model_config import ModelConfig
+from engine.parallel.sharding import TPShard
 from engine.tokenizer import Tokenizer
 from tdpipe.runtime.batch_input import count_lines, read_lines
 from tdpipe.runtime.batch_job import BatchJob, table_choice
@@ -49,6 +50,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         cfg = ModelConfig.from_dir(model_dir)
         if args.stages > cfg.num_hidden_layers:
             raise ValueError(f"--stages {args.stages} is more than the model's {cfg.num_hidden_layers} layers")
+        TPShard(0, getattr(args, "tensor_parallel_size", 1)).check(cfg)  # every stage splits its layers N ways
         if args.max_lines_in_flight < 1:
             raise ValueError(f"--max-lines-in-flight must be at least 1, got {args.max_lines_in_flight}")
         tokenizer = Tokenizer(model_dir)

@@ -11,6 +11,7 @@ stop strings: `last_stage`) and sends one token id and stop flag per sequence to
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,19 +53,51 @@ class StageConfig:
     """`torch`, `flashinfer` (CUDA) or `auto` (flashinfer on CUDA when importable)."""
     init_timeout: float = DEFAULT_INIT_TIMEOUT_S
     """Seconds to wait for the other ranks at the rendezvous (`--init-timeout`)."""
+    tensor_parallel_size: int = 1
+    """Ranks of this stage (engine.parallel): this process is rank 0, which alone talks to the
+    controller and the neighbouring stages; it starts ranks 1..N-1 and drives them per batch."""
 
 
-def stage_device(device: str, rank: int) -> str:
-    """A bare `cuda` means one GPU per stage: $LOCAL_RANK's (a pod or launcher that sets it), else
-    stage k on GPU k modulo the visible count. `cuda:N` and `cpu` are taken as given."""
+def stage_device(device: str, rank: int, tensor_parallel_size: int = 1) -> str:
+    """A bare `cuda` means N GPUs per stage of N ranks (the device of its rank 0; rank r takes the
+    next r-th, engine.parallel.launcher): $LOCAL_RANK's block (a pod or launcher that sets it), else
+    stage k's block modulo the visible count. `cuda:N` and `cpu` are taken as given."""
     if device != "cuda":
         return device
     local = os.environ.get("LOCAL_RANK")
     if local is not None:
-        return f"cuda:{int(local)}"
+        return f"cuda:{int(local) * tensor_parallel_size}"
     import torch.cuda
 
-    return f"cuda:{(rank - 1) % max(1, torch.cuda.device_count())}"
+    return f"cuda:{((rank - 1) * tensor_parallel_size) % max(1, torch.cuda.device_count())}"
+
+
+def stage_runner(cfg: StageConfig, rank: int, num_stages: int) -> ModelRunner:
+    """Stage `rank - 1`'s runner over its layer slice: one process, or rank 0 of a tensor-parallel
+    group whose death of any rank ends this stage process at once (exit 1, the job names the stage)."""
+    from engine.model_config import ModelConfig
+
+    num_layers = ModelConfig.from_dir(cfg.model_dir).num_hidden_layers
+    options = dict(
+        dtype=cfg.dtype,
+        device=stage_device(cfg.device, rank, cfg.tensor_parallel_size),
+        attention_backend=cfg.attention_backend,
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        layer_range=stage_layer_range(num_layers, num_stages, rank - 1),
+        num_threads=cfg.num_threads,
+    )
+    if cfg.tensor_parallel_size == 1:
+        return ModelRunner(Path(cfg.model_dir), **options)
+    from engine.config import EngineConfig
+    from engine.parallel.launcher import TensorParallelRunner
+
+    def rank_died(why: str) -> None:
+        print(f"error: pipeline stage {rank - 1}: {why}; the stage stops", file=sys.stderr, flush=True)
+        os._exit(1)  # rank 0 may be blocked on the controller or a neighbour: no later check would run
+
+    engine = EngineConfig(model_dir=cfg.model_dir, tensor_parallel_size=cfg.tensor_parallel_size, **options)
+    return TensorParallelRunner(engine, on_rank_death=rank_died)
 
 
 @dataclass
@@ -76,21 +109,14 @@ class StageTimeline:
 
 def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     """Serve batches until the controller sends None; returns this stage's timeline."""
-    stage, num_stages = rank - 1, world_size - 1
-    runner_cfg = Path(cfg.model_dir)
-    from engine.model_config import ModelConfig
+    runner = stage_runner(cfg, rank, world_size - 1)
+    try:
+        return _serve(cfg, runner, rank)
+    finally:
+        runner.close()  # a tensor-parallel stage stops its ranks
 
-    num_layers = ModelConfig.from_dir(runner_cfg).num_hidden_layers
-    runner = ModelRunner(
-        runner_cfg,
-        dtype=cfg.dtype,
-        device=stage_device(cfg.device, rank),
-        attention_backend=cfg.attention_backend,
-        block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks,
-        layer_range=stage_layer_range(num_layers, num_stages, stage),
-        num_threads=cfg.num_threads,
-    )
+
+def _serve(cfg: StageConfig, runner: ModelRunner, rank: int) -> StageTimeline:
     hidden_size = runner.model_config.hidden_size
     outbox, timeline = Outbox(), StageTimeline()
     sampling = LastStageSampler(cfg.model_dir, _grammars(cfg.model_dir, runner)) if runner.is_last_stage else None
