@@ -14,8 +14,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel.launcher import TensorParallelRunner
 from tdpipe.runtime.stage_worker import StageConfig, stage_device
 from tests.tdpipe.batch_helpers import (
     PROMPTS,
@@ -51,6 +56,27 @@ def test_stage_config_carries_the_group_size_to_the_stage_command() -> None:
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     # a stage may now be a layer slice split over ranks
     assert EngineConfig("/m", layer_range=(0, 1), tensor_parallel_size=2).layer_range == (0, 1)
+
+
+def test_a_later_stage_split_over_two_ranks_computes_the_whole_models_logits(tiny_model_dir) -> None:
+    """Stage 0 unsplit, stage 1 over two ranks (a real worker process): rank 0 alone is handed the
+    hidden states, as a pipeline stage is, and broadcasts them; the logits are the whole model's."""
+    n = ModelConfig.from_dir(tiny_model_dir).num_hidden_layers
+    batch = ForwardBatch(["a", "b"], list(range(5, 12)) + [40], [7, 1], [7, 1], [[0], [1]], [True, True])
+    opts = dict(num_kv_blocks=8, block_size=8, dtype="float32")
+    want = ModelRunner(tiny_model_dir, **opts).run(batch)
+    hidden = ModelRunner(tiny_model_dir, layer_range=(0, n // 2), **opts).run(batch)
+    threads = torch.get_num_threads()  # the TP runner sets this process's share of the cores
+    last = TensorParallelRunner(EngineConfig(tiny_model_dir, layer_range=(n // 2, n), tensor_parallel_size=2, **opts))
+    try:
+        assert last.local_config.num_key_value_heads == 1 and not last.is_first_stage
+        got = last.run(batch, hidden_states=hidden)
+        assert torch.allclose(got, want, atol=1e-5) and torch.equal(got.argmax(-1), want.argmax(-1))
+        assert last.ranks.dead is None
+    finally:
+        last.close()
+        torch.set_num_threads(threads)
+    assert all(p.poll() is not None for p in last.ranks.procs)
 
 
 def test_bare_cuda_gives_each_stage_a_block_of_gpus(monkeypatch) -> None:
