@@ -175,13 +175,21 @@ def test_nodes_and_router_are_wired_for_k8s_discovery(overlay):
         assert {"name": "grpc", "port": port, "targetPort": "grpc"} in services[f"pdserve-{role}"]["spec"]["ports"]
 
 
+GPU_RDMA_TP = {"prefill": 1, "decode": 2}
+"""The gpu-rdma overlay's tensor-parallel degrees: a TP=1 prefill, a TP=2 decode (issue 29)."""
+
+
 def test_gpu_rdma_requests_devices_and_ipc_lock():
     docs = render("gpu-rdma")
-    for role in ("prefill", "decode"):
+    for role, tp in GPU_RDMA_TP.items():
         spec = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]
         c = spec["containers"][0]
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == 1
+        # one pod is one node: its N ranks, each with one GPU and one RDMA device
+        assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == str(tp)
+        assert c["args"].count("--tensor-parallel-size") == 1 and len(spec["containers"]) == 1
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
+        assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == tp
+        assert c["resources"]["requests"] == c["resources"]["limits"]
         assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
         assert c["args"][c["args"].index("--transport") + 1] == "rdma"
         assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in spec["volumes"])
@@ -283,7 +291,7 @@ def test_network_host_and_rdma_sriov_components(tmp_path):
         pod = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]
         assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
         limits = pod["containers"][0]["resources"]["limits"]
-        assert "rdma/hca_shared_devices_a" not in limits and limits["nvidia.com/sriov_rdma_vf"] == 1
+        assert "rdma/hca_shared_devices_a" not in limits and limits["nvidia.com/sriov_rdma_vf"] == GPU_RDMA_TP[role]
         assert pod["containers"][0]["resources"]["requests"] == limits
     router = by_kind(docs, "Deployment")["pdserve-router"]["spec"]["template"]["spec"]
     assert "hostNetwork" not in router
