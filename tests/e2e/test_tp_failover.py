@@ -21,8 +21,15 @@ TOKENS = 200
 
 
 def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
+    """Child pids of `pid`, whichever of its threads started them (Linux lists a child under the
+    thread that forked it: the main thread's list alone misses ranks a worker thread spawned)."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return kids
 
 
 async def test_killed_rank_ends_its_node_and_streams_migrate_exactly(tiny_model_dir):

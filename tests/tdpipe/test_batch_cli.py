@@ -247,6 +247,7 @@ def test_batch_help_lists_every_flag() -> None:
         "--heartbeat-timeout",
         "--length-predictor",
         "--profile-cache",
+        "--tensor-parallel-size",
     } <= set(flags)
     assert all(flag in text for flag in flags)
     assert all(a.help for a in parser._actions), [a.option_strings for a in parser._actions if not a.help]
