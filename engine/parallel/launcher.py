@@ -85,6 +85,10 @@ class RankProcesses:
         if self._on_death is not None:
             self._on_death(self.dead)
 
+    def expect_exit(self) -> None:
+        """The children are about to exit on purpose (the stop step): not a death to report."""
+        self._stopping = True
+
     def stop(self, grace_s: float = 10.0) -> None:
         """Close every child's lifeline, wait up to `grace_s`, then kill what is left."""
         self._stopping = True
@@ -138,6 +142,9 @@ class TensorParallelRunner(ModelRunner):
             raise RankFailure(f"{self.ranks.dead or 'a tensor-parallel rank failed'}: {e}") from e
 
     def close(self) -> None:
+        # before the stop step: a rank exiting on it must not read as a death (on_rank_death would
+        # end a pipeline stage that finished its job)
+        self.ranks.expect_exit()
         try:
             if self.ranks.dead is None:
                 super().close()

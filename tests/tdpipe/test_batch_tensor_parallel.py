@@ -67,7 +67,9 @@ def test_a_later_stage_split_over_two_ranks_computes_the_whole_models_logits(tin
     want = ModelRunner(tiny_model_dir, **opts).run(batch)
     hidden = ModelRunner(tiny_model_dir, layer_range=(0, n // 2), **opts).run(batch)
     threads = torch.get_num_threads()  # the TP runner sets this process's share of the cores
-    last = TensorParallelRunner(EngineConfig(tiny_model_dir, layer_range=(n // 2, n), tensor_parallel_size=2, **opts))
+    deaths: list[str] = []
+    engine = EngineConfig(tiny_model_dir, layer_range=(n // 2, n), tensor_parallel_size=2, **opts)
+    last = TensorParallelRunner(engine, on_rank_death=deaths.append)
     try:
         assert last.local_config.num_key_value_heads == 1 and not last.is_first_stage
         got = last.run(batch, hidden_states=hidden)
@@ -77,6 +79,8 @@ def test_a_later_stage_split_over_two_ranks_computes_the_whole_models_logits(tin
         last.close()
         torch.set_num_threads(threads)
     assert all(p.poll() is not None for p in last.ranks.procs)
+    time.sleep(0.5)  # the rank watcher thread has seen the exit by now
+    assert not deaths, "a rank that exits on the stop step is not a death (it would end a finished stage)"
 
 
 def test_bare_cuda_gives_each_stage_a_block_of_gpus(monkeypatch) -> None:
@@ -102,6 +106,7 @@ def test_two_stages_of_two_ranks_equal_one_process(tmp_path, batch_expected) -> 
     (tmp_path / "in.jsonl").write_text("\n".join(request_line(f"r{i}", p) for i, p in enumerate(PROMPTS)) + "\n")
     done = subprocess.run(batch_cmd(tmp_path, *TP_FLAGS), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert "tensor-parallel rank" not in done.stderr, done.stderr  # the ranks stopped, none died
     assert texts_by_id(read_results(tmp_path / "out.jsonl")) == batch_expected
 
 
