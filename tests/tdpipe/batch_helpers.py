@@ -102,10 +102,11 @@ def kill_job(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def start_stage_ranks(model_dir: Path) -> tuple[dict[str, str], list[subprocess.Popen]]:
-    """`pdserve stage` ranks 1 and 2 started on their own, as the Kubernetes Indexed Job starts them,
-    and the rendezvous environment (WORLD_SIZE 3) that rank 0 must run with (plus RANK=0)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
+def start_stage_ranks(model_dir: Path, **env_extra: str) -> tuple[dict[str, str], list[subprocess.Popen]]:
+    """`pdserve stage` ranks 1 and 2 started on their own, as the Kubernetes Indexed Job starts them
+    (with `env_extra` set, e.g. a PDSERVE_ flag from its ConfigMap), and the rendezvous environment
+    (WORLD_SIZE 3) that rank 0 must run with (plus RANK=0)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3", **env_extra)
     stage = [
         sys.executable,
         "-m",

@@ -32,6 +32,7 @@ from tests.tdpipe.batch_helpers import (
     read_results,
     request_line,
     stage_pids,
+    start_stage_ranks,
     texts_by_id,
 )
 
@@ -107,6 +108,26 @@ def test_two_stages_of_two_ranks_equal_one_process(tmp_path, batch_expected) -> 
     done = subprocess.run(batch_cmd(tmp_path, *TP_FLAGS), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "tensor-parallel rank" not in done.stderr, done.stderr  # the ranks stopped, none died
+    assert texts_by_id(read_results(tmp_path / "out.jsonl")) == batch_expected
+
+
+@pytest.mark.slow  # 40-90 s: as above
+def test_external_tp_stages_configured_from_the_environment(tmp_path, tiny_model_dir, batch_expected) -> None:
+    """The offline overlay's way: `pdserve stage` pods given PDSERVE_TENSOR_PARALLEL_SIZE=2 (ConfigMap),
+    `pdserve batch --external-stages` as rank 0; the stages stop cleanly (exit 0) at the end."""
+    (tmp_path / "in.jsonl").write_text("\n".join(request_line(f"r{i}", p) for i, p in enumerate(PROMPTS)) + "\n")
+    env, stages = start_stage_ranks(tiny_model_dir, PDSERVE_TENSOR_PARALLEL_SIZE="2")
+    try:
+        cmd = batch_cmd(tmp_path, "--external-stages", "--model", str(tiny_model_dir), "--dtype", "float32")
+        env = {k: v for k, v in env.items() if k != "PDSERVE_TENSOR_PARALLEL_SIZE"}  # the controller has no ranks
+        done = subprocess.run(cmd, env=dict(env, RANK="0"), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert [s.wait(timeout=STOP_TIMEOUT) for s in stages] == [0, 0]
+    finally:
+        for s in stages:
+            if s.poll() is None:
+                s.kill()
+                s.wait()
     assert texts_by_id(read_results(tmp_path / "out.jsonl")) == batch_expected
 
 
