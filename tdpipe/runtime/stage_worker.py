@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def stage_runner(cfg: StageConfig, rank: int, num_stages: int) -> ModelRunner:
     from engine.model_config import ModelConfig
 
     num_layers = ModelConfig.from_dir(cfg.model_dir).num_hidden_layers
-    options = dict(
+    options: dict[str, Any] = dict(
         dtype=cfg.dtype,
         device=stage_device(cfg.device, rank, cfg.tensor_parallel_size),
         attention_backend=cfg.attention_backend,
