@@ -123,6 +123,7 @@ class CacheStoreServer:
             raise ValueError("block_ids must be a non-empty list of distinct blocks")
         if min(block_ids) < 0 or max(block_ids) >= self.geometry.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.geometry.num_blocks})")
+        heads = self.geometry.heads
         rdma: dict[str, int] = {}
         if self._rdma is not None:  # the pool's layout; the keys come per sender QP (`rdma_access`)
             rdma = {"address": self._rdma.remote_base, "num_blocks": self.geometry.num_blocks}
@@ -136,6 +137,10 @@ class CacheStoreServer:
             block_bytes=self.geometry.block_bytes,
             block_ids=tuple(block_ids),
             rdma=rdma,
+            total_heads=heads.total_heads if heads else 0,
+            head_bytes=heads.head_bytes if heads else 0,
+            tp_rank=heads.tp_rank if heads else 0,
+            tp_size=heads.tp_size if heads else 1,
         )
         session = Session(creds, self.geometry, timeout, self._loop)
         with self._lock:
@@ -221,6 +226,14 @@ class CacheStoreServer:
             return None, wire.BAD_LAYER
         if not 0 < h.count <= len(session.block_set):
             return None, wire.BAD_BLOCK
+        if h.kind == wire.KIND_WRITEVH:
+            lo, hi = wire.unpack_heads(h.dst_block)
+            layout = session.heads
+            if layout is None or not layout.first <= lo < hi <= layout.stop:
+                return None, wire.BAD_HEADS
+            return (
+                (session, wire.OK) if h.payload_len == h.count * layout.slice_bytes(lo, hi) else (None, wire.BAD_LENGTH)
+            )
         if h.payload_len != h.count * self.geometry.block_bytes:
             return None, wire.BAD_LENGTH
         if h.kind != wire.KIND_WRITEV and not session.owns_range(h.dst_block, h.count):
@@ -257,6 +270,7 @@ class CacheStoreServer:
         block_ids: Sequence[int],
         ok: bool,
         wakes: list[Session] | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
         """The writer is out of the blocks. True if the write counts (acknowledge it OK); False if it
         failed or the session ended meanwhile (refuse it).
@@ -265,14 +279,15 @@ class CacheStoreServer:
         its ack is sent (waking the event loop first would put the owner's work ahead of the ack on a
         busy machine); None: woken here."""
         with self._lock:
-            accepted, completed, wake = session.end_write(writer, layer, block_ids, ok)
+            accepted, completed, wake = session.end_write(writer, layer, block_ids, ok, heads)
         if wake:
             if wakes is None:
                 session.signal()
             else:
                 wakes.append(session)
         if accepted:
-            self.metrics.add_bytes("recv", len(block_ids) * self.geometry.block_bytes)
+            per_block = self.geometry.block_bytes if heads is None else 2 * (heads[1] - heads[0]) * self._head_bytes
+            self.metrics.add_bytes("recv", len(block_ids) * per_block)
         elif ok:
             self.reject("session_closed")
         if completed:
@@ -286,6 +301,16 @@ class CacheStoreServer:
         """The pool bytes of `count` consecutive blocks of one layer (a validated write lands there)."""
         start = self.geometry.offset(layer, first_block)
         return self.region.view[start : start + count * self.geometry.block_bytes]
+
+    @property
+    def _head_bytes(self) -> int:
+        assert self.geometry.heads is not None, "a head-sliced write was accepted: the pool has a head layout"
+        return self.geometry.heads.head_bytes
+
+    def head_destinations(self, layer: int, block_ids: Sequence[int], lo: int, hi: int) -> list[memoryview]:
+        """The K and V slices of heads [lo, hi) of each block (a validated head-sliced write lands there)."""
+        view = self.region.view
+        return [view[o : o + n] for o, n in self.geometry.head_spans(layer, block_ids, lo, hi)]
 
     # --- rdma: per-session remote keys (`cachestore.rdma_access`) ----------------------------
     def rdma_control(self, conn, hello: bytes) -> tuple[int, bytes]:
