@@ -121,6 +121,9 @@ class ReceiverRank(_RankEndpoint):
             endpoint = self.server.endpoint = f"{msg['advertise_host']}:{endpoint.rsplit(':', 1)[1]}"
         return {"endpoint": endpoint}
 
+    async def op_stats(self, msg: dict) -> dict:
+        return {"sessions": self.server.num_sessions, "recv_bytes": self.server.metrics.received_bytes()}
+
     async def op_open(self, msg: dict) -> dict:
         creds = self.server.open_session(msg["rid"], list(msg["blocks"]), timeout=float(msg["timeout"]))
         return {"creds": creds.to_bytes().decode()}
@@ -164,6 +167,9 @@ class SenderRank(_RankEndpoint):
             faults=FaultInjector.from_env(),
         )
         return {}
+
+    async def op_stats(self, msg: dict) -> dict:
+        return {"transfers": len(self.transfers)}
 
     async def op_open(self, msg: dict) -> dict:
         """Open a transfer into every decode rank this rank writes heads to (before the prompt runs)."""

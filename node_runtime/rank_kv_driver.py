@@ -74,6 +74,10 @@ class RankEndpoints:
             self._seen[rank] = total
             self.received.labels(self.model_name, str(rank)).inc(delta)
 
+    async def stats(self) -> list[dict]:
+        """Every other rank's open sessions (receivers) or transfers (senders): a test's leak check."""
+        return await self._all({"op": "stats"})
+
     # receivers (decode node) ---------------------------------------------------------------------
     async def start_receivers(self, **options: Any) -> list[str]:
         """Start every rank's receiver; their endpoints in rank order."""
