@@ -68,6 +68,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         """request id -> a closed session whose writers may not have left its blocks yet."""
         self.ranks = RankEndpoints(self.rt.engine.runner, self.rt.metrics.registry, self.rt.metrics.model_name)
         """The CacheStore receivers of tensor-parallel ranks 1.. (none with TP=1)."""
+        self._remote_kv = not self.ranks.ranks or self.cachestore.active_transport != "local"
+        """Whether KV can come from a prefill node: every rank must be reachable by the transport."""
         self._rank_sessions: set[str] = set()
         """Requests with sessions open on ranks 1..: closed (fenced) before their blocks are freed."""
 
@@ -82,7 +84,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         if self.advertise_host and self.cachestore.active_transport != "local":
             # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
             self.cachestore.endpoint = f"{self.advertise_host}:{self.cachestore.endpoint.rsplit(':', 1)[1]}"
-        if self.ranks.ranks:
+        if self._remote_kv and self.ranks.ranks:
             endpoints = await self.ranks.start_receivers(
                 **endpoint_options(self.rt.config, self.cachestore.active_transport)
             )
@@ -115,7 +117,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request: decode_pb2.GenerateRequest, context) -> AsyncIterator[decode_pb2.GenerateEvent]:
         rt, engine = self.rt, self.rt.engine
         rid, prompt, params, salt = self._parse(request)
-        addresses = list(request.prefill_addresses)
+        # the local transport cannot reach ranks 1.. (other processes): such a node prefills itself
+        addresses = list(request.prefill_addresses) if self._remote_kv else []
         await rt.compile_grammar(params)
         async with rt.request(
             rid,

@@ -32,6 +32,8 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     compute of layer i+1. The first token is returned only once every layer is acknowledged."""
 
     def __init__(self, config: NodeConfig) -> None:
+        if config.engine.tensor_parallel_size > 1 and config.transfer.transport == "local":  # before loading
+            raise ValueError("a tensor-parallel prefill node needs a network transport: ranks 1.. are other processes")
         if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
         self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER))

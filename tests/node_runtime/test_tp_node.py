@@ -40,3 +40,14 @@ async def test_killing_a_rank_kills_the_node(tiny_model_dir):
         await rt.stop()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_tensor_parallel_prefill_node_needs_a_network_transport(tiny_model_dir):
+    from node_runtime.node_config import TransferOptions
+    from prefill_node.server import PrefillNode
+
+    config = NodeConfig(
+        EngineConfig(tiny_model_dir, num_kv_blocks=64, tensor_parallel_size=2), transfer=TransferOptions("local")
+    )
+    with pytest.raises(ValueError, match="needs a network transport"):
+        PrefillNode(config)
