@@ -52,7 +52,7 @@ class RankEndpoints:
             "pdserve_cachestore_rank_received_bytes",
             "KV bytes received into each tensor-parallel rank's pool (its heads' share)",
             ["model_name", "rank"],
-            registry=registry,
+            registry=registry if registry is not None else CollectorRegistry(),  # never the global one
         )
         self.model_name = model_name
         self._seen: dict[int, float] = {}
