@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
 from cachestore.write_queue import WriteQueue
-from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for
+from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_head_writes, plan_writes, window_for
 from cachestore.rdma_qp import QpInfo, QpState, next_state, qp_attr_values
 from cachestore.rdma_verbs import COMPLETION_TIMEOUT, EMULATOR_ENV, RdmaResources, device_choice, rdma_devices, verbs
 
@@ -152,22 +152,33 @@ class RdmaLane:
                 transfer._on_ack(False, f"RDMA grant failed: {e}")
                 continue
             try:
-                self._write(layer, run, ready_event, creds, windows)
+                self._write(layer, run, ready_event, creds, windows, transfer.heads)
             except OSError as e:
                 self.broken = True  # before the request learns it failed: the next run gets a new lane
                 transfer._on_ack(False, f"RDMA write failed: {e}")
                 self._fail(f"RDMA lane to {self.endpoint} failed: {e}")
                 return
-            self.client.metrics.add_bytes("send", run.count * self.client.geometry.block_bytes)
+            heads, geometry = transfer.heads, self.client.geometry
+            per_block = geometry.block_bytes if heads is None else geometry.heads.slice_bytes(*heads)
+            self.client.metrics.add_bytes("send", run.count * per_block)
             control.submit(transfer, layer, run, None, notify=True)
 
-    def _write(self, layer: int, run: Run, ready_event, creds, windows: list) -> None:
-        """Post the run's WRITEs (each under the window covering it) and wait for their completion."""
+    def _write(self, layer: int, run: Run, ready_event, creds, windows: list, heads=None) -> None:
+        """Post the run's WRITEs (each under the window covering it) and wait for their completion;
+        with `heads`, two WRITEs a block: those heads' K and V slices, into the receiver's slices."""
         self.poll_threads.add(threading.current_thread().name)
         client = self.client
-        remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes)
+        remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes, creds.heads())
         res = self._ready()
         reg = res.registration
+        if heads is not None:
+            if reg.mode == rdma_memory.STAGING:
+                raise OSError("head-sliced RDMA WRITEs from a staged (device) pool are not supported yet")
+            for batch in plan_head_writes(
+                layer, run, heads, client.geometry, res.address, remote, int(creds.rdma["address"]), self._wr_ids
+            ):
+                self._post(batch, windows)
+            return
         if reg.mode == rdma_memory.STAGING:
             self._write_staged(layer, run, ready_event, remote, int(creds.rdma["address"]), windows)
             return

@@ -43,6 +43,28 @@ def plan_writes(
     return [wrs[i : i + max_per_post] for i in range(0, len(wrs), max_per_post)]
 
 
+def plan_head_writes(
+    layer: int,
+    run: Run,
+    heads: tuple[int, int],
+    local: PoolGeometry,
+    local_base: int,
+    remote: PoolGeometry,
+    remote_base: int,
+    first_wr_id: int = 0,
+    max_per_post: int = MAX_WR_PER_POST,
+) -> list[list[WriteRequest]]:
+    """Work requests for heads [lo, hi) of `run`'s blocks: per block, the K slice and the V slice, each
+    from the sender's strided slice straight into the receiver's (both pools state their heads)."""
+    src = local.head_spans(layer, range(run.src_block, run.src_block + run.count), *heads)
+    dst = remote.head_spans(layer, range(run.dst_block, run.dst_block + run.count), *heads)
+    wrs = [
+        WriteRequest(first_wr_id + i, local_base + so, n, remote_base + do)
+        for i, ((so, n), (do, _)) in enumerate(zip(src, dst))
+    ]
+    return [wrs[i : i + max_per_post] for i in range(0, len(wrs), max_per_post)]
+
+
 def window_for(windows: list[list[int]], address: int, length: int) -> int:
     """The rkey of the granted window covering [address, address+length); OSError if none does."""
     for start, size, rkey in windows:

@@ -212,7 +212,7 @@ class CacheStoreServer:
         with self._lock:
             return self._check_header(h)[1]
 
-    def _check_header(self, h: wire.Header) -> tuple[Session | None, int]:
+    def _check_header(self, h: wire.Header, heads: tuple[int, int] | None = None) -> tuple[Session | None, int]:
         """Every field of a write header, by arithmetic only: nothing is allocated or iterated whose
         size a peer chooses. `count` is bounded by the session's own blocks, the payload length must
         be exactly `count` blocks, and a consecutive range (WRITE, NOTIFY) must lie inside the session,
@@ -227,21 +227,25 @@ class CacheStoreServer:
         if not 0 < h.count <= len(session.block_set):
             return None, wire.BAD_BLOCK
         if h.kind == wire.KIND_WRITEVH:
-            lo, hi = wire.unpack_heads(h.dst_block)
+            heads = wire.unpack_heads(h.dst_block)
+        per_block = self.geometry.block_bytes
+        if heads is not None:  # some heads of each block: they must be this rank's
             layout = session.heads
-            if layout is None or not layout.first <= lo < hi <= layout.stop:
+            if layout is None or not layout.first <= heads[0] < heads[1] <= layout.stop:
                 return None, wire.BAD_HEADS
-            return (
-                (session, wire.OK) if h.payload_len == h.count * layout.slice_bytes(lo, hi) else (None, wire.BAD_LENGTH)
-            )
-        if h.payload_len != h.count * self.geometry.block_bytes:
+            per_block = layout.slice_bytes(*heads)
+        if h.payload_len != h.count * per_block:
             return None, wire.BAD_LENGTH
-        if h.kind != wire.KIND_WRITEV and not session.owns_range(h.dst_block, h.count):
+        if h.kind not in (wire.KIND_WRITEV, wire.KIND_WRITEVH) and not session.owns_range(h.dst_block, h.count):
             return None, wire.BAD_BLOCK
         return session, wire.OK
 
     def begin_write(
-        self, h: wire.Header, block_ids: Sequence[int], cut: Callable[[], None] | None = None
+        self,
+        h: wire.Header,
+        block_ids: Sequence[int],
+        cut: Callable[[], None] | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> tuple[Session | None, int, int]:
         """Validate a write of `h.payload_len` bytes into `block_ids` of layer `h.layer`: the header
         first (`_check_header`), then the ids, which must be `h.count` distinct blocks of the session
@@ -249,7 +253,7 @@ class CacheStoreServer:
         active writer, which `cut` stops if the session ends first. Returns (session or None, wire
         status, writer id)."""
         with self._lock:
-            session, status = self._check_header(h)
+            session, status = self._check_header(h, heads)
             if session is None:
                 return None, status, -1
             if len(block_ids) != h.count:  # a WRITEV's list is the length its header says (<= the session's blocks)
@@ -318,10 +322,10 @@ class CacheStoreServer:
         assert self._rdma is not None, "CONNECT frames are accepted only by an rdma receiver"
         return self._rdma.control(conn, hello)
 
-    def rdma_landed(self, layer: int, block_ids: Sequence[int]) -> None:
+    def rdma_landed(self, layer: int, block_ids: Sequence[int], heads: tuple[int, int] | None = None) -> None:
         """A validated NOTIFY: make the WRITEs it reports visible in the pool (`RdmaReceiver.landed`)."""
         assert self._rdma is not None, "NOTIFY frames are accepted only by an rdma receiver"
-        self._rdma.landed(layer, block_ids)
+        self._rdma.landed(layer, block_ids, heads)
 
     def check_grant(self, session_id: str, token: str) -> tuple[Session | None, int]:
         """The open session a grant request names, if its token matches."""

@@ -129,6 +129,14 @@ class FrameWorker:
             return NO_ACK
         if h.kind == wire.KIND_ACK:
             raise wire.CorruptFrame("ACK frame sent to the receiver")
+        heads = wire.unpack_heads(h.dst_block) if h.kind == wire.KIND_WRITEVH else None
+        if h.kind == wire.KIND_NOTIFYH:  # head-sliced RDMA WRITEs: the head range rides in 4 payload bytes
+            if server.active_transport != "rdma" or h.payload_len != wire.HEADS.size:
+                raise wire.CorruptFrame("NOTIFYH frame outside the rdma transport")
+            raw = recv_exact(conn, wire.HEADS.size)
+            if raw is None:
+                raise OSError("peer closed inside a NOTIFYH frame")
+            heads, h = wire.unpack_heads(wire.HEADS.unpack(raw)[0]), h._replace(payload_len=0)
         expects_payload = h.kind in (wire.KIND_WRITE, wire.KIND_WRITEV, wire.KIND_WRITEVH)
         if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
             raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
@@ -147,10 +155,13 @@ class FrameWorker:
         else:
             block_ids = range(h.dst_block, h.dst_block + h.count)
         fence = Fence(conn)
+        layout = server.geometry.heads
+        per_block = layout.slice_bytes(*heads) if heads and layout else server.geometry.block_bytes
         session, status, writer = server.begin_write(
-            h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
+            h._replace(payload_len=h.payload_len if expects_payload else h.count * per_block),
             block_ids,
             fence.cut,
+            heads,
         )
         if session is None:
             server.reject(status)
@@ -159,12 +170,11 @@ class FrameWorker:
                 return None
             return status
         ok = False
-        heads = wire.unpack_heads(h.dst_block) if h.kind == wire.KIND_WRITEVH else None
         try:
             if expects_payload:
                 ok = self._receive_payload(conn, h, block_ids, session.deadline, fence, heads)
             else:  # an RDMA NOTIFY: the WRITEs completed; a staged CUDA pool copies them in first
-                server.rdma_landed(h.layer, block_ids)
+                server.rdma_landed(h.layer, block_ids, heads)
                 ok = True
         finally:
             accepted = server.end_write(session, writer, h.layer, block_ids, ok, wakes, heads)

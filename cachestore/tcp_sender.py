@@ -143,8 +143,13 @@ class TcpChannel:
             sid, token = transfer.wire_session
             if notify:
                 (run,) = runs
-                notice = wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0)
-                buffers: list[bytes | memoryview] = [notice.pack()]
+                if transfer.heads is None:
+                    notice = wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0)
+                    buffers: list[bytes | memoryview] = [notice.pack()]
+                else:  # head-sliced WRITEs: the range rides in a 4-byte payload
+                    n = wire.HEADS.size
+                    notice = wire.Header(wire.KIND_NOTIFYH, 0, sid, token, layer, run.dst_block, run.count, seq, n)
+                    buffers = [notice.pack() + wire.HEADS.pack(wire.pack_heads(*transfer.heads))]
             else:
                 num_ids, packed_ids = self._packed_ids(runs)
                 flags = wire.FLAG_MORE if not self._queue.empty() else 0  # its ack can ride on the next frame's

@@ -37,6 +37,9 @@ KIND_WRITEVH = 6
 """A WRITEV of some KV heads of each block (tensor-parallel ranks of different degrees): `dst_block`
 packs the absolute head range as `first << 16 | count` (`pack_heads`), and the payload is, per listed
 block, the K slice then the V slice of those heads. Lands in the receiver's strided head slices."""
+KIND_NOTIFYH = 7
+"""RDMA: like NOTIFY, for head-sliced WRITEs: a 4-byte payload packs the head range (`pack_heads`)."""
+HEADS = struct.Struct("!I")
 FLAG_MORE = 1
 """In a WRITE/WRITEV header's status field (sender -> receiver): another frame is already queued right
 behind this one, so the receiver may hold this frame's ack and cover it with the next one's (it acks
@@ -110,7 +113,7 @@ def unpack(data: bytes | memoryview) -> Header:
         raise CorruptFrame("bad magic")
     if version != VERSION:
         raise CorruptFrame(f"unsupported wire version {version}")
-    if kind not in (KIND_WRITE, KIND_ACK, KIND_NOTIFY, KIND_CONNECT, KIND_WRITEV, KIND_WRITEVH):
+    if kind not in (KIND_WRITE, KIND_ACK, KIND_NOTIFY, KIND_CONNECT, KIND_WRITEV, KIND_WRITEVH, KIND_NOTIFYH):
         raise CorruptFrame(f"unknown frame kind {kind}")
     if length > MAX_FRAME_BYTES:
         raise CorruptFrame(f"length field {length} exceeds {MAX_FRAME_BYTES}")

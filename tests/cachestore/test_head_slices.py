@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
+from cachestore import rdma
 from cachestore.heads import HeadLayout, assigned_heads
 from tests.cachestore.helpers import SECRET
 
@@ -78,9 +79,11 @@ def _recv_bytes(server: CacheStoreServer) -> float:
     )
 
 
-@pytest.mark.parametrize("transport", ["tcp", "local"])
+@pytest.mark.parametrize("transport", ["tcp", "local", "rdma"])
 @pytest.mark.parametrize("heads,a,b", [(4, 1, 2), (4, 2, 1), (4, 1, 4), (4, 4, 2), (4, 2, 2), (2, 1, 4), (2, 4, 1)])
-async def test_each_receiving_rank_gets_exactly_its_heads(heads, a, b, transport):
+async def test_each_receiving_rank_gets_exactly_its_heads(heads, a, b, transport, monkeypatch):
+    if transport == "rdma":  # the emulated verbs device (cachestore/verbs_emu): K/V slices as RDMA WRITEs
+        monkeypatch.setenv(rdma.EMULATOR_ENV, "1")
     src_blocks, dst_blocks = [1, 2, 3, 7], [9, 10, 4, 0]
     full, dst_pools, servers, receivers = await _move(heads, a, b, transport, src_blocks, dst_blocks)
     try:
