@@ -23,10 +23,10 @@ SECRET = "s"
 PROMPT = list(range(5, 45))
 
 
-def _config(model_dir, tp: int, **engine) -> NodeConfig:
+def _config(model_dir, tp: int, transport: str, **engine) -> NodeConfig:
     node = NodeOptions(cluster_secret=SECRET, local_prefill_max_tokens=0)
     return NodeConfig(
-        EngineConfig(model_dir, num_kv_blocks=64, tensor_parallel_size=tp, **engine), node, TransferOptions()
+        EngineConfig(model_dir, num_kv_blocks=64, tensor_parallel_size=tp, **engine), node, TransferOptions(transport)
     )
 
 
@@ -41,14 +41,17 @@ async def _no_leaks(prefill, decode) -> None:
     assert all(s["transfers"] == 0 for s in await prefill.ranks.stats())
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
-async def test_tp_mismatch_tokens_aborts_and_refusals(tiny_model_dir, p_tp, d_tp):
+@pytest.mark.parametrize("p_tp,d_tp,transport", [(2, 1, "tcp"), (1, 2, "tcp"), (2, 1, "rdma")])
+async def test_tp_mismatch_tokens_aborts_and_refusals(tiny_model_dir, p_tp, d_tp, transport, monkeypatch):
+    from cachestore import rdma
     from decode_node import DecodeNode
     from prefill_node import PrefillNode
 
+    if transport == "rdma":  # the emulated verbs device, across the ranks' processes too
+        monkeypatch.setenv(rdma.EMULATOR_ENV, "1")
     want = LLM(tiny_model_dir, num_kv_blocks=64).generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))
-    prefill = PrefillNode(_config(tiny_model_dir, p_tp))
-    decode = DecodeNode(_config(tiny_model_dir, d_tp, preemption="never"))
+    prefill = PrefillNode(_config(tiny_model_dir, p_tp, transport))
+    decode = DecodeNode(_config(tiny_model_dir, d_tp, transport, preemption="never"))
     p_addr = await prefill.start()
     d_addr = await decode.start()
     try:
