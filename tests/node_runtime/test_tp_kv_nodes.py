@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from node_runtime.auth import cluster_metadata
 from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
-from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.e2e.grpc_client import generate, greedy
 
 pytestmark = pytest.mark.slow
@@ -60,11 +60,16 @@ async def test_tp_mismatch_tokens_aborts_and_refusals(tiny_model_dir, p_tp, d_tp
         await _no_leaks(prefill, decode)
 
         # a client that goes away mid-stream: every rank of both nodes lets go of the request
-        task = asyncio.create_task(generate(d_addr, SECRET, "r2", PROMPT, greedy(200, ignore_eos=True), [p_addr]))
-        await asyncio.sleep(1.0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        async with grpc.aio.insecure_channel(d_addr) as channel:
+            request = decode_pb2.GenerateRequest(
+                request_id="r2",
+                prompt_token_ids=PROMPT,
+                params=greedy(500, ignore_eos=True),
+                prefill_addresses=[p_addr],
+            )
+            call = decode_pb2_grpc.DecodeStub(channel).Generate(request, metadata=cluster_metadata(SECRET))
+            assert (await call.read()).token_ids  # the prompt's KV came over; decoding has begun
+            call.cancel()
         for _ in range(100):
             if not decode.rt.engine.requests and not prefill.rt.engine.requests:
                 break
