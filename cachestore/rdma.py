@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from cachestore import rdma_memory
 from cachestore.geometry import PoolGeometry, Run
 from cachestore.write_queue import WriteQueue
-from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_head_writes, plan_writes, window_for
+from cachestore.rdma_plan import MAX_WR_PER_POST, WriteRequest, plan_writes, window_for
 from cachestore.rdma_qp import QpInfo, QpState, next_state, qp_attr_values
 from cachestore.rdma_verbs import COMPLETION_TIMEOUT, EMULATOR_ENV, RdmaResources, device_choice, rdma_devices, verbs
 
@@ -174,8 +174,9 @@ class RdmaLane:
         if heads is not None:
             if reg.mode == rdma_memory.STAGING:
                 raise OSError("head-sliced RDMA WRITEs from a staged (device) pool are not supported yet")
-            for batch in plan_head_writes(
-                layer, run, heads, client.geometry, res.address, remote, int(creds.rdma["address"]), self._wr_ids
+            base = int(creds.rdma["address"])
+            for batch in plan_writes(
+                layer, [run], client.geometry, res.address, remote, base, self._wr_ids, heads=heads
             ):
                 self._post(batch, windows)
             return
