@@ -149,3 +149,30 @@ async def test_the_handshake_refuses_what_cannot_map():
     finally:
         server.close_session("r")
         await server.stop()
+
+
+async def test_a_frame_naming_heads_the_rank_does_not_hold_is_refused_and_lands_nothing():
+    from cachestore import wire
+    from tests.cachestore.helpers import raw_connect, read_ack
+
+    recv = HeadLayout.of_rank(4, HEAD_BYTES, 1, 2)  # heads [2, 4)
+    pool = torch.zeros(LAYERS, BLOCKS, 2, 2, BLOCK_SIZE, HEAD_DIM)
+    server = CacheStoreServer(MemoryRegion.from_tensor(pool), _geometry(recv), transport="tcp", secret=SECRET)
+    await server.start()
+    try:
+        creds = server.open_session("r", [3], timeout=5)
+        sid, token = bytes.fromhex(creds.session_id), bytes.fromhex(creds.token)
+        cases = [((0, 2), 2 * 2 * HEAD_BYTES, wire.BAD_HEADS), ((2, 3), 2 * 2 * HEAD_BYTES, wire.BAD_LENGTH)]
+        for seq, ((lo, hi), length, status) in enumerate(cases, 1):
+            header = wire.Header(wire.KIND_WRITEVH, 0, sid, token, 0, wire.pack_heads(lo, hi), 1, seq, length)
+            sock = await asyncio.to_thread(raw_connect, creds.endpoint)
+            try:
+                await asyncio.to_thread(sock.sendall, header.pack() + wire.pack_ids([3]) + b"\x11" * length)
+                ack = await asyncio.to_thread(read_ack, sock)
+            finally:
+                sock.close()
+            assert ack is not None and (ack.status, ack.seq) == (status, seq)
+        assert not pool.any() and not server.get_session("r").landed
+    finally:
+        server.close_session("r")
+        await server.stop()
