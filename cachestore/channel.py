@@ -32,6 +32,9 @@ class Sender(Protocol):
     def source(self, layer: int, run: Run) -> memoryview:
         """The sender pool's bytes of `run` in `layer` (a host pool only)."""
 
+    def source_spans(self, layer: int, runs: list[Run], heads: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """(offset, length) of what `runs` of `layer` send (whole runs, or those heads' K/V slices)."""
+
 
 class Receiver(Protocol):
     """What a transport's receiving side calls on the server that owns the sessions
@@ -47,12 +50,22 @@ class Receiver(Protocol):
         """(session or None, wire status, writer id)."""
 
     def end_write(
-        self, session: Any, writer: int, layer: int, block_ids: Sequence[int], ok: bool, wakes: list | None = None
+        self,
+        session: Any,
+        writer: int,
+        layer: int,
+        block_ids: Sequence[int],
+        ok: bool,
+        wakes: list | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
         """True if the write counts."""
 
     def destination(self, layer: int, first_block: int, count: int) -> memoryview:
         """The pool bytes of `count` consecutive blocks of one layer."""
+
+    def head_destinations(self, layer: int, block_ids: Sequence[int], lo: int, hi: int) -> list[memoryview]:
+        """The K and V slices of heads [lo, hi) of each block."""
 
     def reject(self, status: int | str) -> None:
         """Count a refused frame or connection by reason."""
@@ -94,9 +107,16 @@ class Transfer:
     """
 
     def __init__(
-        self, creds: SessionCredentials, channel: Channel, metrics: CacheStoreMetrics, loop: asyncio.AbstractEventLoop
+        self,
+        creds: SessionCredentials,
+        channel: Channel,
+        metrics: CacheStoreMetrics,
+        loop: asyncio.AbstractEventLoop,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         self.creds = creds
+        self.heads = heads
+        """Absolute KV heads [lo, hi) this transfer writes of each block (`cachestore.heads`); None: whole blocks."""
         self.metrics = metrics
         self._loop = loop
         self._lock = threading.Lock()

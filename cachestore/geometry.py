@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from cachestore.heads import HeadLayout
+
 if TYPE_CHECKING:
     import torch
 
@@ -18,11 +20,22 @@ class PoolGeometry:
     num_blocks: int
     block_bytes: int
     """Bytes of one layer's block (K and V of block_size tokens)."""
+    heads: HeadLayout | None = None
+    """The KV heads the pool holds (a tensor-parallel rank's share); None: whole blocks only."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PoolGeometry.{name} must be positive, got {getattr(self, name)}")
+        if self.heads is not None and self.heads.block_bytes != self.block_bytes:
+            raise ValueError(
+                f"{self.heads.describe()} makes {self.heads.block_bytes}-byte blocks, not {self.block_bytes}"
+            )
+
+    def head_spans(self, layer: int, block_ids, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(offset, length) of heads [lo, hi) in each of `block_ids` of `layer`: two spans a block (K, V)."""
+        assert self.heads is not None, "head-sliced access needs the pool's HeadLayout"
+        return [span for b in block_ids for span in self.heads.spans(self.offset(layer, b), lo, hi)]
 
     def offset(self, layer: int, block: int) -> int:
         return (layer * self.num_blocks + block) * self.block_bytes

@@ -46,20 +46,20 @@ class LocalChannel:
             return
         if ready_event is not None:
             ready_event.synchronize()
-        creds = transfer.creds
-        nbytes = run.count * self.client.geometry.block_bytes
+        creds, heads = transfer.creds, transfer.heads
+        block_ids: range | list[int] = range(run.dst_block, run.dst_block + run.count)
+        kind, field, nbytes = wire.KIND_WRITE, run.dst_block, run.count * self.client.geometry.block_bytes
+        if heads is not None:  # a tensor-parallel rank's share of each block, as the tcp WRITEVH frame
+            spans = self.client.source_spans(layer, [run], heads)
+            kind, field, nbytes, block_ids = (
+                wire.KIND_WRITEVH,
+                wire.pack_heads(*heads),
+                sum(n for _, n in spans),
+                list(block_ids),
+            )
         h = wire.Header(
-            wire.KIND_WRITE,
-            0,
-            bytes.fromhex(creds.session_id),
-            bytes.fromhex(creds.token),
-            layer,
-            run.dst_block,
-            run.count,
-            0,
-            nbytes,
+            kind, 0, bytes.fromhex(creds.session_id), bytes.fromhex(creds.token), layer, field, run.count, 0, nbytes
         )
-        block_ids = range(run.dst_block, run.dst_block + run.count)
         session, status, writer = server.begin_write(h, block_ids)
         if session is None:
             server.reject(status)
@@ -67,10 +67,15 @@ class LocalChannel:
             return
         ok = False
         try:
-            server.destination(layer, run.dst_block, run.count)[:] = self.client.source(layer, run)
+            if heads is None:
+                server.destination(layer, run.dst_block, run.count)[:] = self.client.source(layer, run)
+            else:
+                src = self.client.region.view
+                for dst, (o, n) in zip(server.head_destinations(layer, block_ids, *heads), spans):
+                    dst[:] = src[o : o + n]
             ok = True
         finally:
-            accepted = server.end_write(session, writer, layer, block_ids, ok)
+            accepted = server.end_write(session, writer, layer, block_ids, ok, None, heads)
         if not accepted:
             transfer._on_ack(False, "receiver refused the write (session_closed)")
             return

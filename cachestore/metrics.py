@@ -76,6 +76,11 @@ class CacheStoreMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, self.transport, reason).inc()
 
+    def received_bytes(self) -> float:
+        """KV bytes this endpoint has received so far (the recv side of `bytes`)."""
+        labels = {"model_name": self.model_name, "transport": self.transport, "side": "recv"}
+        return self.registry.get_sample_value("pdserve_cachestore_bytes_total", labels) or 0.0
+
     def add_bytes(self, side: str, n: int) -> None:
         """Called once per frame: the labelled child is looked up once (labels() takes a lock and builds a key)."""
         child = self._bytes_by_side.get(side)

@@ -152,22 +152,34 @@ class RdmaLane:
                 transfer._on_ack(False, f"RDMA grant failed: {e}")
                 continue
             try:
-                self._write(layer, run, ready_event, creds, windows)
+                self._write(layer, run, ready_event, creds, windows, transfer.heads)
             except OSError as e:
                 self.broken = True  # before the request learns it failed: the next run gets a new lane
                 transfer._on_ack(False, f"RDMA write failed: {e}")
                 self._fail(f"RDMA lane to {self.endpoint} failed: {e}")
                 return
-            self.client.metrics.add_bytes("send", run.count * self.client.geometry.block_bytes)
+            heads, geometry = transfer.heads, self.client.geometry
+            per_block = geometry.block_bytes if heads is None else geometry.heads.slice_bytes(*heads)
+            self.client.metrics.add_bytes("send", run.count * per_block)
             control.submit(transfer, layer, run, None, notify=True)
 
-    def _write(self, layer: int, run: Run, ready_event, creds, windows: list) -> None:
-        """Post the run's WRITEs (each under the window covering it) and wait for their completion."""
+    def _write(self, layer: int, run: Run, ready_event, creds, windows: list, heads=None) -> None:
+        """Post the run's WRITEs (each under the window covering it) and wait for their completion;
+        with `heads`, two WRITEs a block: those heads' K and V slices, into the receiver's slices."""
         self.poll_threads.add(threading.current_thread().name)
         client = self.client
-        remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes)
+        remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes, creds.heads())
         res = self._ready()
         reg = res.registration
+        if heads is not None:
+            if reg.mode == rdma_memory.STAGING:
+                raise OSError("head-sliced RDMA WRITEs from a staged (device) pool are not supported yet")
+            base = int(creds.rdma["address"])
+            for batch in plan_writes(
+                layer, [run], client.geometry, res.address, remote, base, self._wr_ids, heads=heads
+            ):
+                self._post(batch, windows)
+            return
         if reg.mode == rdma_memory.STAGING:
             self._write_staged(layer, run, ready_event, remote, int(creds.rdma["address"]), windows)
             return

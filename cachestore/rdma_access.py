@@ -187,17 +187,18 @@ class RdmaReceiver:
         """The address senders WRITE the pool at (the pool's own, or its host mirror's)."""
         return self.res.address
 
-    def landed(self, layer: int, block_ids) -> None:
-        """A NOTIFY passed its checks: with a staged (CUDA) pool, copy the blocks from the host mirror
-        into the pool before the NOTIFY is acknowledged; nothing to do otherwise."""
+    def landed(self, layer: int, block_ids, heads: tuple[int, int] | None = None) -> None:
+        """A NOTIFY passed its checks: with a staged (CUDA) pool, copy the blocks (or those heads' K/V
+        slices of them) from the host mirror into the pool before the NOTIFY is acknowledged; nothing
+        to do otherwise."""
         if not self.staged:
             return
         geometry = self.server.geometry
-        rdma_memory.commit(
-            self.res.registration,
-            self.server.region.tensor,
-            [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in block_runs(block_ids)],
-        )
+        if heads is not None:
+            spans = geometry.head_spans(layer, block_ids, *heads)
+        else:
+            spans = [(geometry.offset(layer, b), n * geometry.block_bytes) for b, n in block_runs(block_ids)]
+        rdma_memory.commit(self.res.registration, self.server.region.tensor, spans)
 
     def close(self) -> None:
         """Server stop: responders close with their connections; the pool registration goes here."""

@@ -28,18 +28,22 @@ def plan_writes(
     remote_base: int,
     first_wr_id: int = 0,
     max_per_post: int = MAX_WR_PER_POST,
+    heads: tuple[int, int] | None = None,
 ) -> list[list[WriteRequest]]:
-    """Work requests for `runs` of `layer`, batched into chains of at most `max_per_post`."""
-    assert local.block_bytes == remote.block_bytes, "geometries disagree on block size"
-    wrs = [
-        WriteRequest(
-            first_wr_id + i,
-            local_base + local.offset(layer, r.src_block),
-            r.count * local.block_bytes,
-            remote_base + remote.offset(layer, r.dst_block),
-        )
-        for i, r in enumerate(runs)
-    ]
+    """Work requests for `runs` of `layer`, batched into chains of at most `max_per_post`. With `heads`
+    [lo, hi) (both pools state their heads), two a block: those heads' K slice and V slice, each from
+    the sender's strided slice straight into the receiver's."""
+    if heads is not None:
+        src = local.head_spans(layer, [b for r in runs for b in range(r.src_block, r.src_block + r.count)], *heads)
+        dst = remote.head_spans(layer, [b for r in runs for b in range(r.dst_block, r.dst_block + r.count)], *heads)
+        pairs = [(so, n, do) for (so, n), (do, _) in zip(src, dst)]
+    else:
+        assert local.block_bytes == remote.block_bytes, "geometries disagree on block size"
+        pairs = [
+            (local.offset(layer, r.src_block), r.count * local.block_bytes, remote.offset(layer, r.dst_block))
+            for r in runs
+        ]
+    wrs = [WriteRequest(first_wr_id + i, local_base + so, n, remote_base + do) for i, (so, n, do) in enumerate(pairs)]
     return [wrs[i : i + max_per_post] for i in range(0, len(wrs), max_per_post)]
 
 

@@ -123,6 +123,7 @@ class CacheStoreServer:
             raise ValueError("block_ids must be a non-empty list of distinct blocks")
         if min(block_ids) < 0 or max(block_ids) >= self.geometry.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.geometry.num_blocks})")
+        heads = self.geometry.heads
         rdma: dict[str, int] = {}
         if self._rdma is not None:  # the pool's layout; the keys come per sender QP (`rdma_access`)
             rdma = {"address": self._rdma.remote_base, "num_blocks": self.geometry.num_blocks}
@@ -136,6 +137,10 @@ class CacheStoreServer:
             block_bytes=self.geometry.block_bytes,
             block_ids=tuple(block_ids),
             rdma=rdma,
+            total_heads=heads.total_heads if heads else 0,
+            head_bytes=heads.head_bytes if heads else 0,
+            tp_rank=heads.tp_rank if heads else 0,
+            tp_size=heads.tp_size if heads else 1,
         )
         session = Session(creds, self.geometry, timeout, self._loop)
         with self._lock:
@@ -207,7 +212,7 @@ class CacheStoreServer:
         with self._lock:
             return self._check_header(h)[1]
 
-    def _check_header(self, h: wire.Header) -> tuple[Session | None, int]:
+    def _check_header(self, h: wire.Header, heads: tuple[int, int] | None = None) -> tuple[Session | None, int]:
         """Every field of a write header, by arithmetic only: nothing is allocated or iterated whose
         size a peer chooses. `count` is bounded by the session's own blocks, the payload length must
         be exactly `count` blocks, and a consecutive range (WRITE, NOTIFY) must lie inside the session,
@@ -221,14 +226,26 @@ class CacheStoreServer:
             return None, wire.BAD_LAYER
         if not 0 < h.count <= len(session.block_set):
             return None, wire.BAD_BLOCK
-        if h.payload_len != h.count * self.geometry.block_bytes:
+        if h.kind == wire.KIND_WRITEVH:
+            heads = wire.unpack_heads(h.dst_block)
+        per_block = self.geometry.block_bytes
+        if heads is not None:  # some heads of each block: they must be this rank's
+            layout = session.heads
+            if layout is None or not layout.first <= heads[0] < heads[1] <= layout.stop:
+                return None, wire.BAD_HEADS
+            per_block = layout.slice_bytes(*heads)
+        if h.payload_len != h.count * per_block:
             return None, wire.BAD_LENGTH
-        if h.kind != wire.KIND_WRITEV and not session.owns_range(h.dst_block, h.count):
+        if h.kind not in (wire.KIND_WRITEV, wire.KIND_WRITEVH) and not session.owns_range(h.dst_block, h.count):
             return None, wire.BAD_BLOCK
         return session, wire.OK
 
     def begin_write(
-        self, h: wire.Header, block_ids: Sequence[int], cut: Callable[[], None] | None = None
+        self,
+        h: wire.Header,
+        block_ids: Sequence[int],
+        cut: Callable[[], None] | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> tuple[Session | None, int, int]:
         """Validate a write of `h.payload_len` bytes into `block_ids` of layer `h.layer`: the header
         first (`_check_header`), then the ids, which must be `h.count` distinct blocks of the session
@@ -236,7 +253,7 @@ class CacheStoreServer:
         active writer, which `cut` stops if the session ends first. Returns (session or None, wire
         status, writer id)."""
         with self._lock:
-            session, status = self._check_header(h)
+            session, status = self._check_header(h, heads)
             if session is None:
                 return None, status, -1
             if len(block_ids) != h.count:  # a WRITEV's list is the length its header says (<= the session's blocks)
@@ -257,6 +274,7 @@ class CacheStoreServer:
         block_ids: Sequence[int],
         ok: bool,
         wakes: list[Session] | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
         """The writer is out of the blocks. True if the write counts (acknowledge it OK); False if it
         failed or the session ended meanwhile (refuse it).
@@ -265,14 +283,15 @@ class CacheStoreServer:
         its ack is sent (waking the event loop first would put the owner's work ahead of the ack on a
         busy machine); None: woken here."""
         with self._lock:
-            accepted, completed, wake = session.end_write(writer, layer, block_ids, ok)
+            accepted, completed, wake = session.end_write(writer, layer, block_ids, ok, heads)
         if wake:
             if wakes is None:
                 session.signal()
             else:
                 wakes.append(session)
         if accepted:
-            self.metrics.add_bytes("recv", len(block_ids) * self.geometry.block_bytes)
+            per_block = self.geometry.block_bytes if heads is None else 2 * (heads[1] - heads[0]) * self._head_bytes
+            self.metrics.add_bytes("recv", len(block_ids) * per_block)
         elif ok:
             self.reject("session_closed")
         if completed:
@@ -287,16 +306,26 @@ class CacheStoreServer:
         start = self.geometry.offset(layer, first_block)
         return self.region.view[start : start + count * self.geometry.block_bytes]
 
+    @property
+    def _head_bytes(self) -> int:
+        assert self.geometry.heads is not None, "a head-sliced write was accepted: the pool has a head layout"
+        return self.geometry.heads.head_bytes
+
+    def head_destinations(self, layer: int, block_ids: Sequence[int], lo: int, hi: int) -> list[memoryview]:
+        """The K and V slices of heads [lo, hi) of each block (a validated head-sliced write lands there)."""
+        view = self.region.view
+        return [view[o : o + n] for o, n in self.geometry.head_spans(layer, block_ids, lo, hi)]
+
     # --- rdma: per-session remote keys (`cachestore.rdma_access`) ----------------------------
     def rdma_control(self, conn, hello: bytes) -> tuple[int, bytes]:
         """A CONNECT message of the rdma transport (QP exchange or grant request)."""
         assert self._rdma is not None, "CONNECT frames are accepted only by an rdma receiver"
         return self._rdma.control(conn, hello)
 
-    def rdma_landed(self, layer: int, block_ids: Sequence[int]) -> None:
+    def rdma_landed(self, layer: int, block_ids: Sequence[int], heads: tuple[int, int] | None = None) -> None:
         """A validated NOTIFY: make the WRITEs it reports visible in the pool (`RdmaReceiver.landed`)."""
         assert self._rdma is not None, "NOTIFY frames are accepted only by an rdma receiver"
-        self._rdma.landed(layer, block_ids)
+        self._rdma.landed(layer, block_ids, heads)
 
     def check_grant(self, session_id: str, token: str) -> tuple[Session | None, int]:
         """The open session a grant request names, if its token matches."""

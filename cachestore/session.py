@@ -54,6 +54,11 @@ class Session:
         """The token as it travels in a frame header (compared once per frame)."""
         self.expected = creds.num_layers * len(creds.block_ids)
         self.landed: set[tuple[int, int]] = set()
+        """(layer, block) pairs whose every expected head has landed."""
+        self.heads = creds.heads()
+        """The heads each block expects (a tensor-parallel rank's share), or None: whole blocks."""
+        self._partial: dict[tuple[int, int], int] = {}
+        """(layer, block) -> bitmask of the heads landed so far, while several senders fill one block."""
         self.layers_done: dict[int, int] = {}
         self.state = SessionState.OPEN
         self.opened_at = time.monotonic()
@@ -87,11 +92,14 @@ class Session:
             self._fences[writer] = cut
         return writer
 
-    def end_write(self, writer: int, layer: int, block_ids: Iterable[int], ok: bool) -> tuple[bool, bool, bool]:
-        """Record landed blocks. Returns (accepted, completed, wake): a write that ends after the session
-        ended is not accepted (its sender must not be told OK); completed: this write finished it;
-        wake: the owner's waiters must be woken (`signal`), which the caller does outside the lock and,
-        on the tcp path, after its ack is on the wire."""
+    def end_write(
+        self, writer: int, layer: int, block_ids: Iterable[int], ok: bool, heads: tuple[int, int] | None = None
+    ) -> tuple[bool, bool, bool]:
+        """Record landed blocks (with `heads`: only those heads of each block landed; a block counts
+        once all the session's heads did, whichever senders wrote them). Returns (accepted, completed,
+        wake): a write that ends after the session ended is not accepted (its sender must not be told
+        OK); completed: this write finished it; wake: the owner's waiters must be woken (`signal`),
+        which the caller does outside the lock and, on the tcp path, after its ack is on the wire."""
         wake = False
         self.active_writers -= 1
         self._fences.pop(writer, None)
@@ -99,7 +107,7 @@ class Session:
         accepted = ok and not self.closed
         if accepted and was_open:
             blocks_per_layer = len(self.block_set)
-            for b in block_ids:
+            for b in self._whole(layer, block_ids, heads):
                 if (layer, b) not in self.landed:
                     self.landed.add((layer, b))
                     done = self.layers_done.get(layer, 0) + 1
@@ -113,6 +121,23 @@ class Session:
         if self.closed and self.safe_to_reuse:  # only wait_safe_to_reuse cares: no wake-up per write
             wake = True
         return accepted, was_open and self.state == SessionState.COMPLETE, wake
+
+    def _whole(self, layer: int, block_ids: Iterable[int], heads: tuple[int, int] | None) -> Iterable[int]:
+        """The blocks of `block_ids` that are whole once `heads` of them landed."""
+        if heads is None or self.heads is None or heads == (self.heads.first, self.heads.stop):
+            return block_ids
+        first = self.heads.first
+        mask = ((1 << (heads[1] - heads[0])) - 1) << (heads[0] - first)
+        full = (1 << self.heads.count) - 1
+        whole = []
+        for b in block_ids:
+            got = self._partial.get((layer, b), 0) | mask
+            if got == full:
+                self._partial.pop((layer, b), None)
+                whole.append(b)
+            else:
+                self._partial[(layer, b)] = got
+        return whole
 
     def add_grant(self, revoke: Callable[[], None]) -> int:
         """Remote keys now reach the blocks until `revoke` has run and `end_grant` is called."""

@@ -129,10 +129,21 @@ class FrameWorker:
             return NO_ACK
         if h.kind == wire.KIND_ACK:
             raise wire.CorruptFrame("ACK frame sent to the receiver")
-        expects_payload = h.kind in (wire.KIND_WRITE, wire.KIND_WRITEV)
+        heads = wire.unpack_heads(h.dst_block) if h.kind == wire.KIND_WRITEVH else None
+        if h.kind == wire.KIND_NOTIFYH:  # head-sliced RDMA WRITEs: the head range rides in 4 payload bytes
+            if server.active_transport != "rdma" or h.payload_len != wire.HEADS.size:
+                raise wire.CorruptFrame("NOTIFYH frame outside the rdma transport")
+            raw = recv_exact(conn, wire.HEADS.size)
+            if raw is None:
+                raise OSError("peer closed inside a NOTIFYH frame")
+            heads, h = wire.unpack_heads(wire.HEADS.unpack(raw)[0]), h._replace(payload_len=0)
+        expects_payload = h.kind in (wire.KIND_WRITE, wire.KIND_WRITEV, wire.KIND_WRITEVH)
         if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
             raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
-        if h.kind == wire.KIND_WRITEV:  # the id list comes first: the whole list is validated before any byte lands
+        if h.kind in (
+            wire.KIND_WRITEV,
+            wire.KIND_WRITEVH,
+        ):  # the id list comes first: the whole list is validated before any byte lands
             status = server.check_header(h)
             if status != wire.OK:  # refused on its header alone: the list is skipped unread, like the payload
                 server.reject(status)
@@ -144,10 +155,13 @@ class FrameWorker:
         else:
             block_ids = range(h.dst_block, h.dst_block + h.count)
         fence = Fence(conn)
+        layout = server.geometry.heads
+        per_block = layout.slice_bytes(*heads) if heads and layout else server.geometry.block_bytes
         session, status, writer = server.begin_write(
-            h._replace(payload_len=h.payload_len if expects_payload else h.count * server.geometry.block_bytes),
+            h._replace(payload_len=h.payload_len if expects_payload else h.count * per_block),
             block_ids,
             fence.cut,
+            heads,
         )
         if session is None:
             server.reject(status)
@@ -158,12 +172,12 @@ class FrameWorker:
         ok = False
         try:
             if expects_payload:
-                ok = self._receive_payload(conn, h, block_ids, session.deadline, fence)
+                ok = self._receive_payload(conn, h, block_ids, session.deadline, fence, heads)
             else:  # an RDMA NOTIFY: the WRITEs completed; a staged CUDA pool copies them in first
-                server.rdma_landed(h.layer, block_ids)
+                server.rdma_landed(h.layer, block_ids, heads)
                 ok = True
         finally:
-            accepted = server.end_write(session, writer, h.layer, block_ids, ok, wakes)
+            accepted = server.end_write(session, writer, h.layer, block_ids, ok, wakes, heads)
         if not ok or fence.cut_off:
             return None  # peer vanished, missed its deadline, or was cut off: the stream cannot be trusted
         return wire.OK if accepted else wire.SESSION_CLOSED
@@ -181,27 +195,36 @@ class FrameWorker:
         c.sock.sendall(wire.Header(wire.KIND_CONNECT, status, zero, zero, 0, 0, 0, 0, len(reply)).pack() + reply)
 
     def _receive_payload(
-        self, conn: socket.socket, h: wire.Header, block_ids: Sequence[int], deadline: float, fence: Fence
+        self,
+        conn: socket.socket,
+        h: wire.Header,
+        block_ids: Sequence[int],
+        deadline: float,
+        fence: Fence,
+        heads: tuple[int, int] | None = None,
     ) -> bool:
         """Land the payload in the (validated) destination blocks before the session's deadline;
-        False if the peer closed, the deadline passed, or the session ended and cut this writer off."""
+        False if the peer closed, the deadline passed, or the session ended and cut this writer off.
+        With `heads`, the payload is those heads of each block and lands in their strided K/V slices."""
         server = self.server
         left = deadline - time.monotonic()
         near_deadline = left < self.frame_timeout  # the kernel's receive timeout must stop at the deadline
         if near_deadline:
             bound_receive(conn, max(left, 0.001))
         try:
-            runs = block_runs(block_ids)
+            geo = server.geometry
+            if heads is not None:
+                spans = geo.head_spans(h.layer, block_ids, *heads)
+            else:
+                spans = [(geo.offset(h.layer, b), n * geo.block_bytes) for b, n in block_runs(block_ids)]
             if not server.region.is_device:
-                return _recv_fenced(conn, [server.destination(h.layer, b, n) for b, n in runs], fence)
+                view = server.region.view
+                return _recv_fenced(conn, [view[o : o + n] for o, n in spans], fence)
             # device pool: land in this worker thread's reused host buffer, then host-to-device copies
             staging = _worker_staging()
             if not _recv_fenced(conn, [staging.landing(h.payload_len)], fence):
                 return False
-            block_bytes = server.geometry.block_bytes
-            staging.scatter(
-                server.region.tensor, [(server.geometry.offset(h.layer, b), n * block_bytes) for b, n in runs]
-            )
+            staging.scatter(server.region.tensor, spans)
             return True
         except (BlockingIOError, TimeoutError):  # the kernel receive timeout (SO_RCVTIMEO) expired
             if near_deadline:

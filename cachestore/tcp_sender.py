@@ -128,6 +128,7 @@ class TcpChannel:
 
     def _send_loop(self) -> None:
         client, block_bytes, sock = self.client, self.client.geometry.block_bytes, self.sock
+        head_bytes = client.geometry.heads.head_bytes if client.geometry.heads is not None else 0
         assert sock is not None, "the send loop runs on a connected channel"
         for transfer, layer, runs, ready_event, notify in self._queue.live():
             if client.faults is not None and not client.faults.before_write():
@@ -142,13 +143,24 @@ class TcpChannel:
             sid, token = transfer.wire_session
             if notify:
                 (run,) = runs
-                notice = wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0)
-                buffers: list[bytes | memoryview] = [notice.pack()]
+                if transfer.heads is None:
+                    notice = wire.Header(wire.KIND_NOTIFY, 0, sid, token, layer, run.dst_block, run.count, seq, 0)
+                    buffers: list[bytes | memoryview] = [notice.pack()]
+                else:  # head-sliced WRITEs: the range rides in a 4-byte payload
+                    n = wire.HEADS.size
+                    notice = wire.Header(wire.KIND_NOTIFYH, 0, sid, token, layer, run.dst_block, run.count, seq, n)
+                    buffers = [notice.pack() + wire.HEADS.pack(wire.pack_heads(*transfer.heads))]
             else:
                 num_ids, packed_ids = self._packed_ids(runs)
                 flags = wire.FLAG_MORE if not self._queue.empty() else 0  # its ack can ride on the next frame's
-                header = wire.Header(wire.KIND_WRITEV, flags, sid, token, layer, 0, num_ids, seq, num_ids * block_bytes)
-                buffers = [header.pack() + packed_ids, *self._payloads(layer, runs, ready_event)]
+                heads = transfer.heads
+                if heads is None:
+                    kind, field, nbytes = wire.KIND_WRITEV, 0, num_ids * block_bytes
+                else:  # a tensor-parallel rank's share: those heads' K/V slices of each block
+                    kind, field = wire.KIND_WRITEVH, wire.pack_heads(*heads)
+                    nbytes = num_ids * 2 * (heads[1] - heads[0]) * head_bytes
+                header = wire.Header(kind, flags, sid, token, layer, field, num_ids, seq, nbytes)
+                buffers = [header.pack() + packed_ids, *self._payloads(layer, runs, ready_event, heads)]
             try:
                 sendmsg_all(sock, buffers)
             except OSError as e:
@@ -165,14 +177,16 @@ class TcpChannel:
         self._ids_cache = (runs, len(ids), wire.pack_ids(ids))
         return len(ids), self._ids_cache[2]
 
-    def _payloads(self, layer: int, runs: list[Run], ready_event) -> list[memoryview]:
-        """The runs' bytes: views of a host pool, or one staging copy of a device pool (after ready_event)."""
+    def _payloads(self, layer: int, runs: list[Run], ready_event, heads: tuple[int, int] | None) -> list[memoryview]:
+        """The runs' bytes (whole blocks, or the K/V slices of `heads` in each): views of a host pool,
+        or one staging copy of a device pool (after ready_event)."""
         client = self.client
+        spans = client.source_spans(layer, runs, heads)
         if self._staging is None:
-            return [client.source(layer, r) for r in runs]
-        geo, pool = client.geometry, client.region.tensor
+            view = client.region.view
+            return [view[o : o + n] for o, n in spans]
+        pool = client.region.tensor
         assert pool is not None, "a device region is reached through its tensor"
-        spans = [(geo.offset(layer, r.src_block), r.count * geo.block_bytes) for r in runs]
         return [self._staging.gather(pool, spans, ready_event)]
 
     def _ack_loop(self) -> None:

@@ -33,6 +33,13 @@ KIND_CONNECT = 4
 KIND_WRITEV = 5
 """One layer, any block layout: header, then `count` destination block ids (uint32, big-endian),
 then the payload: the blocks' bytes in the order of the ids. `dst_block` is unused (0)."""
+KIND_WRITEVH = 6
+"""A WRITEV of some KV heads of each block (tensor-parallel ranks of different degrees): `dst_block`
+packs the absolute head range as `first << 16 | count` (`pack_heads`), and the payload is, per listed
+block, the K slice then the V slice of those heads. Lands in the receiver's strided head slices."""
+KIND_NOTIFYH = 7
+"""RDMA: like NOTIFY, for head-sliced WRITEs: a 4-byte payload packs the head range (`pack_heads`)."""
+HEADS = struct.Struct("!I")
 FLAG_MORE = 1
 """In a WRITE/WRITEV header's status field (sender -> receiver): another frame is already queued right
 behind this one, so the receiver may hold this frame's ack and cover it with the next one's (it acks
@@ -56,6 +63,8 @@ BAD_LENGTH = 5
 # 6 is not used (it was an "injected fault" status nothing sent); not reused, so a code keeps one meaning
 SESSION_CLOSED = 7
 """The session ended while the write was in flight: its bytes do not count."""
+BAD_HEADS = 8
+"""A head-sliced write names heads the receiving rank does not hold (or the session has no head geometry)."""
 REASONS = {
     UNKNOWN_SESSION: "unknown_session",
     BAD_TOKEN: "bad_token",
@@ -63,6 +72,7 @@ REASONS = {
     BAD_BLOCK: "bad_block",
     BAD_LENGTH: "bad_length",
     SESSION_CLOSED: "session_closed",
+    BAD_HEADS: "bad_heads",
 }
 
 
@@ -103,13 +113,25 @@ def unpack(data: bytes | memoryview) -> Header:
         raise CorruptFrame("bad magic")
     if version != VERSION:
         raise CorruptFrame(f"unsupported wire version {version}")
-    if kind not in (KIND_WRITE, KIND_ACK, KIND_NOTIFY, KIND_CONNECT, KIND_WRITEV):
+    if kind not in (KIND_WRITE, KIND_ACK, KIND_NOTIFY, KIND_CONNECT, KIND_WRITEV, KIND_WRITEVH, KIND_NOTIFYH):
         raise CorruptFrame(f"unknown frame kind {kind}")
     if length > MAX_FRAME_BYTES:
         raise CorruptFrame(f"length field {length} exceeds {MAX_FRAME_BYTES}")
-    if kind == KIND_WRITEV and count > MAX_IDS_PER_FRAME:
+    if kind in (KIND_WRITEV, KIND_WRITEVH) and count > MAX_IDS_PER_FRAME:
         raise CorruptFrame(f"{count} block ids in one frame exceed {MAX_IDS_PER_FRAME}")
     return Header(kind, status, sid, token, layer, dst, count, seq, length)
+
+
+def pack_heads(lo: int, hi: int) -> int:
+    """A WRITEVH header's `dst_block`: heads [lo, hi)."""
+    assert 0 <= lo < hi <= 0xFFFF, f"head range [{lo}, {hi}) does not fit a frame"
+    return lo << 16 | (hi - lo)
+
+
+def unpack_heads(field: int) -> tuple[int, int]:
+    """[lo, hi) from a WRITEVH header's `dst_block`."""
+    lo = field >> 16
+    return lo, lo + (field & 0xFFFF)
 
 
 def pack_ids(block_ids: list[int]) -> bytes:

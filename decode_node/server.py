@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, Session, SessionError
+from cachestore import CacheStoreServer, MemoryRegion, Session, SessionError
 from decode_node.prefill_client import PrefillClients
 from engine.prompt_check import check_prompt
 from engine.remote_prefill import PrefillPlan
@@ -22,6 +22,8 @@ from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import NodeUnavailable
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
+from node_runtime.rank_kv import pool_geometry
+from node_runtime.rank_kv_driver import RECEIVER, RankEndpoints, RankKVError, endpoint_options, with_rank_service
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
@@ -41,7 +43,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
     closed, the node waits until no writer can touch the blocks, and only then frees them."""
 
     def __init__(self, config: NodeConfig) -> None:
-        self.rt = NodeRuntime("decode", config)
+        self.rt = NodeRuntime("decode", with_rank_service(config, RECEIVER))
         self.kv_reuse = config.node.kv_reuse
         self.local_prefill_max_tokens = config.node.local_prefill_max_tokens
         self.advertise_host = config.node.advertise_host
@@ -50,7 +52,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         tls = config.node.tls()
         self.cachestore = CacheStoreServer(
             MemoryRegion.from_tensor(pool.tensor),
-            PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes),
+            pool_geometry(self.rt.engine.runner),  # rank 0's KV heads; ranks 1.. receive theirs themselves
             transport=config.transfer.transport,
             host=config.node.host,
             port=config.transfer.cachestore_port,
@@ -64,6 +66,12 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         )
         self._fencing: dict[str, Session] = {}
         """request id -> a closed session whose writers may not have left its blocks yet."""
+        self.ranks = RankEndpoints(self.rt.engine.runner, self.rt.metrics.registry, self.rt.metrics.model_name)
+        """The CacheStore receivers of tensor-parallel ranks 1.. (none with TP=1)."""
+        self._remote_kv = not self.ranks.ranks or self.cachestore.active_transport != "local"
+        """Whether KV can come from a prefill node: every rank must be reachable by the transport."""
+        self._rank_sessions: set[str] = set()
+        """Requests with sessions open on ranks 1..: closed (fenced) before their blocks are freed."""
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
@@ -76,6 +84,11 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         if self.advertise_host and self.cachestore.active_transport != "local":
             # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
             self.cachestore.endpoint = f"{self.advertise_host}:{self.cachestore.endpoint.rsplit(':', 1)[1]}"
+        if self._remote_kv and self.ranks.ranks:
+            endpoints = await self.ranks.start_receivers(
+                **endpoint_options(self.rt.config, self.cachestore.active_transport)
+            )
+            log.info("tensor-parallel ranks 1..%d receive their KV heads on %s", len(endpoints), ", ".join(endpoints))
         return await self.rt.start(lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(self, server))
 
     async def _report_listener(self) -> None:
@@ -104,9 +117,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request: decode_pb2.GenerateRequest, context) -> AsyncIterator[decode_pb2.GenerateEvent]:
         rt, engine = self.rt, self.rt.engine
         rid, prompt, params, salt = self._parse(request)
-        # KV from a prefill node lands in one pool; a tensor-parallel node's KV is split over its
-        # ranks' pools, which CacheStore does not address yet: such a node prefills every prompt itself
-        addresses = list(request.prefill_addresses) if self.rt.engine.config.tensor_parallel_size == 1 else []
+        # the local transport cannot reach ranks 1.. (other processes): such a node prefills itself
+        addresses = list(request.prefill_addresses) if self._remote_kv else []
         await rt.compile_grammar(params)
         async with rt.request(
             rid,
@@ -199,6 +211,10 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             creds = self.cachestore.open_session(rid, writable, timeout=rt.config.transfer.kv_timeout)
             session = self.cachestore.get_session(rid)
             assert session is not None  # opened just above
+            rank_creds: list[bytes] = []
+            if self.ranks.ranks:  # a tensor-parallel node: every rank receives its own KV heads
+                self._rank_sessions.add(rid)
+                rank_creds = await self.ranks.open_sessions(rid, writable, rt.config.transfer.kv_timeout)
             pb = prefill_pb2.PrefillRequest(
                 request_id=rid,
                 prompt_token_ids=request.prompt_token_ids,
@@ -206,19 +222,22 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
                 kv_destination=creds.to_bytes(),
                 compatibility=rt.compatibility,
                 decode_cached_tokens=plan.held_tokens,
+                kv_rank_destinations=rank_creds,
             )
             if request.HasField("cache_salt"):
                 pb.cache_salt = request.cache_salt
             try:
                 response = await self.prefills.prefill(address, pb, timeout=rt.config.transfer.kv_timeout)
                 await session.wait_complete(timeout=rt.config.transfer.kv_timeout)
+                if self.ranks.ranks:
+                    await self.ranks.wait_complete(rid, rt.config.transfer.kv_timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() in REFUSALS:
                     raise  # any prefill node would refuse it: the caller's error (`_end` closes the session)
                 errors.append(f"{address}: {e.code().name} {e.details()}")
                 log.warning("request_id=%s event=prefill_failed prefill=%s code=%s", rid, address, e.code().name)
                 response = None
-            except (SessionError, asyncio.TimeoutError) as e:
+            except (SessionError, asyncio.TimeoutError, RankKVError) as e:
                 errors.append(f"{address}: KV did not arrive ({e})")
                 response = None
             await self._close_session(rid)
@@ -245,8 +264,12 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         until the writer's thread returns is the price, corruption of another request is not."""
         # a session closed by an earlier, interrupted call (e.g. a cancel during its wait) is still fenced here
         session = self.cachestore.close_session(rid) or self._fencing.get(rid)
+        if rid in self._rank_sessions:  # every other rank's writers are out of its blocks first
+            await self.ranks.close_sessions(rid)
+            self._rank_sessions.discard(rid)
         if session is None:
             return
+        self.ranks.record_received(0, self.cachestore.metrics.received_bytes())
         self._fencing[rid] = session
         try:
             await session.wait_safe_to_reuse(timeout=FENCE_WAIT)

@@ -60,6 +60,9 @@ class EngineConfig:
     cores shared out over the ranks)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (engine.parallel): one process each, this one rank 0."""
+    rank_service: str = ""
+    """"module:factory" of a side service every rank other than 0 runs (engine.parallel.rank_commands),
+    e.g. a node's per-rank KV endpoint; empty: none."""
 
     def runner_options(self) -> dict:
         """ModelRunner's keyword arguments: every rank of a tensor-parallel engine builds its runner

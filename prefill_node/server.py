@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from functools import partial
 
-from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, Transfer
+from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, SessionCredentials, Transfer
 from engine.block_manager import blocks_for
 from engine.forward_batch import ForwardBatch
 from engine.prompt_check import check_prompt
@@ -17,9 +17,13 @@ from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
+from node_runtime.rank_kv import pool_geometry, ship_layer
+from node_runtime.rank_kv_driver import SENDER, RankEndpoints, endpoint_options, with_rank_service
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
+MAX_TP = 64
+"""Most decode ranks one request's KV may be written to (EngineConfig bounds tensor_parallel_size alike)."""
 
 
 class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
@@ -28,14 +32,14 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     compute of layer i+1. The first token is returned only once every layer is acknowledged."""
 
     def __init__(self, config: NodeConfig) -> None:
-        if config.engine.tensor_parallel_size > 1:  # see DecodeNode.Generate: KV is split over ranks
-            raise ValueError("a prefill node ships KV from one pool: --tensor-parallel-size > 1 is not supported yet")
+        if config.engine.tensor_parallel_size > 1 and config.transfer.transport == "local":  # before loading
+            raise ValueError("a tensor-parallel prefill node needs a network transport: ranks 1.. are other processes")
         if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
-        self.rt = NodeRuntime("prefill", config)
+        self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER))
         self.rt.engine.layer_hook = self._layer_hook
         pool = self.rt.engine.runner.kv_pool
-        self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
+        self.geometry = pool_geometry(self.rt.engine.runner)  # rank 0's KV heads; ranks 1.. send theirs
         tls = config.node.tls()
         self.client = CacheStoreClient(
             MemoryRegion.from_tensor(pool.tensor),
@@ -47,11 +51,15 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             faults=FaultInjector.from_env(),  # None unless a chaos test sets it
             tls=tls.cachestore_tls() if tls else None,
         )
-        self.transfers: dict[str, tuple[Transfer, int]] = {}
-        """request id -> (Transfer, index of the first block it writes: the decode node holds the ones
-        before); read by the engine thread in the layer hook."""
+        self.transfers: dict[str, tuple[list[Transfer], int]] = {}
+        """request id -> (its Transfers, one per decode rank this rank writes heads to; index of the first
+        block they write: the decode node holds the ones before); read by the engine thread in the layer hook."""
+        self.ranks = RankEndpoints(self.rt.engine.runner)
+        """The CacheStore senders of tensor-parallel ranks 1.. (none with TP=1)."""
 
     async def start(self) -> str:
+        if self.ranks.ranks:
+            await self.ranks.start_senders(**endpoint_options(self.rt.config, self.client.active_transport))
         return await self.rt.start(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(self, server))
 
     def discovery_meta(self) -> dict[str, str]:
@@ -64,27 +72,8 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     def _layer_hook(self, layer: int, batch: ForwardBatch) -> None:
         """Engine thread, after `layer` wrote its KV: ship it for every request whose prompt
         completes in this step (earlier chunks' layers are final by then too)."""
-        ready = None
-        for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables, batch.sample_mask):
-            entry = self.transfers.get(rid)
-            if entry is not None and last:
-                if ready is None:
-                    ready = self._ready_event()
-                tx, first = entry
-                tx.write_layer(layer, table[first : blocks_for(ctx, self.geometry_block_size)], ready_event=ready)
-
-    def _ready_event(self):
-        """On a CUDA pool: an event recorded now on the engine's stream, after this layer's KV writes.
-        The sender thread waits on it (never the engine thread), so the copy cannot read a layer its
-        kernels are still writing. None on CPU, where the writes are done when the hook runs."""
-        pool = self.rt.engine.runner.kv_pool.tensor
-        if not pool.is_cuda:
-            return None
-        import torch
-
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(pool.device))
-        return event
+        pool = self.rt.engine.runner.kv_pool
+        ship_layer(self.transfers, layer, batch, pool.block_size, pool.tensor)
 
     @property
     def geometry_block_size(self) -> int:
@@ -95,19 +84,21 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rt, engine = self.rt, self.rt.engine
-        rid, prompt, params, creds, salt = self._parse(request)
+        rid, prompt, params, dests, salt = self._parse(request)
         await rt.compile_grammar(params)
         skip = request.decode_cached_tokens // self.geometry_block_size
-        tx = self.client.open_transfer(creds)
+        txs = [self.client.open_transfer(c) for c in dests if self.client.writes_to(c)]
         async with rt.request(
             rid,
-            partial(self._end, rid, tx),
+            partial(self._end, rid, txs),
             event="prefill",
             prompt_tokens=len(prompt),
             max_tokens=params.max_tokens,
-            destination=creds.endpoint,
+            destination=dests[0].endpoint,
         ) as scope:
-            self.transfers[rid] = (tx, skip)
+            if self.ranks.ranks:  # before the prompt runs: every rank's hook must know its transfers
+                await self.ranks.open_transfers(rid, [c.to_bytes() for c in dests], skip)
+            self.transfers[rid] = (txs, skip)
             await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True, cache_salt=salt)
             out = await scope.next_output()
             while not out.finished:
@@ -115,7 +106,10 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             if out.finish_reason == "abort" or not out.new_token_ids:
                 raise RequestAborted(f"prefill of {rid} was aborted")
             prefill_seconds = time.monotonic() - scope.started
-            transfer_seconds = await tx.finish(timeout=rt.config.transfer.kv_timeout)  # TransferError: UNAVAILABLE
+            timeout = rt.config.transfer.kv_timeout
+            transfer_seconds = max([await tx.finish(timeout=timeout) for tx in txs], default=0.0)  # TransferError
+            if self.ranks.ranks:
+                transfer_seconds = max(transfer_seconds, await self.ranks.finish(rid, timeout))
             scope.finished = True
             response = prefill_pb2.PrefillResponse(
                 first_token_id=out.new_token_ids[0],
@@ -129,9 +123,9 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
 
     def _parse(
         self, request: prefill_pb2.PrefillRequest
-    ) -> tuple[str, list[int], SamplingParams, SessionCredentials, str | None]:
-        """Id, prompt, params, KV destination and cache salt; IncompatiblePeer or ValueError when they
-        cannot be served. The destination holds the blocks after decode_cached_tokens."""
+    ) -> tuple[str, list[int], SamplingParams, list[SessionCredentials], str | None]:
+        """Id, prompt, params, KV destinations (one per decode rank) and cache salt; IncompatiblePeer or
+        ValueError when they cannot be served. The destinations hold the blocks after decode_cached_tokens."""
         rt = self.rt
         if request.compatibility != rt.compatibility:
             raise IncompatiblePeer(
@@ -143,18 +137,27 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         held, bs = request.decode_cached_tokens, self.geometry_block_size
         if held % bs or held >= len(prompt):
             raise ValueError(f"decode_cached_tokens must be a multiple of {bs} below the prompt length, got {held}")
-        creds = SessionCredentials.from_bytes(request.kv_destination)
-        if (
-            creds.num_layers != self.geometry.num_layers
-            or len(creds.block_ids) < blocks_for(len(prompt), bs) - held // bs
-        ):
-            raise ValueError("kv_destination does not cover the prompt's layers and missing blocks")
-        return rid, prompt, params, creds, convert.cache_salt_from_pb(request)
+        dests = [SessionCredentials.from_bytes(request.kv_destination)]
+        if len(request.kv_rank_destinations) >= MAX_TP:
+            raise ValueError(f"at most {MAX_TP - 1} kv_rank_destinations")
+        dests += [SessionCredentials.from_bytes(c) for c in request.kv_rank_destinations]
+        for creds in dests:
+            if (
+                creds.num_layers != self.geometry.num_layers
+                or len(creds.block_ids) < blocks_for(len(prompt), bs) - held // bs
+            ):
+                raise ValueError("kv_destination does not cover the prompt's layers and missing blocks")
+            self.client.heads_for(creds)  # the handshake's check: ValueError if our KV heads cannot map
+        if [(c.tp_rank, c.tp_size) for c in dests] != [(r, len(dests)) for r in range(len(dests))]:
+            raise ValueError("kv_destination and kv_rank_destinations must name the decode ranks 0..b-1 in order")
+        return rid, prompt, params, dests, convert.cache_salt_from_pb(request)
 
-    async def _end(self, rid: str, tx: Transfer, finished: bool) -> None:
-        """Success: release keeps the blocks prefix-cached; failure or cancel: the transfer is aborted
-        and abort frees the blocks too."""
+    async def _end(self, rid: str, txs: list[Transfer], finished: bool) -> None:
+        """Success: release keeps the blocks prefix-cached; failure or cancel: the transfers (on every
+        rank) are aborted and abort frees the blocks too."""
         self.transfers.pop(rid, None)
         if not finished:
-            tx.abort("prefill cancelled or failed")
+            for tx in txs:
+                tx.abort("prefill cancelled or failed")
+            await self.ranks.abort(rid)
         await self.rt.loop_thread.call(self.rt.engine.release if finished else self.rt.engine.abort, rid)

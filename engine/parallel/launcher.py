@@ -27,6 +27,7 @@ from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankFailure, TPGroup, rendezvous
+from engine.parallel.rank_commands import RankCommands
 from engine.parallel.sharding import TPShard
 
 log = logging.getLogger("pdserve.engine.tp")
@@ -35,11 +36,12 @@ START_TIMEOUT_S = 120.0
 """How long rank 0 waits for the other ranks to join (their start-up: python, torch, the model)."""
 
 
-def rank_spec(config: EngineConfig, rank: int, port: int) -> dict:
-    """What a child rank is started with: the engine config, its rank and the rendezvous port."""
+def rank_spec(config: EngineConfig, rank: int, port: int, reply_fd: int | None = None) -> dict:
+    """What a child rank is started with: the engine config, its rank, the rendezvous port and the
+    pipe its side service replies on (`rank_commands`)."""
     fields = asdict(config)
     fields["model_dir"] = str(config.model_dir)
-    return {"config": fields, "rank": rank, "port": port}
+    return {"config": fields, "rank": rank, "port": port, "reply_fd": reply_fd}
 
 
 def rank_options(config: EngineConfig, rank: int) -> dict:
@@ -64,14 +66,22 @@ class RankProcesses:
         self._on_death = on_death
         self._stopping = False
         self.procs: list[subprocess.Popen] = []
+        self.commands = RankCommands()
+        """Rank 0's commands to the ranks' side services (`EngineConfig.rank_service`)."""
         for rank in range(1, config.tensor_parallel_size):
+            reply_read, reply_write = os.pipe()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE, env=dict(os.environ)
+                [sys.executable, "-m", "engine.parallel.worker"],
+                stdin=subprocess.PIPE,
+                env=dict(os.environ),
+                pass_fds=(reply_write,),
             )
+            os.close(reply_write)  # the child holds the only write end: its exit is our EOF
             assert proc.stdin is not None
-            proc.stdin.write((json.dumps(rank_spec(config, rank, port)) + "\n").encode())
+            proc.stdin.write((json.dumps(rank_spec(config, rank, port, reply_write)) + "\n").encode())
             proc.stdin.flush()  # the pipe stays open: its EOF is rank 0's death
             self.procs.append(proc)
+            self.commands.attach(rank, proc.stdin, reply_read)
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-rank-{rank}").start()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:

@@ -19,15 +19,17 @@ from engine.forward_batch import ForwardBatch
 from engine.model_runner import ModelRunner
 from engine.parallel.group import RankFailure, TPGroup, rendezvous
 from engine.parallel.launcher import START_TIMEOUT_S, rank_options
+from engine.parallel.rank_commands import RankService
 
 
-def _exit_with_rank0() -> None:
-    """Reads stdin to EOF: rank 0 closed it (stop) or died; either way this rank is done."""
-    sys.stdin.buffer.read()
+def _exit_with_rank0(service: RankService) -> None:
+    """Serves rank 0's commands from stdin until EOF: rank 0 closed it (stop) or died; either way
+    this rank is done."""
+    service.serve(sys.stdin.buffer)
     os._exit(0)
 
 
-def serve(spec: dict) -> None:
+def serve(spec: dict, service: RankService) -> None:
     """Join the group and run rank 0's steps until it says stop."""
     fields = dict(spec["config"])
     if fields.get("layer_range") is not None:
@@ -38,20 +40,23 @@ def serve(spec: dict) -> None:
     options = rank_options(config, rank)
     tp = TPGroup(rank, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
     runner = ModelRunner(config.model_dir, **options, tp=tp)
+    service.start(runner)
+    hook = service.layer_hook
     while (msg := tp.recv_step()) is not None:
         batch = ForwardBatch(**msg["batch"])
         hidden = None
         if msg.get("hidden"):  # a later pipeline stage (tdpipe): rank 0 broadcasts the previous stage's output
             shape = (batch.num_tokens, runner.model_config.hidden_size)
             hidden = tp.broadcast(torch.empty(shape, dtype=runner.dtype, device=runner.device))
-        runner.run(batch, hidden_states=hidden)
+        runner.run(batch, hidden_states=hidden, layer_hook=hook)
 
 
 def main() -> int:
     spec = json.loads(sys.stdin.buffer.readline())
-    threading.Thread(target=_exit_with_rank0, daemon=True, name="rank0-lifeline").start()
+    service = RankService(spec["config"].get("rank_service", ""), spec.get("reply_fd"))
+    threading.Thread(target=_exit_with_rank0, args=(service,), daemon=True, name="rank0-lifeline").start()
     try:
-        serve(spec)
+        serve(spec, service)
     except RankFailure as e:
         print(f"tensor-parallel rank {spec.get('rank')}: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_destination", "compatibility", "cache_salt", "decode_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_destination", "compatibility", "cache_salt", "decode_cached_tokens", "kv_rank_destinations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillRequest(_message.Message):
     COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_RANK_DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class PrefillRequest(_message.Message):
     compatibility: str
     cache_salt: str
     decode_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_destination: _Optional[bytes] = ..., compatibility: _Optional[str] = ..., cache_salt: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_rank_destinations: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_destination: _Optional[bytes] = ..., compatibility: _Optional[str] = ..., cache_salt: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., kv_rank_destinations: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "prefill_seconds", "transfer_seconds")

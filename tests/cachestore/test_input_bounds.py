@@ -120,9 +120,9 @@ def expected(r: Receiver, magic: bytes, version: int, h: wire.Header, ids: list[
     corrupt = (
         magic != wire.MAGIC
         or version != wire.VERSION
-        or h.kind not in (wire.KIND_WRITE, wire.KIND_WRITEV)  # ACK, NOTIFY, CONNECT: foreign to a tcp receiver
+        or h.kind not in (wire.KIND_WRITE, wire.KIND_WRITEV, wire.KIND_WRITEVH)  # ACK, NOTIFY, CONNECT: foreign
         or h.payload_len > wire.MAX_FRAME_BYTES
-        or (h.kind == wire.KIND_WRITEV and h.count > wire.MAX_IDS_PER_FRAME)
+        or (h.kind in (wire.KIND_WRITEV, wire.KIND_WRITEVH) and h.count > wire.MAX_IDS_PER_FRAME)
     )
     if corrupt:
         return None
@@ -135,9 +135,11 @@ def expected(r: Receiver, magic: bytes, version: int, h: wire.Header, ids: list[
         return wire.BAD_LAYER
     if not 0 < h.count <= len(a.block_ids):
         return wire.BAD_BLOCK
+    if h.kind == wire.KIND_WRITEVH:  # this receiver's pool states no KV heads: no head slice maps
+        return wire.BAD_HEADS
     if h.payload_len != h.count * a.block_bytes:
         return wire.BAD_LENGTH
-    targets = ids if h.kind == wire.KIND_WRITEV else range(h.dst_block, h.dst_block + h.count)
+    targets = ids if h.kind in (wire.KIND_WRITEV, wire.KIND_WRITEVH) else range(h.dst_block, h.dst_block + h.count)
     assert targets is not None, "a WRITEV carries ids"
     if len(set(targets)) != len(targets) or not set(targets) <= set(a.block_ids):
         return wire.BAD_BLOCK
@@ -197,9 +199,9 @@ def frames(draw, r: Receiver):
     """(magic, version, header, WRITEV ids, body, body sent whole): a frame of any kind (the ones a
     tcp receiver must not take too), valid for the attacker's session but for the fuzzed fields."""
     a = r.attacker
-    kind = draw(st.sampled_from(["write", "writev", "write", "writev", "foreign"]))
-    kind = {"write": wire.KIND_WRITE, "writev": wire.KIND_WRITEV}.get(kind) or draw(
-        st.sampled_from([wire.KIND_ACK, wire.KIND_NOTIFY, wire.KIND_CONNECT, 0, 6, 255])
+    kind = draw(st.sampled_from(["write", "writev", "write", "writev", "writevh", "foreign"]))
+    kind = {"write": wire.KIND_WRITE, "writev": wire.KIND_WRITEV, "writevh": wire.KIND_WRITEVH}.get(kind) or draw(
+        st.sampled_from([wire.KIND_ACK, wire.KIND_NOTIFY, wire.KIND_CONNECT, 0, 7, 255])
     )
     fuzzed = {draw(st.sampled_from(FIELDS)), draw(st.sampled_from(FIELDS))}
     first, run_len = draw(st.sampled_from([(0, 4), (10, 2)]))  # the attacker's runs of consecutive blocks
@@ -222,7 +224,7 @@ def frames(draw, r: Receiver):
     payload_len = fuzz_value(draw, "payload_len", r, count) if "payload_len" in fuzzed else count * a.block_bytes
     ids = None
     body_len = payload_len
-    if kind == wire.KIND_WRITEV:
+    if kind in (wire.KIND_WRITEV, wire.KIND_WRITEVH):
         n_ids = min(count, 64)  # a longer list is cut short (the frame is then never whole)
         if "ids" in fuzzed or n_ids > len(a.block_ids):
             ids = fuzz_value(draw, "ids", r, n_ids)

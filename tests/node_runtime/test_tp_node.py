@@ -14,7 +14,6 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
-from prefill_node.server import PrefillNode
 
 
 async def test_killing_a_rank_kills_the_node(tiny_model_dir):
@@ -43,7 +42,12 @@ async def test_killing_a_rank_kills_the_node(tiny_model_dir):
         os.kill(pid, 0)
 
 
-def test_a_tensor_parallel_prefill_node_is_refused_before_loading(tiny_model_dir):
-    config = NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64, tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="tensor-parallel-size > 1 is not supported yet"):
+def test_a_tensor_parallel_prefill_node_needs_a_network_transport(tiny_model_dir):
+    from node_runtime.node_config import TransferOptions
+    from prefill_node.server import PrefillNode
+
+    config = NodeConfig(
+        EngineConfig(tiny_model_dir, num_kv_blocks=64, tensor_parallel_size=2), transfer=TransferOptions("local")
+    )
+    with pytest.raises(ValueError, match="needs a network transport"):
         PrefillNode(config)
