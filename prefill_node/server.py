@@ -7,17 +7,19 @@ import time
 from dataclasses import replace
 from functools import partial
 
-from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, PoolGeometry, SessionCredentials, Transfer
+from cachestore import SessionCredentials, Transfer
 from engine.block_manager import blocks_for
 from engine.forward_batch import ForwardBatch
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from node_runtime import convert
+from node_runtime import kv_store
 from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from prefill_node.kv_pull import PullReceiver
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -34,31 +36,28 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
         self.rt = NodeRuntime("prefill", config)
         self.rt.engine.layer_hook = self._layer_hook
-        pool = self.rt.engine.runner.kv_pool
-        self.geometry = PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes)
-        tls = config.node.tls()
-        self.client = CacheStoreClient(
-            MemoryRegion.from_tensor(pool.tensor),
-            self.geometry,
-            transport=config.transfer.transport,
-            secret=config.node.cluster_secret,
-            registry=self.rt.metrics.registry,
-            model_name=self.rt.metrics.model_name,
-            faults=FaultInjector.from_env(),  # None unless a chaos test sets it
-            tls=tls.cachestore_tls() if tls else None,
+        self.geometry = kv_store.pool_geometry(self.rt)
+        self.client = kv_store.sender(self.rt, config)
+        self.advertise_host = config.node.advertise_host
+        self.pulls = PullReceiver(
+            self.rt, kv_store.receiver(self.rt, config, self.client.metrics), config.transfer.kv_timeout
         )
+        """D->P pulls: this node receives held prefix blocks from decode nodes (`kv_pull`)."""
         self.transfers: dict[str, tuple[Transfer, int]] = {}
         """request id -> (Transfer, index of the first block it writes: the decode node holds the ones
         before); read by the engine thread in the layer hook."""
 
     async def start(self) -> str:
+        await kv_store.start_receiver(self.pulls.cachestore, self.advertise_host)
         return await self.rt.start(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(self, server))
 
     def discovery_meta(self) -> dict[str, str]:
         return {}
 
     async def stop(self, drain: bool = False) -> None:
+        await self.pulls.close()  # while the engine thread still runs; later offers are declined
         await self.rt.stop(drain)
+        await self.pulls.cachestore.stop()
         await self.client.close()
 
     def _layer_hook(self, layer: int, batch: ForwardBatch) -> None:
@@ -95,6 +94,8 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rt, engine = self.rt, self.rt.engine
+        # a pull offered for this request is settled first: its blocks keyed (then hit below) or freed
+        await self.pulls.claim(request.request_id, request.kv_pulled)
         rid, prompt, params, creds, salt = self._parse(request)
         await rt.compile_grammar(params)
         skip = request.decode_cached_tokens // self.geometry_block_size
@@ -127,11 +128,19 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
                 response.first_logprob.CopyFrom(convert.logprob_to_pb(out.new_logprobs[0]))
             return response
 
-    def _parse(
-        self, request: prefill_pb2.PrefillRequest
-    ) -> tuple[str, list[int], SamplingParams, SessionCredentials, str | None]:
-        """Id, prompt, params, KV destination and cache salt; IncompatiblePeer or ValueError when they
-        cannot be served. The destination holds the blocks after decode_cached_tokens."""
+    async def PreparePull(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PullOffer:
+        """D->P pull, step 1 (see `prefill_node.kv_pull`): where the decode node may write the held
+        prefix blocks this node lacks; an empty offer when fewer than kv_pull_min_blocks are missing."""
+        rid, prompt, salt = self._parse_prompt(request)
+        if request.decode_cached_tokens == 0:
+            raise ValueError("PreparePull needs decode_cached_tokens > 0: the prefix the decode node holds")
+        return await self.pulls.offer(
+            rid, prompt, request.decode_cached_tokens, max(1, request.kv_pull_min_blocks), salt
+        )
+
+    def _parse_prompt(self, request: prefill_pb2.PrefillRequest) -> tuple[str, list[int], str | None]:
+        """Id, prompt and cache salt, checked with the peer's compatibility and decode_cached_tokens;
+        IncompatiblePeer or ValueError when they cannot be served."""
         rt = self.rt
         if request.compatibility != rt.compatibility:
             raise IncompatiblePeer(
@@ -139,17 +148,25 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             )
         rid = convert.check_request_id(request.request_id)
         prompt = check_prompt(request.prompt_token_ids, rt.engine.model_config.vocab_size, rt.engine.max_model_len)
-        params = convert.params_from_pb(request.params)
         held, bs = request.decode_cached_tokens, self.geometry_block_size
         if held % bs or held >= len(prompt):
             raise ValueError(f"decode_cached_tokens must be a multiple of {bs} below the prompt length, got {held}")
+        return rid, prompt, convert.cache_salt_from_pb(request)
+
+    def _parse(
+        self, request: prefill_pb2.PrefillRequest
+    ) -> tuple[str, list[int], SamplingParams, SessionCredentials, str | None]:
+        """`_parse_prompt`, plus params and the KV destination (the blocks after decode_cached_tokens)."""
+        rid, prompt, salt = self._parse_prompt(request)
+        params = convert.params_from_pb(request.params)
+        bs = self.geometry_block_size
         creds = SessionCredentials.from_bytes(request.kv_destination)
         if (
             creds.num_layers != self.geometry.num_layers
-            or len(creds.block_ids) < blocks_for(len(prompt), bs) - held // bs
+            or len(creds.block_ids) < blocks_for(len(prompt), bs) - request.decode_cached_tokens // bs
         ):
             raise ValueError("kv_destination does not cover the prompt's layers and missing blocks")
-        return rid, prompt, params, creds, convert.cache_salt_from_pb(request)
+        return rid, prompt, params, creds, salt
 
     async def _end(self, rid: str, tx: Transfer, finished: bool) -> None:
         """Success: release keeps the blocks prefix-cached; failure or cancel: the transfer is aborted
