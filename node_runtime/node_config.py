@@ -94,7 +94,8 @@ class TransferOptions:
     """Seconds a peer may leave a gRPC keepalive ping unanswered before its calls fail (a partitioned
     or frozen host); bounds a decode node's wait on a prefill node well below kv_timeout."""
     cachestore_port: int = 0
-    """Decode node: CacheStore listener port (0: pick a free one)."""
+    """CacheStore listener port (0: pick a free one): a decode node receives prompt KV there, a
+    prefill node the held prefix blocks of D->P pulls."""
     rdma_device: str | None = None
     """RDMA device (NIC) name, e.g. mlx5_0 (None: $PDSERVE_RDMA_DEVICE, else the first device)."""
     rdma_port: int | None = None
