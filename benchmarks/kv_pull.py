@@ -8,7 +8,7 @@ receives the G held blocks from the decode node and computes only the new tokens
 `recompute` B computes all of it. Modes alternate so both see the same machine load. TTFT =
 first token at the client (the decode node's reply), median over repetitions.
 
-    python -m benchmarks.kv_pull [--quick] [--model-size bench|tiny]
+    python -m benchmarks.kv_pull [--quick] [--sizes 1,2,4] [--model-size bench|tiny]
 """
 
 from __future__ import annotations
@@ -53,9 +53,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 sizes x 3 repetitions")
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
+    parser.add_argument("--sizes", default=None, help="comma-separated prefix sizes in blocks (overrides the sweep)")
     args = parser.parse_args()
     model = str(default_model_dir(args.model_size))
     sizes, reps = ([2, 8, 32], 3) if args.quick else ([1, 2, 4, 8, 16, 32, 60], 5)
+    if args.sizes:
+        sizes = [int(g) for g in args.sizes.split(",")]
     common = ["--port", "0", "--model", model, "--cluster-secret", SECRET, "--num-threads", "1"]
     procs: list[NodeProc] = []
     try:
