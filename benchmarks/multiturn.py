@@ -87,7 +87,7 @@ async def run_workload(url: str, model: str, system, users, max_tokens: int, met
     `metrics`: the /metrics URLs of the router and the decode nodes (none: no wire accounting)."""
     histories = [list(system) for _ in users]
     texts: list[str] = []
-    later: dict = {"ttft": [], "cached": 0, "prompt": 0, "bound": 0, "kv_bytes": 0.0, "rounds": []}
+    later: dict = {"ttft": [], "cached": 0, "prompt": 0, "bound": 0, "kv_bytes": 0.0, "pulled_bytes": 0.0, "rounds": []}
     async with httpx.AsyncClient() as client:
         for t in range(len(users[0])):
             before = scrape(metrics)
@@ -108,6 +108,7 @@ async def run_workload(url: str, model: str, system, users, max_tokens: int, met
             print(json.dumps(line), flush=True)
             later["rounds"].append(line)
             later["kv_bytes"] += line["kv_bytes"] if t >= 1 else 0.0
+            later["pulled_bytes"] += line["pulled_bytes"] if t >= 1 else 0.0
     later["texts"] = texts
     return later
 
@@ -159,6 +160,11 @@ def main() -> None:
         default=None,
         help="for the reuse arm's nodes (default: pdserve's; 0: every turn remote)",
     )
+    parser.add_argument(
+        "--kv-pull-min-blocks",
+        default=None,
+        help="for the reuse arm's decode nodes (default: pdserve's; 0: no D->P pull)",
+    )
     args = parser.parse_args()
     from engine.builtin import default_model_dir
     from engine.tokenizer import Tokenizer
@@ -176,6 +182,8 @@ def main() -> None:
     reuse_flags = ["--kv-reuse", "on"] + (["--routing", "kv-aware"] if routing else [])
     if args.local_prefill_max_tokens is not None:
         reuse_flags += ["--local-prefill-max-tokens", args.local_prefill_max_tokens]
+    if args.kv_pull_min_blocks is not None:
+        reuse_flags += ["--kv-pull-min-blocks", args.kv_pull_min_blocks]
     base_flags = ["--kv-reuse", "off"] + (["--routing", "wrr"] if routing else [])
     reuse = run_arm(model, reuse_flags, system, users, max_tokens)
     base = run_arm(model, base_flags, system, users, max_tokens)
@@ -216,6 +224,7 @@ def summarize(reuse: dict, base: dict, routing: bool) -> dict:
         "ttft_p99": round(pct(reuse["ttft"], 0.99), 4),
         "baseline_ttft_p99": round(pct(base["ttft"], 0.99), 4),
         "wire_bytes_ratio": round(reuse["kv_bytes"] / base["kv_bytes"], 4) if base["kv_bytes"] else None,
+        "pull_bytes_ratio": round(reuse["pulled_bytes"] / base["kv_bytes"], 4) if base["kv_bytes"] else None,
         "new_token_share": round(new_share, 4),
         "cached_fraction": round(reuse["cached"] / reuse["prompt"], 4),
         "cached_bound": round(reuse["bound"] / reuse["prompt"], 4),

@@ -14,7 +14,12 @@ from collections import Counter
 
 import httpx
 
-WATCHED = ("pdserve_cachestore_bytes_total", "pdserve_router_routing_decisions", "pdserve_prefill_decisions")
+WATCHED = (
+    "pdserve_cachestore_bytes_total",
+    "pdserve_router_routing_decisions",
+    "pdserve_prefill_decisions",
+    "pdserve_kv_pull_total",
+)
 
 
 def scrape(urls: list[str]) -> Counter[str]:
@@ -36,18 +41,21 @@ def _short(series: str) -> str:
     return ":".join([name.removeprefix("pdserve_"), *keep])
 
 
-LABELS = {"side", "role", "reason", "location"}
+LABELS = {"side", "role", "reason", "location", "outcome"}
 
 
 def round_line(turn: int, before: Counter[str], after: Counter[str], new_blocks: int, block_bytes: float) -> dict:
-    """One round's accounting: bytes received, as blocks, against the blocks of unseen tokens."""
+    """One round's accounting: bytes the decode nodes received (P->D) and sent (D->P pulls), as
+    blocks, against the blocks of unseen tokens."""
     delta = {k: after[k] - before[k] for k in after if after[k] != before[k]}
     received = delta.pop("cachestore_bytes_total:recv", 0.0)
-    delta.pop("cachestore_bytes_total:send", None)
+    pulled = delta.pop("cachestore_bytes_total:send", 0.0)  # a decode node sends only D->P pulls
     return {
         "turn": turn + 1,
         "kv_bytes": received,
+        "pulled_bytes": pulled,
         "blocks_received": round(received / block_bytes, 1) if block_bytes else None,
+        "blocks_pulled": round(pulled / block_bytes, 1) if block_bytes else None,
         "new_blocks": new_blocks,
         **{k: int(v) for k, v in sorted(delta.items())},
     }

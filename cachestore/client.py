@@ -31,12 +31,14 @@ class CacheStoreClient:
         faults: FaultInjector | None = None,
         tls: LinkTLS | None = None,
         model_name: str = "unknown",
+        metrics: CacheStoreMetrics | None = None,
     ) -> None:
         self.region = region
         self.geometry = geometry
         self.active_transport = resolve_transport(transport)
         self.secret = secret.encode() if isinstance(secret, str) else secret
-        self.metrics = CacheStoreMetrics(self.active_transport, registry, model_name)
+        self.metrics = metrics or CacheStoreMetrics(self.active_transport, registry, model_name)
+        """`metrics`: another endpoint's over the same pool (a node that both sends and receives)."""
         self.faults = faults
         self.tls = tls
         self.metrics.tls.set(1 if tls else 0)

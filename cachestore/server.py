@@ -54,6 +54,7 @@ class CacheStoreServer:
         model_name: str = "unknown",
         tcp_limits: TcpLimits | None = None,
         tls: LinkTLS | None = None,
+        metrics: CacheStoreMetrics | None = None,
     ) -> None:
         if len(region) < geometry.total_bytes:
             raise ValueError(
@@ -64,7 +65,8 @@ class CacheStoreServer:
         self.active_transport = resolve_transport(transport)
         self.host, self.port = host, port
         self.secret = secret.encode() if isinstance(secret, str) else secret
-        self.metrics = CacheStoreMetrics(self.active_transport, registry, model_name)
+        self.metrics = metrics or CacheStoreMetrics(self.active_transport, registry, model_name)
+        """`metrics`: another endpoint's over the same pool (a node that both sends and receives)."""
         self.faults = faults
         self.tcp_limits = tcp_limits
         self.tls = tls

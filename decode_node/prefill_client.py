@@ -57,6 +57,12 @@ class PrefillClients:
         await self.check(address)
         return await self.stub(address).Prefill(request, metadata=self.metadata, timeout=timeout)
 
+    async def prepare_pull(
+        self, address: str, request: prefill_pb2.PrefillRequest, timeout: float
+    ) -> prefill_pb2.PullOffer:
+        await self.check(address)
+        return await self.stub(address).PreparePull(request, metadata=self.metadata, timeout=timeout)
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()

@@ -11,24 +11,22 @@ from typing import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
-from cachestore import CacheStoreServer, MemoryRegion, Session, SessionError
+from cachestore import Session, SessionError
+from decode_node.kv_pull import PullSender
 from decode_node.prefill_client import PrefillClients
 from engine.prompt_check import check_prompt
 from engine.remote_prefill import PrefillPlan
 from engine.request import StepOutput
 from engine.sampling_params import SamplingParams
-from node_runtime import convert
+from node_runtime import convert, kv_store
 from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import NodeUnavailable
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
-from node_runtime.rank_kv import pool_geometry
 from node_runtime.rank_kv_driver import RECEIVER, RankEndpoints, RankKVError, endpoint_options, with_rank_service
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
-FENCE_WAIT = 5.0
-"""Seconds a cut-off writer normally needs to leave the blocks (a shut-down socket wakes it at once)."""
 REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 """A prefill node's answers that no other prefill node would change: passed on, not retried elsewhere."""
 
@@ -48,22 +46,20 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         self.local_prefill_max_tokens = config.node.local_prefill_max_tokens
         self.advertise_host = config.node.advertise_host
         """Host prefill nodes use to reach our CacheStore listener (needed when bound to 0.0.0.0)."""
-        pool = self.rt.engine.runner.kv_pool
+        self.cachestore = kv_store.receiver(self.rt, config)
         tls = config.node.tls()
-        self.cachestore = CacheStoreServer(
-            MemoryRegion.from_tensor(pool.tensor),
-            pool_geometry(self.rt.engine.runner),  # rank 0's KV heads; ranks 1.. receive theirs themselves
-            transport=config.transfer.transport,
-            host=config.node.host,
-            port=config.transfer.cachestore_port,
-            secret=config.node.cluster_secret,
-            registry=self.rt.metrics.registry,
-            tls=tls.cachestore_tls() if tls else None,
-            model_name=self.rt.metrics.model_name,
-        )
         self.prefills = PrefillClients(
             config.node.cluster_secret, self.rt.compatibility, config.transfer.peer_timeout, tls
         )
+        self.pulls = PullSender(
+            kv_store.sender(self.rt, config, self.cachestore.metrics),
+            self.prefills,
+            self.rt.engine.block_manager.block_size,
+            # a pull sends one pool: not from a tensor-parallel node, whose ranks each hold some heads
+            config.node.kv_pull_min_blocks if self.kv_reuse and config.engine.tensor_parallel_size == 1 else 0,
+            self.rt.metrics.registry,
+        )
+        """D->P pulls: held prefix blocks sent to a prefill node that lacks them (`decode_node.kv_pull`)."""
         self._fencing: dict[str, Session] = {}
         """request id -> a closed session whose writers may not have left its blocks yet."""
         self.ranks = RankEndpoints(self.rt.engine.runner, self.rt.metrics.registry, self.rt.metrics.model_name)
@@ -80,10 +76,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report_listener()))
 
         self.cachestore.on_listener_change = on_listener_change
-        await self.cachestore.start()
-        if self.advertise_host and self.cachestore.active_transport != "local":
-            # credentials carry this endpoint; a wildcard bind address is not reachable from other hosts
-            self.cachestore.endpoint = f"{self.advertise_host}:{self.cachestore.endpoint.rsplit(':', 1)[1]}"
+        await kv_store.start_receiver(self.cachestore, self.advertise_host)
         if self._remote_kv and self.ranks.ranks:
             endpoints = await self.ranks.start_receivers(
                 **endpoint_options(self.rt.config, self.cachestore.active_transport)
@@ -110,6 +103,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         await self.rt.stop(drain)
         await self.cachestore.stop()
         await self.prefills.close()
+        await self.pulls.client.close()
 
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:
         return await self.rt.load_report()
@@ -227,6 +221,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             if request.HasField("cache_salt"):
                 pb.cache_salt = request.cache_salt
             try:
+                if self.pulls.wanted(plan.held_tokens):  # the prefill node may lack what we hold: send it
+                    pb.kv_pulled = await self.pulls.pull(address, pb, plan.block_ids, rt.config.transfer.kv_timeout)
                 response = await self.prefills.prefill(address, pb, timeout=rt.config.transfer.kv_timeout)
                 await session.wait_complete(timeout=rt.config.transfer.kv_timeout)
                 if self.ranks.ranks:
@@ -257,11 +253,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         raise NodeUnavailable("every prefill node failed: " + "; ".join(errors))
 
     async def _close_session(self, rid: str) -> None:
-        """End the request's CacheStore session and wait until no writer is inside its blocks.
-
-        Closing cuts every in-flight writer off (its socket is shut down), so the wait is short. If it
-        is not, the blocks stay held (never freed under a live writer) and we keep waiting: a leak
-        until the writer's thread returns is the price, corruption of another request is not."""
+        """End the request's CacheStore session and wait until no writer is inside its blocks
+        (`kv_store.wait_fenced`)."""
         # a session closed by an earlier, interrupted call (e.g. a cancel during its wait) is still fenced here
         session = self.cachestore.close_session(rid) or self._fencing.get(rid)
         if rid in self._rank_sessions:  # every other rank's writers are out of its blocks first
@@ -272,12 +265,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         self.ranks.record_received(0, self.cachestore.metrics.received_bytes())
         self._fencing[rid] = session
         try:
-            await session.wait_safe_to_reuse(timeout=FENCE_WAIT)
-        except asyncio.TimeoutError:
-            log.error(
-                "request_id=%s event=writer_still_inside after_s=%.1f: blocks held until it leaves", rid, FENCE_WAIT
-            )
-            await session.wait_safe_to_reuse()
+            await kv_store.wait_fenced(session, rid)
         finally:
             if session.safe_to_reuse:
                 self._fencing.pop(rid, None)

@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.grammar_cache import GrammarCache
 from engine.kv_events import KvEventLog
 from engine.kv_namespace import kv_compatibility, request_root
+from engine.kv_pull import KvPullTarget, PendingPull
 from engine.llama import LayerHook
 from engine.model_runner import ModelRunner
 from engine.prompt_check import check_max_tokens, check_prompt
@@ -32,7 +33,7 @@ class EngineLoad(NamedTuple):
     num_queued_prefill_tokens: int
 
 
-class LLMEngine(RemotePrefill):
+class LLMEngine(RemotePrefill, KvPullTarget):
     """One model, one KV pool, one scheduler. Not thread-safe: drive it from one thread.
 
     The loop: `batch = scheduler.schedule(); logits = runner.run(batch); update(batch, sample(logits))`.
@@ -90,6 +91,8 @@ class LLMEngine(RemotePrefill):
         WAITING_FOR_REMOTE_KV (decode node: a prefill node is filling them, until
         `complete_remote_prefill`) and finished (prefill node: a prefill_only request whose blocks a
         KV transfer still reads, pinned until `release`). A request leaves when its blocks are freed."""
+        self.pulls: dict[str, PendingPull] = {}
+        """Prefill node: blocks receiving a prefix a decode node holds (engine.kv_pull)."""
         self.generators: dict[str, torch.Generator] = {}
         self._finished: list[StepOutput] = []
 
@@ -278,5 +281,5 @@ class LLMEngine(RemotePrefill):
             assert where == expected, f"request {rid!r} is {r.status.name} but {where}"
             assert not r.status.is_finished or r.prefill_only, f"finished request {rid!r} was not freed"
         assert len(running) + len(waiting) + len(self.parked()) == len(self.requests), "a request the engine lost"
-        owners = {rid: r.block_ids for rid, r in self.requests.items()}
+        owners = {rid: r.block_ids for rid, r in self.requests.items()} | self.pull_owners()
         self.block_manager.check_integrity(owners)

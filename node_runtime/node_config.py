@@ -34,6 +34,10 @@ model local and remote delta prefill were within about 20% of each other at ever
 clearly pay; the threshold is as low as it can be while a prompt the decode node fully holds (it lacks
 only its last, never-cached block) still moves nothing: one block."""
 
+DEFAULT_KV_PULL_MIN_BLOCKS = 1
+"""Set by `benchmarks/local_prefill.py --pull` (BENCHMARKS.md, "D->P pull vs recompute"): on the bench
+model a pulled block costs a few ms where recomputing it costs tens, so a pull pays from one block."""
+
 
 @dataclass(frozen=True)
 class NodeOptions(ClusterTLSOptions):
@@ -61,6 +65,10 @@ class NodeOptions(ClusterTLSOptions):
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     """Decode node with kv_reuse: prefill here, not on a prefill node, when the prompt tokens this
     node lacks are at most this many (0: only when no prefill node is usable)."""
+    kv_pull_min_blocks: int = DEFAULT_KV_PULL_MIN_BLOCKS
+    """Decode node with kv_reuse: send a remote-prefill request's held prefix blocks to the prefill
+    node (D->P pull, `decode_node.kv_pull`) when it lacks at least this many of them, instead of
+    letting it recompute them (0: never pull)."""
     log_level: str = "INFO"
     served_model_name: tuple[str, ...] = ()
     """--served-model-name: the first is the model_name label of the node's metrics (empty: the
@@ -70,6 +78,8 @@ class NodeOptions(ClusterTLSOptions):
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.kv_pull_min_blocks < 0:
+            raise ValueError(f"--kv-pull-min-blocks must be >= 0, got {self.kv_pull_min_blocks}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,8 @@ class TransferOptions:
     """Seconds a peer may leave a gRPC keepalive ping unanswered before its calls fail (a partitioned
     or frozen host); bounds a decode node's wait on a prefill node well below kv_timeout."""
     cachestore_port: int = 0
-    """Decode node: CacheStore listener port (0: pick a free one)."""
+    """CacheStore listener port (0: pick a free one): a decode node receives prompt KV there, a
+    prefill node the held prefix blocks of D->P pulls."""
     rdma_device: str | None = None
     """RDMA device (NIC) name, e.g. mlx5_0 (None: $PDSERVE_RDMA_DEVICE, else the first device)."""
     rdma_port: int | None = None

@@ -7,12 +7,13 @@ import time
 from dataclasses import replace
 from functools import partial
 
-from cachestore import CacheStoreClient, FaultInjector, MemoryRegion, SessionCredentials, Transfer
+from cachestore import SessionCredentials, Transfer
 from engine.block_manager import blocks_for
 from engine.forward_batch import ForwardBatch
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from node_runtime import convert
+from node_runtime import kv_store
 from node_runtime.kv_events_service import KvEventsServicer
 from node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
 from node_runtime.node import NodeRuntime
@@ -20,6 +21,7 @@ from node_runtime.node_config import NodeConfig
 from node_runtime.rank_kv import pool_geometry, ship_layer
 from node_runtime.rank_kv_driver import SENDER, RankEndpoints, endpoint_options, with_rank_service
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from prefill_node.kv_pull import PullReceiver
 
 log = logging.getLogger("pdserve.prefill")
 MAX_TP = 64
@@ -38,19 +40,13 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
         self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER))
         self.rt.engine.layer_hook = self._layer_hook
-        pool = self.rt.engine.runner.kv_pool
         self.geometry = pool_geometry(self.rt.engine.runner)  # rank 0's KV heads; ranks 1.. send theirs
-        tls = config.node.tls()
-        self.client = CacheStoreClient(
-            MemoryRegion.from_tensor(pool.tensor),
-            self.geometry,
-            transport=config.transfer.transport,
-            secret=config.node.cluster_secret,
-            registry=self.rt.metrics.registry,
-            model_name=self.rt.metrics.model_name,
-            faults=FaultInjector.from_env(),  # None unless a chaos test sets it
-            tls=tls.cachestore_tls() if tls else None,
+        self.client = kv_store.sender(self.rt, config)
+        self.advertise_host = config.node.advertise_host
+        self.pulls = PullReceiver(
+            self.rt, kv_store.receiver(self.rt, config, self.client.metrics), config.transfer.kv_timeout
         )
+        """D->P pulls: this node receives held prefix blocks from decode nodes (`kv_pull`); TP=1 only."""
         self.transfers: dict[str, tuple[list[Transfer], int]] = {}
         """request id -> (its Transfers, one per decode rank this rank writes heads to; index of the first
         block they write: the decode node holds the ones before); read by the engine thread in the layer hook."""
@@ -60,13 +56,16 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     async def start(self) -> str:
         if self.ranks.ranks:
             await self.ranks.start_senders(**endpoint_options(self.rt.config, self.client.active_transport))
+        await kv_store.start_receiver(self.pulls.cachestore, self.advertise_host)
         return await self.rt.start(lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(self, server))
 
     def discovery_meta(self) -> dict[str, str]:
         return {}
 
     async def stop(self, drain: bool = False) -> None:
+        await self.pulls.close()  # while the engine thread still runs; later offers are declined
         await self.rt.stop(drain)
+        await self.pulls.cachestore.stop()
         await self.client.close()
 
     def _layer_hook(self, layer: int, batch: ForwardBatch) -> None:
@@ -84,6 +83,8 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rt, engine = self.rt, self.rt.engine
+        # a pull offered for this request is settled first: its blocks keyed (then hit below) or freed
+        await self.pulls.claim(request.request_id, request.kv_pulled)
         rid, prompt, params, dests, salt = self._parse(request)
         await rt.compile_grammar(params)
         skip = request.decode_cached_tokens // self.geometry_block_size
@@ -121,11 +122,21 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
                 response.first_logprob.CopyFrom(convert.logprob_to_pb(out.new_logprobs[0]))
             return response
 
-    def _parse(
-        self, request: prefill_pb2.PrefillRequest
-    ) -> tuple[str, list[int], SamplingParams, list[SessionCredentials], str | None]:
-        """Id, prompt, params, KV destinations (one per decode rank) and cache salt; IncompatiblePeer or
-        ValueError when they cannot be served. The destinations hold the blocks after decode_cached_tokens."""
+    async def PreparePull(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PullOffer:
+        """D->P pull, step 1 (see `prefill_node.kv_pull`): where the decode node may write the held
+        prefix blocks this node lacks; an empty offer when fewer than kv_pull_min_blocks are missing."""
+        rid, prompt, salt = self._parse_prompt(request)
+        if self.ranks.ranks:  # a pull would have to land head slices on every rank: not built
+            return prefill_pb2.PullOffer()
+        if request.decode_cached_tokens == 0:
+            raise ValueError("PreparePull needs decode_cached_tokens > 0: the prefix the decode node holds")
+        return await self.pulls.offer(
+            rid, prompt, request.decode_cached_tokens, max(1, request.kv_pull_min_blocks), salt
+        )
+
+    def _parse_prompt(self, request: prefill_pb2.PrefillRequest) -> tuple[str, list[int], str | None]:
+        """Id, prompt and cache salt, checked with the peer's compatibility and decode_cached_tokens;
+        IncompatiblePeer or ValueError when they cannot be served."""
         rt = self.rt
         if request.compatibility != rt.compatibility:
             raise IncompatiblePeer(
@@ -133,10 +144,19 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             )
         rid = convert.check_request_id(request.request_id)
         prompt = check_prompt(request.prompt_token_ids, rt.engine.model_config.vocab_size, rt.engine.max_model_len)
-        params = convert.params_from_pb(request.params)
         held, bs = request.decode_cached_tokens, self.geometry_block_size
         if held % bs or held >= len(prompt):
             raise ValueError(f"decode_cached_tokens must be a multiple of {bs} below the prompt length, got {held}")
+        return rid, prompt, convert.cache_salt_from_pb(request)
+
+    def _parse(
+        self, request: prefill_pb2.PrefillRequest
+    ) -> tuple[str, list[int], SamplingParams, list[SessionCredentials], str | None]:
+        """`_parse_prompt`, plus params and the KV destinations (one per decode rank; they hold the
+        blocks after decode_cached_tokens)."""
+        rid, prompt, salt = self._parse_prompt(request)
+        params = convert.params_from_pb(request.params)
+        held, bs = request.decode_cached_tokens, self.geometry_block_size
         dests = [SessionCredentials.from_bytes(request.kv_destination)]
         if len(request.kv_rank_destinations) >= MAX_TP:
             raise ValueError(f"at most {MAX_TP - 1} kv_rank_destinations")
@@ -150,7 +170,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             self.client.heads_for(creds)  # the handshake's check: ValueError if our KV heads cannot map
         if [(c.tp_rank, c.tp_size) for c in dests] != [(r, len(dests)) for r in range(len(dests))]:
             raise ValueError("kv_destination and kv_rank_destinations must name the decode ranks 0..b-1 in order")
-        return rid, prompt, params, dests, convert.cache_salt_from_pb(request)
+        return rid, prompt, params, dests, salt
 
     async def _end(self, rid: str, txs: list[Transfer], finished: bool) -> None:
         """Success: release keeps the blocks prefix-cached; failure or cancel: the transfers (on every

@@ -24,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --kv-reuse on: prefill on this node when the prompt tokens it lacks are at most this "
         "many (0: only when no prefill node is usable; default 16)",
     )
+    p.add_argument(
+        "--kv-pull-min-blocks",
+        type=int,
+        default=None,
+        help="with --kv-reuse on: send the prompt blocks this node holds to the prefill node (D->P pull) "
+        "when it lacks at least this many, instead of it recomputing them (0: never; default 1)",
+    )
     p.set_defaults(func=run)
 
 

@@ -62,6 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="decode nodes prefill locally when the prompt tokens they lack are at most this many "
         "(0: only when no prefill node is usable; default 16)",
     )
+    p.add_argument(
+        "--kv-pull-min-blocks",
+        type=int,
+        default=None,
+        help="decode nodes send the prompt blocks they hold to a prefill node that lacks at least this "
+        "many of them (D->P pull) instead of it recomputing them (0: never; default 1)",
+    )
     p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument(
@@ -151,11 +158,15 @@ def run(args: argparse.Namespace) -> int:
         + child_flags(args, NODE_FLAGS)
         + ["--kv-reuse", "on" if args.kv_reuse else "off"]
     )
-    decode_args = (
-        ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
-        if args.local_prefill_max_tokens is not None
-        else []
-    )
+    decode_args = [
+        arg
+        for flag, value in (
+            ("--local-prefill-max-tokens", args.local_prefill_max_tokens),
+            ("--kv-pull-min-blocks", args.kv_pull_min_blocks),
+        )
+        if value is not None
+        for arg in (flag, str(value))
+    ]
     tls_dir = tempfile.mkdtemp(prefix="pdserve-tls-") if args.cluster_tls else None
     tls_args = _throwaway_tls_args(Path(tls_dir)) if tls_dir else []
     node_args += tls_args

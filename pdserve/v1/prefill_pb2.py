@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xfd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0ekv_destination\x18\x04 \x01(\x0c\x12\x15\n\rcompatibility\x18\x05 \x01(\t\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x07 \x01(\r\x12\x1c\n\x14kv_rank_destinations\x18( \x03(\x0c\x42\r\n\x0b_cache_salt\"\xa8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x02\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x02\x32\xce\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12\x43\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xac\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0ekv_destination\x18\x04 \x01(\x0c\x12\x15\n\rcompatibility\x18\x05 \x01(\t\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x07 \x01(\r\x12\x1c\n\x14kv_rank_destinations\x18( \x03(\x0c\x12\x1a\n\x12kv_pull_min_blocks\x18\x1e \x01(\r\x12\x11\n\tkv_pulled\x18\x1f \x01(\x08\x42\r\n\x0b_cache_salt\"8\n\tPullOffer\x12\x16\n\x0ekv_destination\x18\x1e \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x1f \x01(\r\"\xa8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x02\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x02\x32\x90\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12@\n\x0bPreparePull\x12\x1a.pdserve.v1.PrefillRequest\x1a\x15.pdserve.v1.PullOffer\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12\x43\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=66
-  _globals['_PREFILLREQUEST']._serialized_end=319
-  _globals['_PREFILLRESPONSE']._serialized_start=322
-  _globals['_PREFILLRESPONSE']._serialized_end=490
-  _globals['_PREFILL']._serialized_start=493
-  _globals['_PREFILL']._serialized_end=699
+  _globals['_PREFILLREQUEST']._serialized_end=366
+  _globals['_PULLOFFER']._serialized_start=368
+  _globals['_PULLOFFER']._serialized_end=424
+  _globals['_PREFILLRESPONSE']._serialized_start=427
+  _globals['_PREFILLRESPONSE']._serialized_end=595
+  _globals['_PREFILL']._serialized_start=598
+  _globals['_PREFILL']._serialized_end=870
 # @@protoc_insertion_point(module_scope)

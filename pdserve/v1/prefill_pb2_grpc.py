@@ -40,6 +40,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PreparePull = channel.unary_unary(
+                '/pdserve.v1.Prefill/PreparePull',
+                request_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullOffer.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.v1.Prefill/GetLoad',
                 request_serializer=pdserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
@@ -67,6 +72,20 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PreparePull(self, request, context):
+        """D->P pull, step 1 (called before Prefill, with the same request id and
+        decode_cached_tokens > 0): the decode node offers the prefix blocks it holds.
+        This node allocates fresh blocks for the held blocks its own prefix cache
+        lacks (when at least kv_pull_min_blocks) and opens a CacheStore session
+        over them in its own pool; the decode node writes them, then calls Prefill
+        with kv_pulled set, and this node keys them into its prefix cache. An
+        offer not claimed by Prefill within --kv-timeout is fenced and freed.
+        An empty PullOffer: nothing worth pulling (recompute). Same status codes as Prefill.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoad(self, request, context):
         """Current load and compatibility of this node.
         """
@@ -88,6 +107,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PreparePull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PreparePull,
+                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PullOffer.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -127,6 +151,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Prefill',
             pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PreparePull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/PreparePull',
+            pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_v1_dot_prefill__pb2.PullOffer.FromString,
             options,
             channel_credentials,
             insecure,

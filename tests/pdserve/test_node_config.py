@@ -172,3 +172,13 @@ def test_kv_reuse_flags(capsys):
     assert exit_.value.code == 2 and "expected on or off" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a prefill node has no local prefill
         build_parser().parse_args(["prefill", "--local-prefill-max-tokens", "8"])
+
+
+def test_kv_pull_flags(capsys):
+    assert _node("decode", []).node.kv_pull_min_blocks == 1  # BENCHMARKS.md, "D->P pull vs recompute"
+    assert _node("decode", ["--kv-pull-min-blocks", "0"]).node.kv_pull_min_blocks == 0
+    assert _node("prefill", ["--cachestore-port", "50091"]).transfer.cachestore_port == 50091  # its pull receiver
+    with pytest.raises(SystemExit, match="kv-pull-min-blocks must be >= 0"):
+        _node("decode", ["--kv-pull-min-blocks", "-1"])
+    with pytest.raises(SystemExit):  # the decode node decides; a prefill node only answers offers
+        build_parser().parse_args(["prefill", "--kv-pull-min-blocks", "1"])

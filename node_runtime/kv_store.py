@@ -1,0 +1,83 @@
+"""A node's CacheStore ends, built one way for both roles and both directions.
+
+P->D: the decode node receives (`receiver`), the prefill node sends (`sender`). D->P pull: the
+prefill node receives the prefix blocks the decode node holds, the decode node sends them. Every
+end is over the node's one KV pool, with the node's transport, cluster secret (HMAC handshake),
+mutual TLS when configured, and metrics registry; fencing is the same `Session` logic either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cachestore import (
+    CacheStoreClient,
+    CacheStoreServer,
+    FaultInjector,
+    MemoryRegion,
+    Session,
+)
+from cachestore.metrics import CacheStoreMetrics
+from node_runtime.node import NodeRuntime
+from node_runtime.node_config import NodeConfig
+from node_runtime.rank_kv import pool_geometry
+
+log = logging.getLogger("pdserve.kv_store")
+FENCE_WAIT = 5.0
+"""Seconds a cut-off writer normally needs to leave the blocks (a shut-down socket wakes it at once)."""
+
+
+def receiver(rt: NodeRuntime, config: NodeConfig, metrics: CacheStoreMetrics | None = None) -> CacheStoreServer:
+    """Sessions over this node's pool, and the listener that writes into them (start() binds it).
+    `metrics`: the node's sender's, so both directions count in one set of series."""
+    tls = config.node.tls()
+    return CacheStoreServer(
+        MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor),
+        pool_geometry(rt.engine.runner),  # rank 0's KV heads; ranks 1.. have their own ends
+        transport=config.transfer.transport,
+        host=config.node.host,
+        port=config.transfer.cachestore_port,
+        secret=config.node.cluster_secret,
+        registry=rt.metrics.registry,
+        tls=tls.cachestore_tls() if tls else None,
+        model_name=rt.metrics.model_name,
+        metrics=metrics,
+    )
+
+
+async def start_receiver(server: CacheStoreServer, advertise_host: str | None) -> None:
+    """Start the listener; credentials carry `advertise_host` instead of a wildcard bind address,
+    which other hosts cannot reach."""
+    await server.start()
+    if advertise_host and server.active_transport != "local":
+        server.endpoint = f"{advertise_host}:{server.endpoint.rsplit(':', 1)[1]}"
+
+
+def sender(rt: NodeRuntime, config: NodeConfig, metrics: CacheStoreMetrics | None = None) -> CacheStoreClient:
+    """Connections from this node's pool to receivers (faults only when a chaos test sets them).
+    `metrics`: the node's receiver's, so both directions count in one set of series."""
+    tls = config.node.tls()
+    return CacheStoreClient(
+        MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor),
+        pool_geometry(rt.engine.runner),  # rank 0's KV heads; ranks 1.. have their own ends
+        transport=config.transfer.transport,
+        secret=config.node.cluster_secret,
+        registry=rt.metrics.registry,
+        model_name=rt.metrics.model_name,
+        faults=FaultInjector.from_env(),
+        tls=tls.cachestore_tls() if tls else None,
+        metrics=metrics,
+    )
+
+
+async def wait_fenced(session: Session, rid: str) -> None:
+    """Wait until no writer is inside a closed session's blocks. Closing cuts every in-flight
+    writer off, so the wait is short. If it is not, the blocks stay held (never freed under a live
+    writer) and we keep waiting: a leak until the writer's thread returns is the price, corruption
+    of another request is not."""
+    try:
+        await session.wait_safe_to_reuse(timeout=FENCE_WAIT)
+    except asyncio.TimeoutError:
+        log.error("request_id=%s event=writer_still_inside after_s=%.1f: blocks held until it leaves", rid, FENCE_WAIT)
+        await session.wait_safe_to_reuse()
