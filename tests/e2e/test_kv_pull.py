@@ -46,7 +46,10 @@ def pulls(nodes: Nodes, outcome: str) -> float:
 def block_bytes(node, blocks: list[int]) -> list[bytes]:
     """Every layer's bytes of `blocks` in the node's pool."""
     rt = node.rt
-    geometry, view = kv_store.pool_geometry(rt), MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor).view
+    geometry, view = (
+        kv_store.pool_geometry(rt.engine.runner),
+        MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor).view,
+    )
     return [
         bytes(view[geometry.offset(layer, b) : geometry.offset(layer, b) + geometry.block_bytes])
         for layer in range(geometry.num_layers)

@@ -17,7 +17,10 @@ from node_runtime.node_config import NodeOptions, TransferOptions
 from router.config import ClusterOptions
 from router.deadlines import Deadlines
 
-NOT_ON_NODES = {"layer_range": "a pipeline stage's slice of the layers (`pdserve stage`); a node runs them all"}
+NOT_ON_NODES = {
+    "layer_range": "a pipeline stage's slice of the layers (`pdserve stage`); a node runs them all",
+    "rank_service": "set by the node from its role (a CacheStore sender or receiver on ranks 1..), not a flag",
+}
 
 SAMPLES: dict[str, tuple[list[str], object]] = {
     "model_dir": (["--model", "/models/m"], "/models/m"),
