@@ -1,0 +1,60 @@
+"""Prefill offload: while every prefill node is saturated, a decode node prefills the prompt itself.
+
+Issue 27's profile of `pdserve up` under AIPerf (concurrency 8, 128 in / 64 out) showed the TTFT tail
+set by the prefill node's queue: requests finish and arrive in waves, each wave's prompts queue at the
+one prefill process (one core's worth of threads), and the decode nodes sit idle until their KV
+arrives, so the last prompt of a wave waits for all the others. Prefill costs about the same per
+prompt whether batched or not on a CPU (the GEMMs are already large), so the wait only shrinks when
+more processes compute prompts at once: the idle decode nodes.
+
+The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be computed:
+
+- `queue` is the least loaded prefill node's pending tokens: its last load report's queued prefill
+  tokens plus the tokens routed to it since that report (`NodeLoad.inflight_tokens`);
+- `local` is the same for the chosen decode node (its reports count the prompts it prefills itself);
+- the decode node prefills locally when `queue >= saturated_tokens` and `local + prompt <= queue`:
+  the prompt would start no later there, counting its own length against the decode node, because a
+  local prefill also holds up the decode node's running streams (one longer step for each of them).
+
+`saturated_tokens` 0 turns offloading off: every prompt goes to a prefill node (the behaviour before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.balancer import NodeLoad
+
+DEFAULT_SATURATED_TOKENS = 256
+"""About two prompts of the benchmark's 128-token chats: a prefill node with a longer queue than this
+is saturated (a wave of 8 then splits about 3 / 3 / 2 between the prefill and two decode nodes)."""
+
+
+def pending_tokens(node: NodeLoad) -> int:
+    """Prompt tokens `node` still has to compute: its report's queue plus what was sent since."""
+    return node.queued_prefill_tokens + node.inflight_tokens
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """When a decode node should prefill a prompt itself instead of asking a prefill node."""
+
+    saturated_tokens: int = DEFAULT_SATURATED_TOKENS
+    """Pending prompt tokens at which a prefill node counts as saturated (0: never offload)."""
+
+    def __post_init__(self) -> None:
+        if self.saturated_tokens < 0:
+            raise ValueError(f"--prefill-saturated-tokens must be >= 0, got {self.saturated_tokens}")
+
+    def prefill_here(self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int) -> bool:
+        """Whether `decode` should prefill this prompt locally (see the module doc). False when
+        offloading is off or there is no prefill node (the decode node prefills then anyway)."""
+        if self.saturated_tokens == 0 or not prefills:
+            return False
+        queue = min(pending_tokens(n) for n in prefills)
+        return queue >= self.saturated_tokens and pending_tokens(decode) + prompt_tokens <= queue
+
+    @staticmethod
+    def assign_local(decode: NodeLoad, prompt_tokens: int) -> None:
+        """Count a prompt sent to `decode` to prefill until its next load report includes it."""
+        decode.inflight_tokens += prompt_tokens
