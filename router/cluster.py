@@ -25,7 +25,7 @@ from openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidReq
 from router.circuit_breaker import CircuitBreaker
 from router.kv_routing import ROUTING_MODES, KvRouter
 from router.kv_subscriber import KvSubscriber
-from router.prefill_offload import OffloadPolicy
+from router.prefill_offload import OffloadPolicy, Prefilling
 
 log = logging.getLogger("pdserve.router")
 RETRYABLE = (
@@ -302,6 +302,12 @@ class Cluster:
             self.offload.assign_local(chosen, prompt_tokens)
         return by_load[id(chosen)], [n.address for n in ordered]
 
+    def _prefilling(self, node: NodeState, prefills: list[str], tokens: int) -> Prefilling:
+        """Count the prompt on the node that prefills it (the first prefill address, else the decode
+        node) until its first token: the pending work `OffloadPolicy` compares."""
+        target = self.nodes.get(("prefill", prefills[0])) if prefills else node
+        return Prefilling((target or node).load, tokens)
+
     async def _choose_waiting(
         self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
     ) -> tuple[NodeState, list[str]]:
@@ -347,11 +353,13 @@ class Cluster:
             )
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
+            prefilling = self._prefilling(node, prefills, len(req.prompt_token_ids))
             try:
                 hung = partial(self._hung_in, node, prefills)
                 async for event in events_within_deadline(call, self.token_deadline, hung):
                     if event.token_ids:
                         sent.extend(event.token_ids)
+                        prefilling.done()
                     usage = None
                     if event.finish_reason:
                         usage = common_pb2.Usage(
@@ -394,5 +402,6 @@ class Cluster:
                     self.migrations.inc()
                     log.warning("migrating %s after %d tokens: %s", request_id, len(sent), code.name)
             finally:
+                prefilling.done()
                 call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
                 asyncio.create_task(self._probe(node))  # refresh the load right after a response

@@ -9,9 +9,12 @@ more processes compute prompts at once: the idle decode nodes.
 
 The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be computed:
 
-- `queue` is the least loaded prefill node's pending tokens: its last load report's queued prefill
-  tokens plus the tokens routed to it since that report (`NodeLoad.inflight_tokens`);
-- `local` is the same for the chosen decode node (its reports count the prompts it prefills itself);
+- `queue` is the least loaded prefill node's pending tokens: the prompt tokens this router sent it
+  whose first token has not come back yet (`NodeLoad.prefilling_tokens`, counted by `Prefilling`).
+  Load reports are not used: one taken while a long prompt was in flight would still say "saturated"
+  half a refresh after it finished, and offload the next request for nothing. With several routers
+  each sees only its own requests, so it offloads less, never more;
+- `local` is the same for the chosen decode node (the prompts it was sent to prefill itself);
 - the decode node prefills locally when `queue >= saturated_tokens` and `local + prompt <= queue`:
   the prompt would start no later there, counting its own length against the decode node, because a
   local prefill also holds up the decode node's running streams (one longer step for each of them).
@@ -31,8 +34,22 @@ is saturated (a wave of 8 then splits about 3 / 3 / 2 between the prefill and tw
 
 
 def pending_tokens(node: NodeLoad) -> int:
-    """Prompt tokens `node` still has to compute: its report's queue plus what was sent since."""
-    return node.queued_prefill_tokens + node.inflight_tokens
+    """Prompt tokens this router sent `node` to prefill whose first token has not come back yet."""
+    return node.prefilling_tokens
+
+
+class Prefilling:
+    """One request's prompt, counted on the node that prefills it from routing until its first token
+    (or the end of the attempt, whichever comes first); `done` is idempotent."""
+
+    def __init__(self, node: NodeLoad, tokens: int) -> None:
+        self.node, self.tokens = node, tokens
+        node.prefilling_tokens += tokens
+
+    def done(self) -> None:
+        if self.tokens:
+            self.node.prefilling_tokens -= self.tokens
+            self.tokens = 0
 
 
 @dataclass(frozen=True)
@@ -56,5 +73,6 @@ class OffloadPolicy:
 
     @staticmethod
     def assign_local(decode: NodeLoad, prompt_tokens: int) -> None:
-        """Count a prompt sent to `decode` to prefill until its next load report includes it."""
+        """Count a prompt sent to `decode` to prefill in its load until its next report includes it
+        (kv-aware routing weighs a decode node's own prefill queue)."""
         decode.inflight_tokens += prompt_tokens

@@ -10,18 +10,25 @@ from node_runtime.discovery import Member
 from node_runtime.discovery.static import StaticDiscovery
 from router.balancer import NodeLoad
 from router.cluster import Cluster
-from router.prefill_offload import OffloadPolicy, pending_tokens
+from router.prefill_offload import OffloadPolicy, Prefilling, pending_tokens
 from tests.router.kv_fake_node import FakeKvNode, FakePrefill, serve, until
 
 PROMPT = list(range(1, 140))  # 139 tokens, the benchmark's chat prompt
 
 
-def load(address: str, queued: int = 0, inflight: int = 0) -> NodeLoad:
-    return NodeLoad(address, queued_prefill_tokens=queued, inflight_tokens=inflight)
+def load(address: str, queued: int = 0) -> NodeLoad:
+    return NodeLoad(address, prefilling_tokens=queued)
 
 
-def test_pending_counts_the_report_and_what_was_sent_since():
-    assert pending_tokens(load("p", queued=100, inflight=39)) == 139
+def test_pending_counts_prompts_until_their_first_token():
+    node = load("p")
+    first, second = Prefilling(node, 100), Prefilling(node, 39)
+    assert pending_tokens(node) == 139
+    first.done()
+    first.done()  # idempotent: the first token and the end of the attempt both call it
+    assert pending_tokens(node) == 39
+    second.done()
+    assert pending_tokens(node) == 0
 
 
 def test_below_saturation_every_prompt_goes_to_a_prefill_node():
@@ -37,7 +44,7 @@ def test_saturated_prefill_sends_the_prompt_to_an_idle_decode_node():
 def test_a_decode_node_with_a_longer_queue_does_not_take_it():
     policy = OffloadPolicy(256)
     # 150 pending + 139 > 278: the prompt would start later there than at the prefill node
-    assert not policy.prefill_here([load("p", queued=278)], load("d", inflight=150), 139)
+    assert not policy.prefill_here([load("p", queued=278)], load("d", queued=150), 139)
 
 
 def test_the_least_loaded_prefill_node_decides():
@@ -50,10 +57,10 @@ def test_off_and_without_prefill_nodes_it_never_offloads():
     assert not OffloadPolicy(256).prefill_here([], load("d"), 139)
 
 
-def test_assign_local_counts_the_prompt_on_the_decode_node():
-    d = load("d")
+def test_assign_local_counts_the_prompt_in_the_decode_nodes_load():
+    d = NodeLoad("d")
     OffloadPolicy.assign_local(d, 139)
-    assert pending_tokens(d) == 139
+    assert d.inflight_tokens == 139
 
 
 def test_negative_threshold_is_refused():
@@ -63,26 +70,26 @@ def test_negative_threshold_is_refused():
 
 @pytest.mark.parametrize("routing", ["wrr", "kv-aware"])
 async def test_cluster_offloads_a_wave_between_prefill_and_decode_nodes(routing):
-    """A wave of 8 prompts at once, no load report in between: the prefill node takes the first ones
-    until it is saturated, then the decode nodes take prompts while their queues are shorter."""
+    """A wave of 8 prompts at once, none answered yet: the prefill node takes the first ones until it
+    is saturated, then the decode nodes take prompts while their queues are shorter."""
     prefill = FakePrefill()
     served = [await serve(FakeKvNode(num_blocks=512)), await serve(FakeKvNode(num_blocks=512)), await serve(prefill)]
     roles = ["decode", "decode", "prefill"]
     members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(roles, served)]
-    # refresh_interval long: the wave is routed on what the router itself sent, as between two reports
     cluster = Cluster(StaticDiscovery(members), refresh_interval=60, routing=routing, offload=OffloadPolicy(256))
     await cluster.start()
     try:
-        where = []
+        where, counted = [], []
         for _ in range(8):
             node, prefills = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
+            counted.append(cluster._prefilling(node, prefills, len(PROMPT)))  # as generate() does
             where.append(node.member.address if not prefills else "prefill")
         assert 2 <= where.count("prefill") <= 4, where
         local = [w for w in where if w != "prefill"]
         assert len(set(local)) == 2 and max(local.count(a) for a in set(local)) <= 3, where
-        # a report of an empty queue: the prefill node is not saturated any more
-        for n in cluster.nodes.values():
-            n.load.inflight_tokens = 0
+        for c in counted:  # every first token came back: nothing is pending any more
+            c.done()
+        assert all(n.load.prefilling_tokens == 0 for n in cluster.nodes.values())
         assert cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[2][1]]
     finally:
         await cluster.stop()
@@ -90,9 +97,10 @@ async def test_cluster_offloads_a_wave_between_prefill_and_decode_nodes(routing)
             await s.stop(None)
 
 
-async def test_cluster_reads_the_prefill_nodes_reported_queue():
-    """A prefill node reporting a long queue is saturated from the first request on; with the policy
-    off the router still sends every prompt to it."""
+async def test_a_stale_report_of_a_long_queue_does_not_offload():
+    """A load report taken while a long prompt was in flight says "saturated" after it finished:
+    the router goes by the prompts it still waits on, so the next request goes to the prefill node;
+    with prompts in flight it offloads, and with the policy off it never does."""
     served = [await serve(FakeKvNode(num_blocks=512)), await serve(FakePrefill(queued=5000))]
     members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
     on = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr")
@@ -100,14 +108,12 @@ async def test_cluster_reads_the_prefill_nodes_reported_queue():
     await on.start()
     await off.start()
     try:
-        await until(
-            lambda: all(
-                n.load.queued_prefill_tokens == 5000
-                for c in (on, off)
-                for n in c.nodes.values()
-                if n.member.role == "prefill"
-            )
-        )
+        prefills = [n for c in (on, off) for n in c.nodes.values() if n.member.role == "prefill"]
+        await until(lambda: all(n.load.queued_prefill_tokens == 5000 for n in prefills))
+        for cluster in (on, off):
+            assert cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[1][1]]
+            node, addresses = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
+            cluster._prefilling(node, addresses, 300)  # a long prompt in flight at the prefill node
         assert on._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == []
         assert off._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[1][1]]
     finally:
