@@ -4,10 +4,13 @@ with the policy off) prompts go to the prefill node as before."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from node_runtime.discovery import Member
 from node_runtime.discovery.static import StaticDiscovery
+from pdserve.v1 import common_pb2
 from router.balancer import NodeLoad
 from router.cluster import Cluster
 from router.prefill_offload import OffloadPolicy, Prefilling, pending_tokens
@@ -121,3 +124,46 @@ async def test_a_stale_report_of_a_long_queue_does_not_offload():
         await off.stop()
         for s, _ in served:
             await s.stop(None)
+
+
+class GatedNode(FakeKvNode):
+    """A decode node whose stream waits for `gate` before its one token (a prefill in progress)."""
+
+    def __init__(self) -> None:
+        super().__init__(num_blocks=512)
+        self.gate = asyncio.Event()
+
+    async def Generate(self, request, context):
+        await self.gate.wait()
+        async for event in super().Generate(request, context):
+            yield event
+
+
+async def test_generate_counts_the_prompt_on_its_prefill_node_until_the_first_token():
+    decode = GatedNode()
+    served = [await serve(decode), await serve(FakePrefill())]
+    members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
+    cluster = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr")
+    await cluster.start()
+    try:
+        prefill = next(n.load for n in cluster.nodes.values() if n.member.role == "prefill")
+        params = common_pb2.SamplingParams(max_tokens=1)
+        task = asyncio.ensure_future(_drain(cluster.generate("r1", PROMPT, params)))
+        await until(lambda: prefill.prefilling_tokens == len(PROMPT))
+        decode.gate.set()
+        assert await task == [5]
+        assert all(n.load.prefilling_tokens == 0 for n in cluster.nodes.values())
+        # an attempt that ends without a token (cancelled) releases its count too
+        decode.gate.clear()
+        task = asyncio.ensure_future(_drain(cluster.generate("r2", PROMPT, params)))
+        await until(lambda: prefill.prefilling_tokens == len(PROMPT))
+        task.cancel()
+        await until(lambda: prefill.prefilling_tokens == 0)
+    finally:
+        await cluster.stop()
+        for s, _ in served:
+            await s.stop(None)
+
+
+async def _drain(stream) -> list[int]:
+    return [t async for chunk in stream for t in chunk.token_ids]
