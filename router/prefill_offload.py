@@ -1,11 +1,14 @@
 """Prefill offload: while every prefill node is saturated, a decode node prefills the prompt itself.
 
-Issue 27's profile of `pdserve up` under AIPerf (concurrency 8, 128 in / 64 out) showed the TTFT tail
-set by the prefill node's queue: requests finish and arrive in waves, each wave's prompts queue at the
-one prefill process (one core's worth of threads), and the decode nodes sit idle until their KV
-arrives, so the last prompt of a wave waits for all the others. Prefill costs about the same per
-prompt whether batched or not on a CPU (the GEMMs are already large), so the wait only shrinks when
-more processes compute prompts at once: the idle decode nodes.
+Issue 27's profile of `pdserve up` under AIPerf (chat, 128 in / 64 out, concurrency 8, 2 cores):
+requests arrive in waves (8 start together, decode together, finish together), and every prompt of a
+wave queued at the one prefill process while the decode nodes waited for their KV; then the decode
+nodes worked while the prefill node idled (py-spy: its engine thread waited for work about half of
+the run). The prefill node already batches (every prompt waiting when a step starts joins it, up to
+8192 tokens), but a step over 8 prompts still costs several times one prompt's compute, so the last
+prompt of a wave waited for the whole wave. Spreading a wave's prompts over the prefill node and the
+idle decode nodes puts more processes on it at once: TTFT p50 fell from ~14 s to ~3 s and p99 from
+16-20 s to 6-7 s on that (heavily shared) machine; see BENCHMARKS.md.
 
 The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be computed:
 
