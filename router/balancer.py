@@ -22,6 +22,9 @@ class NodeLoad:
     """Blocks of requests sent since the last report (so a node just chosen is not stampeded)."""
     inflight_tokens: int = 0
     """Prompt tokens sent to this prefill node since its last report."""
+    prefilling_tokens: int = 0
+    """Prompt tokens this router sent to this node to prefill whose first token has not come back yet
+    (exact for this router's requests, unlike a load report that may be half a refresh old)."""
     current_weight: float = 0.0
     compatibility: str = ""
     """The node's KV compatibility string (its block keys' namespace)."""

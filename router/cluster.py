@@ -25,6 +25,7 @@ from openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidReq
 from router.circuit_breaker import CircuitBreaker
 from router.kv_routing import ROUTING_MODES, KvRouter
 from router.kv_subscriber import KvSubscriber
+from router.prefill_offload import OffloadPolicy, Prefilling
 
 log = logging.getLogger("pdserve.router")
 RETRYABLE = (
@@ -94,6 +95,7 @@ class Cluster:
         tls: cluster_tls.ClusterTLS | None = None,
         routing: str = "kv-aware",
         kv_router: KvRouter | None = None,
+        offload: OffloadPolicy | None = None,
     ) -> None:
         if routing not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
@@ -115,6 +117,8 @@ class Cluster:
         self.kv_router = kv_router or KvRouter(
             decode_balancer=self.decode_balancer, prefill_balancer=self.prefill_balancer
         )
+        self.offload = offload or OffloadPolicy()
+        """When a decode node prefills a prompt itself because every prefill node is saturated."""
         self._task: asyncio.Task | None = None
         r = registry or CollectorRegistry()
         self.retries = Counter(
@@ -284,13 +288,25 @@ class Cluster:
         if chosen is None:
             raise NoCapacityError("no decode node has room for this request now; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
-        if self.routing == "kv-aware":
+        prompt_tokens = len(prompt) or tokens_needed
+        if self.offload.prefill_here([n.load for n in prefills], chosen, prompt_tokens):
+            self.offload.assign_local(chosen, prompt_tokens)
+            return by_load[id(chosen)], []  # no addresses: the decode node prefills the prompt itself
+        if self.routing == "kv-aware":  # counts the uncached tokens on the first node itself
             ordered = self.kv_router.order_prefill([n.load for n in prefills], prompt, cache_salt)[:3]
         else:
             ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
-        if ordered:  # none: the decode node prefills locally
-            ordered[0].inflight_tokens += tokens_needed
+            if ordered:
+                ordered[0].inflight_tokens += prompt_tokens
+        if not ordered:  # none usable: the decode node prefills locally
+            self.offload.assign_local(chosen, prompt_tokens)
         return by_load[id(chosen)], [n.address for n in ordered]
+
+    def _prefilling(self, node: NodeState, prefills: list[str], tokens: int) -> Prefilling:
+        """Count the prompt on the node that prefills it (the first prefill address, else the decode
+        node) until its first token: the pending work `OffloadPolicy` compares."""
+        target = self.nodes.get(("prefill", prefills[0])) if prefills else node
+        return Prefilling((target or node).load, tokens)
 
     async def _choose_waiting(
         self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
@@ -337,11 +353,13 @@ class Cluster:
             )
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
+            prefilling = self._prefilling(node, prefills, len(req.prompt_token_ids))
             try:
                 hung = partial(self._hung_in, node, prefills)
                 async for event in events_within_deadline(call, self.token_deadline, hung):
                     if event.token_ids:
                         sent.extend(event.token_ids)
+                        prefilling.done()
                     usage = None
                     if event.finish_reason:
                         usage = common_pb2.Usage(
@@ -384,5 +402,6 @@ class Cluster:
                     self.migrations.inc()
                     log.warning("migrating %s after %d tokens: %s", request_id, len(sent), code.name)
             finally:
+                prefilling.done()
                 call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
                 asyncio.create_task(self._probe(node))  # refresh the load right after a response

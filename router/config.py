@@ -15,6 +15,7 @@ from node_runtime.tls_options import ClusterTLSOptions
 from router.deadlines import Deadlines
 from router.http_limits import ConnectionLimits
 from router.kv_routing import ROUTING_MODES
+from router.prefill_offload import DEFAULT_SATURATED_TOKENS, OffloadPolicy
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,14 @@ class ClusterOptions(ClusterTLSOptions):
     deadlines: Deadlines = field(default_factory=Deadlines)
     routing: str = "kv-aware"
     """kv-aware: decode and prefill nodes by cached prefix + load (router/kv_policy.py); wrr: by load only."""
+    prefill_saturated_tokens: int = DEFAULT_SATURATED_TOKENS
+    """Pending prompt tokens at which every prefill node counts as saturated and a decode node with a
+    shorter queue prefills the prompt itself (router/prefill_offload.py; 0: never)."""
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
+        OffloadPolicy(self.prefill_saturated_tokens)  # ValueError when out of range
 
 
 @dataclass(frozen=True)

@@ -73,9 +73,8 @@ class KvRouter:
         short = [n for n in fits if n.address in decision.addresses]
         chosen = self.decode_balancer.pick(short, tokens_needed, now)
         if chosen is not None:
+            # the prompt tokens it prefills itself, if any, are counted by the caller (router.prefill_offload)
             self._count("decode", decision.reason, chosen, overlap[chosen.address])
-            # work it may prefill itself (local prefill) until its next report says otherwise
-            chosen.inflight_tokens += max(len(prompt) - overlap[chosen.address] * chosen.block_size, 0)
         return chosen
 
     def decode_load(self, n: NodeLoad) -> float:

@@ -150,6 +150,14 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
         help="kv-aware: route each request to the nodes that hold most of its prompt's KV, bounded by load "
         "(nodes' KV events); wrr: weighted round robin on free KV only (default kv-aware)",
     )
+    p.add_argument(
+        "--prefill-saturated-tokens",
+        type=int,
+        default=None,
+        help="a prefill node with this many prompt tokens pending is saturated: while every prefill node is, "
+        "a decode node whose own pending prefill plus the prompt is no longer prefills the prompt itself "
+        "(0: never; default 256)",
+    )
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -192,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     from router.cluster import Cluster
     from router.cluster_metrics import ClusterCollector
     from router.kv_metrics import KvRoutingCollector
+    from router.prefill_offload import OffloadPolicy
     from router.request_metrics import RequestMetrics
     from router.serving import Server
 
@@ -214,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         registry=registry,
         tls=config.cluster.tls(),
         routing=config.cluster.routing,
+        offload=OffloadPolicy(config.cluster.prefill_saturated_tokens),
     )
     server = Server(
         cluster,

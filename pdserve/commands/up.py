@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
             router_args += ["--served-model-name", "pdserve-tiny"]
         if args.routing:
             router_args += ["--routing", args.routing]
+        if args.prefill_saturated_tokens is not None:
+            router_args += ["--prefill-saturated-tokens", str(args.prefill_saturated_tokens)]
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
         router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised(

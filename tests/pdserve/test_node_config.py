@@ -164,6 +164,14 @@ def test_router_config_from_flags_and_defaults(monkeypatch):
         router_config(build_parser().parse_args(["router", "--hung-after", "0"]))
 
 
+def test_router_prefill_saturated_tokens_flag():
+    assert router_config(build_parser().parse_args(["router"])).cluster.prefill_saturated_tokens == 256
+    args = build_parser().parse_args(["router", "--prefill-saturated-tokens", "0"])
+    assert router_config(args).cluster.prefill_saturated_tokens == 0  # offload off
+    with pytest.raises(SystemExit, match="prefill-saturated-tokens must be >= 0"):
+        router_config(build_parser().parse_args(["router", "--prefill-saturated-tokens", "-1"]))
+
+
 def test_kv_reuse_flags(capsys):
     decode = _node("decode", ["--kv-reuse", "off", "--local-prefill-max-tokens", "0"])
     assert decode.node.kv_reuse is False and decode.node.local_prefill_max_tokens == 0

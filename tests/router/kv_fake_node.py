@@ -117,10 +117,16 @@ class FakeKvNode(decode_pb2_grpc.DecodeServicer):
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
-    """A prefill node that reports load but serves no KV events (UNIMPLEMENTED: the router sees it cold)."""
+    """A prefill node that reports load but serves no KV events (UNIMPLEMENTED: the router sees it cold).
+    `queued` is the prompt tokens it reports pending."""
+
+    def __init__(self, queued: int = 0) -> None:
+        self.queued = queued
 
     async def GetLoad(self, request, context):
-        return common_pb2.LoadReport(role="prefill", node_id="p", compatibility=COMPAT, block_size=4)
+        return common_pb2.LoadReport(
+            role="prefill", node_id="p", compatibility=COMPAT, block_size=4, num_queued_prefill_tokens=self.queued
+        )
 
 
 async def serve(node: FakeKvNode | FakePrefill) -> tuple[grpc.aio.Server, str]:
