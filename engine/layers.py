@@ -65,6 +65,11 @@ class EagerOps:
     """The elementwise steps of a decoder layer in plain torch ops: the reference, on any device."""
 
     @staticmethod
+    def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A GEMM whose output feeds `add_rms_norm` (as residual) or `silu_mul`."""
+        return lin(x)
+
+    @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += residual (in place, x: [T, H]); returns rms_norm(x)."""
         if residual is not None:
@@ -90,6 +95,8 @@ class CpuFusedOps:
     """The same steps as `EagerOps`, one C++ pass each (`torch.ops.pdserve_cpu`, built by
     `engine.attention.cpu_build`); equal to EagerOps up to float rounding order."""
 
+    linear = EagerOps.linear
+
     @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.pdserve_cpu.add_rms_norm(x, residual, weight, eps)
@@ -106,6 +113,25 @@ class CpuFusedOps:
         torch.ops.pdserve_cpu.rotary(qkv, cos[:, 0], sin[:, 0], hq + hkv, d)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+
+
+class CpuCarryOps(CpuFusedOps):
+    """`CpuFusedOps` for a bfloat16 model whose linears run as float32 GEMMs (`Linear.out_dtype`):
+    norms and SiLU hand the next GEMM float32 tensors holding bf16 values, and the GEMMs that feed
+    them return unrounded float32, which these ops round where the bf16 chain would
+    (csrc/cpu_float_carry.cpp). Same results as CpuFusedOps, without a cast pass around each GEMM."""
+
+    @staticmethod
+    def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        return lin.float_out(x)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.add_rms_norm_carry(x, residual, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.silu_mul_carry(gate_up)
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -151,13 +177,21 @@ class Linear:
         self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out_dtype is not None:
+            return self.float_out(x).to(self.out_dtype)
         if self.packed is not None:
-            if self.out_dtype is not None:
-                y = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "")
-                return y.to(self.out_dtype)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+    def float_out(self, x: torch.Tensor) -> torch.Tensor:
+        """A bf16-through-float32 linear's float32 result before its rounding to bf16 (x: bf16, or
+        float32 holding bf16 values); any other linear's result as `__call__` gives it."""
+        if self.out_dtype is None:
+            return self(x)
+        assert self.packed is not None
+        x = x if x.dtype == torch.float32 else x.float()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
     def nbytes(self) -> int:
