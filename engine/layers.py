@@ -66,7 +66,7 @@ class EagerOps:
 
     @staticmethod
     def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-        """A GEMM whose output feeds `add_rms_norm` (as residual) or `silu_mul`."""
+        """A GEMM whose output feeds `rotate_qk`, `add_rms_norm` (as residual) or `silu_mul`."""
         return lin(x)
 
     @staticmethod
@@ -132,6 +132,15 @@ class CpuCarryOps(CpuFusedOps):
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.pdserve_cpu.silu_mul_carry(gate_up)
+
+    @staticmethod
+    def rotate_qk(
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # qkv: the float32 GEMM output; one pass rounds it to bf16 and rotates q and k
+        out = torch.ops.pdserve_cpu.rotary_carry(qkv, cos[:, 0], sin[:, 0], hq + hkv, d)
+        q, k, v = out.split([hq * d, hkv * d, hkv * d], dim=-1)
+        return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:

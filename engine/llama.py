@@ -115,7 +115,7 @@ class LlamaModel:
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         for local, (layer, next_norm) in enumerate(zip(self.layers, norms_after_mlp)):
             # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
-            qkv = layer.qkv(h)
+            qkv = ops.linear(layer.qkv, h)
             q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
             o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
             if layer_hook is not None:

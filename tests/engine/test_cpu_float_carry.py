@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.attention.cpu_build import load_paged_attention_op
-from engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, bf16_via_float32, can_prepack
+from engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding, bf16_via_float32, can_prepack
 
 SHAPES = [(1, 768), (1, 77), (37, 777), (200, 64)]
 
@@ -66,3 +66,41 @@ def test_linear_float_out_is_the_unrounded_call():
     raw = CpuCarryOps.linear(lin, x)
     assert raw.dtype == torch.float32 and torch.equal(raw.bfloat16(), lin(x))
     assert torch.equal(CpuCarryOps.linear(lin, x.float()), raw), "float32-held bf16 input: the same GEMM"
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("hq,hkv,d", [(12, 4, 64), (7, 7, 18), (3, 1, 130)])
+def test_rotate_qk_carry_equals_the_bf16_op(rows, hq, hkv, d):
+    g = torch.Generator().manual_seed(rows * d + hq + 4)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g)  # unrounded float32 GEMM output
+    cos, sin = RotaryEmbedding(_Rope(d), torch.device("cpu")).cos_sin(
+        torch.randint(0, 4096, (rows,), generator=g), torch.bfloat16
+    )
+    got = CpuCarryOps.rotate_qk(qkv, cos, sin, hq, hkv, d)
+    want = CpuFusedOps.rotate_qk(qkv.bfloat16(), cos, sin, hq, hkv, d)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+class _Rope:
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim, self.rope_theta, self.rope_scaling = head_dim, 10000.0, None
+
+
+def test_a_bf16_model_gives_the_same_logits_with_and_without_the_carry(tiny_model_dir):
+    """The whole decoder, prefill then decode: CpuCarryOps changes no bit of the logits."""
+    from engine.forward_batch import ForwardBatch
+    from engine.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, dtype="bfloat16", num_kv_blocks=8, attention_backend="cpu_paged")
+    runner.attention.wait_ready()
+    if not runner.model.carry:
+        pytest.skip("this CPU runs bf16 GEMMs natively: no float32 carry")
+    prefill = ForwardBatch(["a"], list(range(5, 25)), [20], [20], [[0, 1]], [True])
+    decode = ForwardBatch(["a"], [9], [1], [21], [[0, 1]], [True])
+    got = {}
+    for carry in (True, False):
+        runner.model.carry = carry
+        got[carry] = [runner.run(prefill), runner.run(decode)]
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
