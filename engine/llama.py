@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool
-from engine.layers import CpuFusedOps, EagerOps, Linear, RotaryEmbedding
+from engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding
 from engine.model_config import ModelConfig
 
 LayerHook = Callable[[int, ForwardBatch], None]
@@ -63,6 +63,10 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(config, device)
         self.scale = config.head_dim**-0.5
         self.reduce = all_reduce or (lambda t: t)
+        # bf16 linears through float32 (layers.bf16_via_float32): activations may travel as float32
+        # between the fused ops and the GEMMs; not under tensor parallelism, whose all-reduce sums
+        # each rank's bf16-rounded share
+        self.carry = all_reduce is None and any(layer.qkv.out_dtype is not None for layer in self.layers)
 
     @staticmethod
     def _fuse(t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
@@ -101,7 +105,9 @@ class LlamaModel:
             assert hidden is not None, "a later slice continues the previous slice's hidden states"
             x = hidden.clone()
         attn.begin_step(meta, kv_pool.layer(0).shape)
-        ops = CpuFusedOps if self.fused_ops and attn.uses_kernel and x.device.type == "cpu" else EagerOps
+        ops: type[EagerOps] | type[CpuFusedOps] = EagerOps
+        if self.fused_ops and attn.uses_kernel and x.device.type == "cpu":
+            ops = CpuCarryOps if self.carry else CpuFusedOps
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         # the norm after each residual add, so every add is fused into the norm that reads it
@@ -109,19 +115,19 @@ class LlamaModel:
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         for local, (layer, next_norm) in enumerate(zip(self.layers, norms_after_mlp)):
             # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
-            qkv = layer.qkv(h)
+            qkv = ops.linear(layer.qkv, h)
             q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
             o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
             if layer_hook is not None:
                 layer_hook(self.start + local, batch)
-            h = ops.add_rms_norm(x, self.reduce(layer.o_proj(o.reshape(-1, hq * d))), layer.post_norm, eps)
+            h = ops.add_rms_norm(x, self.reduce(ops.linear(layer.o_proj, o.reshape(-1, hq * d))), layer.post_norm, eps)
             # MLP block: SiLU-gated, gate_up [T, 2I] -> [T, I]
-            mlp = self.reduce(layer.down(ops.silu_mul(layer.gate_up(h))))
+            mlp = self.reduce(ops.linear(layer.down, ops.silu_mul(ops.linear(layer.gate_up, h))))
             if next_norm is None:  # a non-last pipeline stage hands on the un-normed stream
-                x.add_(mlp)
+                x.add_(mlp.to(x.dtype))
             else:
                 h = ops.add_rms_norm(x, mlp, next_norm, eps)
-        return h if self.is_last else x
+        return h.to(x.dtype) if self.is_last else x  # CpuCarryOps' last norm is float32
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (every linear and norm; not the embedding table,

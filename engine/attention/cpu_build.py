@@ -1,6 +1,6 @@
 """Builds (once, cached) and loads the C++ ops for CPU: paged attention and the fused elementwise ops.
 
-Both sources compile into one library (`torch.ops.pdserve_cpu.*`), so there is
+All sources compile into one library (`torch.ops.pdserve_cpu.*`), so there is
 one build, one cache entry and one fallback decision for all of them.
 
 The op is compiled on first use with `torch.utils.cpp_extension`, into a cache
@@ -28,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_fused_ops.cpp")
+SOURCES = (CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_fused_ops.cpp", CSRC / "cpu_float_carry.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""
 LIBRARY = "pdserve_cpu_paged.so"

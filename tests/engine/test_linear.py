@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import Linear, can_prepack
+from engine.layers import Linear, bf16_via_float32, can_prepack
 
 CPU = torch.device("cpu")
 
@@ -25,7 +25,12 @@ def test_prepacked_equals_f_linear(dtype: torch.dtype, rows: int, with_bias: boo
     want = F.linear(x, weight, bias)
     got = Linear(weight, bias, prepack=True)(x)
     assert got.dtype == want.dtype and got.shape == want.shape
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and bf16_via_float32():
+        # float32 GEMM of the widened operands, rounded once: a bf16 GEMM with float32 accumulation
+        exact = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)  # one bf16 rounding
+        assert (got != want).float().mean() < 0.05  # and F.linear's bits, but for summation-order ties
+    elif dtype == torch.bfloat16:
         assert torch.equal(got, want)  # the same oneDNN kernel, minus the per-call reorder
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # MKL vs oneDNN: summation order
@@ -38,6 +43,15 @@ def test_plain_linear_keeps_the_weight_and_packed_drops_it() -> None:
     if can_prepack(torch.float32, CPU):
         packed = Linear(weight, prepack=True)
         assert packed.weight is None and packed.packed is not None and packed.nbytes == plain.nbytes
+
+
+def test_bf16_through_float32_keeps_bf16_outputs() -> None:
+    if not can_prepack(torch.bfloat16, CPU) or not bf16_via_float32():
+        pytest.skip("this CPU has oneDNN bf16 kernels: bf16 weights are packed as bf16")
+    weight = torch.randn(8, 4).bfloat16()
+    lin = Linear(weight, torch.zeros(8, dtype=torch.bfloat16), prepack=True)
+    assert lin.out_dtype == torch.bfloat16 and lin.nbytes == 8 * 4 * 4  # packed as float32
+    assert lin(torch.randn(3, 4).bfloat16()).dtype == torch.bfloat16
 
 
 def test_no_prepacking_off_cpu_or_for_float16() -> None:

@@ -28,27 +28,6 @@ using pds::f2b;
 
 inline float rb(float f) { return b2f(f2b(f)); }  // a bf16 store and reload
 
-// exp for the vectorised loops (Cephes polynomial, ~1 ulp on the range SiLU needs); std::exp does
-// not vectorise without -ffast-math
-inline float fast_exp(float x) {
-  x = x > 88.3762626647949f ? 88.3762626647949f : (x < -87.3365447505531f ? -87.3365447505531f : x);
-  // round to nearest through the float adder: std::nearbyint is a libm call that blocks vectorising
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return p * scale;
-}
-
 // ---- per-row kernels (one row = one token) ----
 
 PDS_CLONES float sum_sq_f32(const float* x, int64_t n) {
@@ -90,7 +69,7 @@ PDS_CLONES void scale_bf16(uint16_t* y, const uint16_t* x, const uint16_t* w, fl
 
 // silu(g) * u = g / (1 + exp(-g)) * u
 PDS_CLONES void silu_mul_f32(float* y, const float* g, const float* u, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + pds::fast_exp(-g[i])) * u[i];
 }
 // in float32 chunks: GCC does not vectorise the one-loop form (bf16 widening, exp and narrowing)
 PDS_CLONES void silu_mul_bf16(uint16_t* y, const uint16_t* g, const uint16_t* u, int64_t n) {
@@ -98,7 +77,7 @@ PDS_CLONES void silu_mul_bf16(uint16_t* y, const uint16_t* g, const uint16_t* u,
   for (int64_t start = 0; start < n; start += 256) {
     const int64_t len = std::min<int64_t>(256, n - start);
     for (int64_t i = 0; i < len; ++i) buf[i] = b2f(g[start + i]);
-    for (int64_t i = 0; i < len; ++i) buf[i] = buf[i] / (1.0f + fast_exp(-buf[i]));
+    for (int64_t i = 0; i < len; ++i) buf[i] = buf[i] / (1.0f + pds::fast_exp(-buf[i]));
     for (int64_t i = 0; i < len; ++i) y[start + i] = f2b(rb(buf[i]) * b2f(u[start + i]));
   }
 }
