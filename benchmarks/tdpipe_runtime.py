@@ -31,6 +31,7 @@ engine is timed from its first step to its last.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
@@ -186,6 +187,7 @@ def main() -> None:
     )
     parser.add_argument("--skip-llm", action="store_true", help="leave out the engine.LLM baseline")
     parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run")
+    parser.add_argument("--dump", default=None, help="write the stages' raw timelines (JSON) of every runtime run")
     args = parser.parse_args()
 
     from engine.attention import cpu_build
@@ -320,6 +322,8 @@ def main() -> None:
             args.plot,
         )
         print(f"wrote {args.plot}", flush=True)
+    if args.dump:
+        Path(args.dump).write_text(json.dumps({n: r["timelines"] for n, r in results.items() if "timelines" in r}))
 
     td = results["tdpipe"]["tok_s"]
     emit(

@@ -35,6 +35,7 @@ from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from tdpipe.cost_table import CostTable
+from tdpipe.runtime.profile_comm import measure_overheads, pipeline_overheads
 from tdpipe.runtime.stage_worker import stage_layer_range
 
 
@@ -50,6 +51,10 @@ class StageProfile:
     """Decode step time by batch size (one new token per request)."""
     prefill_ms: dict[int, float] = field(default_factory=dict)
     """Prefill time by total prompt tokens (whole prompts of `prefill_prompt_len` tokens)."""
+    handoff_ms: dict[int, float] = field(default_factory=dict)
+    """Sending this stage's hidden states to the next, by tokens (empty on the last stage)."""
+    dispatch_ms: dict[int, float] = field(default_factory=dict)
+    """First stage only: the controller's round trip into it, by decode batch size (profile_comm)."""
 
 
 def _blocks(n: int, block_size: int) -> int:
@@ -165,9 +170,24 @@ def profile_stages(
                     runner, prefill_batch(n, prefill_prompt_len, block_size, cfg.vocab_size), hidden(n), repeats
                 )
             profiles.append(prof)
+            stage_dtype = runner.dtype  # what the hand-offs carry
             del runner
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()  # the stages load right after: give their memory back
+        if num_stages > 1:  # hidden states cross stage boundaries; gloo moves them through CPU memory
+            handoff, dispatch = measure_overheads(
+                cfg.hidden_size,
+                stage_dtype,
+                sorted(set(decode_batches) | set(prefill_tokens)),
+                decode_batches,
+                decode_context,
+                block_size,
+            )
+            for prof in profiles[:-1]:
+                prof.handoff_ms = dict(handoff)
+        else:
+            _, dispatch = measure_overheads(cfg.hidden_size, stage_dtype, [1], decode_batches, decode_context)
+        profiles[0].dispatch_ms = dispatch
     finally:
         torch.set_num_threads(previous_threads)
     return profiles
@@ -217,7 +237,7 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decod
     for n in tokens:
         running = max(running, rows[n])  # a bigger batch never costs less (noise can say otherwise)
         times.append(running * num_stages)
-    return CostTable(name, tuple(tokens), tuple(times))
+    return CostTable(name, tuple(tokens), tuple(times), pipeline_overheads(profiles, cut))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,159 @@
+"""Measure the pipeline's hand-off and dispatch costs for the simulator (`tdpipe.overheads`).
+
+Part of the profile pass (`profile.py` times the forwards). Two gloo ranks in two threads of
+this process, over the loopback transport the stages use, replay what the runtime sends:
+
+- hand-off: one stage's hidden states (`tokens x hidden` in the model's dtype) to the next, from
+  the sender's `send` to the receiver holding the tensor;
+- dispatch: the controller's round trip for a decode batch of n requests: the last stage's
+  `(2, n)` token tensor back to the controller, then the controller building the next
+  `StageMessage` (its block tables at the job's decode KV length), pickling it and sending it, and
+  the first stage receiving and unpickling it.
+
+Each point is the median of `repeats` trials after one warm-up; `LinearCost.fit` turns the points
+into `base + per_token * n`. A thread's wake-up stands in for another process's: on a machine
+whose cores are oversubscribed both include the scheduler's latency, as the real runtime does.
+"""
+
+from __future__ import annotations
+
+import pickle
+import statistics
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.forward_batch import ForwardBatch
+from tdpipe.overheads import LinearCost, PipelineOverheads
+from tdpipe.runtime.last_stage import StageMessage
+
+if TYPE_CHECKING:
+    from tdpipe.runtime.profile import StageProfile
+
+
+def _pair() -> tuple[dist.ProcessGroupGloo, dist.ProcessGroupGloo]:
+    """Two connected gloo ranks in this process (their constructors meet, so they run in threads)."""
+    store = dist.HashStore()
+    groups: list = [None, None]
+
+    def make(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return groups[0], groups[1]
+
+
+def _send_object(group: dist.ProcessGroupGloo, obj: object, dst: int) -> None:
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    group.send([torch.tensor([payload.numel()], dtype=torch.long)], dst, 0).wait()
+    group.send([payload], dst, 0).wait()
+
+
+def _recv_object(group: dist.ProcessGroupGloo, src: int) -> object:
+    size = torch.empty(1, dtype=torch.long)
+    group.recv([size], src, 0).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.recv([payload], src, 0).wait()
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def _timed(foreground: Callable[[], None], background: Callable[[], None]) -> float:
+    """Milliseconds `foreground` takes while `background` runs in a thread started before it."""
+    thread = threading.Thread(target=background)
+    thread.start()
+    t0 = time.perf_counter()
+    foreground()
+    elapsed = (time.perf_counter() - t0) * 1000.0
+    thread.join()
+    return elapsed
+
+
+def _decode_message(n: int, context: int, block_size: int) -> StageMessage:
+    per_seq = -(-context // block_size)
+    return StageMessage(
+        ForwardBatch(
+            request_ids=[str(1000 + i) for i in range(n)],
+            input_ids=[17] * n,
+            query_lens=[1] * n,
+            context_lens=[context] * n,
+            block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)],
+            sample_mask=[True] * n,
+        )
+    )
+
+
+def measure_overheads(
+    hidden_size: int,
+    dtype: torch.dtype,
+    handoff_tokens: list[int],
+    decode_batches: list[int],
+    decode_context: int,
+    block_size: int = 16,
+    repeats: int = 9,
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(hand-off ms by tokens, dispatch ms by decode batch size), medians (module docstring)."""
+    a, b = _pair()  # a: the controller's end, b: the stages' end
+    ping, pong = torch.zeros(1), torch.empty(1)
+    for _ in range(3):  # the first messages set up the connection's buffers: not a hand-off's cost
+        _timed(lambda: a.send([ping], 1, 0).wait(), lambda: b.recv([pong], 0, 0).wait())
+    handoff: dict[int, float] = {}
+    for n in sorted(set(handoff_tokens)):
+        x, y = torch.randn(n, hidden_size).to(dtype), torch.empty(n, hidden_size, dtype=dtype)
+
+        def there_and_back() -> None:
+            a.send([x], 1, 0).wait()
+            a.recv([x], 1, 0).wait()
+
+        def echo() -> None:
+            b.recv([y], 0, 0).wait()
+            b.send([y], 0, 0).wait()
+
+        # a ping-pong of the hidden states: half of it is one hand-off, wake-up included
+        times = [_timed(there_and_back, echo) / 2 for _ in range(repeats + 1)]
+        handoff[n] = statistics.median(times[1:])
+    dispatch: dict[int, float] = {}
+    for n in sorted(set(decode_batches)):
+        tokens, got = torch.zeros(2, n, dtype=torch.long), torch.empty(2, n, dtype=torch.long)
+
+        def stages(n: int = n) -> None:  # the last stage's tokens out, the next control message in
+            b.send([tokens], 0, 0).wait()
+            _recv_object(b, 0)
+
+        def controller(n: int = n) -> None:
+            a.recv([got], 1, 0).wait()
+            _send_object(a, _decode_message(n, decode_context, block_size), 1)
+
+        times = [_timed(stages, controller) for _ in range(repeats + 1)]
+        dispatch[n] = statistics.median(times[1:])
+    return handoff, dispatch
+
+
+def _shares(curves: list[dict[int, float]], keep: Callable[[int], bool]) -> tuple[float, ...]:
+    """Per stage, the mean over the kept points of its time over the slowest stage's."""
+    points = [n for n in curves[0] if keep(n) and all(n in c for c in curves)]
+    if not points:
+        return ()
+    ratios = [[c[n] / max(d[n] for d in curves) for n in points] for c in curves]
+    return tuple(min(1.0, max(1e-3, sum(r) / len(r))) for r in ratios)
+
+
+def pipeline_overheads(profiles: list[StageProfile], decode_max: int) -> PipelineOverheads:
+    """The fitted overheads of profiled stages: hand-off and dispatch lines through the measured
+    points (zero where none were measured) and the stages' time shares, decode batches up to
+    `decode_max` (the table's decode range) and prefill batches."""
+    handoff = profiles[0].handoff_ms if len(profiles) > 1 else {}
+    dispatch = profiles[0].dispatch_ms
+    return PipelineOverheads(
+        LinearCost.fit(handoff) if handoff else LinearCost(),
+        LinearCost.fit(dispatch) if dispatch else LinearCost(),
+        _shares([p.decode_ms for p in profiles], lambda n: n <= decode_max),
+        _shares([p.prefill_ms for p in profiles], lambda n: n > decode_max),
+    )
