@@ -182,6 +182,8 @@ def profile_stages(
                 decode_batches,
                 decode_context,
                 block_size,
+                prefill_tokens=max(prefill_tokens),
+                prompt_len=prefill_prompt_len,
             )
             for prof in profiles[:-1]:
                 prof.handoff_ms = dict(handoff)

@@ -76,16 +76,20 @@ def _timed(foreground: Callable[[], None], background: Callable[[], None]) -> fl
     return elapsed
 
 
-def _decode_message(n: int, context: int, block_size: int) -> StageMessage:
+def _message(seqs: int, context: int, num_tokens: int, block_size: int) -> StageMessage:
+    """A control message of `seqs` sequences of `context` KV tokens computing `num_tokens` new ones
+    (a decode batch: num_tokens == seqs; a prefill batch: whole prompts)."""
     per_seq = -(-context // block_size)
+    query = [num_tokens // seqs] * seqs
+    query[-1] += num_tokens - sum(query)
     return StageMessage(
         ForwardBatch(
-            request_ids=[str(1000 + i) for i in range(n)],
-            input_ids=[17] * n,
-            query_lens=[1] * n,
-            context_lens=[context] * n,
-            block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)],
-            sample_mask=[True] * n,
+            request_ids=[str(1000 + i) for i in range(seqs)],
+            input_ids=[17] * num_tokens,
+            query_lens=query,
+            context_lens=[max(context, q) for q in query],
+            block_tables=[list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)],
+            sample_mask=[True] * seqs,
         )
     )
 
@@ -98,8 +102,12 @@ def measure_overheads(
     decode_context: int,
     block_size: int = 16,
     repeats: int = 9,
+    prefill_tokens: int = 0,
+    prompt_len: int = 256,
 ) -> tuple[dict[int, float], dict[int, float]]:
-    """(hand-off ms by tokens, dispatch ms by decode batch size), medians (module docstring)."""
+    """(hand-off ms by tokens, dispatch ms by batch tokens), medians (module docstring); dispatch
+    at each decode batch size and, with `prefill_tokens`, at one prefill batch of whole prompts of
+    `prompt_len` tokens."""
     a, b = _pair()  # a: the controller's end, b: the stages' end
     ping, pong = torch.zeros(1), torch.empty(1)
     for _ in range(3):  # the first messages set up the connection's buffers: not a hand-off's cost
@@ -120,16 +128,22 @@ def measure_overheads(
         times = [_timed(there_and_back, echo) / 2 for _ in range(repeats + 1)]
         handoff[n] = statistics.median(times[1:])
     dispatch: dict[int, float] = {}
-    for n in sorted(set(decode_batches)):
-        tokens, got = torch.zeros(2, n, dtype=torch.long), torch.empty(2, n, dtype=torch.long)
+    # decode messages by batch size, and the largest prefill message (its token ids dominate), so
+    # that the fitted per-token term spans both kinds of batch
+    messages = {n: (n, decode_context) for n in decode_batches}
+    if prefill_tokens:
+        messages[prefill_tokens] = (max(1, prefill_tokens // max(1, prompt_len)), prompt_len)
+    for n in sorted(messages):
+        seqs, context = messages[n]
+        tokens, got = torch.zeros(2, seqs, dtype=torch.long), torch.empty(2, seqs, dtype=torch.long)
 
-        def stages(n: int = n) -> None:  # the last stage's tokens out, the next control message in
+        def stages() -> None:  # the last stage's tokens out, the next control message in
             b.send([tokens], 0, 0).wait()
             _recv_object(b, 0)
 
-        def controller(n: int = n) -> None:
+        def controller(seqs: int = seqs, context: int = context, n: int = n) -> None:
             a.recv([got], 1, 0).wait()
-            _send_object(a, _decode_message(n, decode_context, block_size), 1)
+            _send_object(a, _message(seqs, context, n, block_size), 1)
 
         times = [_timed(stages, controller) for _ in range(repeats + 1)]
         dispatch[n] = statistics.median(times[1:])
@@ -142,7 +156,9 @@ def _shares(curves: list[dict[int, float]], keep: Callable[[int], bool]) -> tupl
     if not points:
         return ()
     ratios = [[c[n] / max(d[n] for d in curves) for n in points] for c in curves]
-    return tuple(min(1.0, max(1e-3, sum(r) / len(r))) for r in ratios)
+    means = [sum(r) / len(r) for r in ratios]
+    # relative to the slowest stage on average: noise can make the per-point slowest alternate
+    return tuple(max(1e-3, m / max(means)) for m in means)
 
 
 def pipeline_overheads(profiles: list[StageProfile], decode_max: int) -> PipelineOverheads:
