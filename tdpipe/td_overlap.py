@@ -23,6 +23,7 @@ from typing import Sequence
 
 from tdpipe.executor import Executor, SimExecutor
 from tdpipe.memory_sim import FutureMemory
+from tdpipe.overheads import decode_batches_in_flight
 from tdpipe.pipeline import SimStats, blocks_for
 from tdpipe.td_scheduler import TDPipeScheduler
 from tdpipe.work_stealing import WorkStealer
@@ -57,6 +58,8 @@ class OverlapTDPipe(TDPipeScheduler):
                     self.stats.phase_switches.append((now, "decode"))
                     held = stealer.drain_held()
                     phase = _Phase(self, held)
+                    # more batches than stages where that hides the per-batch round trip (overheads)
+                    stealer.resize(decode_batches_in_flight(self.table, self.inst.num_stages, len(held)))
                     for b in stealer.start(held):
                         if b:
                             self._submit_decode(b, now)
@@ -84,7 +87,7 @@ class OverlapTDPipe(TDPipeScheduler):
                     self._fill_slots(stealer, now)
                 continue
             phase.num_returns += 1
-            step = phase.num_returns // self.inst.num_stages
+            step = phase.num_returns // stealer.num_stages  # a step: every batch advanced once
             remaining = []
             for item in done.items:
                 r = item.request
@@ -143,7 +146,7 @@ class OverlapTDPipe(TDPipeScheduler):
         """Once the prefills are back: if batches emptied out while they ran, give the pipeline
         its `num_stages` decode batches again from the held-back requests."""
         in_flight = sum(1 for b in self.ex.inflight if b.phase != "prefill")
-        missing = self.inst.num_stages - in_flight
+        missing = stealer.num_stages - in_flight
         if missing <= 0 or not in_flight or not stealer.held:
             return  # nothing in flight at all: the main loop starts a fresh phase
         held = stealer.drain_held()
