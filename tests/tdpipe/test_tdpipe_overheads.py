@@ -76,3 +76,15 @@ def test_measure_overheads_replays_the_messages_quickly() -> None:
     )
     assert set(handoff) == {1, 256} and set(dispatch) == {1, 8, 256}
     assert all(0 < t < 5_000 for t in [*handoff.values(), *dispatch.values()])
+
+
+def test_the_measured_overheads_are_cached_with_the_profile(tmp_path) -> None:
+    from tdpipe.runtime import profile_cache as pc
+
+    first = _profile(0, {1: 5.0}, {512: 40.0})
+    first.handoff_ms, first.dispatch_ms = {1: 1.0, 512: 2.0}, {1: 3.0}
+    key = {"version": pc.CACHE_VERSION, "model": "m"}
+    pc.save(tmp_path / "p.json", key, [first, _profile(1, {1: 6.0}, {512: 41.0})])
+    loaded = pc.load(tmp_path / "p.json", key)
+    assert loaded is not None and loaded[0].handoff_ms == {1: 1.0, 512: 2.0} and loaded[0].dispatch_ms == {1: 3.0}
+    assert pc.CACHE_VERSION >= 2  # profiles cached before the overheads were measured are not reused
