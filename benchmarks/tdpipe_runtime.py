@@ -51,12 +51,12 @@ from tdpipe.runtime.timeline import bubble_fraction, job_span, plot_timelines
 from tdpipe.simulator import CLI_NAMES, make_policy
 from tdpipe.workload import SimRequest, WorkloadConfig, generate
 
-POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")} | {"tdpipe-drain": "td-pipe-drain"}
+POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")} | {"tdpipe-overlap": "td-pipe-overlap"}
 """Runtime (`pdserve batch --policy`) name -> the simulator's name of the same policy object
-(`tdpipe-drain`: TD-Pipe whose phase switches drain the pipeline, the policy before td_overlap)."""
+(`tdpipe-overlap`: the experimental TD-Pipe whose phase switches do not drain, tdpipe/td_overlap.py)."""
 LABELS = {
     "tdpipe": "TD-Pipe",
-    "tdpipe-drain": "TD-Pipe (draining switches)",
+    "tdpipe-overlap": "TD-Pipe (overlapped switches)",
     "pp-sb": "PP+SB",
     "pp-hb": "PP+HB",
     "llm": "engine.LLM (1 process)",

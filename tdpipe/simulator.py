@@ -19,14 +19,14 @@ Policy = TDPipeScheduler | OverlapTDPipe | PPScheduler
 PolicyFactory = Callable[[CostTable, InstanceConfig], Policy]
 
 
-def _td(name: str, drain: bool = False, **opts: object) -> PolicyFactory:
-    cls = TDPipeScheduler if drain else OverlapTDPipe
+def _td(name: str, overlap: bool = False, **opts: object) -> PolicyFactory:
+    cls = OverlapTDPipe if overlap else TDPipeScheduler
     return lambda table, inst: cls(table, inst, TDPipeOptions(**opts), name)  # type: ignore[arg-type]
 
 
 POLICIES: dict[str, PolicyFactory] = {
     "td-pipe": _td("td-pipe"),
-    "td-pipe-drain": _td("td-pipe-drain", drain=True),
+    "td-pipe-overlap": _td("td-pipe-overlap", overlap=True),
     "td-pipe-no-stealing": _td("td-pipe-no-stealing", work_stealing=False),
     "td-pipe-kv-threshold": _td("td-pipe-kv-threshold", prefill_switch="kv_threshold"),
     "td-pipe-completion": _td("td-pipe-completion", decode_switch="completion"),

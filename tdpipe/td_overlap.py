@@ -1,6 +1,7 @@
 """TD-Pipe whose phase switches do not drain the pipeline.
 
-`TDPipeScheduler` (the `td-pipe-drain` policy) ends a decode phase by letting every decode
+Experimental (the `td-pipe-overlap` policy; `td-pipe` stays `TDPipeScheduler`, see the last
+section of docs/tdpipe.md for why). `TDPipeScheduler` ends a decode phase by letting every decode
 batch in flight come back, and starts the next one only when the last prefill has left the last
 stage: at each switch the first stage idles while the last decode batch crosses the later stages,
 and again while the last prefill does. On the real 2-stage runtime that drain and refill were
@@ -42,7 +43,7 @@ class _Phase:
 
 
 class OverlapTDPipe(TDPipeScheduler):
-    """TD-Pipe with non-draining phase switches (module docstring); the `td-pipe` policy."""
+    """TD-Pipe with non-draining phase switches (module docstring); the `td-pipe-overlap` policy."""
 
     def run(self, requests: Sequence[SimRequest], executor: Executor | None = None) -> SimStats:
         self.ex = executor or SimExecutor(self.table, self.inst.num_stages)

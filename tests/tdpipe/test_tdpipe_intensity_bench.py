@@ -13,7 +13,7 @@ def test_probed_run_matches_the_plain_simulator_and_records_switches() -> None:
     reqs = generate(WorkloadConfig(num_requests=200, seed=3))
     table, inst = CostTable.analytic(), InstanceConfig(capacity_blocks=3000)
     row = run_one(table, inst, reqs, "after", TDPipeOptions(), {})
-    plain = simulate("td-pipe-drain", table, inst, reqs)  # the benchmark probes the draining scheduler
+    plain = simulate("td-pipe", table, inst, reqs)
     assert row["tok_s"] == round(plain.throughput, 1)  # probing does not change the run
     assert row["cycles"] >= 2 and row["sw_done"] is not None and 0 < row["sw_done"] < 1
     assert 0 < row["sw_spatial"] <= 1 and row["decode_batch"] > 1

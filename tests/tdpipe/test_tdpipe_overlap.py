@@ -64,11 +64,11 @@ def _workload() -> list[SimRequest]:
 
 
 def test_switches_overlap_and_never_over_commit_the_kv() -> None:
-    overlap, stats = _run("td-pipe", CostTable.analytic(), _workload())
+    overlap, stats = _run("td-pipe-overlap", CostTable.analytic(), _workload())
     assert len(stats.phase_switches) > 2  # the KV binds: several prefill phases
     assert overlap.prefill_behind_decode > 0
-    drained, _ = _run("td-pipe-drain", CostTable.analytic(), _workload())
-    assert drained.prefill_behind_decode == 0  # the old policy empties the pipeline first
+    drained, _ = _run("td-pipe", CostTable.analytic(), _workload())
+    assert drained.prefill_behind_decode == 0  # the default policy empties the pipeline first
 
 
 def test_overlap_and_more_batches_hide_a_costly_round_trip() -> None:
@@ -76,8 +76,8 @@ def test_overlap_and_more_batches_hide_a_costly_round_trip() -> None:
     # draining at every switch and 2 batches on 2 stages leave the stages idle for it
     over = PipelineOverheads(LinearCost(1.0, 0.001), LinearCost(8.0, 0.0))
     table = CostTable("cpu-like", (1, 64, 1024), (4.0, 60.0, 600.0), over)
-    _, overlapped = _run("td-pipe", table, _workload())
-    _, drained = _run("td-pipe-drain", table, _workload())
+    _, overlapped = _run("td-pipe-overlap", table, _workload())
+    _, drained = _run("td-pipe", table, _workload())
     bubble = lambda s: s.bubble_ms / (s.num_stages * s.makespan_ms)  # noqa: E731
     assert overlapped.throughput > 1.03 * drained.throughput
     assert bubble(overlapped) < bubble(drained) - 0.05
