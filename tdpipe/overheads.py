@@ -18,10 +18,6 @@ Zero overheads (the default) are the ideal pipeline of the paper's simulator.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tdpipe.cost_table import CostTable
 
 
 @dataclass(frozen=True)
@@ -100,24 +96,3 @@ class PipelineOverheads:
             tuple(map(float, data.get("decode_shares", ()))),
             tuple(map(float, data.get("prefill_shares", ()))),
         )
-
-
-def decode_batches_in_flight(table: "CostTable", num_stages: int, num_requests: int) -> int:
-    """How many decode batches to keep in the pipeline: `num_stages` (the paper's choice, and the
-    answer with zero overheads) unless more, smaller batches hide the round trip of each batch.
-
-    A batch cycles through the stages, the hand-offs and the dispatch before its next step can
-    start; with k batches of the `num_requests` requests a stage is busy k stage-times per cycle,
-    so a round of steps takes max(k * t, num_stages * t + hand-offs + dispatch). Up to twice the
-    stage count is tried; more batches are used only for a gain of over 2% (smaller batches
-    cost more per token where a step has a fixed part)."""
-    over = table.overheads
-    best_k, best = num_stages, 0.0
-    for k in range(num_stages, 2 * num_stages + 1):
-        b = max(1, -(-num_requests // k))
-        t = table.stage_ms(b, num_stages)
-        cycle = max(k * t, num_stages * t + (num_stages - 1) * over.handoff(b) + over.dispatch(b))
-        rate = k * b / cycle
-        if rate > best * 1.02:
-            best_k, best = k, rate
-    return best_k

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from tdpipe.executor import Executor, SimExecutor
 from tdpipe.memory_sim import FutureMemory
-from tdpipe.overheads import decode_batches_in_flight
+from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats, blocks_for
 from tdpipe.td_scheduler import TDPipeScheduler
 from tdpipe.work_stealing import WorkStealer
@@ -155,3 +155,24 @@ class OverlapTDPipe(TDPipeScheduler):
             if b:
                 stealer.window.append(len(b))
                 self._submit_decode(b, now)
+
+
+def decode_batches_in_flight(table: CostTable, num_stages: int, num_requests: int) -> int:
+    """How many decode batches to keep in the pipeline: `num_stages` (the paper's choice, and the
+    answer with zero overheads) unless more, smaller batches hide the round trip of each batch.
+
+    A batch cycles through the stages, the hand-offs and the dispatch before its next step can
+    start; with k batches of the `num_requests` requests a stage is busy k stage-times per cycle,
+    so a round of steps takes max(k * t, num_stages * t + hand-offs + dispatch). Up to twice the
+    stage count is tried; more batches are used only for a gain of over 2% (smaller batches
+    cost more per token where a step has a fixed part)."""
+    over = table.overheads
+    best_k, best = num_stages, 0.0
+    for k in range(num_stages, 2 * num_stages + 1):
+        b = max(1, -(-num_requests // k))
+        t = table.stage_ms(b, num_stages)
+        cycle = max(k * t, num_stages * t + (num_stages - 1) * over.handoff(b) + over.dispatch(b))
+        rate = k * b / cycle
+        if rate > best * 1.02:
+            best_k, best = k, rate
+    return best_k

@@ -242,7 +242,14 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decod
     for n in tokens:
         running = max(running, rows[n])  # a bigger batch never costs less (noise can say otherwise)
         times.append(running * num_stages)
-    return CostTable(name, tuple(tokens), tuple(times), pipeline_overheads(profiles, cut))
+    over = pipeline_overheads(
+        [p.decode_ms for p in profiles],
+        [p.prefill_ms for p in profiles],
+        profiles[0].handoff_ms,
+        profiles[0].dispatch_ms,
+        cut,
+    )
+    return CostTable(name, tuple(tokens), tuple(times), over)
 
 
 def profile_at(model_dir: str | Path, num_stages: int, plan: ProfilePlan, **options) -> list[StageProfile]:

@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,6 @@ import torch.distributed as dist
 from engine.forward_batch import ForwardBatch
 from tdpipe.overheads import LinearCost, PipelineOverheads
 from tdpipe.runtime.last_stage import StageMessage
-
-if TYPE_CHECKING:
-    from tdpipe.runtime.profile import StageProfile
 
 
 def _pair() -> tuple[dist.ProcessGroupGloo, dist.ProcessGroupGloo]:
@@ -161,15 +158,20 @@ def _shares(curves: list[dict[int, float]], keep: Callable[[int], bool]) -> tupl
     return tuple(max(1e-3, m / max(means)) for m in means)
 
 
-def pipeline_overheads(profiles: list[StageProfile], decode_max: int) -> PipelineOverheads:
-    """The fitted overheads of profiled stages: hand-off and dispatch lines through the measured
-    points (zero where none were measured) and the stages' time shares, decode batches up to
-    `decode_max` (the table's decode range) and prefill batches."""
-    handoff = profiles[0].handoff_ms if len(profiles) > 1 else {}
-    dispatch = profiles[0].dispatch_ms
+def pipeline_overheads(
+    decode: list[dict[int, float]],
+    prefill: list[dict[int, float]],
+    handoff: dict[int, float],
+    dispatch: dict[int, float],
+    decode_max: int,
+) -> PipelineOverheads:
+    """The fitted overheads of profiled stages (per stage: decode and prefill curves; the measured
+    hand-off and dispatch points): lines through the points (zero where none were measured) and
+    the stages' time shares, decode batches up to `decode_max` (the table's decode range) and
+    prefill batches."""
     return PipelineOverheads(
-        LinearCost.fit(handoff) if handoff else LinearCost(),
+        LinearCost.fit(handoff) if handoff and len(decode) > 1 else LinearCost(),
         LinearCost.fit(dispatch) if dispatch else LinearCost(),
-        _shares([p.decode_ms for p in profiles], lambda n: n <= decode_max),
-        _shares([p.prefill_ms for p in profiles], lambda n: n > decode_max),
+        _shares(decode, lambda n: n <= decode_max),
+        _shares(prefill, lambda n: n > decode_max),
     )

@@ -67,7 +67,8 @@ def test_profiled_table_carries_the_fitted_overheads() -> None:
     over = table.overheads
     assert over.decode_shares == pytest.approx((0.5, 1.0)) and over.prefill_shares == pytest.approx((1.0, 1.0))
     assert over.handoff(2048) == pytest.approx(3.0) and over.dispatch(8) == pytest.approx(2.0)
-    assert pipeline_overheads([first], 8).handoff == LinearCost()  # one stage hands nothing off
+    one = pipeline_overheads([first.decode_ms], [first.prefill_ms], first.handoff_ms, first.dispatch_ms, 8)
+    assert one.handoff == LinearCost()  # one stage hands nothing off
 
 
 def test_measure_overheads_replays_the_messages_quickly() -> None:
