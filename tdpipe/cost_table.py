@@ -9,6 +9,8 @@ from pathlib import Path
 
 import os
 
+from tdpipe.overheads import PipelineOverheads
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TABLES_ENV = "PDSERVE_TDPIPE_TABLES"
 PUBLISHED_SOURCE = (
@@ -39,6 +41,9 @@ class CostTable:
     """Sorted token counts, the first one >= 1."""
     times_ms: tuple[float, ...]
     """Forward time in milliseconds for each entry of `tokens`."""
+    overheads: PipelineOverheads = PipelineOverheads()
+    """What a real pipeline pays besides the forwards (hand-off, dispatch, unequal stages), as
+    measured by the runtime's profile pass; zero for the published tables (an ideal pipeline)."""
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.times_ms):

@@ -134,7 +134,8 @@ class SimExecutor(Executor):
         if self.pipe is None:
             raise RuntimeError("attach() the policy's stats before submitting")
         # A flow shop with FIFO order: the exit time is known at entry.
-        batch.end_ms = self.pipe.submit(batch.num_tokens, batch.ready_ms)
+        decode = all(item.num_tokens == 1 for item in batch.items)
+        batch.end_ms = self.pipe.submit(batch.num_tokens, batch.ready_ms, decode)
 
     def _complete(self, batch: Batch) -> None:
         pass  # end_ms was computed at submission

@@ -59,14 +59,22 @@ class Pipeline:
         self.stats = stats
         stats.num_stages = num_stages
 
-    def submit(self, num_tokens: int, ready_ms: float) -> float:
-        """Run a batch of `num_tokens` tokens that may start at `ready_ms`; returns its exit time."""
+    def submit(self, num_tokens: int, ready_ms: float, decode: bool = False) -> float:
+        """Run a batch of `num_tokens` tokens that may start at `ready_ms`; returns its exit time.
+
+        With the table's fitted overheads (`tdpipe.overheads`), the batch reaches the first stage
+        a dispatch after `ready_ms`, each later stage a hand-off after the previous one let it go,
+        and a stage faster than the slowest takes its share of the slowest stage's time."""
+        over = self.table.overheads
         t = self.table.stage_ms(num_tokens, self.num_stages)
-        end = ready_ms
+        shares = over.shares(self.num_stages, decode)
+        end = ready_ms + over.dispatch(num_tokens)
         for k in range(self.num_stages):
-            end = max(end, self.stage_free[k]) + t
+            if k:
+                end += over.handoff(num_tokens)
+            end = max(end, self.stage_free[k]) + t * shares[k]
             self.stage_free[k] = end
-        self.stats.busy_ms += t * self.num_stages
+        self.stats.busy_ms += t * sum(shares)
         self.stats.makespan_ms = max(self.stats.makespan_ms, end)
         return end
 

@@ -10,20 +10,23 @@ from tdpipe.config import InstanceConfig, TDPipeOptions
 from tdpipe.cost_table import CostTable
 from tdpipe.pipeline import SimStats
 from tdpipe.pp_scheduler import PPScheduler
+from tdpipe.td_overlap import OverlapTDPipe
 from tdpipe.td_scheduler import TDPipeScheduler
 from tdpipe.workload import SimRequest
 
-Policy = TDPipeScheduler | PPScheduler
+Policy = TDPipeScheduler | OverlapTDPipe | PPScheduler
 """A policy object: `policy.run(requests, executor=None) -> SimStats` (simulator by default)."""
 PolicyFactory = Callable[[CostTable, InstanceConfig], Policy]
 
 
-def _td(name: str, **opts: object) -> PolicyFactory:
-    return lambda table, inst: TDPipeScheduler(table, inst, TDPipeOptions(**opts), name)  # type: ignore[arg-type]
+def _td(name: str, overlap: bool = False, **opts: object) -> PolicyFactory:
+    cls = OverlapTDPipe if overlap else TDPipeScheduler
+    return lambda table, inst: cls(table, inst, TDPipeOptions(**opts), name)  # type: ignore[arg-type]
 
 
 POLICIES: dict[str, PolicyFactory] = {
     "td-pipe": _td("td-pipe"),
+    "td-pipe-overlap": _td("td-pipe-overlap", overlap=True),
     "td-pipe-no-stealing": _td("td-pipe-no-stealing", work_stealing=False),
     "td-pipe-kv-threshold": _td("td-pipe-kv-threshold", prefill_switch="kv_threshold"),
     "td-pipe-completion": _td("td-pipe-completion", decode_switch="completion"),

@@ -68,7 +68,28 @@ class TDPipeScheduler:
 
     def _prefill_phase(self, waiting: deque[SimRequest], resident: list[SimRequest], now: float) -> list[SimRequest]:
         self.stats.phase_switches.append((now, "prefill"))
+        admitted, _ = self._submit_prefills(waiting, resident, now)
+        # The phase ends when every prefill is back: the first decode step needs each prompt's token.
+        while self.ex.inflight:
+            done = self.ex.collect()
+            for item in done.items:
+                self.ready_ms[item.request.request_id] = done.end_ms
+            self._sample(done.end_ms)
+        live = []
+        for r in admitted:
+            if r.finished:
+                self._release(r, self.ready_ms[r.request_id])
+            else:
+                live.append(r)
+        return live
+
+    def _submit_prefills(
+        self, waiting: deque[SimRequest], resident: list[SimRequest], now: float
+    ) -> tuple[list[SimRequest], int]:
+        """Greedy prefill: admit waiting requests while the predicted KV fits, submit them in
+        `max_batch_tokens` batches; returns (the admitted requests, the batches submitted)."""
         memory = FutureMemory(self.future)
+        num_batches = 0
         for r in resident:
             memory.add(r.input_len, r.num_generated, r.predicted_len)
         admitted: list[SimRequest] = []
@@ -87,27 +108,16 @@ class TDPipeScheduler:
             waiting.popleft()
             if batch and sum(b.input_len for b in batch) + r.input_len > self.inst.max_batch_tokens:
                 self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
-                batch = []
+                num_batches, batch = num_batches + 1, []
             self.kv.reserve(r.input_len + 1)  # the prompt, and the slot of the token its prefill yields
             memory.add(r.input_len, 1, r.predicted_len)
             batch.append(r)
             admitted.append(r)
         if batch:
             self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
+            num_batches += 1
         self._num_admitted = len(admitted)
-        # The phase ends when every prefill is back: the first decode step needs each prompt's token.
-        while self.ex.inflight:
-            done = self.ex.collect()
-            for item in done.items:
-                self.ready_ms[item.request.request_id] = done.end_ms
-            self._sample(done.end_ms)
-        live = []
-        for r in admitted:
-            if r.finished:
-                self._release(r, self.ready_ms[r.request_id])
-            else:
-                live.append(r)
-        return live
+        return admitted, num_batches
 
     def _decode_phase(self, resident: list[SimRequest], waiting: deque[SimRequest]) -> tuple[list[SimRequest], float]:
         stealer: WorkStealer[SimRequest] = WorkStealer(self.inst.num_stages, self.opts.work_stealing)

@@ -26,6 +26,13 @@ class WorkStealer(Generic[T]):
         self.window: deque[int] = deque(maxlen=num_stages)
         self.held: list[T] = []
 
+    def resize(self, num_batches: int) -> None:
+        """Balance `num_batches` batches from now on (more than the stages hides a round trip)."""
+        if num_batches <= 0:
+            raise ValueError(f"num_batches must be > 0, got {num_batches}")
+        self.num_stages = num_batches
+        self.window = deque(self.window, maxlen=num_batches)
+
     def start(self, requests: list[T]) -> list[list[T]]:
         """Split the decode-phase requests into `num_stages` batches of equal size."""
         self.window.clear()

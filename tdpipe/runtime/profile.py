@@ -23,7 +23,6 @@ batches below the cut are priced as decode steps (dearer per token on a CPU).
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,11 @@ from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from tdpipe.cost_table import CostTable
+from tdpipe.runtime.profile_comm import measure_overheads, pipeline_overheads
+from tdpipe.runtime.profile_plan import ProfilePlan as ProfilePlan  # re-exported: callers import the plan here
+from tdpipe.runtime.profile_plan import max_decode_batch as max_decode_batch
+from tdpipe.runtime.profile_plan import mean_decode_context as mean_decode_context
+from tdpipe.runtime.profile_plan import plan_profile as plan_profile
 from tdpipe.runtime.stage_worker import stage_layer_range
 
 
@@ -50,6 +54,10 @@ class StageProfile:
     """Decode step time by batch size (one new token per request)."""
     prefill_ms: dict[int, float] = field(default_factory=dict)
     """Prefill time by total prompt tokens (whole prompts of `prefill_prompt_len` tokens)."""
+    handoff_ms: dict[int, float] = field(default_factory=dict)
+    """Sending this stage's hidden states to the next, by tokens (empty on the last stage)."""
+    dispatch_ms: dict[int, float] = field(default_factory=dict)
+    """First stage only: the controller's round trip into it, by decode batch size (profile_comm)."""
 
 
 def _blocks(n: int, block_size: int) -> int:
@@ -165,9 +173,26 @@ def profile_stages(
                     runner, prefill_batch(n, prefill_prompt_len, block_size, cfg.vocab_size), hidden(n), repeats
                 )
             profiles.append(prof)
+            stage_dtype = runner.dtype  # what the hand-offs carry
             del runner
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()  # the stages load right after: give their memory back
+        if num_stages > 1:  # hidden states cross stage boundaries; gloo moves them through CPU memory
+            handoff, dispatch = measure_overheads(
+                cfg.hidden_size,
+                stage_dtype,
+                sorted(set(decode_batches) | set(prefill_tokens)),
+                decode_batches,
+                decode_context,
+                block_size,
+                prefill_tokens=max(prefill_tokens),
+                prompt_len=prefill_prompt_len,
+            )
+            for prof in profiles[:-1]:
+                prof.handoff_ms = dict(handoff)
+        else:
+            _, dispatch = measure_overheads(cfg.hidden_size, stage_dtype, [1], decode_batches, decode_context)
+        profiles[0].dispatch_ms = dispatch
     finally:
         torch.set_num_threads(previous_threads)
     return profiles
@@ -217,71 +242,14 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decod
     for n in tokens:
         running = max(running, rows[n])  # a bigger batch never costs less (noise can say otherwise)
         times.append(running * num_stages)
-    return CostTable(name, tuple(tokens), tuple(times))
-
-
-@dataclass(frozen=True)
-class ProfilePlan:
-    """Where to profile the stages for one job, derived from its requests and KV capacity."""
-
-    decode_batches: list[int]
-    """Decode batch sizes to time, up to `decode_max`."""
-    prefill_tokens: list[int]
-    """Prefill sizes (total prompt tokens) to time, up to the batch token budget."""
-    decode_context: int
-    """KV length of the job's average decode token."""
-    prefill_prompt_len: int
-    """Median prompt length: prefill batches are timed as whole prompts of this length."""
-    decode_max: int
-    """A bound on the decode batch the policies form: the table's decode/prefill cut."""
-
-
-def mean_decode_context(prompt_lens: list[int], output_lens: list[int]) -> int:
-    """KV length of the average decode token: the step that yields token g+1 of a request runs
-    over input + g tokens, g = 1 .. output - 1 (the first token comes from the prefill)."""
-    tokens = sum(o - 1 for o in output_lens)
-    total = sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens))
-    return max(1, round(total / max(1, tokens)))
-
-
-def max_decode_batch(prompt_lens: list[int], output_lens: list[int], kv_tokens: int, num_stages: int) -> int:
-    """A bound on the decode batch any policy forms: a TD-Pipe batch is 1/num_stages of the resident
-    requests, a PP virtual engine holds 1/num_stages of the KV; both are at most what fits of the
-    shortest quarter of the requests, spread over the stages (x1.5 for work stealing's imbalance)."""
-    sizes = sorted(p + o for p, o in zip(prompt_lens, output_lens))
-    short = sizes[len(sizes) // 4]
-    resident = min(len(sizes), kv_tokens // max(1, short))
-    return max(1, min(len(sizes), math.ceil(1.5 * resident / num_stages)))
-
-
-def plan_profile(
-    prompt_lens: list[int],
-    output_lens: list[int],
-    *,
-    kv_tokens: int,
-    num_stages: int,
-    max_batch_tokens: int,
-    quick: bool = False,
-) -> ProfilePlan:
-    """Profile points for a job: decode batches in powers of two (and 3 * 2^k) up to the largest
-    decode batch the policies can form, prefill sizes in eighths (halves when `quick`) of the
-    largest prefill batch the job can form (the batch budget, or all its prompts if fewer)."""
-    if not prompt_lens or len(prompt_lens) != len(output_lens):
-        raise ValueError("need one output length per prompt, and at least one request")
-    top = max_decode_batch(prompt_lens, output_lens, kv_tokens, num_stages)
-    decode = {1, top} | {2**k for k in range(1, 3 if quick else 12) if 2**k < top}
-    if not quick:
-        decode |= {3 * 2**k for k in range(10) if 3 * 2**k < top}
-    budget = min(max_batch_tokens, sum(prompt_lens))  # a small job never forms a bigger prefill batch
-    step = max(1, budget // (2 if quick else 8))
-    prefill = {n for n in range(step, budget + 1, step) if n > top} | {budget}
-    return ProfilePlan(
-        sorted(decode),
-        sorted(prefill),
-        mean_decode_context(prompt_lens, output_lens),
-        max(1, round(statistics.median(prompt_lens))),
-        top,
+    over = pipeline_overheads(
+        [p.decode_ms for p in profiles],
+        [p.prefill_ms for p in profiles],
+        profiles[0].handoff_ms,
+        profiles[0].dispatch_ms,
+        cut,
     )
+    return CostTable(name, tuple(tokens), tuple(times), over)
 
 
 def profile_at(model_dir: str | Path, num_stages: int, plan: ProfilePlan, **options) -> list[StageProfile]:

@@ -22,8 +22,9 @@ from pathlib import Path
 from engine.builtin import cache_root
 from tdpipe.runtime.profile import ProfilePlan, StageProfile
 
-CACHE_VERSION = 1
-"""Bump when profile.py changes what it measures, so stale profiles are not reused."""
+CACHE_VERSION = 2
+"""Bump when profile.py changes what it measures, so stale profiles are not reused (2: the hand-off
+and dispatch costs of `profile_comm` are part of a profile)."""
 
 
 def default_cache_dir() -> Path:
@@ -84,6 +85,8 @@ def load(path: Path, key: dict) -> list[StageProfile] | None:
                 p["decode_context"],
                 {int(n): float(t) for n, t in p["decode_ms"].items()},
                 {int(n): float(t) for n, t in p["prefill_ms"].items()},
+                {int(n): float(t) for n, t in p["handoff_ms"].items()},
+                {int(n): float(t) for n, t in p["dispatch_ms"].items()},
             )
             for p in data["profiles"]
         ]

@@ -102,8 +102,13 @@ def test_quick_benchmark_prints_json(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("metric", "value", "baseline", "ratio", "target", "sim_error", "bubble", "tok_s"):
+    for key in ("metric", "value", "baseline", "ratio", "target", "sim_error", "bubble", "tok_s", "bubble_error_pp"):
         assert key in result
+    # the simulated bubble's error in percentage points, and how long the (cacheable) profile took
+    for policy, err in result["bubble_error_pp"].items():
+        assert err == pytest.approx(100 * (result["sim_bubble"][policy] - result["bubble"][policy]), abs=0.2)
+    assert result["profile_seconds"] >= 0 and isinstance(result["profile_cached"], bool)
+    assert set(result["overheads"]) >= {"handoff_ms", "dispatch_ms"}
     assert result["target"] == 1.3 and "tdpipe" in result["tok_s"] and "tdpipe" in result["sim_error"]
     # value and baseline are the two policies' measured rates, the ratio is theirs
     assert result["value"] == pytest.approx(result["tok_s"]["tdpipe"], abs=0.1)

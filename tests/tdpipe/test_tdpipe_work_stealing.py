@@ -56,3 +56,12 @@ def test_no_request_lost_over_many_rounds() -> None:
 def test_bad_stage_count() -> None:
     with pytest.raises(ValueError, match="num_stages"):
         WorkStealer(0)
+
+
+def test_resize_balances_more_batches_than_stages() -> None:
+    stealer: WorkStealer[int] = WorkStealer(2)
+    stealer.resize(3)
+    assert [len(b) for b in stealer.start(list(range(9)))] == [3, 3, 3]
+    assert stealer.average(3) == 3  # (3 + 3 + 3) / 3
+    with pytest.raises(ValueError):
+        stealer.resize(0)
