@@ -1,5 +1,6 @@
-// Helpers shared by the CPU ops (cpu_paged_attention.cpp, cpu_fused_ops.cpp): the per-CPU
-// clone attribute, the bfloat16 <-> float32 bit conversions and a vectorisable exp.
+// Helpers shared by the CPU ops (cpu_paged_attention.cpp, cpu_fused_ops.cpp, cpu_float_carry.cpp):
+// the per-CPU clone attribute, the bfloat16 <-> float32 bit conversions, a vectorisable exp and
+// the bfloat16 sum of squares.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +51,20 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
+}
+
+// sum of squares of a bfloat16 row in one fixed order (16 lanes, then the tail, then the lanes), so
+// every op that norms a row (cpu_fused_ops.cpp, cpu_float_carry.cpp) gets the same bits. Static:
+// each translation unit keeps its own per-CPU clones.
+static PDS_CLONES float sum_sq_bf16(const uint16_t* x, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += b2f(x[i + l]) * b2f(x[i + l]);
+  float s = 0;
+  for (; i < n; ++i) s += b2f(x[i]) * b2f(x[i]);
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  return s;
 }
 
 }  // namespace pds

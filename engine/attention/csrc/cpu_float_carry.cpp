@@ -23,24 +23,13 @@ namespace {
 
 using pds::b2f;
 using pds::f2b;
+using pds::sum_sq_bf16;
 
 inline float rb(float f) { return b2f(f2b(f)); }  // a bf16 store and reload
 
 // x (bf16 stream) += rb(r): the eager add of a GEMM output cast to bf16
 PDS_CLONES void add_rounded(uint16_t* x, const float* r, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = f2b(b2f(x[i]) + rb(r[i]));
-}
-
-// the same summation order as cpu_fused_ops.cpp's sum_sq_bf16, so the norms agree to the bit
-PDS_CLONES float sum_sq(const uint16_t* x, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += b2f(x[i + l]) * b2f(x[i + l]);
-  float s = 0;
-  for (; i < n; ++i) s += b2f(x[i]) * b2f(x[i]);
-  for (int l = 0; l < 16; ++l) s += acc[l];
-  return s;
 }
 
 // y = rb(w * rb(x * inv)), stored widened
@@ -97,7 +86,7 @@ at::Tensor add_rms_norm_carry(at::Tensor x, const c10::optional<at::Tensor>& res
     for (int64_t t = begin; t < end; ++t) {
       uint16_t* xr = u16(x) + t * xs;
       if (res.defined()) add_rounded(xr, res.data_ptr<float>() + t * n, n);
-      const float inv = 1.0f / std::sqrt(sum_sq(xr, n) / static_cast<float>(n) + feps);
+      const float inv = 1.0f / std::sqrt(sum_sq_bf16(xr, n) / static_cast<float>(n) + feps);
       scale_out(y.data_ptr<float>() + t * n, xr, u16(weight), inv, n);
     }
   });

@@ -25,6 +25,7 @@ namespace {
 
 using pds::b2f;
 using pds::f2b;
+using pds::sum_sq_bf16;
 
 inline float rb(float f) { return b2f(f2b(f)); }  // a bf16 store and reload
 
@@ -37,17 +38,6 @@ PDS_CLONES float sum_sq_f32(const float* x, int64_t n) {
     for (int l = 0; l < 16; ++l) acc[l] += x[i + l] * x[i + l];
   float s = 0;
   for (; i < n; ++i) s += x[i] * x[i];
-  for (int l = 0; l < 16; ++l) s += acc[l];
-  return s;
-}
-
-PDS_CLONES float sum_sq_bf16(const uint16_t* x, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += b2f(x[i + l]) * b2f(x[i + l]);
-  float s = 0;
-  for (; i < n; ++i) s += b2f(x[i]) * b2f(x[i]);
   for (int l = 0; l < 16; ++l) s += acc[l];
   return s;
 }
