@@ -27,6 +27,7 @@ from engine.kv_events import KvEventLog
 from pdserve.v1 import common_pb2
 from router.balancer import DecodeBalancer, NodeLoad
 from router.kv_index import KvIndex
+from router.prefill_offload import OffloadPolicy
 from router.kv_routing import KvRouter
 from router.kv_subscriber import KvSubscriber
 
@@ -146,6 +147,8 @@ def simulate(
             loads = [n.load for n in nodes]
             if routing == "kv-aware":
                 chosen = router.choose_decode(loads, r.tokens, None, need, now)
+                if chosen is not None:  # colocated nodes: the router counts the prompt each one prefills
+                    OffloadPolicy.assign_local(chosen, router.last_uncached_tokens)
             else:
                 chosen = wrr.pick(loads, need, now)
             chosen = chosen or min(loads, key=lambda x: x.inflight_blocks)  # all full: queue on the least loaded

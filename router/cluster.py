@@ -289,8 +289,10 @@ class Cluster:
             raise NoCapacityError("no decode node has room for this request now; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
         prompt_tokens = len(prompt) or tokens_needed
-        if self.offload.prefill_here([n.load for n in prefills], chosen, prompt_tokens):
-            self.offload.assign_local(chosen, prompt_tokens)
+        # what the decode node would compute itself: kv-aware routing knows its cached prefix
+        local_tokens = self.kv_router.last_uncached_tokens if self.routing == "kv-aware" else prompt_tokens
+        if self.offload.prefill_here([n.load for n in prefills], chosen, local_tokens):
+            self.offload.assign_local(chosen, local_tokens)
             return by_load[id(chosen)], []  # no addresses: the decode node prefills the prompt itself
         if self.routing == "kv-aware":  # counts the uncached tokens on the first node itself
             ordered = self.kv_router.order_prefill([n.load for n in prefills], prompt, cache_salt)[:3]
@@ -299,7 +301,7 @@ class Cluster:
             if ordered:
                 ordered[0].inflight_tokens += prompt_tokens
         if not ordered:  # none usable: the decode node prefills locally
-            self.offload.assign_local(chosen, prompt_tokens)
+            self.offload.assign_local(chosen, local_tokens)
         return by_load[id(chosen)], [n.address for n in ordered]
 
     def _prefilling(self, node: NodeState, prefills: list[str], tokens: int) -> Prefilling:

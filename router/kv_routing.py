@@ -41,6 +41,9 @@ class KvRouter:
         """(role, reason) -> routing decisions."""
         self.hit_blocks: Counter[tuple[str, str]] = Counter()
         """(role, address) -> prompt blocks the chosen node held at routing time."""
+        self.last_uncached_tokens = 0
+        """The prompt tokens the last `choose_decode` node lacks: what it computes if it prefills
+        the prompt itself (the caller counts them in its load, `OffloadPolicy.assign_local`)."""
         self.hit_tokens: Counter[tuple[str, str]] = Counter()
 
     def overlaps(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> dict[str, int]:
@@ -75,6 +78,7 @@ class KvRouter:
         if chosen is not None:
             # the prompt tokens it prefills itself, if any, are counted by the caller (router.prefill_offload)
             self._count("decode", decision.reason, chosen, overlap[chosen.address])
+            self.last_uncached_tokens = max(len(prompt) - overlap[chosen.address] * chosen.block_size, 0)
         return chosen
 
     def decode_load(self, n: NodeLoad) -> float:

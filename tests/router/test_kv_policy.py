@@ -52,6 +52,22 @@ def test_warm_prompt_goes_to_its_holder_and_counts_the_hit():
     assert kv.hit_blocks[("decode", "n2")] == 5 * 8 and kv.hit_tokens[("decode", "n2")] == 5 * 128
 
 
+def test_chosen_nodes_uncached_tokens_are_what_it_would_prefill_itself():
+    """`last_uncached_tokens`: the prompt less the chosen node's cached blocks. The router counts it
+    in a decode node's own prefill queue when that node prefills locally; the trace replay's TTFT
+    depends on it (without it every node looked idle and the replay lost its TTFT gain)."""
+    kv = KvRouter(params=NO_EXPLORE)
+    nodes = loads(500, 500)
+    prompt = list(range(16 * 8 + 3))
+    hold(kv, "n1", prompt[: 16 * 5])
+    kv.index.replace("n0", [])
+    assert kv.choose_decode(nodes, prompt, None, 200, 100.0).address == "n1"
+    assert kv.last_uncached_tokens == len(prompt) - 16 * 5
+    cold = list(range(1000, 1040))
+    kv.choose_decode(nodes, cold, None, 60, 100.0)
+    assert kv.last_uncached_tokens == len(cold)
+
+
 def test_no_cross_salt_hit():
     kv = KvRouter(params=NO_EXPLORE)
     nodes = loads(500, 500)
