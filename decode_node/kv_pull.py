@@ -39,6 +39,7 @@ class PullSender:
         block_size: int,
         min_blocks: int,
         registry: CollectorRegistry,
+        model_name: str = "unknown",
     ) -> None:
         self.client = client
         self.block_size = block_size
@@ -48,14 +49,18 @@ class PullSender:
             "pdserve_kv_pull",
             "D->P pulls by outcome: pulled (the prefill node received the held blocks it lacked), "
             "declined (it lacked too few to pay), failed (it recomputes them)",
-            ["outcome"],
+            ["role", "model_name", "outcome"],
             registry=registry,
         )
         self.blocks = Counter(
-            "pdserve_kv_pull_blocks", "Prompt blocks sent to prefill nodes by D->P pulls", [], registry=registry
-        )
+            "pdserve_kv_pull_blocks",
+            "Prompt blocks sent to prefill nodes by D->P pulls",
+            ["role", "model_name"],
+            registry=registry,
+        ).labels("decode", model_name)
+        self._labels = ("decode", model_name)
         for outcome in OUTCOMES:
-            self.pulls.labels(outcome)
+            self.pulls.labels(*self._labels, outcome)
 
     def wanted(self, held_tokens: int) -> bool:
         """Whether to offer a prefix of `held_tokens` (block aligned) at all."""
@@ -101,5 +106,5 @@ class PullSender:
         return self._count("pulled")
 
     def _count(self, outcome: str) -> bool:
-        self.pulls.labels(outcome).inc()
+        self.pulls.labels(*self._labels, outcome).inc()
         return outcome == "pulled"

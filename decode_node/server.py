@@ -58,6 +58,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             # a pull sends one pool: not from a tensor-parallel node, whose ranks each hold some heads
             config.node.kv_pull_min_blocks if self.kv_reuse and config.engine.tensor_parallel_size == 1 else 0,
             self.rt.metrics.registry,
+            self.rt.metrics.model_name,
         )
         """D->P pulls: held prefix blocks sent to a prefill node that lacks them (`decode_node.kv_pull`)."""
         self._fencing: dict[str, Session] = {}
