@@ -167,6 +167,9 @@ def test_nodes_and_router_are_wired_for_k8s_discovery(overlay):
         assert any(e["name"] == "POD_IP" for e in container["env"])
         secret_env = next(e for e in container["env"] if e["name"] == "PDSERVE_CLUSTER_SECRET")
         assert secret_env["valueFrom"]["secretKeyRef"]["name"] == "pdserve-secrets"
+        # both roles receive KV (decode from prefill, prefill from D->P pulls) on a fixed, declared port
+        cachestore = int(container["args"][container["args"].index("--cachestore-port") + 1])
+        assert {"name": "cachestore", "containerPort": cachestore} in container["ports"]
     router = deployments["pdserve-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     for role, port in (("prefill", 50061), ("decode", 50071)):
