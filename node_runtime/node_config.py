@@ -27,12 +27,14 @@ RDMA_ENV = {
 """TransferOptions field -> the variable CacheStore's RDMA setup reads (see `export_env`)."""
 
 
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 16
-"""Set by `benchmarks/local_prefill.py` (BENCHMARKS.md, "Local prefill threshold"): on the bench
-model local and remote delta prefill were within about 20% of each other at every size measured (8 to
-256 new tokens over a cached 1000-token prefix), remote winning in most runs, so local prefill does not
-clearly pay; the threshold is as low as it can be while a prompt the decode node fully holds (it lacks
-only its last, never-cached block) still moves nothing: one block."""
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 64
+"""Set by `benchmarks/multiturn.py` (BENCHMARKS.md, "Multi-turn chat", 2026-11-26): on a chat's later
+turns the decode node lacks the user's turn and the previous answer (36-66 tokens on the bench
+workload); prefilling those locally took TTFT p50 on turns >= 2 from 2.13 s (threshold 16: a
+PreparePull, a pull, a Prefill round trip and a delta transfer) to 0.54 s, 0.38x `vllm serve`'s,
+with no KV on the wire. An idle prefill node was about as fast as local up to 64 tokens
+(`benchmarks/local_prefill.py`), and 64 tokens is about one decode step of compute, so a local
+prefill of that size barely holds up the node's running streams."""
 
 DEFAULT_KV_PULL_MIN_BLOCKS = 1
 """Set by `benchmarks/local_prefill.py --pull` (BENCHMARKS.md, "D->P pull vs recompute"): on the bench
