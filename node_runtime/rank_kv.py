@@ -26,9 +26,6 @@ from cachestore.heads import HeadLayout
 from engine.block_manager import blocks_for
 from engine.forward_batch import ForwardBatch
 
-FENCE_WAIT = 5.0
-"""Seconds a cut-off writer normally needs to leave a closed session's blocks."""
-
 
 def pool_geometry(runner: Any) -> PoolGeometry:
     """The CacheStore geometry of a runner's KV pool, with the KV heads this rank holds."""
