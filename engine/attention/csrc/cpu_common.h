@@ -32,6 +32,9 @@ inline uint16_t f2b(float f) {
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
 }
 
+// a bfloat16 store and reload: where the bf16 chain of eager ops rounds a float32 value
+inline float rb(float f) { return b2f(f2b(f)); }
+
 // exp for the vectorised loops (Cephes polynomial, ~1 ulp on the range SiLU needs); std::exp does
 // not vectorise without -ffast-math
 inline float fast_exp(float x) {

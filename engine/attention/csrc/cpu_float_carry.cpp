@@ -23,9 +23,8 @@ namespace {
 
 using pds::b2f;
 using pds::f2b;
+using pds::rb;
 using pds::sum_sq_bf16;
-
-inline float rb(float f) { return b2f(f2b(f)); }  // a bf16 store and reload
 
 // x (bf16 stream) += rb(r): the eager add of a GEMM output cast to bf16
 PDS_CLONES void add_rounded(uint16_t* x, const float* r, int64_t n) {

@@ -25,9 +25,8 @@ namespace {
 
 using pds::b2f;
 using pds::f2b;
+using pds::rb;
 using pds::sum_sq_bf16;
-
-inline float rb(float f) { return b2f(f2b(f)); }  // a bf16 store and reload
 
 // ---- per-row kernels (one row = one token) ----
 
