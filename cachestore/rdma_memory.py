@@ -82,10 +82,51 @@ class PoolRegistration:
     """Sender: bytes of each lane's slot of `staging` (0 on the receiver: `staging` mirrors the pool)."""
 
 
-def _host_buffer(nbytes: int):
+HOST_MEMORY_HEADROOM = 0.9
+"""A staging buffer may take at most this share of the host's available memory: beyond it the
+kernel's OOM killer, not an error message, would end the node."""
+
+
+def _host_buffer(nbytes: int, what: str):
+    """`nbytes` of host memory, pinned exactly when CUDA is present; ValueError when the host has not
+    that much available. Not `torch.empty(pin_memory=True)`: torch's caching host allocator rounds
+    every allocation up to a power of two, so a 34 GiB pool mirror pinned 64 GiB, and two nodes'
+    mirrors on one host pinned more than the machine had (the nodes died without a word)."""
     import torch
 
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    available = _available_host_bytes()
+    if nbytes > available * HOST_MEMORY_HEADROOM:
+        raise ValueError(
+            f"the rdma {what} needs {nbytes / 2**30:.1f} GiB of pinned host memory, but the host has "
+            f"{available / 2**30:.1f} GiB available: give the KV pool less (--gpu-memory-utilization, "
+            f"--kv-cache-memory), run fewer nodes per host, or use GPUDirect RDMA (no host copy)"
+        )
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if torch.cuda.is_available():
+        _pin_exactly(buf)
+    return buf
+
+
+def _available_host_bytes() -> int:
+    """MemAvailable (Linux; restated from engine.kv_sizing, since cachestore imports nothing from the engine)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _pin_exactly(buf: torch.Tensor) -> None:
+    """Page-lock `buf` in place (cudaHostRegister), and unlock it when the tensor object goes:
+    unlocking early at worst makes a later copy synchronous; unlocking late would act on freed memory."""
+    import weakref
+
+    import torch
+
+    cudart = torch.cuda.cudart()
+    ptr = int(buf.data_ptr())
+    torch.cuda.check_error(cudart.cudaHostRegister(ptr, buf.numel(), 0))  # 0: cudaHostRegisterDefault
+    weakref.finalize(buf, cudart.cudaHostUnregister, ptr)
 
 
 def register(v, pd, region, access: int, *, lanes: int = 0, block_bytes: int = 1) -> PoolRegistration:
@@ -105,9 +146,9 @@ def register(v, pd, region, access: int, *, lanes: int = 0, block_bytes: int = 1
     if lanes:
         slot = int(os.environ.get(STAGING_ENV, DEFAULT_STAGING_BYTES))
         slot = max(block_bytes, min(slot, len(region)) // block_bytes * block_bytes)
-        buf = _host_buffer(slot * lanes)
+        buf = _host_buffer(slot * lanes, "sender's staging slots")
     else:
-        slot, buf = 0, _host_buffer(len(region))
+        slot, buf = 0, _host_buffer(len(region), "receiver's mirror of its CUDA pool")
     address = int(buf.data_ptr())
     return PoolRegistration(
         mode, reason, v.MR(pd, buf.numel(), access, address=address), address, buf.numel(), buf, slot

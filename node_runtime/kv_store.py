@@ -28,14 +28,17 @@ FENCE_WAIT = 5.0
 """Seconds a cut-off writer normally needs to leave the blocks (a shut-down socket wakes it at once)."""
 
 
-def receiver(rt: NodeRuntime, config: NodeConfig, metrics: CacheStoreMetrics | None = None) -> CacheStoreServer:
+def receiver(
+    rt: NodeRuntime, config: NodeConfig, metrics: CacheStoreMetrics | None = None, transport: str | None = None
+) -> CacheStoreServer:
     """Sessions over this node's pool, and the listener that writes into them (start() binds it).
-    `metrics`: the node's sender's, so both directions count in one set of series."""
+    `metrics`: the node's sender's, so both directions count in one set of series. `transport`:
+    the node's own unless given (`pull_transport`)."""
     tls = config.node.tls()
     return CacheStoreServer(
         MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor),
         pool_geometry(rt.engine.runner),  # rank 0's KV heads; ranks 1.. have their own ends
-        transport=config.transfer.transport,
+        transport=transport or config.transfer.transport,
         host=config.node.host,
         port=config.transfer.cachestore_port,
         secret=config.node.cluster_secret,
@@ -44,6 +47,34 @@ def receiver(rt: NodeRuntime, config: NodeConfig, metrics: CacheStoreMetrics | N
         model_name=rt.metrics.model_name,
         metrics=metrics,
     )
+
+
+def pull_transport(rt: NodeRuntime, config: NodeConfig) -> str:
+    """The transport a prefill node receives D->P pulls over: its own, except rdma on a CUDA pool
+    without GPUDirect. There an rdma receiver mirrors the whole pool in pinned host memory, and a
+    prefill node would hold that mirror for the occasional pull on top of its decode peers' own
+    (on one H200 host, two nodes at 0.25 of the card each pinned more than the host had). TCP
+    stages each connection's frames through a bounded buffer instead; the decode node's sender
+    follows the transport its credentials name."""
+    transport = config.transfer.transport
+    region = MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor)
+    if transport != "rdma" or not region.is_device:
+        return transport
+    from cachestore import rdma_memory
+    from cachestore.rdma_verbs import verbs
+
+    try:
+        v = verbs()
+    except ImportError:  # no pyverbs: the receiver resolves "rdma" to its fallback as any other does
+        return transport
+    mode, reason = rdma_memory.choose(v, region)
+    if mode != rdma_memory.STAGING:
+        return transport
+    log.info(
+        "event=pull_receiver transport=tcp: an rdma receiver would mirror the whole CUDA pool in host memory (%s)",
+        reason,
+    )
+    return "tcp"
 
 
 async def start_receiver(server: CacheStoreServer, advertise_host: str | None) -> None:

@@ -82,7 +82,10 @@ class Child:
     def wait_ready(self, deadline: float) -> str:
         self.ready.wait(max(0.0, deadline - time.monotonic()))
         if not self.address:
-            raise RuntimeError(f"{self.name} failed to start:\n{self.tail()}")
+            rc = self.popen.poll()
+            # a child killed by a signal (the OOM killer's SIGKILL) prints nothing: say so
+            how = "still not ready at the deadline" if rc is None else f"exited with {_exit_status(rc)}"
+            raise RuntimeError(f"{self.name} failed to start ({how}):\n{self.tail()}")
         return self.address
 
     @property
@@ -101,6 +104,16 @@ class Child:
                     os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(5)
         return self.popen.returncode
+
+
+def _exit_status(rc: int) -> str:
+    """`rc` as Popen reports it, with a signal named (-9 -> "signal SIGKILL")."""
+    if rc >= 0:
+        return f"code {rc}"
+    try:
+        return f"signal {signal.Signals(-rc).name}"
+    except ValueError:
+        return f"signal {-rc}"
 
 
 _prctl: Callable[..., int] | None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import types
 
+import pytest
 import torch
 
 from cachestore import (
@@ -131,3 +132,37 @@ def test_host_pools_register_the_pool_itself():
     v = FakeVerbs(True)
     reg = rdma_memory.register(v, None, region, 1, lanes=2)
     assert (reg.mode, reg.address, reg.staging) == (rdma_memory.HOST, region.address, None)
+
+
+def test_staging_buffers_are_pinned_exactly_and_refused_beyond_the_hosts_memory(monkeypatch):
+    """torch's pinned allocator rounds up to a power of two (a 34 GiB mirror pinned 64 GiB, and a
+    second node's killed the host's nodes): the buffer is page-locked in place at its exact size,
+    unlocked when it goes, and one larger than the host's available memory is a clear error."""
+    calls: list[tuple] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (the CUDA runtime's name)
+            calls.append(("register", ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda res: None if res == 0 else 1 / 0)
+    pool = torch.zeros(3 * 4096 + 512, dtype=torch.uint8)  # not a power of two
+    v = FakeVerbs(accept_device=False)
+    reg = rdma_memory.register(v, None, device_like(pool), 1)  # a receiver: mirrors the whole pool
+    assert reg.mode == rdma_memory.STAGING and reg.staging.numel() == pool.numel()
+    assert calls == [("register", reg.address, pool.numel(), 0)]
+    view = reg.staging[10:20]
+    del reg
+    assert calls[-1][0] == "register"  # a view still holds the memory: still locked
+    del view
+    assert calls[-1][0] == "unregister" and calls[-1][1] == calls[0][1]
+    monkeypatch.setattr(rdma_memory, "_available_host_bytes", lambda: 4096)
+    with pytest.raises(ValueError, match=r"receiver's mirror of its CUDA pool needs .* pinned host memory"):
+        rdma_memory.register(v, None, device_like(pool), 1)
+    assert len(calls) == 2  # nothing allocated or locked

@@ -118,3 +118,21 @@ def test_a_pinned_member_runs_on_its_cpus_and_keeps_them_across_a_restart():
         assert os.sched_getaffinity(child.popen.pid) == os.sched_getaffinity(0)  # unpinned: inherits ours
     finally:
         supervisor.stop()
+
+
+def test_a_child_killed_before_ready_says_by_which_signal():
+    """The OOM killer's SIGKILL leaves no output: the start error must still say what happened."""
+    import pytest
+
+    from node_runtime.supervisor import Child
+
+    script = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    child = Child("silent", [sys.executable, "-c", script], dict(os.environ))
+    with pytest.raises(RuntimeError, match=r"silent failed to start \(exited with signal SIGKILL\)"):
+        child.wait_ready(time.monotonic() + 30)
+    hung = Child("hung", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    try:
+        with pytest.raises(RuntimeError, match=r"hung failed to start \(still not ready at the deadline\)"):
+            hung.wait_ready(time.monotonic() + 0.5)
+    finally:
+        hung.stop()
