@@ -26,7 +26,7 @@ from decode_node.prefill_client import PrefillClients
 from pdserve.v1 import prefill_pb2
 
 log = logging.getLogger("pdserve.decode")
-OUTCOMES = ("pulled", "declined", "failed")
+OUTCOMES = ("pulled", "declined", "failed", "skipped")
 
 
 class PullSender:
@@ -48,7 +48,8 @@ class PullSender:
         self.pulls = Counter(
             "pdserve_kv_pull",
             "D->P pulls by outcome: pulled (the prefill node received the held blocks it lacked), "
-            "declined (it lacked too few to pay), failed (it recomputes them)",
+            "declined (it lacked too few to pay), failed (it recomputes them), skipped (the router's "
+            "index says it holds them: no offer made)",
             ["role", "model_name", "outcome"],
             registry=registry,
         )
@@ -62,9 +63,18 @@ class PullSender:
         for outcome in OUTCOMES:
             self.pulls.labels(*self._labels, outcome)
 
-    def wanted(self, held_tokens: int) -> bool:
-        """Whether to offer a prefix of `held_tokens` (block aligned) at all."""
-        return self.min_blocks > 0 and held_tokens // self.block_size >= self.min_blocks
+    def wanted(self, held_tokens: int, prefill_cached_tokens: int | None = None) -> bool:
+        """Whether to offer a prefix of `held_tokens` (block aligned) at all. `prefill_cached_tokens`:
+        the router's estimate of what the prefill node holds (None: unknown); an offer needs at least
+        `min_blocks` held blocks beyond it, else the PreparePull round trip would come back empty."""
+        if self.min_blocks <= 0 or held_tokens // self.block_size < self.min_blocks:
+            return False
+        if prefill_cached_tokens is not None:
+            beyond = held_tokens // self.block_size - min(prefill_cached_tokens, held_tokens) // self.block_size
+            if beyond < self.min_blocks:
+                self._count("skipped")
+                return False
+        return True
 
     async def pull(
         self, address: str, request: prefill_pb2.PrefillRequest, block_ids: list[int], timeout: float

@@ -182,6 +182,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         params = convert.params_from_pb(request.params)
         if len(request.prefill_addresses) > convert.MAX_PREFILL_ADDRESSES:
             raise ValueError(f"at most {convert.MAX_PREFILL_ADDRESSES} prefill_addresses")
+        if len(request.prefill_cached_tokens) > len(request.prefill_addresses):
+            raise ValueError("prefill_cached_tokens has more entries than prefill_addresses")
         return rid, prompt, params, convert.cache_salt_from_pb(request)
 
     async def _end(self, rid: str, finished: bool) -> None:
@@ -202,7 +204,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         rt, engine = self.rt, self.rt.engine
         writable = plan.block_ids[plan.held_tokens // engine.block_manager.block_size :]
         errors = []
-        for address in addresses:
+        hints = list(request.prefill_cached_tokens)
+        for i, address in enumerate(addresses):
             creds = self.cachestore.open_session(rid, writable, timeout=rt.config.transfer.kv_timeout)
             session = self.cachestore.get_session(rid)
             assert session is not None  # opened just above
@@ -222,7 +225,8 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             if request.HasField("cache_salt"):
                 pb.cache_salt = request.cache_salt
             try:
-                if self.pulls.wanted(plan.held_tokens):  # the prefill node may lack what we hold: send it
+                # the prefill node may lack what we hold (unless the router knows it holds it): send it
+                if self.pulls.wanted(plan.held_tokens, hints[i] if i < len(hints) else None):
                     pb.kv_pulled = await self.pulls.pull(address, pb, plan.block_ids, rt.config.transfer.kv_timeout)
                 response = await self.prefills.prefill(address, pb, timeout=rt.config.transfer.kv_timeout)
                 await session.wait_complete(timeout=rt.config.transfer.kv_timeout)

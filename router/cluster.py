@@ -76,6 +76,16 @@ class NodeState:
         return self.reachable and self.responsive
 
 
+class Route(NamedTuple):
+    """Where a request goes: its decode node, the prefill nodes to try in order (none: the decode
+    node prefills it), and what kv-aware routing believes each of them holds of the prompt."""
+
+    node: NodeState
+    prefills: list[str]
+    prefill_cached: tuple[int, ...] = ()
+    """Leading prompt tokens each prefill node holds, by the KV-event index (empty: unknown)."""
+
+
 class Cluster:
     """Watches the members from discovery, polls their load and health, and runs requests."""
 
@@ -273,7 +283,7 @@ class Cluster:
 
     def _choose(
         self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
-    ) -> tuple[NodeState, list[str]]:
+    ) -> Route:
         usable = self._usable("decode")
         decodes = [n for n in usable if n.member.address not in exclude] or usable  # excluded ones as a last resort
         prefills = self._usable("prefill")
@@ -293,16 +303,18 @@ class Cluster:
         local_tokens = self.kv_router.last_uncached_tokens if self.routing == "kv-aware" else prompt_tokens
         if self.offload.prefill_here([n.load for n in prefills], chosen, local_tokens):
             self.offload.assign_local(chosen, local_tokens)
-            return by_load[id(chosen)], []  # no addresses: the decode node prefills the prompt itself
+            return Route(by_load[id(chosen)], [])  # no addresses: the decode node prefills the prompt itself
+        cached: tuple[int, ...] = ()
         if self.routing == "kv-aware":  # counts the uncached tokens on the first node itself
             ordered = self.kv_router.order_prefill([n.load for n in prefills], prompt, cache_salt)[:3]
+            cached = tuple(self.kv_router.last_prefill_cached_tokens[n.address] for n in ordered)
         else:
             ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
             if ordered:
                 ordered[0].inflight_tokens += prompt_tokens
         if not ordered:  # none usable: the decode node prefills locally
             self.offload.assign_local(chosen, local_tokens)
-        return by_load[id(chosen)], [n.address for n in ordered]
+        return Route(by_load[id(chosen)], [n.address for n in ordered], cached)
 
     def _prefilling(self, node: NodeState, prefills: list[str], tokens: int) -> Prefilling:
         """Count the prompt on the node that prefills it (the first prefill address, else the decode
@@ -312,7 +324,7 @@ class Cluster:
 
     async def _choose_waiting(
         self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
-    ) -> tuple[NodeState, list[str]]:
+    ) -> Route:
         """_choose, waiting up to capacity_wait for a node to come back or to free room."""
         deadline = time.monotonic() + self.deadlines.capacity_wait
         while True:
@@ -337,7 +349,7 @@ class Cluster:
         retries = migrations = 0
         while True:
             remaining = params.max_tokens - len(sent)
-            node, prefills = await self._choose_waiting(
+            node, prefills, prefill_cached = await self._choose_waiting(
                 len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt
             )
             attempt = common_pb2.SamplingParams()
@@ -351,6 +363,7 @@ class Cluster:
                 prompt_token_ids=prompt + sent,
                 params=attempt,
                 prefill_addresses=prefills,
+                prefill_cached_tokens=prefill_cached,
                 cache_salt=cache_salt,
             )
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)

@@ -45,6 +45,9 @@ class KvRouter:
         """The prompt tokens the last `choose_decode` node lacks: what it computes if it prefills
         the prompt itself (the caller counts them in its load, `OffloadPolicy.assign_local`)."""
         self.hit_tokens: Counter[tuple[str, str]] = Counter()
+        self.last_prefill_cached_tokens: dict[str, int] = {}
+        """Leading prompt tokens each prefill node held at the last `order_prefill` (by the index):
+        sent to the decode node, which then offers no D->P pull a prefill node does not need."""
 
     def overlaps(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> dict[str, int]:
         """Leading blocks of `prompt` each node holds (the block of the last token never counts:
@@ -103,6 +106,7 @@ class KvRouter:
             by_address = {n.address: n for n in nodes}
             ordered = [by_address[a] for a in ranked]
         first = ordered[0]
+        self.last_prefill_cached_tokens = {n.address: overlap[n.address] * n.block_size for n in nodes}
         self._count("prefill", reason, first, overlap[first.address])
         first.inflight_tokens += max(len(prompt) - overlap[first.address] * first.block_size, 0)
         return ordered

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11prefill_addresses\x18\x04 \x03(\t\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x9d\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cttft_seconds\x18\x05 \x01(\x02\x32\xcf\x01\n\x06\x44\x65\x63ode\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateEvent0\x01\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12\x43\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x19\n\x11prefill_addresses\x18\x04 \x03(\t\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x00\x88\x01\x01\x12\x1d\n\x15prefill_cached_tokens\x18\x06 \x03(\rB\r\n\x0b_cache_salt\"\x9d\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cttft_seconds\x18\x05 \x01(\x02\x32\xcf\x01\n\x06\x44\x65\x63ode\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateEvent0\x01\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12\x43\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=65
-  _globals['_GENERATEREQUEST']._serialized_end=239
-  _globals['_GENERATEEVENT']._serialized_start=242
-  _globals['_GENERATEEVENT']._serialized_end=399
-  _globals['_DECODE']._serialized_start=402
-  _globals['_DECODE']._serialized_end=609
+  _globals['_GENERATEREQUEST']._serialized_end=270
+  _globals['_GENERATEEVENT']._serialized_start=273
+  _globals['_GENERATEEVENT']._serialized_end=430
+  _globals['_DECODE']._serialized_start=433
+  _globals['_DECODE']._serialized_end=640
 # @@protoc_insertion_point(module_scope)

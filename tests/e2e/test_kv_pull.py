@@ -148,3 +148,61 @@ async def test_cut_during_a_pull_leaves_no_block(tiny_model_dir, cut):
         if cut != "cancel":  # refused, never a hang or a wrong answer
             assert isinstance(results[0], grpc.aio.AioRpcError), results
         await wait_free(nodes, decode=cut != "decode_dies")
+
+
+async def test_the_routers_hint_skips_an_offer_the_prefill_node_does_not_need(tiny_model_dir):
+    """`prefill_cached_tokens` (the router's index view of each prefill node) covering what the
+    decode node holds: no PreparePull round trip. A stale hint (the node does not hold it after
+    all) costs only a recompute; a hint below the held prefix still pulls."""
+    async with in_process_nodes(tiny_model_dir, num_prefill=2, pull_min=1) as nodes:
+        first, _ = await generate(
+            nodes.decode_address, SECRET, "h-1", TURN1, greedy(12, ignore_eos=True), nodes.prefill_addresses[:1]
+        )
+        turn2 = TURN1 + first + NEW
+        expected = (
+            LLM(tiny_model_dir, num_kv_blocks=64)
+            .generate([turn2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+            .outputs[0]
+            .token_ids
+        )
+        offers = []
+        prepare = nodes.prefills[1].PreparePull
+
+        async def counting(request, context):
+            offers.append(request.request_id)
+            return await prepare(request, context)
+
+        nodes.prefills[1].PreparePull = counting
+        stale, events = await generate(
+            nodes.decode_address,
+            SECRET,
+            "h-2",
+            turn2,
+            greedy(4, ignore_eos=True),
+            nodes.prefill_addresses[1:],
+            prefill_cached_tokens=[len(turn2)],
+        )
+        assert stale == expected and offers == [] and pulls(nodes, "skipped") == 1
+        assert events[-1].usage.cached_tokens == 0  # it did not hold it: recomputed, nothing counted
+        low, events = await generate(
+            nodes.decode_address,
+            SECRET,
+            "h-3",
+            turn2,
+            greedy(4, ignore_eos=True),
+            nodes.prefill_addresses[:1],
+            prefill_cached_tokens=[len(TURN1) // BS * BS],  # node 0 holds turn 1's prompt, not the answer
+        )
+        assert low == expected and offers == [] and pulls(nodes, "pulled") == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(
+                nodes.decode_address,
+                SECRET,
+                "h-4",
+                turn2,
+                greedy(2),
+                nodes.prefill_addresses[:1],
+                prefill_cached_tokens=[0, 0],
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await assert_no_blocks_used(nodes)

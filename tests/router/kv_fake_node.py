@@ -39,6 +39,7 @@ class FakeKvNode(decode_pb2_grpc.DecodeServicer):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.gap = False
         self.salts: list[str | None] = []  # cache_salt of each Generate request
+        self.prefill_hints: list[tuple[list[str], list[int]]] = []  # (prefill_addresses, prefill_cached_tokens)
         self.generation = 0  # break_streams bumps it: streams of an older generation abort
         self.restart()
 
@@ -61,6 +62,7 @@ class FakeKvNode(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):
         """One token; usage says the whole prompt but its last token was cached (as a warm node would)."""
         self.salts.append(request.cache_salt if request.HasField("cache_salt") else None)
+        self.prefill_hints.append((list(request.prefill_addresses), list(request.prefill_cached_tokens)))
         cached = len(request.prompt_token_ids) - 1
         usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1, cached_tokens=cached)
         yield decode_pb2.GenerateEvent(token_ids=[5], finish_reason="length", usage=usage)

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.v1 import common_pb2
 from router.backoff import backoff_delay
+from router.cluster import Route
 from router.deadlines import Deadlines
 from tests.router.fake_nodes import FakeNode, fake_cluster
 
@@ -28,7 +29,7 @@ def pin_first(cluster, decode: tuple[str, str], prefills: list[str]) -> None:
     def pinned(tokens_needed, exclude, *route):
         calls.append(1)
         if len(calls) == 1:
-            return cluster.nodes[decode], prefills
+            return Route(cluster.nodes[decode], prefills)
         return choose(tokens_needed, exclude, *route)
 
     cluster._choose = pinned
@@ -78,7 +79,7 @@ async def test_a_stalled_stream_makes_its_node_hung_for_attempts_sent_before():
     try:
         choose = cluster._choose
         cluster._choose = lambda n, exclude, *route: (
-            (cluster.nodes[D1], [P1[1]]) if not exclude else choose(n, exclude, *route)
+            Route(cluster.nodes[D1], [P1[1]]) if not exclude else choose(n, exclude, *route)
         )
         stream_a = cluster.generate("r-a", [1, 2, 3], PARAMS)
         assert (await stream_a.__anext__()).token_ids == [1]

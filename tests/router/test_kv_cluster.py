@@ -53,8 +53,9 @@ async def test_warm_prompt_routes_to_holder_and_dead_node_entries_are_dropped(cl
     nodes[1].fill(PROMPT, namespace_root(COMPAT, None))
     await until(lambda: index.node_size(addrs[1]) == 10)
     for _ in range(3):
-        node, prefills = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
+        node, prefills, cached = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
         assert node.member.address == addrs[1] and prefills == [addrs[2]]
+        assert cached == (0,)  # a prefill node without events: holds nothing as far as we know
         node.load.inflight_blocks = 0  # as if it finished and reported before the next request
     assert cluster.kv_router.decisions[("decode", "cache")] == 3
     assert cluster.kv_router.decisions[("prefill", "cold")] == 3  # the prefill node serves no events
@@ -62,7 +63,7 @@ async def test_warm_prompt_routes_to_holder_and_dead_node_entries_are_dropped(cl
     await until(lambda: not cluster.nodes[("decode", addrs[1])].usable)
     assert index.node_size(addrs[1]) == 0 and not index.is_synced(addrs[1])
     for _ in range(3):
-        node, _ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
+        node, _, _ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
         assert node.member.address == addrs[0]
 
 
@@ -74,7 +75,7 @@ async def test_wrr_routing_ignores_the_cache_and_matches_the_balancer(cluster_of
     reference = DecodeBalancer()
     ref_loads = copy.deepcopy([cluster.nodes[("decode", a)].load for a in addrs[:2]])
     for _ in range(6):
-        node, _ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
+        node, _, _ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
         expected = reference.pick(ref_loads, len(PROMPT) + 8, time.monotonic())
         reference.assign(expected, len(PROMPT) + 8)
         assert node.member.address == expected.address
@@ -96,6 +97,7 @@ async def test_generate_passes_cache_salt_and_reports_cached_tokens(cluster_of_t
     params = common_pb2.SamplingParams(max_tokens=1)
     chunks = [c async for c in cluster.generate("r1", PROMPT, params, cache_salt="tenant")]
     assert nodes[1].salts == ["tenant"]  # routed to the holder of the salted prefix, salt passed on
+    assert nodes[1].prefill_hints == [([addrs[2]], [0])]  # each prefill node's held prefix, as indexed
     assert chunks[-1].usage.cached_tokens == len(PROMPT) - 1
     await until(lambda: cluster.nodes[("decode", addrs[1])].load.inflight_blocks == 0)
     chunks = [c async for c in cluster.generate("r2", PROMPT, params)]

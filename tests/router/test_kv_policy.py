@@ -141,5 +141,7 @@ def test_prefill_choice_through_the_router_counts_inflight_uncached_tokens():
     ordered = kv.order_prefill(nodes, prompt, None)
     assert [n.address for n in ordered] == ["n1", "n0"]
     assert ordered[0].inflight_tokens == 1  # only the uncached token is queued there
+    # what the decode node is told each holds (so it offers no D->P pull to a node that has it all)
+    assert kv.last_prefill_cached_tokens == {"n1": 160, "n0": 0}
     cold = kv.order_prefill(nodes, list(range(5000, 5100)), None)
     assert cold[0].address == "n0"  # least queued (n1 has 1 in flight)

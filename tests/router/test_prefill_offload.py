@@ -84,7 +84,7 @@ async def test_cluster_offloads_a_wave_between_prefill_and_decode_nodes(routing)
     try:
         where, counted = [], []
         for _ in range(8):
-            node, prefills = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
+            node, prefills, _ = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
             counted.append(cluster._prefilling(node, prefills, len(PROMPT)))  # as generate() does
             where.append(node.member.address if not prefills else "prefill")
         assert 2 <= where.count("prefill") <= 4, where
@@ -115,7 +115,7 @@ async def test_a_stale_report_of_a_long_queue_does_not_offload():
         await until(lambda: all(n.load.queued_prefill_tokens == 5000 for n in prefills))
         for cluster in (on, off):
             assert cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[1][1]]
-            node, addresses = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
+            node, addresses, _ = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
             cluster._prefilling(node, addresses, 300)  # a long prompt in flight at the prefill node
         assert on._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == []
         assert off._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[1][1]]
