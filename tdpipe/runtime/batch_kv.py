@@ -3,7 +3,8 @@
 The controller allocates block ids for every stage, so it decides the count before the stages
 start: `--num-kv-blocks` exactly, else `--kv-cache-memory` per stage, else on CPU a share of the
 host's available memory split among the local stages (and never more than the job's lines could
-fill). The block count is one for all stages, set by the stage with the most layers.
+fill). The block count is one for all stages, set by the stage with the most layers (the first: the
+split gives the last stage, which runs the LM head, fewer; `stage_split`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from engine.kv_pool import kv_bytes_per_token
 from engine.kv_sizing import available_memory_bytes, default_cpu_kv_bytes
 from engine.model_config import ModelConfig
 from engine.weights import resolve_dtype
-from tdpipe.runtime.stage_worker import stage_layer_range
+from tdpipe.runtime.stage_split import model_stage_ranges
 
 FIXED_DEFAULT_BLOCKS = 512
 """Without --num-kv-blocks or --kv-cache-memory on CUDA (stages are not profiled for
@@ -34,10 +35,7 @@ def stage_kv_blocks(
     if args.kv_cache_bytes is None and (device.startswith("cuda") or external):
         return FIXED_DEFAULT_BLOCKS
     dtype = resolve_dtype(args.dtype, cfg, torch.device(device))
-    most_layers = max(
-        end - start
-        for start, end in (stage_layer_range(cfg.num_hidden_layers, args.stages, s) for s in range(args.stages))
-    )
+    most_layers = max(end - start for start, end in model_stage_ranges(cfg, args.stages))
     per_token = kv_bytes_per_token(cfg, most_layers, dtype)
     budget = args.kv_cache_bytes
     if budget is None:

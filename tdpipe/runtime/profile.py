@@ -1,7 +1,7 @@
 """Profile the real pipeline stages and turn the profile into a simulator `CostTable`.
 
 Each stage is profiled in this process the way a `pdserve stage` process runs it:
-a `ModelRunner` over the stage's layer slice (`stage_layer_range`), the same torch
+a `ModelRunner` over the stage's layer slice (`stage_split.model_stage_ranges`), the same torch
 thread count, the same attention backend, the last stage's logits and greedy argmax
 included. Hidden states sent between stages and the controller's messages are
 not part of a stage's forward time, exactly as a stage's own timeline spans
@@ -10,7 +10,8 @@ not part of a stage's forward time, exactly as a stage's own timeline spans
 Mapping onto the simulator (read `tdpipe/cost_table.py` and `tdpipe/pipeline.py`):
 `CostTable.stage_ms(n, S) = forward_ms(n) / S`, and the simulated pipeline is a
 flow shop of S *equal* stages. The real stages are not equal (the last one also
-runs the LM head), and in a pipeline kept full the slowest stage sets the pace,
+runs the LM head; the split weighs it, `stage_split`, but moves whole layers), and
+in a pipeline kept full the slowest stage sets the pace,
 so a table entry is `S * max_k stage_k(n)`: `stage_ms` then returns the
 bottleneck stage's measured time. The table has one token dimension for both
 phases, so it holds the decode curve (a step of a batch of `n` requests, measured
@@ -39,7 +40,7 @@ from tdpipe.runtime.profile_plan import ProfilePlan as ProfilePlan  # re-exporte
 from tdpipe.runtime.profile_plan import max_decode_batch as max_decode_batch
 from tdpipe.runtime.profile_plan import mean_decode_context as mean_decode_context
 from tdpipe.runtime.profile_plan import plan_profile as plan_profile
-from tdpipe.runtime.stage_worker import stage_layer_range
+from tdpipe.runtime.stage_split import model_stage_ranges
 
 
 @dataclass
@@ -144,8 +145,7 @@ def profile_stages(
     previous_threads = torch.get_num_threads()
     profiles = []
     try:
-        for stage in range(num_stages):
-            layer_range = stage_layer_range(cfg.num_hidden_layers, num_stages, stage)
+        for stage, layer_range in enumerate(model_stage_ranges(cfg, num_stages)):
             runner = ModelRunner(
                 model_dir,
                 dtype=dtype,

@@ -2,12 +2,12 @@
 
 Profiling times every stage's layer slice at the job's batch sizes (`profile.py`): 30 s of a
 4-minute job on the CPU. The measured stage times depend on the checkpoint, the dtype, the device,
-the stage split, the torch thread count, the block size and the attention backend, not on the
-job, so they are stored under a key of those (`PDSERVE_CACHE_DIR/tdpipe-profiles/<key>.json`) and
-a rerun builds its table from them without profiling. A cached profile is used only when it covers
-the new job's plan: decode batches up to its largest, prefill batches up to its largest, at a
-decode KV length within a factor of 2 (a decode step grows with the KV it reads); otherwise the
-job profiles afresh and replaces it.
+the stage split (the key holds its layer ranges), the torch thread count, the block size and the
+attention backend, not on the job, so they are stored under a key of those
+(`PDSERVE_CACHE_DIR/tdpipe-profiles/<key>.json`) and a rerun builds its table from them without
+profiling. A cached profile is used only when it covers the new job's plan: decode batches up to
+its largest, prefill batches up to its largest, at a decode KV length within a factor of 2 (a
+decode step grows with the KV it reads); otherwise the job profiles afresh and replaces it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from engine.builtin import cache_root
+from engine.model_config import ModelConfig
 from tdpipe.runtime.profile import ProfilePlan, StageProfile
+from tdpipe.runtime.stage_split import model_stage_ranges
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 """Bump when profile.py changes what it measures, so stale profiles are not reused (2: the hand-off
-and dispatch costs of `profile_comm` are part of a profile)."""
+and dispatch costs of `profile_comm` are part of a profile; 3: the stage split weighs the LM head,
+and the key holds the split itself, so a later change of it misses the cache on its own)."""
 
 
 def default_cache_dir() -> Path:
@@ -47,11 +50,13 @@ def model_fingerprint(model_dir: str | Path) -> str:
 def cache_key(model_dir: str | Path, num_stages: int, options: dict) -> dict:
     """What the measured times depend on (`options`: profile_stages's keyword options)."""
     keep = ("dtype", "device", "block_size", "num_threads", "attention_backend")
+    split = model_stage_ranges(ModelConfig.from_dir(model_dir), num_stages)
     return {
         "version": CACHE_VERSION,
         "model": str(Path(model_dir).resolve()),
         "fingerprint": model_fingerprint(model_dir),
         "stages": num_stages,
+        "layer_ranges": [list(r) for r in split],  # as JSON reads it back: the key compares equal
         **{k: options.get(k) for k in keep},
     }
 

@@ -1,11 +1,12 @@
 """One pipeline stage: a contiguous slice of layers with the KV cache of those layers.
 
 Rank 0 is the controller; stage k (0-based) is rank k + 1 and holds layers
-`stage_layer_range(k)`. Per batch a stage receives one control message (a
-`ForwardBatch` whose block tables the controller owns), receives the previous
-stage's hidden states, runs its layers (writing its own KV), and passes hidden
-states on; the last stage samples (each request with its own parameters, watching its
-stop strings: `last_stage`) and sends one token id and stop flag per sequence to the controller.
+`stage_split.model_stage_ranges(config, stages)[k]` (the last stage fewer: it also runs the LM
+head). Per batch a stage receives one control message (a `ForwardBatch` whose block tables the
+controller owns), receives the previous stage's hidden states, runs its layers (writing its own
+KV), and passes hidden states on; the last stage samples (each request with its own parameters,
+watching its stop strings: `last_stage`) and sends one token id and stop flag per sequence to the
+controller.
 """
 
 from __future__ import annotations
@@ -23,18 +24,11 @@ import torch.distributed as dist
 from engine.grammar_cache import GrammarCache
 from engine.model_runner import ModelRunner
 from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
+from tdpipe.runtime.stage_split import model_stage_ranges
+from tdpipe.runtime.stage_split import stage_layer_range as stage_layer_range  # re-exported: its old home
 from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, Outbox, recv_object
 
 CONTROLLER_RANK = 0
-
-
-def stage_layer_range(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
-    """Contiguous, as-equal-as-possible split; earlier stages take the remainder."""
-    if not 0 < num_stages <= num_layers:
-        raise ValueError(f"stages must be in [1, {num_layers}] for a {num_layers}-layer model, got {num_stages}")
-    base, extra = divmod(num_layers, num_stages)
-    start = stage * base + min(stage, extra)
-    return start, start + base + (1 if stage < extra else 0)
 
 
 @dataclass(frozen=True)
@@ -78,14 +72,14 @@ def stage_runner(cfg: StageConfig, rank: int, num_stages: int) -> ModelRunner:
     group whose death of any rank ends this stage process at once (exit 1, the job names the stage)."""
     from engine.model_config import ModelConfig
 
-    num_layers = ModelConfig.from_dir(cfg.model_dir).num_hidden_layers
+    model = ModelConfig.from_dir(cfg.model_dir)  # every stage reads the same config.json: one split
     options: dict[str, Any] = dict(
         dtype=cfg.dtype,
         device=stage_device(cfg.device, rank, cfg.tensor_parallel_size),
         attention_backend=cfg.attention_backend,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,
-        layer_range=stage_layer_range(num_layers, num_stages, rank - 1),
+        layer_range=model_stage_ranges(model, num_stages)[rank - 1],
         num_threads=cfg.num_threads,
     )
     if cfg.tensor_parallel_size == 1:

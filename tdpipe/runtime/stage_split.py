@@ -1,0 +1,90 @@
+"""Which decoder layers each pipeline stage holds: a contiguous split weighted by the LM head.
+
+The last stage also runs the final norm and the LM head (hidden x vocab per token); on the `bench`
+model that is about 4.8 decoder layers' worth, so an equal split of the layers leaves the other
+stages idle a large share of every decode step. The split here prices every decoder layer at 1
+and the last stage's head at `lm_head_layers(cfg)`, and gives the contiguous split whose most
+expensive stage is cheapest.
+
+Every process that must agree on the split (the controller sizing KV, the profile pass, each
+`pdserve stage`) calls `model_stage_ranges` on the same `config.json` and stage count, so they
+agree without exchanging the ranges. The cost depends on nothing else (not on the device, dtype
+or tensor-parallel size): a stage started with other flags still computes its neighbours' split.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.model_config import ModelConfig
+
+
+def decoder_layer_weights(cfg: ModelConfig) -> int:
+    """Matmul weights one token goes through in one decoder layer: q/k/v/o (GQA: k and v are
+    kv_heads x head_dim wide) and the gated MLP's gate/up/down. Norms, RoPE and biases are
+    elementwise and left out; attention over the KV grows with the context and is left out too."""
+    q_width = cfg.num_attention_heads * cfg.head_dim
+    kv_width = cfg.num_key_value_heads * cfg.head_dim
+    attention = 2 * cfg.hidden_size * q_width + 2 * cfg.hidden_size * kv_width  # q, o; k, v
+    return attention + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def lm_head_layers(cfg: ModelConfig) -> float:
+    """The LM head's cost in decoder-layer equivalents (bench: 768 x 32000 / 5.1M = 4.8).
+
+    A tied head is the same matmul as an untied one. The embedding is a row lookup on the first
+    stage, not a matmul, and costs nothing here. On a decode step every sequence's one token goes
+    through the head as through a layer, so the ratio is exact for the weights' compute and
+    reads; a prefill runs the head on one token per prompt only (the split is tuned for decode,
+    which dominates a TD-Pipe job's stage time)."""
+    return cfg.hidden_size * cfg.vocab_size / decoder_layer_weights(cfg)
+
+
+def _balanced(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts of an equal split, the earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if k < extra else 0) for k in range(num_stages)]
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int, last_stage_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous [start, end) layer ranges, one per stage, each holding at least one layer.
+
+    A layer costs 1 and the last stage pays `last_stage_extra` more (its LM head: `lm_head_layers`).
+    The split minimises the most expensive stage; among splits with the same maximum it takes the
+    most balanced one (the stage costs sorted high to low, compared in order), and then the one
+    whose earlier stages hold more layers. With `last_stage_extra` 0 this is the equal split with
+    the remainder on the earlier stages.
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"the model must have at least one layer, got {num_layers!r}")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 0 < num_stages <= num_layers:
+        raise ValueError(f"stages must be in [1, {num_layers}] for a {num_layers}-layer model, got {num_stages!r}")
+    if not isinstance(last_stage_extra, (int, float)) or not math.isfinite(last_stage_extra) or last_stage_extra < 0:
+        raise ValueError(f"the last stage's extra cost must be a finite number >= 0, got {last_stage_extra!r}")
+    if num_stages == 1:
+        return [(0, num_layers)]
+    best: tuple[list[float], int] | None = None
+    counts: list[int] = []
+    # the other stages are best split equally, so only the last stage's layer count is searched
+    for last in range(1, num_layers - num_stages + 2):
+        candidate = _balanced(num_layers - last, num_stages - 1) + [last]
+        costs = [float(n) for n in candidate]
+        costs[-1] += last_stage_extra
+        key = (sorted(costs, reverse=True), last)  # a smaller last stage leaves more on the earlier ones
+        if best is None or key < best:
+            best, counts = key, candidate
+    ends = [sum(counts[: k + 1]) for k in range(num_stages)]
+    return [(end - n, end) for n, end in zip(counts, ends)]
+
+
+def stage_layer_range(num_layers: int, num_stages: int, stage: int, last_stage_extra: float = 0.0) -> tuple[int, int]:
+    """Stage `stage`'s (0-based) range of `stage_layer_ranges`."""
+    ranges = stage_layer_ranges(num_layers, num_stages, last_stage_extra)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages - 1}] for {num_stages} stages, got {stage!r}")
+    return ranges[stage]
+
+
+def model_stage_ranges(cfg: ModelConfig, num_stages: int) -> list[tuple[int, int]]:
+    """The split every process of a pipeline over this checkpoint uses (module docstring)."""
+    return stage_layer_ranges(cfg.num_hidden_layers, num_stages, lm_head_layers(cfg))
