@@ -1,7 +1,7 @@
 """Which decoder layers each pipeline stage holds: a contiguous split weighted by the LM head.
 
 The last stage also runs the final norm and the LM head (hidden x vocab per token); on the `bench`
-model that is about 4.8 decoder layers' worth, so an equal split of the layers leaves the other
+model that is about 4.2 decoder layers' worth, so an equal split of the layers leaves the other
 stages idle a large share of every decode step. The split here prices every decoder layer at 1
 and the last stage's head at `lm_head_layers(cfg)`, and gives the contiguous split whose most
 expensive stage is cheapest.
@@ -29,15 +29,29 @@ def decoder_layer_weights(cfg: ModelConfig) -> int:
     return attention + 3 * cfg.hidden_size * cfg.intermediate_size
 
 
-def lm_head_layers(cfg: ModelConfig) -> float:
-    """The LM head's cost in decoder-layer equivalents (bench: 768 x 32000 / 5.1M = 4.8).
+OP_OVERHEAD_WEIGHTS = 80_000
+"""The fixed cost of launching one op, in matmul weights' worth. Fitted to the 128-wide `tiny`
+model on one CPU thread (2026-11-26: a decode step's layer 0.54 ms, its head 0.25 ms; about
+47 us per op at 0.6 ns per weight). Negligible for real models (a 4096-wide layer has 200M
+weights), decisive for tiny ones, whose head is priced as 1.3 layers by weights alone but
+measures under half of one."""
+LAYER_OPS = 9
+"""Ops of a decoder layer: norm, QKV GEMM, rotary + KV store, attention, O GEMM, add + norm,
+gate/up GEMM, SiLU-mul, down GEMM."""
+HEAD_OPS = 2
+"""Ops of the head: the final norm and the LM-head GEMM."""
 
-    A tied head is the same matmul as an untied one. The embedding is a row lookup on the first
-    stage, not a matmul, and costs nothing here. On a decode step every sequence's one token goes
-    through the head as through a layer, so the ratio is exact for the weights' compute and
-    reads; a prefill runs the head on one token per prompt only (the split is tuned for decode,
-    which dominates a TD-Pipe job's stage time)."""
-    return cfg.hidden_size * cfg.vocab_size / decoder_layer_weights(cfg)
+
+def lm_head_layers(cfg: ModelConfig) -> float:
+    """The LM head's cost in decoder-layer equivalents (bench: 24.7M / 5.8M = 4.2; tiny: 0.46).
+
+    Each side is its matmul weights plus a fixed cost per op (`OP_OVERHEAD_WEIGHTS`). A tied head
+    is the same matmul as an untied one. The embedding is a row lookup on the first stage, not a
+    matmul, and costs nothing here. On a decode step every sequence's one token goes through the
+    head as through a layer; a prefill runs the head on one token per prompt only (the split is
+    tuned for decode, which dominates a TD-Pipe job's stage time)."""
+    head = cfg.hidden_size * cfg.vocab_size + HEAD_OPS * OP_OVERHEAD_WEIGHTS
+    return head / (decoder_layer_weights(cfg) + LAYER_OPS * OP_OVERHEAD_WEIGHTS)
 
 
 def _balanced(num_layers: int, num_stages: int) -> list[int]:

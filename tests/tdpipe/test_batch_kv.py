@@ -23,10 +23,10 @@ def _args(**kw) -> Namespace:
 
 
 def test_kv_cache_memory_sets_the_stage_block_count(tiny_model_dir):
-    cfg = ModelConfig.from_dir(tiny_model_dir)  # 4 layers: 3 + 1 (the last stage runs the LM head)
+    cfg = ModelConfig.from_dir(tiny_model_dir)  # 4 layers: 2 + 2 (its head costs under half a layer)
     per_layer_block = 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * 16  # float32 K and V of 16 tokens
-    assert model_stage_ranges(cfg, 2) == [(0, 3), (3, 4)]
-    per_block = 3 * per_layer_block  # the stage with the most layers sets the count for all
+    assert model_stage_ranges(cfg, 2) == [(0, 2), (2, 4)]
+    per_block = 2 * per_layer_block  # the stage with the most layers sets the count for all
     assert stage_kv_blocks(_args(kv_cache_bytes=MiB), cfg, "cpu", 10) == MiB // per_block
     assert stage_kv_blocks(_args(kv_cache_bytes=4 * MiB), cfg, "cpu", 10) == 4 * MiB // per_block
     # three stages of 2, 1, 1 layers: the largest decides
@@ -39,7 +39,7 @@ def test_kv_cache_memory_sets_the_stage_block_count(tiny_model_dir):
 
 def test_default_is_a_host_share_split_among_stages_and_capped_by_the_job(tiny_model_dir):
     cfg = ModelConfig.from_dir(tiny_model_dir)
-    per_block = 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * 3 * 16  # 3 layers on the first stage
+    per_block = 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * 2 * 16  # 2 layers per stage
     # 2000 MiB available, 2 stages: a tenth of 1000 MiB each (the job's 1000 lines could fill more)
     assert stage_kv_blocks(_args(), cfg, "cpu", 1000, available=2000 * MiB) == 100 * MiB // per_block
     # 3 lines of at most max_position_embeddings tokens each

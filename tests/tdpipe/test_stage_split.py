@@ -10,6 +10,7 @@ from engine.model_config import ModelConfig
 from engine.tiny_model import SIZES
 from tdpipe.runtime.stage_split import (
     decoder_layer_weights,
+    OP_OVERHEAD_WEIGHTS,
     lm_head_layers,
     model_stage_ranges,
     stage_layer_range,
@@ -40,8 +41,9 @@ def test_bench_head_costs_about_five_layers() -> None:
     cfg = _config()
     # q, o: 768 x 768; k, v: 768 x (4 heads x 64); gate, up, down: 768 x 1536
     assert decoder_layer_weights(cfg) == 2 * 768 * 768 + 2 * 768 * 256 + 3 * 768 * 1536
-    assert lm_head_layers(cfg) == pytest.approx(768 * 32000 / 5_111_808)
-    assert 4.7 < lm_head_layers(cfg) < 4.9
+    overhead = OP_OVERHEAD_WEIGHTS
+    assert lm_head_layers(cfg) == pytest.approx((768 * 32000 + 2 * overhead) / (5_111_808 + 9 * overhead))
+    assert 4.1 < lm_head_layers(cfg) < 4.3
     # tying the head to the embedding does not make its matmul cheaper
     assert lm_head_layers(_config(tie_word_embeddings=True)) == lm_head_layers(cfg)
     # an explicit head_dim wins over hidden / heads (GQA models whose heads are not hidden / heads wide)
@@ -59,7 +61,7 @@ def test_bench_split_makes_the_dearest_stage_cheaper(num_stages) -> None:
     assert all(end > start for start, end in ranges)  # every stage holds a layer
     assert max(_costs(ranges, head)) < max(_costs(_equal_split(12, num_stages), head))
     if num_stages == 2:
-        assert ranges == [(0, 8), (8, 12)]  # 8 vs 8.8 layer-equivalents instead of 6 vs 10.8
+        assert ranges == [(0, 8), (8, 12)]  # 8 vs 8.2 layer-equivalents instead of 6 vs 10.2
 
 
 def test_split_is_the_best_contiguous_one() -> None:
@@ -93,9 +95,12 @@ def test_a_huge_head_still_leaves_the_last_stage_one_layer() -> None:
     assert stage_layer_ranges(6, 3, 1000.0) == [(0, 3), (3, 5), (5, 6)]
 
 
-def test_tiny_two_stage_pipeline_runs_an_unequal_split(tiny_model_dir) -> None:
-    """test_tdpipe_runtime's 2-stage greedy-equals-engine.LLM runs check this split end to end."""
-    assert model_stage_ranges(ModelConfig.from_dir(tiny_model_dir), 2) == [(0, 3), (3, 4)]
+def test_tiny_keeps_the_equal_split_its_timings_favour(tiny_model_dir) -> None:
+    """On the 128-wide tiny model per-op overheads, not weights, set the time: measured, 2 / 2 ran
+    1.16 / 1.18 ms per stage and 3 / 1 1.62 / 0.79 ms. Its head is priced under half a layer."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    assert 0.3 < lm_head_layers(cfg) < 0.6
+    assert model_stage_ranges(cfg, 2) == [(0, 2), (2, 4)]
 
 
 @pytest.mark.parametrize(
