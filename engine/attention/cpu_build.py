@@ -40,11 +40,19 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
 
+CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
+"""-fno-trapping-math: without it GCC will not if-convert the clamp before `fast_exp`'s float->int
+conversion (which could trap on an out-of-range value), so the AVX2 and baseline clones of every
+loop that calls it stayed scalar (SiLU-mul ran 4.5x slower than torch's eager ops on an AVX2 CPU);
+only the AVX-512 clone, with masked ops, was vectorised. No result changes: nothing here reads the
+floating-point exception flags, and rounding is untouched."""
+
+
 def build_dir() -> Path:
     """Cache location of the built op: `$PDSERVE_CACHE_DIR/kernels/<digest>` (default ~/.cache/pdserve)."""
     root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
     text = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
-    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(text + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     return root / "kernels" / f"cpu_paged-{digest}"
 
 
@@ -133,7 +141,7 @@ def _compile(build_directory: Path) -> None:
         name=LIBRARY.removesuffix(".so"),
         sources=[str(s) for s in SOURCES],
         build_directory=str(build_directory),
-        extra_cflags=["-O3", "-fopenmp"],
+        extra_cflags=CFLAGS,
         extra_include_paths=[str(CSRC)],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
