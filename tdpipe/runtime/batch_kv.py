@@ -3,8 +3,8 @@
 The controller allocates block ids for every stage, so it decides the count before the stages
 start: `--num-kv-blocks` exactly, else `--kv-cache-memory` per stage, else on CPU a share of the
 host's available memory split among the local stages (and never more than the job's lines could
-fill). The block count is one for all stages, set by the stage with the most layers (the first: the
-split gives the last stage, which runs the LM head, fewer; `stage_split`).
+fill). The block count is one for all stages, set by the stage with the most layers (the split
+weighs the LM head the last stage runs, so that is usually the first: `stage_split`).
 """
 
 from __future__ import annotations

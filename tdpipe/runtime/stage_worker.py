@@ -1,8 +1,8 @@
 """One pipeline stage: a contiguous slice of layers with the KV cache of those layers.
 
 Rank 0 is the controller; stage k (0-based) is rank k + 1 and holds layers
-`stage_split.model_stage_ranges(config, stages)[k]` (the last stage fewer: it also runs the LM
-head). Per batch a stage receives one control message (a `ForwardBatch` whose block tables the
+`stage_split.model_stage_ranges(config, stages)[k]` (weighted for the LM head the last stage
+also runs). Per batch a stage receives one control message (a `ForwardBatch` whose block tables the
 controller owns), receives the previous stage's hidden states, runs its layers (writing its own
 KV), and passes hidden states on; the last stage samples (each request with its own parameters,
 watching its stop strings: `last_stage`) and sends one token id and stop flag per sequence to the
