@@ -173,36 +173,25 @@ async def test_the_routers_hint_skips_an_offer_the_prefill_node_does_not_need(ti
             return await prepare(request, context)
 
         nodes.prefills[1].PreparePull = counting
-        stale, events = await generate(
-            nodes.decode_address,
-            SECRET,
-            "h-2",
-            turn2,
-            greedy(4, ignore_eos=True),
-            nodes.prefill_addresses[1:],
-            prefill_cached_tokens=[len(turn2)],
-        )
-        assert stale == expected and offers == [] and pulls(nodes, "skipped") == 1
-        assert events[-1].usage.cached_tokens == 0  # it did not hold it: recomputed, nothing counted
-        low, events = await generate(
-            nodes.decode_address,
-            SECRET,
-            "h-3",
-            turn2,
-            greedy(4, ignore_eos=True),
-            nodes.prefill_addresses[:1],
-            prefill_cached_tokens=[len(TURN1) // BS * BS],  # node 0 holds turn 1's prompt, not the answer
-        )
-        assert low == expected and offers == [] and pulls(nodes, "pulled") == 1
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await generate(
+
+        async def ask(rid: str, addresses: list[str], hint: list[int]):
+            return await generate(
                 nodes.decode_address,
                 SECRET,
-                "h-4",
+                rid,
                 turn2,
-                greedy(2),
-                nodes.prefill_addresses[:1],
-                prefill_cached_tokens=[0, 0],
+                greedy(4, ignore_eos=True),
+                addresses,
+                prefill_cached_tokens=hint,
             )
+
+        stale, events = await ask("h-2", nodes.prefill_addresses[1:], [len(turn2)])
+        assert stale == expected and offers == [] and pulls(nodes, "skipped") == 1
+        assert events[-1].usage.cached_tokens == 0  # it did not hold it: recomputed, nothing counted
+        # node 0 holds turn 1's prompt, not the answer: a hint below the held prefix still pulls
+        low, events = await ask("h-3", nodes.prefill_addresses[:1], [len(TURN1) // BS * BS])
+        assert low == expected and offers == [] and pulls(nodes, "pulled") == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await ask("h-4", nodes.prefill_addresses[:1], [0, 0])  # more hints than addresses
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         await assert_no_blocks_used(nodes)
