@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, AsyncIterator, NamedTuple
+from typing import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from node_runtime.discovery import Discovery, Member
+from node_runtime.discovery import Discovery
 from node_runtime.auth import cluster_metadata
 from node_runtime import cluster_tls, keepalive
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -22,9 +21,9 @@ from router.backoff import backoff_delay
 from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
-from router.circuit_breaker import CircuitBreaker
 from router.kv_routing import ROUTING_MODES, KvRouter
 from router.kv_subscriber import KvSubscriber
+from router.node_state import GenerateChunk, NodeState, Route
 from router.prefill_offload import OffloadPolicy, Prefilling
 
 log = logging.getLogger("pdserve.router")
@@ -36,54 +35,6 @@ RETRYABLE = (
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.CANCELLED,
 )
-
-
-class GenerateChunk(NamedTuple):
-    token_ids: list[int]
-    logprobs: list | None
-    finish_reason: str | None
-    usage: common_pb2.Usage | None
-
-
-@dataclass
-class NodeState:
-    member: Member
-    channel: grpc.aio.Channel
-    stub: Any
-    """A generated DecodeStub or PrefillStub (grpc code has no types)."""
-    health: health_pb2_grpc.HealthStub
-    load: NodeLoad
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    draining: bool = False
-    max_model_len: int = 0
-    responsive: bool = True
-    """False after a probe missed the health deadline (a hung node), until a probe succeeds."""
-    silent_since: float | None = None
-    """When the first probe of the current run of missed probes was sent (None while the node answers)."""
-    stalled: bool = False
-    """A stream on this node got no event within its token deadline; with a missed probe after it,
-    the node is hung at once (not `hung_after` later). Cleared when a probe answers."""
-    probe: asyncio.Task | None = None
-    kv: KvSubscriber | None = None
-    """Follows the node's KV events into the router's index (kv-aware routing only)."""
-
-    @property
-    def reachable(self) -> bool:
-        return self.breaker.allows and not self.draining and self.load.report_time is not None
-
-    @property
-    def usable(self) -> bool:
-        return self.reachable and self.responsive
-
-
-class Route(NamedTuple):
-    """Where a request goes: its decode node, the prefill nodes to try in order (none: the decode
-    node prefills it), and what kv-aware routing believes each of them holds of the prompt."""
-
-    node: NodeState
-    prefills: list[str]
-    prefill_cached: tuple[int, ...] = ()
-    """Leading prompt tokens each prefill node holds, by the KV-event index (empty: unknown)."""
 
 
 class Cluster:

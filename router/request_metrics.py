@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Gauge
 
 from node_runtime.vllm_metrics import RequestFamilies
-from router.cluster import GenerateChunk
+from router.node_state import GenerateChunk
 
 ENGINE = "router"
 """The `engine` label of the router's vllm:* series: select or exclude them with it."""

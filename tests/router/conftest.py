@@ -8,7 +8,7 @@ import pytest
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from router.app import create_app
-from router.cluster import GenerateChunk
+from router.node_state import GenerateChunk
 from openai_api.errors import NoCapacityError, UpstreamError
 from router.serving import Server
 

@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 from engine.tokenizer import Tokenizer
-from router.cluster import GenerateChunk
+from router.node_state import GenerateChunk
 from openai_api.protocol import CompletionRequest
 from router.serving import STREAM_QUEUE_CHUNKS, Server
 

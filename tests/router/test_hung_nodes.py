@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.v1 import common_pb2
 from router.backoff import backoff_delay
-from router.cluster import Route
+from router.node_state import Route
 from router.deadlines import Deadlines
 from tests.router.fake_nodes import FakeNode, fake_cluster
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from node_runtime.discovery import Member
 from pdserve.v1 import common_pb2
 from router.balancer import NodeLoad
-from router.cluster import GenerateChunk, NodeState
+from router.node_state import GenerateChunk, NodeState
 from router.cluster_metrics import ClusterCollector
 from router.request_metrics import RequestMetrics
 
