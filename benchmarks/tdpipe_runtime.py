@@ -35,21 +35,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import emit
+from benchmarks.tdpipe_runs import BLOCK_SIZE, NUM_STAGES, build_workload, predict, run_llm, run_pipeline
 from tdpipe.config import InstanceConfig
-from tdpipe.cost_table import CostTable
-from tdpipe.executor import SimExecutor
-from tdpipe.pipeline import SimStats
 from tdpipe.runtime.profile import build_cost_table, plan_profile
 from tdpipe.runtime.profile_cache import cached_profiles, default_cache_dir
-from tdpipe.runtime.timeline import bubble_fraction, job_span, plot_timelines
-from tdpipe.simulator import CLI_NAMES, make_policy
-from tdpipe.workload import SimRequest, WorkloadConfig, generate
+from tdpipe.runtime.timeline import plot_timelines
+from tdpipe.simulator import CLI_NAMES
 
 POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")} | {"tdpipe-overlap": "td-pipe-overlap"}
 """Runtime (`pdserve batch --policy`) name -> the simulator's name of the same policy object
@@ -62,103 +57,8 @@ LABELS = {
     "llm": "engine.LLM (1 process)",
 }
 DEFAULT_POLICIES = "tdpipe,pp-sb,pp-hb"
-NUM_STAGES = 2
-BLOCK_SIZE = 16
 MAX_BATCH_TOKENS = 2048
 """Token budget of one prefill/hybrid batch (the runtime's and the simulator's default); --quick uses 512."""
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    request_id: int
-    prompt_ids: list[int]
-    output_len: int
-
-
-def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: int = 0) -> list[BenchRequest]:
-    """ShareGPT-like lengths (tdpipe.workload) with deterministic random ids in [10, vocab)."""
-    lengths = generate(WorkloadConfig(num_requests=num, max_input=max_input, max_output=max_output, seed=seed))
-    rng = random.Random(seed + 1)
-    return [
-        BenchRequest(r.request_id, [rng.randrange(10, vocab) for _ in range(r.input_len)], r.output_len)
-        for r in lengths
-    ]
-
-
-def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int, max_batch_tokens: int) -> dict:
-    """engine.LLM's engine in this process: same requests, same KV tokens, 2 threads."""
-    from engine import LLM, SamplingParams
-
-    llm = LLM(
-        model_dir,
-        num_threads=threads,
-        num_kv_blocks=kv_blocks,
-        block_size=BLOCK_SIZE,
-        max_num_seqs=max(256, len(reqs)),
-        max_num_batched_tokens=max_batch_tokens,
-        enable_prefix_caching=False,
-    )
-    engine = llm.engine
-    engine.runner.attention.wait_ready()  # a first-use kernel build is not part of the measurement
-    for r in reqs:
-        engine.add_request(
-            str(r.request_id), r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-        )
-    produced = 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    seconds = time.perf_counter() - start
-    del llm, engine
-    return {"output_tokens": produced, "seconds": seconds, "tok_s": produced / seconds}
-
-
-def run_pipeline(
-    model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str, max_batch_tokens: int, table: CostTable
-) -> dict:
-    """One job through 2 local stage processes (1 thread each) under `policy`; TD-Pipe's switch
-    decisions read `table`, the same profiled table the simulator runs on."""
-    from tdpipe.runtime.controller import PipeRequest
-    from tdpipe.runtime.local import run_local_pipeline
-    from tdpipe.runtime.stage_worker import StageConfig
-
-    cfg = StageConfig(str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1)
-    # predicted_len defaults to max_tokens: exact under ignore_eos, as in sim_requests
-    pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
-    decisions: list = []
-    stats, timelines = run_local_pipeline(
-        cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, policy=policy, table=table, decisions=decisions
-    )
-    produced = sum(len(r.output_ids) for r in pipe_reqs)
-    expected = sum(r.output_len for r in reqs)
-    assert produced == expected, f"{policy}: {produced} output tokens != {expected}"
-    t0, t1 = job_span(timelines)
-    decode_sizes = [n for tl in timelines for _, _, n, p in tl if p == "decode"]
-    return {
-        "output_tokens": produced,
-        "seconds": t1 - t0,
-        "tok_s": produced / (t1 - t0),
-        "bubble": bubble_fraction(timelines),
-        "phase_switches": len(stats.phase_switches),
-        "preemptions": stats.num_preemptions,
-        "batches": len(decisions),
-        "decisions": decisions,
-        "max_decode_batch": max(decode_sizes, default=0),
-        "timelines": timelines,
-    }
-
-
-def predict(policy: str, table: CostTable, inst: InstanceConfig, reqs: list[BenchRequest]) -> tuple[SimStats, list]:
-    """The simulator's run of `policy` (the same policy object the runtime runs) and its decision log."""
-    executor = SimExecutor(table, inst.num_stages)
-    stats = make_policy(policy, table, inst).run(sim_requests(reqs), executor)
-    assert stats.output_tokens == sum(r.output_len for r in reqs), f"{policy}: simulated token count"
-    return stats, executor.decisions
-
-
-def sim_requests(reqs: list[BenchRequest]) -> list[SimRequest]:
-    """The workload for the simulator; ignore_eos makes the output length exact, so predicted = true."""
-    return [SimRequest(r.request_id, len(r.prompt_ids), r.output_len, r.output_len) for r in reqs]
 
 
 def main() -> None:
