@@ -19,6 +19,7 @@ from cachestore import (
     Session,
 )
 from cachestore.metrics import CacheStoreMetrics
+from cachestore.transport import resolve_transport
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
 from node_runtime.rank_kv import pool_geometry
@@ -50,24 +51,20 @@ def receiver(
 
 
 def pull_transport(rt: NodeRuntime, config: NodeConfig) -> str:
-    """The transport a prefill node receives D->P pulls over: its own, except rdma on a CUDA pool
-    without GPUDirect. There an rdma receiver mirrors the whole pool in pinned host memory, and a
-    prefill node would hold that mirror for the occasional pull on top of its decode peers' own
-    (on one H200 host, two nodes at 0.25 of the card each pinned more than the host had). TCP
-    stages each connection's frames through a bounded buffer instead; the decode node's sender
-    follows the transport its credentials name."""
-    transport = config.transfer.transport
+    """The transport a prefill node receives D->P pulls over: its own as it resolves (`auto` is rdma
+    where a device exists), except rdma on a CUDA pool without GPUDirect. There an rdma receiver
+    mirrors the whole pool in pinned host memory, and a prefill node would hold that mirror for the
+    occasional pull on top of its decode peers' own (on one H200 host, two nodes at 0.25 of the card
+    each pinned more than the host had). TCP stages each connection's frames through a bounded
+    buffer instead; the decode node's sender follows the transport its credentials name."""
+    transport = resolve_transport(config.transfer.transport)  # "auto" takes rdma where a device exists
     region = MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor)
     if transport != "rdma" or not region.is_device:
         return transport
     from cachestore import rdma_memory
     from cachestore.rdma_verbs import verbs
 
-    try:
-        v = verbs()
-    except ImportError:  # no pyverbs: the receiver resolves "rdma" to its fallback as any other does
-        return transport
-    mode, reason = rdma_memory.choose(v, region)
+    mode, reason = rdma_memory.choose(verbs(), region)
     if mode != rdma_memory.STAGING:
         return transport
     log.info(

@@ -31,6 +31,7 @@ def test_pulls_into_a_staged_cuda_pool_go_over_tcp(monkeypatch):
     device = MemoryRegion(memoryview(bytearray(0)), pool, is_device=True)
     monkeypatch.setattr(kv_store.MemoryRegion, "from_tensor", staticmethod(lambda tensor: device))
     assert kv_store.pull_transport(*_node(pool, "rdma")) == "tcp"
+    assert kv_store.pull_transport(*_node(pool, "auto")) == "tcp"  # auto resolves to rdma where a device exists
     assert kv_store.pull_transport(*_node(pool, "local")) == "local"
 
 
