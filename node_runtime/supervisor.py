@@ -82,7 +82,10 @@ class Child:
     def wait_ready(self, deadline: float) -> str:
         self.ready.wait(max(0.0, deadline - time.monotonic()))
         if not self.address:
-            rc = self.popen.poll()
+            try:  # output ended (the child is exiting): give the kernel a moment to report its status
+                rc = self.popen.wait(timeout=2.0) if self.ready.is_set() else self.popen.poll()
+            except subprocess.TimeoutExpired:
+                rc = None
             # a child killed by a signal (the OOM killer's SIGKILL) prints nothing: say so
             how = "still not ready at the deadline" if rc is None else f"exited with {_exit_status(rc)}"
             raise RuntimeError(f"{self.name} failed to start ({how}):\n{self.tail()}")
