@@ -17,8 +17,8 @@ forces staging. dma-buf registration (ibv_reg_dmabuf_mr) is not implemented.
 
 NOT EXERCISED on RDMA hardware: GPUDirect has never run, and nothing here has run on a GPU with an
 RDMA NIC. Pinned staging with real CUDA pools ran on an H100 over the emulated verbs device
-(`tests/gpu/test_cuda_rdma.py`, with torch's pinned allocator; the exact-size `cudaHostRegister`
-pinning that replaced it has run only against a CPU stand-in of those calls); on CPU, the tests
+(`tests/gpu/test_cuda_rdma.py`, with torch's pinned allocator), and the exact-size `cudaHostRegister`
+pinning that replaced it ran there on an H200 on 2026-11-26; on CPU, the tests
 drive it with a pool that reports itself as device memory. The emulated device has no peer-memory
 client, so it never takes GPUDirect.
 """

@@ -8,6 +8,7 @@ one forward.
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -51,6 +52,10 @@ class CudaBaseline(NamedTuple):
 
     @classmethod
     def take(cls, device: torch.device) -> CudaBaseline:
+        # An engine dropped earlier in this process (a notebook's second LLM(...), a test after a
+        # test) can still hold its KV pool through a reference cycle until the collector runs: run
+        # it now, or that pool counts as another process's memory and the budget comes up short.
+        gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return cls(free, total, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))

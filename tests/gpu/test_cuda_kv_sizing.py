@@ -50,3 +50,16 @@ def test_engine_with_default_sizing_serves(tiny_model_dir):
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.max_model_len == llm.engine.model_config.max_position_embeddings
+
+
+def test_an_engine_dropped_in_the_process_leaves_its_share_to_the_next(tiny_model_dir):
+    """A second engine in one process sizes from the card as the first one left it: the first one's
+    pool (0.5 of the card) is returned even if a reference cycle still held it."""
+    first = LLM(tiny_model_dir, device="cuda", dtype="float32", attention_backend="torch", gpu_memory_utilization=0.5)
+    cycle = [first]
+    cycle.append(cycle)  # what a callback or a closure over the engine would leave behind
+    del first, cycle
+    second = LLM(tiny_model_dir, device="cuda", dtype="float32", attention_backend="torch", gpu_memory_utilization=0.9)
+    out = second.generate(["hello"], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
+    del second  # 0.9 of the card: returned before the next test starts its node processes
