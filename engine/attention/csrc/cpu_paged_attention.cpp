@@ -37,10 +37,14 @@ namespace {
 // 8 lanes: one AVX2 register (half an AVX-512 one). Wider vectors than the ISA has make GCC
 // emulate the shuffles through memory, and the machines we run on include AVX2-only ones.
 constexpr int64_t L = 8;  // lanes of a vector, and keys per chunk
+constexpr int64_t PREFETCH_KEYS = 2 * L;  // how far ahead K/V rows are prefetched (chunks of L keys)
 typedef float f32xL __attribute__((vector_size(L * 4)));
 typedef uint16_t u16xL __attribute__((vector_size(L * 2)));
 typedef uint32_t u32xL __attribute__((vector_size(L * 4)));
 typedef int32_t i32xL __attribute__((vector_size(L * 4)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef double f64x4 __attribute__((vector_size(32)));
+typedef int64_t i64x4 __attribute__((vector_size(32)));
 
 // n (<= L) values of a row as float32 lanes; the lanes past n are zero
 __attribute__((always_inline)) inline f32xL load_row(const float* p, int64_t n) {
@@ -117,10 +121,82 @@ __attribute__((always_inline)) inline f32xL get(const float* p) {
 }
 __attribute__((always_inline)) inline void put(float* p, const f32xL& v) { std::memcpy(p, &v, sizeof(v)); }
 
-template <typename T>
+// exp of every lane, evaluated in float64 and rounded once to float32: correctly rounded but for
+// about 1 in 2000 inputs that lie within a hair of a rounding midpoint (where glibc's expf, what
+// std::exp was here, may round the other way). A float32 polynomial (pds::fast_exp, ~1 ulp) moved
+// enough probabilities by an ulp to flip a near-tie greedy token against vLLM; the scalar std::exp
+// per key and query head did not vectorise. 2.5 float64 FMAs per value: cheap beside the K/V loads.
+__attribute__((always_inline)) inline f32x4 exp_half(f32x4 xf) {
+  f64x4 x = __builtin_convertvector(xf, f64x4);
+  const f64x4 hi = f64x4{} + 88.8, lo = f64x4{} - 104.0;  // beyond: +inf and 0 in float32
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  // x = n ln 2 + r, |r| <= ln 2 / 2: n = round(x / ln 2) sits in the low bits of k's mantissa
+  const double shift = 0x1.8p52;
+  const f64x4 k = x * 1.4426950408889634 + shift;
+  const f64x4 n = k - shift;
+  const f64x4 r = (x - n * 0x1.62e42fefa39efp-1) - n * 0x1.abc9e3b39803fp-56;  // ln 2 in two parts
+  // Taylor to r^10: relative error below 3e-13 on |r| <= 0.347
+  f64x4 p = f64x4{} + 1.0 / 3628800;
+  for (const double c : {1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0})
+    p = p * r + c;
+  const i64x4 e = (reinterpret_cast<const i64x4&>(k) + 1023) << 52;  // the bits of 2^n
+  return __builtin_convertvector(p * reinterpret_cast<const f64x4&>(e), f32x4);
+}
+
+__attribute__((always_inline)) inline f32xL exp_lanes(f32xL x) {
+  f32x4 lo, hi;
+  std::memcpy(&lo, &x, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  lo = exp_half(lo);
+  hi = exp_half(hi);
+  std::memcpy(&x, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&x) + sizeof(lo), &hi, sizeof(hi));
+  return x;
+}
+
+// the L lanes' scores of one chunk: lane j = q . k[j] for the chunk's n keys (FULL: n == L).
+// The c loop is outside the j loop so that the L partial sums are L independent FMA chains: with j
+// outside, each key's sum was one chain of d / L dependent FMAs, and the loop ran at FMA latency.
+template <typename T, bool FULL>
+__attribute__((always_inline)) inline f32xL chunk_scores(const float* qg, const T* krows, int64_t n, int64_t d,
+                                                         int64_t vecs, int64_t tail) {
+  f32xL partial[L] = {};
+  for (int64_t c = 0; c < vecs; ++c) {
+    const f32xL qv = get(qg + c * L);
+    const int64_t w = c == vecs - 1 ? tail : L;
+    for (int64_t j = 0; j < (FULL ? L : n); ++j) partial[j] += qv * load_row(krows + j * d + c * L, w);
+  }
+  return sum_lanes_of_each(partial);
+}
+
+// acc[0 .. d) = acc * corr + sum over the chunk's n keys of p[j] * v[j]. VECS > 0: d == VECS * L, and
+// the accumulator is held in VECS registers (VECS independent FMA chains); 0: any d, in memory.
+template <typename T, int64_t VECS>
+__attribute__((always_inline)) inline void add_values(float* acc, const float* p, float corr, const T* vrows,
+                                                      int64_t n, int64_t d, int64_t vecs, int64_t tail) {
+  if constexpr (VECS > 0) {
+    f32xL a[VECS];
+    for (int64_t c = 0; c < VECS; ++c) a[c] = get(acc + c * L) * corr;
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[j];
+      for (int64_t c = 0; c < VECS; ++c) a[c] += pj * load_row(vrows + j * d + c * L, L);
+    }
+    for (int64_t c = 0; c < VECS; ++c) put(acc + c * L, a[c]);
+  } else {
+    for (int64_t c = 0; c < vecs; ++c) {
+      const int64_t w = c == vecs - 1 ? tail : L;
+      f32xL a = get(acc + c * L) * corr;
+      for (int64_t j = 0; j < n; ++j) a += p[j] * load_row(vrows + j * d + c * L, w);
+      put(acc + c * L, a);
+    }
+  }
+}
+
+template <typename T, int64_t VECS>
 __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t item, Scratch& sc) {
   const int64_t hkv = pb.hkv, d = pb.d, bs = pb.bs, group = pb.hq / hkv;
-  const int64_t vecs = (d + L - 1) / L, tail = d - (vecs - 1) * L;
+  const int64_t vecs = VECS > 0 ? VECS : (d + L - 1) / L, tail = d - (vecs - 1) * L;
   const int64_t t = item / hkv, h = item % hkv, s = pb.seq_of[t];
   const int64_t q_len = pb.qstart[s + 1] - pb.qstart[s];
   const int64_t end_key = pb.ctx[s] - q_len + (t - pb.qstart[s]) + 1;  // causal: keys 0 .. own position
@@ -130,53 +206,51 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   const T* kvp = static_cast<const T*>(pb.kv);
   // strides of kv[N, 2, Hkv, B, D] (contiguous)
   const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
-  auto width = [&](int64_t c) { return c == vecs - 1 ? tail : L; };
+  const i32xL lane = {0, 1, 2, 3, 4, 5, 6, 7};
 
   for (int64_t g = 0; g < group; ++g) {
     const T* row = qp + t * pb.q_row + (h * group + g) * d;
-    for (int64_t c = 0; c < vecs; ++c) put(&sc.q[(g * vecs + c) * L], load_row(row + c * L, width(c)) * pb.scale);
+    for (int64_t c = 0; c < vecs; ++c)
+      put(&sc.q[(g * vecs + c) * L], load_row(row + c * L, c == vecs - 1 ? tail : L) * pb.scale);
     std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);
     sc.max[g] = -INFINITY;
     sc.sum[g] = 0.0f;
   }
-  f32xL partial[L];
   for (int64_t key = first; key < end_key;) {
     const int64_t off = key % bs;
     const int64_t n = std::min({end_key - key, bs - off, L});  // keys of this chunk, all in one page
     const T* krows = kvp + pages[key / bs] * s_block + h * s_head + off * d;
     const T* vrows = krows + s_kv;
+    // Ask for the K and V rows PREFETCH_KEYS ahead now: a head's rows of one page are only
+    // bs * d values, and the next page is anywhere in the pool, so the hardware prefetcher rarely
+    // has them in time.
+    if (const int64_t ahead = key + PREFETCH_KEYS; ahead < end_key) {
+      const char* kn = reinterpret_cast<const char*>(kvp + pages[ahead / bs] * s_block + h * s_head + (ahead % bs) * d);
+      const int64_t bytes = std::min<int64_t>(end_key - ahead, L) * d * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(kn + b, 0, 3);
+        __builtin_prefetch(kn + s_kv * static_cast<int64_t>(sizeof(T)) + b, 0, 3);
+      }
+    }
+    const i32xL live = lane < static_cast<int32_t>(n);  // lanes that hold one of the chunk's keys
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = &sc.q[g * vecs * L];
-      for (int64_t j = 0; j < L; ++j) {
-        f32xL x = {};
-        if (j < n)
-          for (int64_t c = 0; c < vecs; ++c) x += get(qg + c * L) * load_row(krows + j * d + c * L, width(c));
-        partial[j] = x;
-      }
-      float scores[L];
-      put(scores, sum_lanes_of_each(partial));
+      f32xL scores = n == L ? chunk_scores<T, true>(qg, krows, n, d, vecs, tail)
+                            : chunk_scores<T, false>(qg, krows, n, d, vecs, tail);
+      scores = live ? scores : f32xL{} - INFINITY;
       float mx = sc.max[g];
-      for (int64_t j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
-      float* p = &sc.prob[g * L];
+      for (int64_t j = 0; j < L; ++j) mx = scores[j] > mx ? scores[j] : mx;
+      const f32xL prob = live ? exp_lanes(scores - mx) : f32xL{};
+      put(&sc.prob[g * L], prob);
       float total = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = std::exp(scores[j] - mx);
-        total += p[j];
-      }
-      sc.corr[g] = std::exp(sc.max[g] - mx);  // rescales what earlier chunks summed (0 on the first)
+      for (int64_t j = 0; j < L; ++j) total += prob[j];
+      // rescales what earlier chunks summed (0 on the first; 1, without an exp, while the max holds)
+      sc.corr[g] = mx == sc.max[g] ? 1.0f : std::exp(sc.max[g] - mx);
       sc.sum[g] = sc.sum[g] * sc.corr[g] + total;
       sc.max[g] = mx;
     }
-    for (int64_t g = 0; g < group; ++g) {
-      const float* p = &sc.prob[g * L];
-      const float corr = sc.corr[g];
-      for (int64_t c = 0; c < vecs; ++c) {
-        float* slot = &sc.acc[(g * vecs + c) * L];
-        f32xL a = get(slot) * corr;
-        for (int64_t j = 0; j < n; ++j) a += p[j] * load_row(vrows + j * d + c * L, width(c));
-        put(slot, a);
-      }
-    }
+    for (int64_t g = 0; g < group; ++g)
+      add_values<T, VECS>(&sc.acc[g * vecs * L], &sc.prob[g * L], sc.corr[g], vrows, n, d, vecs, tail);
     key += n;
   }
   T* op = static_cast<T*>(pb.out);
@@ -188,8 +262,30 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   }
 }
 
-PDS_CLONES void attend_f32(const Problem& pb, int64_t item, Scratch& sc) { attend<float>(pb, item, sc); }
-PDS_CLONES void attend_bf16(const Problem& pb, int64_t item, Scratch& sc) { attend<at::BFloat16>(pb, item, sc); }
+// One clone set per element type and head size: head sizes 32, 64 and 128 keep a query head's
+// accumulator in registers; any other size takes the general path.
+template <typename T>
+PDS_CLONES void attend_items(const Problem& pb, int64_t begin, int64_t end, Scratch& sc);
+
+#define PDS_ATTEND_ITEMS(T)                                                                     \
+  template <>                                                                                   \
+  PDS_CLONES void attend_items<T>(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) { \
+    switch (pb.d) {                                                                             \
+      case 4 * L:                                                                               \
+        for (int64_t i = begin; i < end; ++i) attend<T, 4>(pb, i, sc);                          \
+        break;                                                                                  \
+      case 8 * L:                                                                               \
+        for (int64_t i = begin; i < end; ++i) attend<T, 8>(pb, i, sc);                          \
+        break;                                                                                  \
+      case 16 * L:                                                                              \
+        for (int64_t i = begin; i < end; ++i) attend<T, 16>(pb, i, sc);                         \
+        break;                                                                                  \
+      default:                                                                                  \
+        for (int64_t i = begin; i < end; ++i) attend<T, 0>(pb, i, sc);                          \
+    }                                                                                           \
+  }
+PDS_ATTEND_ITEMS(float)
+PDS_ATTEND_ITEMS(at::BFloat16)
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
@@ -217,12 +313,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / values_per_item);
   at::parallel_for(0, num_tokens * hkv, grain, [&](int64_t begin, int64_t end) {
     Scratch sc(hq / hkv, (d + L - 1) / L);
-    for (int64_t item = begin; item < end; ++item) {
-      if constexpr (std::is_same_v<T, float>)
-        attend_f32(pb, item, sc);
-      else
-        attend_bf16(pb, item, sc);
-    }
+    attend_items<T>(pb, begin, end, sc);
   });
 }
 
