@@ -40,9 +40,12 @@ def find_aiperf(explicit: str | None) -> str | None:
     return shutil.which("aiperf")
 
 
-def profile(aiperf: str, url: str, model: str, tokenizer: str, work: Workload, timeout: float = 1800) -> dict:
+def profile(
+    aiperf: str, url: str, model: str, tokenizer: str, work: Workload, timeout: float = 1800, keep: Path | None = None
+) -> dict:
     """Run one AIPerf profile against `url` (served name `model`) and return its figures: output
-    tok/s, TTFT and ITL p50/p99 in ms, completed and failed requests. RuntimeError when it fails."""
+    tok/s, TTFT and ITL p50/p99 in ms, completed and failed requests. RuntimeError when it fails.
+    `keep`: copy AIPerf's artifacts there (per-request records: `profile_export.jsonl`)."""
     with tempfile.TemporaryDirectory(prefix="aiperf-") as out:
         cmd = [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming"]
         cmd += ["--use-server-token-count", "--tokenizer", tokenizer, "--extra-inputs", "ignore_eos:true"]
@@ -56,6 +59,8 @@ def profile(aiperf: str, url: str, model: str, tokenizer: str, work: Workload, t
         env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
         run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         export = Path(out) / "profile_export_aiperf.json"
+        if keep is not None:
+            shutil.copytree(out, keep, dirs_exist_ok=True)
         if run.returncode != 0 or not export.exists():
             tail = (run.stdout + run.stderr).strip().splitlines()[-15:]
             raise RuntimeError(f"aiperf failed (exit {run.returncode}):\n" + "\n".join(tail))

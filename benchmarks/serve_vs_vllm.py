@@ -8,7 +8,7 @@ ITL p99 <= 1.0. The last line's `ratio` is the TTFT p99 ratio (target 1.0), the 
 Without `--vllm-python` (or when vLLM fails to start) pdserve runs alone and says so.
 
     python -m benchmarks.serve_vs_vllm [--quick] [--vllm-python PATH] [--aiperf PATH]
-        [--model-size bench|tiny] [--up-args "--num-threads 1"]
+        [--model-size bench|tiny] [--up-args "--num-threads 1"] [--artifacts DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 from benchmarks.aiperf_client import INSTALL_HINT, Workload, find_aiperf, profile
 from benchmarks.common import emit
@@ -27,20 +28,20 @@ SERVED = "bench"
 RATIOS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 
-def run_pdserve(aiperf: str, model: str, work: Workload, up_args: list[str]) -> dict:
+def run_pdserve(aiperf: str, model: str, work: Workload, up_args: list[str], keep: Path | None) -> dict:
     port = free_port()
     proc = start_pdserve(model, port, ["--served-model-name", SERVED, *up_args])
     try:
-        return profile(aiperf, f"http://127.0.0.1:{port}", SERVED, model, work)
+        return profile(aiperf, f"http://127.0.0.1:{port}", SERVED, model, work, keep=keep)
     finally:
         stop(proc)
 
 
-def run_vllm(aiperf: str, python: str, model: str, work: Workload) -> dict:
+def run_vllm(aiperf: str, python: str, model: str, work: Workload, keep: Path | None) -> dict:
     port = free_port()
     proc = start_vllm(python, model, port, ["--served-model-name", SERVED])
     try:
-        return profile(aiperf, f"http://127.0.0.1:{port}", SERVED, model, work)
+        return profile(aiperf, f"http://127.0.0.1:{port}", SERVED, model, work, keep=keep)
     finally:
         stop(proc)
 
@@ -82,6 +83,9 @@ def main() -> int:
     parser.add_argument("--aiperf", default=None, help="the aiperf executable (default: the one on PATH)")
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
     parser.add_argument("--up-args", default="", help="extra `pdserve up` flags, e.g. '--num-threads 1'")
+    parser.add_argument(
+        "--artifacts", type=Path, default=None, help="keep each arm's AIPerf artifacts in DIR/pdserve and DIR/vllm"
+    )
     args = parser.parse_args()
     aiperf = find_aiperf(args.aiperf)
     if aiperf is None:
@@ -92,12 +96,13 @@ def main() -> int:
 
     model = str(default_model_dir(args.model_size))
     work = Workload(requests=24, warmup=4) if args.quick else Workload(requests=96, warmup=8)
-    ours = run_pdserve(aiperf, model, work, shlex.split(args.up_args))
+    keep = {arm: args.artifacts / arm if args.artifacts else None for arm in ("pdserve", "vllm")}
+    ours = run_pdserve(aiperf, model, work, shlex.split(args.up_args), keep["pdserve"])
     print(describe("pdserve", ours), flush=True)
     peer, note = None, "not run: no --vllm-python given (pdserve alone)"
     if args.vllm_python:
         try:
-            peer = run_vllm(aiperf, args.vllm_python, model, work)
+            peer = run_vllm(aiperf, args.vllm_python, model, work, keep["vllm"])
             print(describe("vLLM", peer), flush=True)
         except (RuntimeError, OSError) as e:
             note = f"failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"
