@@ -28,6 +28,11 @@ def start_up(model: str, port: int, metrics_base: int, extra: list[str]) -> subp
 def start_pdserve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
     """`pdserve up --model MODEL --port PORT EXTRA...` (its defaults otherwise), once it is up."""
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port), *extra]
+    # The nodes build the CPU attention op on first use and serve on the slower torch path meanwhile
+    # (a compiler on one core for about a minute): a once-per-machine cost, not part of a measurement.
+    from engine.attention import cpu_build
+
+    cpu_build.load_paged_attention_op()
     # a 2-core machine shared with other jobs stalls processes for seconds: liveness limits that
     # would take a busy node for a hung one are raised (retries would distort both arms)
     env = {"PDSERVE_HEALTH_TIMEOUT": "10", "PDSERVE_HUNG_AFTER": "120", "PDSERVE_TOKEN_TIMEOUT": "60", **os.environ}

@@ -7,14 +7,16 @@
 // (Mistral) only to the last W of them, its own included (Hugging Face: key > query - W).
 //
 // One work item is (query token, kv head): the group's Hq/Hkv query heads share each K/V row
-// read. Keys are taken 8 at a time from one page (blocked): each key's 8-lane partial dot
-// products are summed into one vector of 8 scores by a shuffle tree (7 vector adds for 8 keys,
-// where summing each key's lanes on its own costs 8 scalar adds per key), softmax is online
-// (running max and sum per query head, in float32), and each 8-wide slice of the output
-// accumulator stays in a register while the chunk's value rows are added into it.
-// Measured against the per-key kernel it replaced (one thread, bench-model heads, AVX2 EPYC):
-// 0.83x the time for one decode token over 512 keys (L2-resident); at 8-16 sequences both are
-// bound by DRAM bandwidth and within noise of each other.
+// read. Keys are taken 8 at a time from one page (blocked): the 8 keys' dot products are 8
+// independent FMA chains over the head dimension, summed into one vector of 8 scores by a shuffle
+// tree; softmax is online (running max and sum per query head, float32) with a vectorised exp; and
+// for head sizes 32, 64 and 128 a query head's output accumulator stays in registers while the
+// chunk's value rows are added into it (one independent FMA chain per 8-wide slice). The K/V rows
+// two chunks ahead are prefetched, since the next page can be anywhere in the pool.
+// Measured on an AVX2 EPYC (2 threads, bench-model heads, 64 sequences x 300 keys, perf): the
+// previous version of this loop (one dependent FMA chain per key and per slice, a scalar exp per
+// key) waited on FMA latency for two thirds of its cycles; this one is near the DRAM bandwidth,
+// and a decode step's attention went from ~71 to ~40 ms (BENCHMARKS.md).
 //
 // The vector code uses GCC vector extensions, so it compiles to whatever the clone's ISA has:
 // on x86-64 with GCC the item function is built for AVX-512, AVX2 and baseline and picked at
