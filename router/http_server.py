@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import socket
+from collections.abc import Callable
 
 from router.http_limits import ConnectionLimits, LimitedH11Protocol, raise_nofile_limit
 
@@ -20,10 +22,20 @@ def serve_http(
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
     graceful_timeout: float = 30.0,
+    on_listening: Callable[[], None] | None = None,
 ) -> None:
     """Serve `app` until SIGTERM/SIGINT: soft nofile raised to the hard limit first, the connection
-    cap fitted below it, idle and slow-header connections closed (LimitedH11Protocol)."""
+    cap fitted below it, idle and slow-header connections closed (LimitedH11Protocol).
+    `on_listening` runs once the socket accepts connections: uvicorn runs the app's startup handlers
+    before it binds, so a READY line printed there let a client connect too early (refused) and
+    preceded a failure to bind."""
     import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and on_listening is not None:
+                on_listening()
 
     nofile = raise_nofile_limit()
     fitted = limits.for_fd_limit(nofile)
@@ -34,7 +46,7 @@ def serve_http(
             fitted.max_connections,
         )
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -47,3 +59,7 @@ def serve_http(
         timeout_keep_alive=int(max(1, fitted.keepalive_timeout)),
         timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]  # a float works (asyncio timeout)
     )
+    server = _Server(config)
+    server.run()
+    if not server.started:  # could not bind (uvicorn has logged why)
+        raise SystemExit(1)

@@ -246,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
     @app.on_event("startup")
     async def _start() -> None:
         await cluster.start()
+
+    def _listening() -> None:
         scheme = "https" if config.ssl_certfile else "http"
         print(f"READY router {scheme}://{config.host}:{config.port}", flush=True)
 
@@ -263,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=config.log_level,
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
+        on_listening=_listening,
         graceful_timeout=config.graceful_timeout,
     )
     return 0

@@ -19,14 +19,18 @@ def main(port: int, max_connections: int, header_timeout: float, first_delay: fl
     cluster = PacedCluster(list(range(300, 308)), first_delay=first_delay)
     app = create_app(Server(cluster, Tokenizer(default_model_dir("tiny")), "m", 128), body_timeout=body_timeout)
 
-    @app.on_event("startup")
-    async def ready() -> None:
-        print(f"READY limits http://127.0.0.1:{port}", flush=True)
-
     limits = ConnectionLimits(
         header_timeout=header_timeout, keepalive_timeout=1.0, max_connections=max_connections, body_timeout=body_timeout
     )
-    serve_http(app, "127.0.0.1", port, limits, log_level="warning", graceful_timeout=1.0)
+    serve_http(
+        app,
+        "127.0.0.1",
+        port,
+        limits,
+        log_level="warning",
+        graceful_timeout=1.0,
+        on_listening=lambda: print(f"READY limits http://127.0.0.1:{port}", flush=True),
+    )
 
 
 if __name__ == "__main__":
