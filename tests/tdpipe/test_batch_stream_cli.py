@@ -113,12 +113,13 @@ def test_url_input_and_output_with_metrics_during_the_job(tmp_path, store, batch
 
 
 def test_input_order_after_sigkill_and_resume_and_a_second_job_refused(tmp_path) -> None:
-    # early lines long, later ones short: completion order differs from input order throughout
-    lengths = [10, 2, 200, 2, 300, 2]
+    # early lines long, later ones short: completion order differs from input order throughout; the
+    # 300-token tail keeps the first job running while the second starts (on 2 loaded cores the
+    # second's start-up took longer than the first six requests)
+    lengths = [10, 2, 200, 2, 300, 2] + [300] * 24
     ids = [f"r{i}" for i in range(len(lengths))]
-    (tmp_path / "in.jsonl").write_text(
-        "\n".join(request_line(c, PROMPTS[i], max_tokens=n) for i, (c, n) in enumerate(zip(ids, lengths))) + "\n"
-    )
+    lines = [request_line(c, PROMPTS[i % len(PROMPTS)], max_tokens=n) for i, (c, n) in enumerate(zip(ids, lengths))]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     cmd = batch_cmd(tmp_path, "--cost-table", "analytic", "--num-kv-blocks", "256")
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, start_new_session=True)

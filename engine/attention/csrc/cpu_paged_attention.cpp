@@ -123,9 +123,9 @@ __attribute__((always_inline)) inline f32xL get(const float* p) {
 }
 __attribute__((always_inline)) inline void put(float* p, const f32xL& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// exp of every lane, evaluated in float64 and rounded once to float32: correctly rounded but for
-// about 1 in 2000 inputs that lie within a hair of a rounding midpoint (where glibc's expf, what
-// std::exp was here, may round the other way). A float32 polynomial (pds::fast_exp, ~1 ulp) moved
+// exp of every lane, evaluated in float64 and rounded once to float32. It agrees with glibc's expf
+// (what std::exp was here) on all but about 1 in 2000 inputs, those next to a rounding midpoint,
+// where glibc's 0.502-ulp result is the other neighbour. A float32 polynomial (pds::fast_exp, ~1 ulp) moved
 // enough probabilities by an ulp to flip a near-tie greedy token against vLLM; the scalar std::exp
 // per key and query head did not vectorise. 2.5 float64 FMAs per value: cheap beside the K/V loads.
 __attribute__((always_inline)) inline f32x4 exp_half(f32x4 xf) {
