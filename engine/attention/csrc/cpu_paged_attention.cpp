@@ -264,30 +264,31 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   }
 }
 
-// One clone set per element type and head size: head sizes 32, 64 and 128 keep a query head's
-// accumulator in registers; any other size takes the general path.
+// Head sizes 32, 64 and 128 keep a query head's accumulator in registers; any other size takes the
+// general path. Inlined into one clone set per element type (below).
 template <typename T>
-PDS_CLONES void attend_items(const Problem& pb, int64_t begin, int64_t end, Scratch& sc);
-
-#define PDS_ATTEND_ITEMS(T)                                                                     \
-  template <>                                                                                   \
-  PDS_CLONES void attend_items<T>(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) { \
-    switch (pb.d) {                                                                             \
-      case 4 * L:                                                                               \
-        for (int64_t i = begin; i < end; ++i) attend<T, 4>(pb, i, sc);                          \
-        break;                                                                                  \
-      case 8 * L:                                                                               \
-        for (int64_t i = begin; i < end; ++i) attend<T, 8>(pb, i, sc);                          \
-        break;                                                                                  \
-      case 16 * L:                                                                              \
-        for (int64_t i = begin; i < end; ++i) attend<T, 16>(pb, i, sc);                         \
-        break;                                                                                  \
-      default:                                                                                  \
-        for (int64_t i = begin; i < end; ++i) attend<T, 0>(pb, i, sc);                          \
-    }                                                                                           \
+__attribute__((always_inline)) inline void attend_items(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) {
+  switch (pb.d) {
+    case 4 * L:
+      for (int64_t i = begin; i < end; ++i) attend<T, 4>(pb, i, sc);
+      break;
+    case 8 * L:
+      for (int64_t i = begin; i < end; ++i) attend<T, 8>(pb, i, sc);
+      break;
+    case 16 * L:
+      for (int64_t i = begin; i < end; ++i) attend<T, 16>(pb, i, sc);
+      break;
+    default:
+      for (int64_t i = begin; i < end; ++i) attend<T, 0>(pb, i, sc);
   }
-PDS_ATTEND_ITEMS(float)
-PDS_ATTEND_ITEMS(at::BFloat16)
+}
+
+PDS_CLONES void attend_items_f32(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) {
+  attend_items<float>(pb, begin, end, sc);
+}
+PDS_CLONES void attend_items_bf16(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) {
+  attend_items<at::BFloat16>(pb, begin, end, sc);
+}
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
@@ -315,7 +316,10 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / values_per_item);
   at::parallel_for(0, num_tokens * hkv, grain, [&](int64_t begin, int64_t end) {
     Scratch sc(hq / hkv, (d + L - 1) / L);
-    attend_items<T>(pb, begin, end, sc);
+    if constexpr (std::is_same_v<T, float>)
+      attend_items_f32(pb, begin, end, sc);
+    else
+      attend_items_bf16(pb, begin, end, sc);
   });
 }
 
