@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.aiperf_client import INSTALL_HINT, Workload, find_aiperf, profile
@@ -28,18 +30,12 @@ SERVED = "bench"
 RATIOS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 
-def run_pdserve(aiperf: str, model: str, work: Workload, up_args: list[str], keep: Path | None) -> dict:
+def run_arm(
+    aiperf: str, start: Callable[[int], subprocess.Popen], model: str, work: Workload, keep: Path | None
+) -> dict:
+    """Start one server (`start(port)`), profile it with AIPerf, stop it."""
     port = free_port()
-    proc = start_pdserve(model, port, ["--served-model-name", SERVED, *up_args])
-    try:
-        return profile(aiperf, f"http://127.0.0.1:{port}", SERVED, model, work, keep=keep)
-    finally:
-        stop(proc)
-
-
-def run_vllm(aiperf: str, python: str, model: str, work: Workload, keep: Path | None) -> dict:
-    port = free_port()
-    proc = start_vllm(python, model, port, ["--served-model-name", SERVED])
+    proc = start(port)
     try:
         return profile(aiperf, f"http://127.0.0.1:{port}", SERVED, model, work, keep=keep)
     finally:
@@ -97,12 +93,16 @@ def main() -> int:
     model = str(default_model_dir(args.model_size))
     work = Workload(requests=24, warmup=4) if args.quick else Workload(requests=96, warmup=8)
     keep = {arm: args.artifacts / arm if args.artifacts else None for arm in ("pdserve", "vllm")}
-    ours = run_pdserve(aiperf, model, work, shlex.split(args.up_args), keep["pdserve"])
+    up_args = ["--served-model-name", SERVED, *shlex.split(args.up_args)]
+    ours = run_arm(aiperf, lambda port: start_pdserve(model, port, up_args), model, work, keep["pdserve"])
     print(describe("pdserve", ours), flush=True)
     peer, note = None, "not run: no --vllm-python given (pdserve alone)"
     if args.vllm_python:
         try:
-            peer = run_vllm(aiperf, args.vllm_python, model, work, keep["vllm"])
+            vllm_args = ["--served-model-name", SERVED]
+            peer = run_arm(
+                aiperf, lambda port: start_vllm(args.vllm_python, model, port, vllm_args), model, work, keep["vllm"]
+            )
             print(describe("vLLM", peer), flush=True)
         except (RuntimeError, OSError) as e:
             note = f"failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"
