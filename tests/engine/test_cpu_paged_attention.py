@@ -78,6 +78,48 @@ def test_matches_reference_on_random_ragged_batches(op, seed, dtype):
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
 
 
+
+def _windowed_reference(q, kv, tables, ctxs, block_size, scale, window):
+    """One decode token per sequence over its last `window` keys (0: all of them), float64."""
+    out = []
+    group = q.shape[1] // kv.shape[2]
+    for i, (table, ctx) in enumerate(zip(tables, ctxs)):
+        pos = torch.arange(max(0, ctx - window) if window else 0, ctx)
+        blocks = torch.tensor(table)[pos // block_size]
+        keys = kv[blocks, 0, :, pos % block_size].double().repeat_interleave(group, dim=1)
+        values = kv[blocks, 1, :, pos % block_size].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].double(), keys) * scale
+        out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("window", [0, 100])
+def test_long_ragged_decode_split_across_threads(op, threads, window):
+    """Enough keys for one range of items per thread, split by keys (contexts 1..700): every item is
+    computed once, whichever range it falls in."""
+    rng = random.Random(threads * 10 + window)
+    hkv, hq, d, block_size = 2, 6, 64, 16
+    ctxs = [rng.choice([1, 17, rng.randrange(1, 700), rng.randrange(300, 700)]) for _ in range(64)]
+    pages = [(c + block_size - 1) // block_size for c in ctxs]
+    free = list(range(sum(pages) + 8))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in pages]
+    gen = torch.Generator().manual_seed(threads)
+    kv = torch.randn(len(free) + sum(pages), 2, hkv, block_size, d, generator=gen)
+    q = torch.randn(len(ctxs), hq, d, generator=gen)
+    width = max(pages)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = torch.arange(len(ctxs) + 1, dtype=torch.int32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = op(q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window)
+    finally:
+        torch.set_num_threads(before)
+    want = _windowed_reference(q, kv, tables, ctxs, block_size, d**-0.5, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
 def test_rejects_mismatched_shapes(op):
     q = torch.randn(2, 4, 16)
     kv = torch.randn(4, 2, 3, 8, 16)  # 4 query heads over 3 kv heads: not a whole group

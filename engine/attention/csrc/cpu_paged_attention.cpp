@@ -7,17 +7,16 @@
 // (Mistral) only to the last W of them, its own included (Hugging Face: key > query - W).
 //
 // One work item is (query token, kv head): the group's Hq/Hkv query heads share each K/V row
-// read. Keys are taken 8 at a time from one page (blocked): the 8 keys' dot products are 8
-// independent FMA chains over the head dimension, summed into one vector of 8 scores by a shuffle
-// tree; softmax is online (running max and sum per query head, float32) with a vectorised exp; and
-// for head sizes 32, 64 and 128 a query head's output accumulator stays in registers while the
-// chunk's value rows are added into it (one independent FMA chain per 8-wide slice). The K/V rows
-// two chunks ahead are prefetched, since the next page can be anywhere in the pool.
-// Measured on an AVX2 EPYC (2 threads, bench-model heads, 64 sequences x 300 keys, perf): the
-// previous version of this loop (one dependent FMA chain per key and per slice, a scalar exp per
-// key) waited on FMA latency for two thirds of its cycles; this one is near the DRAM bandwidth,
-// and a decode step's attention went from ~71 to ~40 ms (BENCHMARKS.md).
-//
+// read. It runs in three passes over its keys (see `attend`): the scores, L keys at a time from
+// one page (the L keys' dot products are L independent FMA chains over the head dimension, summed
+// into one vector of scores by a shuffle tree); the softmax numerators from the exact maximum, with
+// a vectorised exp; and the values weighted by them, a page at a time, a query head's accumulator
+// held in registers for head sizes 32, 64 and 128. Each pass asks for the next page of the
+// sequence ahead of its use, since it can be anywhere in the pool.
+// Measured on an AVX2 EPYC (BENCHMARKS.md): a 120-sequence decode step's attention over ~350
+// keys each, 2 threads, fell from ~100 to ~75 ms with the three passes (one online-softmax loop
+// before, whose max -> exp -> rescale chain ran at its latency from one chunk to the next).
+
 // The vector code uses GCC vector extensions, so it compiles to whatever the clone's ISA has:
 // on x86-64 with GCC the item function is built for AVX-512, AVX2 and baseline and picked at
 // load time (target_clones), so one build is correct on any x86-64 CPU.
@@ -39,7 +38,6 @@ namespace {
 // 8 lanes: one AVX2 register (half an AVX-512 one). Wider vectors than the ISA has make GCC
 // emulate the shuffles through memory, and the machines we run on include AVX2-only ones.
 constexpr int64_t L = 8;  // lanes of a vector, and keys per chunk
-constexpr int64_t PREFETCH_KEYS = 2 * L;  // how far ahead K/V rows are prefetched (chunks of L keys)
 typedef float f32xL __attribute__((vector_size(L * 4)));
 typedef uint16_t u16xL __attribute__((vector_size(L * 2)));
 typedef uint32_t u32xL __attribute__((vector_size(L * 4)));
@@ -106,14 +104,15 @@ struct Problem {
   float scale;
 };
 
-// Per-thread buffers, sized once per parallel chunk. Vectors are kept in plain float storage and
-// moved with memcpy (unaligned loads): a std::vector of a vector type is not reliably aligned.
+// Per-thread buffers, sized once per parallel chunk (`scores` grows to the longest item's keys).
+// Vectors are kept in plain float storage and moved with memcpy (unaligned loads): a std::vector of
+// a vector type is not reliably aligned.
 struct Scratch {
   std::vector<float> q, acc;  // [group][d rounded up to L]
-  std::vector<float> prob;    // [group][L]: this chunk's softmax numerators
-  std::vector<float> max, sum, corr;
-  Scratch(int64_t group, int64_t vecs)
-      : q(group * vecs * L), acc(group * vecs * L), prob(group * L), max(group), sum(group), corr(group) {}
+  std::vector<float> scores;  // [group][stride]: the item's scores, then its softmax numerators
+  std::vector<float> max;     // [group][L]: the largest score seen, per lane
+  std::vector<float> inv;     // [group]: 1 / the sum of the numerators
+  Scratch(int64_t group, int64_t vecs) : q(group * vecs * L), acc(group * vecs * L), max(group * L), inv(group) {}
 };
 
 __attribute__((always_inline)) inline f32xL get(const float* p) {
@@ -138,10 +137,14 @@ __attribute__((always_inline)) inline f32x4 exp_half(f32x4 xf) {
   const f64x4 k = x * 1.4426950408889634 + shift;
   const f64x4 n = k - shift;
   const f64x4 r = (x - n * 0x1.62e42fefa39efp-1) - n * 0x1.abc9e3b39803fp-56;  // ln 2 in two parts
-  // Taylor to r^10: relative error below 3e-13 on |r| <= 0.347
-  f64x4 p = f64x4{} + 1.0 / 3628800;
-  for (const double c : {1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0})
-    p = p * r + c;
+  // Taylor to r^10: relative error below 3e-13 on |r| <= 0.347. Estrin's scheme: the powers of r and
+  // the pairs of terms are independent, so the chain is 5 FMAs deep, not Horner's 10; at Horner's
+  // depth exp ran at the chain's latency, ~12 cycles a value (AVX2 EPYC).
+  const f64x4 r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+  const f64x4 q0 = r + 1.0, q1 = r * (1.0 / 6) + 0.5, q2 = r * (1.0 / 120) + 1.0 / 24;
+  const f64x4 q3 = r * (1.0 / 5040) + 1.0 / 720, q4 = r * (1.0 / 362880) + 1.0 / 40320;
+  const f64x4 s0 = r2 * q1 + q0, s1 = r2 * q3 + q2, s2 = r2 * (1.0 / 3628800) + q4;
+  const f64x4 p = r8 * s2 + (r4 * s1 + s0);
   const i64x4 e = (reinterpret_cast<const i64x4&>(k) + 1023) << 52;  // the bits of 2^n
   return __builtin_convertvector(p * reinterpret_cast<const f64x4&>(e), f32x4);
 }
@@ -172,14 +175,14 @@ __attribute__((always_inline)) inline f32xL chunk_scores(const float* qg, const 
   return sum_lanes_of_each(partial);
 }
 
-// acc[0 .. d) = acc * corr + sum over the chunk's n keys of p[j] * v[j]. VECS > 0: d == VECS * L, and
-// the accumulator is held in VECS registers (VECS independent FMA chains); 0: any d, in memory.
+// acc[0 .. d) += sum over n keys of p[j] * v[j]. VECS > 0: d == VECS * L, and the accumulator is held
+// in VECS registers (VECS independent FMA chains); 0: any d, in memory.
 template <typename T, int64_t VECS>
-__attribute__((always_inline)) inline void add_values(float* acc, const float* p, float corr, const T* vrows,
-                                                      int64_t n, int64_t d, int64_t vecs, int64_t tail) {
+__attribute__((always_inline)) inline void add_values(float* acc, const float* p, const T* vrows, int64_t n,
+                                                      int64_t d, int64_t vecs, int64_t tail) {
   if constexpr (VECS > 0) {
     f32xL a[VECS];
-    for (int64_t c = 0; c < VECS; ++c) a[c] = get(acc + c * L) * corr;
+    for (int64_t c = 0; c < VECS; ++c) a[c] = get(acc + c * L);
     for (int64_t j = 0; j < n; ++j) {
       const float pj = p[j];
       for (int64_t c = 0; c < VECS; ++c) a[c] += pj * load_row(vrows + j * d + c * L, L);
@@ -188,13 +191,24 @@ __attribute__((always_inline)) inline void add_values(float* acc, const float* p
   } else {
     for (int64_t c = 0; c < vecs; ++c) {
       const int64_t w = c == vecs - 1 ? tail : L;
-      f32xL a = get(acc + c * L) * corr;
+      f32xL a = get(acc + c * L);
       for (int64_t j = 0; j < n; ++j) a += p[j] * load_row(vrows + j * d + c * L, w);
       put(acc + c * L, a);
     }
   }
 }
 
+// Ask for the `bytes` at `p` (one head's rows of the next page: the pages of a sequence are anywhere
+// in the pool, so the hardware prefetcher does not follow from one to the next).
+__attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
+
+// One work item in three passes over its keys: every key's scores (K pages), the softmax numerators
+// from the exact maximum (one vectorised exp loop), and the values weighted by them (V pages). An
+// online softmax fused the three per chunk of keys, and its max -> exp -> sum -> rescale chain ran
+// serially from one chunk to the next, at that chain's latency; apart, each pass's iterations are
+// independent. The scores of an item are group x keys floats of per-thread scratch.
 template <typename T, int64_t VECS>
 __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t item, Scratch& sc) {
   const int64_t hkv = pb.hkv, d = pb.d, bs = pb.bs, group = pb.hq / hkv;
@@ -203,64 +217,86 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   const int64_t q_len = pb.qstart[s + 1] - pb.qstart[s];
   const int64_t end_key = pb.ctx[s] - q_len + (t - pb.qstart[s]) + 1;  // causal: keys 0 .. own position
   const int64_t first = pb.window > 0 ? std::max<int64_t>(0, end_key - pb.window) : 0;
+  // a query head's row of scores: the keys rounded up to pass 2's step of two vectors, and room for
+  // the last chunk's full-width store (a chunk can start anywhere in a vector when a page or the
+  // window cuts the one before it short)
+  const int64_t keys = end_key - first, padded = (keys + 2 * L - 1) / (2 * L) * (2 * L), stride = padded + L;
   const int32_t* pages = pb.table + s * pb.max_pages;
   const T* qp = static_cast<const T*>(pb.q);
   const T* kvp = static_cast<const T*>(pb.kv);
   // strides of kv[N, 2, Hkv, B, D] (contiguous)
   const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
+  const int64_t page_bytes = s_head * static_cast<int64_t>(sizeof(T));
   const i32xL lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  if (static_cast<int64_t>(sc.scores.size()) < group * stride) sc.scores.resize(group * stride);
+  float* scores = sc.scores.data();
+  const auto head_rows = [&](int64_t key) { return kvp + pages[key / bs] * s_block + h * s_head + key % bs * d; };
 
   for (int64_t g = 0; g < group; ++g) {
     const T* row = qp + t * pb.q_row + (h * group + g) * d;
     for (int64_t c = 0; c < vecs; ++c)
       put(&sc.q[(g * vecs + c) * L], load_row(row + c * L, c == vecs - 1 ? tail : L) * pb.scale);
     std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);
-    sc.max[g] = -INFINITY;
-    sc.sum[g] = 0.0f;
+    put(&sc.max[g * L], f32xL{} - INFINITY);
   }
+  // 1. scores, L keys at a time from one page; the lanes past the chunk's keys are -inf. The next
+  // page is asked for when a page is started, so that this page's work hides its latency.
   for (int64_t key = first; key < end_key;) {
     const int64_t off = key % bs;
-    const int64_t n = std::min({end_key - key, bs - off, L});  // keys of this chunk, all in one page
-    const T* krows = kvp + pages[key / bs] * s_block + h * s_head + off * d;
-    const T* vrows = krows + s_kv;
-    // Ask for the K and V rows PREFETCH_KEYS ahead now: a head's rows of one page are only
-    // bs * d values, and the next page is anywhere in the pool, so the hardware prefetcher rarely
-    // has them in time.
-    if (const int64_t ahead = key + PREFETCH_KEYS; ahead < end_key) {
-      const char* kn = reinterpret_cast<const char*>(kvp + pages[ahead / bs] * s_block + h * s_head + (ahead % bs) * d);
-      const int64_t bytes = std::min<int64_t>(end_key - ahead, L) * d * static_cast<int64_t>(sizeof(T));
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(kn + b, 0, 3);
-        __builtin_prefetch(kn + s_kv * static_cast<int64_t>(sizeof(T)) + b, 0, 3);
-      }
-    }
-    const i32xL live = lane < static_cast<int32_t>(n);  // lanes that hold one of the chunk's keys
+    const int64_t n = std::min({end_key - key, bs - off, L});
+    const T* krows = head_rows(key);
+    if ((off == 0 || key == first) && key - off + bs < end_key) prefetch(head_rows(key - off + bs), page_bytes);
+    const i32xL live = lane < static_cast<int32_t>(n);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = &sc.q[g * vecs * L];
-      f32xL scores = n == L ? chunk_scores<T, true>(qg, krows, n, d, vecs, tail)
-                            : chunk_scores<T, false>(qg, krows, n, d, vecs, tail);
-      scores = live ? scores : f32xL{} - INFINITY;
-      float mx = sc.max[g];
-      for (int64_t j = 0; j < L; ++j) mx = scores[j] > mx ? scores[j] : mx;
-      const f32xL prob = live ? exp_lanes(scores - mx) : f32xL{};
-      put(&sc.prob[g * L], prob);
-      float total = 0.0f;
-      for (int64_t j = 0; j < L; ++j) total += prob[j];
-      // rescales what earlier chunks summed (0 on the first; 1, without an exp, while the max holds)
-      sc.corr[g] = mx == sc.max[g] ? 1.0f : std::exp(sc.max[g] - mx);
-      sc.sum[g] = sc.sum[g] * sc.corr[g] + total;
-      sc.max[g] = mx;
+      f32xL sv = n == L ? chunk_scores<T, true>(qg, krows, n, d, vecs, tail)
+                        : chunk_scores<T, false>(qg, krows, n, d, vecs, tail);
+      sv = live ? sv : f32xL{} - INFINITY;
+      put(scores + g * stride + (key - first), sv);
+      const f32xL mx = get(&sc.max[g * L]);
+      put(&sc.max[g * L], sv > mx ? sv : mx);
     }
+    key += n;
+  }
+  // 2. numerators exp(score - max) in place, and their sum. A chunk cut short by a page end wrote
+  // -inf past its keys, which the next chunk overwrites, so the row is dense up to `keys`; past it
+  // the lanes are masked to 0.
+  for (int64_t g = 0; g < group; ++g) {
+    const f32xL mv = get(&sc.max[g * L]);
+    float mx = mv[0];
+    for (int64_t j = 1; j < L; ++j) mx = mv[j] > mx ? mv[j] : mx;
+    float* row = scores + g * stride;
+    // two vectors a step: their exps are independent chains the core can overlap
+    f32xL total[2] = {};
+    for (int64_t k = 0; k < padded; k += 2 * L) {
+      for (int64_t u = 0; u < 2; ++u) {
+        const i32xL live = lane < static_cast<int32_t>(keys - k - u * L);
+        const f32xL p = live ? exp_lanes(get(row + k + u * L) - mx) : f32xL{};
+        put(row + k + u * L, p);
+        total[u] += p;
+      }
+    }
+    const f32xL both = total[0] + total[1];
+    float sum = 0.0f;
+    for (int64_t j = 0; j < L; ++j) sum += both[j];
+    sc.inv[g] = 1.0f / sum;
+  }
+  // 3. values: a page's rows at a time (the next page asked for first), each query head's
+  // accumulator in registers across them
+  for (int64_t key = first; key < end_key;) {
+    const int64_t off = key % bs;
+    const int64_t n = std::min(end_key - key, bs - off);
+    const T* vrows = head_rows(key) + s_kv;
+    if (key + n < end_key) prefetch(head_rows(key + n) + s_kv, page_bytes);
     for (int64_t g = 0; g < group; ++g)
-      add_values<T, VECS>(&sc.acc[g * vecs * L], &sc.prob[g * L], sc.corr[g], vrows, n, d, vecs, tail);
+      add_values<T, VECS>(&sc.acc[g * vecs * L], scores + g * stride + (key - first), vrows, n, d, vecs, tail);
     key += n;
   }
   T* op = static_cast<T*>(pb.out);
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.0f / sc.sum[g];
     const float* acc = &sc.acc[g * vecs * L];
     T* dst = op + (t * pb.hq + h * group + g) * d;
-    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i] * sc.inv[g]);
   }
 }
 
@@ -298,28 +334,44 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   const int64_t num_seqs = context_lens.size(0);
   const int32_t* qstart = query_start.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  // token -> sequence, so work items can be flat over (token, kv head)
+  // token -> sequence, so work items can be flat over (token, kv head); and each token's keys
+  // summed over the tokens before it, the cost of the items up to it
   std::vector<int32_t> seq_of(num_tokens);
-  int64_t total_keys = 0;
+  std::vector<int64_t> keys_before(num_tokens + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int32_t t = qstart[s]; t < qstart[s + 1]; ++t) {
       seq_of[t] = static_cast<int32_t>(s);
       const int64_t keys = ctx[s] - (qstart[s + 1] - t) + 1;
-      total_keys += window > 0 ? std::min<int64_t>(keys, window) : keys;
+      keys_before[t + 1] = keys_before[t] + (window > 0 ? std::min<int64_t>(keys, window) : keys);
     }
   const Problem pb{q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), out.data_ptr<T>(),
                    block_table.data_ptr<int32_t>(), qstart, ctx, seq_of.data(),
                    hq, hkv, d, bs, block_table.size(1), window, static_cast<float>(scale)};
-  // Work items per thread chunk: about 256K K/V values read. A batch-1 decode step reads far fewer,
-  // and waking the other OpenMP threads can cost a scheduler time slice on a loaded machine.
-  const int64_t values_per_item = std::max<int64_t>(1, 2 * d * total_keys / std::max<int64_t>(num_tokens, 1));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / values_per_item);
-  at::parallel_for(0, num_tokens * hkv, grain, [&](int64_t begin, int64_t end) {
+  // One contiguous range of items per thread, of about equal keys: contexts differ from one
+  // sequence to the next, and equal item counts left one thread waiting for the other at the end.
+  // A range reads at least about 256K K/V values: a batch-1 decode step reads far fewer, and waking
+  // the other OpenMP threads can cost a scheduler time slice on a loaded machine.
+  const int64_t num_items = num_tokens * hkv, total = keys_before[num_tokens] * hkv;
+  const int64_t ranges = std::clamp<int64_t>(2 * d * total / (int64_t{1} << 18), 1, at::get_num_threads());
+  // the first item whose keys before it (over all items) reach `target`
+  const auto first_item_at = [&](int64_t target) {
+    int64_t lo = 0, hi = num_items;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2, t = mid / hkv;
+      const int64_t before = keys_before[t] * hkv + (mid % hkv) * (keys_before[t + 1] - keys_before[t]);
+      if (before < target) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  };
+  at::parallel_for(0, ranges, 1, [&](int64_t first_range, int64_t end_range) {
     Scratch sc(hq / hkv, (d + L - 1) / L);
-    if constexpr (std::is_same_v<T, float>)
-      attend_items_f32(pb, begin, end, sc);
-    else
-      attend_items_bf16(pb, begin, end, sc);
+    for (int64_t r = first_range; r < end_range; ++r) {
+      const int64_t begin = first_item_at(total * r / ranges), end = first_item_at(total * (r + 1) / ranges);
+      if constexpr (std::is_same_v<T, float>)
+        attend_items_f32(pb, begin, end, sc);
+      else
+        attend_items_bf16(pb, begin, end, sc);
+    }
   });
 }
 
