@@ -78,7 +78,6 @@ def test_matches_reference_on_random_ragged_batches(op, seed, dtype):
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
 
 
-
 def _windowed_reference(q, kv, tables, ctxs, block_size, scale, window):
     """One decode token per sequence over its last `window` keys (0: all of them), float64."""
     out = []
@@ -119,6 +118,7 @@ def test_long_ragged_decode_split_across_threads(op, threads, window):
         torch.set_num_threads(before)
     want = _windowed_reference(q, kv, tables, ctxs, block_size, d**-0.5, window)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
 
 def test_rejects_mismatched_shapes(op):
     q = torch.randn(2, 4, 16)
