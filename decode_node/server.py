@@ -52,7 +52,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             config.node.cluster_secret, self.rt.compatibility, config.transfer.peer_timeout, tls
         )
         self.pulls = PullSender(
-            kv_store.sender(self.rt, config, self.cachestore.metrics),
+            kv_store.sender(self.rt, config, self.cachestore.metrics, self.cachestore.active_transport),
             self.prefills,
             self.rt.engine.block_manager.block_size,
             # a pull sends one pool: not from a tensor-parallel node, whose ranks each hold some heads

@@ -19,7 +19,6 @@ from cachestore import (
     Session,
 )
 from cachestore.metrics import CacheStoreMetrics
-from cachestore.transport import resolve_transport
 from node_runtime.node import NodeRuntime
 from node_runtime.node_config import NodeConfig
 from node_runtime.rank_kv import pool_geometry
@@ -50,14 +49,14 @@ def receiver(
     )
 
 
-def pull_transport(rt: NodeRuntime, config: NodeConfig) -> str:
-    """The transport a prefill node receives D->P pulls over: its own as it resolves (`auto` is rdma
-    where a device exists), except rdma on a CUDA pool without GPUDirect. There an rdma receiver
+def pull_transport(rt: NodeRuntime, transport: str) -> str:
+    """The transport a prefill node receives D->P pulls over: its own, `transport` as its sender
+    resolved it (`auto` was rdma where a device exists; resolving it again here logged the TCP
+    fallback twice), except rdma on a CUDA pool without GPUDirect. There an rdma receiver
     mirrors the whole pool in pinned host memory, and a prefill node would hold that mirror for the
     occasional pull on top of its decode peers' own (on one H200 host, two nodes at 0.25 of the card
     each pinned more than the host had). TCP stages each connection's frames through a bounded
     buffer instead; the decode node's sender follows the transport its credentials name."""
-    transport = resolve_transport(config.transfer.transport)  # "auto" takes rdma where a device exists
     region = MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor)
     if transport != "rdma" or not region.is_device:
         return transport
@@ -82,14 +81,18 @@ async def start_receiver(server: CacheStoreServer, advertise_host: str | None) -
         server.endpoint = f"{advertise_host}:{server.endpoint.rsplit(':', 1)[1]}"
 
 
-def sender(rt: NodeRuntime, config: NodeConfig, metrics: CacheStoreMetrics | None = None) -> CacheStoreClient:
+def sender(
+    rt: NodeRuntime, config: NodeConfig, metrics: CacheStoreMetrics | None = None, transport: str | None = None
+) -> CacheStoreClient:
     """Connections from this node's pool to receivers (faults only when a chaos test sets them).
-    `metrics`: the node's receiver's, so both directions count in one set of series."""
+    `metrics`: the node's receiver's, so both directions count in one set of series. `transport`:
+    the node's own unless given (its receiver's, already resolved: `auto` resolved twice logged its
+    TCP fallback twice)."""
     tls = config.node.tls()
     return CacheStoreClient(
         MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor),
         pool_geometry(rt.engine.runner),  # rank 0's KV heads; ranks 1.. have their own ends
-        transport=config.transfer.transport,
+        transport=transport or config.transfer.transport,
         secret=config.node.cluster_secret,
         registry=rt.metrics.registry,
         model_name=rt.metrics.model_name,

@@ -45,7 +45,9 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         self.advertise_host = config.node.advertise_host
         self.pulls = PullReceiver(
             self.rt,
-            kv_store.receiver(self.rt, config, self.client.metrics, kv_store.pull_transport(self.rt, config)),
+            kv_store.receiver(
+                self.rt, config, self.client.metrics, kv_store.pull_transport(self.rt, self.client.active_transport)
+            ),
             config.transfer.kv_timeout,
         )
         """D->P pulls: this node receives held prefix blocks from decode nodes (`kv_pull`); TP=1 only."""

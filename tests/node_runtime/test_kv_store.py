@@ -7,18 +7,24 @@ import types
 
 import torch
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, rdma
+from cachestore import (
+    CacheStoreClient,
+    CacheStoreServer,
+    MemoryRegion,
+    PoolGeometry,
+    SessionCredentials,
+    rdma,
+    resolve_transport,
+)
 from node_runtime import kv_store
 from tests.cachestore.helpers import SECRET
 from tests.cachestore.test_rdma_emulated import _from_engine_thread
 
 
-def _node(pool: torch.Tensor, transport: str):
-    rt = types.SimpleNamespace(
+def _node(pool: torch.Tensor):
+    return types.SimpleNamespace(
         engine=types.SimpleNamespace(runner=types.SimpleNamespace(kv_pool=types.SimpleNamespace(tensor=pool)))
     )
-    config = types.SimpleNamespace(transfer=types.SimpleNamespace(transport=transport))
-    return rt, config
 
 
 def test_pulls_into_a_staged_cuda_pool_go_over_tcp(monkeypatch):
@@ -26,13 +32,13 @@ def test_pulls_into_a_staged_cuda_pool_go_over_tcp(monkeypatch):
     memory; the prefill node's pull receiver takes TCP there, and its own transport elsewhere."""
     monkeypatch.setenv(rdma.EMULATOR_ENV, "1")  # the emulated device has no peer-memory client
     pool = torch.zeros(4096, dtype=torch.uint8)
-    assert kv_store.pull_transport(*_node(pool, "rdma")) == "rdma"  # a host pool registers in place
-    assert kv_store.pull_transport(*_node(pool, "tcp")) == "tcp"
+    assert kv_store.pull_transport(_node(pool), "rdma") == "rdma"  # a host pool registers in place
+    assert kv_store.pull_transport(_node(pool), "tcp") == "tcp"
     device = MemoryRegion(memoryview(bytearray(0)), pool, is_device=True)
     monkeypatch.setattr(kv_store.MemoryRegion, "from_tensor", staticmethod(lambda tensor: device))
-    assert kv_store.pull_transport(*_node(pool, "rdma")) == "tcp"
-    assert kv_store.pull_transport(*_node(pool, "auto")) == "tcp"  # auto resolves to rdma where a device exists
-    assert kv_store.pull_transport(*_node(pool, "local")) == "local"
+    assert kv_store.pull_transport(_node(pool), "rdma") == "tcp"
+    assert kv_store.pull_transport(_node(pool), resolve_transport("auto")) == "tcp"  # auto: rdma, a device exists
+    assert kv_store.pull_transport(_node(pool), "local") == "local"
 
 
 async def test_an_rdma_sender_writes_into_a_tcp_receiver(monkeypatch):
@@ -59,3 +65,16 @@ async def test_an_rdma_sender_writes_into_a_tcp_receiver(monkeypatch):
     finally:
         await client.close()
         await server.stop()
+
+
+async def test_each_node_says_its_tcp_fallback_once(tiny_model_dir, caplog):
+    """`auto` without an RDMA device falls back to TCP loudly, once per node: a node's second CacheStore
+    end (the prefill node's pull receiver, the decode node's pull sender) takes the first one's
+    resolved transport instead of resolving `auto` again."""
+    from tests.e2e.inproc import in_process_nodes
+
+    with caplog.at_level("WARNING", logger="pdserve.cachestore"):
+        async with in_process_nodes(tiny_model_dir, transport="auto"):
+            pass
+    said = [r for r in caplog.records if "falling back to tcp" in r.getMessage()]
+    assert len(said) == 2, [r.getMessage() for r in said]  # one prefill node and one decode node
