@@ -134,6 +134,26 @@ def test_rejects_mismatched_shapes(op):
         )
 
 
+@pytest.mark.parametrize(
+    "table, starts, ctxs, match",
+    [
+        ([[0, 1]], [0, 1], [40], "do not fit"),  # 40 keys in 2 pages of 8
+        ([[0, 9]], [0, 1], [12], "not in the pool"),  # block 9 of 4
+        ([[0, -1]], [0, 1], [12], "not in the pool"),
+        ([[0, 1]], [0, 3], [2], "do not fit"),  # 3 query tokens in a context of 2
+        ([[0, 1]], [1, 1], [2], "query_start must run"),
+        ([[0, 1], [2, 3]], [0, 1], [2, 2], "must match"),  # 2 sequences, 1 query_start interval
+    ],
+)
+def test_rejects_what_would_read_outside_the_pool(op, table, starts, ctxs, match):
+    """Bad tables, contexts and query starts are refused before any page is read."""
+    q = torch.randn(max(starts[-1], 1), 4, 16)
+    kv = torch.randn(4, 2, 2, 8, 16)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(RuntimeError, match=match):
+        op(q, kv, i32(table), i32(starts), i32(ctxs), 1.0)
+
+
 def test_backend_falls_back_without_the_op(monkeypatch):
     """No compiler (forced here) must still give a working backend: the torch path."""
     import engine.attention.cpu_build as build

@@ -334,6 +334,22 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   const int64_t num_seqs = context_lens.size(0);
   const int32_t* qstart = query_start.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  // Every page an item will read, checked before any is: a bad index would read outside the pool,
+  // and a bad context size the scratch rows by. O(pages), against O(pages x rows) of work.
+  const int64_t max_pages = block_table.size(1), num_blocks = kv.size(0);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == num_seqs && query_start.numel() == num_seqs + 1,
+              "block_table [S, P] and query_start [S + 1] must match context_lens [S]");
+  TORCH_CHECK(qstart[0] == 0 && qstart[num_seqs] == num_tokens, "query_start must run from 0 to the ", num_tokens,
+              " query tokens");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = int64_t{qstart[s + 1]} - qstart[s], pages = (int64_t{ctx[s]} + bs - 1) / bs;
+    TORCH_CHECK(q_len >= 0 && ctx[s] >= q_len && pages <= max_pages, "sequence ", s, ": ", q_len,
+                " query tokens and ", ctx[s], " context tokens do not fit its ", max_pages, " pages of ", bs);
+    for (int64_t p = 0; p < pages; ++p)
+      TORCH_CHECK(table[s * max_pages + p] >= 0 && table[s * max_pages + p] < num_blocks, "sequence ", s, " page ",
+                  p, ": block ", table[s * max_pages + p], " is not in the pool of ", num_blocks);
+  }
   // token -> sequence, so work items can be flat over (token, kv head); and each token's keys
   // summed over the tokens before it, the cost of the items up to it
   std::vector<int32_t> seq_of(num_tokens);
@@ -345,8 +361,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
       keys_before[t + 1] = keys_before[t] + (window > 0 ? std::min<int64_t>(keys, window) : keys);
     }
   const Problem pb{q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), out.data_ptr<T>(),
-                   block_table.data_ptr<int32_t>(), qstart, ctx, seq_of.data(),
-                   hq, hkv, d, bs, block_table.size(1), window, static_cast<float>(scale)};
+                   table, qstart, ctx, seq_of.data(), hq, hkv, d, bs, max_pages, window, static_cast<float>(scale)};
   // One contiguous range of items per thread, of about equal keys: contexts differ from one
   // sequence to the next, and equal item counts left one thread waiting for the other at the end.
   // A range reads at least about 256K K/V values: a batch-1 decode step reads far fewer, and waking
