@@ -14,8 +14,9 @@
 // held in registers for head sizes 32, 64 and 128. Each pass asks for the next page of the
 // sequence ahead of its use, since it can be anywhere in the pool.
 // Measured on an AVX2 EPYC (BENCHMARKS.md): a 120-sequence decode step's attention over ~350
-// keys each, 2 threads, fell from ~100 to ~75 ms with the three passes (one online-softmax loop
-// before, whose max -> exp -> rescale chain ran at its latency from one chunk to the next).
+// keys each, 2 threads, fell by about a fifth (~95 to ~75 ms) with the three passes (one
+// online-softmax loop before, whose max -> exp -> rescale chain ran at its latency from one chunk
+// to the next).
 
 // The vector code uses GCC vector extensions, so it compiles to whatever the clone's ISA has:
 // on x86-64 with GCC the item function is built for AVX-512, AVX2 and baseline and picked at
