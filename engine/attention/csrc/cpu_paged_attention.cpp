@@ -335,32 +335,30 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   const int64_t num_seqs = context_lens.size(0);
   const int32_t* qstart = query_start.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  // Every page an item will read, checked before any is: a bad index would read outside the pool,
-  // and a bad context size the scratch rows by. O(pages), against O(pages x rows) of work.
   const int64_t max_pages = block_table.size(1), num_blocks = kv.size(0);
   const int32_t* table = block_table.data_ptr<int32_t>();
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == num_seqs && query_start.numel() == num_seqs + 1,
-              "block_table [S, P] and query_start [S + 1] must match context_lens [S]");
   TORCH_CHECK(qstart[0] == 0 && qstart[num_seqs] == num_tokens, "query_start must run from 0 to the ", num_tokens,
               " query tokens");
+  // One pass over the sequences before any page is read. It checks every page an item will read (a
+  // bad index would read outside the pool, a bad context size the scratch rows by: O(pages), against
+  // O(pages x rows) of work), and gives each query token its sequence (work items are flat over
+  // (token, kv head)) and the keys of the tokens before it (the cost of the items up to it).
+  std::vector<int32_t> seq_of(num_tokens);
+  std::vector<int64_t> keys_before(num_tokens + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = int64_t{qstart[s + 1]} - qstart[s], pages = (int64_t{ctx[s]} + bs - 1) / bs;
-    TORCH_CHECK(q_len >= 0 && ctx[s] >= q_len && pages <= max_pages, "sequence ", s, ": ", q_len,
-                " query tokens and ", ctx[s], " context tokens do not fit its ", max_pages, " pages of ", bs);
+    TORCH_CHECK(q_len >= 0 && qstart[s + 1] <= num_tokens && ctx[s] >= q_len && pages <= max_pages, "sequence ", s,
+                ": ", q_len, " query tokens and ", ctx[s], " context tokens do not fit its ", max_pages, " pages of ",
+                bs);
     for (int64_t p = 0; p < pages; ++p)
       TORCH_CHECK(table[s * max_pages + p] >= 0 && table[s * max_pages + p] < num_blocks, "sequence ", s, " page ",
                   p, ": block ", table[s * max_pages + p], " is not in the pool of ", num_blocks);
-  }
-  // token -> sequence, so work items can be flat over (token, kv head); and each token's keys
-  // summed over the tokens before it, the cost of the items up to it
-  std::vector<int32_t> seq_of(num_tokens);
-  std::vector<int64_t> keys_before(num_tokens + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s)
     for (int32_t t = qstart[s]; t < qstart[s + 1]; ++t) {
       seq_of[t] = static_cast<int32_t>(s);
       const int64_t keys = ctx[s] - (qstart[s + 1] - t) + 1;
       keys_before[t + 1] = keys_before[t] + (window > 0 ? std::min<int64_t>(keys, window) : keys);
     }
+  }
   const Problem pb{q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), out.data_ptr<T>(),
                    table, qstart, ctx, seq_of.data(), hq, hkv, d, bs, max_pages, window, static_cast<float>(scale)};
   // One contiguous range of items per thread, of about equal keys: contexts differ from one
@@ -379,14 +377,15 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
     }
     return lo;
   };
+  std::vector<int64_t> bounds(ranges + 1);  // range r is items [bounds[r], bounds[r + 1])
+  for (int64_t r = 0; r <= ranges; ++r) bounds[r] = first_item_at(total * r / ranges);
   at::parallel_for(0, ranges, 1, [&](int64_t first_range, int64_t end_range) {
     Scratch sc(hq / hkv, (d + L - 1) / L);
     for (int64_t r = first_range; r < end_range; ++r) {
-      const int64_t begin = first_item_at(total * r / ranges), end = first_item_at(total * (r + 1) / ranges);
       if constexpr (std::is_same_v<T, float>)
-        attend_items_f32(pb, begin, end, sc);
+        attend_items_f32(pb, bounds[r], bounds[r + 1], sc);
       else
-        attend_items_bf16(pb, begin, end, sc);
+        attend_items_bf16(pb, bounds[r], bounds[r + 1], sc);
     }
   });
 }
@@ -402,6 +401,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
                   context_lens.scalar_type() == at::kInt, "index tensors must be int32");
   TORCH_CHECK(kv.is_contiguous(), "kv layer must be contiguous");
   TORCH_CHECK(window >= 0, "sliding window must be >= 0 (0: none)");
+  TORCH_CHECK(block_table.dim() == 2 && context_lens.dim() == 1 && block_table.size(0) == context_lens.size(0) &&
+                  query_start.numel() == context_lens.size(0) + 1,
+              "block_table [S, P] and query_start [S + 1] must match context_lens [S]");
   // a view with contiguous heads (a slice of the qkv projection) is read in place
   at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   at::Tensor bt = block_table.contiguous();
