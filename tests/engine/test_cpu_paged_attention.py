@@ -24,8 +24,9 @@ def op():
     return fn
 
 
-def _reference(q, kv, tables, q_lens, ctxs, block_size, scale):
-    """Gather each sequence's keys position by position; exact causal softmax in float64."""
+def _reference(q, kv, tables, q_lens, ctxs, block_size, scale, window=0):
+    """Gather each sequence's keys position by position; exact causal softmax in float64, over the
+    last `window` keys of each query (0: all of them)."""
     out, t = [], 0
     hq, hkv = q.shape[1], kv.shape[2]
     for table, q_len, ctx in zip(tables, q_lens, ctxs):
@@ -37,8 +38,9 @@ def _reference(q, kv, tables, q_lens, ctxs, block_size, scale):
         values = values.repeat_interleave(hq // hkv, dim=1)
         for j in range(q_len):
             n = ctx - q_len + j + 1
-            scores = torch.einsum("hd,khd->hk", q[t].double(), keys[:n]) * scale
-            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values[:n]))
+            first = max(0, n - window) if window else 0
+            scores = torch.einsum("hd,khd->hk", q[t].double(), keys[first:n]) * scale
+            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values[first:n]))
             t += 1
     return torch.stack(out)
 
@@ -78,20 +80,6 @@ def test_matches_reference_on_random_ragged_batches(op, seed, dtype):
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
 
 
-def _windowed_reference(q, kv, tables, ctxs, block_size, scale, window):
-    """One decode token per sequence over its last `window` keys (0: all of them), float64."""
-    out = []
-    group = q.shape[1] // kv.shape[2]
-    for i, (table, ctx) in enumerate(zip(tables, ctxs)):
-        pos = torch.arange(max(0, ctx - window) if window else 0, ctx)
-        blocks = torch.tensor(table)[pos // block_size]
-        keys = kv[blocks, 0, :, pos % block_size].double().repeat_interleave(group, dim=1)
-        values = kv[blocks, 1, :, pos % block_size].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,khd->hk", q[i].double(), keys) * scale
-        out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values))
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("threads", [2, 3, 5])
 @pytest.mark.parametrize("window", [0, 100])
 def test_long_ragged_decode_split_across_threads(op, threads, window):
@@ -116,7 +104,7 @@ def test_long_ragged_decode_split_across_threads(op, threads, window):
         got = op(q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window)
     finally:
         torch.set_num_threads(before)
-    want = _windowed_reference(q, kv, tables, ctxs, block_size, d**-0.5, window)
+    want = _reference(q, kv, tables, [1] * len(ctxs), ctxs, block_size, d**-0.5, window)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
 
 
@@ -142,6 +130,7 @@ def test_rejects_mismatched_shapes(op):
         ([[0, -1]], [0, 1], [12], "not in the pool"),
         ([[0, 1]], [0, 3], [2], "do not fit"),  # 3 query tokens in a context of 2
         ([[0, 1]], [1, 1], [2], "query_start must run"),
+        ([[0, 1], [2, 3]], [0, 3, 1], [4, 4], "do not fit"),  # the first sequence's tokens run past the last
         ([[0, 1], [2, 3]], [0, 1], [2, 2], "must match"),  # 2 sequences, 1 query_start interval
     ],
 )
