@@ -327,24 +327,17 @@ PDS_CLONES void attend_items_bf16(const Problem& pb, int64_t begin, int64_t end,
   attend_items<at::BFloat16>(pb, begin, end, sc);
 }
 
-template <typename T>
-void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
-         const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
-  const int64_t num_tokens = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t hkv = kv.size(2), bs = kv.size(3);
-  const int64_t num_seqs = context_lens.size(0);
+// Every page an item will read, checked before any is: a bad index would read outside the pool,
+// and a bad context size the scratch rows by. O(pages), against O(pages x rows) of work. Called
+// from the op's entry with the other checks (all its inputs contiguous).
+void check_pages(const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& context_lens,
+                 int64_t num_tokens, int64_t num_blocks, int64_t bs) {
+  const int64_t num_seqs = context_lens.size(0), max_pages = block_table.size(1);
   const int32_t* qstart = query_start.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  const int64_t max_pages = block_table.size(1), num_blocks = kv.size(0);
   const int32_t* table = block_table.data_ptr<int32_t>();
   TORCH_CHECK(qstart[0] == 0 && qstart[num_seqs] == num_tokens, "query_start must run from 0 to the ", num_tokens,
               " query tokens");
-  // One pass over the sequences before any page is read. It checks every page an item will read (a
-  // bad index would read outside the pool, a bad context size the scratch rows by: O(pages), against
-  // O(pages x rows) of work), and gives each query token its sequence (work items are flat over
-  // (token, kv head)) and the keys of the tokens before it (the cost of the items up to it).
-  std::vector<int32_t> seq_of(num_tokens);
-  std::vector<int64_t> keys_before(num_tokens + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = int64_t{qstart[s + 1]} - qstart[s], pages = (int64_t{ctx[s]} + bs - 1) / bs;
     TORCH_CHECK(q_len >= 0 && qstart[s + 1] <= num_tokens && ctx[s] >= q_len && pages <= max_pages, "sequence ", s,
@@ -353,6 +346,24 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
     for (int64_t p = 0; p < pages; ++p)
       TORCH_CHECK(table[s * max_pages + p] >= 0 && table[s * max_pages + p] < num_blocks, "sequence ", s, " page ",
                   p, ": block ", table[s * max_pages + p], " is not in the pool of ", num_blocks);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
+         const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
+  const int64_t num_tokens = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = kv.size(2), bs = kv.size(3);
+  const int64_t num_seqs = context_lens.size(0);
+  const int32_t* qstart = query_start.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int64_t max_pages = block_table.size(1);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  // each query token's sequence (work items are flat over (token, kv head)) and the keys of the
+  // tokens before it (the cost of the items up to it); `check_pages` has vetted the indices
+  std::vector<int32_t> seq_of(num_tokens);
+  std::vector<int64_t> keys_before(num_tokens + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
     for (int32_t t = qstart[s]; t < qstart[s + 1]; ++t) {
       seq_of[t] = static_cast<int32_t>(s);
       const int64_t keys = ctx[s] - (qstart[s + 1] - t) + 1;
@@ -406,12 +417,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
               "block_table [S, P] and query_start [S + 1] must match context_lens [S]");
   // a view with contiguous heads (a slice of the qkv projection) is read in place
   at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
-  at::Tensor bt = block_table.contiguous();
+  at::Tensor bt = block_table.contiguous(), qs = query_start.contiguous(), cl = context_lens.contiguous();
+  check_pages(bt, qs, cl, q.size(0), kv.size(0), kv.size(3));
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
-    run<float>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, window, out);
+    run<float>(qc, kv, bt, qs, cl, scale, window, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(qc, kv, bt, query_start.contiguous(), context_lens.contiguous(), scale, window, out);
+    run<at::BFloat16>(qc, kv, bt, qs, cl, scale, window, out);
   } else {
     TORCH_CHECK(false, "cpu_paged attention supports float32 and bfloat16, got ", q.scalar_type());
   }
