@@ -66,15 +66,24 @@ def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: 
 
 
 def run_pipeline(
-    model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, policy: str, max_batch_tokens: int, table: CostTable
+    model_dir: Path,
+    reqs: list[BenchRequest],
+    kv_blocks: int,
+    policy: str,
+    max_batch_tokens: int,
+    table: CostTable,
+    phase_split: bool = False,
 ) -> dict:
     """One job through 2 local stage processes (1 thread each) under `policy`; TD-Pipe's switch
-    decisions read `table`, the same profiled table the simulator runs on."""
+    decisions read `table`, the same profiled table the simulator runs on. `phase_split`: prefill
+    batches on the equal layer split (tdpipe.runtime.stage_split.PipelineSplit)."""
     from tdpipe.runtime.controller import PipeRequest
     from tdpipe.runtime.local import run_local_pipeline
     from tdpipe.runtime.stage_worker import StageConfig
 
-    cfg = StageConfig(str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1)
+    cfg = StageConfig(
+        str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1, phase_split=phase_split
+    )
     # predicted_len defaults to max_tokens: exact under ignore_eos, as in sim_requests
     pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
     decisions: list = []

@@ -108,6 +108,13 @@ def main() -> None:
         default=None,
         help="directory of cached stage profiles (default: pdserve's cache; 'off' profiles afresh)",
     )
+    parser.add_argument(
+        "--phase-split",
+        choices=["on", "off"],
+        default="on",
+        help="prefill batches on the equal layer split, decode steps on the head-weighted one, for every "
+        "policy (pdserve batch --phase-split; default on)",
+    )
     parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run")
     parser.add_argument("--dump", default=None, help="write the stages' raw timelines (JSON) of every runtime run")
     args = parser.parse_args()
@@ -167,6 +174,7 @@ def main() -> None:
         attention_backend="auto",
         device="cpu",
         repeats=1 if args.quick else 3,
+        phase_split=args.phase_split == "on",
     )
     profile_seconds = time.perf_counter() - t0
     print(f"profile: {'read from ' + str(cached) if cached else 'measured'} in {profile_seconds:.1f}s", flush=True)
@@ -212,7 +220,9 @@ def main() -> None:
         print(f"engine.LLM: {results['llm']['tok_s']:.1f} tok/s ({results['llm']['seconds']:.1f}s)", flush=True)
     same_decisions = {}
     for policy in policies:
-        results[policy] = r = run_pipeline(model_dir, reqs, kv_blocks, POLICIES[policy], max_batch, table)
+        results[policy] = r = run_pipeline(
+            model_dir, reqs, kv_blocks, POLICIES[policy], max_batch, table, args.phase_split == "on"
+        )
         # the runtime and the simulator run one policy object on one table: their decisions must agree,
         # so the prediction error below is the cost model's, not a different schedule's
         same_decisions[policy] = r.pop("decisions") == sims[policy][1]
@@ -282,6 +292,8 @@ def main() -> None:
             "kv_blocks": kv_blocks,
             "block_size": BLOCK_SIZE,
             "max_batch_tokens": max_batch,
+            "phase_split": args.phase_split,
+            "layer_ranges": [list(p.layer_range) for p in profiles],
             "decode_context": ctx,
             "table_decode_max_batch": cut,
             "tok_s": {n: round(r["tok_s"], 1) for n, r in results.items()},

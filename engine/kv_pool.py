@@ -33,7 +33,11 @@ class KVPool:
         device: torch.device,
         num_blocks: int | None = None,
         budget_bytes: int | None = None,
+        tensor: torch.Tensor | None = None,
     ) -> None:
+        """`tensor`: the pool's memory, allocated by the caller in the shape above (a pipeline
+        stage's view of KV that its neighbour maps too: tdpipe.runtime.shared_kv); it sets
+        `num_blocks`. Else the pool allocates `num_blocks`, or as many as `budget_bytes` holds."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_layers = num_layers
@@ -42,6 +46,11 @@ class KVPool:
         self.head_dim = config.head_dim
         self.dtype = dtype
         self.block_bytes = kv_bytes_per_token(config, 1, dtype) * block_size
+        if tensor is not None:
+            want = (num_layers, tensor.shape[1], 2, self.num_kv_heads, block_size, self.head_dim)
+            if tuple(tensor.shape) != want or tensor.dtype != dtype or not tensor.is_contiguous():
+                raise ValueError(f"KV tensor {tuple(tensor.shape)} {tensor.dtype} is not a contiguous {want} {dtype}")
+            num_blocks = tensor.shape[1]
         if num_blocks is None:
             assert budget_bytes is not None, "the pool needs num_blocks or budget_bytes"
             num_blocks = budget_bytes // (self.block_bytes * max(num_layers, 1))
@@ -51,9 +60,10 @@ class KVPool:
                 f"or --num-kv-blocks)"
             )
         self.num_blocks = int(num_blocks)
-        self.tensor = torch.zeros(
-            (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim), dtype=dtype, device=device
-        )
+        if tensor is None:
+            shape = (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim)
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = tensor
 
     def layer(self, local_layer: int) -> torch.Tensor:
         """[num_blocks, 2, num_kv_heads, block_size, head_dim] view of one layer."""

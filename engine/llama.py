@@ -94,11 +94,17 @@ class LlamaModel:
         attn: AttentionBackend,
         meta: AttentionMetadata,
         layer_hook: LayerHook | None,
+        span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Returns hidden states [T, H] after this slice's layers (final norm applied on the last slice)."""
+        """Returns hidden states [T, H] after layers `span` (default: this slice's; a sub-range of
+        them), the final norm applied when that ends at the model's last layer."""
         cfg = self.config
+        start, end = span or (self.start, self.end)
+        assert self.start <= start < end <= self.end, f"layers {span} outside this slice's {self.start, self.end}"
+        first, last = start == 0, end == cfg.num_hidden_layers
+        layers, offset = self.layers[start - self.start : end - self.start], start - self.start
         # x is the residual stream, updated in place, so never the caller's tensor
-        if self.is_first:
+        if first:
             assert input_ids is not None and self.embed is not None, "the first slice embeds token ids"
             x = F.embedding(input_ids, self.embed)
         else:
@@ -111,9 +117,9 @@ class LlamaModel:
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         # the norm after each residual add, so every add is fused into the norm that reads it
-        norms_after_mlp = [layer.input_norm for layer in self.layers[1:]] + [self.norm if self.is_last else None]
-        h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
-        for local, (layer, next_norm) in enumerate(zip(self.layers, norms_after_mlp)):
+        norms_after_mlp = [layer.input_norm for layer in layers[1:]] + [self.norm if last else None]
+        h = ops.add_rms_norm(x, None, layers[0].input_norm, eps)
+        for local, (layer, next_norm) in enumerate(zip(layers, norms_after_mlp), offset):
             # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
             qkv = ops.linear(layer.qkv, h)
             q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
@@ -127,7 +133,7 @@ class LlamaModel:
                 x.add_(mlp.to(x.dtype))
             else:
                 h = ops.add_rms_norm(x, mlp, next_norm, eps)
-        return h.to(x.dtype) if self.is_last else x  # CpuCarryOps' last norm is float32
+        return h.to(x.dtype) if last else x  # CpuCarryOps' last norm is float32
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (every linear and norm; not the embedding table,

@@ -29,7 +29,12 @@ class ModelRunner:
     `prepack` holds the linear weights in oneDNN's layout (`engine.layers.Linear`; None: wherever
     it can).
 
-    The KV pool is sized after the weights load: `num_kv_blocks` exactly, else from `kv_memory`
+    `run(batch, layers=(a, b))` runs a sub-range of the loaded layers (a pipeline stage whose layers
+    depend on the batch's phase: tdpipe.runtime.stage_split.PipelineSplit); it embeds when `a` is 0 and
+    returns logits when `b` is the model's last layer.
+
+    The KV pool is `kv_tensor` when given (memory the caller allocated, e.g. shared with another
+    stage), else sized after the weights load: `num_kv_blocks` exactly, else from `kv_memory`
     (default `kv_memory_for`: `kv_cache_bytes` or a share of the host's memory on CPU, a profiled
     `gpu_memory_utilization` share of the card on CUDA). `max_model_len` must fit the pool.
 
@@ -59,6 +64,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         kv_memory: KvMemory | None = None,
         tp: TPGroup | None = None,
+        kv_tensor: torch.Tensor | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -82,6 +88,8 @@ class ModelRunner:
         self.block_size = block_size
         # provisional until the pool is sized: bounds the profiled batch and the default CPU budget
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if kv_tensor is not None:  # the caller's memory (a pipeline stage's shared KV) sets the count
+            num_kv_blocks = kv_tensor.shape[1]
         if num_kv_blocks is None and kv_memory is None:
             kv_memory = kv_memory_for(
                 self.device, kv_cache_bytes, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens
@@ -105,7 +113,9 @@ class ModelRunner:
             num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)
         if tp is not None:  # block ids are per node: every rank's pool has the same number of blocks
             num_kv_blocks = tp.agree_min(num_kv_blocks)
-        self.kv_pool = KVPool(cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks)
+        self.kv_pool = KVPool(
+            cfg, end - start, block_size, self.dtype, self.device, num_blocks=num_kv_blocks, tensor=kv_tensor
+        )
         self.max_model_len = fit_max_model_len(
             max_model_len, cfg.max_position_embeddings, self.kv_pool.num_blocks, block_size
         )
@@ -131,24 +141,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: ForwardBatch, *, layer_hook: LayerHook | None = None, hidden_states: torch.Tensor | None = None
+        self,
+        batch: ForwardBatch,
+        *,
+        layer_hook: LayerHook | None = None,
+        hidden_states: torch.Tensor | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Last stage: float32 logits [num_sampled, vocab] (rows of sample_mask, in order); else hidden [T, H]."""
+        """Through the model's last layer: float32 logits [num_sampled, vocab] (rows of sample_mask,
+        in order); else hidden [T, H]. `layers`: a sub-range of `layer_range` (default all of it)."""
         assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
+        start, end = layers or self.layer_range
+        if not self.layer_range[0] <= start < end <= self.layer_range[1]:
+            raise ValueError(f"layers {layers} outside this runner's {self.layer_range}")
+        if layers is not None and self.tp is not None:  # the other ranks are sent the batch, not the range
+            raise ValueError("a tensor-parallel rank runs its whole layer range")
         if self._drives_ranks:
             assert self.tp is not None
             self.tp.send_step({"batch": dataclasses.asdict(batch), "hidden": hidden_states is not None})
             if hidden_states is not None:  # a later pipeline stage: only rank 0 got the previous stage's output
                 self.tp.broadcast(hidden_states.contiguous())
         input_ids = None
-        if self.is_first_stage:
+        if start == 0:
             input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
             assert int(input_ids.min()) >= 0 and int(input_ids.max()) < self.model_config.vocab_size, (
                 "token id out of range"
             )
         meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device, self.model_config.sliding_window)
-        hidden = self.model.forward(batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook)
-        if not self.is_last_stage:
+        hidden = self.model.forward(
+            batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook, (start, end)
+        )
+        if end < self.model_config.num_hidden_layers:
             return hidden
         last_rows, end = [], 0
         for q_len, sample in zip(batch.query_lens, batch.sample_mask):

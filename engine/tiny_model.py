@@ -129,14 +129,15 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write the built-in checkpoint `size` ("tiny" or "bench") into out_dir."""
+def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, vocab_size: int | None = None) -> Path:
+    """Write the built-in checkpoint `size` ("tiny" or "bench") into out_dir; `vocab_size` replaces
+    the size's vocabulary (a wider LM head: the pipeline tests' phase split)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
-    spec = dict(SIZES[size])
+    spec = dict(SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
     real_vocab = tok.get_vocab_size(with_added_tokens=True)
     spec["vocab_size"] = spec["vocab_size"] or (real_vocab + 63) // 64 * 64  # padded like real checkpoints
     tok = pad_tokenizer(tok, spec["vocab_size"])  # every model id decodes to text

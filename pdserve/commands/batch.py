@@ -57,6 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "virtual engines) or pp-hb (the same with chunked-prefill hybrid batches)",
     )
     p.add_argument(
+        "--phase-split",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="prefill batches on an equal split of the layers, decode steps on the split that weighs the "
+        "LM head; stages that share a layer share its KV memory (auto: on for local CPU stages without "
+        "tensor parallelism)",
+    )
+    p.add_argument(
         "--num-kv-blocks",
         type=int,
         default=None,

@@ -31,7 +31,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=300.0,
         help="seconds to wait for rank 0 (the controller) at MASTER_ADDR:MASTER_PORT before giving up",
     )
+    # set by the local launcher of `pdserve batch` only (stage_worker.StageConfig): its stages share a
+    # KV file it creates, which stages started elsewhere cannot map
+    p.add_argument("--phase-split", type=_true_false, default=False, help=argparse.SUPPRESS)
+    p.add_argument("--kv-fd", type=int, default=-1, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
+
+
+def _true_false(value: str) -> bool:
+    if value not in ("True", "False"):
+        raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
+    return value == "True"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             init_timeout=args.init_timeout,
             tensor_parallel_size=tp,
-            **device,
+            phase_split=args.phase_split,
+            kv_fd=args.kv_fd,
+            device=device["device"],
+            attention_backend=device["attention_backend"],
         )
         return main_from_env(cfg)
     except (ValueError, RendezvousTimeout) as e:

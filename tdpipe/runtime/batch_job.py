@@ -163,7 +163,9 @@ class BatchJob:
             num_threads=self.args.num_threads,
             init_timeout=self.args.init_timeout,
             tensor_parallel_size=getattr(self.args, "tensor_parallel_size", 1),
-            **self.device,
+            phase_split=getattr(self.args, "split_by_phase", False),
+            device=self.device["device"],
+            attention_backend=self.device["attention_backend"],
         )
         external = getattr(self.args, "external_stages", False)
         table = self.cost_table(cfg, list(reqs), external)  # planned on the first window of lines
@@ -210,6 +212,7 @@ class BatchJob:
             attention_backend=cfg.attention_backend,
             device=cfg.device,
             repeats=1,
+            phase_split=cfg.phase_split,
         )
         table = build_cost_table(profiles, "profiled", decode_max=plan.decode_max)
         self.profile_seconds = time.perf_counter() - t0

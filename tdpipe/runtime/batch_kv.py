@@ -4,7 +4,9 @@ The controller allocates block ids for every stage, so it decides the count befo
 start: `--num-kv-blocks` exactly, else `--kv-cache-memory` per stage, else on CPU a share of the
 host's available memory split among the local stages (and never more than the job's lines could
 fill). The block count is one for all stages, set by the stage with the most layers (the split
-weighs the LM head the last stage runs, so that is usually the first: `stage_split`).
+weighs the LM head the last stage runs, so that is usually the first: `stage_split`; under the
+phase split a stage holds the layers of both of its ranges, and the shared ones count once in
+host memory but in full here).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from engine.kv_pool import kv_bytes_per_token
 from engine.kv_sizing import available_memory_bytes, default_cpu_kv_bytes
 from engine.model_config import ModelConfig
 from engine.weights import resolve_dtype
-from tdpipe.runtime.stage_split import model_stage_ranges
+from tdpipe.runtime.stage_split import pipeline_split
 
 FIXED_DEFAULT_BLOCKS = 512
 """Without --num-kv-blocks or --kv-cache-memory on CUDA (stages are not profiled for
@@ -35,7 +37,8 @@ def stage_kv_blocks(
     if args.kv_cache_bytes is None and (device.startswith("cuda") or external):
         return FIXED_DEFAULT_BLOCKS
     dtype = resolve_dtype(args.dtype, cfg, torch.device(device))
-    most_layers = max(end - start for start, end in model_stage_ranges(cfg, args.stages))
+    split = pipeline_split(cfg, args.stages, getattr(args, "split_by_phase", False))
+    most_layers = max(end - start for start, end in map(split.held, range(args.stages)))
     per_token = kv_bytes_per_token(cfg, most_layers, dtype)
     budget = args.kv_cache_bytes
     if budget is None:

@@ -27,6 +27,7 @@ from tdpipe.runtime.batch_output import OrderedWriter, open_output
 from tdpipe.runtime.batch_url import local_output, open_input, upload
 from tdpipe.runtime.batch_lengths import LengthPlanner
 from tdpipe.runtime.batch_watchdog import StageWatchdog
+from tdpipe.runtime.stage_split import resolve_phase_split
 
 
 def _bubble_fraction(timelines: list) -> float | None:
@@ -57,6 +58,9 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         lengths = LengthPlanner(args.length_predictor)
         # generation_config.json's sampling defaults for fields a line leaves unset, as the router applies them
         args.sampling_defaults = generation_defaults(args.generation_config or "auto", model_dir)
+        args.split_by_phase = resolve_phase_split(
+            args.phase_split, device["device"], getattr(args, "tensor_parallel_size", 1), args.external_stages
+        )
         # at most a window of lines is in flight: the KV never needs more than they can fill
         args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], args.max_lines_in_flight)
         stream = open_input(args.input)
@@ -165,6 +169,7 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         "preemptions": stats.num_preemptions,
         "bubble_fraction": bubble,
         "stages": args.stages,
+        "phase_split": args.split_by_phase,
         "policy": args.policy,
         "cost_table": job.table_name,
     }

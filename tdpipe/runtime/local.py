@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from tdpipe.config import InstanceConfig
@@ -80,6 +81,22 @@ def _die_with_parent() -> None:
         _PRCTL(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
 
 
+def _shared_kv_file(cfg: StageConfig, num_stages: int) -> int | None:
+    """The shared KV file's descriptor when the phase split moves layers between stages (`shared_kv`)."""
+    if not cfg.phase_split:
+        return None
+    from engine.model_config import ModelConfig
+    from engine.weights import resolve_dtype
+    from tdpipe.runtime import shared_kv
+    from tdpipe.runtime.stage_worker import stage_pipeline_split
+
+    model = ModelConfig.from_dir(cfg.model_dir)
+    if not stage_pipeline_split(cfg, model, num_stages).by_phase:
+        return None  # both phases split alike (a small head): nothing to share
+    dtype = resolve_dtype(cfg.dtype, model, torch.device(cfg.device))
+    return shared_kv.create(model, cfg.num_kv_blocks, cfg.block_size, dtype)
+
+
 def run_local_pipeline(
     cfg: StageConfig,
     num_stages: int,
@@ -91,13 +108,24 @@ def run_local_pipeline(
     here as its children (`stage_procs`): runs the requests under the policy and returns (stats, stage
     timelines). `on_spawn(procs)` sees the stage processes as soon as they start (a watchdog polls them)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(num_stages + 1))
-    # Own session: a terminal's Ctrl-C reaches the launcher only, which stops the stages itself.
-    procs = [
-        subprocess.Popen(
-            stage_command(cfg), env=dict(env, RANK=str(k + 1)), start_new_session=True, preexec_fn=_die_with_parent
-        )
-        for k in range(num_stages)
-    ]
+    kv_fd = _shared_kv_file(cfg, num_stages)
+    if kv_fd is not None:
+        cfg = replace(cfg, kv_fd=kv_fd)
+    try:
+        # Own session: a terminal's Ctrl-C reaches the launcher only, which stops the stages itself.
+        procs = [
+            subprocess.Popen(
+                stage_command(cfg),
+                env=dict(env, RANK=str(k + 1)),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                pass_fds=() if kv_fd is None else (kv_fd,),
+            )
+            for k in range(num_stages)
+        ]
+    finally:
+        if kv_fd is not None:  # the stages hold it now: the memory goes when the last of them exits
+            os.close(kv_fd)
     try:
         if on_spawn is not None:
             on_spawn(procs)

@@ -1,7 +1,8 @@
 """Profile the real pipeline stages and turn the profile into a simulator `CostTable`.
 
 Each stage is profiled in this process the way a `pdserve stage` process runs it:
-a `ModelRunner` over the stage's layer slice (`stage_split.model_stage_ranges`), the same torch
+a `ModelRunner` over the stage's layer slice (`stage_split.pipeline_split`: each phase on its own
+range under the phase split), the same torch
 thread count, the same attention backend, the last stage's logits and greedy argmax
 included. Hidden states sent between stages and the controller's messages are
 not part of a stage's forward time, exactly as a stage's own timeline spans
@@ -40,7 +41,7 @@ from tdpipe.runtime.profile_plan import ProfilePlan as ProfilePlan  # re-exporte
 from tdpipe.runtime.profile_plan import max_decode_batch as max_decode_batch
 from tdpipe.runtime.profile_plan import mean_decode_context as mean_decode_context
 from tdpipe.runtime.profile_plan import plan_profile as plan_profile
-from tdpipe.runtime.stage_split import model_stage_ranges
+from tdpipe.runtime.stage_split import pipeline_split
 
 
 @dataclass
@@ -49,6 +50,7 @@ class StageProfile:
 
     stage: int
     layer_range: tuple[int, int]
+    """The layers the stage holds (both of its ranges under the phase split)."""
     decode_context: int
     """KV length (tokens per sequence) every decode measurement used."""
     decode_ms: dict[int, float] = field(default_factory=dict)
@@ -59,6 +61,8 @@ class StageProfile:
     """Sending this stage's hidden states to the next, by tokens (empty on the last stage)."""
     dispatch_ms: dict[int, float] = field(default_factory=dict)
     """First stage only: the controller's round trip into it, by decode batch size (profile_comm)."""
+    prefill_prompt_len: int = 0
+    """Length of the whole prompts every prefill measurement used (0: not recorded)."""
 
 
 def _blocks(n: int, block_size: int) -> int:
@@ -96,14 +100,16 @@ def prefill_batch(num_tokens: int, prompt_len: int, block_size: int, vocab_size:
     )
 
 
-def _time_ms(runner: ModelRunner, batch: ForwardBatch, hidden: torch.Tensor | None, repeats: int) -> float:
+def _time_ms(
+    runner: ModelRunner, batch: ForwardBatch, hidden: torch.Tensor | None, repeats: int, layers: tuple[int, int]
+) -> float:
     times = []
     on_gpu = runner.device.type == "cuda"
     for _ in range(repeats + 1):  # the first run warms caches and allocator; dropped
         if on_gpu:
             torch.cuda.synchronize(runner.device)
         t0 = time.perf_counter()
-        out = runner.run(batch, hidden_states=hidden)
+        out = runner.run(batch, hidden_states=hidden, layers=layers)
         if runner.is_last_stage:
             out = out.argmax(dim=-1)  # the stage worker samples greedily inside its span
         if on_gpu:  # kernels are asynchronous: the forward ends when the device says so
@@ -126,8 +132,10 @@ def profile_stages(
     repeats: int = 3,
     attention_backend: str = "auto",
     device: str = "cpu",
+    phase_split: bool = False,
 ) -> list[StageProfile]:
-    """Time every stage's slice on decode batches and prefill batches (see the module docstring).
+    """Time every stage's slice on decode batches and prefill batches (see the module docstring);
+    with `phase_split`, each phase on its own split (`stage_split.pipeline_split`).
 
     One stage at a time in this process with `num_threads` torch threads, as a stage process runs
     (on `device`: CUDA timings synchronise the device; not exercised on a GPU here).
@@ -145,7 +153,9 @@ def profile_stages(
     previous_threads = torch.get_num_threads()
     profiles = []
     try:
-        for stage, layer_range in enumerate(model_stage_ranges(cfg, num_stages)):
+        split = pipeline_split(cfg, num_stages, phase_split)
+        for stage in range(num_stages):
+            layer_range = split.held(stage)
             runner = ModelRunner(
                 model_dir,
                 dtype=dtype,
@@ -157,21 +167,20 @@ def profile_stages(
                 attention_backend=attention_backend,
             )
             runner.attention.wait_ready()  # a first-use kernel build is not a forward time
-            prof = StageProfile(stage, layer_range, decode_context)
+            prof = StageProfile(stage, layer_range, decode_context, prefill_prompt_len=prefill_prompt_len)
 
             def hidden(n: int, runner: ModelRunner = runner) -> torch.Tensor | None:  # this stage's runner
                 if runner.is_first_stage:
                     return None
                 return torch.randn(n, cfg.hidden_size, dtype=runner.dtype, device=runner.device) * 0.1
 
+            decode_layers, prefill_layers = split.span(stage, True), split.span(stage, False)
             for b in sorted(set(decode_batches)):
-                prof.decode_ms[b] = _time_ms(
-                    runner, decode_batch(b, decode_context, block_size, cfg.vocab_size), hidden(b), repeats
-                )
+                batch = decode_batch(b, decode_context, block_size, cfg.vocab_size)
+                prof.decode_ms[b] = _time_ms(runner, batch, hidden(b), repeats, decode_layers)
             for n in sorted(set(prefill_tokens)):
-                prof.prefill_ms[n] = _time_ms(
-                    runner, prefill_batch(n, prefill_prompt_len, block_size, cfg.vocab_size), hidden(n), repeats
-                )
+                batch = prefill_batch(n, prefill_prompt_len, block_size, cfg.vocab_size)
+                prof.prefill_ms[n] = _time_ms(runner, batch, hidden(n), repeats, prefill_layers)
             profiles.append(prof)
             stage_dtype = runner.dtype  # what the hand-offs carry
             del runner
@@ -254,7 +263,7 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decod
 
 def profile_at(model_dir: str | Path, num_stages: int, plan: ProfilePlan, **options) -> list[StageProfile]:
     """`profile_stages` at `plan`'s points; `options` are its keyword options (block_size,
-    num_threads, dtype, repeats, attention_backend, device)."""
+    num_threads, dtype, repeats, attention_backend, device, phase_split)."""
     return profile_stages(
         model_dir,
         num_stages,

@@ -2,12 +2,13 @@
 
 Profiling times every stage's layer slice at the job's batch sizes (`profile.py`): 30 s of a
 4-minute job on the CPU. The measured stage times depend on the checkpoint, the dtype, the device,
-the stage split (the key holds its layer ranges), the torch thread count, the block size and the
-attention backend, not on the job, so they are stored under a key of those
+the stage split (the key holds its layer ranges, both phases'), the torch thread count, the block
+size and the attention backend, not on the job, so they are stored under a key of those
 (`PDSERVE_CACHE_DIR/tdpipe-profiles/<key>.json`) and a rerun builds its table from them without
 profiling. A cached profile is used only when it covers the new job's plan: decode batches up to
-its largest, prefill batches up to its largest, at a decode KV length within a factor of 2 (a
-decode step grows with the KV it reads); otherwise the job profiles afresh and replaces it.
+its largest, prefill batches up to its largest, at a decode KV length and a prompt length within
+a factor of 2 (a decode step grows with the KV it reads, a prompt token with the prompt before
+it); otherwise the job profiles afresh and replaces it.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from pathlib import Path
 from engine.builtin import cache_root
 from engine.model_config import ModelConfig
 from tdpipe.runtime.profile import ProfilePlan, StageProfile
-from tdpipe.runtime.stage_split import model_stage_ranges
+from tdpipe.runtime.stage_split import pipeline_split
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 """Bump when profile.py changes what it measures, so stale profiles are not reused (2: the hand-off
 and dispatch costs of `profile_comm` are part of a profile; 3: the stage split weighs the LM head,
-and the key holds the split itself, so a later change of it misses the cache on its own)."""
+and the key holds the split itself, so a later change of it misses the cache on its own; 4: prefills
+are timed at the job's token-weighted prompt length, which a cached profile must be within 2x of)."""
 
 
 def default_cache_dir() -> Path:
@@ -50,13 +52,14 @@ def model_fingerprint(model_dir: str | Path) -> str:
 def cache_key(model_dir: str | Path, num_stages: int, options: dict) -> dict:
     """What the measured times depend on (`options`: profile_stages's keyword options)."""
     keep = ("dtype", "device", "block_size", "num_threads", "attention_backend")
-    split = model_stage_ranges(ModelConfig.from_dir(model_dir), num_stages)
+    split = pipeline_split(ModelConfig.from_dir(model_dir), num_stages, bool(options.get("phase_split")))
     return {
         "version": CACHE_VERSION,
         "model": str(Path(model_dir).resolve()),
         "fingerprint": model_fingerprint(model_dir),
         "stages": num_stages,
-        "layer_ranges": [list(r) for r in split],  # as JSON reads it back: the key compares equal
+        "layer_ranges": [list(r) for r in split.decode],  # as JSON reads it back: the key compares equal
+        "prefill_layer_ranges": [list(r) for r in split.prefill],
         **{k: options.get(k) for k in keep},
     }
 
@@ -74,6 +77,7 @@ def covers(profiles: list[StageProfile], plan: ProfilePlan) -> bool:
         and max(p.decode_ms) >= plan.decode_max
         and max(p.prefill_ms) >= max(plan.prefill_tokens)
         and plan.decode_context / 2 <= p.decode_context <= plan.decode_context * 2
+        and plan.prefill_prompt_len / 2 <= p.prefill_prompt_len <= plan.prefill_prompt_len * 2
     )
 
 
@@ -92,6 +96,7 @@ def load(path: Path, key: dict) -> list[StageProfile] | None:
                 {int(n): float(t) for n, t in p["prefill_ms"].items()},
                 {int(n): float(t) for n, t in p["handoff_ms"].items()},
                 {int(n): float(t) for n, t in p["dispatch_ms"].items()},
+                int(p.get("prefill_prompt_len", 0)),
             )
             for p in data["profiles"]
         ]

@@ -10,11 +10,22 @@ Every process that must agree on the split (the controller sizing KV, the profil
 `pdserve stage`) calls `model_stage_ranges` on the same `config.json` and stage count, so they
 agree without exchanging the ranges. The cost depends on nothing else (not on the device, dtype
 or tensor-parallel size): a stage started with other flags still computes its neighbours' split.
+
+That split is the decode split. A prefill runs the head on one token per prompt, so on the
+same split the earlier stages do most of a prefill's work (bench, 2 stages: layers 0-7 against
+8-11, 2:1). With the phase split (`PipelineSplit`, `pdserve batch --phase-split`) prefill batches
+run on the equal split instead, and each stage holds the layers of both of its ranges. A layer
+that two neighbours run (bench: 6 and 7) has its KV in memory both map (`shared_kv`): whichever
+stage runs it for a batch writes its KV there, and the other reads it in a later batch. That is
+safe because a sequence's batches never overlap in the pipeline: a decode step starts after the
+token of the batch before it was sampled, and the chunks of one prompt all run on the prefill
+split, in order, on each stage. Local CPU stages only (one host's memory).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
 
@@ -102,3 +113,59 @@ def stage_layer_range(num_layers: int, num_stages: int, stage: int, last_stage_e
 def model_stage_ranges(cfg: ModelConfig, num_stages: int) -> list[tuple[int, int]]:
     """The split every process of a pipeline over this checkpoint uses (module docstring)."""
     return stage_layer_ranges(cfg.num_hidden_layers, num_stages, lm_head_layers(cfg))
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Each stage's layer range for decode-only batches and for batches with prompt tokens."""
+
+    decode: tuple[tuple[int, int], ...]
+    prefill: tuple[tuple[int, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.decode)
+
+    @property
+    def by_phase(self) -> bool:
+        """Whether some stage runs other layers for a prefill than for a decode step."""
+        return self.decode != self.prefill
+
+    def held(self, stage: int) -> tuple[int, int]:
+        """The layers stage `stage` loads: the span of both its ranges (contiguous)."""
+        (d0, d1), (p0, p1) = self.decode[stage], self.prefill[stage]
+        return min(d0, p0), max(d1, p1)
+
+    def span(self, stage: int, decode_only: bool) -> tuple[int, int]:
+        """The layers stage `stage` runs for a batch: decode-only batches on the decode split, any
+        batch with prompt tokens (a mixed batch of PP+HB too) on the prefill split."""
+        return self.decode[stage] if decode_only else self.prefill[stage]
+
+
+def pipeline_split(cfg: ModelConfig, num_stages: int, by_phase: bool = False) -> PipelineSplit:
+    """`model_stage_ranges` for decode; with `by_phase`, the equal split (the head priced at
+    nothing: one token per prompt) for prefill, else the same ranges."""
+    decode = tuple(model_stage_ranges(cfg, num_stages))
+    prefill = tuple(stage_layer_ranges(cfg.num_hidden_layers, num_stages)) if by_phase else decode
+    return PipelineSplit(decode, prefill)
+
+
+def resolve_phase_split(choice: str, device: str, tensor_parallel_size: int, external: bool) -> bool:
+    """`--phase-split auto|on|off` for a job: auto is on where it can run (local CPU stages of one
+    rank each, on an OS with `shared_kv`); `on` elsewhere is a ValueError saying why."""
+    from tdpipe.runtime import shared_kv
+
+    why = None
+    if external:
+        why = "stages started elsewhere (--external-stages) cannot share KV memory"
+    elif device != "cpu":
+        why = f"it shares KV in host memory; the stages run on {device}"
+    elif tensor_parallel_size != 1:
+        why = "a tensor-parallel stage runs its whole layer range"
+    elif not shared_kv.available():
+        why = "this OS has no memfd_create"
+    if choice == "on" and why:
+        raise ValueError(f"--phase-split on: {why}")
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"--phase-split must be auto, on or off, got {choice!r}")
+    return choice != "off" and why is None

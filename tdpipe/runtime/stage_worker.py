@@ -2,7 +2,8 @@
 
 Rank 0 is the controller; stage k (0-based) is rank k + 1 and holds layers
 `stage_split.model_stage_ranges(config, stages)[k]` (weighted for the LM head the last stage
-also runs). Per batch a stage receives one control message (a `ForwardBatch` whose block tables the
+also runs), or with the phase split both its prefill and its decode range (`PipelineSplit`).
+Per batch a stage receives one control message (a `ForwardBatch` whose block tables the
 controller owns), receives the previous stage's hidden states, runs its layers (writing its own
 KV), and passes hidden states on; the last stage samples (each request with its own parameters,
 watching its stop strings: `last_stage`) and sends one token id and stop flag per sequence to the
@@ -22,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from engine.grammar_cache import GrammarCache
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
-from tdpipe.runtime.stage_split import model_stage_ranges
+from tdpipe.runtime.stage_split import PipelineSplit, pipeline_split
 from tdpipe.runtime.stage_split import stage_layer_range as stage_layer_range  # re-exported: its old home
 from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, Outbox, recv_object
 
@@ -51,6 +53,11 @@ class StageConfig:
     tensor_parallel_size: int = 1
     """Ranks of this stage (engine.parallel): this process is rank 0, which alone talks to the
     controller and the neighbouring stages; it starts ranks 1..N-1 and drives them per batch."""
+    phase_split: bool = False
+    """Prefill batches on the equal layer split, decode steps on the head-weighted one
+    (`stage_split.PipelineSplit`); local CPU stages of one tensor-parallel rank only."""
+    kv_fd: int = -1
+    """The launcher's shared KV file (`shared_kv`), which the phase split needs when it moves layers."""
 
 
 def stage_device(device: str, rank: int, tensor_parallel_size: int = 1) -> str:
@@ -67,21 +74,36 @@ def stage_device(device: str, rank: int, tensor_parallel_size: int = 1) -> str:
     return f"cuda:{((rank - 1) * tensor_parallel_size) % max(1, torch.cuda.device_count())}"
 
 
+def stage_pipeline_split(cfg: StageConfig, model: ModelConfig, num_stages: int) -> PipelineSplit:
+    """The split the stages of `cfg` run (ValueError where the phase split cannot run)."""
+    split = pipeline_split(model, num_stages, cfg.phase_split)
+    if split.by_phase:
+        if cfg.device != "cpu" or cfg.tensor_parallel_size != 1:
+            raise ValueError("the phase split runs on CPU stages of one rank each (--phase-split off)")
+    return split
+
+
 def stage_runner(cfg: StageConfig, rank: int, num_stages: int) -> ModelRunner:
     """Stage `rank - 1`'s runner over its layer slice: one process, or rank 0 of a tensor-parallel
     group whose death of any rank ends this stage process at once (exit 1, the job names the stage)."""
-    from engine.model_config import ModelConfig
-
     model = ModelConfig.from_dir(cfg.model_dir)  # every stage reads the same config.json: one split
+    split = stage_pipeline_split(cfg, model, num_stages)
+    held = split.held(rank - 1)
     options: dict[str, Any] = dict(
         dtype=cfg.dtype,
         device=stage_device(cfg.device, rank, cfg.tensor_parallel_size),
         attention_backend=cfg.attention_backend,
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,
-        layer_range=model_stage_ranges(model, num_stages)[rank - 1],
+        layer_range=held,
         num_threads=cfg.num_threads,
     )
+    if split.by_phase:  # a layer its neighbour also runs: the KV lives in the launcher's shared file
+        from engine.weights import resolve_dtype
+        from tdpipe.runtime import shared_kv
+
+        dtype = resolve_dtype(cfg.dtype, model, torch.device("cpu"))
+        options["kv_tensor"] = shared_kv.map_layers(cfg.kv_fd, model, cfg.num_kv_blocks, cfg.block_size, dtype, held)
     if cfg.tensor_parallel_size == 1:
         return ModelRunner(Path(cfg.model_dir), **options)
     from engine.config import EngineConfig
@@ -104,14 +126,15 @@ class StageTimeline:
 
 def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     """Serve batches until the controller sends None; returns this stage's timeline."""
+    split = stage_pipeline_split(cfg, ModelConfig.from_dir(cfg.model_dir), world_size - 1)
     runner = stage_runner(cfg, rank, world_size - 1)
     try:
-        return _serve(cfg, runner, rank)
+        return _serve(cfg, runner, rank, split)
     finally:
         runner.close()  # a tensor-parallel stage stops its ranks
 
 
-def _serve(cfg: StageConfig, runner: ModelRunner, rank: int) -> StageTimeline:
+def _serve(cfg: StageConfig, runner: ModelRunner, rank: int, split: PipelineSplit) -> StageTimeline:
     hidden_size = runner.model_config.hidden_size
     outbox, timeline = Outbox(), StageTimeline()
     sampling = LastStageSampler(cfg.model_dir, _grammars(cfg.model_dir, runner)) if runner.is_last_stage else None
@@ -127,7 +150,9 @@ def _serve(cfg: StageConfig, runner: ModelRunner, rank: int) -> StageTimeline:
             hidden = torch.empty(batch.num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(hidden, rank - 1)
         start = time.perf_counter()
-        out = runner.run(batch, hidden_states=hidden)
+        # without the phase split, both spans are the runner's whole range
+        layers = split.span(rank - 1, batch.is_decode_only) if split.by_phase else None
+        out = runner.run(batch, hidden_states=hidden, layers=layers)
         if sampling is not None:
             outbox.send(sampling(msg, out), CONTROLLER_RANK)
         else:

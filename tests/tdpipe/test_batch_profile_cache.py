@@ -13,12 +13,15 @@ OPTIONS = {"dtype": "auto", "device": "cpu", "block_size": 4, "num_threads": 1, 
 
 def _profiles() -> list[StageProfile]:
     return [
-        StageProfile(s, (s, s + 1), 100, {1: 1.0, 8: 2.0, 32: 4.0}, {64: 5.0, 512: 20.0, 2048: 70.0}) for s in (0, 1)
+        StageProfile(
+            s, (s, s + 1), 100, {1: 1.0, 8: 2.0, 32: 4.0}, {64: 5.0, 512: 20.0, 2048: 70.0}, prefill_prompt_len=50
+        )
+        for s in (0, 1)
     ]
 
 
-def _plan(decode_max: int = 32, prefill: int = 2048, context: int = 100) -> ProfilePlan:
-    return ProfilePlan([1, 2, decode_max], [prefill // 2, prefill], context, 50, decode_max)
+def _plan(decode_max: int = 32, prefill: int = 2048, context: int = 100, prompt_len: int = 50) -> ProfilePlan:
+    return ProfilePlan([1, 2, decode_max], [prefill // 2, prefill], context, prompt_len, decode_max)
 
 
 def test_saved_profiles_load_back_under_their_key_only(tmp_path, tiny_model_dir) -> None:
@@ -57,6 +60,9 @@ def test_cached_profiles_price_only_plans_they_cover() -> None:
     assert not pc.covers(_profiles(), _plan(decode_max=64))  # a bigger decode batch than measured
     assert not pc.covers(_profiles(), _plan(prefill=4096))  # a bigger prefill batch than measured
     assert not pc.covers(_profiles(), _plan(context=400))  # decode steps over 4x the KV measured
+    assert pc.covers(_profiles(), _plan(prompt_len=90))
+    assert not pc.covers(_profiles(), _plan(prompt_len=120))  # prompts over twice as long as measured
+    assert not pc.covers([StageProfile(0, (0, 1), 100, {32: 1.0}, {2048: 1.0})], _plan())  # an older, unrecorded length
 
 
 def test_cached_profiles_measures_once_then_reuses(tmp_path, tiny_model_dir, monkeypatch) -> None:

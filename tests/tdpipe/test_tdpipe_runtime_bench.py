@@ -57,6 +57,10 @@ def test_profile_plan_follows_the_job() -> None:
     assert quick.prefill_tokens == [256, 512]
     # a job whose prompts total 20 tokens never forms a bigger prefill batch: no time spent above it
     assert max(plan_profile([10, 10], [5, 5], kv_tokens=1000, num_stages=2, max_batch_tokens=512).prefill_tokens) == 20
+    # prompts of 100 and 300 tokens: the average prompt token sits in a (100^2 + 300^2) / 400 = 250-token prompt
+    assert (
+        plan_profile([100, 300], [5, 5], kv_tokens=1000, num_stages=2, max_batch_tokens=512).prefill_prompt_len == 250
+    )
     with pytest.raises(ValueError):
         plan_profile([], [], kv_tokens=1, num_stages=1, max_batch_tokens=1)
 
