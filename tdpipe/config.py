@@ -53,6 +53,10 @@ class TDPipeOptions:
     the KV capacity caps the batch); `fixed` = at `ref_batch_size` always (the
     paper's literal definition, and this simulator's behaviour before the fix:
     it switched after a median 7% of a phase finished, see docs/tdpipe.md)."""
+    size_prefill_batches: bool = True
+    """Cap each prefill phase's batches where the cost table predicts the phase ends soonest
+    (`td_scheduler.sized_prefill_batches`: the largest batch fills and drains the pipeline);
+    False fills every batch to `max_batch_tokens`, as the paper does."""
     temporal_refill: bool = True
     """Count the pipeline refill after the prefill phase in the temporal bubble
     (see `tdpipe.intensity.temporal_intensity`); False is the paper's bubble."""

@@ -93,7 +93,6 @@ class TDPipeScheduler:
         for r in resident:
             memory.add(r.input_len, r.num_generated, r.predicted_len)
         admitted: list[SimRequest] = []
-        batch: list[SimRequest] = []
         while waiting:
             r = waiting[0]
             if not self.kv.can_admit(r.input_len + 1):
@@ -106,18 +105,22 @@ class TDPipeScheduler:
             if full and not nothing_resident:
                 break
             waiting.popleft()
-            if batch and sum(b.input_len for b in batch) + r.input_len > self.inst.max_batch_tokens:
-                self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
-                num_batches, batch = num_batches + 1, []
             self.kv.reserve(r.input_len + 1)  # the prompt, and the slot of the token its prefill yields
             memory.add(r.input_len, 1, r.predicted_len)
-            batch.append(r)
             admitted.append(r)
-        if batch:
+        start = 0
+        for size in self._prefill_batches([r.input_len for r in admitted]):
+            batch = admitted[start : start + size]
             self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
-            num_batches += 1
+            start, num_batches = start + size, num_batches + 1
         self._num_admitted = len(admitted)
         return admitted, num_batches
+
+    def _prefill_batches(self, prompt_lens: list[int]) -> list[int]:
+        """How many of a phase's prompts (in order) each prefill batch takes."""
+        if not self.opts.size_prefill_batches:
+            return greedy_batches(prompt_lens, self.inst.max_batch_tokens)
+        return sized_prefill_batches(prompt_lens, self.inst.max_batch_tokens, self.table, self.inst.num_stages)
 
     def _decode_phase(self, resident: list[SimRequest], waiting: deque[SimRequest]) -> tuple[list[SimRequest], float]:
         stealer: WorkStealer[SimRequest] = WorkStealer(self.inst.num_stages, self.opts.work_stealing)
@@ -200,7 +203,7 @@ class TDPipeScheduler:
         if self.opts.decode_switch == "completion":
             return done_ratio >= self.opts.completion_threshold
         batch_size = stealer.average(len(remaining)) if self.opts.work_stealing else len(remaining)
-        pending, tokens, free = [], 0, self.kv.capacity_blocks - self.kv.used
+        lens, free = [], self.kv.capacity_blocks - self.kv.used
         added: list[tuple[int, int, int]] = []
         for r in waiting:  # the prefills greedy prefill would run if we switched now
             need = blocks_for(r.input_len + 1, self.inst.block_size)
@@ -214,12 +217,11 @@ class TDPipeScheduler:
             memory.add(*args, offset=step)
             added.append(args)
             free -= need
-            if tokens + r.input_len > self.inst.max_batch_tokens and tokens:
-                pending.append(self.table.stage_ms(tokens, self.inst.num_stages))
-                tokens = 0
-            tokens += r.input_len
-        if tokens:
-            pending.append(self.table.stage_ms(tokens, self.inst.num_stages))
+            lens.append(r.input_len)
+        pending, start = [], 0
+        for size in self._prefill_batches(lens):  # the batches the switch would submit
+            pending.append(self.table.stage_ms(sum(lens[start : start + size]), self.inst.num_stages))
+            start += size
         for args in added:
             memory.remove(*args, offset=step)
         step_ms = self.table.stage_ms(batch_size, self.inst.num_stages)
@@ -238,3 +240,42 @@ class TDPipeScheduler:
             self.opts.temporal_refill,
             phase,
         ).switch_to_prefill
+
+
+def greedy_batches(prompt_lens: list[int], cap: int) -> list[int]:
+    """Prompts per batch when whole prompts, in order, fill batches of up to `cap` tokens (a
+    longer prompt gets a batch of its own)."""
+    sizes: list[int] = []
+    tokens = 0
+    for n in prompt_lens:
+        if sizes and tokens + n <= cap:
+            sizes[-1] += 1
+            tokens += n
+        else:
+            sizes.append(1)
+            tokens = n
+    return sizes
+
+
+def sized_prefill_batches(prompt_lens: list[int], budget: int, table: CostTable, num_stages: int) -> list[int]:
+    """Prompts per batch for one prefill phase, the batch cap chosen to finish the phase soonest.
+
+    In a pipeline of S equal stages a phase of batches taking t_i per stage ends sum(t_i) +
+    (S - 1) * max(t_i) after it starts: the largest batch fills or drains the pipeline at every
+    phase switch (the decode phase after it needs every prompt's first token). Big batches amortise
+    a fixed cost per forward (a GPU's weight reads) and small ones shorten that edge, so the cap is
+    taken among eighths of `budget` by the table's prediction of the phase; ties keep the larger
+    cap. On a CPU, where a prefill's time per token is flat from a few hundred tokens, that is about
+    the longest prompt; on the analytic GPU table, close to the budget for long phases.
+    """
+    best: tuple[float, list[int]] | None = None
+    for eighths in range(8, 0, -1):
+        sizes = greedy_batches(prompt_lens, max(1, budget * eighths // 8))
+        times, start = [], 0
+        for size in sizes:
+            times.append(table.stage_ms(sum(prompt_lens[start : start + size]), num_stages))
+            start += size
+        phase_ms = sum(times) + (num_stages - 1) * max(times, default=0.0)
+        if best is None or phase_ms < best[0] * (1 - 1e-9):
+            best = (phase_ms, sizes)
+    return best[1] if best else []
