@@ -191,3 +191,15 @@ def test_batch_job_splits_by_phase_by_default(tmp_path, wide_head_dir) -> None:
     assert texts_by_id(read_results(tmp_path / "out.jsonl")) == {f"r{i}": o.outputs[0].text for i, o in enumerate(want)}
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["phase_split"] is True and stats["completed"] == len(PROMPTS)
+
+
+def test_the_profile_times_each_phase_on_its_split(wide_head_dir) -> None:
+    from tdpipe.runtime.profile import profile_stages
+
+    options = dict(decode_batches=[1, 4], prefill_tokens=[16, 64], decode_context=16, block_size=4, repeats=1)
+    by_phase = profile_stages(wide_head_dir, 2, phase_split=True, attention_backend="torch", **options)
+    assert [p.layer_range for p in by_phase] == [(0, 3), (2, 4)]  # each holds both of its ranges
+    fixed = profile_stages(wide_head_dir, 2, attention_backend="torch", **options)
+    assert [p.layer_range for p in fixed] == [(0, 3), (3, 4)]
+    for p in by_phase + fixed:
+        assert sorted(p.decode_ms) == [1, 4] and sorted(p.prefill_ms) == [16, 64]

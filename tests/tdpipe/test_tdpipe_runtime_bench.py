@@ -19,7 +19,9 @@ from tdpipe.runtime.timeline import bubble_fraction, bubble_fractions, job_span,
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir) -> None:
+@pytest.mark.parametrize("together", [True, False])
+def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir, together) -> None:
+    """Side by side (a process per stage, the CPU default) or one stage at a time in this process."""
     profiles = profile_stages(
         tiny_model_dir,
         2,
@@ -30,7 +32,9 @@ def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir) -> None:
         block_size=4,
         repeats=1,
         attention_backend="torch",
+        together=together,
     )
+    assert [p.prefill_prompt_len for p in profiles] == [8, 8] and [p.stage for p in profiles] == [0, 1]
     # the stages' own split (`model_stage_ranges`: tiny's head costs under half a layer)
     assert [p.layer_range for p in profiles] == [(0, 2), (2, 4)]
     for p in profiles:
@@ -43,6 +47,13 @@ def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir) -> None:
     # stage_ms is the bottleneck stage's measured time (or the running max that keeps the table monotone)
     assert table.stage_ms(1, 2) == pytest.approx(max(p.decode_ms[1] for p in profiles))
     assert table.stage_ms(32, 2) >= max(p.prefill_ms[32] for p in profiles) - 1e-9
+
+
+def test_a_stage_that_cannot_be_profiled_says_which_and_why(tiny_model_dir) -> None:
+    with pytest.raises(RuntimeError, match=r"profiling stage \d: ValueError: .*nope"):
+        profile_stages(
+            tiny_model_dir, 2, decode_batches=[1], prefill_tokens=[8], decode_context=8, attention_backend="nope"
+        )
 
 
 def test_profile_plan_follows_the_job() -> None:
