@@ -18,8 +18,8 @@ bottleneck stage's measured time. The table has one token dimension for both
 phases, so it holds the decode curve (a step of a batch of `n` requests, measured
 at one representative KV length — a real decode step grows with the KV length,
 the table cannot) for `n` up to a cut, the largest decode batch the policies
-form, and the prefill curve (`n` prompt tokens in whole prompts) above it; a
-running max keeps the table non-decreasing where the two curves meet. Prefill
+form, and the prefill curve (`n` prompt tokens in whole prompts) above it; a monotone
+least-squares fit (`monotone`) keeps the table non-decreasing, where the two curves meet too. Prefill
 batches below the cut are priced as decode steps (dearer per token on a CPU).
 """
 
@@ -342,6 +342,22 @@ def _interp(curve: dict[int, float], n: int) -> float:
     return curve[keys[-1]]
 
 
+def monotone(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in least squares (pool adjacent violators).
+
+    A bigger batch never costs less, but a noisy profile can say so; averaging a point that breaks
+    the order with its neighbours keeps one slow measurement from raising every point after it, as
+    a running max did (a decode step of 32 timed at 122 ms, then 96 ms at 41, on a busy VM)."""
+    pools: list[tuple[float, int]] = []  # (sum, count) of runs of points that share one value
+    for v in values:
+        total, count = v, 1
+        while pools and pools[-1][0] / pools[-1][1] > total / count:
+            prev_total, prev_count = pools.pop()
+            total, count = total + prev_total, count + prev_count
+        pools.append((total, count))
+    return [total / count for total, count in pools for _ in range(count)]
+
+
 def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decode_max: int | None = None) -> CostTable:
     """A CostTable whose `stage_ms(n, len(profiles))` is the bottleneck stage's measured time:
     the decode curve for n <= `decode_max` (default: the largest profiled decode batch; between
@@ -361,10 +377,7 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decod
     rows[cut] = _interp(decode, cut)
     rows.update({n: t for n, t in prefill.items() if n > cut})
     tokens = sorted(rows)
-    times, running = [], 0.0
-    for n in tokens:
-        running = max(running, rows[n])  # a bigger batch never costs less (noise can say otherwise)
-        times.append(running * num_stages)
+    times = [t * num_stages for t in monotone([rows[n] for n in tokens])]
     over = pipeline_overheads(
         [p.decode_ms for p in profiles],
         [p.prefill_ms for p in profiles],

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tdpipe.runtime.profile import StageProfile, build_cost_table, mean_decode_context, plan_profile, profile_stages
+from tdpipe.runtime.profile import (
+    StageProfile,
+    build_cost_table,
+    mean_decode_context,
+    monotone,
+    plan_profile,
+    profile_stages,
+)
 from tdpipe.runtime.timeline import bubble_fraction, bubble_fractions, job_span, phase_switches, plot_timelines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +51,18 @@ def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir, together) 
     # decode rows up to the largest decode batch, prefill rows strictly above it
     assert table.tokens == (1, 2, 4, 16, 32)
     assert all(a <= b for a, b in zip(table.times_ms, table.times_ms[1:]))
-    # stage_ms is the bottleneck stage's measured time (or the running max that keeps the table monotone)
-    assert table.stage_ms(1, 2) == pytest.approx(max(p.decode_ms[1] for p in profiles))
-    assert table.stage_ms(32, 2) >= max(p.prefill_ms[32] for p in profiles) - 1e-9
+    # stage_ms is the bottleneck stage's measured time, fitted monotone
+    bottleneck = [max(p.decode_ms[n] for p in profiles) for n in (1, 2, 4)]
+    bottleneck += [max(p.prefill_ms[n] for p in profiles) for n in (16, 32)]
+    assert [table.stage_ms(n, 2) for n in table.tokens] == pytest.approx(monotone(bottleneck))
+
+
+def test_monotone_fit_averages_a_point_that_breaks_the_order() -> None:
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # a slow 32 (122) before a faster 41 (96): both 109, not both 122 as a running max gave
+    assert monotone([57.0, 122.0, 96.0]) == pytest.approx([57.0, 109.0, 109.0])
+    assert monotone([5.0, 1.0, 1.0, 9.0]) == pytest.approx([7 / 3, 7 / 3, 7 / 3, 9.0])
+    assert monotone([]) == []
 
 
 def test_a_stage_that_cannot_be_profiled_says_which_and_why(tiny_model_dir) -> None:
