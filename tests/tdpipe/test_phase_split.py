@@ -203,3 +203,27 @@ def test_the_profile_times_each_phase_on_its_split(wide_head_dir) -> None:
     assert [p.layer_range for p in fixed] == [(0, 3), (3, 4)]
     for p in by_phase + fixed:
         assert sorted(p.decode_ms) == [1, 4] and sorted(p.prefill_ms) == [16, 64]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shared_kv.available(), reason="needs memfd_create")
+def test_three_bench_stages_whose_middle_shares_layers_with_both_neighbours() -> None:
+    """bench on 3 stages: decode 0-5 / 6-10 / 11, prefill 0-3 / 4-7 / 8-11, so the middle stage
+    holds 4-10 and shares layers 4-5 with stage 0 and 8-10 with stage 2."""
+    import random
+
+    from engine.builtin import default_model_dir
+
+    model_dir = str(default_model_dir("bench"))
+    split = pipeline_split(ModelConfig.from_dir(model_dir), 3, by_phase=True)
+    assert [split.held(k) for k in range(3)] == [(0, 6), (4, 11), (8, 12)]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 30000) for _ in range(rng.randrange(20, 200))] for _ in range(6)]
+    outs = LLM(model_dir, num_kv_blocks=400).generate(
+        prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )
+    for policy in ("tdpipe", "pp-hb"):
+        reqs = [PipeRequest(f"r{i}", p, 10) for i, p in enumerate(prompts)]
+        cfg = StageConfig(model_dir, num_kv_blocks=60, block_size=16, phase_split=True)
+        run_local_pipeline(cfg, 3, reqs, 256, policy=policy)
+        assert [r.output_ids for r in reqs] == [list(o.outputs[0].token_ids) for o in outs], policy
