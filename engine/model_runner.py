@@ -154,7 +154,7 @@ class ModelRunner:
         start, end = layers or self.layer_range
         if not self.layer_range[0] <= start < end <= self.layer_range[1]:
             raise ValueError(f"layers {layers} outside this runner's {self.layer_range}")
-        if layers is not None and self.tp is not None:  # the other ranks are sent the batch, not the range
+        if (start, end) != self.layer_range and self.tp is not None:  # the other ranks get the batch, not the range
             raise ValueError("a tensor-parallel rank runs its whole layer range")
         if self._drives_ranks:
             assert self.tp is not None

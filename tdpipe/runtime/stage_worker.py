@@ -83,11 +83,10 @@ def stage_pipeline_split(cfg: StageConfig, model: ModelConfig, num_stages: int) 
     return split
 
 
-def stage_runner(cfg: StageConfig, rank: int, num_stages: int) -> ModelRunner:
-    """Stage `rank - 1`'s runner over its layer slice: one process, or rank 0 of a tensor-parallel
-    group whose death of any rank ends this stage process at once (exit 1, the job names the stage)."""
-    model = ModelConfig.from_dir(cfg.model_dir)  # every stage reads the same config.json: one split
-    split = stage_pipeline_split(cfg, model, num_stages)
+def stage_runner(cfg: StageConfig, rank: int, model: ModelConfig, split: PipelineSplit) -> ModelRunner:
+    """Stage `rank - 1`'s runner over the layers it holds in `split`: one process, or rank 0 of a
+    tensor-parallel group whose death of any rank ends this stage process at once (exit 1, the job
+    names the stage)."""
     held = split.held(rank - 1)
     options: dict[str, Any] = dict(
         dtype=cfg.dtype,
@@ -126,8 +125,9 @@ class StageTimeline:
 
 def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
     """Serve batches until the controller sends None; returns this stage's timeline."""
-    split = stage_pipeline_split(cfg, ModelConfig.from_dir(cfg.model_dir), world_size - 1)
-    runner = stage_runner(cfg, rank, world_size - 1)
+    model = ModelConfig.from_dir(cfg.model_dir)  # every stage reads the same config.json: one split
+    split = stage_pipeline_split(cfg, model, world_size - 1)
+    runner = stage_runner(cfg, rank, model, split)
     try:
         return _serve(cfg, runner, rank, split)
     finally:
@@ -150,9 +150,7 @@ def _serve(cfg: StageConfig, runner: ModelRunner, rank: int, split: PipelineSpli
             hidden = torch.empty(batch.num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(hidden, rank - 1)
         start = time.perf_counter()
-        # without the phase split, both spans are the runner's whole range
-        layers = split.span(rank - 1, batch.is_decode_only) if split.by_phase else None
-        out = runner.run(batch, hidden_states=hidden, layers=layers)
+        out = runner.run(batch, hidden_states=hidden, layers=split.span(rank - 1, batch.is_decode_only))
         if sampling is not None:
             outbox.send(sampling(msg, out), CONTROLLER_RANK)
         else:
