@@ -33,15 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     # set by the local launcher of `pdserve batch` only (stage_worker.StageConfig): its stages share a
     # KV file it creates, which stages started elsewhere cannot map
-    p.add_argument("--phase-split", type=_true_false, default=False, help=argparse.SUPPRESS)
+    p.add_argument("--phase-split", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kv-fd", type=int, default=-1, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
-
-
-def _true_false(value: str) -> bool:
-    if value not in ("True", "False"):
-        raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
-    return value == "True"
 
 
 def run(args: argparse.Namespace) -> int:

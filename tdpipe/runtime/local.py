@@ -37,7 +37,11 @@ def stage_command(cfg: StageConfig) -> list[str]:
     """The `pdserve stage` command line for `cfg` (rank and world come from the env)."""
     args = [sys.executable, "-m", "pdserve.cli", "stage"]
     for key, value in asdict(cfg).items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):  # a switch: present or not
+            args += [flag] if value else []
+        else:
+            args += [flag, str(value)]
     return args
 
 

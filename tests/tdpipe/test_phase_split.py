@@ -227,3 +227,15 @@ def test_three_bench_stages_whose_middle_shares_layers_with_both_neighbours() ->
         cfg = StageConfig(model_dir, num_kv_blocks=60, block_size=16, phase_split=True)
         run_local_pipeline(cfg, 3, reqs, 256, policy=policy)
         assert [r.output_ids for r in reqs] == [list(o.outputs[0].token_ids) for o in outs], policy
+
+
+def test_the_stage_command_carries_the_phase_split_and_the_shared_file() -> None:
+    """The launcher's flags reach `pdserve stage` as its parser reads them (a stage that missed the
+    switch would run the fixed split on a private pool, and still answer right)."""
+    from pdserve.cli import build_parser
+    from tdpipe.runtime.local import stage_command
+
+    for phase_split in (True, False):
+        cmd = stage_command(StageConfig("/m", num_kv_blocks=8, phase_split=phase_split, kv_fd=7))
+        args = build_parser().parse_args(cmd[cmd.index("stage") :])
+        assert args.phase_split is phase_split and args.kv_fd == 7
