@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from engine.kv_pool import kv_bytes_per_token
 from engine.model_config import ModelConfig
 
 
@@ -28,16 +27,20 @@ def available() -> bool:
 
 
 def _shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Every layer's pool, in `KVPool`'s layout."""
     return (cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads, block_size, cfg.head_dim)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> int:
     """A new shared file sized for every layer's `num_blocks` blocks; returns its descriptor,
     which the caller closes once the stage processes have it."""
-    size = kv_bytes_per_token(cfg, cfg.num_hidden_layers, dtype) * block_size * num_blocks
     fd = os.memfd_create("pdserve-kv", 0)
     try:
-        os.ftruncate(fd, size)
+        os.ftruncate(fd, _nbytes(_shape(cfg, num_blocks, block_size), dtype))
     except OSError:
         os.close(fd)
         raise
@@ -52,7 +55,7 @@ def map_layers(
     if fd < 0:
         raise ValueError("the phase split needs the shared KV file of a local launcher (pdserve batch)")
     shape = _shape(cfg, num_blocks, block_size)
-    want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    want = _nbytes(shape, dtype)
     have = os.fstat(fd).st_size
     if have != want:  # another block count or dtype than the launcher's: the stages would disagree
         raise ValueError(f"shared KV file (fd {fd}) holds {have} bytes, this stage needs {want}")
