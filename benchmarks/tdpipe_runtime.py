@@ -162,6 +162,7 @@ def main() -> None:
     if unknown := [p for p in policies if p not in POLICIES]:
         parser.error(f"unknown --policies {unknown}; choose from {sorted(POLICIES)}")
     cache_dir = None if args.profile_cache == "off" else Path(args.profile_cache or default_cache_dir())
+    phase_split = args.phase_split == "on"  # the profile and every policy's stages alike
     t0 = time.perf_counter()
     profiles, cached = cached_profiles(
         model_dir,
@@ -174,7 +175,7 @@ def main() -> None:
         attention_backend="auto",
         device="cpu",
         repeats=1 if args.quick else 3,
-        phase_split=args.phase_split == "on",
+        phase_split=phase_split,
     )
     profile_seconds = time.perf_counter() - t0
     print(f"profile: {'read from ' + str(cached) if cached else 'measured'} in {profile_seconds:.1f}s", flush=True)
@@ -220,9 +221,7 @@ def main() -> None:
         print(f"engine.LLM: {results['llm']['tok_s']:.1f} tok/s ({results['llm']['seconds']:.1f}s)", flush=True)
     same_decisions = {}
     for policy in policies:
-        results[policy] = r = run_pipeline(
-            model_dir, reqs, kv_blocks, POLICIES[policy], max_batch, table, args.phase_split == "on"
-        )
+        results[policy] = r = run_pipeline(model_dir, reqs, kv_blocks, POLICIES[policy], max_batch, table, phase_split)
         # the runtime and the simulator run one policy object on one table: their decisions must agree,
         # so the prediction error below is the cost model's, not a different schedule's
         same_decisions[policy] = r.pop("decisions") == sims[policy][1]
