@@ -218,10 +218,10 @@ class TDPipeScheduler:
             added.append(args)
             free -= need
             lens.append(r.input_len)
-        pending, start = [], 0
-        for size in self._prefill_batches(lens):  # the batches the switch would submit
-            pending.append(self.table.stage_ms(sum(lens[start : start + size]), self.inst.num_stages))
-            start += size
+        # the batches the switch would submit
+        pending = [
+            self.table.stage_ms(n, self.inst.num_stages) for n in batch_tokens(lens, self._prefill_batches(lens))
+        ]
         for args in added:
             memory.remove(*args, offset=step)
         step_ms = self.table.stage_ms(batch_size, self.inst.num_stages)
@@ -257,6 +257,15 @@ def greedy_batches(prompt_lens: list[int], cap: int) -> list[int]:
     return sizes
 
 
+def batch_tokens(prompt_lens: list[int], sizes: list[int]) -> list[int]:
+    """The tokens of each batch when the prompts, in order, go `sizes[i]` to batch i."""
+    tokens, start = [], 0
+    for size in sizes:
+        tokens.append(sum(prompt_lens[start : start + size]))
+        start += size
+    return tokens
+
+
 def sized_prefill_batches(prompt_lens: list[int], budget: int, table: CostTable, num_stages: int) -> list[int]:
     """Prompts per batch for one prefill phase, the batch cap chosen to finish the phase soonest.
 
@@ -272,10 +281,7 @@ def sized_prefill_batches(prompt_lens: list[int], budget: int, table: CostTable,
     best: tuple[float, list[int]] | None = None
     for eighths in range(8, 0, -1):
         sizes = greedy_batches(prompt_lens, max(1, budget * eighths // 8))
-        times, start = [], 0
-        for size in sizes:
-            times.append(table.stage_ms(sum(prompt_lens[start : start + size]), num_stages))
-            start += size
+        times = [table.stage_ms(n, num_stages) for n in batch_tokens(prompt_lens, sizes)]
         phase_ms = sum(times) + (num_stages - 1) * max(times, default=0.0)
         if best is None or phase_ms < best[0] * (1 - 1e-9):
             best = (phase_ms, sizes)
