@@ -7,19 +7,11 @@ import random
 
 from tdpipe.config import InstanceConfig, TDPipeOptions
 from tdpipe.cost_table import CostTable
-from tdpipe.td_scheduler import TDPipeScheduler, greedy_batches, sized_prefill_batches
+from tdpipe.td_scheduler import TDPipeScheduler, batch_tokens, greedy_batches, sized_prefill_batches
 from tdpipe.workload import WorkloadConfig, generate
 
 CPU_LIKE = CostTable("cpu-like", (1, 64, 2048), (40.0, 80.0, 2048.0))
 """A prefill's cost per token flat from 64 tokens (a CPU: no fixed cost to amortise)."""
-
-
-def _tokens(lens: list[int], sizes: list[int]) -> list[int]:
-    out, start = [], 0
-    for n in sizes:
-        out.append(sum(lens[start : start + n]))
-        start += n
-    return out
 
 
 def test_greedy_batches_keep_prompts_whole_and_in_order() -> None:
@@ -31,7 +23,7 @@ def test_greedy_batches_keep_prompts_whole_and_in_order() -> None:
         lens = [rng.randint(1, 1500) for _ in range(rng.randint(1, 30))]
         cap = rng.choice([256, 1024, 2048])
         sizes = greedy_batches(lens, cap)
-        tokens = _tokens(lens, sizes)
+        tokens = batch_tokens(lens, sizes)
         assert sum(sizes) == len(lens)
         assert all(n == 1 or t <= cap for n, t in zip(sizes, tokens))
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -41,11 +33,11 @@ def test_greedy_batches_keep_prompts_whole_and_in_order() -> None:
 def test_a_flat_per_token_cost_takes_small_batches_and_a_fixed_cost_big_ones() -> None:
     lens = [250] * 32  # 8000 tokens
     small = sized_prefill_batches(lens, 2048, CPU_LIKE, 2)
-    assert max(_tokens(lens, small)) <= 512  # two prompts a batch: the edge is one short batch
+    assert max(batch_tokens(lens, small)) <= 512  # two prompts a batch: the edge is one short batch
     # a GPU-like table (33 ms a forward, 0.2 ms a token): one-prompt batches would pay the fixed cost
     # 32 times; the phase is predicted shortest with 1000-token batches (8 x 116.5 ms + one to drain)
     big = sized_prefill_batches(lens, 2048, CostTable.analytic(), 2)
-    assert _tokens(lens, big) == [1000] * 8
+    assert batch_tokens(lens, big) == [1000] * 8
     assert sized_prefill_batches([], 2048, CPU_LIKE, 2) == []
     # one stage has no fill or drain: the full budget is never worse
     assert sized_prefill_batches(lens, 2048, CPU_LIKE, 1) == greedy_batches(lens, 2048)
