@@ -24,7 +24,7 @@ from tdpipe.pipeline import blocks_for
 from engine.sampling_params import SamplingParams
 from tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, StageMessage, needs_announcing
 from tdpipe.runtime.live_stats import PipelineGauge
-from tdpipe.runtime.wire import Outbox, recv_object
+from tdpipe.runtime.wire import Outbox, recv_object, send_frame
 from tdpipe.workload import SimRequest
 
 
@@ -141,8 +141,7 @@ class StageExecutor(Executor):
                 new_params[str(r.request_id)] = (r.params, r.prompt_ids)
         msg = StageMessage(fb, new_params, tuple(self._forget))
         self._forget.clear()
-        for stage in range(self.num_stages):
-            self.outbox.send_object(msg, stage + 1)
+        send_frame(self.outbox, msg, range(1, self.num_stages + 1))
         if not self.gauge.batches_done and not self.gauge.in_flight:
             self.gauge.start()  # the first batch: the stages are up, the pipeline starts filling
         self.gauge.on_submit(batch.phase)
@@ -189,8 +188,7 @@ class StageExecutor(Executor):
 
     def shutdown(self) -> list[list[tuple[float, float, int, str]]]:
         """Stop the stages; returns each stage's timeline spans."""
-        for stage in range(self.num_stages):
-            self.outbox.send_object(None, stage + 1)
+        send_frame(self.outbox, None, range(1, self.num_stages + 1))
         timelines: list = [recv_object(stage + 1) for stage in range(self.num_stages)]
         self.outbox.flush()
         return timelines

@@ -7,8 +7,9 @@ this process, over the loopback transport the stages use, replay what the runtim
   the sender's `send` to the receiver holding the tensor;
 - dispatch: the controller's round trip for a decode batch of n requests: the last stage's
   `(2, n)` token tensor back to the controller, then the controller building the next
-  `StageMessage` (its block tables at the job's decode KV length), pickling it and sending it, and
-  the first stage receiving and unpickling it.
+  `StageMessage` (its block tables at the job's decode KV length), pickling it into control frames
+  and sending them, and the first stage reading them from its `ControlInbox`, whose receive is
+  posted ahead as the runtime's is (`wire`).
 
 Each point is the median of `repeats` trials after one warm-up; `LinearCost.fit` turns the points
 into `base + per_token * n`. A thread's wake-up stands in for another process's: on a machine
@@ -17,7 +18,6 @@ whose cores are oversubscribed both include the scheduler's latency, as the real
 
 from __future__ import annotations
 
-import pickle
 import statistics
 import threading
 import time
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from engine.forward_batch import ForwardBatch
 from tdpipe.overheads import LinearCost, PipelineOverheads
 from tdpipe.runtime.last_stage import StageMessage
+from tdpipe.runtime.wire import ControlInbox, control_frames
 
 Group = Any
 """A `dist.ProcessGroupGloo`: torch's stubs omit its point-to-point `send`/`recv`, which it has."""
@@ -51,18 +52,9 @@ def _pair() -> tuple[Group, Group]:
     return groups[0], groups[1]
 
 
-def _send_object(group: Group, obj: object, dst: int) -> None:
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    group.send([torch.tensor([payload.numel()], dtype=torch.long)], dst, 0).wait()
-    group.send([payload], dst, 0).wait()
-
-
-def _recv_object(group: Group, src: int) -> object:
-    size = torch.empty(1, dtype=torch.long)
-    group.recv([size], src, 0).wait()
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    group.recv([payload], src, 0).wait()
-    return pickle.loads(payload.numpy().tobytes())
+def _send_frames(group: Group, obj: object, dst: int) -> None:
+    for frame in control_frames(obj):
+        group.send([frame], dst, 0).wait()
 
 
 def _timed(foreground: Callable[[], None], background: Callable[[], None]) -> float:
@@ -133,20 +125,26 @@ def measure_overheads(
     messages = {n: (n, decode_context) for n in decode_batches}
     if prefill_tokens:
         messages[prefill_tokens] = (max(1, prefill_tokens // max(1, prompt_len)), prompt_len)
+    inbox = ControlInbox(0, irecv=lambda t: b.recv([t], 0, 0))
     for n in sorted(messages):
         seqs, context = messages[n]
         tokens, got = torch.zeros(2, seqs, dtype=torch.long), torch.empty(2, seqs, dtype=torch.long)
 
         def stages() -> None:  # the last stage's tokens out, the next control message in
             b.send([tokens], 0, 0).wait()
-            _recv_object(b, 0)
+            inbox.recv()
 
         def controller(seqs: int = seqs, context: int = context, n: int = n) -> None:
             a.recv([got], 1, 0).wait()
-            _send_object(a, _message(seqs, context, n, block_size), 1)
+            _send_frames(a, _message(seqs, context, n, block_size), 1)
 
         times = [_timed(stages, controller) for _ in range(repeats + 1)]
         dispatch[n] = statistics.median(times[1:])
+
+    def close() -> None:  # the None frame: no receive is left posted on the group
+        inbox.recv()
+
+    _timed(lambda: _send_frames(a, None, 1), close)
     return handoff, dispatch
 
 

@@ -28,7 +28,7 @@ from engine.model_runner import ModelRunner
 from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
 from tdpipe.runtime.stage_split import PipelineSplit, pipeline_split
 from tdpipe.runtime.stage_split import stage_layer_range as stage_layer_range  # re-exported: its old home
-from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, Outbox, recv_object
+from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, ControlInbox, Outbox
 
 CONTROLLER_RANK = 0
 
@@ -137,9 +137,10 @@ def run_stage(cfg: StageConfig, rank: int, world_size: int) -> StageTimeline:
 def _serve(cfg: StageConfig, runner: ModelRunner, rank: int, split: PipelineSplit) -> StageTimeline:
     hidden_size = runner.model_config.hidden_size
     outbox, timeline = Outbox(), StageTimeline()
+    inbox = ControlInbox(CONTROLLER_RANK)  # posts the first receive now: the controller's messages never wait for us
     sampling = LastStageSampler(cfg.model_dir, _grammars(cfg.model_dir, runner)) if runner.is_last_stage else None
     while True:
-        msg = recv_object(CONTROLLER_RANK)
+        msg = inbox.recv()
         if msg is None:
             break
         assert isinstance(msg, StageMessage), f"unexpected control message {type(msg)}"

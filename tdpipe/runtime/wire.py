@@ -4,9 +4,18 @@ Every send is asynchronous (`isend`) so no rank ever blocks on a peer that is
 itself blocked sending: with rendezvous-style transports a blocking send from
 the last stage (tokens) crossing a blocking send from the controller (the next
 control message) would deadlock. Control messages are pickled into a uint8
-tensor preceded by a one-element length tensor; they always travel on CPU, so
-with the `cpu:gloo,cuda:nccl` backend they go over gloo while hidden states on
-CUDA go over NCCL.
+tensor; they always travel on CPU, so with the `cpu:gloo,cuda:nccl` backend they
+go over gloo while hidden states on CUDA go over NCCL.
+
+gloo moves a message only once its receiver has posted the receive: a send
+waits for the peer's "ready" notice, and answering it wakes the sender's event
+loop. For the per-batch control message that round trip fell on the pipeline's
+critical path (a first stage waiting ~3 ms per decode step for a message sent
+long before; BENCHMARKS.md, "Control frames"). So the controller -> stage
+channel sends fixed-size frames (`send_frame`) into a receive the stage posts
+ahead of time (`ControlInbox`): the message lands while the stage computes.
+Other messages (timelines at shutdown) use `send_object` / `recv_object`, a
+length tensor and then the payload.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +53,63 @@ class Outbox:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+
+
+CONTROL_FRAME_BYTES = 16 * 1024
+"""One control frame: an 8-byte payload length, then the pickled message. A decode batch of 64
+sequences at 1024 tokens of context (13.5 KB) and a 2048-token prefill batch (~5 KB) fit; a longer
+message overflows into a second one. Larger frames are slower: on loopback, frames of 48 KiB and up
+took 1-12 ms to arrive (16-32 KiB: ~0.6 ms)."""
+_LENGTH_BYTES = 8
+
+
+def control_frames(obj: object) -> list[torch.Tensor]:
+    """The tensors `send_frame` sends for `obj`: one frame, plus the overflow when it does not fit."""
+    data = pickle.dumps(obj)
+    frame = torch.zeros(CONTROL_FRAME_BYTES, dtype=torch.uint8)
+    frame[:_LENGTH_BYTES] = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
+    room = CONTROL_FRAME_BYTES - _LENGTH_BYTES
+    head, rest = data[:room], data[room:]
+    frame[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    return [frame] if not rest else [frame, torch.frombuffer(bytearray(rest), dtype=torch.uint8)]
+
+
+def send_frame(outbox: Outbox, obj: object, dsts: Iterable[int]) -> None:
+    """Send `obj` to the `ControlInbox` of every rank in `dsts` (module docstring), pickled once."""
+    frames = control_frames(obj)
+    for dst in dsts:
+        for tensor in frames:
+            outbox.send(tensor, dst)
+
+
+class ControlInbox:
+    """A stage's end of the controller's `send_frame` channel: the receive of the next frame is
+    posted as soon as the previous message is read, so the controller's send completes at once and
+    the message is here before the stage asks for it. `recv(src, tensor)` / `irecv(src, tensor)`
+    default to torch.distributed's; the profile passes a process group's."""
+
+    def __init__(self, src: int, irecv: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.src = src
+        self._irecv: Callable[[torch.Tensor], Any] = irecv or (lambda t: dist.irecv(t, src))
+        self._frame = torch.empty(CONTROL_FRAME_BYTES, dtype=torch.uint8)
+        self._work: Any = self._irecv(self._frame)
+
+    def recv(self) -> object:
+        """The next message (blocking). After the controller's None (shutdown) nothing stays
+        posted, so the process group can close."""
+        if self._work is None:
+            raise RuntimeError("the control channel is closed (its last message was None)")
+        self._work.wait()
+        size = int.from_bytes(self._frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
+        room = CONTROL_FRAME_BYTES - _LENGTH_BYTES
+        data = self._frame[_LENGTH_BYTES : _LENGTH_BYTES + min(size, room)].numpy().tobytes()
+        if size > room:  # the overflow is the next message from src: receive it before posting a frame
+            rest = torch.empty(size - room, dtype=torch.uint8)
+            self._irecv(rest).wait()
+            data += rest.numpy().tobytes()
+        obj = pickle.loads(data)
+        self._work = None if obj is None else self._irecv(self._frame)
+        return obj
 
 
 def recv_object(src: int) -> object:

@@ -1,0 +1,72 @@
+"""The controller -> stage control channel (`tdpipe.runtime.wire`): fixed-size frames into a
+receive the stage posts ahead, with an overflow message for what does not fit."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+
+from tdpipe.runtime.profile_comm import _pair
+from tdpipe.runtime.wire import CONTROL_FRAME_BYTES, ControlInbox, control_frames
+
+
+def _exchange(messages: list[object]) -> list[object]:
+    """Send `messages` (the last one None) from rank 0 to an inbox at rank 1; what it read."""
+    a, b = _pair()
+    inbox = ControlInbox(0, irecv=lambda t: b.recv([t], 0, 0))
+    got: list[object] = []
+
+    def read() -> None:
+        while True:
+            got.append(inbox.recv())
+            if got[-1] is None:
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for msg in messages:
+        for frame in control_frames(msg):
+            a.send([frame], 1, 0).wait()
+    reader.join(timeout=60)
+    assert not reader.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        inbox.recv()  # nothing is left posted after None
+    return got
+
+
+def _payload_of_pickled_size(size: int) -> bytes:
+    """Bytes whose pickle is exactly `size` bytes long."""
+    data = b""
+    data = b"x" * (size - len(pickle.dumps(data)))
+    while len(pickle.dumps(data)) > size:
+        data = data[:-1]
+    assert len(pickle.dumps(data)) == size
+    return data
+
+
+def test_frames_carry_small_boundary_and_overflowing_messages_in_order() -> None:
+    room = CONTROL_FRAME_BYTES - 8
+    messages: list[object] = [
+        {"batch": [1, 2, 3]},
+        _payload_of_pickled_size(room),  # fills the frame exactly: no overflow
+        _payload_of_pickled_size(room + 1),  # one byte over: an overflow message
+        list(range(50_000)),  # several frames' worth
+        "after the overflow",  # the next frame is posted only after the overflow arrived
+        None,
+    ]
+    assert _exchange(messages) == messages
+
+
+def test_frames_are_fixed_size_and_the_overflow_is_exact() -> None:
+    small = control_frames("tiny")
+    assert [f.numel() for f in small] == [CONTROL_FRAME_BYTES]
+    big = list(range(20_000))
+    frames = control_frames(big)
+    size = len(pickle.dumps(big))
+    assert frames[0].numel() == CONTROL_FRAME_BYTES and len(frames) == 2
+    assert frames[1].numel() == size - (CONTROL_FRAME_BYTES - 8)
+    assert int.from_bytes(frames[0][:8].numpy().tobytes(), "little") == size
+    assert frames[0].dtype == torch.uint8
