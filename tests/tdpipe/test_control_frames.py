@@ -4,12 +4,19 @@ receive the stage posts ahead, with an overflow message for what does not fit.""
 from __future__ import annotations
 
 import pickle
+import random
 import threading
 
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
+from engine.forward_batch import ForwardBatch
+from tdpipe.runtime.controller import PipeRequest
+from tdpipe.runtime.last_stage import StageMessage
+from tdpipe.runtime.local import run_local_pipeline
 from tdpipe.runtime.profile_comm import _pair
+from tdpipe.runtime.stage_worker import StageConfig
 from tdpipe.runtime.wire import CONTROL_FRAME_BYTES, ControlInbox, control_frames
 
 
@@ -70,3 +77,18 @@ def test_frames_are_fixed_size_and_the_overflow_is_exact() -> None:
     assert frames[1].numel() == size - (CONTROL_FRAME_BYTES - 8)
     assert int.from_bytes(frames[0][:8].numpy().tobytes(), "little") == size
     assert frames[0].dtype == torch.uint8
+
+
+def test_a_prefill_batch_larger_than_a_frame_runs_through_the_pipeline(tiny_model_dir) -> None:
+    """Two 3000-token prompts in one prefill batch: its control message (~20 KB) overflows a frame;
+    the stages still compute exactly what engine.LLM does."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(10, 1700) for _ in range(3000)] for _ in range(2)]
+    blocks = [list(range(188)), list(range(188, 376))]  # 3000 tokens in blocks of 16
+    batch = ForwardBatch(["r0", "r1"], prompts[0] + prompts[1], [3000] * 2, [3000] * 2, blocks, [True] * 2)
+    assert len(control_frames(StageMessage(batch))) == 2  # the premise: the message overflows
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_model_dir).generate(prompts, params)]
+    reqs = [PipeRequest(f"r{i}", p, 3) for i, p in enumerate(prompts)]
+    run_local_pipeline(StageConfig(str(tiny_model_dir), num_kv_blocks=400, block_size=16), 2, reqs, 8192)
+    assert [r.output_ids for r in reqs] == want
