@@ -61,6 +61,8 @@ sequences at 1024 tokens of context (13.5 KB) and a 2048-token prefill batch (~5
 message overflows into a second one. Larger frames are slower: on loopback, frames of 48 KiB and up
 took 1-12 ms to arrive (16-32 KiB: ~0.6 ms)."""
 _LENGTH_BYTES = 8
+MAX_CONTROL_MESSAGE_BYTES = 1 << 30
+"""A control message's size limit (a batch of a million tokens pickles to a few MB)."""
 
 
 def control_frames(obj: object) -> list[torch.Tensor]:
@@ -85,8 +87,8 @@ def send_frame(outbox: Outbox, obj: object, dsts: Iterable[int]) -> None:
 class ControlInbox:
     """A stage's end of the controller's `send_frame` channel: the receive of the next frame is
     posted as soon as the previous message is read, so the controller's send completes at once and
-    the message is here before the stage asks for it. `recv(src, tensor)` / `irecv(src, tensor)`
-    default to torch.distributed's; the profile passes a process group's."""
+    the message is here before the stage asks for it. `irecv(tensor)` posts a receive from `src`:
+    torch.distributed's `irecv` by default; the profile passes its process group's."""
 
     def __init__(self, src: int, irecv: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.src = src
@@ -102,6 +104,10 @@ class ControlInbox:
         self._work.wait()
         size = int.from_bytes(self._frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
         room = CONTROL_FRAME_BYTES - _LENGTH_BYTES
+        if size > MAX_CONTROL_MESSAGE_BYTES:  # not a frame of ours: refuse it before allocating for it
+            raise RuntimeError(
+                f"control frame from rank {self.src} claims {size} bytes (limit {MAX_CONTROL_MESSAGE_BYTES})"
+            )
         data = self._frame[_LENGTH_BYTES : _LENGTH_BYTES + min(size, room)].numpy().tobytes()
         if size > room:  # the overflow is the next message from src: receive it before posting a frame
             rest = torch.empty(size - room, dtype=torch.uint8)

@@ -92,3 +92,13 @@ def test_a_prefill_batch_larger_than_a_frame_runs_through_the_pipeline(tiny_mode
     reqs = [PipeRequest(f"r{i}", p, 3) for i, p in enumerate(prompts)]
     run_local_pipeline(StageConfig(str(tiny_model_dir), num_kv_blocks=400, block_size=16), 2, reqs, 8192)
     assert [r.output_ids for r in reqs] == want
+
+
+def test_a_frame_claiming_an_absurd_size_is_refused_before_allocating() -> None:
+    a, b = _pair()
+    inbox = ControlInbox(0, irecv=lambda t: b.recv([t], 0, 0))
+    frame = torch.zeros(CONTROL_FRAME_BYTES, dtype=torch.uint8)
+    frame[:8] = torch.frombuffer(bytearray((1 << 62).to_bytes(8, "little")), dtype=torch.uint8)
+    a.send([frame], 1, 0).wait()
+    with pytest.raises(RuntimeError, match="claims"):
+        inbox.recv()
