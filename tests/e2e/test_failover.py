@@ -58,9 +58,13 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
         prompts = [f"Story number {i}: the river" for i in range(20)]
         async with httpx.AsyncClient() as client:
             reference = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts])
-            progress: list = []
-            tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
-            victim = await busiest_decode(cluster, progress, len(prompts))
+            for _ in range(3):  # bounded: a round whose streams all ended before the kill is run again
+                progress: list = []
+                tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
+                victim, held = await busiest_decode(cluster, progress, len(prompts))
+                if held:
+                    break
+                assert await asyncio.gather(*tasks) == reference  # too late for a kill: nothing runs
             survivor = cluster.decodes[1 - victim]
             stop(cluster.decodes[victim], signal.SIGKILL)
             results = await asyncio.gather(*tasks)
@@ -83,19 +87,20 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
         cluster.stop()
 
 
-async def busiest_decode(cluster, progress: list, streams: int) -> int:
-    """Index of the decode node to disturb, as soon as the streams are under way (about two chunks
-    each at the client). Waiting longer is a race the test can lose: a fast decode node finishes
-    its streams into the router's buffers while the client is still reading them, and a node that
-    holds no running stream migrates nothing. The node holding the most KV is chosen, because on a
-    loaded machine the router may have sent every stream to one node."""
+async def busiest_decode(cluster, progress: list, streams: int) -> tuple[int, int]:
+    """(index, KV blocks it holds) of the decode node to disturb, as soon as the streams are under
+    way (about two chunks each at the client). Waiting longer is a race the test can lose: a fast
+    decode node finishes its streams into the router's buffers while the client is still reading
+    them, and a node that holds no running stream migrates nothing (0 blocks: the caller tries
+    again). The node holding the most KV is chosen, because on a loaded machine the router may have
+    sent every stream to one node."""
     for _ in range(3000):  # bounded: 30 s of polling, far more than the first tokens need
         if len(progress) >= 2 * streams:
             break
         await asyncio.sleep(0.01)
     reports = [await load(d.address, cluster.secret, d.role) for d in cluster.decodes]
     used = [r.num_total_blocks - r.num_free_blocks for r in reports]
-    return used.index(max(used))
+    return used.index(max(used)), max(used)
 
 
 def admits(proc) -> int:
@@ -113,7 +118,7 @@ async def test_paused_decode_node_streams_migrate_and_it_gets_no_new_requests(ti
             reference = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts])
             progress: list = []
             tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
-            paused = cluster.decodes[await busiest_decode(cluster, progress, len(prompts))]
+            paused = cluster.decodes[(await busiest_decode(cluster, progress, len(prompts)))[0]]
             paused.popen.send_signal(signal.SIGSTOP)
             try:
                 results = await asyncio.gather(*tasks)
