@@ -24,7 +24,7 @@ from tdpipe.pipeline import blocks_for
 from engine.sampling_params import SamplingParams
 from tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, StageMessage, needs_announcing
 from tdpipe.runtime.live_stats import PipelineGauge
-from tdpipe.runtime.wire import Outbox, recv_object, send_frame
+from tdpipe.runtime.wire import Outbox, recv_frame, send_frame
 from tdpipe.workload import SimRequest
 
 
@@ -189,6 +189,6 @@ class StageExecutor(Executor):
     def shutdown(self) -> list[list[tuple[float, float, int, str]]]:
         """Stop the stages; returns each stage's timeline spans."""
         send_frame(self.outbox, None, range(1, self.num_stages + 1))
-        timelines: list = [recv_object(stage + 1) for stage in range(self.num_stages)]
+        timelines: list = [recv_frame(stage + 1) for stage in range(self.num_stages)]
         self.outbox.flush()
         return timelines

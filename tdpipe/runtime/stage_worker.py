@@ -28,7 +28,7 @@ from engine.model_runner import ModelRunner
 from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
 from tdpipe.runtime.stage_split import PipelineSplit, pipeline_split
 from tdpipe.runtime.stage_split import stage_layer_range as stage_layer_range  # re-exported: its old home
-from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, ControlInbox, Outbox
+from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, ControlInbox, Outbox, send_frame
 
 CONTROLLER_RANK = 0
 
@@ -159,7 +159,7 @@ def _serve(cfg: StageConfig, runner: ModelRunner, rank: int, split: PipelineSpli
         timeline.spans.append(
             (start, time.perf_counter(), batch.num_tokens, "decode" if batch.is_decode_only else "prefill")
         )
-    outbox.send_object(timeline.spans, CONTROLLER_RANK)
+    send_frame(outbox, timeline.spans, [CONTROLLER_RANK])
     outbox.flush()
     return timeline
 

@@ -14,8 +14,8 @@ critical path (a first stage waiting ~3 ms per decode step for a message sent
 long before; BENCHMARKS.md, "Control frames"). So the controller -> stage
 channel sends fixed-size frames (`send_frame`) into a receive the stage posts
 ahead of time (`ControlInbox`): the message lands while the stage computes.
-Other messages (timelines at shutdown) use `send_object` / `recv_object`, a
-length tensor and then the payload.
+The stages' timelines at shutdown travel in the same frames (`recv_frame`, with
+nothing posted ahead).
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ class Outbox:
                 work.wait()
             del self._pending[:32]
 
-    def send_object(self, obj: object, dst: int) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self.send(torch.tensor([payload.numel()], dtype=torch.long), dst)
-        self.send(payload, dst)
-
     def flush(self) -> None:
         for work, _ in self._pending:
             work.wait()
@@ -61,6 +56,8 @@ sequences at 1024 tokens of context (13.5 KB) and a 2048-token prefill batch (~5
 message overflows into a second one. Larger frames are slower: on loopback, frames of 48 KiB and up
 took 1-12 ms to arrive (16-32 KiB: ~0.6 ms)."""
 _LENGTH_BYTES = 8
+_ROOM = CONTROL_FRAME_BYTES - _LENGTH_BYTES
+"""Payload bytes in the frame; the rest of a longer message follows as the overflow."""
 MAX_CONTROL_MESSAGE_BYTES = 1 << 30
 """A control message's size limit (a batch of a million tokens pickles to a few MB)."""
 
@@ -68,12 +65,12 @@ MAX_CONTROL_MESSAGE_BYTES = 1 << 30
 def control_frames(obj: object) -> list[torch.Tensor]:
     """The tensors `send_frame` sends for `obj`: one frame, plus the overflow when it does not fit."""
     data = pickle.dumps(obj)
-    frame = torch.zeros(CONTROL_FRAME_BYTES, dtype=torch.uint8)
-    frame[:_LENGTH_BYTES] = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH_BYTES, "little")), dtype=torch.uint8)
-    room = CONTROL_FRAME_BYTES - _LENGTH_BYTES
-    head, rest = data[:room], data[room:]
-    frame[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    return [frame] if not rest else [frame, torch.frombuffer(bytearray(rest), dtype=torch.uint8)]
+    frame = bytearray(CONTROL_FRAME_BYTES)
+    frame[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
+    head, rest = data[:_ROOM], data[_ROOM:]
+    frame[_LENGTH_BYTES : _LENGTH_BYTES + len(head)] = head
+    tensors = [torch.frombuffer(frame, dtype=torch.uint8)]
+    return tensors if not rest else [*tensors, torch.frombuffer(bytearray(rest), dtype=torch.uint8)]
 
 
 def send_frame(outbox: Outbox, obj: object, dsts: Iterable[int]) -> None:
@@ -82,6 +79,19 @@ def send_frame(outbox: Outbox, obj: object, dsts: Iterable[int]) -> None:
     for dst in dsts:
         for tensor in frames:
             outbox.send(tensor, dst)
+
+
+def _unframe(frame: torch.Tensor, src: int, irecv: Callable[[torch.Tensor], Any]) -> object:
+    """The message whose first frame is `frame`, receiving its overflow from `src` with `irecv`."""
+    size = int.from_bytes(frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
+    if size > MAX_CONTROL_MESSAGE_BYTES:  # not a frame of ours: refuse it before allocating for it
+        raise RuntimeError(f"control frame from rank {src} claims {size} bytes (limit {MAX_CONTROL_MESSAGE_BYTES})")
+    data = frame[_LENGTH_BYTES : _LENGTH_BYTES + min(size, _ROOM)].numpy().tobytes()
+    if size > _ROOM:  # the overflow is the next message from src
+        rest = torch.empty(size - _ROOM, dtype=torch.uint8)
+        irecv(rest).wait()
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
 
 
 class ControlInbox:
@@ -102,29 +112,18 @@ class ControlInbox:
         if self._work is None:
             raise RuntimeError("the control channel is closed (its last message was None)")
         self._work.wait()
-        size = int.from_bytes(self._frame[:_LENGTH_BYTES].numpy().tobytes(), "little")
-        room = CONTROL_FRAME_BYTES - _LENGTH_BYTES
-        if size > MAX_CONTROL_MESSAGE_BYTES:  # not a frame of ours: refuse it before allocating for it
-            raise RuntimeError(
-                f"control frame from rank {self.src} claims {size} bytes (limit {MAX_CONTROL_MESSAGE_BYTES})"
-            )
-        data = self._frame[_LENGTH_BYTES : _LENGTH_BYTES + min(size, room)].numpy().tobytes()
-        if size > room:  # the overflow is the next message from src: receive it before posting a frame
-            rest = torch.empty(size - room, dtype=torch.uint8)
-            self._irecv(rest).wait()
-            data += rest.numpy().tobytes()
-        obj = pickle.loads(data)
+        # the overflow, if any, is received before the next frame's receive is posted: gloo matches
+        # receives from one rank in the order they were posted
+        obj = _unframe(self._frame, self.src, self._irecv)
         self._work = None if obj is None else self._irecv(self._frame)
         return obj
 
 
-def recv_object(src: int) -> object:
-    """Blocking receive of one `Outbox.send_object` message."""
-    size = torch.empty(1, dtype=torch.long)
-    dist.recv(size, src)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(payload, src)
-    return pickle.loads(payload.numpy().tobytes())
+def recv_frame(src: int) -> object:
+    """Blocking receive of one `send_frame` message from `src`, with no receive posted ahead."""
+    frame = torch.empty(CONTROL_FRAME_BYTES, dtype=torch.uint8)
+    dist.recv(frame, src)
+    return _unframe(frame, src, lambda t: dist.irecv(t, src))
 
 
 DEFAULT_INIT_TIMEOUT_S = 300.0

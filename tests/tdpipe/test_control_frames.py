@@ -46,8 +46,7 @@ def _exchange(messages: list[object]) -> list[object]:
 
 def _payload_of_pickled_size(size: int) -> bytes:
     """Bytes whose pickle is exactly `size` bytes long."""
-    data = b""
-    data = b"x" * (size - len(pickle.dumps(data)))
+    data = b"x" * (size - len(pickle.dumps(b"")))
     while len(pickle.dumps(data)) > size:
         data = data[:-1]
     assert len(pickle.dumps(data)) == size
