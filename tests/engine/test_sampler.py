@@ -24,6 +24,20 @@ def test_greedy_and_logprobs_of_raw_logits():
     assert [t for t, _ in lp.top] == [1, 2]
 
 
+def test_greedy_batch_picks_the_first_maximum_of_each_row():
+    # the all-greedy batch takes one reduction over the rows: ties, -inf and NaN as argmax does
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (40, 3000), generator=gen).float()
+    logits[3, :] = 1.0
+    logits[5, [7, 2999]] = float("inf")
+    logits[9, :] = -float("inf")
+    logits[11, 17] = float("nan")
+    reqs = [req(SamplingParams(temperature=0.0)) for _ in range(len(logits))]
+    tokens = [t for t, _ in Sampler()(logits, reqs, {})]
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert (tokens[3], tokens[5], tokens[9], tokens[11]) == (0, 7, 0, 17)
+
+
 def test_penalties():
     row = torch.tensor([2.0, -2.0, 1.0, 0.5])
     apply_penalties(row, req(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1]))
