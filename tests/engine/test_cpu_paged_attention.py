@@ -2,7 +2,8 @@
 
 Covers decode tokens, chunks after a cached prefix, GQA group sizes 1..4, odd
 head sizes (not a multiple of the 16-lane loops), contexts ending exactly on and
-one past a block boundary, and non-contiguous block tables.
+one past a block boundary, and non-contiguous block tables, in every kernel variant
+the CPU runs (8 lanes, 16 lanes, bf16 scores by vdpbf16ps).
 """
 
 from __future__ import annotations
@@ -45,12 +46,29 @@ def _reference(q, kv, tables, q_lens, ctxs, block_size, scale, window=0):
     return torch.stack(out)
 
 
+KERNELS = {"narrow": 0, "wide": 1, "dot": 2}
+"""What `torch.ops.pdserve_cpu.attention_kernels()` reports for each variant of the op's kernels."""
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernels(request, op, monkeypatch):
+    """Each kernel variant this CPU has: the 8-lane build (any x86-64), the 16-lane one (AVX-512) and
+    bf16 scores by vdpbf16ps (AVX512-BF16); the op reads its switches at every call."""
+    if request.param == "narrow":
+        monkeypatch.setenv("PDSERVE_CPU_NARROW", "1")
+    elif request.param == "wide":
+        monkeypatch.setenv("PDSERVE_CPU_NO_BF16_DOT", "1")
+    if torch.ops.pdserve_cpu.attention_kernels() != KERNELS[request.param]:
+        pytest.skip(f"this CPU does not run the {request.param} kernels")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(12))
-def test_matches_reference_on_random_ragged_batches(op, seed, dtype):
+def test_matches_reference_on_random_ragged_batches(op, kernels, seed, dtype):
     rng = random.Random(seed)
     hkv = rng.choice([1, 2, 3])
-    hq = hkv * rng.choice([1, 2, 4])
+    hq = hkv * rng.choice([1, 2, 3, 4])
     d = rng.choice([8, 17, 32, 33, 64, 80, 128])  # 32, 64, 128: the register-held accumulators
     block_size = rng.choice([1, 4, 16])
     num_blocks = 96
@@ -82,19 +100,20 @@ def test_matches_reference_on_random_ragged_batches(op, seed, dtype):
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
 @pytest.mark.parametrize("window", [0, 100])
-def test_long_ragged_decode_split_across_threads(op, threads, window):
+def test_long_ragged_decode_split_across_threads(op, kernels, threads, window):
     """Enough keys for one range of items per thread, split by keys (contexts 1..700): every item is
     computed once, whichever range it falls in."""
     rng = random.Random(threads * 10 + window)
     hkv, hq, d, block_size = 2, 6, 64, 16
+    dtype = torch.bfloat16 if kernels == "dot" else torch.float32  # dot: the bf16 scores instruction
     ctxs = [rng.choice([1, 17, rng.randrange(1, 700), rng.randrange(300, 700)]) for _ in range(64)]
     pages = [(c + block_size - 1) // block_size for c in ctxs]
     free = list(range(sum(pages) + 8))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(n)] for n in pages]
     gen = torch.Generator().manual_seed(threads)
-    kv = torch.randn(len(free) + sum(pages), 2, hkv, block_size, d, generator=gen)
-    q = torch.randn(len(ctxs), hq, d, generator=gen)
+    kv = torch.randn(len(free) + sum(pages), 2, hkv, block_size, d, generator=gen).to(dtype)
+    q = torch.randn(len(ctxs), hq, d, generator=gen).to(dtype)
     width = max(pages)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     starts = torch.arange(len(ctxs) + 1, dtype=torch.int32)
@@ -105,7 +124,7 @@ def test_long_ragged_decode_split_across_threads(op, threads, window):
     finally:
         torch.set_num_threads(before)
     want = _reference(q, kv, tables, [1] * len(ctxs), ctxs, block_size, d**-0.5, window)
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.double(), want, atol=1e-5 if dtype == torch.float32 else BF16_ATOL, rtol=0)
 
 
 def test_rejects_mismatched_shapes(op):

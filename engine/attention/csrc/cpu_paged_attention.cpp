@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -36,20 +37,28 @@
 
 namespace {
 
-// 8 lanes: one AVX2 register (half an AVX-512 one). Wider vectors than the ISA has make GCC
-// emulate the shuffles through memory, and the machines we run on include AVX2-only ones.
-constexpr int64_t L = 8;  // lanes of a vector, and keys per chunk
-typedef float f32xL __attribute__((vector_size(L * 4)));
-typedef uint16_t u16xL __attribute__((vector_size(L * 2)));
-typedef uint32_t u32xL __attribute__((vector_size(L * 4)));
-typedef int32_t i32xL __attribute__((vector_size(L * 4)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef double f64x4 __attribute__((vector_size(32)));
-typedef int64_t i64x4 __attribute__((vector_size(32)));
+// Vectors of L float32 lanes. L = 8 is one AVX2 register and the build every x86-64 CPU runs
+// (target_clones); L = 16 is one AVX-512 register, for CPUs that have it (`wide_kernels`). Wider
+// vectors than the ISA has make GCC emulate the shuffles through memory, so the lane count is
+// chosen with the ISA, not fixed.
+template <int64_t L>
+struct Vec {
+  typedef float f32 __attribute__((vector_size(L * 4)));
+  typedef uint16_t u16 __attribute__((vector_size(L * 2)));
+  typedef uint32_t u32 __attribute__((vector_size(L * 4)));
+  typedef int32_t i32 __attribute__((vector_size(L * 4)));
+  // half a vector, in float64 (the exp's working precision)
+  typedef float f32h __attribute__((vector_size(L * 2)));
+  typedef double f64h __attribute__((vector_size(L * 4)));
+  typedef int64_t i64h __attribute__((vector_size(L * 4)));
+};
+template <int64_t L> using f32v = typename Vec<L>::f32;
+template <int64_t L> using i32v = typename Vec<L>::i32;
 
 // n (<= L) values of a row as float32 lanes; the lanes past n are zero
-__attribute__((always_inline)) inline f32xL load_row(const float* p, int64_t n) {
-  f32xL v = {};
+template <int64_t L>
+__attribute__((always_inline)) inline f32v<L> load_row(const float* p, int64_t n) {
+  f32v<L> v = {};
   if (n == L)
     std::memcpy(&v, p, sizeof(v));
   else
@@ -57,34 +66,76 @@ __attribute__((always_inline)) inline f32xL load_row(const float* p, int64_t n) 
   return v;
 }
 
-__attribute__((always_inline)) inline f32xL load_row(const at::BFloat16* p, int64_t n) {
-  u16xL h = {};
+template <int64_t L>
+__attribute__((always_inline)) inline f32v<L> load_row(const at::BFloat16* p, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  if constexpr (L == 16) {
+    // only the AVX-512 kernels have 16 lanes. GCC lowers the generic widening below to a 256-bit
+    // zero-extend, an extract and an insert per 16 values: a fifth of a bf16 item's cycles
+    if (n == L) {
+      typename Vec<L>::u32 bits;
+      asm("vpmovzxwd %1, %0" : "=v"(bits) : "m"(*reinterpret_cast<const typename Vec<L>::u16*>(p)));
+      bits <<= 16;
+      return reinterpret_cast<const f32v<L>&>(bits);
+    }
+  }
+#endif
+  typename Vec<L>::u16 h = {};
   if (n == L)
     std::memcpy(&h, p, sizeof(h));
   else
     std::memcpy(&h, p, n * sizeof(uint16_t));
-  const u32xL bits = __builtin_convertvector(h, u32xL) << 16;  // bfloat16 -> float32 is exact
-  return reinterpret_cast<const f32xL&>(bits);
+  const typename Vec<L>::u32 bits = __builtin_convertvector(h, typename Vec<L>::u32) << 16;  // exact widening
+  return reinterpret_cast<const f32v<L>&>(bits);
 }
 
-// lane k of the result = the sum of the L lanes of v[k]
-__attribute__((always_inline)) inline f32xL sum_lanes_of_each(const f32xL* v) {
+template <int64_t L>
+__attribute__((always_inline)) inline i32v<L> lane_ids() {
+  i32v<L> v;
+  for (int32_t i = 0; i < L; ++i) v[i] = i;
+  return v;
+}
+
+// lane k of the result = the sum of the L lanes of v[k]. Each level adds the two halves of every
+// partial sum, packing two inputs into one output; the order of the additions is the same for both
+// lane counts (halves, then quarters, ...).
+template <int64_t L>
+__attribute__((always_inline)) inline f32v<L> sum_lanes_of_each(const f32v<L>* v) {
 #if defined(__GNUC__) && !defined(__clang__)
-  // each level adds the two halves of every partial sum, packing two inputs into one output
-  const i32xL lo1 = {0, 1, 2, 3, 8, 9, 10, 11};
-  const i32xL hi1 = lo1 + 4;
-  const i32xL lo2 = {0, 1, 4, 5, 8, 9, 12, 13};
-  const i32xL hi2 = lo2 + 2;
-  const i32xL lo3 = {0, 2, 4, 6, 8, 10, 12, 14};
-  const i32xL hi3 = lo3 + 1;
-  f32xL a[4], b[2];
-  for (int i = 0; i < 4; ++i)
-    a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
-  for (int i = 0; i < 2; ++i)
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
-  return __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
+  if constexpr (L == 8) {
+    const i32v<8> lo1 = {0, 1, 2, 3, 8, 9, 10, 11};
+    const i32v<8> hi1 = lo1 + 4;
+    const i32v<8> lo2 = {0, 1, 4, 5, 8, 9, 12, 13};
+    const i32v<8> hi2 = lo2 + 2;
+    const i32v<8> lo3 = {0, 2, 4, 6, 8, 10, 12, 14};
+    const i32v<8> hi3 = lo3 + 1;
+    f32v<8> a[4], b[2];
+    for (int i = 0; i < 4; ++i)
+      a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
+    for (int i = 0; i < 2; ++i)
+      b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+    return __builtin_shuffle(b[0], b[1], lo3) + __builtin_shuffle(b[0], b[1], hi3);
+  } else {
+    static_assert(L == 16, "8 or 16 lanes");
+    const i32v<16> lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i32v<16> hi1 = lo1 + 8;
+    const i32v<16> lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const i32v<16> hi2 = lo2 + 4;
+    const i32v<16> lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const i32v<16> hi3 = lo3 + 2;
+    const i32v<16> lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const i32v<16> hi4 = lo4 + 1;
+    f32v<16> a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+      a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], hi1);
+    for (int i = 0; i < 4; ++i)
+      b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+    for (int i = 0; i < 2; ++i)
+      c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo3) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi3);
+    return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+  }
 #else
-  f32xL out = {};
+  f32v<L> out = {};
   for (int k = 0; k < L; ++k)
     for (int l = 0; l < L; ++l) out[k] += v[k][l];
   return out;
@@ -113,96 +164,211 @@ struct Scratch {
   std::vector<float> scores;  // [group][stride]: the item's scores, then its softmax numerators
   std::vector<float> max;     // [group][L]: the largest score seen, per lane
   std::vector<float> inv;     // [group]: 1 / the sum of the numerators
-  Scratch(int64_t group, int64_t vecs) : q(group * vecs * L), acc(group * vecs * L), max(group * L), inv(group) {}
+  std::vector<float> rows;    // [block size][d]: a page's bfloat16 K or V rows widened once (wide kernels)
+  std::vector<uint16_t> qh;   // [group][d]: the bfloat16 query rows as they are (dot kernels)
+  Scratch(int64_t group, int64_t vecs, int64_t lanes, int64_t bs, int64_t d)
+      : q(group * vecs * lanes),
+        acc(group * vecs * lanes),
+        max(group * lanes),
+        inv(group),
+        rows(bs * d + lanes),
+        qh(group * d) {}
 };
 
-__attribute__((always_inline)) inline f32xL get(const float* p) {
-  f32xL v;
+template <int64_t L>
+__attribute__((always_inline)) inline f32v<L> get(const float* p) {
+  f32v<L> v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-__attribute__((always_inline)) inline void put(float* p, const f32xL& v) { std::memcpy(p, &v, sizeof(v)); }
+template <int64_t L>
+__attribute__((always_inline)) inline void put(float* p, const f32v<L>& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
 
 // exp of every lane, evaluated in float64 and rounded once to float32. It agrees with glibc's expf
 // (what std::exp was here) on all but about 1 in 2000 inputs, those next to a rounding midpoint,
 // where glibc's 0.502-ulp result is the other neighbour. A float32 polynomial (pds::fast_exp, ~1 ulp) moved
 // enough probabilities by an ulp to flip a near-tie greedy token against vLLM; the scalar std::exp
 // per key and query head did not vectorise. 2.5 float64 FMAs per value: cheap beside the K/V loads.
-__attribute__((always_inline)) inline f32x4 exp_half(f32x4 xf) {
-  f64x4 x = __builtin_convertvector(xf, f64x4);
-  const f64x4 hi = f64x4{} + 88.8, lo = f64x4{} - 104.0;  // beyond: +inf and 0 in float32
+// One half of the lanes at a time: L / 2 doubles fill one register.
+template <int64_t L>
+__attribute__((always_inline)) inline typename Vec<L>::f32h exp_half(typename Vec<L>::f32h xf) {
+  typedef typename Vec<L>::f64h f64h;
+  typedef typename Vec<L>::i64h i64h;
+  f64h x = __builtin_convertvector(xf, f64h);
+  const f64h hi = f64h{} + 88.8, lo = f64h{} - 104.0;  // beyond: +inf and 0 in float32
   x = x > hi ? hi : x;
   x = x < lo ? lo : x;
   // x = n ln 2 + r, |r| <= ln 2 / 2: n = round(x / ln 2) sits in the low bits of k's mantissa
   const double shift = 0x1.8p52;
-  const f64x4 k = x * 1.4426950408889634 + shift;
-  const f64x4 n = k - shift;
-  const f64x4 r = (x - n * 0x1.62e42fefa39efp-1) - n * 0x1.abc9e3b39803fp-56;  // ln 2 in two parts
+  const f64h k = x * 1.4426950408889634 + shift;
+  const f64h n = k - shift;
+  const f64h r = (x - n * 0x1.62e42fefa39efp-1) - n * 0x1.abc9e3b39803fp-56;  // ln 2 in two parts
   // Taylor to r^10: relative error below 3e-13 on |r| <= 0.347. Estrin's scheme: the powers of r and
   // the pairs of terms are independent, so the chain is 5 FMAs deep, not Horner's 10; at Horner's
   // depth exp ran at the chain's latency, ~12 cycles a value (AVX2 EPYC).
-  const f64x4 r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
-  const f64x4 q0 = r + 1.0, q1 = r * (1.0 / 6) + 0.5, q2 = r * (1.0 / 120) + 1.0 / 24;
-  const f64x4 q3 = r * (1.0 / 5040) + 1.0 / 720, q4 = r * (1.0 / 362880) + 1.0 / 40320;
-  const f64x4 s0 = r2 * q1 + q0, s1 = r2 * q3 + q2, s2 = r2 * (1.0 / 3628800) + q4;
-  const f64x4 p = r8 * s2 + (r4 * s1 + s0);
-  const i64x4 e = (reinterpret_cast<const i64x4&>(k) + 1023) << 52;  // the bits of 2^n
-  return __builtin_convertvector(p * reinterpret_cast<const f64x4&>(e), f32x4);
+  const f64h r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+  const f64h q0 = r + 1.0, q1 = r * (1.0 / 6) + 0.5, q2 = r * (1.0 / 120) + 1.0 / 24;
+  const f64h q3 = r * (1.0 / 5040) + 1.0 / 720, q4 = r * (1.0 / 362880) + 1.0 / 40320;
+  const f64h s0 = r2 * q1 + q0, s1 = r2 * q3 + q2, s2 = r2 * (1.0 / 3628800) + q4;
+  const f64h p = r8 * s2 + (r4 * s1 + s0);
+  const i64h e = (reinterpret_cast<const i64h&>(k) + 1023) << 52;  // the bits of 2^n
+  return __builtin_convertvector(p * reinterpret_cast<const f64h&>(e), typename Vec<L>::f32h);
 }
 
-__attribute__((always_inline)) inline f32xL exp_lanes(f32xL x) {
-  f32x4 lo, hi;
-  std::memcpy(&lo, &x, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
-  lo = exp_half(lo);
-  hi = exp_half(hi);
-  std::memcpy(&x, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&x) + sizeof(lo), &hi, sizeof(hi));
-  return x;
+// The halves are split and joined in registers: through memory (two half-width stores, one
+// full-width load) every call stalled on a failed store-to-load forward, 9% of a bf16 item's cycles.
+template <int64_t L>
+__attribute__((always_inline)) inline f32v<L> exp_lanes(f32v<L> x) {
+  if constexpr (L == 8) {
+    const auto lo = exp_half<8>(__builtin_shufflevector(x, x, 0, 1, 2, 3));
+    const auto hi = exp_half<8>(__builtin_shufflevector(x, x, 4, 5, 6, 7));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
+  } else {
+    static_assert(L == 16, "8 or 16 lanes");
+    const auto lo = exp_half<16>(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+    const auto hi = exp_half<16>(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
 }
 
 // the L lanes' scores of one chunk: lane j = q . k[j] for the chunk's n keys (FULL: n == L).
 // The c loop is outside the j loop so that the L partial sums are L independent FMA chains: with j
 // outside, each key's sum was one chain of d / L dependent FMAs, and the loop ran at FMA latency.
-template <typename T, bool FULL>
-__attribute__((always_inline)) inline f32xL chunk_scores(const float* qg, const T* krows, int64_t n, int64_t d,
-                                                         int64_t vecs, int64_t tail) {
-  f32xL partial[L] = {};
-  for (int64_t c = 0; c < vecs; ++c) {
-    const f32xL qv = get(qg + c * L);
-    const int64_t w = c == vecs - 1 ? tail : L;
-    for (int64_t j = 0; j < (FULL ? L : n); ++j) partial[j] += qv * load_row(krows + j * d + c * L, w);
+// With 16 lanes and a head size of VECS vectors the key loop is outside instead, every loop's count is
+// known and unrolled, and the q vectors and partial sums live in registers: the loop above kept the 16
+// partial vectors on the stack (zeroed with a memset, loaded and stored at every FMA). The additions
+// are the same, in the same order.
+template <int64_t L, typename T, bool FULL, int64_t VECS>
+__attribute__((always_inline)) inline f32v<L> chunk_scores(const float* qg, const T* krows, int64_t n, int64_t d,
+                                                           int64_t vecs, int64_t tail) {
+  if constexpr (L == 16 && FULL && VECS > 0) {
+    f32v<L> qv[VECS], partial[L];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < VECS; ++c) qv[c] = get<L>(qg + c * L);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < L; ++j) {
+      f32v<L> sum = qv[0] * load_row<L>(krows + j * d, L);
+#pragma GCC unroll 16
+      for (int64_t c = 1; c < VECS; ++c) sum += qv[c] * load_row<L>(krows + j * d + c * L, L);
+      partial[j] = sum;
+    }
+    return sum_lanes_of_each<L>(partial);
   }
-  return sum_lanes_of_each(partial);
+  f32v<L> partial[L] = {};
+  for (int64_t c = 0; c < vecs; ++c) {
+    const f32v<L> qv = get<L>(qg + c * L);
+    const int64_t w = c == vecs - 1 ? tail : L;
+    for (int64_t j = 0; j < (FULL ? L : n); ++j) partial[j] += qv * load_row<L>(krows + j * d + c * L, w);
+  }
+  return sum_lanes_of_each<L>(partial);
+}
+
+// The scores of one chunk from bfloat16 q and K rows with AVX512-BF16's vdpbf16ps: each instruction
+// multiplies 32 pairs exactly and adds them into 16 float32 lanes, so no K row is widened (the widening
+// was a third of a bf16 item's instructions). Lane j = q . k[j] for j < n, unscaled; 0 past n. d is a
+// multiple of 32; only the kernels built with `dot_kernels` run it (inline
+// assembly: the instruction's intrinsics changed type between GCC 12 and 13).
+template <int64_t VECS>
+__attribute__((always_inline)) inline f32v<16> chunk_scores_dot(const uint16_t* qh, const at::BFloat16* krows,
+                                                                int64_t n, int64_t d) {
+  typedef uint16_t u16x32 __attribute__((vector_size(64)));
+  constexpr int64_t W = VECS / 2;  // 32 bfloat16 values a register
+  u16x32 qv[W];
+#pragma GCC unroll 16
+  for (int64_t c = 0; c < W; ++c) std::memcpy(&qv[c], qh + c * 32, sizeof(u16x32));
+  f32v<16> partial[16];
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < 16; ++j) {
+    f32v<16> sum = {};
+    if (j < n) {
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < W; ++c) {
+        u16x32 kv;
+        std::memcpy(&kv, krows + j * d + c * 32, sizeof(kv));
+        asm("vdpbf16ps %2, %1, %0" : "+v"(sum) : "v"(qv[c]), "v"(kv));
+      }
+    }
+    partial[j] = sum;
+  }
+  return sum_lanes_of_each<16>(partial);
 }
 
 // acc[0 .. d) += sum over n keys of p[j] * v[j]. VECS > 0: d == VECS * L, and the accumulator is held
 // in VECS registers (VECS independent FMA chains); 0: any d, in memory.
-template <typename T, int64_t VECS>
+template <int64_t L, typename T, int64_t VECS>
 __attribute__((always_inline)) inline void add_values(float* acc, const float* p, const T* vrows, int64_t n,
                                                       int64_t d, int64_t vecs, int64_t tail) {
   if constexpr (VECS > 0) {
-    f32xL a[VECS];
-    for (int64_t c = 0; c < VECS; ++c) a[c] = get(acc + c * L);
+    f32v<L> a[VECS];
+    for (int64_t c = 0; c < VECS; ++c) a[c] = get<L>(acc + c * L);
     for (int64_t j = 0; j < n; ++j) {
       const float pj = p[j];
-      for (int64_t c = 0; c < VECS; ++c) a[c] += pj * load_row(vrows + j * d + c * L, L);
+      for (int64_t c = 0; c < VECS; ++c) a[c] += pj * load_row<L>(vrows + j * d + c * L, L);
     }
-    for (int64_t c = 0; c < VECS; ++c) put(acc + c * L, a[c]);
+    for (int64_t c = 0; c < VECS; ++c) put<L>(acc + c * L, a[c]);
   } else {
     for (int64_t c = 0; c < vecs; ++c) {
       const int64_t w = c == vecs - 1 ? tail : L;
-      f32xL a = get(acc + c * L);
-      for (int64_t j = 0; j < n; ++j) a += p[j] * load_row(vrows + j * d + c * L, w);
-      put(acc + c * L, a);
+      f32v<L> a = get<L>(acc + c * L);
+      for (int64_t j = 0; j < n; ++j) a += p[j] * load_row<L>(vrows + j * d + c * L, w);
+      put<L>(acc + c * L, a);
     }
   }
 }
 
+// add_values for G query heads at once (wide kernels): acc[g] += sum over n keys of p[g][j] * v[j], row g
+// of p at p + g * stride. One head's accumulator is VECS chains that each wait for the last FMA (4
+// cycles) at every key, so one head ran at one FMA a cycle; G heads give G x VECS independent chains.
+// Every head's additions are the same, in the same order, as add_values's.
+template <int64_t L, typename T, int64_t VECS, int64_t G>
+__attribute__((always_inline)) inline void add_values_heads(float* acc, const float* p, int64_t stride,
+                                                            const T* vrows, int64_t n, int64_t d) {
+  f32v<L> a[G][VECS];
+#pragma GCC unroll 16
+  for (int64_t g = 0; g < G; ++g)
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < VECS; ++c) a[g][c] = get<L>(acc + (g * VECS + c) * L);
+  for (int64_t j = 0; j < n; ++j) {
+    f32v<L> v[VECS];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < VECS; ++c) v[c] = load_row<L>(vrows + j * d + c * L, L);
+#pragma GCC unroll 16
+    for (int64_t g = 0; g < G; ++g) {
+      const float pj = p[g * stride + j];
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < VECS; ++c) a[g][c] += pj * v[c];
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t g = 0; g < G; ++g)
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < VECS; ++c) put<L>(acc + (g * VECS + c) * L, a[g][c]);
+}
+
 // Ask for the `bytes` at `p` (one head's rows of the next page: the pages of a sequence are anywhere
 // in the pool, so the hardware prefetcher does not follow from one to the next).
+// LOCALITY 3 asks for L1, 2 for L2 (prefetcht0 / prefetcht1).
+template <int LOCALITY>
 __attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, LOCALITY);
+}
+
+// The rows a pass reads, as the type it reads them in. With WIDEN (bfloat16, wide kernels) the n
+// rows of d values are widened to float32 once into `buf`, and every query head of the group reads
+// those: widening them per head cost two vector ops per value per head, as much as the FMAs.
+template <int64_t L, bool WIDEN, typename T>
+__attribute__((always_inline)) inline auto rows_for_heads(const T* rows, int64_t n, int64_t d, float* buf) {
+  if constexpr (WIDEN) {
+    const int64_t count = n * d;
+    int64_t i = 0;
+    for (; i + L <= count; i += L) put<L>(buf + i, load_row<L>(rows + i, L));
+    if (i < count) put<L>(buf + i, load_row<L>(rows + i, count - i));  // buf has L floats of room
+    return static_cast<const float*>(buf);
+  } else {
+    return rows;
+  }
 }
 
 // One work item in three passes over its keys: every key's scores (K pages), the softmax numerators
@@ -210,8 +376,16 @@ __attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes
 // online softmax fused the three per chunk of keys, and its max -> exp -> sum -> rescale chain ran
 // serially from one chunk to the next, at that chain's latency; apart, each pass's iterations are
 // independent. The scores of an item are group x keys floats of per-thread scratch.
-template <typename T, int64_t VECS>
+template <int64_t L, typename T, int64_t VECS, bool DOT>
 __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t item, Scratch& sc) {
+  constexpr bool WIDEN = L == 16 && !std::is_same_v<T, float>;
+  // DOT: bfloat16 scores by vdpbf16ps (16 lanes, a head size of an even number of vectors)
+  static_assert(!DOT || (L == 16 && !std::is_same_v<T, float> && VECS > 0 && VECS % 2 == 0));
+  // Pages are asked for AHEAD pages before their use. The wide kernels ask two ahead into L2: on a
+  // 2-core Sapphire Rapids, one ahead into L1 left a bf16 call 10% slower (64 sequences x 300 keys,
+  // pool beyond the caches); the narrow ones keep what was measured best on an AVX2 EPYC.
+  constexpr int64_t AHEAD = L == 16 ? 2 : 1;
+  constexpr int LOCALITY = L == 16 ? 2 : 3;
   const int64_t hkv = pb.hkv, d = pb.d, bs = pb.bs, group = pb.hq / hkv;
   const int64_t vecs = VECS > 0 ? VECS : (d + L - 1) / L, tail = d - (vecs - 1) * L;
   const int64_t t = item / hkv, h = item % hkv, s = pb.seq_of[t];
@@ -228,56 +402,74 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   // strides of kv[N, 2, Hkv, B, D] (contiguous)
   const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
   const int64_t page_bytes = s_head * static_cast<int64_t>(sizeof(T));
-  const i32xL lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const i32v<L> lane = lane_ids<L>();
   if (static_cast<int64_t>(sc.scores.size()) < group * stride) sc.scores.resize(group * stride);
   float* scores = sc.scores.data();
   const auto head_rows = [&](int64_t key) { return kvp + pages[key / bs] * s_block + h * s_head + key % bs * d; };
+  const auto page_k = [&](int64_t pi) { return kvp + pages[pi] * s_block + h * s_head; };
+  const int64_t last_page = (end_key - 1) / bs;
 
   for (int64_t g = 0; g < group; ++g) {
     const T* row = qp + t * pb.q_row + (h * group + g) * d;
     for (int64_t c = 0; c < vecs; ++c)
-      put(&sc.q[(g * vecs + c) * L], load_row(row + c * L, c == vecs - 1 ? tail : L) * pb.scale);
+      put<L>(&sc.q[(g * vecs + c) * L], load_row<L>(row + c * L, c == vecs - 1 ? tail : L) * pb.scale);
+    if constexpr (DOT) std::memcpy(&sc.qh[g * d], row, d * sizeof(uint16_t));
     std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);
-    put(&sc.max[g * L], f32xL{} - INFINITY);
+    put<L>(&sc.max[g * L], f32v<L>{} - INFINITY);
   }
   // 1. scores, L keys at a time from one page; the lanes past the chunk's keys are -inf. The next
   // page is asked for when a page is started, so that this page's work hides its latency.
   for (int64_t key = first; key < end_key;) {
     const int64_t off = key % bs;
     const int64_t n = std::min({end_key - key, bs - off, L});
-    const T* krows = head_rows(key);
-    if ((off == 0 || key == first) && key - off + bs < end_key) prefetch(head_rows(key - off + bs), page_bytes);
-    const i32xL live = lane < static_cast<int32_t>(n);
+    const auto krows = rows_for_heads<L, WIDEN && !DOT>(head_rows(key), n, d, sc.rows.data());
+    if (off == 0 || key == first) {
+      const int64_t pi = key / bs;
+      if (key == first)
+        for (int64_t a = 1; a < AHEAD; ++a)
+          if (pi + a <= last_page) prefetch<LOCALITY>(page_k(pi + a), page_bytes);
+      if (pi + AHEAD <= last_page) prefetch<LOCALITY>(page_k(pi + AHEAD), page_bytes);
+    }
+    const i32v<L> live = lane < static_cast<int32_t>(n);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = &sc.q[g * vecs * L];
-      f32xL sv = n == L ? chunk_scores<T, true>(qg, krows, n, d, vecs, tail)
-                        : chunk_scores<T, false>(qg, krows, n, d, vecs, tail);
-      sv = live ? sv : f32xL{} - INFINITY;
-      put(scores + g * stride + (key - first), sv);
-      const f32xL mx = get(&sc.max[g * L]);
-      put(&sc.max[g * L], sv > mx ? sv : mx);
+      f32v<L> sv;
+      if constexpr (DOT)
+        sv = chunk_scores_dot<VECS>(&sc.qh[g * d], krows, n, d) * pb.scale;
+      else
+        sv = n == L ? chunk_scores<L, std::remove_cv_t<std::remove_pointer_t<decltype(krows)>>, true, VECS>(
+                                qg, krows, n, d, vecs, tail)
+                          : chunk_scores<L, std::remove_cv_t<std::remove_pointer_t<decltype(krows)>>, false, VECS>(
+                                qg, krows, n, d, vecs, tail);
+      sv = live ? sv : f32v<L>{} - INFINITY;
+      put<L>(scores + g * stride + (key - first), sv);
+      const f32v<L> mx = get<L>(&sc.max[g * L]);
+      put<L>(&sc.max[g * L], sv > mx ? sv : mx);
     }
     key += n;
   }
+  if constexpr (L == 16)  // pass 3's first pages, while pass 2 computes
+    for (int64_t a = 0; a < AHEAD; ++a)
+      if (first / bs + a <= last_page) prefetch<LOCALITY>(page_k(first / bs + a) + s_kv, page_bytes);
   // 2. numerators exp(score - max) in place, and their sum. A chunk cut short by a page end wrote
   // -inf past its keys, which the next chunk overwrites, so the row is dense up to `keys`; past it
   // the lanes are masked to 0.
   for (int64_t g = 0; g < group; ++g) {
-    const f32xL mv = get(&sc.max[g * L]);
+    const f32v<L> mv = get<L>(&sc.max[g * L]);
     float mx = mv[0];
     for (int64_t j = 1; j < L; ++j) mx = mv[j] > mx ? mv[j] : mx;
     float* row = scores + g * stride;
     // two vectors a step: their exps are independent chains the core can overlap
-    f32xL total[2] = {};
+    f32v<L> total[2] = {};
     for (int64_t k = 0; k < padded; k += 2 * L) {
       for (int64_t u = 0; u < 2; ++u) {
-        const i32xL live = lane < static_cast<int32_t>(keys - k - u * L);
-        const f32xL p = live ? exp_lanes(get(row + k + u * L) - mx) : f32xL{};
-        put(row + k + u * L, p);
+        const i32v<L> live = lane < static_cast<int32_t>(keys - k - u * L);
+        const f32v<L> p = live ? exp_lanes<L>(get<L>(row + k + u * L) - mx) : f32v<L>{};
+        put<L>(row + k + u * L, p);
         total[u] += p;
       }
     }
-    const f32xL both = total[0] + total[1];
+    const f32v<L> both = total[0] + total[1];
     float sum = 0.0f;
     for (int64_t j = 0; j < L; ++j) sum += both[j];
     sc.inv[g] = 1.0f / sum;
@@ -287,10 +479,33 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   for (int64_t key = first; key < end_key;) {
     const int64_t off = key % bs;
     const int64_t n = std::min(end_key - key, bs - off);
-    const T* vrows = head_rows(key) + s_kv;
-    if (key + n < end_key) prefetch(head_rows(key + n) + s_kv, page_bytes);
-    for (int64_t g = 0; g < group; ++g)
-      add_values<T, VECS>(&sc.acc[g * vecs * L], scores + g * stride + (key - first), vrows, n, d, vecs, tail);
+    if (off == 0 || key == first) {
+      const int64_t pi = key / bs;
+      if (pi + AHEAD <= last_page) prefetch<LOCALITY>(page_k(pi + AHEAD) + s_kv, page_bytes);
+    }
+    const auto vrows = rows_for_heads<L, WIDEN>(head_rows(key) + s_kv, n, d, sc.rows.data());
+    using V = std::remove_cv_t<std::remove_pointer_t<decltype(vrows)>>;
+    int64_t g = 0;
+    if constexpr (L == 16 && VECS > 0) {
+      // up to CAP heads a call: as many as keep their accumulators and one V row in the 32 registers
+      constexpr int64_t CAP = VECS <= 4 ? 4 : (VECS <= 8 ? 2 : 1);
+      const auto heads = [&](auto count) {
+        constexpr int64_t G = decltype(count)::value;
+        add_values_heads<L, V, VECS, G>(&sc.acc[g * vecs * L], scores + g * stride + (key - first), stride, vrows,
+                                        n, d);
+        g += G;
+      };
+      while (group - g >= 2 && CAP >= 2) {
+        if (group - g >= 4 && CAP >= 4)
+          heads(std::integral_constant<int64_t, 4>{});
+        else if (group - g == 3 && CAP >= 3)
+          heads(std::integral_constant<int64_t, 3>{});
+        else
+          heads(std::integral_constant<int64_t, 2>{});
+      }
+    }
+    for (; g < group; ++g)
+      add_values<L, V, VECS>(&sc.acc[g * vecs * L], scores + g * stride + (key - first), vrows, n, d, vecs, tail);
     key += n;
   }
   T* op = static_cast<T*>(pb.out);
@@ -301,30 +516,73 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   }
 }
 
-// Head sizes 32, 64 and 128 keep a query head's accumulator in registers; any other size takes the
-// general path. Inlined into one clone set per element type (below).
-template <typename T>
+// Head sizes of 4, 8 and 16 vectors keep a query head's accumulator in registers (32, 64 and 128
+// with 8 lanes; 64, 128 and 256 with 16); any other size takes the general path. Inlined into one
+// function per element type and lane count (below).
+template <int64_t L, typename T, bool DOT = false>
 __attribute__((always_inline)) inline void attend_items(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) {
   switch (pb.d) {
     case 4 * L:
-      for (int64_t i = begin; i < end; ++i) attend<T, 4>(pb, i, sc);
+      for (int64_t i = begin; i < end; ++i) attend<L, T, 4, DOT>(pb, i, sc);
       break;
     case 8 * L:
-      for (int64_t i = begin; i < end; ++i) attend<T, 8>(pb, i, sc);
+      for (int64_t i = begin; i < end; ++i) attend<L, T, 8, DOT>(pb, i, sc);
       break;
     case 16 * L:
-      for (int64_t i = begin; i < end; ++i) attend<T, 16>(pb, i, sc);
+      for (int64_t i = begin; i < end; ++i) attend<L, T, 16, DOT>(pb, i, sc);
       break;
-    default:
-      for (int64_t i = begin; i < end; ++i) attend<T, 0>(pb, i, sc);
+    default:  // the dot product needs whole registers of 32 values
+      for (int64_t i = begin; i < end; ++i) attend<L, T, 0, false>(pb, i, sc);
   }
 }
 
 PDS_CLONES void attend_items_f32(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) {
-  attend_items<float>(pb, begin, end, sc);
+  attend_items<8, float>(pb, begin, end, sc);
 }
 PDS_CLONES void attend_items_bf16(const Problem& pb, int64_t begin, int64_t end, Scratch& sc) {
-  attend_items<at::BFloat16>(pb, begin, end, sc);
+  attend_items<8, at::BFloat16>(pb, begin, end, sc);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// The wide kernels: 16 lanes, one AVX-512 register, for CPUs that have AVX-512 (x86-64-v4). The 8-lane
+// build's AVX-512 clone ran every vector op at half width; on a 2-core Sapphire Rapids decode
+// attention took 47% of a bf16 run of engine_vs_vllm's workload and 23% of a float32 one.
+#define PDS_WIDE 1
+__attribute__((target("arch=x86-64-v4"))) void attend_items_f32_wide(const Problem& pb, int64_t begin, int64_t end,
+                                                                      Scratch& sc) {
+  attend_items<16, float>(pb, begin, end, sc);
+}
+__attribute__((target("arch=x86-64-v4"))) void attend_items_bf16_wide(const Problem& pb, int64_t begin, int64_t end,
+                                                                       Scratch& sc) {
+  attend_items<16, at::BFloat16>(pb, begin, end, sc);
+}
+// bfloat16 scores by vdpbf16ps, for CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later; Zen 4)
+__attribute__((target("arch=x86-64-v4"))) void attend_items_bf16_dot(const Problem& pb, int64_t begin, int64_t end,
+                                                                      Scratch& sc) {
+  attend_items<16, at::BFloat16, true>(pb, begin, end, sc);
+}
+#endif
+
+// Whether this CPU runs the 16-lane kernels (PDSERVE_CPU_NARROW=1 forces the 8-lane ones, for A/B
+// runs and for the tests that hold both to the same reference).
+bool wide_kernels() {
+#ifdef PDS_WIDE
+  static const bool avx512 = __builtin_cpu_supports("x86-64-v4");
+  return avx512 && !std::getenv("PDSERVE_CPU_NARROW");  // read per call, so a test can switch it
+#else
+  return false;
+#endif
+}
+
+// Whether the bfloat16 kernels take their scores from vdpbf16ps (wide kernels on a CPU with AVX512-BF16;
+// PDSERVE_CPU_NO_BF16_DOT=1 turns it off, for A/B runs and tests).
+bool dot_kernels() {
+#ifdef PDS_WIDE
+  static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+  return bf16_dot && wide_kernels() && !std::getenv("PDSERVE_CPU_NO_BF16_DOT");
+#else
+  return false;
+#endif
 }
 
 // Every page an item will read, checked before any is: a bad index would read outside the pool,
@@ -390,13 +648,27 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   };
   std::vector<int64_t> bounds(ranges + 1);  // range r is items [bounds[r], bounds[r + 1])
   for (int64_t r = 0; r <= ranges; ++r) bounds[r] = first_item_at(total * r / ranges);
+  const bool wide = wide_kernels(), dot = dot_kernels();
+  const int64_t lanes = wide ? 16 : 8;
   at::parallel_for(0, ranges, 1, [&](int64_t first_range, int64_t end_range) {
-    Scratch sc(hq / hkv, (d + L - 1) / L);
+    Scratch sc(hq / hkv, (d + lanes - 1) / lanes, lanes, bs, d);
     for (int64_t r = first_range; r < end_range; ++r) {
+      const int64_t begin = bounds[r], end = bounds[r + 1];
+#ifdef PDS_WIDE
+      if (wide) {
+        if constexpr (std::is_same_v<T, float>)
+          attend_items_f32_wide(pb, begin, end, sc);
+        else if (dot)
+          attend_items_bf16_dot(pb, begin, end, sc);
+        else
+          attend_items_bf16_wide(pb, begin, end, sc);
+        continue;
+      }
+#endif
       if constexpr (std::is_same_v<T, float>)
-        attend_items_f32(pb, bounds[r], bounds[r + 1], sc);
+        attend_items_f32(pb, begin, end, sc);
       else
-        attend_items_bf16(pb, bounds[r], bounds[r + 1], sc);
+        attend_items_bf16(pb, begin, end, sc);
     }
   });
 }
@@ -462,7 +734,12 @@ void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at:
 
 }  // namespace
 
+// Which kernels paged_attention runs now: 0 the 8-lane ones, 1 the 16-lane ones, 2 those with bf16
+// scores by vdpbf16ps (for a bfloat16 call; float32 calls run the 16-lane ones).
+int64_t attention_kernels() { return dot_kernels() ? 2 : (wide_kernels() ? 1 : 0); }
+
 TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("attention_kernels() -> int", &attention_kernels);
   m.def("paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor query_start, Tensor context_lens, "
         "float scale, int window=0) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
