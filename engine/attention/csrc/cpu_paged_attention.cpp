@@ -224,6 +224,7 @@ __attribute__((always_inline)) inline typename Vec<L>::f32h exp_half(typename Ve
 // full-width load) every call stalled on a failed store-to-load forward, 9% of a bf16 item's cycles.
 template <int64_t L>
 __attribute__((always_inline)) inline f32v<L> exp_lanes(f32v<L> x) {
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector; GCC 11 and older go through memory
   if constexpr (L == 8) {
     const auto lo = exp_half<8>(__builtin_shufflevector(x, x, 0, 1, 2, 3));
     const auto hi = exp_half<8>(__builtin_shufflevector(x, x, 4, 5, 6, 7));
@@ -234,6 +235,16 @@ __attribute__((always_inline)) inline f32v<L> exp_lanes(f32v<L> x) {
     const auto hi = exp_half<16>(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
     return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   }
+#else
+  typename Vec<L>::f32h lo, hi;
+  std::memcpy(&lo, &x, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  lo = exp_half<L>(lo);
+  hi = exp_half<L>(hi);
+  std::memcpy(&x, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&x) + sizeof(lo), &hi, sizeof(hi));
+  return x;
+#endif
 }
 
 // the L lanes' scores of one chunk: lane j = q . k[j] for the chunk's n keys (FULL: n == L).
