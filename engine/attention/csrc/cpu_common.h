@@ -10,8 +10,12 @@
 // baseline x86-64 (GCC) and the variant is picked at load time, so one build is correct and
 // vectorised on any x86-64 CPU. v3 rather than plain "avx2": that clone had no FMA, and SiLU-mul
 // ran 1.7x slower in it (measured on an AVX2-only EPYC).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define PDS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// GCC 11 (Ubuntu 22.04) has no dispatcher for arch=x86-64-vN clones ("no dispatcher found for the
+// versioning attributes": the whole op failed to build there); its AVX2 clone has no FMA
+#define PDS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define PDS_CLONES
 #endif

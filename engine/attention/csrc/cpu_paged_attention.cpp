@@ -581,7 +581,10 @@ __attribute__((target("arch=x86-64-v4"))) void attend_items_bf16_dot(const Probl
 // runs and for the tests that hold both to the same reference).
 bool wide_kernels() {
 #ifdef PDS_WIDE
-  static const bool avx512 = __builtin_cpu_supports("x86-64-v4");
+  // the x86-64-v4 set, named feature by feature: GCC 11 has no "x86-64-v4" for this builtin
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+                             __builtin_cpu_supports("avx512vl");
   return avx512 && !std::getenv("PDSERVE_CPU_NARROW");  // read per call, so a test can switch it
 #else
   return false;
