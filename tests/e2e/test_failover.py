@@ -58,13 +58,7 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
         prompts = [f"Story number {i}: the river" for i in range(20)]
         async with httpx.AsyncClient() as client:
             reference = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts])
-            for _ in range(3):  # bounded: a round whose streams all ended before the kill is run again
-                progress: list = []
-                tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
-                victim, held = await busiest_decode(cluster, progress, len(prompts))
-                if held:
-                    break
-                assert await asyncio.gather(*tasks) == reference  # too late for a kill: nothing runs
+            tasks, victim = await streams_under_way(client, base, cluster, prompts, reference)
             survivor = cluster.decodes[1 - victim]
             stop(cluster.decodes[victim], signal.SIGKILL)
             results = await asyncio.gather(*tasks)
@@ -85,6 +79,20 @@ async def test_decode_killed_mid_stream_migrates_without_gap_or_duplicate(tiny_m
     finally:
         stop(router)
         cluster.stop()
+
+
+async def streams_under_way(client, base: str, cluster, prompts: list[str], reference: list) -> tuple[list, int]:
+    """Start one stream per prompt; (the tasks, the index of the decode node to disturb) once a node
+    holds some of them. A round whose streams all ended first (nothing left to migrate) is checked
+    against `reference` and run again, at most three times."""
+    for _ in range(3):
+        progress: list = []
+        tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
+        index, held = await busiest_decode(cluster, progress, len(prompts))
+        if held:
+            break
+        assert await asyncio.gather(*tasks) == reference  # too late to disturb: nothing runs
+    return tasks, index
 
 
 async def busiest_decode(cluster, progress: list, streams: int) -> tuple[int, int]:
@@ -116,13 +124,7 @@ async def test_paused_decode_node_streams_migrate_and_it_gets_no_new_requests(ti
         prompts = [f"Paused story {i}: the mountain" for i in range(8)]
         async with httpx.AsyncClient() as client:
             reference = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts])
-            for _ in range(3):  # bounded: a round whose streams all ended before the pause is run again
-                progress: list = []
-                tasks = [asyncio.create_task(stream_text(client, base, p, LONG, progress)) for p in prompts]
-                index, held = await busiest_decode(cluster, progress, len(prompts))
-                if held:
-                    break
-                assert await asyncio.gather(*tasks) == reference  # too late for a pause: nothing runs
+            tasks, index = await streams_under_way(client, base, cluster, prompts, reference)
             paused = cluster.decodes[index]
             paused.popen.send_signal(signal.SIGSTOP)
             try:
