@@ -431,8 +431,8 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);
     put<L>(&sc.max[g * L], f32v<L>{} - INFINITY);
   }
-  // 1. scores, L keys at a time from one page; the lanes past the chunk's keys are -inf. The next
-  // page is asked for when a page is started, so that this page's work hides its latency.
+  // 1. scores, L keys at a time from one page; the lanes past the chunk's keys are -inf. The page
+  // AHEAD on is asked for when a page is started, so that the work in between hides its latency.
   for (int64_t key = first; key < end_key;) {
     const int64_t off = key % bs;
     const int64_t n = std::min({end_key - key, bs - off, L});
@@ -488,7 +488,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     for (int64_t j = 0; j < L; ++j) sum += both[j];
     sc.inv[g] = 1.0f / sum;
   }
-  // 3. values: a page's rows at a time (the next page asked for first), each query head's
+  // 3. values: a page's rows at a time (the page AHEAD on asked for first), each query head's
   // accumulator in registers across them
   for (int64_t key = first; key < end_key;) {
     const int64_t off = key % bs;
