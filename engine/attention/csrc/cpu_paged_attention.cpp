@@ -425,9 +425,11 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
 
   for (int64_t g = 0; g < group; ++g) {
     const T* row = qp + t * pb.q_row + (h * group + g) * d;
-    for (int64_t c = 0; c < vecs; ++c)
-      put<L>(&sc.q[(g * vecs + c) * L], load_row<L>(row + c * L, c == vecs - 1 ? tail : L) * pb.scale);
-    if constexpr (DOT) std::memcpy(&sc.qh[g * d], row, d * sizeof(uint16_t));
+    if constexpr (DOT)  // raw bf16 rows; the scale multiplies the scores
+      std::memcpy(&sc.qh[g * d], row, d * sizeof(uint16_t));
+    else
+      for (int64_t c = 0; c < vecs; ++c)
+        put<L>(&sc.q[(g * vecs + c) * L], load_row<L>(row + c * L, c == vecs - 1 ? tail : L) * pb.scale);
     std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);
     put<L>(&sc.max[g * L], f32v<L>{} - INFINITY);
   }
