@@ -21,8 +21,8 @@
 // The vector code uses GCC vector extensions, so it compiles to whatever the clone's ISA has:
 // on x86-64 with GCC the 8-lane item function is built for AVX-512, AVX2 and baseline and picked at
 // load time (target_clones), so one build is correct on any x86-64 CPU. On a CPU with AVX-512 the
-// 16-lane kernels run instead (`wide_kernels`), and for bfloat16 on one with AVX512-BF16 their
-// scores come from vdpbf16ps (`dot_kernels`). On a 2-core Sapphire Rapids with the pool beyond the
+// 16-lane kernels run instead, and for bfloat16 on one with AVX512-BF16 their scores come from
+// vdpbf16ps (`kernels_now`). On a 2-core Sapphire Rapids with the pool beyond the
 // caches they read K/V at ~17-20 GB/s, about what two cores' loads reach.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,7 +41,7 @@
 namespace {
 
 // Vectors of L float32 lanes. L = 8 is one AVX2 register and the build every x86-64 CPU runs
-// (target_clones); L = 16 is one AVX-512 register, for CPUs that have it (`wide_kernels`). Wider
+// (target_clones); L = 16 is one AVX-512 register, for CPUs that have it (`kernels_now`). Wider
 // vectors than the ISA has make GCC emulate the shuffles through memory, so the lane count is
 // chosen with the ISA, not fixed.
 template <int64_t L>
@@ -167,15 +167,15 @@ struct Scratch {
   std::vector<float> scores;  // [group][stride]: the item's scores, then its softmax numerators
   std::vector<float> max;     // [group][L]: the largest score seen, per lane
   std::vector<float> inv;     // [group]: 1 / the sum of the numerators
-  std::vector<float> rows;    // [block size][d]: a page's bfloat16 K or V rows widened once (wide kernels)
-  std::vector<uint16_t> qh;   // [group][d]: the bfloat16 query rows as they are (dot kernels)
-  Scratch(int64_t group, int64_t vecs, int64_t lanes, int64_t bs, int64_t d)
+  std::vector<float> rows;    // [block size][d]: a page's bfloat16 K or V rows widened once (`widen`)
+  std::vector<uint16_t> qh;   // [group][d]: the bfloat16 query rows as they are (`dot`)
+  Scratch(int64_t group, int64_t vecs, int64_t lanes, int64_t bs, int64_t d, bool widen, bool dot)
       : q(group * vecs * lanes),
         acc(group * vecs * lanes),
         max(group * lanes),
         inv(group),
-        rows(bs * d + lanes),
-        qh(group * d) {}
+        rows(widen ? bs * d + lanes : 0),
+        qh(dot ? group * d : 0) {}
 };
 
 template <int64_t L>
@@ -282,7 +282,7 @@ __attribute__((always_inline)) inline f32v<L> chunk_scores(const float* qg, cons
 // The scores of one chunk from bfloat16 q and K rows with AVX512-BF16's vdpbf16ps: each instruction
 // multiplies 32 pairs exactly and adds them into 16 float32 lanes, so no K row is widened (the widening
 // was a third of a bf16 item's instructions). Lane j = q . k[j] for j < n, unscaled; 0 past n. d is a
-// multiple of 32; only the kernels built with `dot_kernels` run it (inline
+// multiple of 32; only the dot kernels (`kernels_now`) run it (inline
 // assembly: the instruction's intrinsics changed type between GCC 12 and 13).
 template <int64_t VECS>
 __attribute__((always_inline)) inline f32v<16> chunk_scores_dot(const uint16_t* qh, const at::BFloat16* krows,
@@ -439,6 +439,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     const int64_t off = key % bs;
     const int64_t n = std::min({end_key - key, bs - off, L});
     const auto krows = rows_for_heads<L, WIDEN && !DOT>(head_rows(key), n, d, sc.rows.data());
+    using K = std::remove_cv_t<std::remove_pointer_t<decltype(krows)>>;
     if (off == 0 || key == first) {
       const int64_t pi = key / bs;
       if (key == first)
@@ -453,10 +454,8 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
       if constexpr (DOT)
         sv = chunk_scores_dot<VECS>(&sc.qh[g * d], krows, n, d) * pb.scale;
       else
-        sv = n == L ? chunk_scores<L, std::remove_cv_t<std::remove_pointer_t<decltype(krows)>>, true, VECS>(
-                                qg, krows, n, d, vecs, tail)
-                          : chunk_scores<L, std::remove_cv_t<std::remove_pointer_t<decltype(krows)>>, false, VECS>(
-                                qg, krows, n, d, vecs, tail);
+        sv = n == L ? chunk_scores<L, K, true, VECS>(qg, krows, n, d, vecs, tail)
+                    : chunk_scores<L, K, false, VECS>(qg, krows, n, d, vecs, tail);
       sv = live ? sv : f32v<L>{} - INFINITY;
       put<L>(scores + g * stride + (key - first), sv);
       const f32v<L> mx = get<L>(&sc.max[g * L]);
@@ -579,28 +578,22 @@ __attribute__((target("arch=x86-64-v4"))) void attend_items_bf16_dot(const Probl
 }
 #endif
 
-// Whether this CPU runs the 16-lane kernels (PDSERVE_CPU_NARROW=1 forces the 8-lane ones, for A/B
-// runs and for the tests that hold both to the same reference).
-bool wide_kernels() {
+// Which kernels paged_attention runs now: narrow (8 lanes, any x86-64), wide (16 lanes, AVX-512) or
+// dot (wide with bf16 scores by vdpbf16ps, AVX512-BF16; a float32 call runs wide). PDSERVE_CPU_NARROW=1
+// and PDSERVE_CPU_NO_BF16_DOT=1 step down, for A/B runs and the tests that hold every variant to the
+// reference; they are read at every call, so a test can switch them.
+enum class Kernels : int64_t { narrow = 0, wide = 1, dot = 2 };
+Kernels kernels_now() {
 #ifdef PDS_WIDE
   // the x86-64-v4 set, named feature by feature: GCC 11 has no "x86-64-v4" for this builtin
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
                              __builtin_cpu_supports("avx512vl");
-  return avx512 && !std::getenv("PDSERVE_CPU_NARROW");  // read per call, so a test can switch it
+  static const bool bf16_dot = avx512 && __builtin_cpu_supports("avx512bf16");
+  if (!avx512 || std::getenv("PDSERVE_CPU_NARROW")) return Kernels::narrow;
+  return bf16_dot && !std::getenv("PDSERVE_CPU_NO_BF16_DOT") ? Kernels::dot : Kernels::wide;
 #else
-  return false;
-#endif
-}
-
-// Whether the bfloat16 kernels take their scores from vdpbf16ps (wide kernels on a CPU with AVX512-BF16;
-// PDSERVE_CPU_NO_BF16_DOT=1 turns it off, for A/B runs and tests).
-bool dot_kernels() {
-#ifdef PDS_WIDE
-  static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
-  return bf16_dot && wide_kernels() && !std::getenv("PDSERVE_CPU_NO_BF16_DOT");
-#else
-  return false;
+  return Kernels::narrow;
 #endif
 }
 
@@ -667,10 +660,11 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   };
   std::vector<int64_t> bounds(ranges + 1);  // range r is items [bounds[r], bounds[r + 1])
   for (int64_t r = 0; r <= ranges; ++r) bounds[r] = first_item_at(total * r / ranges);
-  const bool wide = wide_kernels(), dot = dot_kernels();
+  const Kernels kernels = kernels_now();
+  const bool wide = kernels != Kernels::narrow, dot = kernels == Kernels::dot, bf16 = !std::is_same_v<T, float>;
   const int64_t lanes = wide ? 16 : 8;
   at::parallel_for(0, ranges, 1, [&](int64_t first_range, int64_t end_range) {
-    Scratch sc(hq / hkv, (d + lanes - 1) / lanes, lanes, bs, d);
+    Scratch sc(hq / hkv, (d + lanes - 1) / lanes, lanes, bs, d, wide && bf16, dot && bf16);
     for (int64_t r = first_range; r < end_range; ++r) {
       const int64_t begin = bounds[r], end = bounds[r + 1];
 #ifdef PDS_WIDE
@@ -753,9 +747,9 @@ void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at:
 
 }  // namespace
 
-// Which kernels paged_attention runs now: 0 the 8-lane ones, 1 the 16-lane ones, 2 those with bf16
-// scores by vdpbf16ps (for a bfloat16 call; float32 calls run the 16-lane ones).
-int64_t attention_kernels() { return dot_kernels() ? 2 : (wide_kernels() ? 1 : 0); }
+// `kernels_now` for Python: 0 the 8-lane kernels, 1 the 16-lane ones, 2 those with bf16 scores by
+// vdpbf16ps (for a bfloat16 call; float32 calls run the 16-lane ones).
+int64_t attention_kernels() { return static_cast<int64_t>(kernels_now()); }
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("attention_kernels() -> int", &attention_kernels);
