@@ -69,7 +69,7 @@ def test_matches_reference_on_random_ragged_batches(op, kernels, seed, dtype):
     rng = random.Random(seed)
     hkv = rng.choice([1, 2, 3])
     hq = hkv * rng.choice([1, 2, 3, 4, 5, 8])  # 5 and 8: the wide kernels take 2-4 heads a call, then the rest
-    d = rng.choice([8, 17, 32, 33, 64, 80, 128])  # 32, 64, 128: the register-held accumulators
+    d = rng.choice([8, 17, 32, 33, 64, 80, 128, 256])  # 32-256: register-held accumulators (8 or 16 lanes)
     block_size = rng.choice([1, 4, 16])
     num_blocks = 96
     kv = torch.randn(num_blocks, 2, hkv, block_size, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -96,6 +96,33 @@ def test_matches_reference_on_random_ragged_batches(op, kernels, seed, dtype):
     atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_register_held_head_sizes_match_reference(op, kernels, dtype, d):
+    """Head sizes of whole vectors, in blocks of 16: the wide kernels keep the accumulators of 1-4
+    query heads in registers over every page (GQA groups 1-5 and 8, so each sweep width and a
+    remainder) and ask for the page ahead a row per key; bf16 values go through even / odd
+    registers. Contexts end before, on and after page boundaries; windows start inside a page."""
+    block_size, hkv = 16, 2
+    gen = torch.Generator().manual_seed(d)
+    ctxs, q_lens = [1, 15, 16, 17, 40, 95, 96], [1, 1, 1, 1, 5, 1, 3]
+    pages = [(c + block_size - 1) // block_size for c in ctxs]
+    free = list(range(sum(pages) + 4))
+    random.Random(d).shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in pages]
+    kv = torch.randn(sum(pages) + 4, 2, hkv, block_size, d, generator=gen).to(dtype)
+    width = max(pages)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    for group in (1, 2, 3, 4, 5, 8):
+        q = torch.randn(sum(q_lens), hkv * group, d, generator=gen).to(dtype)
+        for window in (0, 21):
+            got = op(q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window)
+            want = _reference(q, kv, tables, q_lens, ctxs, block_size, d**-0.5, window)
+            atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
+            torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=f"group {group} window {window}")
 
 
 @pytest.mark.parametrize("threads", [2, 3, 5])

@@ -22,8 +22,10 @@
 // on x86-64 with GCC the 8-lane item function is built for AVX-512, AVX2 and baseline and picked at
 // load time (target_clones), so one build is correct on any x86-64 CPU. On a CPU with AVX-512 the
 // 16-lane kernels run instead, and for bfloat16 on one with AVX512-BF16 their scores come from
-// vdpbf16ps (`kernels_now`). On a 2-core Sapphire Rapids with the pool beyond the
-// caches they read K/V at ~17-20 GB/s, about what two cores' loads reach.
+// vdpbf16ps (`kernels_now`); their value pass keeps 1-4 query heads' accumulators in registers over
+// every page, and they ask for the pages ahead a row per key. On a 2-core Sapphire Rapids with the
+// pool beyond the caches they read K/V at ~22 GB/s in bf16 and ~23 GB/s in float32, about what
+// torch's `sum` reads there.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -247,22 +249,43 @@ __attribute__((always_inline)) inline f32v<L> exp_lanes(f32v<L> x) {
 #endif
 }
 
+// Ask for the `bytes` at `p` (one head's rows of the next page: the pages of a sequence are anywhere
+// in the pool, so the hardware prefetcher does not follow from one to the next).
+// LOCALITY 3 asks for L1, 2 for L2 (prefetcht0 / prefetcht1).
+template <int LOCALITY>
+__attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, LOCALITY);
+}
+
+// Ask for row j (ROW_BYTES) of the page at `ahead` into L2, if there is one. The wide kernels ask
+// for the page ahead a row per key they compute, where `prefetch` asked for it all at once: that
+// burst held the core on the line-fill buffers, about a quarter of an in-cache bf16 item's cycles
+// (perf, 2-core Sapphire Rapids), and spread over the work it hides behind it.
+template <int64_t ROW_BYTES>
+__attribute__((always_inline)) inline void ask_row(const char* ahead, int64_t j) {
+  if (ahead)
+#pragma GCC unroll 8
+    for (int64_t b = 0; b < ROW_BYTES; b += 64) __builtin_prefetch(ahead + j * ROW_BYTES + b, 0, 2);
+}
+
 // the L lanes' scores of one chunk: lane j = q . k[j] for the chunk's n keys (FULL: n == L).
 // The c loop is outside the j loop so that the L partial sums are L independent FMA chains: with j
 // outside, each key's sum was one chain of d / L dependent FMAs, and the loop ran at FMA latency.
 // With 16 lanes and a head size of VECS vectors the key loop is outside instead, every loop's count is
 // known and unrolled, and the q vectors and partial sums live in registers: the loop above kept the 16
 // partial vectors on the stack (zeroed with a memset, loaded and stored at every FMA). The additions
-// are the same, in the same order.
-template <int64_t L, typename T, bool FULL, int64_t VECS>
+// are the same, in the same order. That path asks for row j of the page at `ahead` (ROW_BYTES a row;
+// none if null) as it reads key j: the chunk is then a whole page of L keys.
+template <int64_t L, typename T, bool FULL, int64_t VECS, int64_t ROW_BYTES>
 __attribute__((always_inline)) inline f32v<L> chunk_scores(const float* qg, const T* krows, int64_t n, int64_t d,
-                                                           int64_t vecs, int64_t tail) {
+                                                           int64_t vecs, int64_t tail, const char* ahead) {
   if constexpr (L == 16 && FULL && VECS > 0) {
     f32v<L> qv[VECS], partial[L];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < VECS; ++c) qv[c] = get<L>(qg + c * L);
 #pragma GCC unroll 16
     for (int64_t j = 0; j < L; ++j) {
+      ask_row<ROW_BYTES>(ahead, j);
       f32v<L> sum = qv[0] * load_row<L>(krows + j * d, L);
 #pragma GCC unroll 16
       for (int64_t c = 1; c < VECS; ++c) sum += qv[c] * load_row<L>(krows + j * d + c * L, L);
@@ -283,10 +306,10 @@ __attribute__((always_inline)) inline f32v<L> chunk_scores(const float* qg, cons
 // multiplies 32 pairs exactly and adds them into 16 float32 lanes, so no K row is widened (the widening
 // was a third of a bf16 item's instructions). Lane j = q . k[j] for j < n, unscaled; 0 past n. d is a
 // multiple of 32; only the dot kernels (`kernels_now`) run it (inline
-// assembly: the instruction's intrinsics changed type between GCC 12 and 13).
+// assembly: the instruction's intrinsics changed type between GCC 12 and 13). `ahead`: as chunk_scores.
 template <int64_t VECS>
 __attribute__((always_inline)) inline f32v<16> chunk_scores_dot(const uint16_t* qh, const at::BFloat16* krows,
-                                                                int64_t n, int64_t d) {
+                                                                int64_t n, int64_t d, const char* ahead) {
   typedef uint16_t u16x32 __attribute__((vector_size(64)));
   constexpr int64_t W = VECS / 2;  // 32 bfloat16 values a register
   u16x32 qv[W];
@@ -295,6 +318,7 @@ __attribute__((always_inline)) inline f32v<16> chunk_scores_dot(const uint16_t* 
   f32v<16> partial[16];
 #pragma GCC unroll 16
   for (int64_t j = 0; j < 16; ++j) {
+    ask_row<VECS * 32>(ahead, j);
     f32v<16> sum = {};
     if (j < n) {
 #pragma GCC unroll 16
@@ -332,43 +356,6 @@ __attribute__((always_inline)) inline void add_values(float* acc, const float* p
   }
 }
 
-// add_values for G query heads at once (wide kernels): acc[g] += sum over n keys of p[g][j] * v[j], row g
-// of p at p + g * stride. One head's accumulator is VECS chains that each wait for the last FMA (4
-// cycles) at every key, so one head ran at one FMA a cycle; G heads give G x VECS independent chains.
-// Every head's additions are the same, in the same order, as add_values's.
-template <int64_t L, typename T, int64_t VECS, int64_t G>
-__attribute__((always_inline)) inline void add_values_heads(float* acc, const float* p, int64_t stride,
-                                                            const T* vrows, int64_t n, int64_t d) {
-  f32v<L> a[G][VECS];
-#pragma GCC unroll 16
-  for (int64_t g = 0; g < G; ++g)
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < VECS; ++c) a[g][c] = get<L>(acc + (g * VECS + c) * L);
-  for (int64_t j = 0; j < n; ++j) {
-    f32v<L> v[VECS];
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < VECS; ++c) v[c] = load_row<L>(vrows + j * d + c * L, L);
-#pragma GCC unroll 16
-    for (int64_t g = 0; g < G; ++g) {
-      const float pj = p[g * stride + j];
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < VECS; ++c) a[g][c] += pj * v[c];
-    }
-  }
-#pragma GCC unroll 16
-  for (int64_t g = 0; g < G; ++g)
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < VECS; ++c) put<L>(acc + (g * VECS + c) * L, a[g][c]);
-}
-
-// Ask for the `bytes` at `p` (one head's rows of the next page: the pages of a sequence are anywhere
-// in the pool, so the hardware prefetcher does not follow from one to the next).
-// LOCALITY 3 asks for L1, 2 for L2 (prefetcht0 / prefetcht1).
-template <int LOCALITY>
-__attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, LOCALITY);
-}
-
 // The rows a pass reads, as the type it reads them in. With WIDEN (bfloat16, wide kernels) the n
 // rows of d values are widened to float32 once into `buf`, and every query head of the group reads
 // those: widening them per head cost two vector ops per value per head, as much as the FMAs.
@@ -400,6 +387,9 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   // pool beyond the caches); the narrow ones keep what was measured best on an AVX2 EPYC.
   constexpr int64_t AHEAD = L == 16 ? 2 : 1;
   constexpr int LOCALITY = L == 16 ? 2 : 3;
+  // the wide kernels with a head size of whole vectors ask for pages a row at a time (`ask_row`)
+  constexpr bool SPREAD = L == 16 && VECS > 0;
+  constexpr int64_t ROW_BYTES = VECS * L * static_cast<int64_t>(sizeof(T));
   const int64_t hkv = pb.hkv, d = pb.d, bs = pb.bs, group = pb.hq / hkv;
   const int64_t vecs = VECS > 0 ? VECS : (d + L - 1) / L, tail = d - (vecs - 1) * L;
   const int64_t t = item / hkv, h = item % hkv, s = pb.seq_of[t];
@@ -440,22 +430,29 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     const int64_t n = std::min({end_key - key, bs - off, L});
     const auto krows = rows_for_heads<L, WIDEN && !DOT>(head_rows(key), n, d, sc.rows.data());
     using K = std::remove_cv_t<std::remove_pointer_t<decltype(krows)>>;
+    const char* ahead = nullptr;  // a whole page's chunk (wide kernels) asks for the page AHEAD on a row a key
     if (off == 0 || key == first) {
       const int64_t pi = key / bs;
       if (key == first)
         for (int64_t a = 1; a < AHEAD; ++a)
           if (pi + a <= last_page) prefetch<LOCALITY>(page_k(pi + a), page_bytes);
-      if (pi + AHEAD <= last_page) prefetch<LOCALITY>(page_k(pi + AHEAD), page_bytes);
+      if (pi + AHEAD <= last_page) {
+        if (SPREAD && n == L && bs == L)
+          ahead = reinterpret_cast<const char*>(page_k(pi + AHEAD));
+        else
+          prefetch<LOCALITY>(page_k(pi + AHEAD), page_bytes);
+      }
     }
     const i32v<L> live = lane < static_cast<int32_t>(n);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = &sc.q[g * vecs * L];
+      const char* ask = g == 0 ? ahead : nullptr;
       f32v<L> sv;
       if constexpr (DOT)
-        sv = chunk_scores_dot<VECS>(&sc.qh[g * d], krows, n, d) * pb.scale;
+        sv = chunk_scores_dot<VECS>(&sc.qh[g * d], krows, n, d, ask) * pb.scale;
       else
-        sv = n == L ? chunk_scores<L, K, true, VECS>(qg, krows, n, d, vecs, tail)
-                    : chunk_scores<L, K, false, VECS>(qg, krows, n, d, vecs, tail);
+        sv = n == L ? chunk_scores<L, K, true, VECS, ROW_BYTES>(qg, krows, n, d, vecs, tail, ask)
+                    : chunk_scores<L, K, false, VECS, ROW_BYTES>(qg, krows, n, d, vecs, tail, nullptr);
       sv = live ? sv : f32v<L>{} - INFINITY;
       put<L>(scores + g * stride + (key - first), sv);
       const f32v<L> mx = get<L>(&sc.max[g * L]);
@@ -489,39 +486,101 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     for (int64_t j = 0; j < L; ++j) sum += both[j];
     sc.inv[g] = 1.0f / sum;
   }
-  // 3. values: a page's rows at a time (the page AHEAD on asked for first), each query head's
-  // accumulator in registers across them
-  for (int64_t key = first; key < end_key;) {
-    const int64_t off = key % bs;
-    const int64_t n = std::min(end_key - key, bs - off);
-    if (off == 0 || key == first) {
-      const int64_t pi = key / bs;
-      if (pi + AHEAD <= last_page) prefetch<LOCALITY>(page_k(pi + AHEAD) + s_kv, page_bytes);
-    }
-    const auto vrows = rows_for_heads<L, WIDEN>(head_rows(key) + s_kv, n, d, sc.rows.data());
-    using V = std::remove_cv_t<std::remove_pointer_t<decltype(vrows)>>;
+  // 3. values. Wide kernels with a head size of whole vectors: one sweep over the V pages per CAP
+  // query heads (as many as keep their accumulators and one V row in the 32 registers), each
+  // accumulator in registers from the first key to the last, the bf16 rows widened in registers as
+  // they are read. One head's accumulator alone is VECS chains that wait for the last FMA (4 cycles)
+  // at every key; G heads give G x VECS independent chains. Spilling the accumulators at every page
+  // and widening the page into scratch first cost ~10% and ~8% of a bf16 item (perf, 2-core
+  // Sapphire Rapids). The first sweep asks for the pages ahead; later ones (GQA groups over CAP) find
+  // them in L2. Every head's additions are the same, in the same order, as add_values's.
+  if constexpr (SPREAD) {
+    constexpr int64_t CAP = VECS <= 4 ? 4 : (VECS <= 8 ? 2 : 1);
     int64_t g = 0;
-    if constexpr (L == 16 && VECS > 0) {
-      // up to CAP heads a call: as many as keep their accumulators and one V row in the 32 registers
-      constexpr int64_t CAP = VECS <= 4 ? 4 : (VECS <= 8 ? 2 : 1);
-      const auto heads = [&](auto count) {
-        constexpr int64_t G = decltype(count)::value;
-        add_values_heads<L, V, VECS, G>(&sc.acc[g * vecs * L], scores + g * stride + (key - first), stride, vrows,
-                                        n, d);
-        g += G;
-      };
-      while (group - g >= 2 && CAP >= 2) {
-        if (group - g >= 4 && CAP >= 4)
-          heads(std::integral_constant<int64_t, 4>{});
-        else if (group - g == 3 && CAP >= 3)
-          heads(std::integral_constant<int64_t, 3>{});
-        else
-          heads(std::integral_constant<int64_t, 2>{});
+    const auto sweep = [&](auto count) {
+      constexpr int64_t G = decltype(count)::value;
+      f32v<L> a[G][VECS] = {};
+      for (int64_t key = first; key < end_key;) {
+        const int64_t off = key % bs, n = std::min(end_key - key, bs - off), pi = key / bs;
+        const char* ahead = nullptr;
+        if (g == 0 && (off == 0 || key == first) && pi + AHEAD <= last_page) {
+          const T* next = page_k(pi + AHEAD) + s_kv;
+          if (n == bs)
+            ahead = reinterpret_cast<const char*>(next);
+          else
+            prefetch<LOCALITY>(next, page_bytes);
+        }
+        const T* vrows = head_rows(key) + s_kv;
+        const float* p = scores + g * stride + (key - first);
+        for (int64_t j = 0; j < n; ++j) {
+          ask_row<ROW_BYTES>(ahead, j);
+          f32v<L> v[VECS];
+          if constexpr (std::is_same_v<T, float>) {
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < VECS; ++c) v[c] = load_row<L>(vrows + j * d + c * L, L);
+          } else {
+            // 32 bfloat16 values a load, as 16 pairs: the even ones are the low halves shifted up,
+            // the odd ones the high halves masked; register 2m holds the even dims of values
+            // 32m .. 32m + 31, register 2m + 1 the odd ones (put back in order below)
+#pragma GCC unroll 8
+            for (int64_t m = 0; m < VECS / 2; ++m) {
+              typename Vec<L>::u32 w;
+              std::memcpy(&w, vrows + j * d + m * 2 * L, sizeof(w));
+              const typename Vec<L>::u32 even = w << 16, odd = w & 0xFFFF0000u;
+              v[2 * m] = reinterpret_cast<const f32v<L>&>(even);
+              v[2 * m + 1] = reinterpret_cast<const f32v<L>&>(odd);
+            }
+          }
+#pragma GCC unroll 16
+          for (int64_t h = 0; h < G; ++h) {
+            const float pj = p[h * stride + j];
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < VECS; ++c) a[h][c] += pj * v[c];
+          }
+        }
+        key += n;
       }
+      for (int64_t h = 0; h < G; ++h) {
+        float* acc = &sc.acc[(g + h) * VECS * L];
+        if constexpr (std::is_same_v<T, float>) {
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < VECS; ++c) put<L>(acc + c * L, a[h][c]);
+        } else {  // the dims back in order from the even / odd registers
+          for (int64_t m = 0; m < VECS / 2; ++m)
+            for (int64_t i = 0; i < L; ++i) {
+              acc[m * 2 * L + 2 * i] = a[h][2 * m][i];
+              acc[m * 2 * L + 2 * i + 1] = a[h][2 * m + 1][i];
+            }
+        }
+      }
+      g += G;
+    };
+    while (g < group) {
+      if (group - g >= 4 && CAP >= 4)
+        sweep(std::integral_constant<int64_t, 4>{});
+      else if (group - g == 3 && CAP >= 3)
+        sweep(std::integral_constant<int64_t, 3>{});
+      else if (group - g >= 2 && CAP >= 2)
+        sweep(std::integral_constant<int64_t, 2>{});
+      else
+        sweep(std::integral_constant<int64_t, 1>{});
     }
-    for (; g < group; ++g)
-      add_values<L, V, VECS>(&sc.acc[g * vecs * L], scores + g * stride + (key - first), vrows, n, d, vecs, tail);
-    key += n;
+  } else {
+    // a page's rows at a time (the page AHEAD on asked for first), each query head's accumulator in
+    // registers across a page
+    for (int64_t key = first; key < end_key;) {
+      const int64_t off = key % bs;
+      const int64_t n = std::min(end_key - key, bs - off);
+      if (off == 0 || key == first) {
+        const int64_t pi = key / bs;
+        if (pi + AHEAD <= last_page) prefetch<LOCALITY>(page_k(pi + AHEAD) + s_kv, page_bytes);
+      }
+      const auto vrows = rows_for_heads<L, WIDEN>(head_rows(key) + s_kv, n, d, sc.rows.data());
+      for (int64_t g = 0; g < group; ++g)
+        add_values<L, std::remove_cv_t<std::remove_pointer_t<decltype(vrows)>>, VECS>(
+            &sc.acc[g * vecs * L], scores + g * stride + (key - first), vrows, n, d, vecs, tail);
+      key += n;
+    }
   }
   T* op = static_cast<T*>(pb.out);
   for (int64_t g = 0; g < group; ++g) {
