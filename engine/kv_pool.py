@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import sys
+
 import torch
 
 from engine.model_config import ModelConfig
@@ -11,6 +15,37 @@ def kv_bytes_per_token(config: ModelConfig, num_layers: int, dtype: torch.dtype)
     """K and V of one token over `num_layers` layers."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_key_value_heads * config.head_dim * itemsize * num_layers
+
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back the 2 MiB-aligned interior of a CPU tensor's memory with transparent huge
+    pages (madvise MADV_HUGEPAGE), before it is first touched; True if the kernel took the advice.
+
+    Why: a decode step's attention reads every sequence's pages, 2 KiB of one head here and there
+    across a pool of hundreds of MiB, and with 4 KiB pages nearly every read also missed the TLB. On
+    a 2-core Sapphire Rapids, 128 sequences x 300 keys x 36 layers of bf16 K/V (1.4 GB) read at
+    18.9 GB/s on 4 KiB pages and 20.3 GB/s on huge pages. Only the pool: for every allocation
+    (torch's THP_MEM_ALLOC_ENABLE) each short-lived activation would fault and zero 2 MiB pages.
+    Where THP is off ("never") or this is not Linux, it changes nothing."""
+    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) on the KV pool failed: errno %d", ctypes.get_errno())
+        return False
+    return True
 
 
 class KVPool:
@@ -62,7 +97,12 @@ class KVPool:
         self.num_blocks = int(num_blocks)
         if tensor is None:
             shape = (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim)
-            tensor = torch.zeros(shape, dtype=dtype, device=device)
+            if torch.device(device).type == "cpu":  # huge pages before the first touch (the zeroing)
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                advise_huge_pages(tensor)
+                tensor.zero_()
+            else:
+                tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.tensor = tensor
 
     def layer(self, local_layer: int) -> torch.Tensor:
