@@ -522,6 +522,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
             // 32 bfloat16 values a load, as 16 pairs: the even ones are the low halves shifted up,
             // the odd ones the high halves masked; register 2m holds the even dims of values
             // 32m .. 32m + 31, register 2m + 1 the odd ones (put back in order below)
+            static_assert(VECS % 2 == 0, "whole pairs of registers");
 #pragma GCC unroll 8
             for (int64_t m = 0; m < VECS / 2; ++m) {
               typename Vec<L>::u32 w;
