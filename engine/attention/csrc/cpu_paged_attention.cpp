@@ -412,6 +412,14 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   const auto head_rows = [&](int64_t key) { return kvp + pages[key / bs] * s_block + h * s_head + key % bs * d; };
   const auto page_k = [&](int64_t pi) { return kvp + pages[pi] * s_block + h * s_head; };
   const int64_t last_page = (end_key - 1) / bs;
+  // Asks for page pi's rows of this head (K; V at kv_off = s_kv) ahead of their use: all at once here,
+  // or, `by_rows`, a row per key by the caller (`ask_row` on the returned pointer; else null).
+  const auto ask_page = [&](int64_t pi, int64_t kv_off, bool by_rows) -> const char* {
+    const T* rows = page_k(pi) + kv_off;
+    if (by_rows) return reinterpret_cast<const char*>(rows);
+    prefetch<LOCALITY>(rows, page_bytes);
+    return nullptr;
+  };
 
   for (int64_t g = 0; g < group; ++g) {
     const T* row = qp + t * pb.q_row + (h * group + g) * d;
@@ -420,7 +428,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     else
       for (int64_t c = 0; c < vecs; ++c)
         put<L>(&sc.q[(g * vecs + c) * L], load_row<L>(row + c * L, c == vecs - 1 ? tail : L) * pb.scale);
-    std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);
+    if constexpr (!SPREAD) std::fill_n(&sc.acc[g * vecs * L], vecs * L, 0.0f);  // SPREAD's sweeps write it whole
     put<L>(&sc.max[g * L], f32v<L>{} - INFINITY);
   }
   // 1. scores, L keys at a time from one page; the lanes past the chunk's keys are -inf. The page
@@ -436,12 +444,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
       if (key == first)
         for (int64_t a = 1; a < AHEAD; ++a)
           if (pi + a <= last_page) prefetch<LOCALITY>(page_k(pi + a), page_bytes);
-      if (pi + AHEAD <= last_page) {
-        if (SPREAD && n == L && bs == L)
-          ahead = reinterpret_cast<const char*>(page_k(pi + AHEAD));
-        else
-          prefetch<LOCALITY>(page_k(pi + AHEAD), page_bytes);
-      }
+      if (pi + AHEAD <= last_page) ahead = ask_page(pi + AHEAD, 0, SPREAD && n == L && bs == L);
     }
     const i32v<L> live = lane < static_cast<int32_t>(n);
     for (int64_t g = 0; g < group; ++g) {
@@ -503,13 +506,8 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
       for (int64_t key = first; key < end_key;) {
         const int64_t off = key % bs, n = std::min(end_key - key, bs - off), pi = key / bs;
         const char* ahead = nullptr;
-        if (g == 0 && (off == 0 || key == first) && pi + AHEAD <= last_page) {
-          const T* next = page_k(pi + AHEAD) + s_kv;
-          if (n == bs)
-            ahead = reinterpret_cast<const char*>(next);
-          else
-            prefetch<LOCALITY>(next, page_bytes);
-        }
+        if (g == 0 && (off == 0 || key == first) && pi + AHEAD <= last_page)
+          ahead = ask_page(pi + AHEAD, s_kv, n == bs);
         const T* vrows = head_rows(key) + s_kv;
         const float* p = scores + g * stride + (key - first);
         for (int64_t j = 0; j < n; ++j) {
