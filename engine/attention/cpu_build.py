@@ -28,8 +28,13 @@ import torch
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_fused_ops.cpp", CSRC / "cpu_float_carry.cpp")
-HEADERS = (CSRC / "cpu_common.h",)
+SOURCES = (
+    CSRC / "cpu_paged_attention.cpp",
+    CSRC / "cpu_prefill_attention.cpp",
+    CSRC / "cpu_fused_ops.cpp",
+    CSRC / "cpu_float_carry.cpp",
+)
+HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_vec.h", CSRC / "cpu_prefill.h")
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""
 LIBRARY = "pdserve_cpu_paged.so"
 built_in_this_process = False
@@ -133,7 +138,7 @@ def build_once(out: Path, compile_into: Callable[[Path], None]) -> bool:
 
 
 def _compile(build_directory: Path) -> None:
-    """torch.utils.cpp_extension's build of both sources into `build_directory` (about a minute)."""
+    """torch.utils.cpp_extension's build of the sources into `build_directory` (about a minute)."""
     from torch.utils.cpp_extension import load
 
     log.info("compiling the CPU ops into %s (once per cache directory)", build_directory)

@@ -225,16 +225,18 @@ def test_store_kv_equals_index_assignment(op, dtype):
 
 @pytest.mark.parametrize("backend_name", ["cpu_paged", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backends_on_a_mixed_step_match_the_reference(op, backend_name, dtype):
+@pytest.mark.parametrize("d", [40, 64])
+def test_backends_on_a_mixed_step_match_the_reference(op, backend_name, dtype, d, monkeypatch):
     """One step mixing every path a backend takes: decode tokens and a short chunk (the kernel), a long
-    chunk after a cached prefix (gathered pages through SDPA) and a fresh prompt (causal SDPA)."""
+    chunk after a cached prefix (gathered pages through SDPA) and a fresh prompt (causal SDPA); with
+    cpu_paged in float32 and a head size of 64 those two go to the prompt kernel instead."""
     from engine.attention import make_backend
     from engine.attention.base import AttentionMetadata
     from engine.attention.cpu_paged_backend import CHUNK_SDPA_MIN_TOKENS
     from engine.forward_batch import ForwardBatch
 
     g = torch.Generator().manual_seed(11)
-    hkv, hq, d, bs = 2, 6, 40, 4
+    hkv, hq, bs = 2, 6, 4
     q_lens = [1, 5, CHUNK_SDPA_MIN_TOKENS + 21, 1, 30]
     ctxs = [23, 17, 70, 9, 30]  # the last is a fresh prompt (q_len == ctx)
     perm = torch.randperm(64, generator=g).tolist()
@@ -249,11 +251,95 @@ def test_backends_on_a_mixed_step_match_the_reference(op, backend_name, dtype):
     batch = ForwardBatch([f"s{i}" for i in range(5)], [7] * total, q_lens, ctxs, tables, [True] * 5)
     meta = AttentionMetadata.build(batch, bs, torch.device("cpu"))
     backend = make_backend(backend_name)
+    calls = []
     if backend_name == "cpu_paged":
         backend.wait_ready()
         assert backend.uses_kernel
+        prompt_op = torch.ops.pdserve_cpu.paged_prefill_attention
+        monkeypatch.setattr(
+            torch.ops.pdserve_cpu, "paged_prefill_attention", lambda *a: calls.append(1) or prompt_op(*a)
+        )
     pool = kv.clone()
     got = backend.forward(q, k, v, pool, meta, 0.125)
+    if backend_name == "cpu_paged":
+        assert bool(calls) == (dtype == torch.float32 and _prompt_kernel_runs(d))
     want = _reference(q, pool, tables, q_lens, ctxs, bs, 0.125)  # the pool now holds this step's K/V too
     atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
+
+
+def _prompt_kernel_runs(d: int) -> bool:
+    return bool(torch.ops.pdserve_cpu.prefill_supported(d))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(10))
+def test_prompt_kernel_matches_reference(op, seed, dtype):
+    """The prompt kernel (`paged_prefill_attention`) on fresh prompts and long chunks after a cached
+    prefix: GQA groups 1-5 and 8 (64-row items that split a token's heads), head sizes 16-256, pages
+    of 1-32 keys (chunks shorter than 16 keys, page ends mid-chunk), sliding windows, 1-3 threads."""
+    rng = random.Random(100 + seed)
+    d = rng.choice([16, 32, 64, 128, 256])
+    if not _prompt_kernel_runs(d):
+        pytest.skip("the prompt kernel needs AVX-512")
+    hkv = rng.choice([1, 2, 3])
+    hq = hkv * rng.choice([1, 2, 3, 4, 5, 8])
+    block_size = rng.choice([1, 4, 8, 16, 32])
+    window = rng.choice([0, 0, 7, 40])
+    num_blocks = 400 // block_size + 8
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(num_blocks, 2, hkv, block_size, d, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, q_lens, ctxs = [], [], []
+    for _ in range(rng.randrange(1, 4)):
+        ctx = rng.choice([16, 17, 63, 64, rng.randrange(16, 130)])
+        q_len = rng.choice([ctx, rng.randrange(16, ctx + 1)])  # a fresh prompt or a chunk after a prefix
+        n = (ctx + block_size - 1) // block_size
+        if n > len(free):
+            break
+        tables.append([free.pop() for _ in range(n)])
+        q_lens.append(q_len)
+        ctxs.append(ctx)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    want = _reference(q, kv, tables, q_lens, ctxs, block_size, d**-0.5, window)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got = torch.ops.pdserve_cpu.paged_prefill_attention(
+                q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window
+            )
+            atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
+            assert got.dtype == dtype and got.shape == q.shape
+            torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=f"{threads} threads")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prompt_kernel_reads_a_query_view_and_refuses_what_it_cannot_run(op):
+    """q may be a row view of the fused qkv projection; bad pages are refused as by the decode op, and a
+    head size the kernel has no code for is an error, not a wrong answer."""
+    if not _prompt_kernel_runs(64):
+        pytest.skip("the prompt kernel needs AVX-512")
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs = 4, 2, 64, 16
+    qkv = torch.randn(40, (hq + 2 * hkv) * d, generator=gen)
+    q = qkv[:, : hq * d].view(40, hq, d)
+    kv = torch.randn(4, 2, hkv, bs, d, generator=gen)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    got = torch.ops.pdserve_cpu.paged_prefill_attention(q, kv, i32([[2, 0, 3]]), i32([0, 40]), i32([40]), 0.125, 0)
+    want = _reference(q, kv, [[2, 0, 3]], [40], [40], bs, 0.125)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        torch.ops.pdserve_cpu.paged_prefill_attention(q, kv, i32([[2, 0, 4]]), i32([0, 40]), i32([40]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.pdserve_cpu.paged_prefill_attention(q, kv, i32([[2, 0]]), i32([0, 40]), i32([40]), 0.125, 0)
+    odd = torch.randn(20, 2, 40)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.pdserve_cpu.paged_prefill_attention(
+            odd, torch.randn(2, 2, 1, 16, 40), i32([[0, 1]]), i32([0, 20]), i32([20]), 0.125, 0
+        )
