@@ -144,6 +144,6 @@ class LlamaModel:
         return total + (self.lm_head.nbytes if self.lm_head is not None else 0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> float32 logits [S, V]."""
+        """hidden [S, H] -> logits [S, V] in the model's dtype (the sampler widens them where it needs to)."""
         assert self.lm_head is not None, "only the last slice has an lm_head"
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)

@@ -148,7 +148,7 @@ class ModelRunner:
         hidden_states: torch.Tensor | None = None,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Through the model's last layer: float32 logits [num_sampled, vocab] (rows of sample_mask,
+        """Through the model's last layer: logits [num_sampled, vocab] in the model's dtype (rows of sample_mask,
         in order); else hidden [T, H]. `layers`: a sub-range of `layer_range` (default all of it)."""
         assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
         start, end = layers or self.layer_range

@@ -157,3 +157,31 @@ def test_bf16_model_logprobs_match_the_eager_and_torch_paths(tiny_model_dir):
         top = want.topk(5, dim=-1).indices
         assert float((got - want).abs().max()) <= BF16_BACKEND_ATOL_ALL
         assert float((got.gather(1, top) - want.gather(1, top)).abs().max()) <= BF16_BACKEND_ATOL_TOP
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 3000, 32000])
+def test_greedy_is_the_first_maximum_of_each_row(dtype, width):
+    """torch.ops.pdserve_cpu.greedy equals logits.max(dim=-1).indices: the first of tied maxima (in
+    one lane and across lanes), a NaN wins at its first position, an all -inf row gives 0, strided rows."""
+    g = torch.Generator().manual_seed(width)
+    logits = torch.randint(-3, 3, (24, width + 5), generator=g).to(dtype)[:, 3 : 3 + width]
+    logits[1] = 2.0  # all tied
+    logits[2] = float("-inf")
+    if width > 1:
+        logits[3, width // 2] = float("nan")
+        logits[3, width - 1] = float("nan")
+        logits[4, [width - 1, width // 3]] = float("inf")
+        logits[5, :] = -1.0
+        logits[5, [min(16, width - 1), width - 1]] = 7.0  # tied maxima in two lanes
+    got = torch.ops.pdserve_cpu.greedy(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.max(dim=-1).indices)
+    assert torch.equal(got, logits.float().max(dim=-1).indices)
+
+
+def test_greedy_refuses_bad_logits():
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.pdserve_cpu.greedy(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"logits \[S, V\]"):
+        torch.ops.pdserve_cpu.greedy(torch.zeros(2, 0))

@@ -24,18 +24,38 @@ def test_greedy_and_logprobs_of_raw_logits():
     assert [t for t, _ in lp.top] == [1, 2]
 
 
-def test_greedy_batch_picks_the_first_maximum_of_each_row():
-    # the all-greedy batch takes one reduction over the rows: ties, -inf and NaN as argmax does
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_greedy_batch_picks_the_first_maximum_of_each_row(monkeypatch, dtype, compiled):
+    # the all-greedy batch takes one reduction over the rows, the compiled `greedy` op where it is
+    # loaded (bf16 logits read as they are), else torch's: ties, -inf and NaN as argmax does
+    from engine.attention import cpu_build
+
+    if compiled:
+        assert cpu_build.load_paged_attention_op() is not None, "this machine has a C++ compiler"
+    else:
+        monkeypatch.setattr(cpu_build, "current_op", lambda: None)
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randint(0, 3, (40, 3000), generator=gen).float()
+    logits = torch.randint(0, 3, (40, 3000), generator=gen).to(dtype)
     logits[3, :] = 1.0
     logits[5, [7, 2999]] = float("inf")
     logits[9, :] = -float("inf")
     logits[11, 17] = float("nan")
     reqs = [req(SamplingParams(temperature=0.0)) for _ in range(len(logits))]
     tokens = [t for t, _ in Sampler()(logits, reqs, {})]
-    assert tokens == logits.argmax(dim=-1).tolist()
+    assert tokens == logits.float().argmax(dim=-1).tolist()
     assert (tokens[3], tokens[5], tokens[9], tokens[11]) == (0, 7, 0, 17)
+
+
+def test_bf16_logits_are_widened_for_logprobs_and_sampling():
+    """A bf16 model's logits reach the sampler as they are; any request that needs more than their
+    maximum (logprobs, penalties, sampling) sees their float32 widening."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [2.0, 0.5, 2.5, 0.0]]).bfloat16()
+    greedy_lp = req(SamplingParams(temperature=0.0, logprobs=1))
+    sampled = req(SamplingParams(temperature=1.0, top_k=1, seed=1))
+    out = Sampler()(logits, [greedy_lp, sampled], {"r": make_generator(1)})
+    assert [t for t, _ in out] == [1, 2]
+    assert out[0][1].logprob == pytest.approx(float(torch.log_softmax(logits[0].float(), -1)[1]))
 
 
 def test_penalties():

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "cpu_common.h"
 
@@ -29,6 +30,9 @@ using pds::rb;
 using pds::sum_sq_bf16;
 
 // ---- per-row kernels (one row = one token) ----
+
+inline float load_f32(const float* p) { return *p; }
+inline float load_f32(const uint16_t* p) { return b2f(*p); }
 
 PDS_CLONES float sum_sq_f32(const float* x, int64_t n) {
   float acc[16] = {0};
@@ -87,11 +91,66 @@ PDS_CLONES void rotary_bf16(uint16_t* x, const uint16_t* c, const uint16_t* s, i
   }
 }
 
+// index of the first maximum of a row, or of its first NaN if it has one (torch.max(dim)'s answer).
+// Each of 16 lanes keeps its largest value and where it first saw it (strict >: the earlier of
+// equal values stays); the lanes are then merged by value, then index. GCC vector types: the plain
+// per-lane loop of this was not vectorised.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f32x16 load16(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;  // exact widening
+  return reinterpret_cast<const f32x16&>(bits);
+}
+
+template <typename T>
+__attribute__((always_inline)) inline int64_t row_argmax(const T* x, int64_t n) {
+  f32x16 best = f32x16{} - std::numeric_limits<float>::infinity();
+  i32x16 idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, at = idx, nan = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16, idx += 16) {
+    const f32x16 v = load16(x + i);
+    const i32x16 more = v > best;
+    best = more ? v : best;
+    at = more ? idx : at;
+    nan |= v != v;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t where = n;  // no lane saw a value above -inf: an all -inf row's answer is 0, below
+  bool any_nan = false;
+  for (int l = 0; l < 16; ++l) {
+    any_nan |= nan[l] != 0;
+    if (best[l] > m || (best[l] == m && at[l] < where)) m = best[l], where = at[l];
+  }
+  for (; i < n; ++i) {
+    const float v = load_f32(x + i);
+    any_nan |= v != v;
+    if (v > m) m = v, where = i;
+  }
+  if (any_nan)
+    for (int64_t j = 0; j < n; ++j)
+      if (load_f32(x + j) != load_f32(x + j)) return j;
+  return where < n ? where : 0;
+}
+PDS_CLONES int64_t row_argmax_f32(const float* x, int64_t n) { return row_argmax(x, n); }
+PDS_CLONES int64_t row_argmax_bf16(const uint16_t* x, int64_t n) { return row_argmax(x, n); }
+
 // ---- ops ----
 
-// Rows per thread chunk: about 256K values. These passes take microseconds below that, and waking
-// the other OpenMP threads can cost a scheduler time slice (milliseconds) on a loaded machine.
-int64_t grain(int64_t row_len) { return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(row_len, 1)); }
+// Rows per thread chunk: about 32K values, so a decode step's rows (16-128 tokens) are split between
+// the threads too. The threads are awake then, spinning after the GEMM before; a grain of 256K values
+// ran every decode step's SiLU-mul and RMSNorm on one core, and the engine_vs_vllm bf16 workload took
+// 1-2% longer (2-core Sapphire Rapids). A single row (batch-1 decode) still runs on one thread.
+int64_t grain(int64_t row_len) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(row_len, 1)); }
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -155,6 +214,24 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// logits [S, V] -> int64 [S]: each row's greedy token, as logits.max(dim=-1).indices. Reads bfloat16
+// logits as they are: torch's widening copy and its bf16 max each cost about as much as the max of
+// the float32 copy.
+at::Tensor greedy(const at::Tensor& logits) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits [S, V] expected");
+  TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), "vocabulary too large");
+  const int64_t rows = logits.size(0), n = logits.size(1), ls = logits.stride(0);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      o[t] = is_bf16(logits) ? row_argmax_bf16(u16(logits) + t * ls, n)
+                            : row_argmax_f32(logits.data_ptr<float>() + t * ls, n);
+  });
+  return out;
+}
+
 // In place on qkv [T, W]: rotates the first `num_heads` heads of `head_dim` of each row (q then k
 // heads, v left alone) by cos/sin [T, head_dim].
 void rotary(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim) {
@@ -183,7 +260,9 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("greedy(Tensor logits) -> Tensor");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
   m.impl("rotary", c10::DispatchKey::CPU, &rotary);
+  m.impl("greedy", c10::DispatchKey::CPU, &greedy);
 }
