@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionMetadata, make_backend, resolve_backend
+from engine.cpu_malloc import keep_freed_memory
 from engine.forward_batch import ForwardBatch
 from engine.kv_pool import KVPool, kv_bytes_per_token
 from engine.kv_sizing import KvMemory, fit_max_model_len, kv_memory_for
@@ -80,6 +81,8 @@ class ModelRunner:
         """The geometry this process computes with: the whole model, or one rank's heads and MLP share."""
         cfg = self.local_config
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         start, end = layer_range or (0, cfg.num_hidden_layers)
         if not 0 <= start < end <= cfg.num_hidden_layers:
