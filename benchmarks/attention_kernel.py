@@ -3,6 +3,7 @@
     python -m benchmarks.attention_kernel            # bench-model heads, contexts 512 and 2048, fp32 and bf16
     python -m benchmarks.attention_kernel --quick    # one context, fewer rounds
     python -m benchmarks.attention_kernel --against narrow [--quick]   # this CPU's kernels vs the 8-lane ones
+    python -m benchmarks.attention_kernel --against sdpa [--quick]     # prompts: the prompt kernel vs SDPA
 
 One decode token per sequence reads its pages in place through `torch.ops.pdserve_cpu.paged_attention`;
 the baseline is what a node runs without the op (`engine.attention.torch_backend.chunk_attention`:
@@ -16,6 +17,12 @@ vdpbf16ps on AVX512-BF16) against its 8-lane ones (`PDSERVE_CPU_NARROW=1`, what 
 runs), interleaved, on 2 threads (`--threads`), a decode step of 64 sequences: one call per layer
 pool of the bench model's 12, blocks scattered, so the K/V come from memory as in an engine step.
 On a CPU without AVX-512 both are the 8-lane kernels and the ratio is ~1.
+
+`--against sdpa` times prompts, not decode: one fresh prompt of 64-512 tokens through the prompt
+kernel (`torch.ops.pdserve_cpu.paged_prefill_attention`, AVX-512 only) against what the node runs
+without it (`causal_self_attention`: torch's causal flash SDPA over the prompt's own K/V), 2 threads,
+interleaved, best of the rounds, fp32 and bf16. The engine routes only fp32 prompts to the kernel
+(`PROMPT_KERNEL_DTYPES`): the bf16 rows show why.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch
 
 from benchmarks.common import emit
 from engine.attention.cpu_build import load_paged_attention_op
-from engine.attention.torch_backend import chunk_attention
+from engine.attention.torch_backend import causal_self_attention, chunk_attention
 
 HQ, HKV, D, BLOCK = 12, 4, 64, 16  # the bench model's attention geometry
 
@@ -148,19 +155,90 @@ def against_narrow(op, quick: bool, threads: int) -> None:
     )
 
 
+def prompt_row(dtype: torch.dtype, tokens: int, rounds: int) -> dict:
+    """Best-of-`rounds` time of one fresh prompt's attention: the prompt kernel and causal SDPA."""
+    g = torch.Generator().manual_seed(tokens)
+    pages = -(-tokens // BLOCK)
+    kv = torch.randn(pages, 2, HKV, BLOCK, D, generator=g).to(dtype)
+    q = torch.randn(tokens, HQ, D, generator=g).to(dtype)
+    pos = torch.arange(tokens)
+    k, v = kv[pos // BLOCK, 0, :, pos % BLOCK], kv[pos // BLOCK, 1, :, pos % BLOCK]  # the prompt's own K/V
+    table = torch.arange(pages, dtype=torch.int32)[None]
+    starts, ctxs = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    scale = D**-0.5
+
+    def kernel() -> torch.Tensor:
+        return torch.ops.pdserve_cpu.paged_prefill_attention(q, kv, table, starts, ctxs, scale, 0)
+
+    def sdpa() -> torch.Tensor:
+        return causal_self_attention(q, k, v, scale)
+
+    diff = (kernel().float() - sdpa().float()).abs().max().item()
+    best = {"kernel": math.inf, "sdpa": math.inf}
+    for _ in range(rounds):
+        for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / 5)
+    flop = 4 * HQ * D * tokens * (tokens + 1) / 2  # QK and PV over the causal half
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": tokens,
+        "kernel_us": round(best["kernel"] * 1e6, 1),
+        "sdpa_us": round(best["sdpa"] * 1e6, 1),
+        "kernel_gflops": round(flop / best["kernel"] / 1e9, 1),
+        "sdpa_gflops": round(flop / best["sdpa"] / 1e9, 1),
+        "speedup": round(best["sdpa"] / best["kernel"], 3),
+        "max_abs_diff": diff,
+    }
+
+
+def against_sdpa(quick: bool, threads: int) -> None:
+    """`--against sdpa`: prompts through the prompt kernel against causal SDPA (module docstring)."""
+    if not torch.ops.pdserve_cpu.prefill_supported(D):
+        raise SystemExit("the prompt kernel needs an AVX-512 CPU: nothing to compare here")
+    torch.set_num_threads(threads)
+    lengths = (64, 256) if quick else (64, 128, 256, 512)
+    rounds = 3 if quick else 10
+    rows = [prompt_row(dtype, n, rounds) for dtype in (torch.float32, torch.bfloat16) for n in lengths]
+    for r in rows:
+        print(r)
+    fp32 = [r for r in rows if r["dtype"] == "float32"]
+    emit(
+        {
+            "metric": "prompt_attention_speedup_over_sdpa_float32",
+            "value": round(sum(r["kernel_us"] for r in fp32), 1),
+            "baseline": round(sum(r["sdpa_us"] for r in fp32), 1),
+            "ratio": round(math.exp(sum(math.log(r["speedup"]) for r in fp32) / len(fp32)), 3),
+            "target": 1.0,
+            "unit": "microseconds of one prompt's attention summed over the float32 rows (value: prompt kernel, "
+            "baseline: causal SDPA); ratio: geometric mean speedup; the bf16 rows are in `rows`",
+            "threads": threads,
+            "rows": rows,
+        }
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
-        "--against", choices=["torch", "narrow"], default="torch", help="baseline: the torch path or the 8-lane kernels"
+        "--against",
+        choices=["torch", "narrow", "sdpa"],
+        default="torch",
+        help="baseline: the torch path or the 8-lane kernels (decode), or SDPA (prompts)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="default: 1 against torch, 2 against narrow")
+    parser.add_argument("--threads", type=int, default=None, help="default: 1 against torch, 2 otherwise")
     args = parser.parse_args()
     op = load_paged_attention_op()
     if op is None:
         raise SystemExit("the cpu_paged op could not be built here (no C++ compiler?): nothing to compare")
     if args.against == "narrow":
         against_narrow(op, args.quick, args.threads or 2)
+        return
+    if args.against == "sdpa":
+        against_sdpa(args.quick, args.threads or 2)
         return
     torch.set_num_threads(args.threads or 1)
     contexts = (512,) if args.quick else (512, 2048)
