@@ -53,9 +53,12 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence in the engine. `num_computed_tokens` counts tokens whose KV is in the pool."""
+    """One sequence in the engine. `num_computed_tokens` counts tokens whose KV is in the pool.
+
+    Compared by identity (eq=False): the scheduler's `in` and `remove` on its queues compared every
+    field, token lists included, ~1% of a bf16 engine run with 128 running requests."""
 
     request_id: str
     prompt_token_ids: list[int]
