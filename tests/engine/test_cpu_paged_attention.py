@@ -46,6 +46,27 @@ def _reference(q, kv, tables, q_lens, ctxs, block_size, scale, window=0):
     return torch.stack(out)
 
 
+def _index_tensors(tables: list[list[int]], q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ops' int32 block table [S, P] (zero-padded) and query starts [S + 1]."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return table, torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _place(rng: random.Random, free: list[int], block_size: int, draws: int, draw) -> tuple[list, list, list]:
+    """Up to `draws` sequences, (q_len, ctx) = draw(), each given its pages from `free` while they last."""
+    tables, q_lens, ctxs = [], [], []
+    for _ in range(draws):
+        q_len, ctx = draw()
+        n = (ctx + block_size - 1) // block_size
+        if n > len(free):
+            break
+        tables.append([free.pop() for _ in range(n)])
+        q_lens.append(q_len)
+        ctxs.append(ctx)
+    return tables, q_lens, ctxs
+
+
 KERNELS = {"narrow": 0, "wide": 1, "dot": 2}
 """What `torch.ops.pdserve_cpu.attention_kernels()` reports for each variant of the op's kernels."""
 
@@ -75,21 +96,15 @@ def test_matches_reference_on_random_ragged_batches(op, kernels, seed, dtype):
     kv = torch.randn(num_blocks, 2, hkv, block_size, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)  # block tables are scattered, not increasing
-    tables, q_lens, ctxs = [], [], []
-    for _ in range(rng.randrange(1, 7)):
+
+    def draw() -> tuple[int, int]:
         boundary = block_size * rng.randrange(1, 4)
         ctx = rng.choice([1, boundary, boundary + 1, rng.randrange(1, 60)])
-        q_len = rng.choice([1, 1, min(ctx, rng.randrange(1, 9))])  # decode token or a chunk after a prefix
-        n = (ctx + block_size - 1) // block_size
-        if n > len(free):
-            break
-        tables.append([free.pop() for _ in range(n)])
-        q_lens.append(q_len)
-        ctxs.append(ctx)
+        return rng.choice([1, 1, min(ctx, rng.randrange(1, 9))]), ctx  # decode token or a chunk after a prefix
+
+    tables, q_lens, ctxs = _place(rng, free, block_size, rng.randrange(1, 7), draw)
     q = torch.randn(sum(q_lens), hq, d).to(dtype)
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    table, starts = _index_tensors(tables, q_lens)
     scale = d**-0.5
     got = op(q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), scale)
     want = _reference(q, kv, tables, q_lens, ctxs, block_size, scale)
@@ -113,9 +128,7 @@ def test_register_held_head_sizes_match_reference(op, kernels, dtype, d):
     random.Random(d).shuffle(free)
     tables = [[free.pop() for _ in range(n)] for n in pages]
     kv = torch.randn(sum(pages) + 4, 2, hkv, block_size, d, generator=gen).to(dtype)
-    width = max(pages)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    table, starts = _index_tensors(tables, q_lens)
     for group in (1, 2, 3, 4, 5, 8):
         q = torch.randn(sum(q_lens), hkv * group, d, generator=gen).to(dtype)
         for window in (0, 21):
@@ -141,9 +154,7 @@ def test_long_ragged_decode_split_across_threads(op, kernels, threads, window):
     gen = torch.Generator().manual_seed(threads)
     kv = torch.randn(len(free) + sum(pages), 2, hkv, block_size, d, generator=gen).to(dtype)
     q = torch.randn(len(ctxs), hq, d, generator=gen).to(dtype)
-    width = max(pages)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = torch.arange(len(ctxs) + 1, dtype=torch.int32)
+    table, starts = _index_tensors(tables, [1] * len(ctxs))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -291,20 +302,14 @@ def test_prompt_kernel_matches_reference(op, seed, dtype):
     kv = torch.randn(num_blocks, 2, hkv, block_size, d, generator=gen).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    tables, q_lens, ctxs = [], [], []
-    for _ in range(rng.randrange(1, 4)):
+
+    def draw() -> tuple[int, int]:
         ctx = rng.choice([16, 17, 63, 64, rng.randrange(16, 130)])
-        q_len = rng.choice([ctx, rng.randrange(16, ctx + 1)])  # a fresh prompt or a chunk after a prefix
-        n = (ctx + block_size - 1) // block_size
-        if n > len(free):
-            break
-        tables.append([free.pop() for _ in range(n)])
-        q_lens.append(q_len)
-        ctxs.append(ctx)
+        return rng.choice([ctx, rng.randrange(16, ctx + 1)]), ctx  # a fresh prompt or a chunk after a prefix
+
+    tables, q_lens, ctxs = _place(rng, free, block_size, rng.randrange(1, 4), draw)
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    table, starts = _index_tensors(tables, q_lens)
     want = _reference(q, kv, tables, q_lens, ctxs, block_size, d**-0.5, window)
     before = torch.get_num_threads()
     try:

@@ -41,21 +41,29 @@ inline uint16_t f2b(float f) {
 // a bfloat16 store and reload: where the bf16 chain of eager ops rounds a float32 value
 inline float rb(float f) { return b2f(f2b(f)); }
 
-// exp for the vectorised loops (Cephes polynomial, ~1 ulp on the range SiLU needs); std::exp does
-// not vectorise without -ffast-math
-inline float fast_exp(float x) {
-  x = x > 88.3762626647949f ? 88.3762626647949f : (x < -87.3365447505531f ? -87.3365447505531f : x);
+// The Cephes polynomial of exp on an x already clamped to [-87.34, 88.38]: exp(x) = result * 2^n, n
+// set to round(x / ln 2). F: float, or a GCC vector of floats (cpu_prefill_attention.cpp's exp).
+template <typename F>
+__attribute__((always_inline)) inline F exp_mantissa(F x, F& n) {
   // round to nearest through the float adder: std::nearbyint is a libm call that blocks vectorising
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
+  n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  F r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp for the vectorised loops (Cephes polynomial, ~1 ulp on the range SiLU needs); std::exp does
+// not vectorise without -ffast-math
+inline float fast_exp(float x) {
+  x = x > 88.3762626647949f ? 88.3762626647949f : (x < -87.3365447505531f ? -87.3365447505531f : x);
+  float n;
+  const float p = exp_mantissa(x, n);
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &e, sizeof(scale));

@@ -65,16 +65,8 @@ __attribute__((always_inline)) inline v16 exp_f32(v16 x) {
   const auto underflow = x < lo;
   x = x > hi ? hi : x;
   x = underflow ? lo : x;
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v16 r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  v16 n;
+  const v16 p = pds::exp_mantissa(x, n);
   const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
   return underflow ? v16{} : p * reinterpret_cast<const v16&>(e);
 }
