@@ -45,6 +45,8 @@ def test_greedy_batch_picks_the_first_maximum_of_each_row(monkeypatch, dtype, co
     tokens = [t for t, _ in Sampler()(logits, reqs, {})]
     assert tokens == logits.float().argmax(dim=-1).tolist()
     assert (tokens[3], tokens[5], tokens[9], tokens[11]) == (0, 7, 0, 17)
+    columns = logits.t().contiguous().t()  # the same values, rows not contiguous: torch's max takes them
+    assert [t for t, _ in Sampler()(columns, reqs, {})] == tokens
 
 
 def test_bf16_logits_are_widened_for_logprobs_and_sampling():
