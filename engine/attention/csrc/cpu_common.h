@@ -6,13 +6,19 @@
 #include <cstdint>
 #include <cstring>
 
+// PDS_X86_GCC: GCC on x86-64, where the per-CPU variants below (clones, AVX-512 target functions and
+// their inline assembly) are built; elsewhere every op compiles to its portable loops only.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PDS_X86_GCC 1
+#endif
+
 // Loops marked PDS_CLONES are compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and
 // baseline x86-64 (GCC) and the variant is picked at load time, so one build is correct and
 // vectorised on any x86-64 CPU. v3 rather than plain "avx2": that clone had no FMA, and SiLU-mul
 // ran 1.7x slower in it (measured on an AVX2-only EPYC).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#if defined(PDS_X86_GCC) && __GNUC__ >= 12
 #define PDS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#elif defined(PDS_X86_GCC)
 // GCC 11 (Ubuntu 22.04) has no dispatcher for arch=x86-64-vN clones ("no dispatcher found for the
 // versioning attributes": the whole op failed to build there); its AVX2 clone has no FMA
 #define PDS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -21,6 +27,17 @@
 #endif
 
 namespace pds {
+
+#ifdef PDS_X86_GCC
+// Whether this CPU runs the 16-lane (x86-64-v4, AVX-512) kernels of the attention ops: the set named
+// feature by feature, since GCC 11 has no "x86-64-v4" for this builtin.
+inline bool cpu_has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+#endif
 
 // bfloat16 bits -> float32 (exact)
 inline float b2f(uint16_t h) {

@@ -21,6 +21,7 @@
 #include <limits>
 
 #include "cpu_common.h"
+#include "cpu_vec.h"
 
 namespace {
 
@@ -93,22 +94,18 @@ PDS_CLONES void rotary_bf16(uint16_t* x, const uint16_t* c, const uint16_t* s, i
 
 // index of the first maximum of a row, or of its first NaN if it has one (torch.max(dim)'s answer).
 // Each of 16 lanes keeps its largest value and where it first saw it (strict >: the earlier of
-// equal values stays); the lanes are then merged by value, then index. GCC vector types: the plain
-// per-lane loop of this was not vectorised.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
+// equal values stays); the lanes are then merged by value, then index. GCC vector types (cpu_vec.h):
+// the plain per-lane loop of this was not vectorised.
+typedef f32v<16> f32x16;
+typedef i32v<16> i32x16;
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline f32x16 load16(const float* p) { return get<16>(p); }
+// the generic widening: cpu_vec.h's load_row<16> uses an AVX-512 instruction, and these loops are
+// also built for AVX2 and baseline x86-64 (PDS_CLONES)
 inline f32x16 load16(const uint16_t* p) {
-  u16x16 h;
+  Vec<16>::u16 h;
   std::memcpy(&h, p, sizeof(h));
-  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;  // exact widening
+  const Vec<16>::u32 bits = __builtin_convertvector(h, Vec<16>::u32) << 16;  // exact widening
   return reinterpret_cast<const f32x16&>(bits);
 }
 

@@ -498,7 +498,7 @@ PDS_CLONES void attend_items_bf16(const Problem& pb, int64_t begin, int64_t end,
   attend_items<8, at::BFloat16>(pb, begin, end, sc);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#ifdef PDS_X86_GCC
 // The wide kernels: 16 lanes, one AVX-512 register, for CPUs that have AVX-512 (x86-64-v4). The 8-lane
 // build's AVX-512 clone ran every vector op at half width; on a 2-core Sapphire Rapids decode
 // attention took 47% of a bf16 run of engine_vs_vllm's workload and 23% of a float32 one.
@@ -525,10 +525,7 @@ __attribute__((target("arch=x86-64-v4"))) void attend_items_bf16_dot(const Probl
 enum class Kernels : int64_t { narrow = 0, wide = 1, dot = 2 };
 Kernels kernels_now() {
 #ifdef PDS_WIDE
-  // the x86-64-v4 set, named feature by feature: GCC 11 has no "x86-64-v4" for this builtin
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
-                             __builtin_cpu_supports("avx512vl");
+  const bool avx512 = pds::cpu_has_avx512();
   static const bool bf16_dot = avx512 && __builtin_cpu_supports("avx512bf16");
   if (!avx512 || std::getenv("PDSERVE_CPU_NARROW")) return Kernels::narrow;
   return bf16_dot && !std::getenv("PDSERVE_CPU_NO_BF16_DOT") ? Kernels::dot : Kernels::wide;

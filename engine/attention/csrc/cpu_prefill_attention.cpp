@@ -13,9 +13,10 @@
 //
 // Masks: query j (position p) sees keys 0..p, and with a sliding window W only those above p - W.
 // Chunks wholly inside every row's range skip the mask. Float32 throughout (bf16 K/V widened a chunk
-// at a time), exp in float64 as in the decode kernel; bf16 output rounded once at the end.
+// at a time, a float32 exp: `exp_f32`); bf16 output rounded once at the end.
 //
-// AVX-512 only (the 16-lane variant, target x86-64-v4); other CPUs keep SDPA (`prefill_supported`).
+// AVX-512 only (the 16-lane variant, target x86-64-v4, built with GCC on x86-64); other CPUs and
+// builds keep SDPA (`prefill_supported`).
 #include "cpu_prefill.h"
 
 #include <ATen/ATen.h>
@@ -31,6 +32,7 @@
 #include "cpu_common.h"
 #include "cpu_vec.h"
 
+#ifdef PDS_X86_GCC
 namespace {
 
 constexpr int64_t L = 16;   // lanes: query rows per vector
@@ -245,14 +247,17 @@ void run(const pds::PrefillProblem& pb) {
 
 namespace pds {
 
-bool prefill_supported(int64_t d) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
-                             __builtin_cpu_supports("avx512vl");
-  return avx512 && d % 16 == 0 && d > 0 && d <= MAX_D;
-}
-
+bool prefill_supported(int64_t d) { return cpu_has_avx512() && d % 16 == 0 && d > 0 && d <= MAX_D; }
 void prefill_attention_f32(const PrefillProblem& pb) { run<float>(pb); }
 void prefill_attention_bf16(const PrefillProblem& pb) { run<at::BFloat16>(pb); }
 
 }  // namespace pds
+#else
+namespace pds {
+
+bool prefill_supported(int64_t) { return false; }
+void prefill_attention_f32(const PrefillProblem&) { TORCH_CHECK(false, "no prompt kernel in this build"); }
+void prefill_attention_bf16(const PrefillProblem&) { TORCH_CHECK(false, "no prompt kernel in this build"); }
+
+}  // namespace pds
+#endif

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_common.h"
+
 namespace {
 
 // Vectors of L float32 lanes. L = 8 is one AVX2 register and the build every x86-64 CPU runs
@@ -42,7 +44,7 @@ __attribute__((always_inline)) inline f32v<L> load_row(const float* p, int64_t n
 
 template <int64_t L>
 __attribute__((always_inline)) inline f32v<L> load_row(const at::BFloat16* p, int64_t n) {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#ifdef PDS_X86_GCC
   if constexpr (L == 16) {
     // only the AVX-512 kernels have 16 lanes. GCC lowers the generic widening below to a 256-bit
     // zero-extend, an extract and an insert per 16 values: a fifth of a bf16 item's cycles
