@@ -3,12 +3,22 @@ elementwise steps of a layer (eager torch, or fused C++ ops on CPU)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_build
 from engine.model_config import ModelConfig, RopeScaling
+
+AMX_MAX_ROWS = 128
+"""Rows up to which a prepacked bf16 linear runs on `pdserve_cpu.amx_linear` instead of oneDNN
+(decode steps; csrc/cpu_amx_linear.cpp). Over the bench model's linears on 2 Sapphire Rapids cores
+it was 1.1-1.35x faster than oneDNN's AMX kernel from 1 to 128 rows, about even at 144-192, and
+slower beyond (prompts, where oneDNN's blocking for many rows wins)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -158,6 +168,44 @@ def bf16_via_float32() -> bool:
     return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports (/proc/cpuinfo); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def amx_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether oneDNN prepacked this bf16 weight [N, K] as `pdserve_cpu.amx_linear` reads it:
+    [N/32][K/32][16][32][2], unpadded (oneDNN's choice on an AMX CPU). Compared bit for bit, once
+    at load, so a oneDNN that picks another layout only loses the faster kernel."""
+    n, k = weight.shape
+    if n % 32 or k % 32 or not packed.is_mkldnn:
+        return False
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes != n * k * 2:
+        return False
+    raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    blocks = torch.frombuffer(raw, dtype=torch.bfloat16).view(n // 32, k // 32, 16, 32, 2)
+    return torch.equal(blocks, weight.reshape(n // 32, 32, k // 32, 16, 2).permute(0, 2, 3, 1, 4))
+
+
+def _use_amx(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
+    if weight.dtype != torch.bfloat16 or os.environ.get("PDSERVE_AMX_LINEAR", "1") == "0":
+        return False
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        return False
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()):
+        return False
+    return amx_layout(weight, packed)
+
+
 class Linear:
     """y = x @ weight.T (+ bias), the weight [N, K] as a checkpoint stores it.
 
@@ -167,12 +215,13 @@ class Linear:
     on every call in bfloat16. A bfloat16 weight on a CPU without oneDNN bf16 kernels
     (`bf16_via_float32`) is packed as float32 (exact: bf16 widens losslessly), and each call widens
     x and rounds the float32 result back to bfloat16 once, as a bf16 GEMM with float32
-    accumulation does. Numerics: native bfloat16 results are the same bits as `F.linear`'s; float32
-    ones, and bfloat16 through float32, differ by summation order only (a few float32 ulps, so at
-    most one bf16 rounding step).
+    accumulation does. On a CPU with AMX, native bfloat16 calls of up to `AMX_MAX_ROWS` rows run on
+    `pdserve_cpu.amx_linear` over that same packed weight. Numerics: native bfloat16 results through
+    oneDNN are the same bits as `F.linear`'s; float32 ones, bfloat16 through float32 and the AMX
+    kernel's differ by summation order only (a few float32 ulps, so at most one bf16 rounding step).
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "out_dtype")
+    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "out_dtype", "amx")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
@@ -184,11 +233,21 @@ class Linear:
         self.bias = bias
         self.weight: torch.Tensor | None = None if prepack else weight
         self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else None
+        # decode-sized bf16 batches go to the AMX kernel, which reads this same packed weight
+        self.amx = self.packed is not None and self.out_dtype is None and _use_amx(weight, bias, self.packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.out_dtype is not None:
             return self.float_out(x).to(self.out_dtype)
         if self.packed is not None:
+            if (
+                self.amx
+                and x.dim() == 2
+                and x.size(0) <= AMX_MAX_ROWS
+                and x.stride(-1) == 1
+                and cpu_build.amx_linear_ready()
+            ):
+                return torch.ops.pdserve_cpu.amx_linear(x, self.packed, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

@@ -33,6 +33,7 @@ SOURCES = (
     CSRC / "cpu_prefill_attention.cpp",
     CSRC / "cpu_fused_ops.cpp",
     CSRC / "cpu_float_carry.cpp",
+    CSRC / "cpu_amx_linear.cpp",
 )
 HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_vec.h", CSRC / "cpu_prefill.h")
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""
@@ -41,6 +42,7 @@ built_in_this_process = False
 """Whether this process compiled the ops (False when it loaded another process's build)."""
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
+_amx: bool | None = None
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
@@ -73,6 +75,17 @@ def start_build() -> None:
 def current_op() -> Callable[..., torch.Tensor] | None:
     """The op if it is loaded by now, else None (never blocks)."""
     return _op
+
+
+def amx_linear_ready() -> bool:
+    """Whether `torch.ops.pdserve_cpu.amx_linear` can run now: the ops are loaded and this CPU and
+    kernel grant AMX bf16 tiles (asked once, then cached; False while the ops are still building)."""
+    global _amx
+    if _amx is None:
+        if _op is None:
+            return False
+        _amx = bool(torch.ops.pdserve_cpu.amx_available())
+    return _amx
 
 
 def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
