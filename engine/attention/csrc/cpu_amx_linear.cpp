@@ -114,10 +114,10 @@ PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t blo
       _mm_prefetch(prefetch, _MM_HINT_T1);
     }
     const uint16_t* b = panel + kb * kBlock;
-    _tile_loadd(6, b, kCols * 4);  // columns 0-15: the first 64 bytes of each 128-byte row
-    _tile_loadd(7, b + kCols, kCols * 4);
     _tile_loadd(4, a0 + kb * kKBlock, s0);
+    _tile_loadd(6, b, kCols * 4);  // columns 0-15: the first 64 bytes of each 128-byte row
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + kCols, kCols * 4);
     _tile_dpbf16ps(1, 4, 7);
     if (kTwo) {
       _tile_loadd(5, a1 + kb * kKBlock, s1);
