@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -86,13 +87,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// One row tile (kTwo = false) or two of x against one 32-column block of W, over all of K: the C
-// tiles hold the result in float32, which goes out rounded to bf16 (vcvtne2ps2bf16: to nearest
-// even, as torch rounds; it reads float32 subnormals as 0, which a sum of bf16 products of model
-// weights does not produce in practice).
+// One row tile (kTwo = false) or two of x against one 32-column block of W, over K blocks
+// [k_first, k_last). The float32 sums carry over from one K chunk to the next in `partial` (this
+// tile pair's 32 x 32 block); after the last chunk they go out rounded to bf16 (vcvtne2ps2bf16: to
+// nearest even, as torch rounds; it reads float32 subnormals as 0, which a sum of bf16 products of
+// model weights does not produce in practice).
 template <bool kTwo>
-PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t block, const char*& prefetch,
-                                     const char* prefetch_end, int64_t prefetch_step, float* out) {
+PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t block, int64_t k_first, int64_t k_last,
+                                     float* partial, const char*& prefetch, const char* prefetch_end,
+                                     int64_t prefetch_step) {
   const int64_t k_blocks = p.K / kKBlock;
   const uint16_t* panel = p.w + block * k_blocks * kBlock;
   const int64_t full_tiles = p.M / kRows;
@@ -103,13 +106,23 @@ PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t blo
   int64_t s0 = 0, s1 = 0;
   const uint16_t* a0 = a_of(tile, s0);
   const uint16_t* a1 = kTwo ? a_of(tile + 1, s1) : nullptr;
-  _tile_zero(0);
-  _tile_zero(1);
-  if (kTwo) {
-    _tile_zero(2);
-    _tile_zero(3);
+  float* const lower = partial + kRows * kCols;  // the second row tile's sums
+  if (k_first == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (kTwo) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, partial, kCols * 4);
+    _tile_loadd(1, partial + 16, kCols * 4);
+    if (kTwo) {
+      _tile_loadd(2, lower, kCols * 4);
+      _tile_loadd(3, lower + 16, kCols * 4);
+    }
   }
-  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+  for (int64_t kb = k_first; kb < k_last; ++kb) {
     for (int64_t i = 0; i < prefetch_step && prefetch < prefetch_end; ++i, prefetch += 64) {
       _mm_prefetch(prefetch, _MM_HINT_T1);
     }
@@ -125,12 +138,13 @@ PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t blo
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, out, kCols * 4);
-  _tile_stored(1, out + 16, kCols * 4);
+  _tile_stored(0, partial, kCols * 4);
+  _tile_stored(1, partial + 16, kCols * 4);
   if (kTwo) {
-    _tile_stored(2, out + kRows * kCols, kCols * 4);
-    _tile_stored(3, out + kRows * kCols + 16, kCols * 4);
+    _tile_stored(2, lower, kCols * 4);
+    _tile_stored(3, lower + 16, kCols * 4);
   }
+  if (k_last < k_blocks) return;
   __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
   if (p.bias != nullptr) {
     const __m256i* bias = reinterpret_cast<const __m256i*>(p.bias + block * kCols);
@@ -139,36 +153,50 @@ PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t blo
   }
   const int64_t rows = std::min<int64_t>(kTwo ? 2 * kRows : kRows, p.M - tile * kRows);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 lo = _mm512_add_ps(_mm512_load_ps(out + r * kCols), bias_lo);
-    const __m512 hi = _mm512_add_ps(_mm512_load_ps(out + r * kCols + 16), bias_hi);
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(partial + r * kCols), bias_lo);
+    const __m512 hi = _mm512_add_ps(_mm512_load_ps(partial + r * kCols + 16), bias_hi);
     _mm512_storeu_si512(p.y + (tile * kRows + r) * p.N + block * kCols, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
 }
 
-// The column blocks [first, last) for every row of x, on this thread.
+// The column blocks [first, last) for every row of x, on this thread. K goes in chunks of
+// kChunkBlocks, each over all row tiles before the next: a chunk's 16 KB of weights stay in L1
+// while every row tile uses them, so only x's tiles come from L2. Over all of K at once, both
+// operands streamed from L2 for every product (1.23 against 1.51 TFLOP/s on one core, 128 rows
+// x 768 x 768 in cache).
 PDS_AMX_TARGET void column_blocks(const Problem& p, int64_t first, int64_t last) {
+  constexpr int64_t kChunkBlocks = 8;
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = kRows;
     config.colsb[t] = 64;
   }
   _tile_loadconfig(&config);
-  alignas(64) float out[2 * kRows * kCols];
   const int64_t k_blocks = p.K / kKBlock;
   const int64_t tiles = (p.M + kRows - 1) / kRows;
+  const int64_t pairs = (tiles + 1) / 2;
+  std::vector<float> sums(pairs * 2 * kRows * kCols + 16);  // each tile pair's float32 block, 64-byte aligned
+  float* const partials = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t{63});
   const int64_t panel_bytes = k_blocks * kBlock * 2;
   // the next block's weights are fetched into L2 while this one computes, spread evenly over its
   // tile steps, so the memory stream never stops for the tile loads (1.1-1.25x for 1-32 rows)
-  const int64_t steps = (tiles + 1) / 2 * k_blocks;
+  const int64_t steps = pairs * k_blocks;
   const int64_t prefetch_step = (panel_bytes / 64 + steps - 1) / steps;
   for (int64_t block = first; block < last; ++block) {
     const char* prefetch = reinterpret_cast<const char*>(p.w + (block + 1) * k_blocks * kBlock);
     const char* prefetch_end = block + 1 < last ? prefetch + panel_bytes : prefetch;
-    int64_t tile = 0;
-    for (; tile + 1 < tiles; tile += 2) {
-      row_tiles<true>(p, tile, block, prefetch, prefetch_end, prefetch_step, out);
+    for (int64_t k_first = 0; k_first < k_blocks; k_first += kChunkBlocks) {
+      const int64_t k_last = std::min(k_blocks, k_first + kChunkBlocks);
+      int64_t tile = 0;
+      for (; tile + 1 < tiles; tile += 2) {
+        row_tiles<true>(p, tile, block, k_first, k_last, partials + tile / 2 * 2 * kRows * kCols, prefetch,
+                        prefetch_end, prefetch_step);
+      }
+      if (tile < tiles) {
+        row_tiles<false>(p, tile, block, k_first, k_last, partials + tile / 2 * 2 * kRows * kCols, prefetch,
+                         prefetch_end, prefetch_step);
+      }
     }
-    if (tile < tiles) row_tiles<false>(p, tile, block, prefetch, prefetch_end, prefetch_step, out);
   }
   _tile_release();
 }
