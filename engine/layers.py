@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from engine.attention import cpu_build
 from engine.model_config import ModelConfig, RopeScaling
 
-AMX_MAX_ROWS = 128
+AMX_MAX_ROWS = 512
 """Rows up to which a prepacked bf16 linear runs on `pdserve_cpu.amx_linear` instead of oneDNN
-(decode steps; csrc/cpu_amx_linear.cpp). Over the bench model's linears on 2 Sapphire Rapids cores
-it was 1.1-1.35x faster than oneDNN's AMX kernel from 1 to 128 rows, about even at 144-192, and
-slower beyond (prompts, where oneDNN's blocking for many rows wins)."""
+(decode steps and short prompt chunks; csrc/cpu_amx_linear.cpp). Over the bench model's linears on
+2 Sapphire Rapids cores it was 1.15-1.35x faster than oneDNN's AMX kernel from 1 to 192 rows,
+even at 256, 1.1x at 320-512, even at 1024 and 2x slower at 2048 (long prompt chunks, where
+oneDNN's blocking for many rows wins)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,12 +1,13 @@
 // A bfloat16 linear on AMX tiles for decode-sized batches: y[M, N] = x[M, K] . W[N, K]^T (+ bias),
 // float32 accumulation, one rounding to bfloat16, as oneDNN's bf16 GEMM computes it.
 //
-// Why: a decode step's linears multiply a few to ~160 rows by every weight of the model. oneDNN's
-// AMX kernel ran them at 8.8-19 ms per bench-model step (1-160 rows, 2 cores of a Sapphire Rapids
-// guest) where streaming the 190 MB of weights takes ~8 ms; this one keeps each weight block in
-// cache for every row of the batch, fetches the next block into L2 while it computes, and ran
-// 1.1-1.35x faster over that range. oneDNN stays faster for prompts (more rows: compute-bound), so
-// the caller (engine/layers.py `Linear`) sends only up to `AMX_MAX_ROWS` rows here.
+// Why: a decode step's linears multiply a few to a few hundred rows by every weight of the model.
+// oneDNN's AMX kernel ran them at 7.9-19 ms per bench-model step (1-256 rows, 2 cores of a
+// Sapphire Rapids guest) where streaming the 190 MB of weights takes ~8 ms; this one keeps each
+// weight block in cache for every row of the batch, fetches the next block into L2 while it
+// computes, and ran 1.15-1.35x faster up to 192 rows and 1.1x at 320-512. oneDNN stays faster for
+// long prompt chunks (2x at 2048 rows), so the caller (engine/layers.py `Linear`) sends only up to
+// `AMX_MAX_ROWS` rows here.
 //
 // The weight is the one oneDNN already holds, prepacked by `torch.ops.mkldnn._reorder_linear_weight`:
 // on an AMX CPU its blocked layout (oneDNN's AB16b32a2b) is [N/32][K/32][16][32][2], which is two
