@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from engine.attention import cpu_build
 from engine.model_config import ModelConfig, RopeScaling
 
-AMX_MAX_ROWS = 512
+AMX_MAX_ROWS = 1024
 """Rows up to which a prepacked bf16 linear runs on `pdserve_cpu.amx_linear` instead of oneDNN
-(decode steps and short prompt chunks; csrc/cpu_amx_linear.cpp). Over the bench model's linears on
+(decode steps and prompt chunks; csrc/cpu_amx_linear.cpp). Over the bench model's linears on
 2 Sapphire Rapids cores it was 1.15-1.35x faster than oneDNN's AMX kernel from 1 to 192 rows,
-even at 256, 1.1x at 320-512, even at 1024 and 2x slower at 2048 (long prompt chunks, where
-oneDNN's blocking for many rows wins)."""
+even at 256, 1.1-1.3x at 320-1024, even at 1536 and 1.15x slower at 2048 (long prompt chunks,
+where oneDNN's blocking for many rows wins)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

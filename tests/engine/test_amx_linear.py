@@ -40,7 +40,7 @@ def _check_against_float64(got: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     assert (err <= bound).all(), f"worst error {(err / bound).max().item():.2f}x the bound"
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 100, 128, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 100, 128, 300, 700])
 @pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (64, 288), (256, 768)])  # K: 1, 2, 8 + 1 and 3 x 8 blocks of 32
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_and_onednn(amx: bool, rows: int, n: int, k: int, bias: bool) -> None:

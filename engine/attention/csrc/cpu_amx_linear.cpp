@@ -5,9 +5,9 @@
 // oneDNN's AMX kernel ran them at 7.9-19 ms per bench-model step (1-256 rows, 2 cores of a
 // Sapphire Rapids guest) where streaming the 190 MB of weights takes ~8 ms; this one keeps each
 // weight block in cache for every row of the batch, fetches the next block into L2 while it
-// computes, and ran 1.15-1.35x faster up to 192 rows and 1.1x at 320-512. oneDNN stays faster for
-// long prompt chunks (2x at 2048 rows), so the caller (engine/layers.py `Linear`) sends only up to
-// `AMX_MAX_ROWS` rows here.
+// computes, and ran 1.15-1.35x faster up to 192 rows and 1.1-1.3x at 320-1024. oneDNN is as fast
+// at 1536 rows and faster beyond (1.15x at 2048), so the caller (engine/layers.py `Linear`) sends
+// only up to `AMX_MAX_ROWS` rows here.
 //
 // The weight is the one oneDNN already holds, prepacked by `torch.ops.mkldnn._reorder_linear_weight`:
 // on an AMX CPU its blocked layout (oneDNN's AB16b32a2b) is [N/32][K/32][16][32][2], which is two
@@ -160,13 +160,14 @@ PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t blo
   }
 }
 
-// The column blocks [first, last) for every row of x, on this thread. K goes in chunks of
-// kChunkBlocks, each over all row tiles before the next: a chunk's 16 KB of weights stay in L1
-// while every row tile uses them, so only x's tiles come from L2. Over all of K at once, both
-// operands streamed from L2 for every product (1.23 against 1.51 TFLOP/s on one core, 128 rows
-// x 768 x 768 in cache).
+// The column blocks [first, last) for every row of x, on this thread, a slice of kSliceRows rows
+// at a time (x's slice, ~800 KB at K=768, stays in this core's L2 while the blocks pass). K goes in
+// chunks of kChunkBlocks, each over all row tiles of the slice before the next: a chunk's 16 KB of
+// weights stay in L1 while every row tile uses them, so only x's tiles come from L2. Over all of K
+// at once, both operands streamed from L2 for every product (1.23 against 1.51 TFLOP/s on one
+// core, 128 rows x 768 x 768 in cache).
 PDS_AMX_TARGET void column_blocks(const Problem& p, int64_t first, int64_t last) {
-  constexpr int64_t kChunkBlocks = 8;
+  constexpr int64_t kChunkBlocks = 8, kSliceRows = 512;
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = kRows;
@@ -174,28 +175,30 @@ PDS_AMX_TARGET void column_blocks(const Problem& p, int64_t first, int64_t last)
   }
   _tile_loadconfig(&config);
   const int64_t k_blocks = p.K / kKBlock;
-  const int64_t tiles = (p.M + kRows - 1) / kRows;
-  const int64_t pairs = (tiles + 1) / 2;
-  std::vector<float> sums(pairs * 2 * kRows * kCols + 16);  // each tile pair's float32 block, 64-byte aligned
-  float* const partials = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t{63});
   const int64_t panel_bytes = k_blocks * kBlock * 2;
-  // the next block's weights are fetched into L2 while this one computes, spread evenly over its
-  // tile steps, so the memory stream never stops for the tile loads (1.1-1.25x for 1-32 rows)
-  const int64_t steps = pairs * k_blocks;
-  const int64_t prefetch_step = (panel_bytes / 64 + steps - 1) / steps;
-  for (int64_t block = first; block < last; ++block) {
-    const char* prefetch = reinterpret_cast<const char*>(p.w + (block + 1) * k_blocks * kBlock);
-    const char* prefetch_end = block + 1 < last ? prefetch + panel_bytes : prefetch;
-    for (int64_t k_first = 0; k_first < k_blocks; k_first += kChunkBlocks) {
-      const int64_t k_last = std::min(k_blocks, k_first + kChunkBlocks);
-      int64_t tile = 0;
-      for (; tile + 1 < tiles; tile += 2) {
-        row_tiles<true>(p, tile, block, k_first, k_last, partials + tile / 2 * 2 * kRows * kCols, prefetch,
-                        prefetch_end, prefetch_step);
-      }
-      if (tile < tiles) {
-        row_tiles<false>(p, tile, block, k_first, k_last, partials + tile / 2 * 2 * kRows * kCols, prefetch,
-                         prefetch_end, prefetch_step);
+  std::vector<float> sums(kSliceRows * kCols + 16);  // each tile pair's float32 block, 64-byte aligned
+  float* const partials = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t{63});
+  for (int64_t m0 = 0; m0 < p.M; m0 += kSliceRows) {
+    const int64_t tile_first = m0 / kRows, tile_end = (std::min(p.M, m0 + kSliceRows) + kRows - 1) / kRows;
+    const int64_t pairs = (tile_end - tile_first + 1) / 2;
+    // the next block's weights are fetched into L2 while this one computes, spread evenly over its
+    // tile steps, so the memory stream never stops for the tile loads (1.1-1.25x for 1-32 rows)
+    const int64_t steps = pairs * k_blocks;
+    const int64_t prefetch_step = (panel_bytes / 64 + steps - 1) / steps;
+    for (int64_t block = first; block < last; ++block) {
+      const char* prefetch = reinterpret_cast<const char*>(p.w + (block + 1) * k_blocks * kBlock);
+      const char* prefetch_end = block + 1 < last ? prefetch + panel_bytes : prefetch;
+      for (int64_t k_first = 0; k_first < k_blocks; k_first += kChunkBlocks) {
+        const int64_t k_last = std::min(k_blocks, k_first + kChunkBlocks);
+        int64_t tile = tile_first;
+        for (; tile + 1 < tile_end; tile += 2) {
+          row_tiles<true>(p, tile, block, k_first, k_last, partials + (tile - tile_first) * kRows * kCols, prefetch,
+                          prefetch_end, prefetch_step);
+        }
+        if (tile < tile_end) {
+          row_tiles<false>(p, tile, block, k_first, k_last, partials + (tile - tile_first) * kRows * kCols,
+                           prefetch, prefetch_end, prefetch_step);
+        }
       }
     }
   }
