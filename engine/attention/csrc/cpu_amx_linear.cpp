@@ -25,7 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "cpu_common.h"
 
@@ -176,8 +176,10 @@ PDS_AMX_TARGET void column_blocks(const Problem& p, int64_t first, int64_t last)
   _tile_loadconfig(&config);
   const int64_t k_blocks = p.K / kKBlock;
   const int64_t panel_bytes = k_blocks * kBlock * 2;
-  std::vector<float> sums(kSliceRows * kCols + 16);  // each tile pair's float32 block, 64-byte aligned
-  float* const partials = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t{63});
+  // each tile pair's float32 block, 64-byte aligned; written before it is read, so not zeroed
+  const int64_t pair_rows = (std::min(p.M, kSliceRows) + 2 * kRows - 1) / (2 * kRows) * (2 * kRows);
+  std::unique_ptr<float[]> sums(new float[pair_rows * kCols + 16]);
+  float* const partials = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.get()) + 63) & ~uintptr_t{63});
   for (int64_t m0 = 0; m0 < p.M; m0 += kSliceRows) {
     const int64_t tile_first = m0 / kRows, tile_end = (std::min(p.M, m0 + kSliceRows) + kRows - 1) / kRows;
     const int64_t pairs = (tile_end - tile_first + 1) / 2;
