@@ -17,9 +17,9 @@ from engine.model_config import ModelConfig, RopeScaling
 AMX_MAX_ROWS = 1024
 """Rows up to which a prepacked bf16 linear runs on `pdserve_cpu.amx_linear` instead of oneDNN
 (decode steps and prompt chunks; csrc/cpu_amx_linear.cpp). Over the bench model's linears on
-2 Sapphire Rapids cores it was 1.15-1.35x faster than oneDNN's AMX kernel from 1 to 192 rows,
-even at 256, 1.1-1.3x at 320-1024, even at 1536 and 1.15x slower at 2048 (long prompt chunks,
-where oneDNN's blocking for many rows wins)."""
+2 Sapphire Rapids cores (`python -m benchmarks.amx_linear`) it was 1.07-1.27x faster than oneDNN's
+AMX kernel from 1 to 192 rows, 0.95x at 256, 1.13-1.16x at 512 and 1024, and 0.83x at 2048 (long
+prompt chunks, where oneDNN's blocking for many rows wins)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -234,7 +234,7 @@ class Linear:
         self.bias = bias
         self.weight: torch.Tensor | None = None if prepack else weight
         self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else None
-        # decode-sized bf16 batches go to the AMX kernel, which reads this same packed weight
+        # bf16 calls of up to AMX_MAX_ROWS rows go to the AMX kernel, which reads this same packed weight
         self.amx = self.packed is not None and self.out_dtype is None and _use_amx(weight, bias, self.packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

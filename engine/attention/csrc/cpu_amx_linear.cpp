@@ -2,12 +2,12 @@
 // float32 accumulation, one rounding to bfloat16, as oneDNN's bf16 GEMM computes it.
 //
 // Why: a decode step's linears multiply a few to a few hundred rows by every weight of the model.
-// oneDNN's AMX kernel ran them at 7.9-19 ms per bench-model step (1-256 rows, 2 cores of a
+// oneDNN's AMX kernel ran them at 8.7-20 ms per bench-model step (1-256 rows, 2 cores of a
 // Sapphire Rapids guest) where streaming the 190 MB of weights takes ~8 ms; this one keeps each
 // weight block in cache for every row of the batch, fetches the next block into L2 while it
-// computes, and ran 1.15-1.35x faster up to 192 rows and 1.1-1.3x at 320-1024. oneDNN is as fast
-// at 1536 rows and faster beyond (1.15x at 2048), so the caller (engine/layers.py `Linear`) sends
-// only up to `AMX_MAX_ROWS` rows here.
+// computes, and ran 1.07-1.27x faster up to 192 rows and 1.13-1.16x at 512-1024
+// (`python -m benchmarks.amx_linear`). oneDNN is faster for long prompt chunks (1.2x at 2048
+// rows), so the caller (engine/layers.py `Linear`) sends only up to `AMX_MAX_ROWS` rows here.
 //
 // The weight is the one oneDNN already holds, prepacked by `torch.ops.mkldnn._reorder_linear_weight`:
 // on an AMX CPU its blocked layout (oneDNN's AB16b32a2b) is [N/32][K/32][16][32][2], which is two
