@@ -1,4 +1,5 @@
-// A bfloat16 linear on AMX tiles for decode-sized batches: y[M, N] = x[M, K] . W[N, K]^T (+ bias),
+// A bfloat16 linear on AMX tiles for decode steps and prompt chunks of up to ~1000 rows:
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias),
 // float32 accumulation, one rounding to bfloat16, as oneDNN's bf16 GEMM computes it.
 //
 // Why: a decode step's linears multiply a few to a few hundred rows by every weight of the model.
@@ -17,7 +18,8 @@
 //
 // Tiles: C0..C3 accumulate a 32x32 float32 block (two row tiles x two column tiles), A4/A5 hold 16
 // rows x 32 K of x each, B6/B7 the matching 32 K x 16 columns of W. Work is split over threads by
-// 32-column blocks; each thread walks its blocks in order, so the weights stream once.
+// 32-column blocks; each thread walks its blocks in order, once per 512-row slice of x, so a decode
+// step streams the weights once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
