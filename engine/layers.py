@@ -4,7 +4,6 @@ elementwise steps of a layer (eager torch, or fused C++ ops on CPU)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import os
 
@@ -169,19 +168,6 @@ def bf16_via_float32() -> bool:
     return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports (/proc/cpuinfo); empty elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def amx_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether oneDNN prepacked this bf16 weight [N, K] as `pdserve_cpu.amx_linear` reads it:
     [N/32][K/32][16][32][2], unpadded (oneDNN's choice on an AMX CPU). Compared bit for bit, once
@@ -200,7 +186,8 @@ def amx_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
 def _use_amx(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
     if weight.dtype != torch.bfloat16 or os.environ.get("PDSERVE_AMX_LINEAR", "1") == "0":
         return False
-    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+    caps = torch.cpu.get_capabilities()  # cpuinfo's flags, cached by torch
+    if not (caps.get("amx_bf16") and caps.get("amx_tile")):
         return False
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()):
         return False

@@ -51,7 +51,7 @@ constexpr int64_t kBlock = kKBlock * kCols;  // bf16 values in one [16][32][2] p
 bool amx_available() {
 #ifdef PDS_AMX
   static const bool yes = [] {
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
+    if (!pds::cpu_has_avx512()) return false;
     unsigned a = 0, b = 0, c = 0, d = 0;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
     if (a < 7) return false;
