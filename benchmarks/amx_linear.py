@@ -3,13 +3,18 @@
     python -m benchmarks.amx_linear            # row counts 1-2048, 2 threads
     python -m benchmarks.amx_linear --quick    # 16, 128 and 512 rows, fewer rounds
 
-One "step" is every linear of the bench model once (12 layers of qkv 2304x768, o 768x768, gate_up
-3072x768, down 768x1536, then the lm_head 32000x768: 190 MB of bf16 weights, more than the caches,
-so the weights come from memory as in an engine step), all on the same input rows. Each weight is
-prepacked once by `torch.ops.mkldnn._reorder_linear_weight`; the baseline is what `engine.layers.Linear`
-runs without the kernel (`mkldnn._linear_pointwise`, oneDNN's AMX brgemm), the candidate is the
-kernel reading that same packed weight. Both run in this process, interleaved round by round, best of
-the rounds; `ratio` = oneDNN time / kernel time (geometric mean over the row counts up to
+One "step" is every linear of the built-in bench model once, in an engine step's order (shapes from
+its config, `engine.tiny_model.SIZES["bench"]`: 12 layers of qkv 1280x768, o 768x768, gate_up
+3072x768, down 768x1536, then the lm_head 32000x768; 172 MB of bf16 weights), all on the same input
+rows. `--copies` (default 4) independent sets of those weights take turns, one per step, so that a
+step reads its weights from memory as an engine step does, whose attention has streamed the KV cache
+through the caches in between: a CPU may report a last-level cache of a model's size (the 2-core
+guests here report 480 MB, shared with other guests), and with one copy a 16-row step read part of
+its weights from it (6.3 against 7.2 ms with four copies). Each weight is prepacked once by
+`torch.ops.mkldnn._reorder_linear_weight`; the baseline is what `engine.layers.Linear` runs without
+the kernel (`mkldnn._linear_pointwise`, oneDNN's AMX brgemm), the candidate is the kernel reading
+that same packed weight. Both run in this process, interleaved round by round, best of the rounds;
+`ratio` = oneDNN time / kernel time (geometric mean over the row counts up to
 `engine.layers.AMX_MAX_ROWS`, the ones the engine sends to the kernel): above 1, the kernel is faster.
 Needs a CPU with AMX (Sapphire Rapids or later); elsewhere it says so and exits 2. Results are
 compared: the largest difference from oneDNN's output of the first qkv linear, relative to that
@@ -29,19 +34,36 @@ from benchmarks.common import emit
 from engine.attention import cpu_build
 from engine.cpu_malloc import keep_freed_memory
 from engine.layers import AMX_MAX_ROWS
-
-LAYERS = 12
-SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 1536)] * LAYERS + [(32000, 768)]
+from engine.tiny_model import SIZES
 
 
-def step_ms(fn, weights: list[torch.Tensor], xs: dict[int, torch.Tensor], rounds: int) -> float:
-    """Best-of-`rounds` milliseconds of one pass over every linear."""
+def bench_shapes() -> list[tuple[int, int]]:
+    """(out features N, in features K) of every linear of the built-in bench model, in step order."""
+    c = SIZES["bench"]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    head_dim = hidden // c["num_attention_heads"]
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head_dim
+    layer = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    return layer * c["num_hidden_layers"] + [(c["vocab_size"], hidden)]
+
+
+SHAPES = bench_shapes()
+
+
+def step_ms(fn, copies: list[list[torch.Tensor]], xs: dict[int, torch.Tensor], rounds: int) -> float:
+    """Best-of-`rounds` milliseconds of one pass over every linear, each pass on the next copy of
+    the weights."""
+    turn = 0
 
     def step() -> None:
+        nonlocal turn
+        weights = copies[turn % len(copies)]
+        turn += 1
         for (_, k), w in zip(SHAPES, weights):
             fn(xs[k], w)
 
-    step()  # first touch, one-time setup
+    for _ in copies:  # first touch, one-time setup
+        step()
     best = math.inf
     for _ in range(rounds):
         start = time.perf_counter()
@@ -56,6 +78,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per row count")
     parser.add_argument("--rows", type=int, nargs="+", help="row counts to time (default: 1-2048)")
+    parser.add_argument(
+        "--copies", type=int, default=4, help="sets of weights taking turns, so steps read them from memory"
+    )
     args = parser.parse_args()
     if cpu_build.load_paged_attention_op() is None or not cpu_build.amx_linear_ready():
         print("this CPU (or its kernel, or the build) has no AMX bf16 tiles: nothing to compare", file=sys.stderr)
@@ -65,9 +90,14 @@ def main() -> None:
     rows_list = args.rows or ([16, 128, 512] if args.quick else [1, 16, 32, 64, 128, 192, 256, 512, 1024, 2048])
     rounds = args.rounds or (2 if args.quick else 3)
     g = torch.Generator().manual_seed(0)
-    weights = [
-        torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k, generator=g) * 0.05).bfloat16()) for n, k in SHAPES
+    if args.copies < 1:
+        parser.error("--copies must be at least 1")
+    copies = [
+        [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k, generator=g) * 0.05).bfloat16()) for n, k in SHAPES]
+        for _ in range(args.copies)
     ]
+    weights = copies[0]
+    widths = sorted({k for _, k in SHAPES})
 
     def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
@@ -77,13 +107,14 @@ def main() -> None:
 
     rows_out = []
     for rows in rows_list:
-        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (768, 1536)}
+        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in widths}
         times: dict[str, list[float]] = {"onednn": [], "amx": []}
         for _ in range(rounds):  # interleaved, so a drift of the machine's speed hits both
-            times["onednn"].append(step_ms(onednn, weights, xs, 3))
-            times["amx"].append(step_ms(kernel, weights, xs, 3))
+            times["onednn"].append(step_ms(onednn, copies, xs, 3))
+            times["amx"].append(step_ms(kernel, copies, xs, 3))
         base, ours = min(times["onednn"]), min(times["amx"])
-        want, got = onednn(xs[768], weights[0]).double(), kernel(xs[768], weights[0]).double()
+        k0 = SHAPES[0][1]
+        want, got = onednn(xs[k0], weights[0]).double(), kernel(xs[k0], weights[0]).double()
         diff = ((got - want).abs().max() / want.abs().max()).item()
         rows_out.append(
             {
@@ -105,6 +136,7 @@ def main() -> None:
             "ratio": round(ratio, 3),
             "target": 1.0,
             "threads": args.threads,
+            "weight_copies": args.copies,
             "amx_max_rows": AMX_MAX_ROWS,
             "rows": rows_out,
         }
