@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_amx_linear_benchmark_quick() -> None:
     assert cpu_build.load_paged_attention_op() is not None, "this machine has a C++ compiler: the op must build"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.amx_linear", "--quick", "--rows", "16", "40", "--rounds", "1", "--copies", "2"],
+        [sys.executable, "-m", "benchmarks.amx_linear", "--quick", "--rows", "16", "40", "--rounds", "1"]
+        + ["--copies", "2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
