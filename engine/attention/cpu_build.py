@@ -34,6 +34,7 @@ SOURCES = (
     CSRC / "cpu_fused_ops.cpp",
     CSRC / "cpu_float_carry.cpp",
     CSRC / "cpu_amx_linear.cpp",
+    CSRC / "cpu_amx_prefill.cpp",
 )
 HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_vec.h", CSRC / "cpu_prefill.h")
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""

@@ -18,10 +18,12 @@ CHUNK_SDPA_MIN_TOKENS = 16
 faster at 16 query tokens, 3-4x at 64-400 (the kernel runs an exact softmax per query token)."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """What the compiled CPU ops (attention and the fused elementwise ops) are written for."""
-PROMPT_KERNEL_DTYPES = (torch.float32,)
+PROMPT_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """Where the prompt kernel (`paged_prefill_attention`) replaces SDPA for the many-token sequences. In
-float32 it ran 1.3-1.6x faster than SDPA's flash kernel at 64-512 tokens (2-core Sapphire Rapids);
-in bfloat16 SDPA runs AMX tiles there and was 2x faster than it, so bf16 keeps SDPA."""
+float32 (AVX-512) it ran 1.3-1.6x faster than SDPA's flash kernel at 64-512 tokens (2-core Sapphire
+Rapids). bfloat16 takes it only on AMX tiles (`prefill_amx_supported`: csrc/cpu_amx_prefill.cpp,
+1.2-1.9x SDPA there); without AMX, SDPA was 2x faster than the AVX-512 kernel's float32 arithmetic,
+so bf16 keeps SDPA."""
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -30,8 +32,9 @@ class CpuPagedAttention(AttentionBackend):
     A prompt with no cached prefix attends only to its own fresh K/V, so it keeps
     SDPA's causal flash kernel (`causal_self_attention`, shared with the torch backend); a chunk of
     `CHUNK_SDPA_MIN_TOKENS` or more after a cached prefix gathers its pages for SDPA too
-    (`chunk_attention`, also the torch backend's). In float32 on an AVX-512 CPU both go instead to
-    one call of the prompt kernel over their pages in place (`PROMPT_KERNEL_DTYPES`). Until the op
+    (`chunk_attention`, also the torch backend's). In float32 on an AVX-512 CPU, and in bfloat16 on one
+    with AMX tiles, both go instead to one call of the prompt kernel over their pages in place
+    (`PROMPT_KERNEL_DTYPES`). Until the op
     is built (first use on a machine), or forever without a compiler, steps run the torch backend's
     path (see `cpu_build`); the choice is made per step. The compiled ops run float32 and bfloat16;
     a float16 model runs the torch path throughout (`configure`), so that it never switches to ops
@@ -41,7 +44,7 @@ class CpuPagedAttention(AttentionBackend):
     def __init__(self) -> None:
         cpu_build.start_build()
         self._kernel_dtype = True
-        self._prompt_kernel: dict[int, bool] = {}  # head size -> whether the prompt kernel runs it
+        self._prompt_kernel: dict[tuple[int, torch.dtype], bool] = {}  # whether the prompt kernel runs it
         self._op = cpu_build.current_op()
         self._fallback = TorchAttention()
         self._plan: _StepPlan | None = None
@@ -81,7 +84,7 @@ class CpuPagedAttention(AttentionBackend):
             out[rows] = self._op(
                 q.index_select(0, rows), kv, decode.table, decode.starts, decode.ctx, scale, window or 0
             )
-        if q.dtype in PROMPT_KERNEL_DTYPES and self._runs_prompts(q.shape[-1]):
+        if q.dtype in PROMPT_KERNEL_DTYPES and self._runs_prompts(q.shape[-1], q.dtype):
             p = plan.prompts()
             if p.rows is None:  # prompts only: one call, no copies
                 return torch.ops.pdserve_cpu.paged_prefill_attention(
@@ -100,10 +103,13 @@ class CpuPagedAttention(AttentionBackend):
                 out[s:e] = chunk_attention(q[s:e], kv, table, ctx, meta.block_size, scale, window)
         return out
 
-    def _runs_prompts(self, head_dim: int) -> bool:
-        if head_dim not in self._prompt_kernel:
-            self._prompt_kernel[head_dim] = bool(torch.ops.pdserve_cpu.prefill_supported(head_dim))
-        return self._prompt_kernel[head_dim]
+    def _runs_prompts(self, head_dim: int, dtype: torch.dtype) -> bool:
+        key = (head_dim, dtype)
+        if key not in self._prompt_kernel:
+            ops = torch.ops.pdserve_cpu
+            runs = ops.prefill_amx_supported(head_dim) if dtype == torch.bfloat16 else ops.prefill_supported(head_dim)
+            self._prompt_kernel[key] = bool(runs)
+        return self._prompt_kernel[key]
 
 
 @dataclass

@@ -240,7 +240,8 @@ def test_store_kv_equals_index_assignment(op, dtype):
 def test_backends_on_a_mixed_step_match_the_reference(op, backend_name, dtype, d, monkeypatch):
     """One step mixing every path a backend takes: decode tokens and a short chunk (the kernel), a long
     chunk after a cached prefix (gathered pages through SDPA) and a fresh prompt (causal SDPA); with
-    cpu_paged in float32 and a head size of 64 those two go to the prompt kernel instead."""
+    cpu_paged and a head size of 64 those two go to the prompt kernel instead, in float32 on AVX-512
+    and in bfloat16 on AMX tiles."""
     from engine.attention import make_backend
     from engine.attention.base import AttentionMetadata
     from engine.attention.cpu_paged_backend import CHUNK_SDPA_MIN_TOKENS
@@ -273,13 +274,16 @@ def test_backends_on_a_mixed_step_match_the_reference(op, backend_name, dtype, d
     pool = kv.clone()
     got = backend.forward(q, k, v, pool, meta, 0.125)
     if backend_name == "cpu_paged":
-        assert bool(calls) == (dtype == torch.float32 and _prompt_kernel_runs(d))
+        assert bool(calls) == _prompt_kernel_runs(d, dtype)
     want = _reference(q, pool, tables, q_lens, ctxs, bs, 0.125)  # the pool now holds this step's K/V too
     atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=0)
 
 
-def _prompt_kernel_runs(d: int) -> bool:
+def _prompt_kernel_runs(d: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the engine sends prompts of this head size and dtype to the prompt kernel."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.pdserve_cpu.prefill_amx_supported(d))
     return bool(torch.ops.pdserve_cpu.prefill_supported(d))
 
 
@@ -321,6 +325,53 @@ def test_prompt_kernel_matches_reference(op, seed, dtype):
             atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
             assert got.dtype == dtype and got.shape == q.shape
             torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=f"{threads} threads")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_bf16_prompt_kernels_match_reference(op, seed, amx):
+    """bf16 prompts through the AMX kernel (`amx=True`, where `prefill_amx_supported`) and the AVX-512
+    one: head sizes the tiles take (multiples of 32: O^T in the tiles up to 64, in memory above),
+    prompts and chunks of up to 300 tokens (many 32-key chunks, the pipelined loop's first and last
+    steps, items that split a token's heads), GQA groups, pages of 1-32 keys, sliding windows, scores
+    large enough to move the running max by more than the lazy-rescale bound, 1-3 threads."""
+    rng = random.Random(500 + seed)
+    d = rng.choice([32, 64, 96, 128, 256])
+    if not _prompt_kernel_runs(d):
+        pytest.skip("the prompt kernel needs AVX-512")
+    if amx and not torch.ops.pdserve_cpu.prefill_amx_supported(d):
+        pytest.skip("this CPU (or its kernel) has no AMX tiles")
+    hkv = rng.choice([1, 2, 4])
+    hq = hkv * rng.choice([1, 3, 4])
+    block_size = rng.choice([1, 16, 32, 7])
+    window = rng.choice([0, 0, 33, 100])
+    num_blocks = 700 // block_size + 8
+    gen = torch.Generator().manual_seed(seed)
+    # a few keys far out, so that later chunks raise the max well past the one in use
+    kv = (torch.randn(num_blocks, 2, hkv, block_size, d, generator=gen) * rng.choice([1.0, 4.0])).bfloat16()
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+
+    def draw() -> tuple[int, int]:
+        ctx = rng.choice([32, 33, 95, rng.randrange(16, 300)])
+        return rng.choice([ctx, rng.randrange(16, ctx + 1)]), ctx
+
+    tables, q_lens, ctxs = _place(rng, free, block_size, rng.randrange(1, 4), draw)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).bfloat16()
+    table, starts = _index_tensors(tables, q_lens)
+    want = _reference(q, kv, tables, q_lens, ctxs, block_size, d**-0.5, window)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got = torch.ops.pdserve_cpu.paged_prefill_attention(
+                q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window, amx
+            )
+            assert got.dtype == torch.bfloat16 and got.shape == q.shape
+            scale = max(1.0, want.abs().max().item())  # bf16 probabilities and output: relative to the values
+            torch.testing.assert_close(got.double(), want, atol=BF16_ATOL * scale, rtol=0, msg=f"{threads} threads")
     finally:
         torch.set_num_threads(before)
 

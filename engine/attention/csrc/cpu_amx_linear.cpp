@@ -30,6 +30,7 @@
 #include <memory>
 
 #include "cpu_common.h"
+#include "cpu_prefill.h"  // pds::amx_ready
 
 #if defined(PDS_X86_GCC) && __GNUC__ >= 11
 #define PDS_AMX 1
@@ -44,30 +45,6 @@ constexpr int64_t kRows = 16;        // rows of an A or C tile
 constexpr int64_t kKBlock = 32;      // K values in one tile row of A (bf16, 64 bytes)
 constexpr int64_t kCols = 32;        // output columns of one packed block: two C tiles
 constexpr int64_t kBlock = kKBlock * kCols;  // bf16 values in one [16][32][2] packed block
-
-// Whether this process may use AMX bf16 tiles: the CPU has them (CPUID 7.0:EDX bits 22 and 24, plus
-// AVX512-BF16 for the output rounding), and Linux granted the tile data state (ARCH_REQ_XCOMP_PERM,
-// once per process; a kernel without AMX support refuses it).
-bool amx_available() {
-#ifdef PDS_AMX
-  static const bool yes = [] {
-    if (!pds::cpu_has_avx512()) return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-    if (a < 7) return false;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
-    const bool avx512_bf16 = (a >> 5) & 1;
-    if (!amx_bf16 || !amx_tile || !avx512_bf16) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return yes;
-#else
-  return false;
-#endif
-}
 
 struct Problem {
   const uint16_t* x;     // [M, lda] bf16 bits, K used
@@ -221,7 +198,7 @@ const uint16_t* mkldnn_data(const at::Tensor& t, int64_t& nbytes) {
 }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_available(), "amx_linear: this CPU or kernel has no AMX bf16 tiles");
+  TORCH_CHECK(pds::amx_ready(), "amx_linear: this CPU or kernel has no AMX bf16 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x: [M, K] bfloat16 expected");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "x: rows must be contiguous");
   TORCH_CHECK(packed.is_mkldnn() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 2,
@@ -263,8 +240,36 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 
 }  // namespace
 
+namespace pds {
+
+// Whether this process may use AMX bf16 tiles: the CPU has them (CPUID 7.0:EDX bits 22 and 24, plus
+// AVX512-BF16 for the output rounding), and Linux granted the tile data state (ARCH_REQ_XCOMP_PERM,
+// once per process; a kernel without AMX support refuses it).
+bool amx_ready() {
+#ifdef PDS_AMX
+  static const bool yes = [] {
+    if (!pds::cpu_has_avx512()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    if (a < 7) return false;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+    const bool avx512_bf16 = (a >> 5) & 1;
+    if (!amx_bf16 || !amx_tile || !avx512_bf16) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+}  // namespace pds
+
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("amx_available() -> bool", &amx_available);
+  m.def("amx_available() -> bool", &pds::amx_ready);
   // no dispatch key: the weight is an MkldnnCPU tensor and x a CPU one
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &amx_linear);
 }

@@ -659,10 +659,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
 }
 
 // The same attention for sequences with many query tokens (prompts, long chunks), by the kernel of
-// cpu_prefill_attention.cpp; only where `prefill_supported` says it runs.
+// cpu_prefill_attention.cpp; only where `prefill_supported` says it runs. bf16 runs on AMX tiles
+// (cpu_amx_prefill.cpp) where `prefill_amx_supported` says so, unless `amx` is false.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                                    const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
-                                   int64_t window) {
+                                   int64_t window, bool amx) {
   auto [qc, bt, qs, cl] = checked(q, kv, block_table, query_start, context_lens, window);
   TORCH_CHECK(pds::prefill_supported(q.size(2)), "the prompt kernel needs AVX-512 and a head size that is a ",
               "multiple of 16 up to 256; see prefill_supported");
@@ -673,6 +674,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv, co
                                static_cast<float>(scale)};
   if (q.scalar_type() == at::kFloat)
     pds::prefill_attention_f32(pb);
+  else if (amx && pds::amx_prefill_supported(q.size(2)))
+    pds::prefill_attention_amx(pb);
   else
     pds::prefill_attention_bf16(pb);
   return out;
@@ -714,6 +717,7 @@ void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at:
 // vdpbf16ps (for a bfloat16 call; float32 calls run the 16-lane ones).
 int64_t attention_kernels() { return static_cast<int64_t>(kernels_now()); }
 bool prefill_supported_op(int64_t head_dim) { return pds::prefill_supported(head_dim); }
+bool prefill_amx_supported_op(int64_t head_dim) { return pds::amx_prefill_supported(head_dim); }
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("attention_kernels() -> int", &attention_kernels);
@@ -721,8 +725,9 @@ TORCH_LIBRARY(pdserve_cpu, m) {
         "float scale, int window=0) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def("prefill_supported(int head_dim) -> bool", &prefill_supported_op);
+  m.def("prefill_amx_supported(int head_dim) -> bool", &prefill_amx_supported_op);
   m.def("paged_prefill_attention(Tensor q, Tensor kv, Tensor block_table, Tensor query_start, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, bool amx=True) -> Tensor");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
   m.def("store_kv(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
   m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);

@@ -1,4 +1,4 @@
-// The prompt attention kernel (cpu_prefill_attention.cpp), called from the op entry in
+// The prompt attention kernels (cpu_prefill_attention.cpp, cpu_amx_prefill.cpp), called from the op entry in
 // cpu_paged_attention.cpp, which checks the inputs first.
 #pragma once
 
@@ -24,5 +24,14 @@ struct PrefillProblem {
 bool prefill_supported(int64_t d);
 void prefill_attention_f32(const PrefillProblem& pb);
 void prefill_attention_bf16(const PrefillProblem& pb);
+
+// The bf16 prompt kernel on AMX tiles (cpu_amx_prefill.cpp): where this process may use AMX
+// (`amx_ready`) and D is a multiple of 32 up to 256.
+bool amx_prefill_supported(int64_t d);
+void prefill_attention_amx(const PrefillProblem& pb);
+
+// Whether this process may use AMX bf16 tiles (cpu_amx_linear.cpp): the CPU has them and Linux
+// granted the tile state.
+bool amx_ready();
 
 }  // namespace pds
