@@ -21,8 +21,11 @@ On a CPU without AVX-512 both are the 8-lane kernels and the ratio is ~1.
 `--against sdpa` times prompts, not decode: one fresh prompt of 64-512 tokens through the prompt
 kernel (`torch.ops.pdserve_cpu.paged_prefill_attention`, AVX-512 only) against what the node runs
 without it (`causal_self_attention`: torch's causal flash SDPA over the prompt's own K/V), 2 threads,
-interleaved, best of the rounds, fp32 and bf16. The engine routes only fp32 prompts to the kernel
-(`PROMPT_KERNEL_DTYPES`): the bf16 rows show why.
+interleaved, best of the rounds, fp32 and bf16. bf16 runs the kernel on AMX tiles where the CPU has
+them (`prefill_amx_supported`; `bf16_kernel` in the JSON line says which ran) and the AVX-512 kernel
+otherwise; the engine sends bf16 prompts to the kernel only in the first case
+(`engine.attention.cpu_paged_backend.PROMPT_KERNEL_DTYPES`). `ratio` is the fp32 rows' speedup,
+`bf16_ratio` the bf16 rows'.
 """
 
 from __future__ import annotations
@@ -205,6 +208,7 @@ def against_sdpa(quick: bool, threads: int) -> None:
     for r in rows:
         print(r)
     fp32 = [r for r in rows if r["dtype"] == "float32"]
+    bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
     emit(
         {
             "metric": "prompt_attention_speedup_over_sdpa_float32",
@@ -215,6 +219,8 @@ def against_sdpa(quick: bool, threads: int) -> None:
             "unit": "microseconds of one prompt's attention summed over the float32 rows (value: prompt kernel, "
             "baseline: causal SDPA); ratio: geometric mean speedup; the bf16 rows are in `rows`",
             "threads": threads,
+            "bf16_ratio": round(math.exp(sum(math.log(r["speedup"]) for r in bf16) / len(bf16)), 3),
+            "bf16_kernel": "amx" if torch.ops.pdserve_cpu.prefill_amx_supported(D) else "avx512",
             "rows": rows,
         }
     )

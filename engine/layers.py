@@ -16,9 +16,9 @@ from engine.model_config import ModelConfig, RopeScaling
 AMX_MAX_ROWS = 1024
 """Rows up to which a prepacked bf16 linear runs on `pdserve_cpu.amx_linear` instead of oneDNN
 (decode steps and prompt chunks; csrc/cpu_amx_linear.cpp). Over the bench model's linears on
-2 Sapphire Rapids cores (`python -m benchmarks.amx_linear`) it was 1.07-1.27x faster than oneDNN's
-AMX kernel from 1 to 192 rows, 0.95x at 256, 1.13-1.16x at 512 and 1024, and 0.83x at 2048 (long
-prompt chunks, where oneDNN's blocking for many rows wins)."""
+2 Sapphire Rapids cores (`python -m benchmarks.amx_linear`, weights from memory) it was 1.11-1.22x
+faster than oneDNN's AMX kernel at 1-32, 128-192, 512 and 1024 rows, 1.0x at 64, 0.97x at 256, and
+0.93x at 2048 (long prompt chunks, where oneDNN's blocking for many rows wins)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -33,6 +33,8 @@ def test_prompt_kernel_against_sdpa_quick() -> None:
     assert {(r["dtype"], r["tokens"]) for r in result["rows"]} == {
         (dt, n) for dt in ("float32", "bfloat16") for n in (64, 256)
     }
+    amx = bool(torch.ops.pdserve_cpu.prefill_amx_supported(64))
+    assert result["bf16_kernel"] == ("amx" if amx else "avx512") and result["bf16_ratio"] > 0
     for row in result["rows"]:
         assert row["kernel_us"] > 0 and row["sdpa_us"] > 0
         assert row["max_abs_diff"] < (1e-5 if row["dtype"] == "float32" else 5e-2), row

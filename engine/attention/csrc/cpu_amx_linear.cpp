@@ -3,11 +3,11 @@
 // float32 accumulation, one rounding to bfloat16, as oneDNN's bf16 GEMM computes it.
 //
 // Why: a decode step's linears multiply a few to a few hundred rows by every weight of the model.
-// oneDNN's AMX kernel ran them at 8.7-20 ms per bench-model step (1-256 rows, 2 cores of a
-// Sapphire Rapids guest) where streaming the 190 MB of weights takes ~8 ms; this one keeps each
+// oneDNN's AMX kernel ran them at 8.2-19 ms per bench-model step (1-256 rows, 2 cores of a
+// Sapphire Rapids guest) where streaming the 172 MB of weights takes ~7 ms; this one keeps each
 // weight block in cache for every row of the batch, fetches the next block into L2 while it
-// computes, and ran 1.07-1.27x faster up to 192 rows and 1.13-1.16x at 512-1024
-// (`python -m benchmarks.amx_linear`). oneDNN is faster for long prompt chunks (1.2x at 2048
+// computes, and ran 1.11-1.22x faster at most row counts up to 1024 (1.0x at 64, 0.97x at 256;
+// `python -m benchmarks.amx_linear`). oneDNN is faster for long prompt chunks (1.07x at 2048
 // rows), so the caller (engine/layers.py `Linear`) sends only up to `AMX_MAX_ROWS` rows here.
 //
 // The weight is the one oneDNN already holds, prepacked by `torch.ops.mkldnn._reorder_linear_weight`:
