@@ -16,8 +16,8 @@
 //     B = the probabilities, rounded to bf16 with each key pair interleaved (the tiles' pair layout).
 // O^T stays in the tiles across chunks when D <= 64 (4 tiles); wider heads keep it in a float32
 // buffer that each chunk loads and stores. The running max is moved lazily: the product is rescaled
-// only when a chunk's max passes the one in use by more than 8 (in units of the scaled scores), so
-// the probabilities stay below e^8 and most chunks need no rescale (FlashAttention-4's rule).
+// only when a chunk's max passes the one in use by more than 2^12 (the softmax runs in base 2), so
+// the probabilities stay below 4096 and most chunks need no rescale (FlashAttention-4's rule).
 //
 // Masks as in the AVX-512 kernel: query j (position p) sees keys 0..p, and with a sliding window W
 // only those above p - W; chunks wholly inside every row's range skip the mask.
@@ -52,7 +52,7 @@ constexpr int64_t kQ = 16;     // query rows per item: the vector lanes, and the
 constexpr int64_t kKeys = 32;  // keys per chunk: two row tiles of S^T, one K-step of P^T
 constexpr int64_t kMaxD = 256;
 constexpr int64_t kOTiles = 4;   // O^T tiles that stay in the tiles (D <= 64)
-constexpr float kLazyMax = 8.0f;  // rescale only when a chunk's max passes the one in use by this much
+constexpr float kLazyMax2 = 12.0f;  // rescale only when a chunk's max passes the one in use by 2^12
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -78,56 +78,125 @@ struct Scratch {
   alignas(64) float o[kMaxD][kQ];                // O^T when it is not in the tiles, and at the end
 };
 
-PDS_AMX_ATTN_TARGET inline __m512 exp16(__m512 x) {
-  // pds::exp_mantissa's Cephes polynomial, 0 below the clamp (a masked key's -inf)
-  const __m512 lo = _mm512_set1_ps(-87.3365447505531f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), p, n);
-}
-
-// The unit's keys from the pages: K rows into s.k, V transposed into s.vt (zero past key_end).
-void pack_keys(const pds::PrefillProblem& pb, const Unit& u, Scratch& s) {
-  const int64_t d = pb.d, chunks = (u.key_end - u.key_first + kKeys - 1) / kKeys, dblocks = d / 16;
-  s.k.assign(chunks * kKeys * d, 0);
-  s.vt.assign(chunks * dblocks * 16 * kKeys, 0);
-  const int64_t head_stride = pb.bs * d, kv_stride = pb.hkv * head_stride;
-  const uint16_t* kv = static_cast<const uint16_t*>(pb.kv);
-  for (int64_t key = u.key_first; key < u.key_end; ++key) {
-    const int64_t block = pb.table[u.seq * pb.max_pages + key / pb.bs];
-    const uint16_t* krow = kv + block * 2 * kv_stride + u.head * head_stride + (key % pb.bs) * d;
-    const uint16_t* vrow = krow + kv_stride;
-    const int64_t i = key - u.key_first, c = i / kKeys, j = i % kKeys;
-    std::memcpy(s.k.data() + i * d, krow, d * sizeof(uint16_t));
-    uint16_t* vt = s.vt.data() + c * dblocks * 16 * kKeys + j;
-    for (int64_t x = 0; x < d; ++x) vt[x * kKeys] = vrow[x];  // [dblock][dim % 16][key] = [dim][key]
-  }
+// 2^x lane-wise: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor polynomial to degree 5
+// (relative error under 3e-6, far below the bf16 rounding of the probabilities it makes), times 2^n by
+// vscalefps; 0 below -126 (a masked key's -inf, and an unused row's first rescale).
+PDS_AMX_ATTN_TARGET inline __m512 exp2_16(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  x = _mm512_min_ps(x, _mm512_set1_ps(127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);                     // ln2^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));    // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));    // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));    // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));    // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // The 16 rows of one item: row r is query head h*g + (row0 + r) % g of token (row0 + r) / g.
 struct ItemRows {
   int64_t rows, min_pos, max_pos;
-  int32_t pos[kQ];  // position of each row in its sequence; -1 for padding rows
+  int32_t pos[kQ];        // position of each row in its sequence; -1 for padding rows
+  const uint16_t* q[kQ];  // each row's query vector (null for padding rows)
+  uint16_t* out[kQ];      // where each row's output goes
 };
 
-ItemRows item_rows(const pds::PrefillProblem& pb, int64_t s, int64_t row0, int64_t row_end) {
+ItemRows item_rows(const pds::PrefillProblem& pb, int64_t s, int64_t h, int64_t row0, int64_t row_end) {
   const int64_t g = pb.hq / pb.hkv, q_len = pb.qstart[s + 1] - pb.qstart[s], first_pos = pb.ctx[s] - q_len;
-  ItemRows it{std::min<int64_t>(kQ, row_end - row0), 0, 0, {}};
-  for (int64_t r = 0; r < kQ; ++r) it.pos[r] = r < it.rows ? static_cast<int32_t>(first_pos + (row0 + r) / g) : -1;
+  ItemRows it{std::min<int64_t>(kQ, row_end - row0), 0, 0, {}, {}, {}};
+  const uint16_t* q = static_cast<const uint16_t*>(pb.q);
+  uint16_t* out = static_cast<uint16_t*>(pb.out);
+  int64_t t = row0 / g, i = row0 % g;
+  for (int64_t r = 0; r < kQ; ++r) {
+    const bool real = r < it.rows;
+    it.pos[r] = real ? static_cast<int32_t>(first_pos + t) : -1;
+    it.q[r] = real ? q + (pb.qstart[s] + t) * pb.q_row + (h * g + i) * pb.d : nullptr;
+    it.out[r] = real ? out + ((pb.qstart[s] + t) * pb.hq + h * g + i) * pb.d : nullptr;
+    if (++i == g) {
+      i = 0;
+      ++t;
+    }
+  }
   it.min_pos = it.pos[0];
   it.max_pos = it.pos[it.rows - 1];
   return it;
+}
+
+// r[i] (16 rows of 16 dwords) becomes its transpose: r[j][i] = old r[i][j]. Unpacks give each 128-bit
+// lane a 4x4 block of the result; the lanes are then moved between registers.
+PDS_AMX_ATTN_TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[4][4];  // u[G][j]: lane L holds column 4L + j of rows 4G .. 4G + 3
+  for (int gr = 0; gr < 4; ++gr) {
+    u[gr][0] = _mm512_unpacklo_epi64(t[4 * gr], t[4 * gr + 2]);
+    u[gr][1] = _mm512_unpackhi_epi64(t[4 * gr], t[4 * gr + 2]);
+    u[gr][2] = _mm512_unpacklo_epi64(t[4 * gr + 1], t[4 * gr + 3]);
+    u[gr][3] = _mm512_unpackhi_epi64(t[4 * gr + 1], t[4 * gr + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0x44), v1 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0x44), v3 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// The unit's keys from the pages: K rows into s.k, V transposed into s.vt, zero past key_end. V^T's
+// tile for 32 keys and 16 dims holds in row d the 16 key pairs (V[2j][d], V[2j + 1][d]) as dwords:
+// two key rows interleaved value by value give those pairs for 16 dims at once, and 16 such vectors
+// (one per key pair) transposed as dwords are the tile.
+PDS_AMX_ATTN_TARGET void pack_keys(const pds::PrefillProblem& pb, const Unit& u, Scratch& s) {
+  const int64_t d = pb.d, chunks = (u.key_end - u.key_first + kKeys - 1) / kKeys, dblocks = d / 16;
+  s.k.resize(chunks * kKeys * d);
+  s.vt.resize(chunks * dblocks * 16 * kKeys);
+  const int64_t head_stride = pb.bs * d, kv_stride = pb.hkv * head_stride;
+  const uint16_t* kv = static_cast<const uint16_t*>(pb.kv);
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint16_t* vrows[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const int64_t key = u.key_first + c * kKeys + j;
+      uint16_t* kdst = s.k.data() + (c * kKeys + j) * d;
+      if (key < u.key_end) {
+        const int64_t block = pb.table[u.seq * pb.max_pages + key / pb.bs];
+        const uint16_t* krow = kv + block * 2 * kv_stride + u.head * head_stride + (key % pb.bs) * d;
+        std::memcpy(kdst, krow, d * sizeof(uint16_t));
+        vrows[j] = krow + kv_stride;
+      } else {
+        std::memset(kdst, 0, d * sizeof(uint16_t));
+        vrows[j] = nullptr;
+      }
+    }
+    for (int64_t half = 0; half < d / 32; ++half) {  // dims half*32 .. half*32 + 31: two tiles
+      __m512i lo[16], hi[16];
+      for (int64_t j = 0; j < kKeys / 2; ++j) {
+        const uint16_t *a = vrows[2 * j], *b = vrows[2 * j + 1];
+        const __m512i va = a ? _mm512_loadu_si512(a + half * 32) : _mm512_setzero_si512();
+        const __m512i vb = b ? _mm512_loadu_si512(b + half * 32) : _mm512_setzero_si512();
+        lo[j] = _mm512_permutex2var_epi16(va, low, vb);
+        hi[j] = _mm512_permutex2var_epi16(va, high, vb);
+      }
+      transpose16(lo);
+      transpose16(hi);
+      uint16_t* tile = s.vt.data() + (c * dblocks + 2 * half) * 16 * kKeys;
+      for (int64_t x = 0; x < 16; ++x) {
+        _mm512_storeu_si512(tile + x * kKeys, lo[x]);
+        _mm512_storeu_si512(tile + (16 + x) * kKeys, hi[x]);
+      }
+    }
+  }
 }
 
 // O^T *= alpha, lane-wise, over the D rows of s.o
@@ -162,31 +231,6 @@ PDS_AMX_ATTN_TARGET inline void o_tiles(TileOp op, Scratch& s) {
       _tile_loadd(2, s.o[32], 64);
       _tile_loadd(3, s.o[48], 64);
     }
-  }
-}
-
-// r[i] (16 rows of 16 dwords) becomes its transpose: r[j][i] = old r[i][j]. Unpacks give each 128-bit
-// lane a 4x4 block of the result; the lanes are then moved between registers.
-PDS_AMX_ATTN_TARGET inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[4][4];  // u[G][j]: lane L holds column 4L + j of rows 4G .. 4G + 3
-  for (int gr = 0; gr < 4; ++gr) {
-    u[gr][0] = _mm512_unpacklo_epi64(t[4 * gr], t[4 * gr + 2]);
-    u[gr][1] = _mm512_unpackhi_epi64(t[4 * gr], t[4 * gr + 2]);
-    u[gr][2] = _mm512_unpacklo_epi64(t[4 * gr + 1], t[4 * gr + 3]);
-    u[gr][3] = _mm512_unpackhi_epi64(t[4 * gr + 1], t[4 * gr + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0x44), v1 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0x44), v3 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
   }
 }
 
@@ -229,7 +273,8 @@ PDS_AMX_ATTN_TARGET inline void chunk_softmax(ItemState<D>& st, int64_t c, float
   constexpr int64_t kDBlocks = D / 16;
   const pds::PrefillProblem& pb = st.pb;
   const int64_t k0 = st.u.key_first + c * kKeys;
-  const __m512 scale = _mm512_set1_ps(pb.scale), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // scores go to base 2: p = 2^(s * scale * log2(e) - m), m kept in the same units
+  const __m512 scale = _mm512_set1_ps(pb.scale * 1.44269504088896341f), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const bool full = k0 + kKeys - 1 <= st.it.min_pos && (pb.window <= 0 || k0 > st.it.max_pos - pb.window);
   __m512 sv[kKeys];
   __m512 cmax = neg_inf;
@@ -247,9 +292,9 @@ PDS_AMX_ATTN_TARGET inline void chunk_softmax(ItemState<D>& st, int64_t c, float
     cmax = _mm512_max_ps(cmax, sv[j]);
   }
   const __m512 cm = _mm512_mul_ps(cmax, scale);
-  if (_mm512_cmp_ps_mask(cm, _mm512_add_ps(st.m, _mm512_set1_ps(kLazyMax)), _CMP_GT_OQ)) {
+  if (_mm512_cmp_ps_mask(cm, _mm512_add_ps(st.m, _mm512_set1_ps(kLazyMax2)), _CMP_GT_OQ)) {
     const __m512 m_new = _mm512_max_ps(st.m, cm);
-    const __m512 alpha = exp16(_mm512_sub_ps(st.m, m_new));
+    const __m512 alpha = exp2_16(_mm512_sub_ps(st.m, m_new));
     st.l = _mm512_mul_ps(st.l, alpha);
     st.m = m_new;
     if (!st.o_zero) {
@@ -265,8 +310,8 @@ PDS_AMX_ATTN_TARGET inline void chunk_softmax(ItemState<D>& st, int64_t c, float
   __m512 sum = _mm512_setzero_ps();
 #pragma GCC unroll 16
   for (int64_t r = 0; r < kKeys / 2; ++r) {
-    const __m512 p0 = exp16(_mm512_fmsub_ps(sv[2 * r], scale, st.m));
-    const __m512 p1 = exp16(_mm512_fmsub_ps(sv[2 * r + 1], scale, st.m));
+    const __m512 p0 = exp2_16(_mm512_fmsub_ps(sv[2 * r], scale, st.m));
+    const __m512 p1 = exp2_16(_mm512_fmsub_ps(sv[2 * r + 1], scale, st.m));
     sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
     _mm512_store_si512(pt[r], _mm512_permutexvar_epi16(interleave, halves));
@@ -310,19 +355,13 @@ PDS_AMX_ATTN_TARGET inline void chunk_accumulate(ItemState<D>& st, int64_t c, ui
 template <int64_t D>
 PDS_AMX_ATTN_TARGET void attend_item(const pds::PrefillProblem& pb, const Unit& u, int64_t row0, Scratch& s) {
   constexpr int64_t kDBlocks = D / 16, kDPairs = D / 32;
-  const int64_t g = pb.hq / pb.hkv, seq = u.seq, h = u.head;
-  ItemState<D> st{pb, u, s, item_rows(pb, seq, row0, u.row_end), 0, _mm512_setzero_si512()};
+  ItemState<D> st{pb, u, s, item_rows(pb, u.seq, u.head, row0, u.row_end), 0, _mm512_setzero_si512()};
   const ItemRows& it = st.it;
   // the queries, transposed into B tiles: qt[d / 32][d pair][query] = (q[2p], q[2p + 1]) as one uint32
-  const uint16_t* q = static_cast<const uint16_t*>(pb.q);
   for (int64_t dp = 0; dp < kDPairs; ++dp) {
     __m512i rows[16];
-    for (int64_t r = 0; r < kQ; ++r) {
-      const int64_t row = row0 + r;
-      rows[r] = r < it.rows ? _mm512_loadu_si512(q + (pb.qstart[seq] + row / g) * pb.q_row + (h * g + row % g) * D +
-                                                 dp * 32)
-                            : _mm512_setzero_si512();
-    }
+    for (int64_t r = 0; r < kQ; ++r)
+      rows[r] = r < it.rows ? _mm512_loadu_si512(it.q[r] + dp * 32) : _mm512_setzero_si512();
     transpose16(rows);
     for (int64_t x = 0; x < 16; ++x) _mm512_store_si512(s.qt[dp][x], rows[x]);
   }
@@ -344,14 +383,12 @@ PDS_AMX_ATTN_TARGET void attend_item(const pds::PrefillProblem& pb, const Unit& 
   // out = O / l, transposed back to [token][head][dim]; every real row saw at least its own key
   alignas(64) float inv[kQ];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), st.l));
-  uint16_t* out = static_cast<uint16_t*>(pb.out);
   for (int64_t b = 0; b < kDBlocks; ++b) {
     __m512i cols[16];
     for (int64_t x = 0; x < 16; ++x) cols[x] = _mm512_load_si512(s.o[b * 16 + x]);
     transpose16(cols);  // cols[r]: dims b*16 .. b*16 + 15 of query row r
     for (int64_t r = 0; r < it.rows; ++r) {
-      const int64_t row = row0 + r;
-      uint16_t* dst = out + ((pb.qstart[seq] + row / g) * pb.hq + h * g + row % g) * D + b * 16;
+      uint16_t* dst = it.out[r] + b * 16;
       const __m512 o = _mm512_mul_ps(_mm512_castsi512_ps(cols[r]), _mm512_set1_ps(inv[r]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(o));
     }
