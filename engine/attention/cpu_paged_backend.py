@@ -22,7 +22,7 @@ PROMPT_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """Where the prompt kernel (`paged_prefill_attention`) replaces SDPA for the many-token sequences. In
 float32 (AVX-512) it ran 1.3-1.6x faster than SDPA's flash kernel at 64-512 tokens (2-core Sapphire
 Rapids). bfloat16 takes it only on AMX tiles (`prefill_amx_supported`: csrc/cpu_amx_prefill.cpp,
-1.2-1.9x SDPA there); without AMX, SDPA was 2x faster than the AVX-512 kernel's float32 arithmetic,
+2.4-3.3x SDPA there); without AMX, SDPA was 2x faster than the AVX-512 kernel's float32 arithmetic,
 so bf16 keeps SDPA."""
 
 
