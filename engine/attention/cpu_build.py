@@ -36,7 +36,7 @@ SOURCES = (
     CSRC / "cpu_amx_linear.cpp",
     CSRC / "cpu_amx_prefill.cpp",
 )
-HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_vec.h", CSRC / "cpu_prefill.h")
+HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_vec.h", CSRC / "cpu_prefill.h", CSRC / "cpu_amx.h")
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""
 LIBRARY = "pdserve_cpu_paged.so"
 built_in_this_process = False

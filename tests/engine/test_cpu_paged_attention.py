@@ -313,6 +313,12 @@ def test_prompt_kernel_matches_reference(op, seed, dtype):
 
     tables, q_lens, ctxs = _place(rng, free, block_size, rng.randrange(1, 4), draw)
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+    _check_prompt_kernel(q, kv, tables, q_lens, ctxs, block_size, window, 1e-5 if dtype == torch.float32 else BF16_ATOL)
+
+
+def _check_prompt_kernel(q, kv, tables, q_lens, ctxs, block_size, window, atol, amx=True) -> None:
+    """`paged_prefill_attention` on 1, 2 and 3 threads against the float64 reference."""
+    d = q.shape[-1]
     table, starts = _index_tensors(tables, q_lens)
     want = _reference(q, kv, tables, q_lens, ctxs, block_size, d**-0.5, window)
     before = torch.get_num_threads()
@@ -320,10 +326,9 @@ def test_prompt_kernel_matches_reference(op, seed, dtype):
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             got = torch.ops.pdserve_cpu.paged_prefill_attention(
-                q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window
+                q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window, amx
             )
-            atol = 1e-5 if dtype == torch.float32 else BF16_ATOL
-            assert got.dtype == dtype and got.shape == q.shape
+            assert got.dtype == q.dtype and got.shape == q.shape
             torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=f"{threads} threads")
     finally:
         torch.set_num_threads(before)
@@ -349,7 +354,7 @@ def test_bf16_prompt_kernels_match_reference(op, seed, amx):
     window = rng.choice([0, 0, 33, 100])
     num_blocks = 700 // block_size + 8
     gen = torch.Generator().manual_seed(seed)
-    # a few keys far out, so that later chunks raise the max well past the one in use
+    # in some seeds K and V x4: scores spread widely, so later chunks move the max past the one in use
     kv = (torch.randn(num_blocks, 2, hkv, block_size, d, generator=gen) * rng.choice([1.0, 4.0])).bfloat16()
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -360,20 +365,9 @@ def test_bf16_prompt_kernels_match_reference(op, seed, amx):
 
     tables, q_lens, ctxs = _place(rng, free, block_size, rng.randrange(1, 4), draw)
     q = torch.randn(sum(q_lens), hq, d, generator=gen).bfloat16()
-    table, starts = _index_tensors(tables, q_lens)
-    want = _reference(q, kv, tables, q_lens, ctxs, block_size, d**-0.5, window)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            got = torch.ops.pdserve_cpu.paged_prefill_attention(
-                q, kv, table, starts, torch.tensor(ctxs, dtype=torch.int32), d**-0.5, window, amx
-            )
-            assert got.dtype == torch.bfloat16 and got.shape == q.shape
-            scale = max(1.0, want.abs().max().item())  # bf16 probabilities and output: relative to the values
-            torch.testing.assert_close(got.double(), want, atol=BF16_ATOL * scale, rtol=0, msg=f"{threads} threads")
-    finally:
-        torch.set_num_threads(before)
+    # bf16 probabilities and output: the bound scales with the values (K and V x4 in some seeds)
+    atol = BF16_ATOL * max(1.0, kv[:, 1].abs().max().item() / 4)
+    _check_prompt_kernel(q, kv, tables, q_lens, ctxs, block_size, window, atol, amx)
 
 
 def test_prompt_kernel_reads_a_query_view_and_refuses_what_it_cannot_run(op):

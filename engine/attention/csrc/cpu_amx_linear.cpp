@@ -30,7 +30,7 @@
 #include <memory>
 
 #include "cpu_common.h"
-#include "cpu_prefill.h"  // pds::amx_ready
+#include "cpu_amx.h"
 
 #if defined(PDS_X86_GCC) && __GNUC__ >= 11
 #define PDS_AMX 1
@@ -58,14 +58,6 @@ struct Problem {
 
 #ifdef PDS_AMX
 #define PDS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // One row tile (kTwo = false) or two of x against one 32-column block of W, over K blocks
 // [k_first, k_last). The float32 sums carry over from one K chunk to the next in `partial` (this
@@ -147,11 +139,7 @@ PDS_AMX_TARGET inline void row_tiles(const Problem& p, int64_t tile, int64_t blo
 // core, 128 rows x 768 x 768 in cache).
 PDS_AMX_TARGET void column_blocks(const Problem& p, int64_t first, int64_t last) {
   constexpr int64_t kChunkBlocks = 8, kSliceRows = 512;
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kRows;
-    config.colsb[t] = 64;
-  }
+  const pds::TileConfig config = pds::full_tiles();  // kRows rows of 64 bytes
   _tile_loadconfig(&config);
   const int64_t k_blocks = p.K / kKBlock;
   const int64_t panel_bytes = k_blocks * kBlock * 2;

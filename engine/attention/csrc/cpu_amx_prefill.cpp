@@ -37,6 +37,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "cpu_prefill.h"
 
@@ -56,14 +57,6 @@ constexpr int64_t kKeys = 32;  // keys per chunk: two row tiles of S^T, one K-st
 constexpr int64_t kMaxD = 256;
 constexpr int64_t kOTiles = 4;   // O^T tiles that stay in the tiles (D <= 64)
 constexpr float kLazyMax2 = 12.0f;  // rescale only when a chunk's max passes the one in use by 2^12
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // A run of consecutive items of one (sequence, kv head), and the keys they need, packed once.
 struct Unit {
@@ -400,11 +393,7 @@ PDS_AMX_ATTN_TARGET void attend_item(const pds::PrefillProblem& pb, const Unit& 
 
 template <int64_t D>
 PDS_AMX_ATTN_TARGET void attend_units(const pds::PrefillProblem& pb, const Unit* units, int64_t n, Scratch& s) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
+  const pds::TileConfig config = pds::full_tiles();
   _tile_loadconfig(&config);
   for (int64_t i = 0; i < n; ++i) {
     pack_keys(pb, units[i], s);
@@ -434,12 +423,8 @@ void run(const pds::PrefillProblem& pb) {
         cost_before.push_back(cost_before.back() + (row_end - row0) * (max_pos - lo + 1));
       }
   }
-  const int64_t total = cost_before.back();
-  const int64_t ranges = std::clamp<int64_t>(total / (int64_t{1} << 14), 1, at::get_num_threads());
-  std::vector<int64_t> bounds(ranges + 1);
-  for (int64_t r = 0; r <= ranges; ++r)
-    bounds[r] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, total * r / ranges) - cost_before.begin();
-  bounds[ranges] = static_cast<int64_t>(units.size());
+  const std::vector<int64_t> bounds = pds::cost_bounds(cost_before, threads);
+  const int64_t ranges = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     auto s = std::make_unique<Scratch>();
     for (int64_t r = first; r < last; ++r) {

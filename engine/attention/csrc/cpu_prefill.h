@@ -2,7 +2,9 @@
 // cpu_paged_attention.cpp, which checks the inputs first.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace pds {
 
@@ -30,8 +32,18 @@ void prefill_attention_bf16(const PrefillProblem& pb);
 bool amx_prefill_supported(int64_t d);
 void prefill_attention_amx(const PrefillProblem& pb);
 
-// Whether this process may use AMX bf16 tiles (cpu_amx_linear.cpp): the CPU has them and Linux
-// granted the tile state.
-bool amx_ready();
+// Boundaries of runs of consecutive work items of about equal cost, one run per thread at most:
+// cost_before[i] is the cost of items [0, i) (items + 1 entries), and run r is items [bounds[r],
+// bounds[r + 1]). A run costs at least about 2^14 units (rows x keys: ~2^20 multiply-adds per head
+// dimension), since waking a thread costs microseconds.
+inline std::vector<int64_t> cost_bounds(const std::vector<int64_t>& cost_before, int64_t threads) {
+  const int64_t total = cost_before.back(), items = static_cast<int64_t>(cost_before.size()) - 1;
+  const int64_t ranges = std::clamp<int64_t>(total / (int64_t{1} << 14), 1, threads);
+  std::vector<int64_t> bounds(ranges + 1);
+  for (int64_t r = 0; r <= ranges; ++r)
+    bounds[r] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, total * r / ranges) - cost_before.begin();
+  bounds[ranges] = items;
+  return bounds;
+}
 
 }  // namespace pds

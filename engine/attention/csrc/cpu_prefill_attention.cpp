@@ -230,13 +230,8 @@ void run(const pds::PrefillProblem& pb) {
         cost_before.push_back(cost_before.back() + rows * (max_pos - lo + 1));
       }
   }
-  const int64_t total = cost_before.back();
-  // a range of at least about 2^20 multiply-adds per head dimension: waking a thread costs microseconds
-  const int64_t ranges = std::clamp<int64_t>(total / (int64_t{1} << 14), 1, at::get_num_threads());
-  std::vector<int64_t> bounds(ranges + 1);
-  for (int64_t r = 0; r <= ranges; ++r)
-    bounds[r] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, total * r / ranges) - cost_before.begin();
-  bounds[ranges] = static_cast<int64_t>(items.size());
+  const std::vector<int64_t> bounds = pds::cost_bounds(cost_before, at::get_num_threads());
+  const int64_t ranges = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
     Scratch sc(pb.d);
     for (int64_t r = first; r < last; ++r) attend_range<T>(pb, items.data() + bounds[r], bounds[r + 1] - bounds[r], sc);
