@@ -77,11 +77,39 @@ class TcpChannel:
         self.sock: socket.socket | None = None
         self.peer_hello: bytes | None = None
         self._connect_error = ""
+        self._users = 1
+        """Holders of the socket: the channel until `close`, and each thread that reads or writes it. The
+        last one closes it (`_let_go`)."""
+        self._closing = False
         if hello is None:
-            threading.Thread(target=self._connect_and_send, name="cachestore-send", daemon=True).start()
+            self._start(self._connect_and_send, "cachestore-send")
         elif self._connect(hello):
-            threading.Thread(target=self._send_loop, name="cachestore-send", daemon=True).start()
-            threading.Thread(target=self._ack_loop, name="cachestore-acks", daemon=True).start()
+            self._start(self._send_loop, "cachestore-send")
+            self._start(self._ack_loop, "cachestore-acks")
+
+    def _start(self, loop, name: str) -> None:
+        """Run `loop` on a thread that holds the socket until it returns."""
+        with self._lock:
+            self._users += 1
+
+        def run() -> None:
+            try:
+                loop()
+            finally:
+                self._let_go()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def _let_go(self) -> None:
+        """One holder is done with the socket; the last closes it. A descriptor must not be closed under
+        a thread still inside a TLS call: OpenSSL keeps the descriptor's number, which the next connect
+        or accept in the process may be given, so that thread's remaining reads and writes would go to
+        another connection (seen as handshakes failing with "bad record mac" under load)."""
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last and self.sock is not None:
+            self.sock.close()
 
     def _connect(self, hello: bytes | None) -> bool:
         """Connect and authenticate (and, with a hello, exchange it); False and broken if that failed."""
@@ -106,7 +134,7 @@ class TcpChannel:
         if self.broken:  # closed while connecting: nothing may go out any more
             self._fail_all("channel closed")
             return
-        threading.Thread(target=self._ack_loop, name="cachestore-acks", daemon=True).start()
+        self._start(self._ack_loop, "cachestore-acks")
         self._send_loop()
 
     def submit(self, transfer, layer: int, run: Run, ready_event, notify: bool = False) -> None:
@@ -225,10 +253,14 @@ class TcpChannel:
         self.close()
 
     def close(self) -> None:
+        """Fail what is queued and wake the threads (a shutdown); the socket itself closes once they
+        have let go of it (`_let_go`)."""
         self.broken = True
         self._queue.close()
+        with self._lock:
+            first, self._closing = not self._closing, True
         sock = self.sock
-        if sock is None:
-            return
-        shutdown_both(sock)  # wakes the ack thread
-        sock.close()
+        if sock is not None:
+            shutdown_both(sock)  # wakes the ack thread
+        if first:
+            self._let_go()
