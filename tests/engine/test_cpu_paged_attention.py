@@ -370,6 +370,38 @@ def test_bf16_prompt_kernels_match_reference(op, seed, amx):
     _check_prompt_kernel(q, kv, tables, q_lens, ctxs, block_size, window, atol, amx)
 
 
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_kernel_takes_no_sequence_and_refuses_an_empty_pool_shape(op, dtype, amx):
+    """An empty batch gives an empty output (the AMX kernel once divided by the number of sequences x
+    kv heads: a crash of the process, not an error), and a pool with no kv heads or zero-token pages
+    is refused by both ops."""
+    if not _prompt_kernel_runs(64):
+        pytest.skip("the prompt kernel needs AVX-512")
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    q = torch.zeros(0, 4, 64, dtype=dtype)
+    kv = torch.zeros(4, 2, 2, 16, 64, dtype=dtype)
+    empty = torch.zeros(0, 1, dtype=torch.int32)
+    got = torch.ops.pdserve_cpu.paged_prefill_attention(q, kv, empty, i32([0]), i32([]), 0.125, 0, amx)
+    assert got.shape == q.shape
+    for pool, match in ((torch.zeros(4, 2, 0, 16, 64, dtype=dtype), "head shapes"), (kv[:, :, :, :0], "block size")):
+        with pytest.raises(RuntimeError, match=match):  # both were divisions by zero
+            torch.ops.pdserve_cpu.paged_prefill_attention(
+                torch.zeros(16, 4, 64, dtype=dtype),
+                pool.contiguous(),
+                i32([[0]]),
+                i32([0, 16]),
+                i32([16]),
+                0.125,
+                0,
+                amx,
+            )
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.pdserve_cpu.paged_attention(
+                torch.zeros(16, 4, 64, dtype=dtype), pool.contiguous(), i32([[0]]), i32([0, 16]), i32([16]), 0.125, 0
+            )
+
+
 def test_prompt_kernel_reads_a_query_view_and_refuses_what_it_cannot_run(op):
     """q may be a row view of the fused qkv projection; bad pages are refused as by the decode op, and a
     head size the kernel has no code for is an error, not a wrong answer."""

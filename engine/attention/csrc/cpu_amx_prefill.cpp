@@ -407,7 +407,9 @@ void run(const pds::PrefillProblem& pb) {
   // once, so a unit is a whole group where there are enough groups to share among the threads, and a
   // part of one otherwise (a single prompt of a one-kv-head model still runs on every thread)
   const int64_t g = pb.hq / pb.hkv, threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t groups = pb.num_seqs * pb.hkv, parts = (2 * threads + groups - 1) / groups;
+  const int64_t groups = pb.num_seqs * pb.hkv;
+  if (groups == 0) return;  // no sequence: nothing to write
+  const int64_t parts = (2 * threads + groups - 1) / groups;
   std::vector<Unit> units;
   std::vector<int64_t> cost_before{0};
   for (int64_t s = 0; s < pb.num_seqs; ++s) {

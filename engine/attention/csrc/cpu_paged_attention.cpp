@@ -629,8 +629,9 @@ std::array<at::Tensor, 4> checked(const at::Tensor& q, const at::Tensor& kv, con
                                   const at::Tensor& query_start, const at::Tensor& context_lens, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "cpu_paged attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(1) == 2, "q [T,Hq,D], kv [N,2,Hkv,B,D] expected");
+  TORCH_CHECK(kv.size(3) > 0, "kv pages must hold at least one token (block size B > 0)");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
-  TORCH_CHECK(q.size(2) == kv.size(4) && q.size(1) % kv.size(2) == 0, "head shapes do not match");
+  TORCH_CHECK(kv.size(2) > 0 && q.size(2) == kv.size(4) && q.size(1) % kv.size(2) == 0, "head shapes do not match");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
                   context_lens.scalar_type() == at::kInt, "index tensors must be int32");
   TORCH_CHECK(kv.is_contiguous(), "kv layer must be contiguous");
