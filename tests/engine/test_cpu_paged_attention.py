@@ -374,8 +374,9 @@ def test_bf16_prompt_kernels_match_reference(op, seed, amx):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_kernel_takes_no_sequence_and_refuses_an_empty_pool_shape(op, dtype, amx):
     """An empty batch gives an empty output (the AMX kernel once divided by the number of sequences x
-    kv heads: a crash of the process, not an error), and a pool with no kv heads or zero-token pages
-    is refused by both ops."""
+    kv heads: a crash of the process, not an error); a sliding window wider than 32 bits is no window
+    (it wrapped to 0, masking every key); a pool with no kv heads or zero-token pages is refused by
+    both ops."""
     if not _prompt_kernel_runs(64):
         pytest.skip("the prompt kernel needs AVX-512")
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
@@ -384,6 +385,15 @@ def test_prompt_kernel_takes_no_sequence_and_refuses_an_empty_pool_shape(op, dty
     empty = torch.zeros(0, 1, dtype=torch.int32)
     got = torch.ops.pdserve_cpu.paged_prefill_attention(q, kv, empty, i32([0]), i32([]), 0.125, 0, amx)
     assert got.shape == q.shape
+    x = torch.randn(8, 4, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    pages = torch.randn(4, 2, 2, 16, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    args = (pages, i32([[1]]), i32([0, 8]), i32([8]), 0.125)
+    plain = torch.ops.pdserve_cpu.paged_prefill_attention(x, *args, 0, amx)
+    for wide in (8, 2**31 - 1, 2**31, 2**40):  # windows as wide as the context or wider: no window at all
+        torch.testing.assert_close(torch.ops.pdserve_cpu.paged_prefill_attention(x, *args, wide, amx), plain)
+        torch.testing.assert_close(
+            torch.ops.pdserve_cpu.paged_attention(x, *args, wide), torch.ops.pdserve_cpu.paged_attention(x, *args, 0)
+        )
     for pool, match in ((torch.zeros(4, 2, 0, 16, 64, dtype=dtype), "head shapes"), (kv[:, :, :, :0], "block size")):
         with pytest.raises(RuntimeError, match=match):  # both were divisions by zero
             torch.ops.pdserve_cpu.paged_prefill_attention(

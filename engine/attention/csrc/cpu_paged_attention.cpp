@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -623,6 +624,10 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   });
 }
 
+// Windows are compared with positions in 32-bit lanes; one this wide already covers any context, so a
+// wider one (which would wrap) is the same attention.
+constexpr int64_t kWidestWindow = std::numeric_limits<int32_t>::max();
+
 // The checks both ops make; returns q as the kernels read it (a view with contiguous heads, such as a
 // slice of the qkv projection, is read in place) and the index tensors contiguous.
 std::array<at::Tensor, 4> checked(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
@@ -651,6 +656,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
                            const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
                            int64_t window) {
   auto [qc, bt, qs, cl] = checked(q, kv, block_table, query_start, context_lens, window);
+  window = std::min<int64_t>(window, kWidestWindow);
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat)
     run<float>(qc, kv, bt, qs, cl, scale, window, out);
@@ -666,6 +672,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv, co
                                    const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
                                    int64_t window, bool amx) {
   auto [qc, bt, qs, cl] = checked(q, kv, block_table, query_start, context_lens, window);
+  window = std::min<int64_t>(window, kWidestWindow);
   TORCH_CHECK(pds::prefill_supported(q.size(2)), "the prompt kernel needs AVX-512 and a head size that is a ",
               "multiple of 16 up to 256; see prefill_supported");
   at::Tensor out = at::empty(q.sizes(), q.options());
