@@ -406,25 +406,15 @@ void run(const pds::PrefillProblem& pb) {
   // units: runs of one (sequence, kv head)'s query rows, costed by rows x keys. A unit packs its keys
   // once, so a unit is a whole group where there are enough groups to share among the threads, and a
   // part of one otherwise (a single prompt of a one-kv-head model still runs on every thread)
-  const int64_t g = pb.hq / pb.hkv, threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t groups = pb.num_seqs * pb.hkv;
   if (groups == 0) return;  // no sequence: nothing to write
   const int64_t parts = (2 * threads + groups - 1) / groups;
+  std::vector<int64_t> cost_before;
+  const auto unit_rows = [&](int64_t rows) { return (rows + parts * kQ - 1) / (parts * kQ) * kQ; };
   std::vector<Unit> units;
-  std::vector<int64_t> cost_before{0};
-  for (int64_t s = 0; s < pb.num_seqs; ++s) {
-    const int64_t q_len = pb.qstart[s + 1] - pb.qstart[s], first_pos = pb.ctx[s] - q_len;
-    const int64_t unit_rows = (q_len * g + parts * kQ - 1) / (parts * kQ) * kQ;
-    for (int64_t h = 0; h < pb.hkv; ++h)
-      for (int64_t row0 = 0; row0 < q_len * g; row0 += unit_rows) {
-        const int64_t row_end = std::min(q_len * g, row0 + unit_rows);
-        const int64_t min_pos = first_pos + row0 / g, max_pos = first_pos + (row_end - 1) / g;
-        const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, min_pos - pb.window + 1) : 0;
-        units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(row0),
-                         static_cast<int32_t>(row_end), lo / kKeys * kKeys, max_pos + 1});
-        cost_before.push_back(cost_before.back() + (row_end - row0) * (max_pos - lo + 1));
-      }
-  }
+  for (const pds::RowSpan& span : pds::row_spans(pb, unit_rows, cost_before))
+    units.push_back({span.seq, span.head, span.row0, span.row_end, span.lo / kKeys * kKeys, span.max_pos + 1});
   const std::vector<int64_t> bounds = pds::cost_bounds(cost_before, threads);
   const int64_t ranges = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {

@@ -53,10 +53,6 @@ struct Scratch {
       : qt(d * RV * L), ot(d * RV * L), m(RV * L), l(RV * L), pos(RV * L), p(KC * L), kf(KC * d), vf(KC * d) {}
 };
 
-struct Item {
-  int32_t seq, head, row0;  // rows row0 .. row0 + RV * L of the sequence's (token, head in group) rows
-};
-
 // exp of every lane in float32: pds::fast_exp's Cephes polynomial (~1 ulp), 16 lanes at a time. The
 // float64 exp_lanes of the decode kernel (glibc's rounding, for exact greedy parity there) was a
 // sixth of this kernel's cycles; SDPA's flash kernel, which this replaces, used a float32 exp too.
@@ -92,10 +88,10 @@ __attribute__((always_inline)) inline void widen_rows(float* dst, const T* src, 
 // D: the head size when known at compile time (0: pb.d), so that the 16 keys' broadcast K values are
 // constant offsets from one register; with a run-time head size GCC kept the 16 row addresses on the stack.
 template <typename T, int64_t D>
-__attribute__((always_inline)) inline void attend_rows(const pds::PrefillProblem& pb, const Item& it, Scratch& sc) {
+__attribute__((always_inline)) inline void attend_rows(const pds::PrefillProblem& pb, const pds::RowSpan& it, Scratch& sc) {
   const int64_t d = D > 0 ? D : pb.d, g = pb.hq / pb.hkv, s = it.seq, h = it.head;
   const int64_t q_len = pb.qstart[s + 1] - pb.qstart[s], first_pos = pb.ctx[s] - q_len;
-  const int64_t rows = std::min<int64_t>(RV * L, q_len * g - it.row0);
+  const int64_t rows = it.row_end - it.row0;
   const T* q = static_cast<const T*>(pb.q);
   // the item's rows, transposed: qt[c][row]
   for (int64_t r = 0; r < RV * L; ++r) {
@@ -107,8 +103,7 @@ __attribute__((always_inline)) inline void attend_rows(const pds::PrefillProblem
   std::fill(sc.ot.begin(), sc.ot.end(), 0.0f);
   std::fill(sc.m.begin(), sc.m.end(), -1e30f);  // finite: a row with no key yet gets alpha = 1, not NaN
   std::fill(sc.l.begin(), sc.l.end(), 0.0f);
-  const int64_t min_pos = sc.pos[0], max_pos = first_pos + (it.row0 + rows - 1) / g;
-  const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, min_pos - pb.window + 1) : 0, hi = max_pos;
+  const int64_t min_pos = sc.pos[0], max_pos = it.max_pos, lo = it.lo, hi = max_pos;
   const int64_t vecs = (rows + L - 1) / L;
   const int64_t head_stride = pb.bs * d, kv_stride = pb.hkv * head_stride;
   const T* kv = static_cast<const T*>(pb.kv);
@@ -198,7 +193,7 @@ __attribute__((always_inline)) inline void attend_rows(const pds::PrefillProblem
 }
 
 template <typename T>
-__attribute__((target("arch=x86-64-v4"))) void attend_range(const pds::PrefillProblem& pb, const Item* items,
+__attribute__((target("arch=x86-64-v4"))) void attend_range(const pds::PrefillProblem& pb, const pds::RowSpan* items,
                                                              int64_t n, Scratch& sc) {
   switch (pb.d) {
     case 64:
@@ -214,22 +209,9 @@ __attribute__((target("arch=x86-64-v4"))) void attend_range(const pds::PrefillPr
 
 template <typename T>
 void run(const pds::PrefillProblem& pb) {
-  // items in (sequence, kv head, rows) order, so that a thread's next item reads the same pages; their
-  // cost (rows x keys) splits them into one contiguous range per thread
-  const int64_t g = pb.hq / pb.hkv;
-  std::vector<Item> items;
-  std::vector<int64_t> cost_before{0};
-  for (int64_t s = 0; s < pb.num_seqs; ++s) {
-    const int64_t q_len = pb.qstart[s + 1] - pb.qstart[s], first_pos = pb.ctx[s] - q_len;
-    for (int64_t h = 0; h < pb.hkv; ++h)
-      for (int64_t row0 = 0; row0 < q_len * g; row0 += RV * L) {
-        const int64_t rows = std::min<int64_t>(RV * L, q_len * g - row0);
-        const int64_t min_pos = first_pos + row0 / g, max_pos = first_pos + (row0 + rows - 1) / g;
-        const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, min_pos - pb.window + 1) : 0;
-        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(row0)});
-        cost_before.push_back(cost_before.back() + rows * (max_pos - lo + 1));
-      }
-  }
+  // items of 64 rows; their cost (rows x keys) splits them into one contiguous range per thread
+  std::vector<int64_t> cost_before;
+  const std::vector<pds::RowSpan> items = pds::row_spans(pb, [](int64_t) { return RV * L; }, cost_before);
   const std::vector<int64_t> bounds = pds::cost_bounds(cost_before, at::get_num_threads());
   const int64_t ranges = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
