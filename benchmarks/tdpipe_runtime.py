@@ -46,12 +46,17 @@ from tdpipe.runtime.profile_cache import cached_profiles, default_cache_dir
 from tdpipe.runtime.timeline import plot_timelines
 from tdpipe.simulator import CLI_NAMES
 
-POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")} | {"tdpipe-overlap": "td-pipe-overlap"}
+POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")} | {
+    "tdpipe-overlap": "td-pipe-overlap",
+    "tdpipe-whole": "td-pipe-whole-prompts",
+}
 """Runtime (`pdserve batch --policy`) name -> the simulator's name of the same policy object
-(`tdpipe-overlap`: the experimental TD-Pipe whose phase switches do not drain, tdpipe/td_overlap.py)."""
+(`tdpipe-overlap`: the experimental TD-Pipe whose phase switches do not drain, tdpipe/td_overlap.py;
+`tdpipe-whole`: TD-Pipe keeping every prompt whole in one prefill batch, as before chunking)."""
 LABELS = {
     "tdpipe": "TD-Pipe",
     "tdpipe-overlap": "TD-Pipe (overlapped switches)",
+    "tdpipe-whole": "TD-Pipe (whole prompts)",
     "pp-sb": "PP+SB",
     "pp-hb": "PP+HB",
     "llm": "engine.LLM (1 process)",

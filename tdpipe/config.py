@@ -57,6 +57,11 @@ class TDPipeOptions:
     """Cap each prefill phase's batches where the cost table predicts the phase ends soonest
     (`td_scheduler.sized_prefill_batches`: the largest batch fills and drains the pipeline);
     False fills every batch to `max_batch_tokens`, as the paper does."""
+    chunk_prefills: bool = True
+    """Split a prompt across two prefill batches where it does not fit the rest of one, so every
+    batch of a phase but its last is full (`td_scheduler.pack_prompts`) and the longest prompt no
+    longer bounds the largest batch, which fills and drains the pipeline at every phase switch.
+    False keeps prompts whole, as the paper does."""
     temporal_refill: bool = True
     """Count the pipeline refill after the prefill phase in the temporal bubble
     (see `tdpipe.intensity.temporal_intensity`); False is the paper's bubble."""

@@ -30,6 +30,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "td-pipe-no-stealing": _td("td-pipe-no-stealing", work_stealing=False),
     "td-pipe-kv-threshold": _td("td-pipe-kv-threshold", prefill_switch="kv_threshold"),
     "td-pipe-completion": _td("td-pipe-completion", decode_switch="completion"),
+    "td-pipe-whole-prompts": _td("td-pipe-whole-prompts", chunk_prefills=False),
     "pp+sb": lambda table, inst: PPScheduler(table, inst, hybrid=False),
     "pp+hb": lambda table, inst: PPScheduler(table, inst, hybrid=True),
 }

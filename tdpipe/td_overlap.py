@@ -77,6 +77,8 @@ class OverlapTDPipe(TDPipeScheduler):
             if done.phase == "prefill":
                 prefills -= 1
                 for item in done.items:
+                    if not item.sample:
+                        continue  # a prompt's earlier chunk: its last chunk brings the request in
                     r = item.request
                     self.ready_ms[r.request_id] = now
                     if r.finished:  # max_tokens 1: done at its prefill

@@ -108,19 +108,23 @@ class TDPipeScheduler:
             self.kv.reserve(r.input_len + 1)  # the prompt, and the slot of the token its prefill yields
             memory.add(r.input_len, 1, r.predicted_len)
             admitted.append(r)
-        start = 0
-        for size in self._prefill_batches([r.input_len for r in admitted]):
-            batch = admitted[start : start + size]
-            self.ex.submit([BatchItem(b, b.input_len, True) for b in batch], "prefill", now)
-            start, num_batches = start + size, num_batches + 1
+        left = [r.input_len for r in admitted]  # prompt tokens not yet in a batch
+        for batch in self._prefill_batches(left):  # packed before the loop below consumes `left`
+            items = []
+            for i, n in batch:
+                left[i] -= n
+                items.append(BatchItem(admitted[i], n, left[i] == 0))  # the last chunk yields the first token
+            self.ex.submit(items, "prefill", now)
+            num_batches += 1
         self._num_admitted = len(admitted)
         return admitted, num_batches
 
-    def _prefill_batches(self, prompt_lens: list[int]) -> list[int]:
-        """How many of a phase's prompts (in order) each prefill batch takes."""
+    def _prefill_batches(self, prompt_lens: list[int]) -> list[PrefillBatch]:
+        """A phase's prompts (in order) packed into its prefill batches."""
+        chunk = self.opts.chunk_prefills
         if not self.opts.size_prefill_batches:
-            return greedy_batches(prompt_lens, self.inst.max_batch_tokens)
-        return sized_prefill_batches(prompt_lens, self.inst.max_batch_tokens, self.table, self.inst.num_stages)
+            return pack_prompts(prompt_lens, self.inst.max_batch_tokens, chunk)
+        return sized_prefill_batches(prompt_lens, self.inst.max_batch_tokens, self.table, self.inst.num_stages, chunk)
 
     def _decode_phase(self, resident: list[SimRequest], waiting: deque[SimRequest]) -> tuple[list[SimRequest], float]:
         stealer: WorkStealer[SimRequest] = WorkStealer(self.inst.num_stages, self.opts.work_stealing)
@@ -219,9 +223,7 @@ class TDPipeScheduler:
             free -= need
             lens.append(r.input_len)
         # the batches the switch would submit
-        pending = [
-            self.table.stage_ms(n, self.inst.num_stages) for n in batch_tokens(lens, self._prefill_batches(lens))
-        ]
+        pending = [self.table.stage_ms(n, self.inst.num_stages) for n in batch_tokens(self._prefill_batches(lens))]
         for args in added:
             memory.remove(*args, offset=step)
         step_ms = self.table.stage_ms(batch_size, self.inst.num_stages)
@@ -242,32 +244,56 @@ class TDPipeScheduler:
         ).switch_to_prefill
 
 
-def greedy_batches(prompt_lens: list[int], cap: int) -> list[int]:
-    """Prompts per batch when whole prompts, in order, fill batches of up to `cap` tokens (a
-    longer prompt gets a batch of its own)."""
-    sizes: list[int] = []
-    tokens = 0
-    for n in prompt_lens:
-        if sizes and tokens + n <= cap:
-            sizes[-1] += 1
-            tokens += n
-        else:
-            sizes.append(1)
-            tokens = n
-    return sizes
+PrefillBatch = list[tuple[int, int]]
+"""One prefill batch: (index of a prompt among the phase's prompts, its tokens in this batch), in order."""
+
+MIN_CHUNK = 16
+"""Fewest tokens in a piece of a split prompt. Besides sparing a batch a sliver, it keeps every batch
+that continues a prompt off the decode split: a batch of 1-token items counts as a decode step
+(`ForwardBatch.is_decode_only`), and under the phase split a continuation must run on the prefill
+split, as its earlier chunks did, or a stage could read a layer's KV that its neighbour is still
+writing (`tdpipe.runtime.stage_split`)."""
 
 
-def batch_tokens(prompt_lens: list[int], sizes: list[int]) -> list[int]:
-    """The tokens of each batch when the prompts, in order, go `sizes[i]` to batch i."""
-    tokens, start = [], 0
-    for size in sizes:
-        tokens.append(sum(prompt_lens[start : start + size]))
-        start += size
-    return tokens
+def pack_prompts(prompt_lens: list[int], cap: int, chunk: bool = False) -> list[PrefillBatch]:
+    """The prompts, in order, packed into batches of up to `cap` tokens.
+
+    Whole prompts (`chunk` False): a prompt that does not fit in the current batch starts the
+    next one, and a prompt longer than `cap` is a batch alone. Chunked: a prompt that does not fit
+    fills the current batch and continues in the next (its chunks run in order; the last one
+    yields its first token), so every batch but the last is full to within 2 `MIN_CHUNK`s.
+    No piece of a split prompt is shorter than `MIN_CHUNK`; a cap under two of them keeps prompts
+    whole.
+    """
+    chunk = chunk and cap >= 2 * MIN_CHUNK
+    batches: list[PrefillBatch] = []
+    room = 0
+    for i, n in enumerate(prompt_lens):
+        while n > 0:
+            if batches and n <= room:  # the rest of the prompt fits
+                batches[-1].append((i, n))
+                room -= n
+                break
+            take = min(room, n - MIN_CHUNK) if chunk else 0  # split here, leaving a tail of MIN_CHUNK or more
+            if take < MIN_CHUNK:  # no room worth a piece: a new batch, whole if the prompt fits or stays whole
+                batches.append([])
+                room = cap
+                take = min(cap, n - MIN_CHUNK) if chunk and n > cap else n
+            batches[-1].append((i, take))
+            room -= take
+            n -= take
+    return batches
 
 
-def sized_prefill_batches(prompt_lens: list[int], budget: int, table: CostTable, num_stages: int) -> list[int]:
-    """Prompts per batch for one prefill phase, the batch cap chosen to finish the phase soonest.
+def batch_tokens(batches: list[PrefillBatch]) -> list[int]:
+    """The tokens of each batch."""
+    return [sum(n for _, n in b) for b in batches]
+
+
+def sized_prefill_batches(
+    prompt_lens: list[int], budget: int, table: CostTable, num_stages: int, chunk: bool = False
+) -> list[PrefillBatch]:
+    """One prefill phase's batches, their cap chosen to finish the phase soonest.
 
     In a pipeline of S equal stages a phase of batches taking t_i per stage ends sum(t_i) +
     (S - 1) * max(t_i) after it starts: the largest batch fills or drains the pipeline at every
@@ -275,14 +301,15 @@ def sized_prefill_batches(prompt_lens: list[int], budget: int, table: CostTable,
     a fixed cost per forward (a GPU's weight reads) and small ones shorten that edge, so the cap is
     taken among eighths of `budget` by the table's prediction of the phase; ties keep the larger
     cap. On bench's CPU profile, where a prefill's time per token is flat from a few hundred tokens,
-    that is 512-1536 of 2048; on the analytic GPU table (33 ms a forward), an 8000-token phase of
-    250-token prompts goes in 1000-token batches.
+    that is 512-1536 of 2048 with whole prompts, whose longest one bounds the largest batch; with
+    `chunk` (prompts split across batches, `pack_prompts`) the cap bounds it. On the analytic GPU
+    table (33 ms a forward), an 8000-token phase of 250-token prompts goes in 1000-token batches.
     """
-    best: tuple[float, list[int]] | None = None
+    best: tuple[float, list[PrefillBatch]] | None = None
     for eighths in range(8, 0, -1):
-        sizes = greedy_batches(prompt_lens, max(1, budget * eighths // 8))
-        times = [table.stage_ms(n, num_stages) for n in batch_tokens(prompt_lens, sizes)]
+        batches = pack_prompts(prompt_lens, max(1, budget * eighths // 8), chunk)
+        times = [table.stage_ms(n, num_stages) for n in batch_tokens(batches)]
         phase_ms = sum(times) + (num_stages - 1) * max(times, default=0.0)
         if best is None or phase_ms < best[0] * (1 - 1e-9):
-            best = (phase_ms, sizes)
+            best = (phase_ms, batches)
     return best[1] if best else []

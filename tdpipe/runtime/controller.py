@@ -67,7 +67,8 @@ class PipeRequest(SimRequest):
         """The last stage saw the last token complete one of `params.stop` (ends the request)."""
         self.block_ids: list[int] = []
         self.num_computed = 0
-        """Positions whose KV is in the stages' pools."""
+        """Positions sent to the stages: their KV is in the pools once the batch that carries them has
+        passed (stages run batches in order, so a later chunk or step of the request sees it)."""
 
     @property
     def all_ids(self) -> list[int]:
@@ -124,6 +125,7 @@ class StageExecutor(Executor):
             query.append(item.num_tokens)
             context.append(end)
             tables.append(list(r.block_ids))
+            r.num_computed = end  # now, not when it returns: TD-Pipe has a prompt's chunks in flight together
         fb = ForwardBatch(
             request_ids=[str(i.request.request_id) for i in batch.items],
             input_ids=ids,
@@ -165,7 +167,6 @@ class StageExecutor(Executor):
         for item, token, stop in zip(batch.items, tokens[TOKEN_ROW].tolist(), tokens[STOP_ROW].tolist()):
             r = item.request
             assert isinstance(r, PipeRequest)
-            r.num_computed += item.num_tokens
             if item.sample:
                 if token == NO_TOKEN:
                     raise StageFailure(f"the last stage sampled nothing for {r.request_id}")

@@ -19,7 +19,9 @@ that two neighbours run (bench: 6 and 7) has its KV in memory both map (`shared_
 stage runs it for a batch writes its KV there, and the other reads it in a later batch. That is
 safe because a sequence's batches never overlap in the pipeline: a decode step starts after the
 token of the batch before it was sampled, and the chunks of one prompt all run on the prefill
-split, in order, on each stage. Local CPU stages only (one host's memory).
+split, in order, on each stage (TD-Pipe has a prompt's chunks in flight together; a piece of a
+split prompt is never under `td_scheduler.MIN_CHUNK` tokens, so its batch is never decode-only).
+Local CPU stages only (one host's memory).
 """
 
 from __future__ import annotations

@@ -20,11 +20,17 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.tiny_model import SIZES, make_tiny_model
 from tdpipe.runtime import shared_kv
+from tdpipe.config import InstanceConfig
+from tdpipe.cost_table import CostTable
+from tdpipe.executor import SimExecutor
 from tdpipe.runtime.controller import PipeRequest
 from tdpipe.runtime.local import run_local_pipeline
 from tdpipe.runtime.profile_cache import cache_key
 from tdpipe.runtime.stage_split import lm_head_layers, pipeline_split, resolve_phase_split
 from tdpipe.runtime.stage_worker import StageConfig
+from tdpipe.simulator import make_policy
+from tdpipe.td_scheduler import MIN_CHUNK
+from tdpipe.workload import SimRequest
 from tests.tdpipe.batch_helpers import batch_cmd, read_results, request_line, texts_by_id
 
 PROMPTS = ["The old lighthouse keeper", "Once upon a time", "A quick brown fox", "Water is", "She opened the door and"]
@@ -159,6 +165,53 @@ def test_phase_split_pipeline_equals_llm(wide_head_dir, expected, policy) -> Non
     assert {p for tl in timelines for *_, p in tl} == {"prefill", "decode"}
     if policy == "pp-hb":
         assert any(n > 1 and not sample for _, items in decisions for _, n, sample in items)  # a non-final chunk
+
+
+LONG_PROMPTS = [
+    " ".join(["The old lighthouse keeper climbed the stairs at dusk"] * 6),
+    " ".join(["Once upon a time a river ran through the quiet valley"] * 4),
+    "Water is",
+    " ".join(["She opened the door and saw the garden in the rain"] * 5),
+]
+
+
+@pytest.mark.skipif(not shared_kv.available(), reason="needs memfd_create")
+def test_tdpipe_chunks_prompts_across_prefill_batches_in_flight_together(wide_head_dir) -> None:
+    """TD-Pipe submits a whole prefill phase at once, so one prompt's chunks are in the pipeline
+    together: the controller must send each chunk the positions after the previous one (not after
+    what has come back), and each chunk must run on the prefill split like the ones before it (a
+    piece is never under MIN_CHUNK tokens, so no batch that continues a prompt is decode-only).
+    Greedy tokens equal engine.LLM's, and the decisions equal the simulator's."""
+    llm = LLM(wide_head_dir)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [list(o.outputs[0].token_ids) for o in llm.generate(LONG_PROMPTS, params)]
+    prompts = [llm.tokenizer.encode(p) for p in LONG_PROMPTS]
+    del llm
+    reqs = [PipeRequest(f"r{i}", p, MAX_TOKENS) for i, p in enumerate(prompts)]
+    budget = 48  # under the longest prompt: it is split, and every batch but the last is full
+    assert max(map(len, prompts)) > budget
+    cfg = StageConfig(str(wide_head_dir), num_kv_blocks=200, block_size=4, phase_split=True)
+    # a CPU's prefill cost, flat per token: the batches take the full budget (the analytic GPU-like
+    # table's fixed cost per forward would rather keep the four prompts whole, one per batch)
+    table = CostTable("cpu-like", (1, 64, 2048), (40.0, 80.0, 2048.0))
+    decisions: list = []
+    stats, _ = run_local_pipeline(cfg, 2, reqs, budget, policy="tdpipe", table=table, decisions=decisions)
+    assert [r.output_ids for r in reqs] == expected
+    assert all(not r.block_ids for r in reqs)
+    prefills = [items for phase, items in decisions if phase == "prefill"]
+    pieces: dict[str, list[tuple[int, bool]]] = {}
+    for items in prefills:
+        for rid, n, sample in items:
+            pieces.setdefault(rid, []).append((n, sample))
+    split = [p for p in pieces.values() if len(p) > 1]
+    assert split and all(n >= MIN_CHUNK for p in split for n, _ in p)
+    assert all([s for _, s in p] == [False] * (len(p) - 1) + [True] for p in pieces.values())
+    sim_reqs = [SimRequest(f"r{i}", len(p), MAX_TOKENS, MAX_TOKENS) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
+    inst = InstanceConfig(num_stages=2, capacity_blocks=200, block_size=4, max_batch_tokens=budget)
+    sim = SimExecutor(table, 2)
+    make_policy("tdpipe", table, inst).run(sim_reqs, sim)
+    assert sim.decisions == decisions
+    assert stats.output_tokens == MAX_TOKENS * len(reqs)
 
 
 def test_the_profile_cache_keys_each_phase_split(wide_head_dir) -> None:
