@@ -8,7 +8,11 @@ The cost table prices a forward pass; a real pipeline (`tdpipe.runtime`) also pa
   plans the next batch and sends its control message to the first stage. A batch that depends
   on a returned one cannot start before that round trip;
 - unequal stages: the last stage also runs the LM head, so the other stages idle a share of
-  every step even in a full pipeline.
+  every step even in a full pipeline;
+- the KV a decode step reads: the table prices a step of n sequences at the profile's one KV
+  length, but every sequence reads its own KV, so a step over long prompts (a phase's last steps,
+  where the long outputs remain) costs more and one over short ones less. Per stage, a slope in
+  ms per KV token away from that length corrects it (`PipelineOverheads.decode_kv_ms`).
 
 The runtime's profile pass measures them (`tdpipe.runtime.profile_comm`) and the simulator's
 pipeline (`tdpipe.pipeline.Pipeline`) charges them, so that it predicts the measured bubble.
@@ -65,11 +69,26 @@ class PipelineOverheads:
     """Per stage, its decode step time over the slowest stage's (1.0 for the slowest); () = equal."""
     prefill_shares: tuple[float, ...] = ()
     """The same for prefill batches."""
+    decode_context: int = 0
+    """The KV length per sequence the table's decode steps were measured at."""
+    decode_kv_ms: tuple[float, ...] = ()
+    """Per stage, a decode step's extra ms per KV token its sequences read beyond `decode_context`
+    each (fewer: less); () = the table's time whatever the KV length."""
 
     def __post_init__(self) -> None:
         for shares in (self.decode_shares, self.prefill_shares):
             if any(not 0.0 < s <= 1.0 for s in shares):
                 raise ValueError(f"stage shares must be in (0, 1], got {shares}")
+        if self.decode_context < 0 or any(k < 0 for k in self.decode_kv_ms):
+            raise ValueError(f"KV costs must be >= 0, got {self.decode_context}, {self.decode_kv_ms}")
+
+    def decode_kv_extra(self, num_stages: int, num_seqs: int, kv_tokens: int) -> tuple[float, ...]:
+        """Per stage, the ms a decode step of `num_seqs` sequences reading `kv_tokens` KV tokens in
+        all takes beyond (or, negative, under) the table's step at `decode_context` per sequence."""
+        if len(self.decode_kv_ms) != num_stages:
+            return (0.0,) * num_stages
+        excess = kv_tokens - num_seqs * self.decode_context
+        return tuple(k * excess for k in self.decode_kv_ms)
 
     def shares(self, num_stages: int, decode: bool) -> tuple[float, ...]:
         """Each stage's time as a fraction of the slowest stage's, for a decode or prefill batch."""
@@ -86,6 +105,8 @@ class PipelineOverheads:
             "dispatch_ms": [self.dispatch.base_ms, self.dispatch.per_token_ms],
             "decode_shares": list(self.decode_shares),
             "prefill_shares": list(self.prefill_shares),
+            "decode_context": self.decode_context,
+            "decode_kv_ms": list(self.decode_kv_ms),
         }
 
     @classmethod
@@ -95,4 +116,6 @@ class PipelineOverheads:
             LinearCost(*map(float, data["dispatch_ms"])),
             tuple(map(float, data.get("decode_shares", ()))),
             tuple(map(float, data.get("prefill_shares", ()))),
+            int(data.get("decode_context", 0)),
+            tuple(map(float, data.get("decode_kv_ms", ()))),
         )

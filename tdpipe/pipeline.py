@@ -59,22 +59,27 @@ class Pipeline:
         self.stats = stats
         stats.num_stages = num_stages
 
-    def submit(self, num_tokens: int, ready_ms: float, decode: bool = False) -> float:
+    def submit(self, num_tokens: int, ready_ms: float, decode: bool = False, kv_tokens: int | None = None) -> float:
         """Run a batch of `num_tokens` tokens that may start at `ready_ms`; returns its exit time.
 
         With the table's fitted overheads (`tdpipe.overheads`), the batch reaches the first stage
         a dispatch after `ready_ms`, each later stage a hand-off after the previous one let it go,
-        and a stage faster than the slowest takes its share of the slowest stage's time."""
+        a stage faster than the slowest takes its share of the slowest stage's time, and a decode
+        step whose sequences read `kv_tokens` KV tokens in all costs each stage its KV slope times
+        their distance from the table's KV length."""
         over = self.table.overheads
         t = self.table.stage_ms(num_tokens, self.num_stages)
-        shares = over.shares(self.num_stages, decode)
+        times = [t * share for share in over.shares(self.num_stages, decode)]
+        if decode and kv_tokens is not None:
+            extra = over.decode_kv_extra(self.num_stages, num_tokens, kv_tokens)
+            times = [max(0.0, a + b) for a, b in zip(times, extra)]
         end = ready_ms + over.dispatch(num_tokens)
         for k in range(self.num_stages):
             if k:
                 end += over.handoff(num_tokens)
-            end = max(end, self.stage_free[k]) + t * shares[k]
+            end = max(end, self.stage_free[k]) + times[k]
             self.stage_free[k] = end
-        self.stats.busy_ms += t * sum(shares)
+        self.stats.busy_ms += sum(times)
         self.stats.makespan_ms = max(self.stats.makespan_ms, end)
         return end
 

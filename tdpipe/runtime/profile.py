@@ -55,6 +55,11 @@ def decode_batch(batch_size: int, context: int, block_size: int, vocab_size: int
     )
 
 
+def decode_kv_context(decode_context: int) -> int:
+    """The second KV length decode steps are timed at, for the KV slope: twice the first."""
+    return max(2 * decode_context, decode_context + 1)
+
+
 def prefill_batch(num_tokens: int, prompt_len: int, block_size: int, vocab_size: int) -> ForwardBatch:
     """Whole prompts of `prompt_len` tokens (the last one shorter) totalling `num_tokens`."""
     lens = [prompt_len] * (num_tokens // prompt_len) + ([num_tokens % prompt_len] if num_tokens % prompt_len else [])
@@ -143,6 +148,13 @@ def _profile_stage(job: _StageJob, sync: Callable[[], object] = lambda: None) ->
     for b in job.decode_batches:
         batch = decode_batch(b, job.decode_context, job.block_size, cfg.vocab_size)
         prof.decode_ms[b] = _time_ms(runner, batch, hidden(b), job.repeats, decode_layers, sync)
+    # The KV slope: the largest batch again at twice the KV length. Every sequence of a step reads
+    # its own KV, so a phase's last steps (the long outputs, often over long prompts) cost more than
+    # the mean length's (bench stage 0, 12 sequences: 20 ms at 100 tokens each, 37 ms at 1000).
+    b, long_ctx = max(job.decode_batches), decode_kv_context(job.decode_context)
+    batch = decode_batch(b, long_ctx, job.block_size, cfg.vocab_size)
+    slow = _time_ms(runner, batch, hidden(b), job.repeats, decode_layers, sync)
+    prof.decode_kv_ms = max(0.0, (slow - prof.decode_ms[b]) / (b * (long_ctx - job.decode_context)))
     for n in job.prefill_tokens:
         batch = prefill_batch(n, job.prefill_prompt_len, job.block_size, cfg.vocab_size)
         prof.prefill_ms[n] = _time_ms(runner, batch, hidden(n), job.repeats, prefill_layers, sync)
@@ -234,7 +246,7 @@ def profile_stages(
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     need_blocks = max(
-        max(decode_batches) * _blocks(decode_context, block_size),
+        max(decode_batches) * _blocks(decode_kv_context(decode_context), block_size),
         max(prefill_tokens) // block_size + max(prefill_tokens) // max(1, prefill_prompt_len) + 2,
     )
     jobs = [

@@ -25,13 +25,14 @@ from engine.model_config import ModelConfig
 from tdpipe.runtime.profile import ProfilePlan, StageProfile
 from tdpipe.runtime.stage_split import pipeline_split
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 """Bump when profile.py changes what it measures, so stale profiles are not reused (2: the hand-off
 and dispatch costs of `profile_comm` are part of a profile; 3: the stage split weighs the LM head,
 and the key holds the split itself, so a later change of it misses the cache on its own; 4: prefills
 are timed at the job's token-weighted prompt length, which a cached profile must be within 2x of;
 5: CPU stages are timed side by side, as the pipeline runs them; 6: the dispatch is timed over the
-control frames the runtime now sends, `wire.ControlInbox`)."""
+control frames the runtime now sends, `wire.ControlInbox`; 7: decode steps are also timed at twice
+the KV length, for the KV slope `StageProfile.decode_kv_ms`)."""
 
 
 def default_cache_dir() -> Path:
@@ -99,6 +100,7 @@ def load(path: Path, key: dict) -> list[StageProfile] | None:
                 {int(n): float(t) for n, t in p["handoff_ms"].items()},
                 {int(n): float(t) for n, t in p["dispatch_ms"].items()},
                 int(p.get("prefill_prompt_len", 0)),
+                float(p.get("decode_kv_ms", 0.0)),
             )
             for p in data["profiles"]
         ]

@@ -165,14 +165,18 @@ def pipeline_overheads(
     handoff: dict[int, float],
     dispatch: dict[int, float],
     decode_max: int,
+    decode_context: int = 0,
+    decode_kv_ms: tuple[float, ...] = (),
 ) -> PipelineOverheads:
     """The fitted overheads of profiled stages (per stage: decode and prefill curves; the measured
-    hand-off and dispatch points): lines through the points (zero where none were measured) and
-    the stages' time shares, decode batches up to `decode_max` (the table's decode range) and
-    prefill batches."""
+    hand-off and dispatch points; the KV slopes of decode steps measured at `decode_context`):
+    lines through the points (zero where none were measured) and the stages' time shares, decode
+    batches up to `decode_max` (the table's decode range) and prefill batches."""
     return PipelineOverheads(
         LinearCost.fit(handoff) if handoff and len(decode) > 1 else LinearCost(),
         LinearCost.fit(dispatch) if dispatch else LinearCost(),
         _shares(decode, lambda n: n <= decode_max),
         _shares(prefill, lambda n: n > decode_max),
+        decode_context if any(decode_kv_ms) else 0,
+        decode_kv_ms if any(decode_kv_ms) else (),
     )

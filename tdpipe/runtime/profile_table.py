@@ -8,8 +8,9 @@ in a pipeline kept full the slowest stage sets the pace,
 so a table entry is `S * max_k stage_k(n)`: `stage_ms` then returns the
 bottleneck stage's measured time. The table has one token dimension for both
 phases, so it holds the decode curve (a step of a batch of `n` requests, measured
-at one representative KV length — a real decode step grows with the KV length,
-the table cannot) for `n` up to a cut, the largest decode batch the policies
+at one representative KV length; a real decode step grows with the KV length,
+which the overheads' per-stage KV slopes add: `PipelineOverheads.decode_kv_ms`)
+for `n` up to a cut, the largest decode batch the policies
 form, and the prefill curve (`n` prompt tokens in whole prompts) above it; a monotone
 least-squares fit (`monotone`) keeps the table non-decreasing, where the two curves meet too. Prefill
 batches below the cut are priced as decode steps (dearer per token on a CPU).
@@ -42,6 +43,9 @@ class StageProfile:
     """First stage only: the controller's round trip into it, by decode batch size (profile_comm)."""
     prefill_prompt_len: int = 0
     """Length of the whole prompts every prefill measurement used (0: not recorded)."""
+    decode_kv_ms: float = 0.0
+    """A decode step's extra ms per KV token read beyond `decode_context` per sequence: the largest
+    decode batch timed again at twice the context (0: not measured)."""
 
 
 def bottleneck_curve(profiles: list[StageProfile], phase: str) -> dict[int, float]:
@@ -107,5 +111,7 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decod
         profiles[0].handoff_ms,
         profiles[0].dispatch_ms,
         cut,
+        profiles[0].decode_context,
+        tuple(p.decode_kv_ms for p in profiles),
     )
     return CostTable(name, tuple(tokens), tuple(times), over)

@@ -36,6 +36,14 @@ def test_overheads_round_trip_and_validate() -> None:
     assert PipelineOverheads().is_zero and not over.is_zero
     with pytest.raises(ValueError):
         PipelineOverheads(decode_shares=(0.0, 1.0))
+    kv = PipelineOverheads(decode_context=300, decode_kv_ms=(0.002, 0.001))
+    assert PipelineOverheads.from_dict(kv.to_dict()) == kv
+    # 4 sequences of 500 KV tokens: 800 tokens beyond 4 x 300; each stage pays its own slope
+    assert kv.decode_kv_extra(2, 4, 2000) == pytest.approx((1.6, 0.8))
+    assert kv.decode_kv_extra(2, 4, 800) == pytest.approx((-0.8, -0.4))  # shorter KV: cheaper
+    assert kv.decode_kv_extra(3, 4, 2000) == (0.0, 0.0, 0.0)  # profiled for another pipeline
+    with pytest.raises(ValueError):
+        PipelineOverheads(decode_context=300, decode_kv_ms=(-0.1, 0.0))
 
 
 def test_pipeline_charges_dispatch_handoff_and_unequal_stages() -> None:
@@ -54,6 +62,26 @@ def test_pipeline_charges_dispatch_handoff_and_unequal_stages() -> None:
     assert pipe.submit(8, 0.0, decode=False) == pytest.approx(11.0 + 10.0 + 1.0 + 10.0)
 
 
+def test_a_decode_step_costs_what_its_kv_reads_add_to_the_table() -> None:
+    """The table prices a decode step at one KV length (the profile's); each stage's KV slope adds
+    what longer sequences read (a phase's last steps) and takes off what shorter ones do not."""
+    over = PipelineOverheads(decode_context=100, decode_kv_ms=(0.01, 0.005))
+    table = CostTable("flat", (1, 4096), (20.0, 20.0), over)  # 10 ms a stage
+    runs = {}
+    for kv in (None, 800, 4 * 100, 4 * 200):
+        stats = SimStats("t")
+        runs[kv] = (Pipeline(table, 2, stats).submit(4, 0.0, decode=True, kv_tokens=kv), stats.busy_ms)
+    assert runs[None] == runs[400] == (pytest.approx(20.0), pytest.approx(20.0))  # at the table's length
+    # 400 tokens more: stage 0 takes 10 + 4, stage 1 10 + 2
+    assert runs[800] == (pytest.approx(26.0), pytest.approx(26.0))
+    stats = SimStats("t")  # a prefill batch is priced by the table alone
+    assert Pipeline(table, 2, stats).submit(4, 0.0, decode=False, kv_tokens=10_000) == pytest.approx(20.0)
+    # the slope never makes a stage's time negative
+    stats = SimStats("t")
+    steep = CostTable("flat", (1, 4096), (20.0, 20.0), PipelineOverheads(decode_context=100, decode_kv_ms=(1.0, 1.0)))
+    assert Pipeline(steep, 2, stats).submit(4, 0.0, decode=True, kv_tokens=4) == pytest.approx(0.0)
+
+
 def _profile(stage: int, decode: dict[int, float], prefill: dict[int, float]) -> StageProfile:
     return StageProfile(stage, (stage, stage + 1), 100, decode, prefill)
 
@@ -69,6 +97,10 @@ def test_profiled_table_carries_the_fitted_overheads() -> None:
     assert over.handoff(2048) == pytest.approx(3.0) and over.dispatch(8) == pytest.approx(2.0)
     one = pipeline_overheads([first.decode_ms], [first.prefill_ms], first.handoff_ms, first.dispatch_ms, 8)
     assert one.handoff == LinearCost()  # one stage hands nothing off
+    assert over.decode_kv_ms == () and over.decode_context == 0  # no slope measured: none charged
+    first.decode_kv_ms, last.decode_kv_ms = 0.002, 0.001
+    sloped = build_cost_table([first, last], "p", decode_max=8).overheads
+    assert sloped.decode_kv_ms == (0.002, 0.001) and sloped.decode_context == 100
 
 
 def test_measure_overheads_replays_the_messages_quickly() -> None:
@@ -84,8 +116,10 @@ def test_the_measured_overheads_are_cached_with_the_profile(tmp_path) -> None:
 
     first = _profile(0, {1: 5.0}, {512: 40.0})
     first.handoff_ms, first.dispatch_ms = {1: 1.0, 512: 2.0}, {1: 3.0}
+    first.decode_kv_ms = 0.0015
     key = {"version": pc.CACHE_VERSION, "model": "m"}
     pc.save(tmp_path / "p.json", key, [first, _profile(1, {1: 6.0}, {512: 41.0})])
     loaded = pc.load(tmp_path / "p.json", key)
     assert loaded is not None and loaded[0].handoff_ms == {1: 1.0, 512: 2.0} and loaded[0].dispatch_ms == {1: 3.0}
+    assert loaded[0].decode_kv_ms == 0.0015 and loaded[1].decode_kv_ms == 0.0
     assert pc.CACHE_VERSION >= 2  # profiles cached before the overheads were measured are not reused

@@ -47,7 +47,10 @@ def test_profile_tiny_model_gives_a_well_formed_table(tiny_model_dir, together) 
     for p in profiles:
         assert sorted(p.decode_ms) == [1, 2, 4] and sorted(p.prefill_ms) == [4, 16, 32]
         assert all(t > 0 for t in [*p.decode_ms.values(), *p.prefill_ms.values()])
+        assert p.decode_kv_ms >= 0.0  # the largest batch timed again at 40 KV tokens (clamped: noise)
     table = build_cost_table(profiles, "tiny")
+    if any(p.decode_kv_ms for p in profiles):
+        assert table.overheads.decode_context == 20
     # decode rows up to the largest decode batch, prefill rows strictly above it
     assert table.tokens == (1, 2, 4, 16, 32)
     assert all(a <= b for a, b in zip(table.times_ms, table.times_ms[1:]))
