@@ -114,3 +114,16 @@ def test_each_option_shortens_a_simulated_job_on_a_cpu_like_table(option: str) -
             assert any(len(p) > 1 for p in sent.values())
     assert runs[True].makespan_ms < runs[False].makespan_ms
     assert runs[True].bubble_ms < runs[False].bubble_ms
+
+
+def test_chunking_changes_the_batches_not_when_phases_switch() -> None:
+    """The switch rule prices a pending phase as whole prompts either way (td_scheduler
+    `_should_prefill`): chunked pricing's cheaper fill and drain made it switch about twice as
+    often for no gain."""
+    inst = InstanceConfig(num_stages=2, capacity_blocks=700, block_size=16, max_batch_tokens=2048)
+    workload = WorkloadConfig(num_requests=64, max_input=1023, max_output=96, seed=0)
+    switches = {}
+    for chunk in (False, True):
+        stats = TDPipeScheduler(CPU_LIKE, inst, TDPipeOptions(chunk_prefills=chunk)).run(generate(workload))
+        switches[chunk] = [phase for _, phase in stats.phase_switches]
+    assert switches[True] == switches[False] and len(switches[True]) >= 4
