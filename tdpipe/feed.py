@@ -53,6 +53,12 @@ class RequestFeed(deque):
         return deque.popleft(self)
 
     def split(self, n: int) -> list[RequestFeed]:
-        """`n` queues drawing from this feed's source as each runs dry (PP's virtual engines):
-        an engine takes new work when it has room, rather than a fixed share of a list."""
-        return [RequestFeed(self._pull, 1) for _ in range(n)]
+        """`n` queues drawing from this feed as each runs dry (PP's virtual engines): an engine
+        takes new work when it has room, rather than a fixed share of a list. What this feed has
+        already read goes out first: `pdserve batch` reads ahead (to learn whether any line can run
+        at all) before the policy splits the feed, and those requests must not be stranded here."""
+
+        def pull() -> SimRequest | None:
+            return deque.popleft(self) if deque.__len__(self) else self._pull()
+
+        return [RequestFeed(pull, 1) for _ in range(n)]

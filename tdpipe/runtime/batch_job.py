@@ -172,7 +172,7 @@ class BatchJob:
         # external stages join on their own; local ones are started (and watched) by the launcher
         on_spawn = self.watchdog.watch if self.watchdog else None
         run = run_controller if external else functools.partial(run_local_pipeline, on_spawn=on_spawn)
-        return run(
+        stats, timelines = run(
             cfg,
             self.args.stages,
             reqs,
@@ -184,6 +184,13 @@ class BatchJob:
             on_stall=self.watchdog.stage_stalled if self.watchdog else None,
             heartbeat_timeout=self.args.heartbeat_timeout,
         )
+        if items:  # read and never answered: a job that lost lines must not end as a success
+            lost = ", ".join(sorted(items)[:5])
+            raise RuntimeError(
+                f"the {self.args.policy} policy ended with {len(items)} line(s) read but never run ({lost}"
+                f"{', ...' if len(items) > 5 else ''}): a bug; rerun with --resume to answer them"
+            )
+        return stats, timelines
 
     def cost_table(self, cfg: StageConfig, reqs: list[PipeRequest], external: bool) -> CostTable:
         """The table the policy plans on (`--cost-table`); profiling times this job's stages here."""

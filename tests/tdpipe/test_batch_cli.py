@@ -251,3 +251,17 @@ def test_batch_help_lists_every_flag() -> None:
     } <= set(flags)
     assert all(flag in text for flag in flags)
     assert all(a.help for a in parser._actions), [a.option_strings for a in parser._actions if not a.help]
+
+
+@pytest.mark.parametrize("policy", ["pp-sb", "pp-hb"])
+def test_the_pp_baselines_answer_every_line(tmp_path, batch_expected, policy) -> None:
+    """`pdserve batch --policy pp-sb|pp-hb` once read the input ahead and then split the feed
+    between its virtual engines, which drew only from behind what was read: every line went
+    unanswered and the job exited 0. Now each line is answered, and a job that ends with lines
+    read but never run fails instead."""
+    lines = [request_line(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    cmd = batch_cmd(tmp_path, "--policy", policy, "--profile-cache", str(tmp_path / "profiles"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert texts_by_id(read_results(tmp_path / "out.jsonl")) == batch_expected

@@ -153,10 +153,14 @@ def test_ordered_writer_holds_early_finishers_until_their_turn() -> None:
 
 @pytest.mark.parametrize("policy", ["tdpipe", "pp-sb", "pp-hb"])
 @pytest.mark.parametrize("max_out", [40, 1])
-def test_policies_run_a_feed_with_a_bounded_window(policy, max_out) -> None:
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_policies_run_a_feed_with_a_bounded_window(policy, max_out, read_ahead) -> None:
     """The simulator's policies drain a RequestFeed whose source stops at WINDOW unfinished requests,
     and every request completes (a full window never stalls them; nor do prefill phases whose
-    requests all finish at their prefill, which TD-Pipe once took for requests that cannot fit)."""
+    requests all finish at their prefill, which TD-Pipe once took for requests that cannot fit).
+    `read_ahead`: the feed was read before the policy took it, as `pdserve batch` does; PP's
+    virtual engines once drew only from the source behind it, so those requests never ran and the
+    job ended at once, every line unanswered and no error."""
     from tdpipe.config import InstanceConfig
     from tdpipe.cost_table import CostTable
     from tdpipe.executor import SimExecutor
@@ -185,7 +189,10 @@ def test_policies_run_a_feed_with_a_bounded_window(policy, max_out) -> None:
 
     inst = InstanceConfig(num_stages=2, capacity_blocks=64, block_size=4, max_batch_tokens=128)
     table = CostTable.analytic()
-    stats = make_policy(policy, table, inst).run(RequestFeed(pull, WINDOW), Counting(table, 2))
+    feed = RequestFeed(pull, WINDOW)
+    if read_ahead:
+        assert feed  # as `pdserve batch` does before the policy runs: the feed now holds a window
+    stats = make_policy(policy, table, inst).run(feed, Counting(table, 2))
     assert stats.output_tokens == expected and open_[0] == 0 and 0 < peak[0] <= WINDOW
 
 
