@@ -226,7 +226,8 @@ class TDPipeScheduler:
         # The batches the switch would submit, priced as whole prompts even where the phase will
         # split them: its cheaper fill and drain made the rule switch about twice as often (6 phases
         # against 4 on benchmarks/tdpipe_runtime.py's job, 222 against 122 on the L20 table's 5,000
-        # requests) for nothing in either simulation, and cost recompute preemptions on the runtime.
+        # requests) for no steady gain (CPU profile 1-2% slower, L20 within 1.5% either way) and
+        # cost recompute preemptions on the runtime.
         whole = self._prefill_batches(lens, chunk=False)
         pending = [self.table.stage_ms(n, self.inst.num_stages) for n in batch_tokens(whole)]
         for args in added:
