@@ -76,8 +76,15 @@ def texts_by_id(rows: list[dict]) -> dict[str, str]:
 def stage_pids(batch_pid: int, count: int, deadline: float) -> list[int]:
     """The `pdserve stage` children of a running `pdserve batch`."""
     psutil = pytest.importorskip("psutil")
+
+    def is_stage(p) -> bool:
+        try:
+            return "stage" in p.cmdline()
+        except psutil.Error:  # gone, or a zombie not yet reaped (the profile's helper processes end early)
+            return False
+
     while time.monotonic() < deadline:
-        kids = [p for p in psutil.Process(batch_pid).children() if "stage" in p.cmdline()]
+        kids = [p for p in psutil.Process(batch_pid).children() if is_stage(p)]
         if len(kids) == count:
             return [p.pid for p in kids]
         time.sleep(0.1)
