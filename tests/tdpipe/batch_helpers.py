@@ -75,20 +75,26 @@ def texts_by_id(rows: list[dict]) -> dict[str, str]:
 
 def stage_pids(batch_pid: int, count: int, deadline: float) -> list[int]:
     """The `pdserve stage` children of a running `pdserve batch`."""
-    psutil = pytest.importorskip("psutil")
-
-    def is_stage(p) -> bool:
-        try:
-            return "stage" in p.cmdline()
-        except psutil.Error:  # gone, or a zombie not yet reaped (the profile's helper processes end early)
-            return False
-
     while time.monotonic() < deadline:
-        kids = [p for p in psutil.Process(batch_pid).children() if is_stage(p)]
+        kids = children_with(batch_pid, "stage")
         if len(kids) == count:
-            return [p.pid for p in kids]
+            return kids
         time.sleep(0.1)
     raise AssertionError("the stage processes did not start")
+
+
+def children_with(pid: int, marker: str) -> list[int]:
+    """The pids of `pid`'s children whose command line holds `marker`. A child that exits while they
+    are listed (the profile's helper processes end early) is skipped, not a psutil error."""
+    psutil = pytest.importorskip("psutil")
+    found = []
+    for child in psutil.Process(pid).children():
+        try:
+            if marker in child.cmdline():
+                found.append(child.pid)
+        except psutil.Error:  # gone, or a zombie not yet reaped
+            pass
+    return found
 
 
 def all_gone(pids: list[int], deadline: float) -> bool:

@@ -28,6 +28,7 @@ from tests.tdpipe.batch_helpers import (
     STOP_TIMEOUT,
     all_gone,
     batch_cmd,
+    children_with,
     kill_job,
     read_results,
     request_line,
@@ -41,9 +42,8 @@ TP_FLAGS = ("--stages", "2", "--tensor-parallel-size", "2", "--dtype", "float32"
 
 def _rank_pids(stage_pid: int, deadline: float) -> list[int]:
     """The tensor-parallel rank processes (engine.parallel.worker) a `pdserve stage` started."""
-    psutil = pytest.importorskip("psutil")
     while time.monotonic() < deadline:
-        kids = [p.pid for p in psutil.Process(stage_pid).children() if "engine.parallel.worker" in p.cmdline()]
+        kids = children_with(stage_pid, "engine.parallel.worker")
         if kids:
             return kids
         time.sleep(0.1)
