@@ -135,7 +135,7 @@ class SimExecutor(Executor):
             raise RuntimeError("attach() the policy's stats before submitting")
         # A flow shop with FIFO order: the exit time is known at entry.
         decode = all(item.num_tokens == 1 for item in batch.items)
-        kv_tokens = sum(item.request.kv_len for item in batch.items)  # what a decode step reads
+        kv_tokens = sum(item.request.kv_len for item in batch.items) if decode else None  # what a step reads
         batch.end_ms = self.pipe.submit(batch.num_tokens, batch.ready_ms, decode, kv_tokens)
 
     def _complete(self, batch: Batch) -> None:
