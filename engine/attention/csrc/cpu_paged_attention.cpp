@@ -46,10 +46,12 @@
 
 namespace {
 
+// Lanes from `from` on (clamped to [0, L]) set to `fill`. A scalar loop rather than a lane-index
+// compare: GCC 13.3 (Ubuntu 24.04's compiler) stops with an internal compiler error (do_store_flag)
+// on `lane < n` in the AVX512-BF16 kernel, and the loop runs only for a chunk cut short.
 template <int64_t L>
-__attribute__((always_inline)) inline i32v<L> lane_ids() {
-  i32v<L> v;
-  for (int32_t i = 0; i < L; ++i) v[i] = i;
+__attribute__((always_inline)) inline f32v<L> fill_from(f32v<L> v, int64_t from, float fill) {
+  for (int64_t j = from < 0 ? 0 : from; j < L; ++j) v[j] = fill;
   return v;
 }
 
@@ -289,7 +291,6 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   // strides of kv[N, 2, Hkv, B, D] (contiguous)
   const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
   const int64_t page_bytes = s_head * static_cast<int64_t>(sizeof(T));
-  const i32v<L> lane = lane_ids<L>();
   if (static_cast<int64_t>(sc.scores.size()) < group * stride) sc.scores.resize(group * stride);
   float* scores = sc.scores.data();
   const auto head_rows = [&](int64_t key) { return kvp + pages[key / bs] * s_block + h * s_head + key % bs * d; };
@@ -329,7 +330,6 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
           if (pi + a <= last_page) prefetch<LOCALITY>(page_k(pi + a), page_bytes);
       if (pi + AHEAD <= last_page) ahead = ask_page(pi + AHEAD, 0, SPREAD && n == L && bs == L);
     }
-    const i32v<L> live = lane < static_cast<int32_t>(n);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = &sc.q[g * vecs * L];
       const char* ask = g == 0 ? ahead : nullptr;
@@ -339,7 +339,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
       else
         sv = n == L ? chunk_scores<L, K, true, VECS, ROW_BYTES>(qg, krows, n, d, vecs, tail, ask)
                     : chunk_scores<L, K, false, VECS, ROW_BYTES>(qg, krows, n, d, vecs, tail, nullptr);
-      sv = live ? sv : f32v<L>{} - INFINITY;
+      if (n < L) sv = fill_from<L>(sv, n, -INFINITY);
       put<L>(scores + g * stride + (key - first), sv);
       const f32v<L> mx = get<L>(&sc.max[g * L]);
       put<L>(&sc.max[g * L], sv > mx ? sv : mx);
@@ -361,8 +361,9 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     f32v<L> total[2] = {};
     for (int64_t k = 0; k < padded; k += 2 * L) {
       for (int64_t u = 0; u < 2; ++u) {
-        const i32v<L> live = lane < static_cast<int32_t>(keys - k - u * L);
-        const f32v<L> p = live ? exp_lanes<L>(get<L>(row + k + u * L) - mx) : f32v<L>{};
+        const int64_t left = keys - k - u * L;  // this vector's keys, if fewer than L
+        f32v<L> p = exp_lanes<L>(get<L>(row + k + u * L) - mx);
+        if (left < L) p = fill_from<L>(p, left, 0.0f);
         put<L>(row + k + u * L, p);
         total[u] += p;
       }
