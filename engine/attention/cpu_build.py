@@ -55,12 +55,20 @@ loop that calls it stayed scalar (SiLU-mul ran 4.5x slower than torch's eager op
 only the AVX-512 clone, with masked ops, was vectorised. No result changes: nothing here reads the
 floating-point exception flags, and rounding is untouched."""
 
+LDFLAGS = ["-fopenmp", "-Wl,--exclude-libs,ALL"]
+"""--exclude-libs: a toolchain that links libstdc++ statically into shared objects (seen on a GPU
+image whose g++ is a wrapper) would otherwise export that copy's symbols, and the dynamic linker
+binds some of them to the process's own libstdc++: the two copies' locales mix, and formatting an
+integer into an error message lost the number (Debian, g++ 12) or crashed the process (that image). Kept
+local, the static copy is self-contained; a normal build links no static library and is unchanged."""
+
 
 def build_dir() -> Path:
     """Cache location of the built op: `$PDSERVE_CACHE_DIR/kernels/<digest>` (default ~/.cache/pdserve)."""
     root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
     text = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
-    digest = hashlib.sha256(text + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    flags = " ".join(CFLAGS + LDFLAGS).encode()
+    digest = hashlib.sha256(text + flags + torch.__version__.encode()).hexdigest()[:12]
     return root / "kernels" / f"cpu_paged-{digest}"
 
 
@@ -162,7 +170,7 @@ def _compile(build_directory: Path) -> None:
         build_directory=str(build_directory),
         extra_cflags=CFLAGS,
         extra_include_paths=[str(CSRC)],
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=LDFLAGS,
         is_python_module=False,
         verbose=False,
     )

@@ -102,3 +102,40 @@ def test_two_processes_on_an_empty_cache_compile_once(tmp_path: Path):
     for p, (stdout, stderr) in zip(procs, outs):
         assert p.returncode == 0 and "works True" in stdout, stderr[-2000:]
     assert sorted(stdout.split()[1] for stdout, _ in outs) == ["False", "True"]
+
+
+def _static_libstdcxx() -> str | None:
+    """libstdc++.a of the C++ compiler, if it has one (an absolute path), else None."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        return None
+    found = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    return found if os.path.isabs(found) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_static_libstdcxx() is None, reason="no static libstdc++ for this compiler")
+def test_ops_linked_with_a_static_libstdcxx_still_format_their_errors(tmp_path: Path):
+    """A toolchain whose g++ links libstdc++ statically into shared objects (a GPU image had one):
+    the op's refusals, whose messages hold numbers, must come out whole, not crash the process or
+    lose the numbers (the copies' locales mixed while the static copy's symbols were exported)."""
+    real = shutil.which(os.environ.get("CXX", "c++"))
+    wrapper = tmp_path / "g++"
+    wrapper.write_text(
+        f'#!/bin/sh\ncase " $* " in *" -shared "*) exec {real} "$@" -static-libstdc++ ;; esac\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(wrapper)}
+    env.pop("PDSERVE_NO_CPU_KERNEL", None)
+    code = (
+        "import torch; from engine.attention import cpu_build as c; op = c.load_paged_attention_op(); "
+        "i = lambda *x: torch.tensor(x, dtype=torch.int32)\n"
+        "try: op(torch.randn(1, 4, 16), torch.randn(4, 2, 2, 8, 16), i(0, 1).reshape(1, 2), i(0, 1), i(40), 1.0)\n"
+        "except RuntimeError as e: print(str(e).splitlines()[0])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "1 query tokens and 40 context tokens do not fit its 2 pages of 8" in done.stdout, done.stdout
+    library = next((tmp_path / "cache" / "kernels").glob("*/pdserve_cpu_paged.so"))
+    needed = subprocess.run(["ldd", str(library)], capture_output=True, text=True).stdout
+    assert "libstdc++" not in needed  # the wrapper did link it statically: the case this test is about
