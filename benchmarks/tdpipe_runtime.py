@@ -49,14 +49,18 @@ from tdpipe.simulator import CLI_NAMES
 POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")} | {
     "tdpipe-overlap": "td-pipe-overlap",
     "tdpipe-whole": "td-pipe-whole-prompts",
+    "tdpipe-eager-head": "td-pipe-head-per-batch",
 }
 """Runtime (`pdserve batch --policy`) name -> the simulator's name of the same policy object
 (`tdpipe-overlap`: the experimental TD-Pipe whose phase switches do not drain, tdpipe/td_overlap.py;
-`tdpipe-whole`: TD-Pipe keeping every prompt whole in one prefill batch, as before chunking)."""
+`tdpipe-whole`: TD-Pipe keeping every prompt whole in one prefill batch, as before chunking;
+`tdpipe-eager-head`: TD-Pipe sampling each prefill batch's first tokens as it ends, as before
+`TDPipeOptions.hold_first_tokens`)."""
 LABELS = {
     "tdpipe": "TD-Pipe",
     "tdpipe-overlap": "TD-Pipe (overlapped switches)",
     "tdpipe-whole": "TD-Pipe (whole prompts)",
+    "tdpipe-eager-head": "TD-Pipe (head per batch)",
     "pp-sb": "PP+SB",
     "pp-hb": "PP+HB",
     "llm": "engine.LLM (1 process)",

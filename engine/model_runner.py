@@ -150,9 +150,11 @@ class ModelRunner:
         layer_hook: LayerHook | None = None,
         hidden_states: torch.Tensor | None = None,
         layers: tuple[int, int] | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         """Through the model's last layer: logits [num_sampled, vocab] in the model's dtype (rows of sample_mask,
-        in order); else hidden [T, H]. `layers`: a sub-range of `layer_range` (default all of it)."""
+        in order), or with `head` False those rows' final hidden states [num_sampled, H] (`logits` later);
+        else hidden [T, H]. `layers`: a sub-range of `layer_range` (default all of it)."""
         assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
         start, end = layers or self.layer_range
         if not self.layer_range[0] <= start < end <= self.layer_range[1]:
@@ -182,4 +184,11 @@ class ModelRunner:
             if sample:
                 last_rows.append(end - 1)
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
-        return self.model.logits(hidden.index_select(0, rows))
+        final = hidden.index_select(0, rows)
+        return self.model.logits(final) if head else final
+
+    @torch.inference_mode()
+    def logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states that `run(..., head=False)` returned: rows of several
+        batches in one pass read the head's weights once (the head is whole on every rank)."""
+        return self.model.logits(final_hidden)

@@ -62,6 +62,11 @@ class TDPipeOptions:
     batch of a phase but its last is full (`td_scheduler.pack_prompts`) and the longest prompt no
     longer bounds the largest batch, which fills and drains the pipeline at every phase switch.
     False keeps prompts whole, as the paper does."""
+    hold_first_tokens: bool = True
+    """The last stage samples a prefill phase's first tokens together, with the phase's last batch
+    (`Batch.hold`): the decode phase needs them all before it starts, and one pass of the LM head
+    then reads its weights once a phase, not once a batch. The runtime's only (the simulator prices
+    a batch the same either way); False samples each batch's as it ends."""
     temporal_refill: bool = True
     """Count the pipeline refill after the prefill phase in the temporal bubble
     (see `tdpipe.intensity.temporal_intensity`); False is the paper's bubble."""

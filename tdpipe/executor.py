@@ -59,6 +59,10 @@ class Batch:
     start when their input arrives)."""
     tag: Any = None
     """Opaque to the executor, returned with the batch (PP: the virtual engine's index)."""
+    hold: bool = False
+    """Its sampled tokens may come back with the next batch submitted that is not held (the runtime
+    then reads the LM head's weights once for both: `StageMessage.hold`); the policy submits that
+    batch before it collects this one. The simulator ignores it."""
     end_ms: float = -1.0
     """When the batch left the last stage, ms since the executor started."""
     handle: Any = field(default=None, repr=False)
@@ -81,11 +85,13 @@ class Executor(ABC):
         """Bind the policy's stats (output tokens, makespan, busy time are counted here)."""
         self.stats = stats
 
-    def submit(self, items: list[BatchItem], phase: str, ready_ms: float = 0.0, tag: Any = None) -> None:
-        """Queue one batch (non-empty) behind those in flight."""
+    def submit(
+        self, items: list[BatchItem], phase: str, ready_ms: float = 0.0, tag: Any = None, hold: bool = False
+    ) -> None:
+        """Queue one batch (non-empty) behind those in flight (`hold`: `Batch.hold`)."""
         if not items:
             raise ValueError("a batch needs at least one item")
-        batch = Batch(items, phase, ready_ms, tag)
+        batch = Batch(items, phase, ready_ms, tag, hold=hold)
         self.decisions.append((phase, tuple((str(i.request.request_id), i.num_tokens, i.sample) for i in items)))
         self._start(batch)
         self.inflight.append(batch)

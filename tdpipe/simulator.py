@@ -31,6 +31,8 @@ POLICIES: dict[str, PolicyFactory] = {
     "td-pipe-kv-threshold": _td("td-pipe-kv-threshold", prefill_switch="kv_threshold"),
     "td-pipe-completion": _td("td-pipe-completion", decode_switch="completion"),
     "td-pipe-whole-prompts": _td("td-pipe-whole-prompts", chunk_prefills=False),
+    # the runtime's ablation of held first tokens (the simulator prices it as td-pipe)
+    "td-pipe-head-per-batch": _td("td-pipe-head-per-batch", hold_first_tokens=False),
     "pp+sb": lambda table, inst: PPScheduler(table, inst, hybrid=False),
     "pp+hb": lambda table, inst: PPScheduler(table, inst, hybrid=True),
 }

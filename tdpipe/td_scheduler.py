@@ -109,13 +109,13 @@ class TDPipeScheduler:
             memory.add(r.input_len, 1, r.predicted_len)
             admitted.append(r)
         left = [r.input_len for r in admitted]  # prompt tokens not yet in a batch
-        for batch in self._prefill_batches(left):  # packed before the loop below consumes `left`
+        batches = self._prefill_batches(left)  # packed before the loop below consumes `left`
+        for num_batches, batch in enumerate(batches, 1):
             items = []
             for i, n in batch:
                 left[i] -= n
                 items.append(BatchItem(admitted[i], n, left[i] == 0))  # the last chunk yields the first token
-            self.ex.submit(items, "prefill", now)
-            num_batches += 1
+            self.ex.submit(items, "prefill", now, hold=self.opts.hold_first_tokens and num_batches < len(batches))
         self._num_admitted = len(admitted)
         return admitted, num_batches
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,16 @@ from tdpipe.workload import SimRequest
 
 class StageFailure(RuntimeError):
     """A stage process died or stopped answering; the job must stop."""
+
+
+@dataclass
+class _Answer:
+    """The last stage's answer to one batch that is not held, which also carries the tokens of the
+    held batches submitted just before it (their columns first)."""
+
+    tokens: torch.Tensor
+    work: Any
+    received: bool = False
 
 
 class PipeRequest(SimRequest):
@@ -105,6 +116,8 @@ class StageExecutor(Executor):
         self.t0 = time.perf_counter()
         self._announced: set[str] = set()
         self._forget: list[str] = []
+        self._held: list[Batch] = []
+        """Held batches (`Batch.hold`) submitted since the last batch that is not held."""
         self.gauge = PipelineGauge(num_stages)
         """Live phase, tokens and bubble estimate (progress and metrics read it from other threads)."""
 
@@ -141,37 +154,56 @@ class StageExecutor(Executor):
             if r.params is not None and needs_announcing(r.params) and r.request_id not in self._announced:
                 self._announced.add(r.request_id)  # type: ignore[arg-type]
                 new_params[str(r.request_id)] = (r.params, r.prompt_ids)
-        msg = StageMessage(fb, new_params, tuple(self._forget))
+        msg = StageMessage(fb, new_params, tuple(self._forget), hold=batch.hold)
         self._forget.clear()
         send_frame(self.outbox, msg, range(1, self.num_stages + 1))
         if not self.gauge.batches_done and not self.gauge.in_flight:
             self.gauge.start()  # the first batch: the stages are up, the pipeline starts filling
         self.gauge.on_submit(batch.phase)
-        tokens = torch.empty((2, len(batch.items)), dtype=torch.long)  # last_stage: tokens, stop flags
-        batch.handle = (tokens, dist.irecv(tokens, self.num_stages))
+        if batch.hold:  # answered with the next batch that is not held
+            self._held.append(batch)
+            return
+        held, self._held = self._held, []
+        columns: list[list[int | None]] = []  # per held batch, each item's column (None: samples nothing)
+        first = 0  # the held batches' sampled rows come first, in order
+        for b in held:
+            columns.append([])
+            for item in b.items:
+                columns[-1].append(first if item.sample else None)
+                first += item.sample
+        tokens = torch.empty((2, first + len(batch.items)), dtype=torch.long)  # last_stage: tokens, stop flags
+        answer = _Answer(tokens, dist.irecv(tokens, self.num_stages))
+        for b, cols in zip(held, columns):
+            b.handle = (answer, cols)
+        batch.handle = (answer, list(range(first, first + len(batch.items))))
 
     def _complete(self, batch: Batch) -> None:
         """Wait for the batch's tokens. A dead stage closes its connections, and the error
         travels down the pipeline to this receive (gloo cannot poll a receive)."""
-        tokens, work = batch.handle
-        try:
-            work.wait()
-        except RuntimeError as e:
-            dead = [
-                f"stage {k} (pid {p.pid}) exited with code {p.poll()}"
-                for k, p in enumerate(self.stage_procs)
-                if p.poll() is not None
-            ]
-            raise StageFailure("; ".join(dead) or f"pipeline stage failed: {e}") from e
+        if batch.handle is None:
+            raise RuntimeError("a held batch was collected before the batch that answers for it was submitted")
+        answer, columns = batch.handle
+        if not answer.received:
+            try:
+                answer.work.wait()
+            except RuntimeError as e:
+                dead = [
+                    f"stage {k} (pid {p.pid}) exited with code {p.poll()}"
+                    for k, p in enumerate(self.stage_procs)
+                    if p.poll() is not None
+                ]
+                raise StageFailure("; ".join(dead) or f"pipeline stage failed: {e}") from e
+            answer.received = True
         batch.end_ms = (time.perf_counter() - self.t0) * 1000.0
-        for item, token, stop in zip(batch.items, tokens[TOKEN_ROW].tolist(), tokens[STOP_ROW].tolist()):
+        tokens, stops = answer.tokens[TOKEN_ROW].tolist(), answer.tokens[STOP_ROW].tolist()
+        for item, col in zip(batch.items, columns, strict=True):
             r = item.request
             assert isinstance(r, PipeRequest)
             if item.sample:
-                if token == NO_TOKEN:
+                if col is None or tokens[col] == NO_TOKEN:
                     raise StageFailure(f"the last stage sampled nothing for {r.request_id}")
-                r.output_ids.append(int(token))
-                r.stopped = bool(stop)
+                r.output_ids.append(int(tokens[col]))
+                r.stopped = bool(stops[col])
         self.gauge.on_complete(sum(1 for item in batch.items if item.sample))
 
     def free(self, request: SimRequest) -> None:

@@ -7,7 +7,7 @@ Per batch a stage receives one control message (a `ForwardBatch` whose block tab
 controller owns), receives the previous stage's hidden states, runs its layers (writing its own
 KV), and passes hidden states on; the last stage samples (each request with its own parameters,
 watching its stop strings: `last_stage`) and sends one token id and stop flag per sequence to the
-controller.
+controller (a held batch's with the next batch's answer: `StageMessage.hold`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from engine.grammar_cache import GrammarCache
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from tdpipe.runtime.last_stage import LastStageSampler, StageMessage
+from tdpipe.runtime.last_stage import HeldRows, LastStageSampler, StageMessage
 from tdpipe.runtime.stage_split import PipelineSplit, pipeline_split
 from tdpipe.runtime.stage_split import stage_layer_range as stage_layer_range  # re-exported: its old home
 from tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, ControlInbox, Outbox, send_frame
@@ -139,6 +139,7 @@ def _serve(cfg: StageConfig, runner: ModelRunner, rank: int, split: PipelineSpli
     outbox, timeline = Outbox(), StageTimeline()
     inbox = ControlInbox(CONTROLLER_RANK)  # posts the first receive now: the controller's messages never wait for us
     sampling = LastStageSampler(cfg.model_dir, _grammars(cfg.model_dir, runner)) if runner.is_last_stage else None
+    held_rows = HeldRows()
     while True:
         msg = inbox.recv()
         if msg is None:
@@ -151,11 +152,14 @@ def _serve(cfg: StageConfig, runner: ModelRunner, rank: int, split: PipelineSpli
             hidden = torch.empty(batch.num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(hidden, rank - 1)
         start = time.perf_counter()
-        out = runner.run(batch, hidden_states=hidden, layers=split.span(rank - 1, batch.is_decode_only))
+        layers = split.span(rank - 1, batch.is_decode_only)
         if sampling is not None:
-            outbox.send(sampling(msg, out), CONTROLLER_RANK)
+            final = runner.run(batch, hidden_states=hidden, layers=layers, head=False)
+            answer = held_rows.step(msg, final, runner.logits, sampling)
+            if answer is not None:  # a held batch's tokens come with the next batch's answer
+                outbox.send(answer, CONTROLLER_RANK)
         else:
-            outbox.send(out.contiguous(), rank + 1)
+            outbox.send(runner.run(batch, hidden_states=hidden, layers=layers).contiguous(), rank + 1)
         timeline.spans.append(
             (start, time.perf_counter(), batch.num_tokens, "decode" if batch.is_decode_only else "prefill")
         )

@@ -16,18 +16,9 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.e2e.router_cluster import free_port
 from tests.e2e.up_process import start_up
-from tests.tdpipe.batch_helpers import PROMPTS, batch_cmd, read_results
+from tests.tdpipe.batch_helpers import PROMPTS, batch_cmd, read_results, stop_string_in
 
 MAX_TOKENS = 16
-
-
-def _stop_of(text: str) -> str:
-    """A 2-character piece of `text` about a third of the way in, free of U+FFFD (half a character)."""
-    for start in range(len(text) // 3, len(text) - 2):
-        piece = text[start : start + 2]
-        if "\ufffd" not in piece and piece.strip():
-            return piece
-    raise AssertionError(f"no usable stop string in {text!r}")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +30,7 @@ def stop_bodies(tiny_model_dir) -> dict[str, tuple[str, dict]]:
     bodies: dict[str, tuple[str, dict]] = {}
     for i, (prompt, out) in enumerate(zip(PROMPTS[:4], free)):
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        body["stop"] = [_stop_of(out.outputs[0].text), "never-in-the-text"]
+        body["stop"] = [stop_string_in(out.outputs[0].text), "never-in-the-text"]
         if i == 1:
             body["include_stop_str_in_output"] = True
         bodies[f"s{i}"] = ("/v1/completions", body)
@@ -51,7 +42,7 @@ def stop_bodies(tiny_model_dir) -> dict[str, tuple[str, dict]]:
         .text
     )
     chat = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    bodies["chat"] = ("/v1/chat/completions", {**chat, "stop": _stop_of(chat_text)})
+    bodies["chat"] = ("/v1/chat/completions", {**chat, "stop": stop_string_in(chat_text)})
     return bodies
 
 
