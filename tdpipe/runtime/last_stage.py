@@ -149,6 +149,12 @@ class LastStageSampler:
         return out
 
 
+HEAD_ROWS = 256
+"""The most rows one pass of the LM head takes when held rows are sampled: their logits are
+[rows, vocab] (128 MB in float32 at a 128k vocabulary), and 256 rows already read the head's
+weights ~256 times less often than a pass per row."""
+
+
 class HeldRows:
     """The last stage's sampled rows of held batches (`StageMessage.hold`): their final hidden
     states wait here for the next batch that is not held, which samples them with its own rows in
@@ -181,8 +187,14 @@ class HeldRows:
         held = len(ids) - len(own)
         out = torch.zeros((2, held + batch.num_seqs), dtype=torch.long)
         out[TOKEN_ROW] = NO_TOKEN
-        if ids:
-            sampled = sampler.sample(ids, logits(rows))
+        if ids:  # in pieces of HEAD_ROWS: a phase of thousands of prompts must not make one huge logits
+            sampled = torch.cat(
+                [
+                    sampler.sample(ids[i : i + HEAD_ROWS], logits(rows[i : i + HEAD_ROWS]))
+                    for i in range(0, len(ids), HEAD_ROWS)
+                ],
+                dim=1,
+            )
             out[:, :held] = sampled[:, :held]
             out[:, [held + i for i in own]] = sampled[:, held:]
         return out

@@ -13,6 +13,7 @@ from tdpipe.config import InstanceConfig
 from tdpipe.cost_table import CostTable
 from tdpipe.executor import Batch, BatchItem, SimExecutor
 from tdpipe.runtime.controller import PipeRequest, StageExecutor
+from tdpipe.runtime import last_stage
 from tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, HeldRows, LastStageSampler, StageMessage
 from tdpipe.runtime.local import run_local_pipeline
 from tdpipe.runtime.stage_worker import StageConfig
@@ -66,6 +67,20 @@ def test_held_rows_are_sampled_with_the_next_batch_in_one_head_pass() -> None:
     out = held.step(_message(["a"], [True], False), rows["a"], head, sampler)
     assert out is not None and out[TOKEN_ROW].tolist() == [expected["a"]] and head.passes == [4, 1]
     assert held.request_ids == [] and held.hidden == []
+
+
+def test_many_held_rows_are_sampled_in_bounded_head_passes(monkeypatch) -> None:
+    """A phase of many prompts: the head takes at most HEAD_ROWS rows a pass, same tokens."""
+    monkeypatch.setattr(last_stage, "HEAD_ROWS", 2)
+    head, held, sampler = _Head(), HeldRows(), LastStageSampler()
+    rows = torch.randn(5, HIDDEN)
+    expected = head(rows).argmax(dim=-1).tolist()
+    head.passes.clear()
+    for i in range(4):
+        assert held.step(_message([f"r{i}"], [True], True), rows[i : i + 1], head, sampler) is None
+    out = held.step(_message(["r4"], [True], False), rows[4:], head, sampler)
+    assert out is not None and out[TOKEN_ROW].tolist() == expected
+    assert head.passes == [2, 2, 1]
 
 
 def test_a_held_request_is_announced_before_it_is_sampled() -> None:
