@@ -158,7 +158,8 @@ weights ~256 times less often than a pass per row."""
 class HeldRows:
     """The last stage's sampled rows of held batches (`StageMessage.hold`): their final hidden
     states wait here for the next batch that is not held, which samples them with its own rows in
-    one pass of the LM head. Bounded by what the controller holds: one prefill phase's prompts."""
+    passes of the LM head of up to `HEAD_ROWS` rows. Bounded by what the controller holds: one
+    prefill phase's prompts, one hidden row each."""
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
