@@ -89,7 +89,6 @@ class TDPipeScheduler:
         """Greedy prefill: admit waiting requests while the predicted KV fits, submit them in
         `max_batch_tokens` batches; returns (the admitted requests, the batches submitted)."""
         memory = FutureMemory(self.future)
-        num_batches = 0
         for r in resident:
             memory.add(r.input_len, r.num_generated, r.predicted_len)
         admitted: list[SimRequest] = []
@@ -110,14 +109,14 @@ class TDPipeScheduler:
             admitted.append(r)
         left = [r.input_len for r in admitted]  # prompt tokens not yet in a batch
         batches = self._prefill_batches(left)  # packed before the loop below consumes `left`
-        for num_batches, batch in enumerate(batches, 1):
+        for k, batch in enumerate(batches):
             items = []
             for i, n in batch:
                 left[i] -= n
                 items.append(BatchItem(admitted[i], n, left[i] == 0))  # the last chunk yields the first token
-            self.ex.submit(items, "prefill", now, hold=self.opts.hold_first_tokens and num_batches < len(batches))
+            self.ex.submit(items, "prefill", now, hold=self.opts.hold_first_tokens and k < len(batches) - 1)
         self._num_admitted = len(admitted)
-        return admitted, num_batches
+        return admitted, len(batches)
 
     def _prefill_batches(self, prompt_lens: list[int], chunk: bool | None = None) -> list[PrefillBatch]:
         """A phase's prompts (in order) packed into its prefill batches (`chunk`: split prompts;

@@ -183,7 +183,7 @@ class HeldRows:
         self.hidden.append(final_hidden)
         if msg.hold:
             return None
-        ids, rows = self.request_ids, torch.cat(self.hidden) if len(self.hidden) > 1 else final_hidden
+        ids, rows = self.request_ids, torch.cat(self.hidden)
         self.request_ids, self.hidden = [], []
         held = len(ids) - len(own)
         out = torch.zeros((2, held + batch.num_seqs), dtype=torch.long)

@@ -1,6 +1,6 @@
 """A prefill phase's first tokens sampled together (`StageMessage.hold`): the last stage keeps a held
-batch's final hidden states and samples them with the next batch that is not held, in one pass of
-the LM head; the controller reads their tokens from that batch's answer."""
+batch's final hidden states and samples them with the next batch that is not held, in passes of the
+LM head of up to `HEAD_ROWS` rows; the controller reads their tokens from that batch's answer."""
 
 from __future__ import annotations
 
