@@ -48,14 +48,14 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
 
-CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
+CFLAGS = ("-O3", "-fopenmp", "-fno-trapping-math")
 """-fno-trapping-math: without it GCC will not if-convert the clamp before `fast_exp`'s float->int
 conversion (which could trap on an out-of-range value), so the AVX2 and baseline clones of every
 loop that calls it stayed scalar (SiLU-mul ran 4.5x slower than torch's eager ops on an AVX2 CPU);
 only the AVX-512 clone, with masked ops, was vectorised. No result changes: nothing here reads the
 floating-point exception flags, and rounding is untouched."""
 
-LDFLAGS = ["-fopenmp", "-Wl,--exclude-libs,ALL"]
+LDFLAGS = ("-fopenmp", "-Wl,--exclude-libs,ALL")
 """--exclude-libs: a toolchain that links libstdc++ statically into shared objects (seen on a GPU
 image whose g++ is a wrapper) would otherwise export that copy's symbols, and the dynamic linker
 binds some of them to the process's own libstdc++: the two copies' locales mix, and formatting an
@@ -168,9 +168,11 @@ def _compile(build_directory: Path) -> None:
         name=LIBRARY.removesuffix(".so"),
         sources=[str(s) for s in SOURCES],
         build_directory=str(build_directory),
-        extra_cflags=CFLAGS,
+        # copies: torch's builder appends its own libraries to the lists it is given, which changed
+        # this process's `build_dir()` after a compile (a second load compiled again elsewhere)
+        extra_cflags=list(CFLAGS),
         extra_include_paths=[str(CSRC)],
-        extra_ldflags=LDFLAGS,
+        extra_ldflags=list(LDFLAGS),
         is_python_module=False,
         verbose=False,
     )

@@ -35,6 +35,22 @@ def test_build_after_a_killed_build_neither_stalls_nor_keeps_debris(tmp_path: Pa
     assert "op True" in again.stdout, again.stderr[-2000:]
 
 
+def test_a_compile_leaves_the_cache_key_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """torch's builder appends its libraries to the flag lists it is handed (torch 2.11 and 2.13 do);
+    the flags are part of `build_dir()`'s key, so a process that compiled once must still name the
+    same directory afterwards (it named another one, and a second load compiled everything again)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def load(**kwargs: object) -> None:  # what torch's `load` does to its arguments, without compiling
+        kwargs["extra_ldflags"].append("-ltorch")  # type: ignore[attr-defined]
+        kwargs["extra_cflags"].append("-DTORCH_EXTENSION_NAME=x")  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    before = cpu_build.build_dir()
+    cpu_build._compile(tmp_path)
+    assert cpu_build.build_dir() == before
+
+
 def _fake_build(out: str, log: str, delay: float) -> None:
     """One process's `build_once` with a compile that takes `delay` seconds and logs itself."""
     import time
