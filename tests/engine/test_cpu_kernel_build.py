@@ -36,9 +36,10 @@ def test_build_after_a_killed_build_neither_stalls_nor_keeps_debris(tmp_path: Pa
 
 
 def test_a_compile_leaves_the_cache_key_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """torch's builder appends its libraries to the flag lists it is handed (torch 2.11 and 2.13 do);
-    the flags are part of `build_dir()`'s key, so a process that compiled once must still name the
-    same directory afterwards (it named another one, and a second load compiled everything again)."""
+    """torch's builder appends its libraries to the linker flags it is handed (seen with torch 2.11
+    and 2.13; the C flags are mutated here too, in case a version does); the flags are part of
+    `build_dir()`'s key, so a process that compiled once must still name the same directory
+    afterwards (it named another one, and a second load compiled everything again)."""
     import torch.utils.cpp_extension as cpp_extension
 
     def load(**kwargs: object) -> None:  # what torch's `load` does to its arguments, without compiling
