@@ -40,7 +40,9 @@ class _Answer:
 
     tokens: torch.Tensor
     work: Any
-    received: bool = False
+    rows: tuple[list[int], list[int]] | None = None
+    """(token ids, stop flags) as lists once received: read once, whichever of its batches is
+    collected first (every held batch of a phase shares this answer)."""
 
 
 class PipeRequest(SimRequest):
@@ -183,7 +185,7 @@ class StageExecutor(Executor):
         if batch.handle is None:
             raise RuntimeError("a held batch was collected before the batch that answers for it was submitted")
         answer, columns = batch.handle
-        if not answer.received:
+        if answer.rows is None:
             try:
                 answer.work.wait()
             except RuntimeError as e:
@@ -193,9 +195,9 @@ class StageExecutor(Executor):
                     if p.poll() is not None
                 ]
                 raise StageFailure("; ".join(dead) or f"pipeline stage failed: {e}") from e
-            answer.received = True
+            answer.rows = (answer.tokens[TOKEN_ROW].tolist(), answer.tokens[STOP_ROW].tolist())
         batch.end_ms = (time.perf_counter() - self.t0) * 1000.0
-        tokens, stops = answer.tokens[TOKEN_ROW].tolist(), answer.tokens[STOP_ROW].tolist()
+        tokens, stops = answer.rows
         for item, col in zip(batch.items, columns, strict=True):
             r = item.request
             assert isinstance(r, PipeRequest)
