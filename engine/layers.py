@@ -21,6 +21,14 @@ faster than oneDNN's AMX kernel at 1-32, 128-192, 512 and 1024 rows, 1.0x at 64,
 0.93x at 2048 (long prompt chunks, where oneDNN's blocking for many rows wins)."""
 
 
+F32_MAX_ROWS = 128
+"""Rows up to which a prepacked float32 linear runs on `pdserve_cpu.f32_linear` instead of oneDNN
+(decode steps and short prompt chunks; csrc/cpu_f32_linear.cpp). Over the bench model's linears on
+2 cores of an AMX Xeon guest, weights from memory (`python -m benchmarks.amx_linear --dtype
+float32`), it was 1.2-1.3x faster than oneDNN at 1-64 rows, 1.1x at 96 and 1.05x at 128; from 192
+rows on oneDNN's blocking for many rows wins (0.95-0.98x)."""
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, as transformers' LlamaRMSNorm does."""
     x32 = x.float()
@@ -183,6 +191,28 @@ def amx_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     return torch.equal(blocks, weight.reshape(n // 32, 32, k // 32, 16, 2).permute(0, 2, 3, 1, 4))
 
 
+def f32_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether oneDNN prepacked this float32 weight [N, K] as `pdserve_cpu.f32_linear` reads it:
+    [N/64][K][64], unpadded (oneDNN's choice on an AVX-512 CPU). Compared bit for bit, once at load,
+    so a oneDNN that picks another layout only loses the faster kernel."""
+    n, k = weight.shape
+    if n % 64 or not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != n * k * 4:
+        return False
+    raw = (ctypes.c_char * (n * k * 4)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    panels = torch.frombuffer(raw, dtype=torch.float32).view(n // 64, k, 64)
+    return torch.equal(panels, weight.reshape(n // 64, 64, k).transpose(1, 2))
+
+
+def _use_f32(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
+    if weight.dtype != torch.float32 or os.environ.get("PDSERVE_F32_LINEAR", "1") == "0":
+        return False
+    if not torch.cpu.get_capabilities().get("avx512_f"):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or not bias.is_contiguous()):
+        return False
+    return f32_layout(weight, packed)
+
+
 def _use_amx(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
     if weight.dtype != torch.bfloat16 or os.environ.get("PDSERVE_AMX_LINEAR", "1") == "0":
         return False
@@ -204,12 +234,14 @@ class Linear:
     (`bf16_via_float32`) is packed as float32 (exact: bf16 widens losslessly), and each call widens
     x and rounds the float32 result back to bfloat16 once, as a bf16 GEMM with float32
     accumulation does. On a CPU with AMX, native bfloat16 calls of up to `AMX_MAX_ROWS` rows run on
-    `pdserve_cpu.amx_linear` over that same packed weight. Numerics: native bfloat16 results through
-    oneDNN are the same bits as `F.linear`'s; float32 ones, bfloat16 through float32 and the AMX
-    kernel's differ by summation order only (a few float32 ulps, so at most one bf16 rounding step).
+    `pdserve_cpu.amx_linear` over that same packed weight, and on a CPU with AVX-512 float32 calls
+    of up to `F32_MAX_ROWS` rows on `pdserve_cpu.f32_linear`, likewise. Numerics: native bfloat16
+    results through oneDNN are the same bits as `F.linear`'s; float32 ones (oneDNN's or the float32
+    kernel's), bfloat16 through float32 and the AMX kernel's differ by summation order only (a few
+    float32 ulps, so at most one bf16 rounding step).
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "out_dtype", "amx")
+    __slots__ = ("weight", "bias", "packed", "out_features", "in_features", "out_dtype", "amx", "f32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
@@ -223,6 +255,8 @@ class Linear:
         self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight) if prepack else None
         # bf16 calls of up to AMX_MAX_ROWS rows go to the AMX kernel, which reads this same packed weight
         self.amx = self.packed is not None and self.out_dtype is None and _use_amx(weight, bias, self.packed)
+        # float32 calls of up to F32_MAX_ROWS rows go to the AVX-512 kernel, on this same packed weight too
+        self.f32 = self.packed is not None and self.out_dtype is None and _use_f32(weight, bias, self.packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.out_dtype is not None:
@@ -236,6 +270,15 @@ class Linear:
                 and cpu_build.amx_linear_ready()
             ):
                 return torch.ops.pdserve_cpu.amx_linear(x, self.packed, self.bias)
+            if (
+                self.f32
+                and x.dim() == 2
+                and x.size(0) <= F32_MAX_ROWS
+                and x.stride(-1) == 1
+                and x.dtype == torch.float32
+                and cpu_build.f32_linear_ready()
+            ):
+                return torch.ops.pdserve_cpu.f32_linear(x, self.packed, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

@@ -35,6 +35,7 @@ SOURCES = (
     CSRC / "cpu_float_carry.cpp",
     CSRC / "cpu_amx_linear.cpp",
     CSRC / "cpu_amx_prefill.cpp",
+    CSRC / "cpu_f32_linear.cpp",
 )
 HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_vec.h", CSRC / "cpu_prefill.h", CSRC / "cpu_amx.h")
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""
@@ -44,6 +45,7 @@ built_in_this_process = False
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
 _amx: bool | None = None
+_f32: bool | None = None
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
@@ -95,6 +97,17 @@ def amx_linear_ready() -> bool:
             return False
         _amx = bool(torch.ops.pdserve_cpu.amx_available())
     return _amx
+
+
+def f32_linear_ready() -> bool:
+    """Whether `torch.ops.pdserve_cpu.f32_linear` can run now: the ops are loaded and this CPU has
+    AVX-512 (asked once, then cached; False while the ops are still building)."""
+    global _f32
+    if _f32 is None:
+        if _op is None:
+            return False
+        _f32 = bool(torch.ops.pdserve_cpu.f32_linear_available())
+    return _f32
 
 
 def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:
