@@ -1,24 +1,27 @@
-"""bf16 linears on AMX: `pdserve_cpu.amx_linear` against oneDNN's kernel on the same packed weights.
+"""Our CPU linear kernels against oneDNN's on the same packed weights: bf16 on AMX tiles
+(`pdserve_cpu.amx_linear`, the default) or float32 on AVX-512 (`pdserve_cpu.f32_linear`, `--dtype float32`).
 
-    python -m benchmarks.amx_linear            # row counts 1-2048, 2 threads
-    python -m benchmarks.amx_linear --quick    # 16, 128 and 512 rows, fewer rounds
+    python -m benchmarks.amx_linear                    # bf16, row counts 1-2048, 2 threads
+    python -m benchmarks.amx_linear --dtype float32    # float32
+    python -m benchmarks.amx_linear --quick            # 16, 128 and 512 rows, fewer rounds
 
 One "step" is every linear of the built-in bench model once, in an engine step's order (shapes from
 its config, `engine.tiny_model.SIZES["bench"]`: 12 layers of qkv 1280x768, o 768x768, gate_up
-3072x768, down 768x1536, then the lm_head 32000x768; 172 MB of bf16 weights), all on the same input
+3072x768, down 768x1536, then the lm_head 32000x768; 172 MB of bf16 weights, 343 MB in float32), all on the same input
 rows. `--copies` (default 4) independent sets of those weights take turns, one per step, so that a
 step reads its weights from memory as an engine step does, whose attention has streamed the KV cache
 through the caches in between: a CPU may report a last-level cache of a model's size (the 2-core
 guests here report 480 MB, shared with other guests), and with one copy a 16-row step read part of
 its weights from it (6.3 against 7.2 ms with four copies). Each weight is prepacked once by
 `torch.ops.mkldnn._reorder_linear_weight`; the baseline is what `engine.layers.Linear` runs without
-the kernel (`mkldnn._linear_pointwise`, oneDNN's AMX brgemm), the candidate is the kernel reading
-that same packed weight. Both run in this process, interleaved round by round, best of the rounds;
-`ratio` = oneDNN time / kernel time (geometric mean over the row counts up to
-`engine.layers.AMX_MAX_ROWS`, the ones the engine sends to the kernel): above 1, the kernel is faster.
-Needs a CPU with AMX (Sapphire Rapids or later); elsewhere it says so and exits 2. Results are
-compared: the largest difference from oneDNN's output of the first qkv linear, relative to that
-output's largest value, is reported per row count (summation order: about a bf16 step, 2**-8).
+the kernel (`mkldnn._linear_pointwise`: oneDNN's AMX brgemm in bf16, its AVX-512 one in float32), the
+candidate is the kernel reading that same packed weight. Both run in this process, interleaved round
+by round, best of the rounds; `ratio` = oneDNN time / kernel time (geometric mean over the row counts
+up to `engine.layers.AMX_MAX_ROWS` or `F32_MAX_ROWS`, the ones the engine sends to the kernel): above
+1, the kernel is faster. bf16 needs a CPU with AMX (Sapphire Rapids or later), float32 one with
+AVX-512; elsewhere it says so and exits 2. Results are compared: the largest difference from oneDNN's
+output of the first qkv linear, relative to that output's largest value, is reported per row count
+(summation order: about a bf16 step, 2**-8, in bf16; a few float32 ulps in float32).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from benchmarks.common import emit
 from engine.attention import cpu_build
 from engine.cpu_malloc import keep_freed_memory
-from engine.layers import AMX_MAX_ROWS
+from engine.layers import AMX_MAX_ROWS, F32_MAX_ROWS
 from engine.tiny_model import SIZES
 
 
@@ -81,9 +84,14 @@ def main() -> None:
     parser.add_argument(
         "--copies", type=int, default=4, help="sets of weights taking turns, so steps read them from memory"
     )
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
-    if cpu_build.load_paged_attention_op() is None or not cpu_build.amx_linear_ready():
-        print("this CPU (or its kernel, or the build) has no AMX bf16 tiles: nothing to compare", file=sys.stderr)
+    bf16 = args.dtype == "bfloat16"
+    dtype, max_rows = (torch.bfloat16, AMX_MAX_ROWS) if bf16 else (torch.float32, F32_MAX_ROWS)
+    ready = cpu_build.amx_linear_ready if bf16 else cpu_build.f32_linear_ready
+    if cpu_build.load_paged_attention_op() is None or not ready():
+        what = "AMX bf16 tiles" if bf16 else "AVX-512"
+        print(f"this CPU (or its kernel, or the build) has no {what}: nothing to compare", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as an engine process does: output buffers are reused, not faulted in again
@@ -93,7 +101,7 @@ def main() -> None:
     if args.copies < 1:
         parser.error("--copies must be at least 1")
     copies = [
-        [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k, generator=g) * 0.05).bfloat16()) for n, k in SHAPES]
+        [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k, generator=g) * 0.05).to(dtype)) for n, k in SHAPES]
         for _ in range(args.copies)
     ]
     weights = copies[0]
@@ -102,17 +110,19 @@ def main() -> None:
     def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
+    kernel_op = torch.ops.pdserve_cpu.amx_linear if bf16 else torch.ops.pdserve_cpu.f32_linear
+
     def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pdserve_cpu.amx_linear(x, w, None)
+        return kernel_op(x, w, None)
 
     rows_out = []
     for rows in rows_list:
-        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in widths}
-        times: dict[str, list[float]] = {"onednn": [], "amx": []}
+        xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in widths}
+        times: dict[str, list[float]] = {"onednn": [], "kernel": []}
         for _ in range(rounds):  # interleaved, so a drift of the machine's speed hits both
             times["onednn"].append(step_ms(onednn, copies, xs, 3))
-            times["amx"].append(step_ms(kernel, copies, xs, 3))
-        base, ours = min(times["onednn"]), min(times["amx"])
+            times["kernel"].append(step_ms(kernel, copies, xs, 3))
+        base, ours = min(times["onednn"]), min(times["kernel"])
         k0 = SHAPES[0][1]
         want, got = onednn(xs[k0], weights[0]).double(), kernel(xs[k0], weights[0]).double()
         diff = ((got - want).abs().max() / want.abs().max()).item()
@@ -120,24 +130,27 @@ def main() -> None:
             {
                 "rows": rows,
                 "onednn_ms": round(base, 2),
-                "amx_ms": round(ours, 2),
+                "kernel_ms": round(ours, 2),
                 "speedup": round(base / ours, 3),
                 "max_diff_rel": float(f"{diff:.2g}"),
             }
         )
-        print(f"{rows:5d} rows: oneDNN {base:7.2f} ms  AMX kernel {ours:7.2f} ms  {base / ours:.2f}x", flush=True)
-    routed = [r for r in rows_out if r["rows"] <= AMX_MAX_ROWS]
+        print(f"{rows:5d} rows: oneDNN {base:7.2f} ms  kernel {ours:7.2f} ms  {base / ours:.2f}x", flush=True)
+    routed = [r for r in rows_out if r["rows"] <= max_rows]
+    if not routed:
+        parser.error(f"no --rows at or under {max_rows}, the rows the engine sends to the kernel")
     ratio = math.exp(sum(math.log(r["speedup"]) for r in routed) / len(routed))
     emit(
         {
-            "metric": "bf16_linear_step_ms_amx_vs_onednn",
-            "value": round(math.exp(sum(math.log(r["amx_ms"]) for r in routed) / len(routed)), 2),
+            "metric": "bf16_linear_step_ms_amx_vs_onednn" if bf16 else "f32_linear_step_ms_avx512_vs_onednn",
+            "value": round(math.exp(sum(math.log(r["kernel_ms"]) for r in routed) / len(routed)), 2),
             "baseline": round(math.exp(sum(math.log(r["onednn_ms"]) for r in routed) / len(routed)), 2),
             "ratio": round(ratio, 3),
             "target": 1.0,
             "threads": args.threads,
             "weight_copies": args.copies,
-            "amx_max_rows": AMX_MAX_ROWS,
+            "dtype": args.dtype,
+            "kernel_max_rows": max_rows,
             "rows": rows_out,
         }
     )
