@@ -37,15 +37,21 @@ SOURCES = (
     CSRC / "cpu_amx_prefill.cpp",
     CSRC / "cpu_f32_linear.cpp",
 )
-HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_vec.h", CSRC / "cpu_prefill.h", CSRC / "cpu_amx.h")
+HEADERS = (
+    CSRC / "cpu_common.h",
+    CSRC / "cpu_vec.h",
+    CSRC / "cpu_prefill.h",
+    CSRC / "cpu_amx.h",
+    CSRC / "cpu_packed.h",
+)
 """Included by the sources: part of the cache key, so that editing one rebuilds the op."""
 LIBRARY = "pdserve_cpu_paged.so"
 built_in_this_process = False
 """Whether this process compiled the ops (False when it loaded another process's build)."""
 _op: Callable[..., torch.Tensor] | None = None
 _tried = False
-_amx: bool | None = None
-_f32: bool | None = None
+_kernels: dict[str, bool] = {}
+"""What this CPU grants each optional kernel (`_kernel_ready`), asked once the ops are loaded."""
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
@@ -91,23 +97,22 @@ def current_op() -> Callable[..., torch.Tensor] | None:
 def amx_linear_ready() -> bool:
     """Whether `torch.ops.pdserve_cpu.amx_linear` can run now: the ops are loaded and this CPU and
     kernel grant AMX bf16 tiles (asked once, then cached; False while the ops are still building)."""
-    global _amx
-    if _amx is None:
-        if _op is None:
-            return False
-        _amx = bool(torch.ops.pdserve_cpu.amx_available())
-    return _amx
+    return _kernel_ready("amx_available")
 
 
 def f32_linear_ready() -> bool:
     """Whether `torch.ops.pdserve_cpu.f32_linear` can run now: the ops are loaded and this CPU has
     AVX-512 (asked once, then cached; False while the ops are still building)."""
-    global _f32
-    if _f32 is None:
+    return _kernel_ready("f32_linear_available")
+
+
+def _kernel_ready(probe: str) -> bool:
+    """The answer of the loaded ops' `probe` (a `() -> bool` op), asked once; False before they load."""
+    if probe not in _kernels:
         if _op is None:
             return False
-        _f32 = bool(torch.ops.pdserve_cpu.f32_linear_available())
-    return _f32
+        _kernels[probe] = bool(getattr(torch.ops.pdserve_cpu, probe)())
+    return _kernels[probe]
 
 
 def load_paged_attention_op() -> Callable[..., torch.Tensor] | None:

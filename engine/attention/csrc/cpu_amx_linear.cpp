@@ -22,7 +22,6 @@
 // step streams the weights once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -30,6 +29,7 @@
 #include <memory>
 
 #include "cpu_common.h"
+#include "cpu_packed.h"
 #include "cpu_amx.h"
 
 #if defined(PDS_X86_GCC) && __GNUC__ >= 11
@@ -175,16 +175,6 @@ PDS_AMX_TARGET void column_blocks(const Problem& p, int64_t first, int64_t last)
 }
 #endif
 
-// oneDNN's own accessors for its opaque tensors (the prepacked weight is one)
-const uint16_t* mkldnn_data(const at::Tensor& t, int64_t& nbytes) {
-  static const auto data_ptr =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "").typed<int64_t(const at::Tensor&)>();
-  static const auto size =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "").typed<int64_t(const at::Tensor&)>();
-  nbytes = size.call(t);
-  return reinterpret_cast<const uint16_t*>(data_ptr.call(t));
-}
-
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(pds::amx_ready(), "amx_linear: this CPU or kernel has no AMX bf16 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x: [M, K] bfloat16 expected");
@@ -198,7 +188,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == N && b.scalar_type() == at::kBFloat16 && b.is_contiguous()),
               "bias: [N] contiguous bfloat16 expected");
   int64_t nbytes = 0;
-  const uint16_t* w = mkldnn_data(packed, nbytes);
+  const uint16_t* w = static_cast<const uint16_t*>(pds::mkldnn_bytes(packed, nbytes));
   TORCH_CHECK(nbytes == N * K * 2, "packed weight of ", nbytes, " bytes is not an unpadded [N, K] bf16 block layout");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;

@@ -21,13 +21,13 @@
 // as oneDNN's, summed in another order (a few float32 ulps apart).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "cpu_common.h"
+#include "cpu_packed.h"
 
 #ifdef PDS_X86_GCC
 #define PDS_F32_LINEAR 1
@@ -140,16 +140,6 @@ PDS_F32_TARGET void panels(const Problem& p, int64_t first, int64_t last) {
 }
 #endif
 
-// oneDNN's own accessors for its opaque tensors (the prepacked weight is one)
-const float* mkldnn_data(const at::Tensor& t, int64_t& nbytes) {
-  static const auto data_ptr =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "").typed<int64_t(const at::Tensor&)>();
-  static const auto size =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "").typed<int64_t(const at::Tensor&)>();
-  nbytes = size.call(t);
-  return reinterpret_cast<const float*>(data_ptr.call(t));
-}
-
 bool f32_linear_available() {
 #ifdef PDS_F32_LINEAR
   return pds::cpu_has_avx512();
@@ -171,7 +161,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == N && b.scalar_type() == at::kFloat && b.is_contiguous()),
               "bias: [N] contiguous float32 expected");
   int64_t nbytes = 0;
-  const float* w = mkldnn_data(packed, nbytes);
+  const float* w = static_cast<const float*>(pds::mkldnn_bytes(packed, nbytes));
   TORCH_CHECK(nbytes == N * K * 4, "packed weight of ", nbytes, " bytes is not an unpadded [N, K] float32 panel layout");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
