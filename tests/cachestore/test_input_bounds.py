@@ -308,7 +308,9 @@ def test_a_well_formed_write_still_lands(receiver):
 
 
 def test_fuzzed_headers_of_every_frame_kind_are_refused_within_bounds(receiver):
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    # derandomized: the same 300 frames every run, so the coverage check below cannot fail by chance
+    # (with random draws one run in a few hundred drew no foreign session id: seen 2026-11-27)
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
     @given(frame=frames(receiver))
     def run(frame) -> None:
         seen[check_frame(receiver, frame)] += 1
