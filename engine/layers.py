@@ -26,7 +26,7 @@ F32_MAX_ROWS = 128
 (decode steps and short prompt chunks; csrc/cpu_f32_linear.cpp). Over the bench model's linears on
 2 cores of an AMX Xeon guest, weights from memory (`python -m benchmarks.amx_linear --dtype
 float32`), it was 1.2-1.3x faster than oneDNN at 1-64 rows, 1.1x at 96 and 1.05x at 128; from 192
-rows on oneDNN's blocking for many rows wins (0.95-0.98x)."""
+rows on it is no faster (1.0x at 192, 0.88x at 2048: oneDNN's blocking for many rows wins)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -66,7 +66,7 @@ struct Prefetch {
 
 // R rows of x (from `a`, row stride lda) against one chunk of `kc` K values of a panel (`b`, 64
 // values a K row), into the R x 64 block of y at `c` (row stride ldc): the first chunk starts the
-// sums, a later one adds to what the chunk before it stored. `last` adds the bias.
+// sums, a later one adds to what the chunk before it stored; the last one also adds `bias` (else null).
 template <int R>
 PDS_F32_TARGET inline void tile(const float* a, int64_t lda, const float* b, int64_t kc, float* c, int64_t ldc,
                                 bool first, const float* bias, Prefetch& pf) {
@@ -111,7 +111,7 @@ PDS_F32_TARGET void tile_rows(int64_t rows, const float* a, int64_t lda, const f
 
 // The panels [first, last) for every row of x, on this thread, a slice of kSliceRows rows at a
 // time. Within a panel K goes in chunks, each over all row tiles of the slice before the next, so
-// the chunk's 16 KB stay in L1 while every tile uses them; the next panel's weights are fetched
+// the chunk's 32 KB stay in L1 while every tile uses them; the next panel's weights are fetched
 // into L2 meanwhile, spread evenly over the tile steps, so the memory stream never waits for the
 // multiplies.
 PDS_F32_TARGET void panels(const Problem& p, int64_t first, int64_t last) {
