@@ -176,18 +176,25 @@ def bf16_via_float32() -> bool:
     return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _packed_values(packed: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor | None:
+    """oneDNN's packed weight as a flat tensor of `count` values of `dtype` (a view of its memory, no
+    copy), or None if it is not a oneDNN tensor of exactly that many bytes (oneDNN padded it)."""
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != nbytes:
+        return None
+    raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(raw, dtype=dtype)
+
+
 def amx_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether oneDNN prepacked this bf16 weight [N, K] as `pdserve_cpu.amx_linear` reads it:
     [N/32][K/32][16][32][2], unpadded (oneDNN's choice on an AMX CPU). Compared bit for bit, once
     at load, so a oneDNN that picks another layout only loses the faster kernel."""
     n, k = weight.shape
-    if n % 32 or k % 32 or not packed.is_mkldnn:
+    values = None if n % 32 or k % 32 else _packed_values(packed, torch.bfloat16, n * k)
+    if values is None:
         return False
-    nbytes = torch.ops.mkldnn._nbytes(packed)
-    if nbytes != n * k * 2:
-        return False
-    raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
-    blocks = torch.frombuffer(raw, dtype=torch.bfloat16).view(n // 32, k // 32, 16, 32, 2)
+    blocks = values.view(n // 32, k // 32, 16, 32, 2)
     return torch.equal(blocks, weight.reshape(n // 32, 32, k // 32, 16, 2).permute(0, 2, 3, 1, 4))
 
 
@@ -196,32 +203,31 @@ def f32_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     [N/64][K][64], unpadded (oneDNN's choice on an AVX-512 CPU). Compared bit for bit, once at load,
     so a oneDNN that picks another layout only loses the faster kernel."""
     n, k = weight.shape
-    if n % 64 or not packed.is_mkldnn or torch.ops.mkldnn._nbytes(packed) != n * k * 4:
+    values = None if n % 64 else _packed_values(packed, torch.float32, n * k)
+    if values is None:
         return False
-    raw = (ctypes.c_char * (n * k * 4)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    panels = torch.frombuffer(raw, dtype=torch.float32).view(n // 64, k, 64)
-    return torch.equal(panels, weight.reshape(n // 64, 64, k).transpose(1, 2))
+    return torch.equal(values.view(n // 64, k, 64), weight.reshape(n // 64, 64, k).transpose(1, 2))
+
+
+def _kernel_takes(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, switch: str) -> bool:
+    """What both linear kernels ask of a weight before its layout: their dtype, not turned off by the
+    environment variable `switch`, and no bias or a contiguous [N] one of that dtype."""
+    if weight.dtype != dtype or os.environ.get(switch, "1") == "0":
+        return False
+    return bias is None or (bias.dtype == dtype and bias.dim() == 1 and bias.is_contiguous())
 
 
 def _use_f32(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
-    if weight.dtype != torch.float32 or os.environ.get("PDSERVE_F32_LINEAR", "1") == "0":
+    if not _kernel_takes(weight, bias, torch.float32, "PDSERVE_F32_LINEAR"):
         return False
-    if not torch.cpu.get_capabilities().get("avx512_f"):
-        return False
-    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or not bias.is_contiguous()):
-        return False
-    return f32_layout(weight, packed)
+    return bool(torch.cpu.get_capabilities().get("avx512_f")) and f32_layout(weight, packed)
 
 
 def _use_amx(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
-    if weight.dtype != torch.bfloat16 or os.environ.get("PDSERVE_AMX_LINEAR", "1") == "0":
+    if not _kernel_takes(weight, bias, torch.bfloat16, "PDSERVE_AMX_LINEAR"):
         return False
     caps = torch.cpu.get_capabilities()  # cpuinfo's flags, cached by torch
-    if not (caps.get("amx_bf16") and caps.get("amx_tile")):
-        return False
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()):
-        return False
-    return amx_layout(weight, packed)
+    return bool(caps.get("amx_bf16") and caps.get("amx_tile")) and amx_layout(weight, packed)
 
 
 class Linear:
@@ -262,23 +268,13 @@ class Linear:
         if self.out_dtype is not None:
             return self.float_out(x).to(self.out_dtype)
         if self.packed is not None:
-            if (
-                self.amx
-                and x.dim() == 2
-                and x.size(0) <= AMX_MAX_ROWS
-                and x.stride(-1) == 1
-                and cpu_build.amx_linear_ready()
-            ):
-                return torch.ops.pdserve_cpu.amx_linear(x, self.packed, self.bias)
-            if (
-                self.f32
-                and x.dim() == 2
-                and x.size(0) <= F32_MAX_ROWS
-                and x.stride(-1) == 1
-                and x.dtype == torch.float32
-                and cpu_build.f32_linear_ready()
-            ):
-                return torch.ops.pdserve_cpu.f32_linear(x, self.packed, self.bias)
+            # decode steps and short chunks (2-D, rows contiguous) go to a kernel where one took the weight
+            if (self.amx or self.f32) and x.dim() == 2 and x.stride(-1) == 1:
+                rows = x.size(0)
+                if self.amx and rows <= AMX_MAX_ROWS and cpu_build.amx_linear_ready():
+                    return torch.ops.pdserve_cpu.amx_linear(x, self.packed, self.bias)
+                if self.f32 and rows <= F32_MAX_ROWS and cpu_build.f32_linear_ready():
+                    return torch.ops.pdserve_cpu.f32_linear(x, self.packed, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
