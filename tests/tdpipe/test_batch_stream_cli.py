@@ -106,7 +106,10 @@ def test_url_input_and_output_with_metrics_during_the_job(tmp_path, store, batch
     assert {r["response"]["body"]["model"] for r in rows if r["response"]} == {"pdserve-tiny"}
     assert not list(tmp_path.glob("pdserve-batch-*.jsonl")), "the local copy is removed once uploaded"
     assert scrapes, "no scrape answered while the job ran"
-    assert all("pdserve_batch_phase{" in s and "pdserve_batch_bubble_fraction{" in s for s in scrapes)
+    lacking = [s for s in scrapes if "pdserve_batch_phase{" not in s or "pdserve_batch_bubble_fraction{" not in s]
+    assert not lacking, (
+        f"{len(lacking)} of {len(scrapes)} scrapes lack the phase or bubble series; one:\n{lacking[0][:4000]}"
+    )
     done = [_value(s, "pdserve_batch_requests_done_total") for s in scrapes]
     assert done == sorted(done) and done[-1] <= len(PROMPTS)
     assert _value(scrapes[-1], "pdserve_batch_requests_failed_total") <= 1
