@@ -34,10 +34,10 @@ import time
 import torch
 
 from benchmarks.common import emit
-from engine.attention import cpu_build
-from engine.cpu_malloc import keep_freed_memory
-from engine.layers import AMX_MAX_ROWS, F32_MAX_ROWS
-from engine.tiny_model import SIZES
+from pdserve.engine.attention import cpu_build
+from pdserve.engine.cpu_malloc import keep_freed_memory
+from pdserve.engine.layers import AMX_MAX_ROWS, F32_MAX_ROWS
+from pdserve.engine.tiny_model import SIZES
 
 
 def bench_shapes() -> list[tuple[int, int]]:

@@ -81,7 +81,7 @@ def read_output(path: Path) -> dict[str, tuple[str, int]]:
 def engine_loop(model_dir: str, inp: str, out: str) -> None:
     """The fallback baseline (a child process): one engine run over every line at once, each with
     its own max_tokens (the loop under engine.LLM and `pdserve generate`)."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     rows = [json.loads(line) for line in Path(inp).read_text().splitlines()]
     llm = LLM(model_dir, num_threads=2)
@@ -118,7 +118,7 @@ def main() -> None:
         return
 
     from benchmarks.common import emit
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     model = str(default_model_dir("bench"))
     n = args.requests or (64 if args.quick else 256)

@@ -29,8 +29,15 @@ import time
 from pathlib import Path
 
 from benchmarks.common import emit, pct
-from cachestore import CacheStoreClient, CacheStoreServer, LinkTLS, MemoryRegion, PoolGeometry, SessionCredentials
-from node_runtime.cluster_tls import TLS_SERVER_NAME, make_throwaway
+from pdserve.cachestore import (
+    CacheStoreClient,
+    CacheStoreServer,
+    LinkTLS,
+    MemoryRegion,
+    PoolGeometry,
+    SessionCredentials,
+)
+from pdserve.node_runtime.cluster_tls import TLS_SERVER_NAME, make_throwaway
 
 SECRET = b"bench"
 

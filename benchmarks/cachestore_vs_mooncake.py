@@ -24,8 +24,8 @@ import time
 
 from benchmarks.cachestore_tcp import CacheStorePair, PlainSocket, layouts
 from benchmarks.common import emit, pct
-from cachestore import PoolGeometry
-from cachestore.geometry import coalesce
+from pdserve.cachestore import PoolGeometry
+from pdserve.cachestore.geometry import coalesce
 
 
 def _engine(site: str | None):

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from node_runtime.supervisor import Child
+from pdserve.node_runtime.supervisor import Child
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -53,7 +53,7 @@ def emit(result: dict) -> None:
 def node_bench_args(description: str, secret: str) -> tuple[argparse.Namespace, str, list[str]]:
     """The flags of the benchmarks that start node processes (--quick, --model-size), the model
     directory and the node flags they share (free port, that model, the secret, one torch thread)."""
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true")

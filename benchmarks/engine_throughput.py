@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import emit
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.builtin import default_model_dir
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.builtin import default_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 shorter requests (< 1 minute)")
     args = parser.parse_args()
     model_dir = default_model_dir("bench")
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     vocab = Tokenizer(model_dir).vocab_size
     if args.quick:

@@ -133,8 +133,8 @@ def main() -> None:
 
     from benchmarks.common import emit
     from benchmarks.engine_throughput import workload
-    from engine.builtin import default_model_dir
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.engine.tokenizer import Tokenizer
 
     model_dir = default_model_dir("bench")
     vocab = Tokenizer(model_dir).vocab_size

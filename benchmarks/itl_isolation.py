@@ -24,7 +24,7 @@ SECRET = "bench"
 async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, long_len: int) -> list[float]:
     import grpc
 
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
     meta = cluster_metadata(SECRET)

@@ -48,7 +48,7 @@ async def sweep(decodes: dict[str, str], a: str, b: str, sizes: list[int], reps:
 
 
 def main() -> None:
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 sizes x 3 repetitions")

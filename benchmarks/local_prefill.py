@@ -31,7 +31,7 @@ BLOCK = 16
 async def ttft(decode: str, rid: str, prompt: list[int], prefill: list[str]) -> float:
     import grpc
 
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
     req = decode_pb2.GenerateRequest(
@@ -88,9 +88,9 @@ def transfer_ms_per_block(model: str, rounds: int) -> tuple[float, float]:
     import torch
 
     from benchmarks.cachestore_tcp import cachestore_run
-    from cachestore import PoolGeometry
-    from engine.kv_pool import kv_bytes_per_token
-    from engine.model_config import ModelConfig
+    from pdserve.cachestore import PoolGeometry
+    from pdserve.engine.kv_pool import kv_bytes_per_token
+    from pdserve.engine.model_config import ModelConfig
 
     config = ModelConfig.from_dir(model)
     geo = PoolGeometry(config.num_hidden_layers, 64, kv_bytes_per_token(config, 1, torch.float32) * BLOCK)
@@ -100,7 +100,7 @@ def transfer_ms_per_block(model: str, rounds: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 sizes x 3 repetitions")

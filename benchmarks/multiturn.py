@@ -129,8 +129,8 @@ def kv_block_bytes(model: str) -> float:
     """Bytes of one block of KV over all layers (fp32, as the nodes run): what a block costs on the wire."""
     import torch
 
-    from engine.kv_pool import kv_bytes_per_token
-    from engine.model_config import ModelConfig
+    from pdserve.engine.kv_pool import kv_bytes_per_token
+    from pdserve.engine.model_config import ModelConfig
 
     config = ModelConfig.from_dir(model)
     return float(kv_bytes_per_token(config, config.num_hidden_layers, torch.float32) * BLOCK)
@@ -166,8 +166,8 @@ def main() -> None:
         help="for the reuse arm's decode nodes (default: pdserve's; 0: no D->P pull)",
     )
     args = parser.parse_args()
-    from engine.builtin import default_model_dir
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.engine.tokenizer import Tokenizer
 
     model = str(default_model_dir(args.model_size))
     tokenizer = Tokenizer(model)

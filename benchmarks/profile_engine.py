@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_batch(num_tokens: int, decode: bool, context: int, block_size: int):
-    from engine.block_manager import blocks_for
-    from engine.forward_batch import ForwardBatch
+    from pdserve.engine.block_manager import blocks_for
+    from pdserve.engine.forward_batch import ForwardBatch
 
     seqs = [1] * num_tokens if decode else [min(512, num_tokens - i) for i in range(0, num_tokens, 512)]
     ctx = [context + 1 if decode else q for q in seqs]
@@ -58,8 +58,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--out", default=None, help="CSV path (default tdpipe/data/cpu-<model>.csv)")
     args = parser.parse_args()
-    from engine.builtin import default_model_dir
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.engine.model_runner import ModelRunner
 
     grid = sorted(
         {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, args.max_decode}

@@ -25,8 +25,8 @@ from benchmarks.profile_engine import make_batch
 
 
 def make_runner(model: str, dtype: str, blocks: int, fused_ops: bool, prepack: bool | None = None):
-    from engine.builtin import default_model_dir
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.engine.model_runner import ModelRunner
 
     runner = ModelRunner(
         default_model_dir(model),
@@ -43,8 +43,8 @@ def make_runner(model: str, dtype: str, blocks: int, fused_ops: bool, prepack: b
 def step_batch(args):
     if args.phase == "decode":
         return make_batch(args.batch, True, args.context, 16)
-    from engine.block_manager import blocks_for
-    from engine.forward_batch import ForwardBatch
+    from pdserve.engine.block_manager import blocks_for
+    from pdserve.engine.forward_batch import ForwardBatch
 
     n = blocks_for(args.prompt, 16)
     tables = [list(range(i * n, (i + 1) * n)) for i in range(args.batch)]

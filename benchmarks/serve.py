@@ -87,7 +87,7 @@ async def at_rate(url: str, rate: float, n: int, max_tokens: int, seed: int) -> 
 async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concurrency: int) -> tuple[float, float]:
     import grpc
 
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
     prompts = [f"request {i} about the old lighthouse" for i in range(concurrency)]
@@ -172,7 +172,7 @@ def main() -> None:
         rows = [asyncio.run(at_rate(f"{base}/v1/completions", r, n, max_tokens, seed=i)) for i, r in enumerate(rates)]
         for row in rows:
             print(json.dumps(row))
-        from engine.tokenizer import Tokenizer
+        from pdserve.engine.tokenizer import Tokenizer
 
         r, d = asyncio.run(
             router_overhead(f"{base}/v1/completions", procs[1].address, procs[0].address, Tokenizer(model), 32)

@@ -88,7 +88,7 @@ def main() -> int:
         where = args.aiperf or "PATH"
         print(f"error: AIPerf not found ({where}); install it in its own venv: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     model = str(default_model_dir(args.model_size))
     work = Workload(requests=24, warmup=4) if args.quick else Workload(requests=96, warmup=8)

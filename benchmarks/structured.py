@@ -19,9 +19,9 @@ import random
 import time
 
 from benchmarks.common import emit
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.builtin import default_model_dir
-from engine.grammar import GrammarSpec, xgrammar_module
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.builtin import default_model_dir
+from pdserve.engine.grammar import GrammarSpec, xgrammar_module
 
 SCHEMA = {  # 80 required properties in order: never complete within max_tokens, and no repetition bound
     "type": "object",

@@ -35,13 +35,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import tdpipe.td_scheduler as td_scheduler
+import pdserve.tdpipe.td_scheduler as td_scheduler
 from benchmarks.common import emit
-from tdpipe.config import InstanceConfig, TDPipeOptions
-from tdpipe.cost_table import CostTable
-from tdpipe.intensity import IntensityDecision
-from tdpipe.td_scheduler import TDPipeScheduler
-from tdpipe.workload import SimRequest, WorkloadConfig, generate
+from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.intensity import IntensityDecision
+from pdserve.tdpipe.td_scheduler import TDPipeScheduler
+from pdserve.tdpipe.workload import SimRequest, WorkloadConfig, generate
 
 TABLES = ("L20-Llama-13B", "L20-Qwen2.5-32B", "L20-opt-125m")
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

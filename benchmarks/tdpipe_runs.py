@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tdpipe.config import InstanceConfig
-from tdpipe.cost_table import CostTable
-from tdpipe.executor import SimExecutor
-from tdpipe.pipeline import SimStats
-from tdpipe.runtime.timeline import bubble_fraction, job_span
-from tdpipe.simulator import make_policy
-from tdpipe.workload import SimRequest, WorkloadConfig, generate
+from pdserve.tdpipe.config import InstanceConfig
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import SimExecutor
+from pdserve.tdpipe.pipeline import SimStats
+from pdserve.tdpipe.runtime.timeline import bubble_fraction, job_span
+from pdserve.tdpipe.simulator import make_policy
+from pdserve.tdpipe.workload import SimRequest, WorkloadConfig, generate
 
 NUM_STAGES = 2
 BLOCK_SIZE = 16
@@ -28,7 +28,7 @@ class BenchRequest:
 
 
 def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: int = 0) -> list[BenchRequest]:
-    """ShareGPT-like lengths (tdpipe.workload) with deterministic random ids in [10, vocab)."""
+    """ShareGPT-like lengths (pdserve.tdpipe.workload) with deterministic random ids in [10, vocab)."""
     lengths = generate(WorkloadConfig(num_requests=num, max_input=max_input, max_output=max_output, seed=seed))
     rng = random.Random(seed + 1)
     return [
@@ -39,7 +39,7 @@ def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: 
 
 def run_llm(model_dir: Path, reqs: list[BenchRequest], kv_blocks: int, threads: int, max_batch_tokens: int) -> dict:
     """engine.LLM's engine in this process: same requests, same KV tokens, 2 threads."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(
         model_dir,
@@ -77,9 +77,9 @@ def run_pipeline(
     """One job through 2 local stage processes (1 thread each) under `policy`; TD-Pipe's switch
     decisions read `table`, the same profiled table the simulator runs on. `phase_split`: prefill
     batches on the equal layer split (tdpipe.runtime.stage_split.PipelineSplit)."""
-    from tdpipe.runtime.controller import PipeRequest
-    from tdpipe.runtime.local import run_local_pipeline
-    from tdpipe.runtime.stage_worker import StageConfig
+    from pdserve.tdpipe.runtime.controller import PipeRequest
+    from pdserve.tdpipe.runtime.local import run_local_pipeline
+    from pdserve.tdpipe.runtime.stage_worker import StageConfig
 
     cfg = StageConfig(
         str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1, phase_split=phase_split

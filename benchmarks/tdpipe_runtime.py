@@ -40,11 +40,11 @@ from pathlib import Path
 
 from benchmarks.common import emit
 from benchmarks.tdpipe_runs import BLOCK_SIZE, NUM_STAGES, build_workload, predict, run_llm, run_pipeline
-from tdpipe.config import InstanceConfig
-from tdpipe.runtime.profile import build_cost_table, plan_profile
-from tdpipe.runtime.profile_cache import cached_profiles, default_cache_dir
-from tdpipe.runtime.timeline import plot_timelines
-from tdpipe.simulator import CLI_NAMES
+from pdserve.tdpipe.config import InstanceConfig
+from pdserve.tdpipe.runtime.profile import build_cost_table, plan_profile
+from pdserve.tdpipe.runtime.profile_cache import cached_profiles, default_cache_dir
+from pdserve.tdpipe.runtime.timeline import plot_timelines
+from pdserve.tdpipe.simulator import CLI_NAMES
 
 POLICIES = {p: CLI_NAMES[p] for p in ("tdpipe", "pp-sb", "pp-hb")} | {
     "tdpipe-overlap": "td-pipe-overlap",
@@ -63,7 +63,7 @@ LABELS = {
     "tdpipe-eager-head": "TD-Pipe (head per batch)",
     "pp-sb": "PP+SB",
     "pp-hb": "PP+HB",
-    "llm": "engine.LLM (1 process)",
+    "llm": "pdserve.engine.LLM (1 process)",
 }
 DEFAULT_POLICIES = "tdpipe,pp-sb,pp-hb"
 MAX_BATCH_TOKENS = 2048
@@ -103,9 +103,9 @@ def main() -> None:
         "--llm-threads",
         type=int,
         default=2,
-        help="torch threads of the engine.LLM baseline (2: the same two cores as the stages)",
+        help="torch threads of the pdserve.engine.LLM baseline (2: the same two cores as the stages)",
     )
-    parser.add_argument("--skip-llm", action="store_true", help="leave out the engine.LLM baseline")
+    parser.add_argument("--skip-llm", action="store_true", help="leave out the pdserve.engine.LLM baseline")
     parser.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
@@ -128,9 +128,9 @@ def main() -> None:
     parser.add_argument("--dump", default=None, help="write the stages' raw timelines (JSON) of every runtime run")
     args = parser.parse_args()
 
-    from engine.attention import cpu_build
-    from engine.builtin import default_model_dir
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.attention import cpu_build
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.engine.tokenizer import Tokenizer
 
     wall0 = time.perf_counter()
     model_dir = default_model_dir(args.model_size or ("tiny" if args.quick else "bench"))

@@ -15,10 +15,10 @@ import argparse
 import time
 
 from benchmarks.common import emit
-from tdpipe.config import InstanceConfig
-from tdpipe.cost_table import CostTable
-from tdpipe.simulator import POLICIES, plot_kv_usage, simulate
-from tdpipe.workload import WorkloadConfig, generate
+from pdserve.tdpipe.config import InstanceConfig
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.simulator import POLICIES, plot_kv_usage, simulate
+from pdserve.tdpipe.workload import WorkloadConfig, generate
 
 
 def main() -> None:

@@ -40,9 +40,9 @@ def time_steps(runner, batch, rounds: int, tp=None) -> tuple[float, float]:
 
 def measure(model_dir, args, batches: dict, blocks: int, tp_size: int) -> dict[str, tuple[float, float]]:
     """{phase: (median ms, all-reduce share)} of one runner at `tp_size`, stopped after."""
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
-    from engine.parallel.launcher import TensorParallelRunner
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.parallel.launcher import TensorParallelRunner
 
     threads = max(1, args.threads // tp_size)
     config = EngineConfig(
@@ -77,7 +77,7 @@ def main() -> None:
         "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads in all: TP=1 gets them, TP=2 ranks half"
     )
     args = p.parse_args()
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     model = "tiny" if args.quick else "bench"
     if args.quick:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from benchmarks.common import emit, pct
 from benchmarks.trace_sim import BLOCK, CostModel, SimRequest, simulate
-from router.kv_policy import PolicyParams
-from router.kv_routing import KvRouter
+from pdserve.router.kv_policy import PolicyParams
+from pdserve.router.kv_routing import KvRouter
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_NAME = "mooncake_conversation_trace.jsonl"

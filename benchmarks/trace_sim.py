@@ -21,15 +21,15 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_keys import namespace_root
-from engine.block_manager import BlockManager
-from engine.kv_events import KvEventLog
+from pdserve.engine.block_keys import namespace_root
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_events import KvEventLog
 from pdserve.v1 import common_pb2
-from router.balancer import DecodeBalancer, NodeLoad
-from router.kv_index import KvIndex
-from router.prefill_offload import OffloadPolicy
-from router.kv_routing import KvRouter
-from router.kv_subscriber import KvSubscriber
+from pdserve.router.balancer import DecodeBalancer, NodeLoad
+from pdserve.router.kv_index import KvIndex
+from pdserve.router.prefill_offload import OffloadPolicy
+from pdserve.router.kv_routing import KvRouter
+from pdserve.router.kv_subscriber import KvSubscriber
 
 BLOCK = 16  # engine tokens per trace block (the trace's 512-token blocks, scaled down)
 TRACE_BLOCK_TOKENS = 512

@@ -30,9 +30,9 @@ from pathlib import Path
 from benchmarks.cachestore_tcp import cachestore_run
 from benchmarks.cluster_procs import NodeProc
 from benchmarks.common import emit
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
-from engine import EngineConfig, LLMEngine
-from engine.builtin import default_model_dir
+from pdserve.cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.builtin import default_model_dir
 
 SECRET = "bench"
 
@@ -49,7 +49,7 @@ async def prefill_rpc(
     """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver."""
     import grpc
 
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
     server = CacheStoreServer(
@@ -86,7 +86,7 @@ async def prefill_rpc(
 async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -> float:
     import grpc
 
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
     times = []
@@ -137,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     emulated = False
     if args.transport == "rdma":
-        from cachestore.rdma_verbs import EMULATOR_ENV, rdma_devices
+        from pdserve.cachestore.rdma_verbs import EMULATOR_ENV, rdma_devices
 
         if not os.environ.get(EMULATOR_ENV) and not rdma_devices():
             os.environ[EMULATOR_ENV] = "1"  # no NIC: the emulated device (inherited by the nodes and receivers)

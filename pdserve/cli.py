@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from node_runtime.config import new_parser
+from pdserve.node_runtime.config import new_parser
 
 # Order is the order shown in --help.
 COMMANDS: tuple[str, ...] = (

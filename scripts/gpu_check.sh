@@ -32,7 +32,7 @@ export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-$($PY -c 'import t
   $PY -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
 } 2>&1 | tee "$OUT/env.txt"
 # the built-in tiny model is generated on first use; do it once before the tests start processes
-$PY -c 'from engine.builtin import default_model_dir as d; d("tiny"); d("bench")' 2>&1 | tail -2
+$PY -c 'from pdserve.engine.builtin import default_model_dir as d; d("tiny"); d("bench")' 2>&1 | tail -2
 # 1. everything but flashinfer (which JIT-compiles for minutes on first use), 2. the benchmark,
 # 3. the CLI on cuda, 4. flashinfer last, bounded, so a slow compile cannot hide the rest
 STAGES=${STAGES:-tests bench cli flashinfer}
@@ -54,5 +54,5 @@ if stage flashinfer; then  # last and bounded: the first use JIT-compiles flashi
   echo "flashinfer pytest rc=$?" | tee -a "$OUT/pytest_flashinfer.log"
   # default backend on cuda (auto -> flashinfer), kernels already compiled by the tests above
   PDSERVE_DEVICE=cuda timeout 120 $PY -m pdserve.cli generate --max-tokens 8 \
-    --model "$($PY -c 'from engine.builtin import default_model_dir as d; print(d("bench"))')" 2>&1 | tee -a "$OUT/pytest_flashinfer.log"
+    --model "$($PY -c 'from pdserve.engine.builtin import default_model_dir as d; print(d("bench"))')" 2>&1 | tee -a "$OUT/pytest_flashinfer.log"
 fi

@@ -20,6 +20,6 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     return default_model_dir("tiny")

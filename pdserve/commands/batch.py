@@ -12,7 +12,7 @@ import sys
 from pdserve.commands.batch_io_args import add_batch_io_args
 from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
 from pdserve.commands.serving_args import add_generation_config_arg
-from tdpipe.simulator import CLI_NAMES
+from pdserve.tdpipe.simulator import CLI_NAMES
 
 POLICIES = tuple(CLI_NAMES)
 """The simulator's own policy objects, driving the real stages."""
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--length-predictor",
         default=None,
-        help="directory of a trained output-length predictor (python -m tdpipe.train_predictor) the "
+        help="directory of a trained output-length predictor (python -m pdserve.tdpipe.train_predictor) the "
         "planner admits requests on; default: lines with max_tokens plan on it, chat lines without "
         "it on the median of those (256 when none has one)",
     )
@@ -145,9 +145,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.builtin import default_model_dir
-    from tdpipe.runtime.batch_job import external_world
-    from tdpipe.runtime.batch_main import run_batch
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.tdpipe.runtime.batch_job import external_world
+    from pdserve.tdpipe.runtime.batch_main import run_batch
 
     try:
         args.model = str(args.model or default_model_dir())  # device_options reads its dtype for the backend

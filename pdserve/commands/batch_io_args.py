@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tdpipe.runtime.batch_input import DEFAULT_MAX_LINE_BYTES
+from pdserve.tdpipe.runtime.batch_input import DEFAULT_MAX_LINE_BYTES
 
 DEFAULT_LINES_IN_FLIGHT = 4096
 

@@ -35,6 +35,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decode_node import DecodeNode
+    from pdserve.decode_node import DecodeNode
 
     return serve("decode", node_config(args, "decode"), DecodeNode)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 
 DEVICE_ENV = "PDSERVE_DEVICE"
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
@@ -34,7 +34,7 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
-    """--tensor-parallel-size: the model split over N ranks, one process each (engine.parallel)."""
+    """--tensor-parallel-size: the model split over N ranks, one process each (pdserve.engine.parallel)."""
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -97,9 +97,9 @@ def device_options(args: argparse.Namespace) -> dict[str, str]:
     if device.startswith("cuda"):  # the dtype decides whether flashinfer can run (cheap: reads config.json)
         import torch
 
-        from engine.builtin import default_model_dir
-        from engine.model_config import ModelConfig
-        from engine.weights import resolve_dtype
+        from pdserve.engine.builtin import default_model_dir
+        from pdserve.engine.model_config import ModelConfig
+        from pdserve.engine.weights import resolve_dtype
 
         model_dir = getattr(args, "model", None) or default_model_dir()
         dtype = resolve_dtype(

@@ -28,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    from engine.parallel.group import RankFailure
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.parallel.group import RankFailure
     from pdserve.commands.device_args import device_options
     from pdserve.commands.memory_args import kv_memory_options
 

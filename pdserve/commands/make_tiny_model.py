@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.tiny_model import make_tiny_model
+    from pdserve.engine.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.dir, args.size)
     print(f"wrote {args.size} model to {out}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.kv_sizing import parse_memory_size
+from pdserve.engine.kv_sizing import parse_memory_size
 
 
 def memory_size(text: str) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import DTYPE_ALIASES, DTYPES
+from pdserve.engine.config import DTYPE_ALIASES, DTYPES
 
 
 def dtype_name(text: str) -> str:
@@ -57,7 +57,7 @@ def resolve_model_args(args: argparse.Namespace) -> None:
     """Replace a Hub id in --model/--tokenizer with its cached snapshot directory; with a Hub id
     --model, served names default to the id as vLLM's do. Exits with the download command when the
     id is not cached."""
-    from engine.hf_cache import resolve_model_path
+    from pdserve.engine.hf_cache import resolve_model_path
 
     for dest in ("model", "tokenizer"):
         value = getattr(args, dest, None)

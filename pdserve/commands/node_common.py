@@ -15,8 +15,8 @@ from pdserve.commands.memory_args import add_kv_memory_args
 from pdserve.commands.serving_args import add_scheduler_args, add_served_name_args
 
 if TYPE_CHECKING:  # the CLI imports no node code until a node runs
-    from node_runtime.node import Node
-    from node_runtime.node_config import NodeConfig
+    from pdserve.node_runtime.node import Node
+    from pdserve.node_runtime.node_config import NodeConfig
 
 CLI_TRANSPORTS = ("auto", "tcp", "rdma")
 """--transport choices; `local` (both ends in one process) is for tests through the Python API."""
@@ -76,7 +76,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     )
     add_rdma_args(p)
     add_cluster_tls_args(p)
-    from node_runtime.discovery import add_discovery_args
+    from pdserve.node_runtime.discovery import add_discovery_args
 
     add_discovery_args(p)
 
@@ -135,7 +135,7 @@ RDMA_HELP = {
 
 
 def add_rdma_args(p: argparse.ArgumentParser) -> None:
-    from node_runtime.node_config import RDMA_ENV
+    from pdserve.node_runtime.node_config import RDMA_ENV
 
     for dest, text in RDMA_HELP.items():
         p.add_argument(
@@ -150,11 +150,11 @@ def add_rdma_args(p: argparse.ArgumentParser) -> None:
 def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
     """The one NodeConfig of a `pdserve prefill|decode` process, from its parsed flags (which
     configargparse already merged with PDSERVE_* and --config). A bad value exits 2 with the reason."""
-    from engine.builtin import default_model_dir
-    from engine.config import EngineConfig
-    from node_runtime.config import flag_values
-    from node_runtime.discovery import DiscoveryConfig
-    from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node_runtime.config import flag_values
+    from pdserve.node_runtime.discovery import DiscoveryConfig
+    from pdserve.node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
 
     try:
         engine = {
@@ -185,7 +185,7 @@ def advertise_host(requested: str | None, host: str) -> str:
     or this machine's hostname when --host is a wildcard."""
     import socket
 
-    from node_runtime.config import process_env
+    from pdserve.node_runtime.config import process_env
 
     if requested or process_env().pod_ip:
         return requested or process_env().pod_ip
@@ -196,7 +196,7 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
     """Build the node, start it, register it with discovery, print READY, run until SIGTERM/SIGINT,
     then deregister, drain and exit 0; if the engine thread dies, deregister and exit 1 at once."""
     config.transfer.export_env()
-    from node_runtime.memory_bounds import bound_shape_caches
+    from pdserve.node_runtime.memory_bounds import bound_shape_caches
 
     bound_shape_caches()  # before the engine's first kernel
     try:
@@ -209,7 +209,7 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
     )
 
     async def main() -> int:
-        from node_runtime.discovery import Member, discovery_from_config
+        from pdserve.node_runtime.discovery import Member, discovery_from_config
 
         address = await node.start()
         host = config.node.advertise_host or config.node.host

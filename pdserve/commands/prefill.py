@@ -20,6 +20,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefill_node import PrefillNode
+    from pdserve.prefill_node import PrefillNode
 
     return serve("prefill", node_config(args, "prefill"), PrefillNode)

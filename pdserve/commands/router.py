@@ -9,10 +9,10 @@ from pdserve.commands.memory_args import add_max_model_len_arg
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.serving_args import add_frontend_args, add_served_name_args, load_frontend
 from pdserve.commands.node_common import add_cluster_tls_args
-from node_runtime.config import API_KEYS_ENV
+from pdserve.node_runtime.config import API_KEYS_ENV
 
 if TYPE_CHECKING:
-    from router.config import RouterConfig
+    from pdserve.router.config import RouterConfig
 
 __all__ = ["API_KEYS_ENV", "add_api_key_args", "add_routing_args", "api_keys", "register", "router_config", "run"]
 
@@ -41,14 +41,14 @@ def api_keys(args: argparse.Namespace) -> list[str]:
                 keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
         except OSError as e:
             raise SystemExit(f"error: cannot read --api-key-file {path}: {e.strerror}") from None
-    from node_runtime.config import process_env
+    from pdserve.node_runtime.config import process_env
 
     keys += process_env().api_keys
     return [k.strip() for k in keys if k.strip()]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from node_runtime.discovery import add_discovery_args
+    from pdserve.node_runtime.discovery import add_discovery_args
 
     p = subparsers.add_parser("router", help="run the OpenAI-compatible router")
     add_model_args(p)
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
-    """Flags of router.http_limits.ConnectionLimits and the SSE keep-alive interval."""
+    """Flags of pdserve.router.http_limits.ConnectionLimits and the SSE keep-alive interval."""
     p.add_argument(
         "--header-timeout",
         type=float,
@@ -163,12 +163,12 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The one RouterConfig of a `pdserve router` process, from its parsed flags (which configargparse
     already merged with PDSERVE_* and --config); a bad value exits 2 with the reason."""
-    from engine.builtin import default_model_dir
-    from node_runtime.config import flag_values
-    from node_runtime.discovery import DiscoveryConfig
-    from router.config import ClusterOptions, RouterConfig
-    from router.deadlines import Deadlines
-    from router.http_limits import ConnectionLimits
+    from pdserve.engine.builtin import default_model_dir
+    from pdserve.node_runtime.config import flag_values
+    from pdserve.node_runtime.discovery import DiscoveryConfig
+    from pdserve.router.config import ClusterOptions, RouterConfig
+    from pdserve.router.deadlines import Deadlines
+    from pdserve.router.http_limits import ConnectionLimits
 
     try:
         cluster = ClusterOptions(
@@ -193,16 +193,16 @@ def run(args: argparse.Namespace) -> int:
 
     from prometheus_client import CollectorRegistry
 
-    from engine.model_config import ModelConfig
-    from node_runtime.discovery import discovery_from_config
-    from node_runtime.node_metrics import add_process_collectors, served_model_name
-    from router.app import create_app
-    from router.cluster import Cluster
-    from router.cluster_metrics import ClusterCollector
-    from router.kv_metrics import KvRoutingCollector
-    from router.prefill_offload import OffloadPolicy
-    from router.request_metrics import RequestMetrics
-    from router.serving import Server
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.node_runtime.discovery import discovery_from_config
+    from pdserve.node_runtime.node_metrics import add_process_collectors, served_model_name
+    from pdserve.router.app import create_app
+    from pdserve.router.cluster import Cluster
+    from pdserve.router.cluster_metrics import ClusterCollector
+    from pdserve.router.kv_metrics import KvRoutingCollector
+    from pdserve.router.prefill_offload import OffloadPolicy
+    from pdserve.router.request_metrics import RequestMetrics
+    from pdserve.router.serving import Server
 
     config = router_config(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     async def _stop() -> None:
         await cluster.stop()
 
-    from router.http_server import serve_http
+    from pdserve.router.http_server import serve_http
 
     serve_http(
         app,

@@ -13,8 +13,8 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI imports no serving code until a command runs
-    from engine.tokenizer import Tokenizer
-    from router.config import RouterConfig
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.router.config import RouterConfig
 
 ROUTER_FLAGS = ("served_model_name", "tokenizer", "chat_template", "generation_config", "enable_prompt_tokens_details")
 """What `up` hands its router (besides --model and --max-model-len)."""
@@ -86,9 +86,9 @@ def load_frontend(config: RouterConfig) -> tuple[Tokenizer, dict]:
     as vLLM logs them; a bad template or generation config exits with the reason."""
     import logging
 
-    from engine.chat_template import load_chat_template
-    from engine.generation_defaults import generation_defaults
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.chat_template import load_chat_template
+    from pdserve.engine.generation_defaults import generation_defaults
+    from pdserve.engine.tokenizer import Tokenizer
 
     try:
         template = load_chat_template(config.chat_template) if config.chat_template else None

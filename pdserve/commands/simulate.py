@@ -37,10 +37,10 @@ def _usage_at(samples: list[tuple[float, float]], t: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tdpipe.config import InstanceConfig
-    from tdpipe.cost_table import CostTable
-    from tdpipe.simulator import POLICIES, plot_kv_usage, simulate
-    from tdpipe.workload import WorkloadConfig, generate
+    from pdserve.tdpipe.config import InstanceConfig
+    from pdserve.tdpipe.cost_table import CostTable
+    from pdserve.tdpipe.simulator import POLICIES, plot_kv_usage, simulate
+    from pdserve.tdpipe.workload import WorkloadConfig, generate
 
     policies = args.policy or ["td-pipe", "pp+sb", "pp+hb"]
     if "all" in policies:

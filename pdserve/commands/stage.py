@@ -39,9 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tdpipe.runtime.stage_worker import StageConfig, main_from_env
-    from engine.parallel.group import RankFailure
-    from tdpipe.runtime.wire import RendezvousTimeout
+    from pdserve.tdpipe.runtime.stage_worker import StageConfig, main_from_env
+    from pdserve.engine.parallel.group import RankFailure
+    from pdserve.tdpipe.runtime.wire import RendezvousTimeout
 
     try:
         tp = args.tensor_parallel_size or 1
@@ -75,8 +75,8 @@ def _num_kv_blocks(args: argparse.Namespace, device: str) -> int:
     """What `pdserve batch --external-stages` derives from the same flags (tdpipe/runtime/batch_kv)."""
     import os
 
-    from engine.model_config import ModelConfig
-    from tdpipe.runtime.batch_kv import stage_kv_blocks
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.tdpipe.runtime.batch_kv import stage_kv_blocks
 
     world = int(os.environ.get("WORLD_SIZE", "2"))  # main_from_env refuses a missing one
     sized = argparse.Namespace(**vars(args), stages=max(world - 1, 1), external_stages=True)

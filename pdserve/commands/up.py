@@ -26,8 +26,8 @@ from pdserve.commands.serving_args import (
     add_served_name_args,
     child_flags,
 )
-from node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
-from node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
+from pdserve.node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
+from pdserve.node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
 READY_TIMEOUT = 180.0
 
@@ -132,14 +132,14 @@ def _wait_health(url: str, deadline: float, members: list[Supervised]) -> None:
 
 def _throwaway_tls_args(directory: Path) -> list[str]:
     """A CA and certificate for this run only (the key never leaves `directory`, removed at exit)."""
-    from node_runtime.cluster_tls import make_throwaway
+    from pdserve.node_runtime.cluster_tls import make_throwaway
 
     cert, key, ca = make_throwaway(directory)
     return ["--cluster-tls-cert", str(cert), "--cluster-tls-key", str(key), "--cluster-tls-ca", str(ca)]
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
     from pdserve.commands.device_args import device_flags
     from pdserve.commands.memory_args import kv_memory_flags
 

@@ -2,8 +2,9 @@
 
 Every `import` and `from ... import` counts, wherever it stands (module level, inside a function,
 under `if TYPE_CHECKING:`): a lazy import is still a dependency. An import names the most specific
-repository module it reaches (`from engine import llm` -> engine.llm; `from engine.llm import LLM`
--> engine.llm); third-party and standard-library imports are left out.
+repository module it reaches (`from pdserve.engine import llm` -> pdserve.engine.llm;
+`from pdserve.engine.llm import LLM` -> pdserve.engine.llm); third-party and standard-library
+imports are left out.
 """
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ from typing import NamedTuple
 
 import pytest
 
-from engine.grammar import GrammarSpec
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from node_runtime.convert import params_from_pb
-from openai_api.choices import ChoiceBuilder
-from openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.engine.grammar import GrammarSpec
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.node_runtime.convert import params_from_pb
+from pdserve.openai_api.choices import ChoiceBuilder
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.v1 import common_pb2
-from tdpipe.runtime.batch_io import LineError, parse_line
+from pdserve.tdpipe.runtime.batch_io import LineError, parse_line
 
 
 class Field(NamedTuple):
@@ -32,7 +32,7 @@ class Field(NamedTuple):
     proto: bool
     """A field of pdserve.v1.SamplingParams (the router fans `n` out into n requests instead)."""
     engine: bool
-    """A field of engine.SamplingParams."""
+    """A field of pdserve.engine.SamplingParams."""
     batch: bool
     """`pdserve batch` runs it (False: the line is refused as unsupported)."""
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from benchmarks.trace_replay import infinite_cache_bound, load_trace
 from benchmarks.trace_sim import CostModel, simulate
-from router.kv_routing import KvRouter
+from pdserve.router.kv_routing import KvRouter
 
 ROOT = Path(__file__).resolve().parents[2]
 

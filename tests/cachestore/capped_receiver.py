@@ -18,7 +18,7 @@ import resource
 import sys
 import threading
 
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
+from pdserve.cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
 from tests.cachestore.helpers import SECRET
 
 GEO = PoolGeometry(num_layers=2, num_blocks=32, block_bytes=256)

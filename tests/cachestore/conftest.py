@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion
 from tests.cachestore.helpers import SECRET, pools
 
 

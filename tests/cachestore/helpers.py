@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 
-from cachestore import MemoryRegion, PoolGeometry, wire
+from pdserve.cachestore import MemoryRegion, PoolGeometry, wire
 
 SECRET = b"test-secret"
 CANARY = 0xA5
@@ -82,7 +82,7 @@ def sender_process(
     """Child process: send `layers` of src_blocks with the real client (or die mid-payload)."""
     import asyncio
 
-    from cachestore import CacheStoreClient, SessionCredentials
+    from pdserve.cachestore import CacheStoreClient, SessionCredentials
 
     geo = PoolGeometry(*geo_args)
     src, _ = pools(geo, seed)

@@ -12,7 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-import cachestore.tcp_sender as tcp_sender
+import pdserve.cachestore.tcp_sender as tcp_sender
 
 
 class ProbeSocket(socket.socket):

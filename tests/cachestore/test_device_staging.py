@@ -12,8 +12,8 @@ import gc
 
 import torch
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
-from cachestore.staging import HostStaging
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
+from pdserve.cachestore.staging import HostStaging
 from tests.cachestore.helpers import SECRET
 
 GEO = PoolGeometry(num_layers=3, num_blocks=16, block_bytes=512)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from cachestore import FaultInjector
+from pdserve.cachestore import FaultInjector
 
 
 def test_fault_injector_from_env(monkeypatch):

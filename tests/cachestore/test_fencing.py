@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
+from pdserve.cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
 from tests.cachestore.helpers import CANARY, SECRET, pools, raw_connect, read_ack, untouched_outside, write_header
 
 GEO = PoolGeometry(num_layers=2, num_blocks=8, block_bytes=64 * 1024)

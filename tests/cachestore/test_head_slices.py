@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import torch
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
-from cachestore import rdma
-from cachestore.heads import HeadLayout, assigned_heads
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
+from pdserve.cachestore import rdma
+from pdserve.cachestore.heads import HeadLayout, assigned_heads
 from tests.cachestore.helpers import SECRET
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 12, 4, 8
@@ -152,7 +152,7 @@ async def test_the_handshake_refuses_what_cannot_map():
 
 
 async def test_a_frame_naming_heads_the_rank_does_not_hold_is_refused_and_lands_nothing():
-    from cachestore import wire
+    from pdserve.cachestore import wire
     from tests.cachestore.helpers import raw_connect, read_ack
 
     recv = HeadLayout.of_rank(4, HEAD_BYTES, 1, 2)  # heads [2, 4)

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, wire
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, wire
 from tests.cachestore.helpers import (
     SECRET,
     block,

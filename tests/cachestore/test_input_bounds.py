@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cachestore import SessionCredentials, wire
+from pdserve.cachestore import SessionCredentials, wire
 from tests.cachestore.helpers import raw_connect
 
 CAP_BYTES = 512 << 20

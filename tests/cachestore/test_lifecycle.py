@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from cachestore import (
+from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
     FaultInjector,

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, wire
-from cachestore.tcp_listener import TcpLimits
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, wire
+from pdserve.cachestore.tcp_listener import TcpLimits
 from tests.cachestore.helpers import SECRET, block, pools, raw_connect, until
 
 GEO = PoolGeometry(num_layers=2, num_blocks=8, block_bytes=4096)

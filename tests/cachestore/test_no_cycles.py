@@ -68,7 +68,12 @@ def test_cachestore_has_no_import_cycles():
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
-TRANSPORT_PREFIXES = ("cachestore.local", "cachestore.tcp", "cachestore.rdma", "cachestore.verbs_emu")
+TRANSPORT_PREFIXES = (
+    "pdserve.cachestore.local",
+    "pdserve.cachestore.tcp",
+    "pdserve.cachestore.rdma",
+    "pdserve.cachestore.verbs_emu",
+)
 
 
 def test_transports_import_the_leaf_never_the_client_or_the_server():
@@ -76,7 +81,7 @@ def test_transports_import_the_leaf_never_the_client_or_the_server():
     `channel` leaf's protocols (`Sender`, `Receiver`)."""
     for mod, deps in import_graph().items():
         if mod.startswith(TRANSPORT_PREFIXES):
-            assert not deps & {"cachestore.client", "cachestore.server"}, f"{mod} imports {deps}"
+            assert not deps & {"pdserve.cachestore.client", "pdserve.cachestore.server"}, f"{mod} imports {deps}"
 
 
 def test_cachestore_imports_no_other_pdserve_package():

@@ -26,10 +26,10 @@ from pyverbs import addr as pv_addr  # noqa: E402
 from pyverbs import enums as pv_enums  # noqa: E402
 from pyverbs import qp as pv_qp  # noqa: E402
 
-from cachestore import rdma_verbs, verbs_emu  # noqa: E402
-from cachestore.rdma_qp import QpInfo, QpState, qp_attr_values  # noqa: E402
-from cachestore.rdma_verbs import MAX_SEND_WR  # noqa: E402
-from cachestore.verbs_emu import enums as emu_enums  # noqa: E402
+from pdserve.cachestore import rdma_verbs, verbs_emu  # noqa: E402
+from pdserve.cachestore.rdma_qp import QpInfo, QpState, qp_attr_values  # noqa: E402
+from pdserve.cachestore.rdma_verbs import MAX_SEND_WR  # noqa: E402
+from pdserve.cachestore.verbs_emu import enums as emu_enums  # noqa: E402
 
 RDMA_FILES = ["rdma.py", "rdma_access.py", "rdma_memory.py", "rdma_verbs.py"]
 GID_STR = "fe80:0000:0000:0000:7f00:0001:9c41:0001"

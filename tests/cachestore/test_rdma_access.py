@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from cachestore import (
+from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
     MemoryRegion,
@@ -20,8 +20,8 @@ from cachestore import (
     rdma,
     rdma_access,
 )
-from cachestore.geometry import Run
-from cachestore.verbs_emu import FABRIC
+from pdserve.cachestore.geometry import Run
+from pdserve.cachestore.verbs_emu import FABRIC
 from tests.cachestore.helpers import CANARY, SECRET, block, pools
 from tests.cachestore.test_rdma_emulated import _from_engine_thread, _transfer
 
@@ -159,7 +159,7 @@ async def test_abort_mid_transfer_no_byte_lands_after_the_blocks_are_freed(pair)
 
 async def test_grants_per_session_are_bounded(pair, monkeypatch):
     """A peer holding the token cannot make the receiver bind windows without limit."""
-    from cachestore import server as server_module
+    from pdserve.cachestore import server as server_module
 
     monkeypatch.setattr(server_module, "MAX_GRANTS_PER_SESSION", 3)
     server, client, src, dst = pair

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from cachestore import (
+from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
     MemoryRegion,
@@ -22,7 +22,7 @@ from cachestore import (
     rdma,
     rdma_verbs,
 )
-from cachestore.verbs_emu import FABRIC
+from pdserve.cachestore.verbs_emu import FABRIC
 from tests.cachestore.helpers import SECRET, block, pools, untouched_outside
 
 GEO = PoolGeometry(num_layers=4, num_blocks=32, block_bytes=1024)

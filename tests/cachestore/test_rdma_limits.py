@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
-from cachestore import rdma_verbs, verbs_emu
-from cachestore.verbs_emu import enums as emu_enums
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
+from pdserve.cachestore import rdma_verbs, verbs_emu
+from pdserve.cachestore.verbs_emu import enums as emu_enums
 from tests.cachestore.helpers import SECRET, block, pools
 from tests.cachestore.test_verbs_emu import LW, RW, Side, _bind, addr, poll, reconnect, write
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachestore import PoolGeometry, Run, resolve_transport
-from cachestore.rdma import QpInfo, QpState, next_state, plan_writes, qp_attr_values, rdma_devices
+from pdserve.cachestore import PoolGeometry, Run, resolve_transport
+from pdserve.cachestore.rdma import QpInfo, QpState, next_state, plan_writes, qp_attr_values, rdma_devices
 
 
 def test_no_device_here_and_auto_falls_back_to_tcp(caplog):
@@ -48,7 +48,7 @@ def test_qp_state_machine_and_attributes():
 
 
 def test_a_write_goes_only_under_a_granted_window_that_covers_it():
-    from cachestore.rdma import window_for
+    from pdserve.cachestore.rdma import window_for
 
     windows = [[1000, 512, 0x1201], [4096, 1024, 0x1302]]
     assert window_for(windows, 1000, 512) == 0x1201 and window_for(windows, 4096 + 512, 512) == 0x1302

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from cachestore import (
+from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
     MemoryRegion,
@@ -23,8 +23,8 @@ from cachestore import (
     rdma,
     rdma_memory,
 )
-from cachestore.staging import HostStaging
-from cachestore.verbs_emu import FABRIC
+from pdserve.cachestore.staging import HostStaging
+from pdserve.cachestore.verbs_emu import FABRIC
 from tests.cachestore.helpers import SECRET
 from tests.cachestore.test_rdma_emulated import _from_engine_thread
 
@@ -55,7 +55,7 @@ def test_choice_host_pool_gpudirect_and_staging(monkeypatch):
     pool = torch.zeros(4096, dtype=torch.uint8)
     region = device_like(pool)
     # the emulated device never takes GPUDirect
-    import cachestore.verbs_emu as emulated
+    import pdserve.cachestore.verbs_emu as emulated
 
     mode, reason = rdma_memory.choose(emulated, region)
     assert mode == rdma_memory.STAGING and "emulated" in reason

@@ -9,7 +9,7 @@ import multiprocessing as mp
 
 import pytest
 
-from cachestore import CacheStoreClient, MemoryRegion, PoolGeometry, SessionCredentials, TransferError, rdma
+from pdserve.cachestore import CacheStoreClient, MemoryRegion, PoolGeometry, SessionCredentials, TransferError, rdma
 from tests.cachestore.helpers import CANARY, SECRET, pools
 from tests.cachestore.test_rdma_emulated import _from_engine_thread
 
@@ -18,7 +18,7 @@ GEO = PoolGeometry(num_layers=2, num_blocks=16, block_bytes=1024)
 
 def receiver_process(conn) -> None:
     """Child: an rdma CacheStoreServer over a canary pool, driven by messages on `conn`."""
-    from cachestore import CacheStoreServer
+    from pdserve.cachestore import CacheStoreServer
 
     async def main() -> None:
         _, dst = pools(GEO)

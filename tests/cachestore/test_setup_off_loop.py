@@ -7,8 +7,8 @@ import asyncio
 import threading
 import time
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
-from cachestore import rdma_verbs, tcp_sender
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
+from pdserve.cachestore import rdma_verbs, tcp_sender
 from tests.cachestore.helpers import SECRET, block, pools
 
 GEO = PoolGeometry(num_layers=2, num_blocks=16, block_bytes=512)

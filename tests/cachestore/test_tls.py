@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from cachestore import CacheStoreClient, CacheStoreServer, LinkTLS, MemoryRegion, PoolGeometry, TransferError
-from cachestore.tcp_listener import TcpLimits
-from node_runtime.cluster_tls import TLS_SERVER_NAME, make_throwaway
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, LinkTLS, MemoryRegion, PoolGeometry, TransferError
+from pdserve.cachestore.tcp_listener import TcpLimits
+from pdserve.node_runtime.cluster_tls import TLS_SERVER_NAME, make_throwaway
 from tests.cachestore.helpers import SECRET, block, pools, rejected, until, untouched_outside
 
 GEO = PoolGeometry(num_layers=4, num_blocks=32, block_bytes=64 * 1024)  # frames span many TLS records
@@ -192,7 +192,7 @@ async def test_rdma_control_connections_run_over_tls(ours, tmp_path, monkeypatch
     """The rdma transport's TCP control connections (QP exchange, grants) take the same TLS: a
     transfer over the emulated verbs device works with it, and a sender of another CA cannot even
     exchange QPs."""
-    from cachestore import rdma
+    from pdserve.cachestore import rdma
 
     monkeypatch.setenv(rdma.EMULATOR_ENV, "1")
     geo = PoolGeometry(num_layers=2, num_blocks=8, block_bytes=1024)

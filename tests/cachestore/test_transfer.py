@@ -6,7 +6,7 @@ import asyncio
 import multiprocessing as mp
 import random
 
-from cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, coalesce
+from pdserve.cachestore import CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, coalesce
 from tests.cachestore.helpers import SECRET, block, pools, sender_process, untouched_outside
 
 GEO = PoolGeometry(num_layers=6, num_blocks=64, block_bytes=2048)

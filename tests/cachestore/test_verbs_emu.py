@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cachestore.verbs_emu import (
+from pdserve.cachestore.verbs_emu import (
     CQ,
     MR,
     MW,
@@ -24,7 +24,7 @@ from cachestore.verbs_emu import (
     VerbsError,
     enums,
 )
-from cachestore.verbs_emu.device import FABRIC
+from pdserve.cachestore.verbs_emu.device import FABRIC
 
 LW, RW, BIND = enums.IBV_ACCESS_LOCAL_WRITE, enums.IBV_ACCESS_REMOTE_WRITE, enums.IBV_ACCESS_MW_BIND
 SIZE = 4096

@@ -8,10 +8,23 @@ import multiprocessing as mp
 
 import pytest
 
-from cachestore.verbs_emu import CQ, GID, MR, MW, PD, QP, AHAttr, Context, GlobalRoute, MWBindInfo, QPAttr, SendWR
-from cachestore.verbs_emu import enums
-from cachestore.verbs_emu import wire
-from cachestore.verbs_emu.device import FABRIC
+from pdserve.cachestore.verbs_emu import (
+    CQ,
+    GID,
+    MR,
+    MW,
+    PD,
+    QP,
+    AHAttr,
+    Context,
+    GlobalRoute,
+    MWBindInfo,
+    QPAttr,
+    SendWR,
+)
+from pdserve.cachestore.verbs_emu import enums
+from pdserve.cachestore.verbs_emu import wire
+from pdserve.cachestore.verbs_emu.device import FABRIC
 from tests.cachestore.test_verbs_emu import BIND, LW, RW, SIZE, addr, new_qp, poll, write
 
 CANARY = 0xA5

@@ -137,7 +137,7 @@ def test_every_configmap_key_is_read():
     import argparse
 
     from pdserve.cli import build_parser
-    from node_runtime.config import env_name
+    from pdserve.node_runtime.config import env_name
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     flags = {

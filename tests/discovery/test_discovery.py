@@ -12,8 +12,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from node_runtime.discovery import Member, StaticDiscovery
-from node_runtime.discovery.k8s import K8sDnsDiscovery
+from pdserve.node_runtime.discovery import Member, StaticDiscovery
+from pdserve.node_runtime.discovery.k8s import K8sDnsDiscovery
 
 
 def test_static_parses_flags_and_rejects_garbage():
@@ -138,7 +138,7 @@ class NacosStandIn(BaseHTTPRequestHandler):
 
 
 async def test_nacos_register_list_and_outage():
-    from node_runtime.discovery.nacos import NacosDiscovery
+    from pdserve.node_runtime.discovery.nacos import NacosDiscovery
 
     NacosStandIn.instances, NacosStandIn.last_beat = {}, {}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), NacosStandIn)
@@ -168,7 +168,7 @@ async def test_nacos_register_list_and_outage():
 async def test_nacos_expiry_and_sdk_heartbeat_keep_metadata(monkeypatch):
     """An instance without beats turns unhealthy, then is deleted; the SDK's beat re-creates it with
     all its metadata (our old hand-rolled beat sent only the role)."""
-    from node_runtime.discovery.nacos import NacosDiscovery
+    from pdserve.node_runtime.discovery.nacos import NacosDiscovery
 
     monkeypatch.setattr(NacosStandIn, "unhealthy_after", 0.6)
     monkeypatch.setattr(NacosStandIn, "delete_after", 1.2)
@@ -214,7 +214,7 @@ async def test_nacos_subscription_follows_changes_and_survives_an_outage(monkeyp
     """The router's view follows the SDK's subscribe events (no refresh() calls here): a node that
     joins appears, a node that stops beating disappears, and an outage neither empties the view
     nor ends the subscription (2.0.x's poll timer stops on the first error unless told otherwise)."""
-    from node_runtime.discovery.nacos import NacosDiscovery
+    from pdserve.node_runtime.discovery.nacos import NacosDiscovery
 
     monkeypatch.setattr(NacosStandIn, "unhealthy_after", 2.0)
     monkeypatch.setattr(NacosStandIn, "delete_after", 4.0)

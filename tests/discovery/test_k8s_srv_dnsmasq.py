@@ -23,7 +23,7 @@ DNSMASQ = shutil.which("dnsmasq") or ("/usr/sbin/dnsmasq" if os.path.exists("/us
 # What the namespace runs: resolve the Service the way the router does, print members as JSON.
 PROBE = textwrap.dedent("""
     import asyncio, json
-    from node_runtime.discovery.k8s import K8sDnsDiscovery
+    from pdserve.node_runtime.discovery.k8s import K8sDnsDiscovery
 
     async def main():
         d = K8sDnsDiscovery({"decode": "pdserve-decode",

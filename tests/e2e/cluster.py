@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from node_runtime.supervisor import Child
+from pdserve.node_runtime.supervisor import Child
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 90.0

@@ -13,7 +13,7 @@ import threading
 
 import grpc
 
-from cachestore import SessionCredentials, wire
+from pdserve.cachestore import SessionCredentials, wire
 from pdserve.v1 import common_pb2, prefill_pb2_grpc
 from tests.cachestore.helpers import read_ack, write_header
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from node_runtime.auth import cluster_metadata
+from pdserve.node_runtime.auth import cluster_metadata
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 

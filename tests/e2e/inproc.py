@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+from pdserve.engine.config import EngineConfig
+from pdserve.node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
 
 SECRET = "s"
 
@@ -54,8 +54,8 @@ async def in_process_nodes(
 ) -> AsyncIterator[Nodes]:
     """Start `num_prefill` prefill nodes and one decode node (stopped however the block ends).
     `pull_min`: the decode node's --kv-pull-min-blocks (0 here: D->P pulls off, as before them)."""
-    from decode_node import DecodeNode
-    from prefill_node import PrefillNode
+    from pdserve.decode_node import DecodeNode
+    from pdserve.prefill_node import PrefillNode
 
     transfer = TransferOptions(transport=transport, kv_timeout=kv_timeout)
     node = NodeOptions(

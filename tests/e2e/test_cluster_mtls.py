@@ -16,8 +16,8 @@ import grpc
 import httpx
 import pytest
 
-from node_runtime.auth import cluster_metadata
-from node_runtime.cluster_tls import TLS_SERVER_NAME, ClusterTLS, make_throwaway
+from pdserve.node_runtime.auth import cluster_metadata
+from pdserve.node_runtime.cluster_tls import TLS_SERVER_NAME, ClusterTLS, make_throwaway
 from pdserve.v1 import common_pb2, decode_pb2_grpc
 from tests.e2e.cluster import ROOT, start_cluster, stop
 from tests.e2e.router_cluster import API_KEY, free_port, start_router

@@ -12,8 +12,8 @@ import signal
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from node_runtime.auth import cluster_metadata
+from pdserve.engine import LLM, SamplingParams
+from pdserve.node_runtime.auth import cluster_metadata
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.e2e.cluster import start_cluster
 from tests.e2e.fake_prefill import StallingPrefill

@@ -9,10 +9,10 @@ import asyncio
 import grpc
 import pytest
 
-from cachestore import FaultInjector, MemoryRegion
-from engine import LLM, SamplingParams
-from engine.kv_namespace import request_root
-from node_runtime import kv_store
+from pdserve.cachestore import FaultInjector, MemoryRegion
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv_namespace import request_root
+from pdserve.node_runtime import kv_store
 from tests.e2e.grpc_client import generate, greedy
 from tests.e2e.inproc import SECRET, Nodes, assert_no_blocks_used, in_process_nodes
 from tests.e2e.test_kv_reuse import NEW, TURN1, counter

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from node_runtime.auth import cluster_metadata
-from node_runtime.cluster_tls import ClusterTLS, make_throwaway
+from pdserve.engine import LLM, SamplingParams
+from pdserve.node_runtime.auth import cluster_metadata
+from pdserve.node_runtime.cluster_tls import ClusterTLS, make_throwaway
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.e2e.cluster import start_cluster
 from tests.e2e.grpc_client import greedy

@@ -8,8 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from node_runtime.auth import cluster_metadata
+from pdserve.engine import LLM, SamplingParams
+from pdserve.node_runtime.auth import cluster_metadata
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.e2e.grpc_client import generate, greedy
 from tests.e2e.inproc import SECRET, Nodes, assert_no_blocks_used, in_process_nodes

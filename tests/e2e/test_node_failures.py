@@ -9,10 +9,10 @@ import signal
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
-from node_runtime.auth import cluster_metadata
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+from pdserve.node_runtime.auth import cluster_metadata
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.e2e.cluster import start_cluster, stop
 from tests.e2e.deadlines import until
@@ -89,8 +89,8 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_dir):
 
 async def test_in_process_cluster_over_local_transport(tiny_model_dir):
     """Prefill and decode nodes in this process, KV copied by the in-process `local` transport."""
-    from decode_node import DecodeNode
-    from prefill_node import PrefillNode
+    from pdserve.decode_node import DecodeNode
+    from pdserve.prefill_node import PrefillNode
 
     node, transfer = NodeOptions(cluster_secret="s"), TransferOptions(transport="local")
     prefill = PrefillNode(
@@ -122,7 +122,7 @@ async def test_decode_health_follows_the_cachestore_listener(tiny_model_dir):
     the decode node's gRPC health says NOT_SERVING, and SERVING again once it accepts."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from decode_node import DecodeNode
+    from pdserve.decode_node import DecodeNode
 
     decode = DecodeNode(
         NodeConfig(

@@ -1,4 +1,4 @@
-"""One prefill + two decode node processes on 127.0.0.1: equivalence with engine.LLM, edge cases, leaks."""
+"""One prefill + two decode node processes on 127.0.0.1: equivalence with pdserve.engine.LLM, edge cases, leaks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.e2e.cluster import start_cluster
 from tests.e2e.deadlines import until
@@ -117,7 +117,7 @@ async def test_first_token_stop_finishes_with_one_token(cluster, reference):
     ],
 )
 async def test_bad_input_gets_clear_status(cluster, mutate, code):
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
     req = decode_pb2.GenerateRequest(
@@ -157,7 +157,7 @@ async def test_wrong_secret_and_oversized_message_are_refused(cluster):
 
 
 async def test_incompatible_peer_is_refused(cluster):
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
 
     async with grpc.aio.insecure_channel(cluster.prefills[0].address) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -177,7 +177,7 @@ async def test_incompatible_peer_is_refused(cluster):
 
 
 async def test_abort_during_decode_frees_blocks(cluster):
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
     async with grpc.aio.insecure_channel(cluster.decodes[0].address) as ch:
@@ -202,7 +202,7 @@ async def test_abort_during_decode_frees_blocks(cluster):
 async def test_abort_during_prefill_frees_blocks(cluster):
     """A cancel while the prefill node computes a long prompt frees every block on both nodes: the
     prefill node's abort runs at its next chunk boundary (the engine's step), not after the prompt."""
-    from node_runtime.auth import cluster_metadata
+    from pdserve.node_runtime.auth import cluster_metadata
     from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
     prefill = cluster.prefills[0]

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.cluster import start_cluster
 from tests.e2e.grpc_client import generate, greedy, load
 from tests.e2e.test_nodes import mixed_prompts

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from tests.e2e.cluster import start, stop
 from tests.e2e.router_cluster import free_port
 

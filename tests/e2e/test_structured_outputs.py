@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
-from node_runtime.discovery.static import StaticDiscovery
-from router.app import create_app
-from router.cluster import Cluster
-from router.serving import Server
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.node_runtime.discovery.static import StaticDiscovery
+from pdserve.router.app import create_app
+from pdserve.router.cluster import Cluster
+from pdserve.router.serving import Server
 from tests.e2e.inproc import SECRET, Nodes, assert_no_blocks_used, in_process_nodes
 from tests.e2e.structured_cases import PROMPTS, SCHEMAS, is_valid
 

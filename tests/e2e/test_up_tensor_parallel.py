@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.router_cluster import free_port
 from tests.e2e.test_up import chat, usable_decodes, wait_for
 from tests.e2e.up_process import start_up

@@ -13,7 +13,7 @@ import signal
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.router_cluster import free_port
 from tests.e2e.test_up import chat
 from tests.e2e.up_process import start_up

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from tests.e2e.router_cluster import free_port
 from tests.e2e.up_process import start_up
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import cpu_build
-from engine.layers import AMX_MAX_ROWS, Linear, amx_layout, bf16_via_float32
+from pdserve.engine.attention import cpu_build
+from pdserve.engine.layers import AMX_MAX_ROWS, Linear, amx_layout, bf16_via_float32
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import os
 import subprocess
 import sys
 
-from engine.block_keys import block_key, namespace_root, prompt_block_keys
+from pdserve.engine.block_keys import block_key, namespace_root, prompt_block_keys
 
 _PRINT_KEYS = (
-    "from engine.block_keys import namespace_root, prompt_block_keys;"
+    "from pdserve.engine.block_keys import namespace_root, prompt_block_keys;"
     "print(prompt_block_keys(namespace_root('model=m;dtype=float32', 'tenant-a'), list(range(50)), 16))"
 )
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager
 
 
 def test_allocate_free_and_integrity():

@@ -8,8 +8,8 @@ from datetime import datetime
 
 import pytest
 
-from engine.chat_template import load_chat_template
-from engine.tokenizer import Tokenizer
+from pdserve.engine.chat_template import load_chat_template
+from pdserve.engine.tokenizer import Tokenizer
 
 LLAMA3_STYLE = (
     "{{- bos_token }}"

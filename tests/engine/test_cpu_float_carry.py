@@ -6,8 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_build import load_paged_attention_op
-from engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding, bf16_via_float32, can_prepack
+from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.layers import (
+    CpuCarryOps,
+    CpuFusedOps,
+    EagerOps,
+    Linear,
+    RotaryEmbedding,
+    bf16_via_float32,
+    can_prepack,
+)
 
 SHAPES = [(1, 768), (1, 77), (37, 777), (200, 64)]
 
@@ -89,8 +97,8 @@ class _Rope:
 
 def test_a_bf16_model_gives_the_same_logits_with_and_without_the_carry(tiny_model_dir):
     """The whole decoder, prefill then decode: CpuCarryOps changes no bit of the logits."""
-    from engine.forward_batch import ForwardBatch
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.forward_batch import ForwardBatch
+    from pdserve.engine.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_model_dir, dtype="bfloat16", num_kv_blocks=8, attention_backend="cpu_paged")
     runner.attention.wait_ready()

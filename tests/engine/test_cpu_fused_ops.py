@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_build import load_paged_attention_op
-from engine.layers import CpuFusedOps, EagerOps, RotaryEmbedding
+from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.layers import CpuFusedOps, EagerOps, RotaryEmbedding
 
 SHAPES = [(1, 768), (1, 77), (37, 777), (200, 64)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -96,17 +96,17 @@ def test_ops_reject_unsupported_input():
 def test_model_uses_eager_ops_without_the_kernel(monkeypatch, tiny_model_dir):
     """No compiler (forced here): the cpu_paged runner still works, on the eager ops, and equals
     the torch backend's logits."""
-    import engine.layers
-    from engine.attention import cpu_build
-    from engine.forward_batch import ForwardBatch
-    from engine.model_runner import ModelRunner
+    import pdserve.engine.layers
+    from pdserve.engine.attention import cpu_build
+    from pdserve.engine.forward_batch import ForwardBatch
+    from pdserve.engine.model_runner import ModelRunner
 
     monkeypatch.setattr(cpu_build, "_op", None)
     monkeypatch.setattr(cpu_build, "_tried", False)
     monkeypatch.setattr(cpu_build, "_thread", None)
     monkeypatch.setenv("PDSERVE_NO_CPU_KERNEL", "1")
     fused_calls = []
-    monkeypatch.setattr(engine.layers.CpuFusedOps, "silu_mul", staticmethod(lambda gu: fused_calls.append(1)))
+    monkeypatch.setattr(pdserve.engine.layers.CpuFusedOps, "silu_mul", staticmethod(lambda gu: fused_calls.append(1)))
     batch = ForwardBatch(["a", "b"], [5, 6, 7, 8], [3, 1], [3, 1], [[0], [1]], [True, True])
     paged = ModelRunner(tiny_model_dir, dtype="float32", num_kv_blocks=4, attention_backend="cpu_paged")
     paged.attention.wait_ready()
@@ -128,8 +128,8 @@ BF16_BACKEND_ATOL_TOP = 0.15
 def test_bf16_model_logprobs_match_the_eager_and_torch_paths(tiny_model_dir):
     """The bf16 model on the kernels against fused_ops=False and against the torch backend: a prefill
     of two prompts, then two decode steps over the paged KV."""
-    from engine.forward_batch import ForwardBatch
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.forward_batch import ForwardBatch
+    from pdserve.engine.model_runner import ModelRunner
 
     def runner(backend: str, fused_ops: bool = True) -> ModelRunner:
         r = ModelRunner(

@@ -1,4 +1,4 @@
-"""engine.cpu_malloc: freed activation-sized blocks are reused, not faulted in again."""
+"""pdserve.engine.cpu_malloc: freed activation-sized blocks are reused, not faulted in again."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from engine.cpu_malloc import keep_freed_memory
+from pdserve.engine.cpu_malloc import keep_freed_memory
 
 # Runs in a fresh interpreter, so the heap is not shaped by whatever tests ran before in this
 # process and glibc's thresholds are at their documented start. A step's activations are four 16 MB
@@ -22,7 +22,7 @@ from engine.cpu_malloc import keep_freed_memory
 _PROBE = textwrap.dedent(
     """
     import ctypes, json, resource, sys
-    from engine.cpu_malloc import keep_freed_memory
+    from pdserve.engine.cpu_malloc import keep_freed_memory
 
     MB = 1 << 20
 

@@ -153,13 +153,13 @@ def test_rejects_what_would_read_outside_the_pool(op, table, starts, ctxs, match
 
 def test_backend_falls_back_without_the_op(monkeypatch):
     """No compiler (forced here) must still give a working backend: the torch path."""
-    import engine.attention.cpu_build as build
+    import pdserve.engine.attention.cpu_build as build
 
     monkeypatch.setattr(build, "_tried", False)
     monkeypatch.setattr(build, "_op", None)
     monkeypatch.setattr(build, "_thread", None)
     monkeypatch.setenv("PDSERVE_NO_CPU_KERNEL", "1")
-    from engine.attention.cpu_paged_backend import CpuPagedAttention
+    from pdserve.engine.attention.cpu_paged_backend import CpuPagedAttention
 
     backend = CpuPagedAttention()
     backend.wait_ready()  # the background build has decided (and will not run again)
@@ -193,10 +193,10 @@ def test_backends_on_a_mixed_step_match_the_reference(op, backend_name, dtype, d
     chunk after a cached prefix (gathered pages through SDPA) and a fresh prompt (causal SDPA); with
     cpu_paged and a head size of 64 those two go to the prompt kernel instead, in float32 on AVX-512
     and in bfloat16 on AMX tiles."""
-    from engine.attention import make_backend
-    from engine.attention.base import AttentionMetadata
-    from engine.attention.cpu_paged_backend import CHUNK_SDPA_MIN_TOKENS
-    from engine.forward_batch import ForwardBatch
+    from pdserve.engine.attention import make_backend
+    from pdserve.engine.attention.base import AttentionMetadata
+    from pdserve.engine.attention.cpu_paged_backend import CHUNK_SDPA_MIN_TOKENS
+    from pdserve.engine.forward_batch import ForwardBatch
 
     g = torch.Generator().manual_seed(11)
     hkv, hq, bs = 2, 6, 4

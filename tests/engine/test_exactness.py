@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.engine.factories import build_checkpoint
 
 CASES = ["builtin", "gqa", "qwen2", "llama3"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import cpu_build
-from engine.layers import F32_MAX_ROWS, Linear, f32_layout
+from pdserve.engine.attention import cpu_build
+from pdserve.engine.layers import F32_MAX_ROWS, Linear, f32_layout
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import types
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.forward_batch import ForwardBatch
+from pdserve.engine.attention.base import AttentionMetadata
+from pdserve.engine.forward_batch import ForwardBatch
 
 
 class _Wrapper:
@@ -28,7 +28,7 @@ def backend(monkeypatch):
     fake.BatchDecodeWithPagedKVCacheWrapper = _Wrapper  # type: ignore[attr-defined]
     fake.BatchPrefillWithPagedKVCacheWrapper = _Wrapper  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    from engine.attention.flashinfer_backend import FlashInferAttention
+    from pdserve.engine.attention.flashinfer_backend import FlashInferAttention
 
     b = FlashInferAttention()
     b.configure(4, torch.bfloat16)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.generation_defaults import generation_defaults
+from pdserve.engine.generation_defaults import generation_defaults
 
 
 def write(directory, **config):

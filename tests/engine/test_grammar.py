@@ -10,10 +10,16 @@ import sys
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.grammar import GrammarSpec, GrammarUnavailable, bounded_strings_as_patterns, build_grammar, choice_ebnf
-from engine.grammar_cache import GrammarCache
-from engine.tokenizer import Tokenizer
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.grammar import (
+    GrammarSpec,
+    GrammarUnavailable,
+    bounded_strings_as_patterns,
+    build_grammar,
+    choice_ebnf,
+)
+from pdserve.engine.grammar_cache import GrammarCache
+from pdserve.engine.tokenizer import Tokenizer
 
 pytest.importorskip("xgrammar")
 SCHEMA = {

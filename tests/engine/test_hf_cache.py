@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.hf_cache import hub_cache_dirs, resolve_model_path
+from pdserve.engine.hf_cache import hub_cache_dirs, resolve_model_path
 from pdserve.cli import build_parser
 from pdserve.commands.model_args import resolve_model_args
 

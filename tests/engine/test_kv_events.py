@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from engine.block_keys import namespace_root, prompt_block_keys
-from engine.block_manager import BlockManager
-from engine.kv_events import KvEventKind, KvEventLog
+from pdserve.engine.block_keys import namespace_root, prompt_block_keys
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_events import KvEventKind, KvEventLog
 
 
 def _replay(log: KvEventLog) -> set[int]:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.kv_pool import HUGE_PAGE, KVPool, advise_huge_pages
+from pdserve.engine.kv_pool import HUGE_PAGE, KVPool, advise_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 PROMPT = [5 + i for i in range(30)]  # block size 4: 7 full blocks and a partial one

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, RequestStatus, SamplingParams
-from engine.block_keys import namespace_root, prompt_block_keys
+from pdserve.engine import EngineConfig, LLMEngine, RequestStatus, SamplingParams
+from pdserve.engine.block_keys import namespace_root, prompt_block_keys
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = [5 + i for i in range(22)]  # block size 4: 5 full blocks held once computed, the 6th partial
@@ -102,9 +102,9 @@ def test_failed_remote_prefill_falls_back_to_local_without_leaking(engine):
 
 
 def test_long_runs_are_published_in_chained_parts(monkeypatch):
-    from engine import block_manager
-    from engine.block_manager import BlockManager
-    from engine.kv_events import KvEventLog
+    from pdserve.engine import block_manager
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.kv_events import KvEventLog
 
     monkeypatch.setattr(block_manager, "MAX_KEYS_PER_EVENT", 2)
     log = KvEventLog()

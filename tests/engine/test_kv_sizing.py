@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-from engine import kv_sizing
-from engine.config import EngineConfig
-from engine.cuda_memory import CudaMemoryProfile, profile_batch
-from engine.kv_pool import kv_bytes_per_token
-from engine.kv_sizing import (
+from pdserve.engine import kv_sizing
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_memory import CudaMemoryProfile, profile_batch
+from pdserve.engine.kv_pool import kv_bytes_per_token
+from pdserve.engine.kv_sizing import (
     CudaKvMemory,
     cuda_kv_bytes,
     default_cpu_kv_bytes,
     fit_max_model_len,
     parse_memory_size,
 )
-from engine.llm_engine import LLMEngine
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
 
 GiB, MiB = 1024**3, 1024**2
 
@@ -181,12 +181,12 @@ def test_load_report_subtracts_blocks_reserved_by_never_preempt(tiny_model_dir):
 
 @pytest.mark.parametrize("sizing", [{"num_kv_blocks": 8}, {"kv_cache_bytes": MiB}])
 def test_an_impossible_length_is_refused_before_the_weights_load(tiny_model_dir, monkeypatch, sizing):
-    import engine.model_runner
+    import pdserve.engine.model_runner
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the fit check")
 
-    monkeypatch.setattr(engine.model_runner, "load_tensors", no_load)
+    monkeypatch.setattr(pdserve.engine.model_runner, "load_tensors", no_load)
     with pytest.raises(ValueError, match="--max-model-len 4096 does not fit"):
         ModelRunner(tiny_model_dir, max_model_len=4096, **sizing)
 
@@ -196,7 +196,7 @@ def test_cuda_measurement_reads_the_counters_around_one_forward(tiny_model_dir, 
     through the runner on a scratch pool, removes that pool, and turns the counters into a profile."""
     import torch
 
-    from engine.cuda_memory import CudaBaseline, measure_cuda_memory
+    from pdserve.engine.cuda_memory import CudaBaseline, measure_cuda_memory
 
     allocated = iter([100 * MiB, 130 * MiB])  # after the weights load; with the scratch pool, before the run
     fake = {
@@ -231,9 +231,9 @@ def test_a_budget_measured_with_the_weights_runs_a_forward_inside_the_constructo
     """The CUDA sizing runs a forward from inside `ModelRunner.__init__`, after the weights load and
     before the pool exists (found on an H200: `run` read an attribute set only at the end of the
     constructor). A CPU stand-in with the same protocol runs a real forward at that point."""
-    from engine.cuda_memory import profile_batch
-    from engine.kv_pool import KVPool
-    from engine.kv_sizing import KvMemory
+    from pdserve.engine.cuda_memory import profile_batch
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.kv_sizing import KvMemory
 
     class ProfiledOnCpu(KvMemory):
         needs_weights = True

@@ -1,4 +1,4 @@
-"""`engine.layers.Linear`: oneDNN-prepacked weights compute what F.linear computes."""
+"""`pdserve.engine.layers.Linear`: oneDNN-prepacked weights compute what F.linear computes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import Linear, bf16_via_float32, can_prepack
+from pdserve.engine.layers import Linear, bf16_via_float32, can_prepack
 
 CPU = torch.device("cpu")
 

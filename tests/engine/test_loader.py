@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from engine.attention.plan import paged_plan, slot_mapping
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.tiny_model import make_tiny_model
-from engine.weights import needed_tensor_names, resolve_dtype
+from pdserve.engine.attention.plan import paged_plan, slot_mapping
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.weights import needed_tensor_names, resolve_dtype
 
 
 def test_layer_slices_load_only_what_they_need(tiny_model_dir):
@@ -27,7 +27,7 @@ def test_layer_slices_load_only_what_they_need(tiny_model_dir):
 
 
 def test_pipeline_slices_compose_to_the_full_model(tiny_model_dir):
-    from engine.forward_batch import ForwardBatch
+    from pdserve.engine.forward_batch import ForwardBatch
 
     batch = ForwardBatch(["a"], [5, 6, 7, 8, 9], [5], [5], [[0, 1]], [True])
     full = ModelRunner(tiny_model_dir, num_kv_blocks=8, block_size=4).run(batch)

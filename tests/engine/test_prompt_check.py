@@ -1,10 +1,10 @@
-"""engine.prompt_check: the one prompt validation of the router, the nodes, the engine and `pdserve batch`."""
+"""pdserve.engine.prompt_check: the one prompt validation of the router, the nodes, the engine and `pdserve batch`."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.prompt_check import PromptError, check_max_tokens, check_prompt
+from pdserve.engine.prompt_check import PromptError, check_max_tokens, check_prompt
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, apply_penalties, make_generator, sample_one
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, apply_penalties, make_generator, sample_one
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def req(params: SamplingParams, prompt=(1, 2), output=()) -> Request:
@@ -29,7 +29,7 @@ def test_greedy_and_logprobs_of_raw_logits():
 def test_greedy_batch_picks_the_first_maximum_of_each_row(monkeypatch, dtype, compiled):
     # the all-greedy batch takes one reduction over the rows, the compiled `greedy` op where it is
     # loaded (bf16 logits read as they are), else torch's: ties, -inf and NaN as argmax does
-    from engine.attention import cpu_build
+    from pdserve.engine.attention import cpu_build
 
     if compiled:
         assert cpu_build.load_paged_attention_op() is not None, "this machine has a C++ compiler"
@@ -132,7 +132,7 @@ def test_logit_bias_bounds_are_refused(bias):
 
 
 def test_logit_bias_beyond_the_vocabulary_is_refused_at_admission(tiny_model_dir):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     llm = LLM(tiny_model_dir, num_kv_blocks=16)
     vocab = llm.engine.model_config.vocab_size

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import AdmissionError, EngineConfig, LLMEngine, RequestStatus, SamplingParams
+from pdserve.engine import AdmissionError, EngineConfig, LLMEngine, RequestStatus, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

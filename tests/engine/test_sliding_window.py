@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention.cpu_build import load_paged_attention_op
-from engine.model_config import ModelConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.model_config import ModelConfig
 from tests.engine.factories import build_checkpoint
 
 WINDOW = 32

@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.forward_batch import ForwardBatch
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.parallel.group import RankFailure, TPGroup, rendezvous
-from engine.parallel.sharding import TPShard, kv_head_range
-from engine.weights import load_tensors
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel.group import RankFailure, TPGroup, rendezvous
+from pdserve.engine.parallel.sharding import TPShard, kv_head_range
+from pdserve.engine.weights import load_tensors
 from tests.e2e.cluster import ROOT
 
 
@@ -118,7 +118,7 @@ def test_a_dead_rank_fails_the_engine_at_once(tiny_model_dir):
 
 RANK0 = """
 import sys, time
-from engine import LLM
+from pdserve.engine import LLM
 llm = LLM(sys.argv[1], num_kv_blocks=32, tensor_parallel_size=2)
 print(*llm.engine.runner.ranks.pids(), flush=True)
 time.sleep(600)

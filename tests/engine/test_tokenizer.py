@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
 
 TEXT = "Héllo wörld 🙂🚀 你好，世界。こんにちは 😀 done"
 
@@ -64,7 +64,7 @@ def test_every_model_token_id_decodes_to_text(tiny_model_dir):
 
 
 def test_tokenizer_padding_is_deterministic_and_exact():
-    from engine.tiny_model import pad_tokenizer, train_tokenizer
+    from pdserve.engine.tiny_model import pad_tokenizer, train_tokenizer
 
     a, b = pad_tokenizer(train_tokenizer(), 3000), pad_tokenizer(train_tokenizer(), 3000)
     assert a.to_str() == b.to_str() and a.get_vocab_size(with_added_tokens=True) == 3000
@@ -72,7 +72,7 @@ def test_tokenizer_padding_is_deterministic_and_exact():
 
 def test_cut_at_stop_is_the_one_stop_string_rule():
     """Engine checker, offline LLM text and the router's stream all cut with engine.tokenizer.cut_at_stop."""
-    from engine.tokenizer import cut_at_stop
+    from pdserve.engine.tokenizer import cut_at_stop
 
     assert cut_at_stop("a cat. a dog.", ("dog", "."), include=False) == "a cat"  # the earliest match wins
     assert cut_at_stop("a cat. a dog.", ("dog", "."), include=True) == "a cat."

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.gpu.helpers import assert_greedy_close, flashinfer_or_skip, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -84,7 +84,7 @@ def test_engine_on_cuda_matches_transformers(tiny_model_dir, hf_models, dtype):
 def test_flashinfer_backend_matches_torch_backend(dtype):
     """On the `bench` model (head_dim 64, GQA 3:1): flashinfer's kernels cover that head size."""
     flashinfer_or_skip()
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     model = default_model_dir("bench")
     kwargs = dict(device="cuda", dtype=dtype, num_kv_blocks=512, block_size=16, max_num_batched_tokens=128)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cuda_memory import CudaBaseline
-from engine.kv_sizing import CudaKvMemory
-from engine.model_runner import ModelRunner
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cuda_memory import CudaBaseline
+from pdserve.engine.kv_sizing import CudaKvMemory
+from pdserve.engine.model_runner import ModelRunner
 from tests.gpu.helpers import requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

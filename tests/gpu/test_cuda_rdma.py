@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, rdma
-from cachestore import rdma_memory
-from engine import LLM, SamplingParams
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, rdma
+from pdserve.cachestore import rdma_memory
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.cluster import start_cluster
 from tests.e2e.grpc_client import generate, greedy
 from tests.e2e.test_nodes import mixed_prompts

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from cachestore.staging import HostStaging
-from engine import LLM, SamplingParams
+from pdserve.cachestore.staging import HostStaging
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.cluster import start_cluster
 from tests.e2e.grpc_client import generate, greedy
 from tests.e2e.test_nodes import all_free, mixed_prompts

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from tdpipe.runtime.controller import PipeRequest
-from tdpipe.runtime.local import run_local_pipeline
-from tdpipe.runtime.stage_worker import StageConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.tdpipe.runtime.controller import PipeRequest
+from pdserve.tdpipe.runtime.local import run_local_pipeline
+from pdserve.tdpipe.runtime.stage_worker import StageConfig
 from tests.gpu.helpers import flashinfer_or_skip, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -46,6 +46,6 @@ def test_two_stages_over_nccl_equal_llm(tiny_model_dir) -> None:
 def test_one_stage_flashinfer() -> None:
     """On the `bench` model: flashinfer's prefill kernels have no head_dim 32 (the tiny model's)."""
     flashinfer_or_skip()
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     _check(default_model_dir("bench"), 1, "flashinfer", "bfloat16")

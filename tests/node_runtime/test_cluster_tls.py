@@ -1,4 +1,4 @@
-"""Mutual TLS on a gRPC server and channel from node_runtime.cluster_tls (no model, no nodes)."""
+"""Mutual TLS on a gRPC server and channel from pdserve.node_runtime.cluster_tls (no model, no nodes)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from node_runtime import cluster_tls
-from node_runtime.cluster_tls import TLS_SERVER_NAME, ClusterTLS, make_throwaway
+from pdserve.node_runtime import cluster_tls
+from pdserve.node_runtime.cluster_tls import TLS_SERVER_NAME, ClusterTLS, make_throwaway
 
 pytest.importorskip("cryptography")
 

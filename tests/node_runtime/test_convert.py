@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_runtime.convert import params_from_pb
+from pdserve.node_runtime.convert import params_from_pb
 from pdserve.v1 import common_pb2
 
 

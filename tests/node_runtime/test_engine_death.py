@@ -12,11 +12,11 @@ import sys
 import pytest
 from grpc_health.v1 import health_pb2
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from node_runtime.engine_loop import EngineDeadError
-from node_runtime.node import NodeRuntime
-from node_runtime.node_config import NodeConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_runtime.engine_loop import EngineDeadError
+from pdserve.node_runtime.node import NodeRuntime
+from pdserve.node_runtime.node_config import NodeConfig
 from tests.e2e.cluster import ROOT
 
 
@@ -52,7 +52,7 @@ async def test_engine_death_fails_waiters_and_reports_not_serving(tiny_model_dir
 
 CHILD = """
 import sys
-import engine.llm_engine as m
+import pdserve.engine.llm_engine as m
 def step(self):
     raise RuntimeError("injected step failure")
 m.LLMEngine.step = step

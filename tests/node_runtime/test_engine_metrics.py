@@ -6,8 +6,8 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.llm_engine import EngineLoad
-from node_runtime.engine_metrics import EngineState, cache_config_info
+from pdserve.engine.llm_engine import EngineLoad
+from pdserve.node_runtime.engine_metrics import EngineState, cache_config_info
 
 LABELS = {"model_name": "m", "engine": "0"}
 

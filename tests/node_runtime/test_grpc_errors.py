@@ -1,14 +1,20 @@
-"""The one exception -> gRPC status mapping of the node servicers (`node_runtime.grpc_errors`)."""
+"""The one exception -> gRPC status mapping of the node servicers (`pdserve.node_runtime.grpc_errors`)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from cachestore import SessionError, TransferError
-from engine.request import AdmissionError
-from node_runtime.engine_loop import EngineDeadError
-from node_runtime.grpc_errors import ErrorInterceptor, IncompatiblePeer, NodeUnavailable, RequestAborted, status_of
+from pdserve.cachestore import SessionError, TransferError
+from pdserve.engine.request import AdmissionError
+from pdserve.node_runtime.engine_loop import EngineDeadError
+from pdserve.node_runtime.grpc_errors import (
+    ErrorInterceptor,
+    IncompatiblePeer,
+    NodeUnavailable,
+    RequestAborted,
+    status_of,
+)
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ import asyncio
 import grpc
 import pytest
 
-from engine.block_keys import namespace_root, prompt_block_keys
-from engine.kv_events import KvEventLog
-from node_runtime.auth import cluster_metadata
-from node_runtime.kv_events_service import kv_event_batches
+from pdserve.engine.block_keys import namespace_root, prompt_block_keys
+from pdserve.engine.kv_events import KvEventLog
+from pdserve.node_runtime.auth import cluster_metadata
+from pdserve.node_runtime.kv_events_service import kv_event_batches
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tests.e2e.grpc_client import generate, greedy, load
 from tests.e2e.inproc import SECRET, in_process_nodes
@@ -58,7 +58,7 @@ async def test_resume_within_the_buffer_and_snapshot_after_a_gap():
 
 
 async def test_large_snapshot_is_chunked(monkeypatch):
-    from node_runtime import kv_events_service
+    from pdserve.node_runtime import kv_events_service
 
     monkeypatch.setattr(kv_events_service, "SNAPSHOT_CHUNK_KEYS", 4)
     log = KvEventLog()
@@ -123,7 +123,7 @@ async def test_node_stream_matches_router_keys_resumes_and_resyncs_after_restart
 
 
 async def test_subscribers_are_bounded(tiny_model_dir):
-    from node_runtime.kv_events_service import MAX_SUBSCRIBERS
+    from pdserve.node_runtime.kv_events_service import MAX_SUBSCRIBERS
 
     meta = cluster_metadata(SECRET)
     async with in_process_nodes(tiny_model_dir, num_prefill=1) as nodes:

@@ -7,9 +7,9 @@ import types
 
 import torch
 
-from cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, rdma
-from cachestore.transport import resolve_transport
-from node_runtime import kv_store
+from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials, rdma
+from pdserve.cachestore.transport import resolve_transport
+from pdserve.node_runtime import kv_store
 from tests.cachestore.helpers import SECRET
 from tests.cachestore.test_rdma_emulated import _from_engine_thread
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from node_runtime import memory_bounds
+from pdserve.node_runtime import memory_bounds
 
 
 def test_caches_are_capped_and_an_operator_setting_wins(monkeypatch):

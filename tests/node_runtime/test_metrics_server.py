@@ -7,7 +7,7 @@ import socket
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
-from node_runtime.metrics_server import serve_metrics
+from pdserve.node_runtime.metrics_server import serve_metrics
 
 # What Prometheus 2.x sends: OpenMetrics preferred, which prometheus_client would answer with
 # `vllm_num_requests_running` sample lines.

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.parallel.group import RankFailure
-from engine.parallel.rank_commands import RankCommands
-from node_runtime.rank_kv import ReceiverRank, SenderRank
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.parallel.group import RankFailure
+from pdserve.engine.parallel.rank_commands import RankCommands
+from pdserve.node_runtime.rank_kv import ReceiverRank, SenderRank
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 2, 8, 4, 2, 8
 
@@ -98,7 +98,7 @@ class Echo:
 async def test_commands_travel_over_the_rank_pipes_and_a_dead_rank_fails_its_pending_calls():
     reply_read, reply_write = os.pipe()
     code = (
-        "import sys; from engine.parallel.rank_commands import RankService; "
+        "import sys; from pdserve.engine.parallel.rank_commands import RankService; "
         f"s = RankService('tests.node_runtime.test_rank_kv:Echo', {reply_write}); s.start(None); "
         "s.serve(sys.stdin.buffer)"
     )

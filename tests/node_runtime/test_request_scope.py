@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from node_runtime.grpc_errors import NodeUnavailable
-from node_runtime.node import NodeRuntime
-from node_runtime.node_config import NodeConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_runtime.grpc_errors import NodeUnavailable
+from pdserve.node_runtime.node import NodeRuntime
+from pdserve.node_runtime.node_config import NodeConfig
 
 
 def vllm_sample(rt: NodeRuntime, name: str, **labels: str) -> float:

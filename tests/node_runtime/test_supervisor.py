@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from node_runtime.supervisor import LOG_TAIL_LINES, RestartPolicy, Supervised, Supervisor
+from pdserve.node_runtime.supervisor import LOG_TAIL_LINES, RestartPolicy, Supervised, Supervisor
 
 
 class FakeClock:
@@ -74,7 +74,7 @@ def test_children_die_with_a_killed_supervisor():
     import subprocess
 
     code = (
-        "import sys, time; from node_runtime.supervisor import Child; "
+        "import sys, time; from pdserve.node_runtime.supervisor import Child; "
         "c = Child('x', [sys.executable, '-c', "
         "'import time; print(\"READY x 1\", flush=True); time.sleep(60)'], {}); "
         "c.wait_ready(time.monotonic() + 30); print(c.popen.pid, flush=True); time.sleep(60)"
@@ -124,7 +124,7 @@ def test_a_child_killed_before_ready_says_by_which_signal():
     """The OOM killer's SIGKILL leaves no output: the start error must still say what happened."""
     import pytest
 
-    from node_runtime.supervisor import Child
+    from pdserve.node_runtime.supervisor import Child
 
     script = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     child = Child("silent", [sys.executable, "-c", script], dict(os.environ))

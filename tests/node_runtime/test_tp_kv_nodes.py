@@ -10,11 +10,11 @@ import dataclasses
 import grpc
 import pytest
 
-from cachestore import SessionCredentials
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from node_runtime.auth import cluster_metadata
-from node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
+from pdserve.cachestore import SessionCredentials
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.node_runtime.auth import cluster_metadata
+from pdserve.node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.e2e.grpc_client import generate, greedy
 
@@ -43,9 +43,9 @@ async def _no_leaks(prefill, decode) -> None:
 
 @pytest.mark.parametrize("p_tp,d_tp,transport", [(2, 1, "tcp"), (1, 2, "tcp"), (2, 1, "rdma")])
 async def test_tp_mismatch_tokens_aborts_and_refusals(tiny_model_dir, p_tp, d_tp, transport, monkeypatch):
-    from cachestore import rdma
-    from decode_node import DecodeNode
-    from prefill_node import PrefillNode
+    from pdserve.cachestore import rdma
+    from pdserve.decode_node import DecodeNode
+    from pdserve.prefill_node import PrefillNode
 
     if transport == "rdma":  # the emulated verbs device, across the ranks' processes too
         monkeypatch.setenv(rdma.EMULATOR_ENV, "1")

@@ -10,10 +10,10 @@ import signal
 import pytest
 from grpc_health.v1 import health_pb2
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from node_runtime.node import NodeRuntime
-from node_runtime.node_config import NodeConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node_runtime.node import NodeRuntime
+from pdserve.node_runtime.node_config import NodeConfig
 
 
 async def test_killing_a_rank_kills_the_node(tiny_model_dir):
@@ -43,8 +43,8 @@ async def test_killing_a_rank_kills_the_node(tiny_model_dir):
 
 
 def test_a_tensor_parallel_prefill_node_needs_a_network_transport(tiny_model_dir):
-    from node_runtime.node_config import TransferOptions
-    from prefill_node.server import PrefillNode
+    from pdserve.node_runtime.node_config import TransferOptions
+    from pdserve.prefill_node.server import PrefillNode
 
     config = NodeConfig(
         EngineConfig(tiny_model_dir, num_kv_blocks=64, tensor_parallel_size=2), transfer=TransferOptions("local")

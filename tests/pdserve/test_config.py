@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from pdserve.cli import COMMANDS, build_parser
-from node_runtime.config import env_name
+from pdserve.node_runtime.config import env_name
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

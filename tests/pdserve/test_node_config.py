@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.cli import build_parser
 from pdserve.commands.node_common import node_config
 from pdserve.commands.router import router_config
-from node_runtime.discovery import DiscoveryConfig
-from node_runtime.node_config import NodeOptions, TransferOptions
-from router.config import ClusterOptions
-from router.deadlines import Deadlines
+from pdserve.node_runtime.discovery import DiscoveryConfig
+from pdserve.node_runtime.node_config import NodeOptions, TransferOptions
+from pdserve.router.config import ClusterOptions
+from pdserve.router.deadlines import Deadlines
 
 NOT_ON_NODES = {
     "layer_range": "a pipeline stage's slice of the layers (`pdserve stage`); a node runs them all",

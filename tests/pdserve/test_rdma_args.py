@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from cachestore import rdma
+from pdserve.cachestore import rdma
 from pdserve.cli import build_parser
 from pdserve.commands.node_common import node_config
-from node_runtime.node_config import RDMA_ENV
+from pdserve.node_runtime.node_config import RDMA_ENV
 
 
 def _export(argv: list[str]) -> None:

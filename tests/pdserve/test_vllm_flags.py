@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.cli import build_parser
 from pdserve.commands.node_common import node_config
 from pdserve.commands.router import router_config

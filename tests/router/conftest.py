@@ -5,12 +5,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
-from router.app import create_app
-from router.node_state import GenerateChunk
-from openai_api.errors import NoCapacityError, UpstreamError
-from router.serving import Server
+from pdserve.router.app import create_app
+from pdserve.router.node_state import GenerateChunk
+from pdserve.openai_api.errors import NoCapacityError, UpstreamError
+from pdserve.router.serving import Server
 
 
 class FakeCluster:

@@ -11,9 +11,9 @@ from typing import Callable
 
 import grpc
 
-from node_runtime.discovery.base import Member
+from pdserve.node_runtime.discovery.base import Member
 from pdserve.v1 import common_pb2, decode_pb2
-from router.cluster import Cluster
+from pdserve.router.cluster import Cluster
 
 
 def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -70,7 +70,7 @@ class FakeNode:
 
 async def fake_cluster(nodes: dict[tuple[str, str], FakeNode], **kwargs) -> Cluster:
     """A started Cluster whose members are `nodes` ((role, "host:port") -> FakeNode)."""
-    from node_runtime.discovery.static import StaticDiscovery
+    from pdserve.node_runtime.discovery.static import StaticDiscovery
 
     members = [Member.parse(role, address) for role, address in nodes]
     cluster = Cluster(StaticDiscovery(members), **kwargs)

@@ -20,8 +20,8 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from engine.block_manager import BlockManager
-from engine.kv_events import KvEvent, KvEventLog
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_events import KvEvent, KvEventLog
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 SNAPSHOT_CHUNK = 3  # tiny, so tests cover chunked snapshots

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import sys
 
-from engine.builtin import default_model_dir
-from engine.tokenizer import Tokenizer
-from router.app import create_app
-from router.http_limits import ConnectionLimits
-from router.http_server import serve_http
-from router.serving import Server
+from pdserve.engine.builtin import default_model_dir
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.app import create_app
+from pdserve.router.http_limits import ConnectionLimits
+from pdserve.router.http_server import serve_http
+from pdserve.router.serving import Server
 from tests.router.paced import PacedCluster
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.v1 import common_pb2
-from router.node_state import GenerateChunk
+from pdserve.router.node_state import GenerateChunk
 
 
 class PacedCluster:

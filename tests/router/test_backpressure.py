@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine.tokenizer import Tokenizer
-from router.node_state import GenerateChunk
-from openai_api.protocol import CompletionRequest
-from router.serving import STREAM_QUEUE_CHUNKS, Server
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.node_state import GenerateChunk
+from pdserve.openai_api.protocol import CompletionRequest
+from pdserve.router.serving import STREAM_QUEUE_CHUNKS, Server
 
 
 class EndlessCluster:

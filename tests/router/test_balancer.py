@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
-from router.circuit_breaker import BreakerState, CircuitBreaker
+from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
+from pdserve.router.circuit_breaker import BreakerState, CircuitBreaker
 
 
 def nodes(*free: int, now: float = 100.0) -> list[NodeLoad]:

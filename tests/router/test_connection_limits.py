@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from router.http_limits import ConnectionLimits
+from pdserve.router.http_limits import ConnectionLimits
 from tests.e2e.cluster import ROOT
 from tests.e2e.router_cluster import free_port
 

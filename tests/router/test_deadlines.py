@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
+from pdserve.router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 
 
 def test_token_deadline_has_a_floor_and_grows_with_observed_itl():
@@ -29,9 +29,9 @@ def test_non_positive_deadlines_are_refused(field):
 
 async def test_a_request_waits_for_capacity_then_fails_cleanly():
     """While `up` restarts a node (or every node is paused) requests wait, bounded by capacity_wait."""
-    from node_runtime.discovery.static import StaticDiscovery
-    from router.cluster import Cluster
-    from openai_api.errors import NoCapacityError
+    from pdserve.node_runtime.discovery.static import StaticDiscovery
+    from pdserve.router.cluster import Cluster
+    from pdserve.openai_api.errors import NoCapacityError
 
     cluster = Cluster(StaticDiscovery([]), refresh_interval=0.01, deadlines=Deadlines(capacity_wait=5.0))
     calls = []

@@ -5,11 +5,11 @@ from __future__ import annotations
 import httpx
 from prometheus_client import CollectorRegistry
 
-import node_runtime
-from engine.tokenizer import Tokenizer
-from router.app import create_app
-from router.http_metrics import OTHER_ROUTE, HttpMetrics
-from router.serving import Server
+import pdserve
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.app import create_app
+from pdserve.router.http_metrics import OTHER_ROUTE, HttpMetrics
+from pdserve.router.serving import Server
 
 
 class IdleCluster:
@@ -52,7 +52,7 @@ async def test_route_label_is_the_template_through_the_app(tiny_model_dir):
             assert (await client.get(f"/no/such/{i}")).status_code == 404
         assert (await client.get("/health")).status_code == 200
         version = await client.get("/version")
-        assert version.status_code == 200 and version.json() == {"version": node_runtime.__version__}
+        assert version.status_code == 200 and version.json() == {"version": pdserve.__version__}
         assert (await client.get("/v1/completions")).status_code == 405
     labels = {
         (s.labels["route"], s.labels["status"]): s.value for s in _series(registry, "pdserve_router_requests_total")

@@ -10,10 +10,10 @@ import time
 import pytest
 import uvicorn
 
-from engine.tokenizer import Tokenizer
-from router.app import create_app
-from router.http_protocol import OpenAIErrorH11Protocol
-from router.serving import Server
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.app import create_app
+from pdserve.router.http_protocol import OpenAIErrorH11Protocol
+from pdserve.router.serving import Server
 from tests.e2e.router_cluster import free_port
 
 

@@ -15,8 +15,8 @@ SERVER = textwrap.dedent(
     """
     import os, signal, socket, sys
     from fastapi import FastAPI
-    from router.http_limits import ConnectionLimits
-    from router.http_server import serve_http
+    from pdserve.router.http_limits import ConnectionLimits
+    from pdserve.router.http_server import serve_http
 
     port = int(sys.argv[1])
     app = FastAPI()

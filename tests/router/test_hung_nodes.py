@@ -8,9 +8,9 @@ import random
 import pytest
 
 from pdserve.v1 import common_pb2
-from router.backoff import backoff_delay
-from router.node_state import Route
-from router.deadlines import Deadlines
+from pdserve.router.backoff import backoff_delay
+from pdserve.router.node_state import Route
+from pdserve.router.deadlines import Deadlines
 from tests.router.fake_nodes import FakeNode, fake_cluster
 
 D1, D2, P1, P2 = (

@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from engine.block_keys import namespace_root
-from node_runtime.discovery import Member
-from node_runtime.discovery.static import StaticDiscovery
+from pdserve.engine.block_keys import namespace_root
+from pdserve.node_runtime.discovery import Member
+from pdserve.node_runtime.discovery.static import StaticDiscovery
 from pdserve.v1 import common_pb2
-from router.balancer import DecodeBalancer
-from router.cluster import Cluster
-from router.kv_policy import PolicyParams
-from router.kv_routing import KvRouter
+from pdserve.router.balancer import DecodeBalancer
+from pdserve.router.cluster import Cluster
+from pdserve.router.kv_policy import PolicyParams
+from pdserve.router.kv_routing import KvRouter
 from tests.router.kv_fake_node import COMPAT, FakeKvNode, FakePrefill, serve, until
 
 PROMPT = list(range(1, 42))  # 10 full blocks of 4 (+1 token)
@@ -108,7 +108,7 @@ async def test_generate_passes_cache_salt_and_reports_cached_tokens(cluster_of_t
 async def test_metrics_show_hits_decisions_index_and_lag(cluster_of_two):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from router.kv_metrics import KvRoutingCollector
+    from pdserve.router.kv_metrics import KvRoutingCollector
 
     make, nodes, _, addrs = cluster_of_two
     cluster = await make("kv-aware")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.kv_index import KvIndex
+from pdserve.router.kv_index import KvIndex
 
 
 def test_match_counts_the_leading_run_of_synced_nodes_only():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from engine.block_keys import namespace_root, prompt_block_keys
-from router.balancer import DecodeBalancer, NodeLoad
-from router.kv_policy import Candidate, PolicyParams, choose_decode, order_prefill, within_bound
-from router.kv_routing import KvRouter
+from pdserve.engine.block_keys import namespace_root, prompt_block_keys
+from pdserve.router.balancer import DecodeBalancer, NodeLoad
+from pdserve.router.kv_policy import Candidate, PolicyParams, choose_decode, order_prefill, within_bound
+from pdserve.router.kv_routing import KvRouter
 
 COMPAT = "model=t;block_size=16"
 NO_EXPLORE = PolicyParams(explore=0.0)

@@ -7,10 +7,10 @@ import asyncio
 import grpc
 import pytest
 
-from engine.block_keys import namespace_root, prompt_block_keys
+from pdserve.engine.block_keys import namespace_root, prompt_block_keys
 from pdserve.v1 import decode_pb2_grpc
-from router.kv_index import KvIndex
-from router.kv_subscriber import KvSubscriber
+from pdserve.router.kv_index import KvIndex
+from pdserve.router.kv_subscriber import KvSubscriber
 from tests.router.kv_fake_node import FakeKvNode, serve, until
 
 ROOT = namespace_root("model=t;block_size=4")

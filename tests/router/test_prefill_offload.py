@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from node_runtime.discovery import Member
-from node_runtime.discovery.static import StaticDiscovery
+from pdserve.node_runtime.discovery import Member
+from pdserve.node_runtime.discovery.static import StaticDiscovery
 from pdserve.v1 import common_pb2
-from router.balancer import NodeLoad
-from router.cluster import Cluster
-from router.prefill_offload import OffloadPolicy, Prefilling, pending_tokens
+from pdserve.router.balancer import NodeLoad
+from pdserve.router.cluster import Cluster
+from pdserve.router.prefill_offload import OffloadPolicy, Prefilling, pending_tokens
 from tests.router.kv_fake_node import FakeKvNode, FakePrefill, serve, until
 
 PROMPT = list(range(1, 140))  # 139 tokens, the benchmark's chat prompt

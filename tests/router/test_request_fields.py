@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from openai_api.request_fields import REFUSED
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.openai_api.request_fields import REFUSED
 from tests.router.conftest import FakeCluster
 
 README = Path(__file__).resolve().parents[2] / "README.md"

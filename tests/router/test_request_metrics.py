@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from node_runtime.discovery import Member
+from pdserve.node_runtime.discovery import Member
 from pdserve.v1 import common_pb2
-from router.balancer import NodeLoad
-from router.node_state import GenerateChunk, NodeState
-from router.cluster_metrics import ClusterCollector
-from router.request_metrics import RequestMetrics
+from pdserve.router.balancer import NodeLoad
+from pdserve.router.node_state import GenerateChunk, NodeState
+from pdserve.router.cluster_metrics import ClusterCollector
+from pdserve.router.request_metrics import RequestMetrics
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -78,7 +78,7 @@ async def test_a_chunk_of_several_tokens_counts_one_gap_per_token():
 
 
 def test_token_buckets_are_vllms_1_2_5_series():
-    from node_runtime.vllm_metrics import build_1_2_5_buckets
+    from pdserve.node_runtime.vllm_metrics import build_1_2_5_buckets
 
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(2048)[-1] == 2000

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from router.keepalive_stream import KEEPALIVE_COMMENT, KeepAlive, with_keepalive
-from openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from router.serving import Server
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.keepalive_stream import KEEPALIVE_COMMENT, KeepAlive, with_keepalive
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.serving import Server
 from tests.router.paced import PacedCluster
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from router.app import create_app
-from router.serving import Server
+from pdserve.router.app import create_app
+from pdserve.router.serving import Server
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ async def test_bad_tokenize_input_is_a_400_in_the_openai_shape(client, path, bod
 
 
 async def test_a_template_that_refuses_the_conversation_is_a_400(client, tiny_model_dir):
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
     from tests.router.conftest import FakeCluster
 
     tok = Tokenizer(tiny_model_dir, chat_template="{{ raise_exception('no system role') }}")

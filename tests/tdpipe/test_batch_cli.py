@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.tdpipe.batch_helpers import MAX_TOKENS, PROMPTS, batch_cmd, read_results, request_line, texts_by_id
 
 
@@ -133,11 +133,11 @@ def test_batch_texts_equal_llm_and_bad_lines_become_errors(tmp_path, batch_expec
 def test_resume_keys_skip_answered_lines_and_keep_duplicates_apart(tmp_path, tiny_model_dir) -> None:
     """A duplicate's error line carries the repeated custom_id: on resume it must not count as the
     answer of the line that owns that id; error lines without an id are matched by line number."""
-    from engine.tokenizer import Tokenizer
-    from openai_api.choices import ChoiceBuilder
-    from tdpipe.runtime.batch_input import read_lines
-    from tdpipe.runtime.batch_output import OrderedWriter, open_output
-    from tdpipe.runtime.batch_stream import LineSource
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.openai_api.choices import ChoiceBuilder
+    from pdserve.tdpipe.runtime.batch_input import read_lines
+    from pdserve.tdpipe.runtime.batch_output import OrderedWriter, open_output
+    from pdserve.tdpipe.runtime.batch_stream import LineSource
 
     data = "\n".join([request_line("a", "x"), request_line("a", "again"), "{bad", request_line("b", "y")]).encode()
     tok = Tokenizer(str(tiny_model_dir))
@@ -192,8 +192,8 @@ def test_batch_refuses_to_overwrite_results_without_resume(tmp_path, capsys) -> 
 
 def test_cost_table_choices(tmp_path, capsys) -> None:
     from pdserve.cli import main
-    from tdpipe.runtime.batch_job import table_choice
-    from tdpipe.cost_table import CostTable
+    from pdserve.tdpipe.runtime.batch_job import table_choice
+    from pdserve.tdpipe.cost_table import CostTable
 
     assert table_choice("auto", "cpu", external=False) == "profile"
     # a GPU, or stages on hardware this process may not share: the GPU-shaped analytic table

@@ -18,17 +18,17 @@ WINDOW = 40
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     return Tokenizer(str(tiny_model_dir))
 
 
 def _run_lines(data: bytes, tok, **kw) -> tuple[list[str], list[dict]]:
     """Pull every line of `data` through a LineSource; (ids that would run, output lines)."""
-    from openai_api.choices import ChoiceBuilder
-    from tdpipe.runtime.batch_input import read_lines
-    from tdpipe.runtime.batch_output import OrderedWriter
-    from tdpipe.runtime.batch_stream import LineSource
+    from pdserve.openai_api.choices import ChoiceBuilder
+    from pdserve.tdpipe.runtime.batch_input import read_lines
+    from pdserve.tdpipe.runtime.batch_output import OrderedWriter
+    from pdserve.tdpipe.runtime.batch_stream import LineSource
 
     out = io.BytesIO()
     writer = OrderedWriter(out, "completion")
@@ -109,7 +109,7 @@ def test_a_deep_body_that_parses_is_refused_not_raised(tok) -> None:
 
 
 def test_second_job_on_one_output_fails_at_once(tmp_path) -> None:
-    from tdpipe.runtime.batch_output import open_output
+    from pdserve.tdpipe.runtime.batch_output import open_output
 
     path = str(tmp_path / "out.jsonl")
     first, _ = open_output(path, resume=False)
@@ -121,7 +121,7 @@ def test_second_job_on_one_output_fails_at_once(tmp_path) -> None:
 
 
 def test_resume_keeps_every_valid_line_around_a_torn_one(tmp_path) -> None:
-    from tdpipe.runtime.batch_output import open_output
+    from pdserve.tdpipe.runtime.batch_output import open_output
 
     def row(cid: str) -> str:
         return json.dumps({"id": "x", "custom_id": cid, "response": {"status_code": 200}, "error": None})
@@ -139,7 +139,7 @@ def test_resume_keeps_every_valid_line_around_a_torn_one(tmp_path) -> None:
 
 
 def test_ordered_writer_holds_early_finishers_until_their_turn() -> None:
-    from tdpipe.runtime.batch_output import OrderedWriter
+    from pdserve.tdpipe.runtime.batch_output import OrderedWriter
 
     out = io.BytesIO()
     w = OrderedWriter(out)
@@ -161,12 +161,12 @@ def test_policies_run_a_feed_with_a_bounded_window(policy, max_out, read_ahead) 
     `read_ahead`: the feed was read before the policy took it, as `pdserve batch` does; PP's
     virtual engines once drew only from the source behind it, so those requests never ran and the
     job ended at once, every line unanswered and no error."""
-    from tdpipe.config import InstanceConfig
-    from tdpipe.cost_table import CostTable
-    from tdpipe.executor import SimExecutor
-    from tdpipe.feed import RequestFeed
-    from tdpipe.simulator import make_policy
-    from tdpipe.workload import SimRequest
+    from pdserve.tdpipe.config import InstanceConfig
+    from pdserve.tdpipe.cost_table import CostTable
+    from pdserve.tdpipe.executor import SimExecutor
+    from pdserve.tdpipe.feed import RequestFeed
+    from pdserve.tdpipe.simulator import make_policy
+    from pdserve.tdpipe.workload import SimRequest
 
     rng = random.Random(1)
     todo = [SimRequest(i, rng.randint(4, 60), rng.randint(1, max_out), 20) for i in range(300)]
@@ -197,7 +197,7 @@ def test_policies_run_a_feed_with_a_bounded_window(policy, max_out, read_ahead) 
 
 
 def test_completion_order_writes_at_once() -> None:
-    from tdpipe.runtime.batch_output import OrderedWriter
+    from pdserve.tdpipe.runtime.batch_output import OrderedWriter
 
     out = io.BytesIO()
     w = OrderedWriter(out, "completion")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.tdpipe.batch_helpers import (
     PROMPTS,
     START_TIMEOUT,
@@ -111,7 +111,7 @@ def test_batch_names_a_killed_stage_then_resumes(tmp_path, tiny_model_dir) -> No
 
 WATCHDOG_SCRIPT = """
 import subprocess, sys, threading
-import tdpipe.runtime.batch_watchdog as bj
+import pdserve.tdpipe.runtime.batch_watchdog as bj
 bj.HARD_EXIT_GRACE_S = 1.0
 wd = bj.StageWatchdog()
 wd.install()
@@ -149,8 +149,8 @@ def test_watchdog_ends_a_job_whose_main_thread_stays_blocked() -> None:
 def test_watchdog_names_the_stage_that_died_not_the_ones_stopped_after_it() -> None:
     """The launcher kills the survivors right after a stage dies; their waiter threads may notice those
     exits first. Here the survivor's exit is noticed first, for certain: it still must not be named."""
-    from tdpipe.runtime.batch_watchdog import StageWatchdog
-    from tdpipe.runtime.local import stop_on_purpose
+    from pdserve.tdpipe.runtime.batch_watchdog import StageWatchdog
+    from pdserve.tdpipe.runtime.local import stop_on_purpose
 
     wd = StageWatchdog()
     stages = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]

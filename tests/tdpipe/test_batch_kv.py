@@ -7,10 +7,10 @@ from argparse import Namespace
 
 import pytest
 
-from engine.model_config import ModelConfig
+from pdserve.engine.model_config import ModelConfig
 from pdserve.cli import build_parser
-from tdpipe.runtime.batch_kv import FIXED_DEFAULT_BLOCKS, stage_kv_blocks
-from tdpipe.runtime.stage_split import model_stage_ranges
+from pdserve.tdpipe.runtime.batch_kv import FIXED_DEFAULT_BLOCKS, stage_kv_blocks
+from pdserve.tdpipe.runtime.stage_split import model_stage_ranges
 
 MiB = 1024**2
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tdpipe.runtime import live_stats
-from tdpipe.runtime.live_stats import PipelineGauge
+from pdserve.tdpipe.runtime import live_stats
+from pdserve.tdpipe.runtime.live_stats import PipelineGauge
 
 
 def test_bubble_is_the_share_of_stage_time_without_a_batch(monkeypatch) -> None:

@@ -16,8 +16,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tdpipe.runtime import wire
-from tdpipe.runtime.heartbeat import HeartbeatMonitor, start_heartbeat
+from pdserve.tdpipe.runtime import wire
+from pdserve.tdpipe.runtime.heartbeat import HeartbeatMonitor, start_heartbeat
 from tests.e2e.router_cluster import free_port
 from tests.tdpipe.batch_helpers import STOP_TIMEOUT, all_gone, kill_job
 from tests.tdpipe.test_batch_interrupts import finish_and_check, start_mid_run

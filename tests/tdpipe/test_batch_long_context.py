@@ -11,12 +11,12 @@ import subprocess
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.tokenizer import Tokenizer
-from openai_api.choices import ChoiceBuilder
-from tdpipe.predictor import BucketPredictor
-from tdpipe.runtime.batch_io import LineError, parse_line
-from tdpipe.runtime.batch_lengths import DEFAULT_PREDICTED_LEN, LengthPlanner, fills_context, fit_line
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.openai_api.choices import ChoiceBuilder
+from pdserve.tdpipe.predictor import BucketPredictor
+from pdserve.tdpipe.runtime.batch_io import LineError, parse_line
+from pdserve.tdpipe.runtime.batch_lengths import DEFAULT_PREDICTED_LEN, LengthPlanner, fills_context, fit_line
 from tests.tdpipe.batch_helpers import batch_cmd, read_results
 
 LONG_CONTEXT = 32768

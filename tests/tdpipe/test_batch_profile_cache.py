@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tdpipe.runtime import profile_cache as pc
-from tdpipe.runtime.profile import ProfilePlan, StageProfile
+from pdserve.tdpipe.runtime import profile_cache as pc
+from pdserve.tdpipe.runtime.profile import ProfilePlan, StageProfile
 
 OPTIONS = {"dtype": "auto", "device": "cpu", "block_size": 4, "num_threads": 1, "attention_backend": "auto"}
 
@@ -72,7 +72,7 @@ def test_cached_profiles_measures_once_then_reuses(tmp_path, tiny_model_dir, mon
         calls.append(plan)
         return _profiles()
 
-    monkeypatch.setattr("tdpipe.runtime.profile.profile_at", fake_profile_at)
+    monkeypatch.setattr("pdserve.tdpipe.runtime.profile.profile_at", fake_profile_at)
     first, hit = pc.cached_profiles(tiny_model_dir, 2, _plan(), tmp_path, **OPTIONS)
     assert hit is None and len(calls) == 1
     again, hit = pc.cached_profiles(tiny_model_dir, 2, _plan(decode_max=8), tmp_path, **OPTIONS)

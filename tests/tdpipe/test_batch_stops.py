@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.e2e.router_cluster import free_port
 from tests.e2e.up_process import start_up
 from tests.tdpipe.batch_helpers import PROMPTS, batch_cmd, read_results, stop_string_in

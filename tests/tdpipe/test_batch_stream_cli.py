@@ -179,7 +179,7 @@ def test_200k_lines_run_in_bounded_memory(tmp_path) -> None:
 
 def test_url_errors_are_clear(tmp_path, store, capsys) -> None:
     from pdserve.cli import main
-    from tdpipe.runtime.batch_url import upload
+    from pdserve.tdpipe.runtime.batch_url import upload
 
     base, files = store
     cmd = batch_cmd(tmp_path)[3:]

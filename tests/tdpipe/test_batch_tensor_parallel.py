@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.forward_batch import ForwardBatch
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.parallel.launcher import TensorParallelRunner
-from tdpipe.runtime.stage_worker import StageConfig, stage_device
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel.launcher import TensorParallelRunner
+from pdserve.tdpipe.runtime.stage_worker import StageConfig, stage_device
 from tests.tdpipe.batch_helpers import (
     PROMPTS,
     START_TIMEOUT,
@@ -41,9 +41,9 @@ TP_FLAGS = ("--stages", "2", "--tensor-parallel-size", "2", "--dtype", "float32"
 
 
 def _rank_pids(stage_pid: int, deadline: float) -> list[int]:
-    """The tensor-parallel rank processes (engine.parallel.worker) a `pdserve stage` started."""
+    """The tensor-parallel rank processes (pdserve.engine.parallel.worker) a `pdserve stage` started."""
     while time.monotonic() < deadline:
-        kids = children_with(stage_pid, "engine.parallel.worker")
+        kids = children_with(stage_pid, "pdserve.engine.parallel.worker")
         if kids:
             return kids
         time.sleep(0.1)
@@ -51,7 +51,7 @@ def _rank_pids(stage_pid: int, deadline: float) -> list[int]:
 
 
 def test_stage_config_carries_the_group_size_to_the_stage_command() -> None:
-    from tdpipe.runtime.local import stage_command
+    from pdserve.tdpipe.runtime.local import stage_command
 
     cmd = stage_command(StageConfig("/m", num_kv_blocks=8, tensor_parallel_size=2))
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"

@@ -10,14 +10,14 @@ import threading
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.forward_batch import ForwardBatch
-from tdpipe.runtime.controller import PipeRequest
-from tdpipe.runtime.last_stage import StageMessage
-from tdpipe.runtime.local import run_local_pipeline
-from tdpipe.runtime.profile_comm import _pair
-from tdpipe.runtime.stage_worker import StageConfig
-from tdpipe.runtime.wire import CONTROL_FRAME_BYTES, ControlInbox, control_frames
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.tdpipe.runtime.controller import PipeRequest
+from pdserve.tdpipe.runtime.last_stage import StageMessage
+from pdserve.tdpipe.runtime.local import run_local_pipeline
+from pdserve.tdpipe.runtime.profile_comm import _pair
+from pdserve.tdpipe.runtime.stage_worker import StageConfig
+from pdserve.tdpipe.runtime.wire import CONTROL_FRAME_BYTES, ControlInbox, control_frames
 
 
 def _exchange(messages: list[object]) -> list[object]:

@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.forward_batch import ForwardBatch
-from tdpipe.config import InstanceConfig
-from tdpipe.cost_table import CostTable
-from tdpipe.executor import Batch, BatchItem, SimExecutor
-from tdpipe.runtime.controller import PipeRequest, StageExecutor
-from tdpipe.runtime import last_stage
-from tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, HeldRows, LastStageSampler, StageMessage
-from tdpipe.runtime.local import run_local_pipeline
-from tdpipe.runtime.stage_worker import StageConfig
-from tdpipe.simulator import make_policy
-from tdpipe.workload import SimRequest
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.tdpipe.config import InstanceConfig
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import Batch, BatchItem, SimExecutor
+from pdserve.tdpipe.runtime.controller import PipeRequest, StageExecutor
+from pdserve.tdpipe.runtime import last_stage
+from pdserve.tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, HeldRows, LastStageSampler, StageMessage
+from pdserve.tdpipe.runtime.local import run_local_pipeline
+from pdserve.tdpipe.runtime.stage_worker import StageConfig
+from pdserve.tdpipe.simulator import make_policy
+from pdserve.tdpipe.workload import SimRequest
 from tests.tdpipe.batch_helpers import stop_string_in
 
 VOCAB, HIDDEN = 11, 4

@@ -13,24 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.forward_batch import ForwardBatch
-from engine.kv_pool import KVPool
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.tiny_model import SIZES, make_tiny_model
-from tdpipe.runtime import shared_kv
-from tdpipe.config import InstanceConfig
-from tdpipe.cost_table import CostTable
-from tdpipe.executor import SimExecutor
-from tdpipe.runtime.controller import PipeRequest
-from tdpipe.runtime.local import run_local_pipeline
-from tdpipe.runtime.profile_cache import cache_key
-from tdpipe.runtime.stage_split import lm_head_layers, pipeline_split, resolve_phase_split
-from tdpipe.runtime.stage_worker import StageConfig
-from tdpipe.simulator import make_policy
-from tdpipe.td_scheduler import MIN_CHUNK
-from tdpipe.workload import SimRequest
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.tiny_model import SIZES, make_tiny_model
+from pdserve.tdpipe.runtime import shared_kv
+from pdserve.tdpipe.config import InstanceConfig
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import SimExecutor
+from pdserve.tdpipe.runtime.controller import PipeRequest
+from pdserve.tdpipe.runtime.local import run_local_pipeline
+from pdserve.tdpipe.runtime.profile_cache import cache_key
+from pdserve.tdpipe.runtime.stage_split import lm_head_layers, pipeline_split, resolve_phase_split
+from pdserve.tdpipe.runtime.stage_worker import StageConfig
+from pdserve.tdpipe.simulator import make_policy
+from pdserve.tdpipe.td_scheduler import MIN_CHUNK
+from pdserve.tdpipe.workload import SimRequest
 from tests.tdpipe.batch_helpers import batch_cmd, read_results, request_line, texts_by_id
 
 PROMPTS = ["The old lighthouse keeper", "Once upon a time", "A quick brown fox", "Water is", "She opened the door and"]
@@ -132,7 +132,8 @@ def test_a_stage_process_writes_kv_the_launcher_reads(tiny_model_dir) -> None:
     try:
         mine = shared_kv.map_layers(fd, cfg, 6, 4, torch.float32, (0, 4))
         child = (
-            "import sys, torch; from engine.model_config import ModelConfig; from tdpipe.runtime import shared_kv; "
+            "import sys, torch; from pdserve.engine.model_config import ModelConfig; "
+            "from pdserve.tdpipe.runtime import shared_kv; "
             f"t = shared_kv.map_layers({fd}, ModelConfig.from_dir(sys.argv[1]), 6, 4, torch.float32, (2, 4)); "
             "t[0, 5, 1].fill_(7.0)"
         )
@@ -247,7 +248,7 @@ def test_batch_job_splits_by_phase_by_default(tmp_path, wide_head_dir) -> None:
 
 
 def test_the_profile_times_each_phase_on_its_split(wide_head_dir) -> None:
-    from tdpipe.runtime.profile import profile_stages
+    from pdserve.tdpipe.runtime.profile import profile_stages
 
     options = dict(decode_batches=[1, 4], prefill_tokens=[16, 64], decode_context=16, block_size=4, repeats=1)
     by_phase = profile_stages(wide_head_dir, 2, phase_split=True, attention_backend="torch", **options)
@@ -265,7 +266,7 @@ def test_three_bench_stages_whose_middle_shares_layers_with_both_neighbours() ->
     holds 4-10 and shares layers 4-5 with stage 0 and 8-10 with stage 2."""
     import random
 
-    from engine.builtin import default_model_dir
+    from pdserve.engine.builtin import default_model_dir
 
     model_dir = str(default_model_dir("bench"))
     split = pipeline_split(ModelConfig.from_dir(model_dir), 3, by_phase=True)
@@ -286,7 +287,7 @@ def test_the_stage_command_carries_the_phase_split_and_the_shared_file() -> None
     """The launcher's flags reach `pdserve stage` as its parser reads them (a stage that missed the
     switch would run the fixed split on a private pool, and still answer right)."""
     from pdserve.cli import build_parser
-    from tdpipe.runtime.local import stage_command
+    from pdserve.tdpipe.runtime.local import stage_command
 
     for phase_split in (True, False):
         cmd = stage_command(StageConfig("/m", num_kv_blocks=8, phase_split=phase_split, kv_fd=7))

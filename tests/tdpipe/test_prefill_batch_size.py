@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from tdpipe.config import InstanceConfig, TDPipeOptions
-from tdpipe.cost_table import CostTable
-from tdpipe.executor import SimExecutor
-from tdpipe.td_scheduler import MIN_CHUNK, TDPipeScheduler, batch_tokens, pack_prompts, sized_prefill_batches
-from tdpipe.workload import WorkloadConfig, generate
+from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import SimExecutor
+from pdserve.tdpipe.td_scheduler import MIN_CHUNK, TDPipeScheduler, batch_tokens, pack_prompts, sized_prefill_batches
+from pdserve.tdpipe.workload import WorkloadConfig, generate
 
 CPU_LIKE = CostTable("cpu-like", (1, 64, 2048), (40.0, 80.0, 2048.0))
 """A prefill's cost per token flat from 64 tokens (a CPU: no fixed cost to amortise)."""

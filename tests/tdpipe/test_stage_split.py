@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from engine.model_config import ModelConfig
-from engine.tiny_model import SIZES
-from tdpipe.runtime.stage_split import (
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.tiny_model import SIZES
+from pdserve.tdpipe.runtime.stage_split import (
     decoder_layer_weights,
     OP_OVERHEAD_WEIGHTS,
     lm_head_layers,
@@ -16,7 +16,7 @@ from tdpipe.runtime.stage_split import (
     stage_layer_range,
     stage_layer_ranges,
 )
-from tdpipe.runtime.stage_worker import stage_layer_range as worker_stage_layer_range
+from pdserve.tdpipe.runtime.stage_worker import stage_layer_range as worker_stage_layer_range
 
 
 def _config(**over) -> ModelConfig:

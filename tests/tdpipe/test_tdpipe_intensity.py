@@ -6,13 +6,13 @@ from collections import deque
 
 import pytest
 
-from tdpipe.config import InstanceConfig, TDPipeOptions
-from tdpipe.cost_table import CostTable
-from tdpipe.intensity import decide, phase_peak_batch_size, spatial_intensity, temporal_intensity
-from tdpipe.memory_sim import FutureMemory
-from tdpipe.td_scheduler import TDPipeScheduler
-from tdpipe.work_stealing import WorkStealer
-from tdpipe.workload import SimRequest
+from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.intensity import decide, phase_peak_batch_size, spatial_intensity, temporal_intensity
+from pdserve.tdpipe.memory_sim import FutureMemory
+from pdserve.tdpipe.td_scheduler import TDPipeScheduler
+from pdserve.tdpipe.work_stealing import WorkStealer
+from pdserve.tdpipe.workload import SimRequest
 
 # Forward time 10 ms up to 4 tokens, then 2.5 ms per token: peak per-request
 # throughput is reached at 4 (4/10) and stays there (8/20).

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from benchmarks.tdpipe_intensity import run_one, variants
-from tdpipe.config import InstanceConfig, TDPipeOptions
-from tdpipe.cost_table import CostTable
-from tdpipe.simulator import simulate
-from tdpipe.workload import WorkloadConfig, generate
+from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.simulator import simulate
+from pdserve.tdpipe.workload import WorkloadConfig, generate
 
 
 def test_probed_run_matches_the_plain_simulator_and_records_switches() -> None:

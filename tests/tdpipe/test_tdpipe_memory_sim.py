@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tdpipe.memory_sim import FutureMemory, FuturePointsConfig, brute_force_usage
+from pdserve.tdpipe.memory_sim import FutureMemory, FuturePointsConfig, brute_force_usage
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tdpipe.cost_table import CostTable
-from tdpipe.overheads import LinearCost, PipelineOverheads
-from tdpipe.pipeline import Pipeline, SimStats
-from tdpipe.runtime.profile import StageProfile, build_cost_table
-from tdpipe.runtime.profile_comm import measure_overheads, pipeline_overheads
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.overheads import LinearCost, PipelineOverheads
+from pdserve.tdpipe.pipeline import Pipeline, SimStats
+from pdserve.tdpipe.runtime.profile import StageProfile, build_cost_table
+from pdserve.tdpipe.runtime.profile_comm import measure_overheads, pipeline_overheads
 
 FLAT = CostTable("flat", (1, 4096), (20.0, 20.0))  # 10 ms per stage on 2 stages, any size
 
@@ -112,7 +112,7 @@ def test_measure_overheads_replays_the_messages_quickly() -> None:
 
 
 def test_the_measured_overheads_are_cached_with_the_profile(tmp_path) -> None:
-    from tdpipe.runtime import profile_cache as pc
+    from pdserve.tdpipe.runtime import profile_cache as pc
 
     first = _profile(0, {1: 5.0}, {512: 40.0})
     first.handoff_ms, first.dispatch_ms = {1: 1.0, 512: 2.0}, {1: 3.0}

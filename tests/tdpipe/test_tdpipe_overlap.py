@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import copy
 
-from engine.block_manager import blocks_for
-from tdpipe.config import InstanceConfig
-from tdpipe.cost_table import CostTable
-from tdpipe.executor import Batch, SimExecutor
-from tdpipe.overheads import LinearCost, PipelineOverheads
-from tdpipe.simulator import make_policy
-from tdpipe.td_overlap import decode_batches_in_flight
-from tdpipe.workload import SimRequest, WorkloadConfig, generate
+from pdserve.engine.block_manager import blocks_for
+from pdserve.tdpipe.config import InstanceConfig
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import Batch, SimExecutor
+from pdserve.tdpipe.overheads import LinearCost, PipelineOverheads
+from pdserve.tdpipe.simulator import make_policy
+from pdserve.tdpipe.td_overlap import decode_batches_in_flight
+from pdserve.tdpipe.workload import SimRequest, WorkloadConfig, generate
 
 INST = InstanceConfig(num_stages=2, capacity_blocks=600, block_size=16, max_batch_tokens=1024)
 

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tdpipe.predictor import BucketPredictor, FallbackPredictor, bucket_edges, bucket_of, load_history, mean_abs_error
+from pdserve.tdpipe.predictor import (
+    BucketPredictor,
+    FallbackPredictor,
+    bucket_edges,
+    bucket_of,
+    load_history,
+    mean_abs_error,
+)
 
 TASKS = {"translate": 30, "summarize": 80, "explain": 250, "write a long story about": 700}
 TOPICS = ["cats", "the sea", "rust borrow checker", "tax law", "volcanoes", "jazz", "gardening"]
@@ -80,7 +87,7 @@ def test_minilm_encoder_beats_fallback() -> None:
 
 
 def test_train_predictor_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tdpipe.train_predictor import main
+    from pdserve.tdpipe.train_predictor import main
 
     prompts, lengths = synthetic_history(300, seed=7)
     history = tmp_path / "h.jsonl"

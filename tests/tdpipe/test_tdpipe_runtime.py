@@ -7,16 +7,16 @@ import copy
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.model_config import ModelConfig
-from tdpipe.config import InstanceConfig
-from tdpipe.cost_table import CostTable
-from tdpipe.executor import SimExecutor
-from tdpipe.runtime.controller import PipeRequest
-from tdpipe.runtime.local import run_local_pipeline
-from tdpipe.runtime.stage_worker import StageConfig, stage_layer_range
-from tdpipe.simulator import make_policy
-from tdpipe.workload import SimRequest
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_config import ModelConfig
+from pdserve.tdpipe.config import InstanceConfig
+from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import SimExecutor
+from pdserve.tdpipe.runtime.controller import PipeRequest
+from pdserve.tdpipe.runtime.local import run_local_pipeline
+from pdserve.tdpipe.runtime.stage_worker import StageConfig, stage_layer_range
+from pdserve.tdpipe.simulator import make_policy
+from pdserve.tdpipe.workload import SimRequest
 from tests.tdpipe.batch_helpers import PROMPTS as BATCH_PROMPTS
 
 PROMPTS = [*BATCH_PROMPTS, "She opened the door and", "Numbers: one two three"]
@@ -25,7 +25,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, greedy output ids of engine.LLM) for PROMPTS."""
+    """(prompt ids, greedy output ids of pdserve.engine.LLM) for PROMPTS."""
     llm = LLM(tiny_model_dir)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     return [llm.tokenizer.encode(p) for p in PROMPTS], [o.outputs[0].token_ids for o in outs]

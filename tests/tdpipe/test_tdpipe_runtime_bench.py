@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tdpipe.runtime.profile import (
+from pdserve.tdpipe.runtime.profile import (
     StageProfile,
     build_cost_table,
     mean_decode_context,
@@ -21,7 +21,7 @@ from tdpipe.runtime.profile import (
     plan_profile,
     profile_stages,
 )
-from tdpipe.runtime.timeline import bubble_fraction, bubble_fractions, job_span, phase_switches, plot_timelines
+from pdserve.tdpipe.runtime.timeline import bubble_fraction, bubble_fractions, job_span, phase_switches, plot_timelines
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tdpipe.config import InstanceConfig, TDPipeOptions
-from tdpipe.cost_table import DATA_DIR, PUBLISHED_SOURCE, TABLES_ENV, CostTable
-from tdpipe.pipeline import Pipeline, SimStats
-from tdpipe.simulator import POLICIES, plot_kv_usage, simulate
-from tdpipe.workload import WorkloadConfig, generate
+from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
+from pdserve.tdpipe.cost_table import DATA_DIR, PUBLISHED_SOURCE, TABLES_ENV, CostTable
+from pdserve.tdpipe.pipeline import Pipeline, SimStats
+from pdserve.tdpipe.simulator import POLICIES, plot_kv_usage, simulate
+from pdserve.tdpipe.workload import WorkloadConfig, generate
 
 
 PUBLISHED = ("L20-Llama-13B", "L20-Qwen2.5-32B", "L20-opt-125m")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tdpipe.work_stealing import WorkStealer
+from pdserve.tdpipe.work_stealing import WorkStealer
 
 
 def test_paper_section_3_4_example() -> None:

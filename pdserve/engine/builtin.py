@@ -1,0 +1,47 @@
+"""The built-in models, created once into a cache directory on first use."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pdserve.engine import tiny_model
+from pdserve.engine.tiny_model import CORPUS, make_tiny_model
+
+FORMAT_VERSION = 2
+"""Bump when tiny_model.py changes what it writes, so stale caches are not reused.
+(The cache directory name also carries a digest of tiny_model.py and the corpus,
+so two builds that differ never share a directory even if a bump is forgotten.)"""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+def default_model_dir(size: str = "tiny") -> Path:
+    """Path of the built-in `size` model, building it on first use.
+
+    Safe under concurrent first use (several node processes start at once): each
+    builder writes into its own temp dir and renames it into place; a loser of
+    the race discards its copy.
+    """
+    source = Path(tiny_model.__file__).read_bytes()
+    digest = hashlib.sha256(source + CORPUS.read_bytes()).hexdigest()[:10]
+    target = cache_root() / "models" / f"{size}-v{FORMAT_VERSION}-{digest}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=target.parent))
+    try:
+        make_tiny_model(tmp, size)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,149 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a flat token batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding
+from pdserve.engine.model_config import ModelConfig
+
+LayerHook = Callable[[int, ForwardBatch], None]
+"""Called as hook(global_layer_index, batch) after a layer has written its KV."""
+
+
+@dataclass
+class DecoderLayer:
+    """One layer's weights, q/k/v and gate/up fused so each is one matmul."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear  # [(Hq + 2*Hkv) * D, H], bias in Qwen2
+    o_proj: Linear  # [H, Hq * D]
+    gate_up: Linear  # [2 * I, H]
+    down: Linear  # [H, I]
+
+
+class LlamaModel:
+    """Holds the weights of layers [start, end) and runs them.
+
+    Embeddings exist only on the first slice, final norm and lm_head only on the
+    last, so pipeline stages hold just what they compute.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        layer_range: tuple[int, int],
+        device: torch.device,
+        fused_ops: bool = True,
+        prepack: bool = False,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`prepack`: hold the linear weights in oneDNN's layout (`Linear`, CPU only). `all_reduce`:
+        this is one tensor-parallel rank (`config` its share, engine.parallel): the row-parallel
+        o_proj and down outputs are summed over the ranks by it, once per block."""
+        self.config = config
+        self.fused_ops = fused_ops  # use CpuFusedOps on steps that run the compiled CPU ops
+        self.start, self.end = layer_range
+        self.is_first = self.start == 0
+        self.is_last = self.end == config.num_hidden_layers
+        self.embed = tensors.get("model.embed_tokens.weight")
+        self.norm = tensors.get("model.norm.weight")
+        head = tensors.get("lm_head.weight", self.embed) if self.is_last else None
+        self.lm_head = Linear(head, prepack=prepack) if head is not None else None
+        self.layers = [self._fuse(tensors, i, prepack) for i in range(self.start, self.end)]
+        self.rotary = RotaryEmbedding(config, device)
+        self.scale = config.head_dim**-0.5
+        self.reduce = all_reduce or (lambda t: t)
+        # bf16 linears through float32 (layers.bf16_via_float32): activations may travel as float32
+        # between the fused ops and the GEMMs; not under tensor parallelism, whose all-reduce sums
+        # each rank's bf16-rounded share
+        self.carry = all_reduce is None and any(layer.qkv.out_dtype is not None for layer in self.layers)
+
+    @staticmethod
+    def _fuse(t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        bias = None
+        if p + "self_attn.q_proj.bias" in t:
+            bias = torch.cat([t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        gate_up = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
+        return DecoderLayer(
+            t.pop(p + "input_layernorm.weight"),
+            t.pop(p + "post_attention_layernorm.weight"),
+            Linear(qkv, bias, prepack),
+            Linear(t.pop(p + "self_attn.o_proj.weight"), prepack=prepack),
+            Linear(gate_up, prepack=prepack),
+            Linear(t.pop(p + "mlp.down_proj.weight"), prepack=prepack),
+        )
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        kv_pool: KVPool,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+        layer_hook: LayerHook | None,
+        span: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Returns hidden states [T, H] after layers `span` (default: this slice's; a sub-range of
+        them), the final norm applied when that ends at the model's last layer."""
+        cfg = self.config
+        start, end = span or (self.start, self.end)
+        assert self.start <= start < end <= self.end, f"layers {span} outside this slice's {self.start, self.end}"
+        first, last = start == 0, end == cfg.num_hidden_layers
+        layers, offset = self.layers[start - self.start : end - self.start], start - self.start
+        # x is the residual stream, updated in place, so never the caller's tensor
+        if first:
+            assert input_ids is not None and self.embed is not None, "the first slice embeds token ids"
+            x = F.embedding(input_ids, self.embed)
+        else:
+            assert hidden is not None, "a later slice continues the previous slice's hidden states"
+            x = hidden.clone()
+        attn.begin_step(meta, kv_pool.layer(0).shape)
+        ops: type[EagerOps] | type[CpuFusedOps] = EagerOps
+        if self.fused_ops and attn.uses_kernel and x.device.type == "cpu":
+            ops = CpuCarryOps if self.carry else CpuFusedOps
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        # the norm after each residual add, so every add is fused into the norm that reads it
+        norms_after_mlp = [layer.input_norm for layer in layers[1:]] + [self.norm if last else None]
+        h = ops.add_rms_norm(x, None, layers[0].input_norm, eps)
+        for local, (layer, next_norm) in enumerate(zip(layers, norms_after_mlp), offset):
+            # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
+            qkv = ops.linear(layer.qkv, h)
+            q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
+            o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
+            if layer_hook is not None:
+                layer_hook(self.start + local, batch)
+            h = ops.add_rms_norm(x, self.reduce(ops.linear(layer.o_proj, o.reshape(-1, hq * d))), layer.post_norm, eps)
+            # MLP block: SiLU-gated, gate_up [T, 2I] -> [T, I]
+            mlp = self.reduce(ops.linear(layer.down, ops.silu_mul(ops.linear(layer.gate_up, h))))
+            if next_norm is None:  # a non-last pipeline stage hands on the un-normed stream
+                x.add_(mlp.to(x.dtype))
+            else:
+                h = ops.add_rms_norm(x, mlp, next_norm, eps)
+        return h.to(x.dtype) if last else x  # CpuCarryOps' last norm is float32
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (every linear and norm; not the embedding table,
+        of which a step reads one row per token)."""
+        total = sum(lin.nbytes for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)] + [self.norm]
+        total += sum(t.numel() * t.element_size() for t in norms if t is not None)
+        return total + (self.lm_head.nbytes if self.lm_head is not None else 0)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> logits [S, V] in the model's dtype (the sampler widens them where it needs to)."""
+        assert self.lm_head is not None, "only the last slice has an lm_head"
+        return self.lm_head(hidden)

@@ -1,0 +1,285 @@
+"""LLMEngine: the step-level API that offline generation and the node servers drive."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.grammar_cache import GrammarCache
+from pdserve.engine.kv_events import KvEventLog
+from pdserve.engine.kv_namespace import kv_compatibility, request_root
+from pdserve.engine.kv_pull import KvPullTarget, PendingPull
+from pdserve.engine.llama import LayerHook
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prompt_check import check_max_tokens, check_prompt
+from pdserve.engine.remote_prefill import RemotePrefill
+from pdserve.engine.request import Request, RequestStatus, StepOutput, TokenLogprob
+from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+
+
+class EngineLoad(NamedTuple):
+    """The engine's share of a node's load report: each field is the LoadReport field of its name."""
+
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int
+
+
+class LLMEngine(RemotePrefill, KvPullTarget):
+    """One model, one KV pool, one scheduler. Not thread-safe: drive it from one thread.
+
+    The loop: `batch = scheduler.schedule(); logits = runner.run(batch); update(batch, sample(logits))`.
+    Besides plain requests it supports the two halves of disaggregation:
+    `prefill_only` requests (prefill node: compute the prompt, sample one token,
+    keep the blocks until `release`) and remote-prefill requests (decode node:
+    blocks allocated up front, filled by a prefill node, then `complete_remote_prefill`; see
+    engine.remote_prefill). Every request's blocks are keyed in the namespace of the engine's
+    `kv_compatibility` and its `cache_salt`; `kv_events` records every key stored or evicted.
+    """
+
+    def __init__(
+        self, config: EngineConfig, *, layer_hook: LayerHook | None = None, runner: ModelRunner | None = None
+    ) -> None:
+        self.config = config
+        self.on_scheduled: Callable[[], None] | None = None
+        """Called in every step after scheduling, before the model runs: the state vLLM's scheduler
+        stats describe (the batch admitted, the rest waiting). A node publishes its load here."""
+        torch.manual_seed(config.seed)
+        if runner is None and config.tensor_parallel_size > 1:
+            from pdserve.engine.parallel.launcher import TensorParallelRunner
+
+            runner = TensorParallelRunner(config)
+        self.runner = runner or ModelRunner(config.model_dir, **config.runner_options())
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        try:
+            self.tokenizer = Tokenizer(config.tokenizer or config.model_dir)
+        except BaseException:
+            self.runner.close()  # stop the other tensor-parallel ranks, if any, with the failed start
+            raise
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        """Structured-output grammars: nodes compile a request's in a worker thread before admitting it."""
+        pool = self.runner.kv_pool
+        self.kv_compatibility = kv_compatibility(self.model_config, pool)
+        """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
+        self.kv_events = KvEventLog()
+        """Keys stored / evicted in this engine's prefix cache, for the node's KvEvents stream."""
+        self.block_manager = BlockManager(
+            pool.num_blocks, pool.block_size, config.enable_prefix_caching, events=self.kv_events
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            preemption=config.preemption,
+        )
+        self.sampler = Sampler()
+        self.layer_hook = layer_hook
+        self.requests: dict[str, Request] = {}
+        """Every request the engine owns. Its status alone says who holds its blocks (`check_integrity`
+        proves it): WAITING/PREEMPTED are queued in the scheduler (no blocks), RUNNING the scheduler
+        runs; the other two are `parked`, holding blocks the scheduler neither runs nor frees:
+        WAITING_FOR_REMOTE_KV (decode node: a prefill node is filling them, until
+        `complete_remote_prefill`) and finished (prefill node: a prefill_only request whose blocks a
+        KV transfer still reads, pinned until `release`). A request leaves when its blocks are freed."""
+        self.pulls: dict[str, PendingPull] = {}
+        """Prefill node: blocks receiving a prefix a decode node holds (pdserve.engine.kv_pull)."""
+        self.generators: dict[str, torch.Generator] = {}
+        self._finished: list[StepOutput] = []
+
+    # --- admission ----------------------------------------------------------------------
+    def _validate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        root = request_root(self.kv_compatibility, cache_salt)
+        check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:  # sorted by id
+            raise ValueError(
+                f"invalid sampling parameter logit_bias: token id {params.logit_bias[-1][0]} is not below "
+                f"the vocabulary size {self.model_config.vocab_size}"
+            )
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens is not None:
+            check_max_tokens(len(prompt), params.max_tokens, self.max_model_len)
+        max_tokens = params.max_tokens or room
+        if self.block_manager.blocks_for(len(prompt) + max_tokens) > self.block_manager.num_blocks:
+            raise ValueError(f"request needs more KV blocks than the pool has ({self.block_manager.num_blocks})")
+        req = Request(request_id, list(prompt), params, max_tokens, kv_root=root)
+        if params.structured_outputs is not None:  # compiled here only if the caller did not (offline use)
+            req.matcher = self.grammars.matcher(params.structured_outputs)
+        if params.stop:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
+            req.stop_checker = StopStringChecker(detok, params.stop, params.include_stop_str_in_output)
+        return req
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; ValueError (clear message) if it can never be served. `cache_salt`
+        separates its prefix-cache namespace (tenants with different salts never share blocks)."""
+        req = self._validate(request_id, prompt_token_ids, params, cache_salt)
+        req.prefill_only = prefill_only
+        self._register(req)
+        self.scheduler.waiting.append(req)
+
+    def _register(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if not req.params.greedy:
+            self.generators[req.request_id] = make_generator(req.params.seed)
+
+    # --- the step -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one model step; return what changed (token deltas, finishes)."""
+        scheduled, batch = self.scheduler.schedule(self.parked)
+        if self.on_scheduled is not None:
+            self.on_scheduled()
+        if batch is not None:
+            logits = self.runner.run(batch, layer_hook=self.layer_hook)
+            sampled = iter(
+                self.sampler(logits, [r for r, s in zip(scheduled, batch.sample_mask) if s], self.generators)
+            )
+            for req, q_len, sample in zip(scheduled, batch.query_lens, batch.sample_mask):
+                req.num_computed_tokens += q_len
+                self.block_manager.cache_full_blocks(
+                    req.all_token_ids, req.block_ids, req.num_computed_tokens, req.kv_root
+                )
+                if sample:
+                    self._append_token(req, *next(sampled))
+        outputs, self._finished = self._finished, []
+        for req in scheduled:
+            if req.status.is_finished or req.num_emitted < len(req.output_token_ids):
+                outputs.append(self._output(req))
+        for req in list(self.scheduler.running):
+            if req.status.is_finished:
+                self._finish(req)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> None:
+        req.output_token_ids.append(token)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        p, n = req.params, len(req.output_token_ids)
+        stop_ids = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
+        if stop_ids and n > p.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.matcher is not None and req.matcher.is_terminated():  # the grammar is complete
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif req.stop_checker is not None and req.stop_checker.check(token):
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif n >= req.max_tokens or req.num_tokens >= self.max_model_len or req.prefill_only:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def _output(self, req: Request) -> StepOutput:
+        new = req.output_token_ids[req.num_emitted :]
+        lps = req.output_logprobs[req.num_emitted :] if req.params.logprobs is not None else None
+        req.num_emitted = len(req.output_token_ids)
+        return StepOutput(
+            req.request_id,
+            new,
+            lps,
+            req.status.is_finished,
+            req.status.finish_reason,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+            len(req.output_token_ids),
+            req.queue_seconds,
+        )
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        self.generators.pop(req.request_id, None)
+        if req.prefill_only and req.status != RequestStatus.FINISHED_ABORTED:
+            return  # parked: a KV transfer still reads these blocks, until release()
+        self.requests.pop(req.request_id, None)
+        self.block_manager.free_blocks(req.block_ids)
+        req.block_ids = []
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def parked(self) -> list[Request]:
+        """Requests holding blocks outside the scheduler: waiting for remote KV, or finished and
+        pinned until `release` (see `requests`)."""
+        return [
+            r for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV or r.status.is_finished
+        ]
+
+    def release(self, request_id: str) -> None:
+        """Prefill node: the transfer is done (or failed); free (and keep cached) the blocks."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status.is_finished:
+            self.requests.pop(request_id)
+            self.block_manager.free_blocks(req.block_ids)
+            req.block_ids = []
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks. False if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status.is_finished:  # pinned: its output was reported when it finished
+            self.release(request_id)
+            return True
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._finish(req)
+        self._finished.append(self._output(req))
+        return True
+
+    def check_ranks(self) -> None:
+        """Raise RankFailure if a tensor-parallel rank of this engine died (a no-op without TP), so
+        an idle node notices at once rather than at its next step."""
+        self.runner.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (their processes exit)."""
+        self.runner.close()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._finished)
+
+    def load(self) -> EngineLoad:
+        """The load report. Free blocks exclude those `preemption="never"` reserves for the future
+        tokens of admitted requests: they are free in the pool but promised, so the router's
+        weighting must not count them."""
+        s = self.scheduler
+        num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
+        holders = s.running + self.parked() + list(s.waiting)
+        num_free = max(0, self.block_manager.num_free_blocks - s.reserved_blocks(holders))
+        return EngineLoad(
+            num_free,
+            self.block_manager.num_blocks,
+            len(s.running),
+            len(s.waiting) + num_remote,
+            s.num_queued_prefill_tokens(),
+        )
+
+    def check_integrity(self) -> None:
+        """Blocks are owned exactly as the requests' statuses say (between steps)."""
+        running, waiting = {id(r) for r in self.scheduler.running}, {id(r) for r in self.scheduler.waiting}
+        for rid, r in self.requests.items():
+            where = "running" if id(r) in running else "waiting" if id(r) in waiting else "parked"
+            expected = {
+                RequestStatus.RUNNING: "running",
+                RequestStatus.WAITING: "waiting",
+                RequestStatus.PREEMPTED: "waiting",
+            }.get(r.status, "parked")
+            assert where == expected, f"request {rid!r} is {r.status.name} but {where}"
+            assert not r.status.is_finished or r.prefill_only, f"finished request {rid!r} was not freed"
+        assert len(running) + len(waiting) + len(self.parked()) == len(self.requests), "a request the engine lost"
+        owners = {rid: r.block_ids for rid, r in self.requests.items()} | self.pull_owners()
+        self.block_manager.check_integrity(owners)

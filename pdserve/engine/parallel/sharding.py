@@ -1,0 +1,93 @@
+"""How a Llama checkpoint is split over tensor-parallel ranks: the one place that knows it.
+
+Megatron-style: q/k/v and gate/up are column-parallel (each rank holds a block of output rows),
+o_proj and down are row-parallel (each rank holds the matching block of input columns, and the
+partial outputs are summed by one all-reduce per attention block and one per MLP). The embedding,
+the norms and the LM head are replicated on every rank (a documented choice: the tiny and bench
+models' vocabularies are small, and a replicated head needs no gather before sampling).
+
+KV heads are split like the query heads. When a model has fewer KV heads than ranks, each KV head
+is replicated on `size / num_kv_heads` ranks, as vLLM does, so that every rank holds the one KV
+head its query heads attend to. A later fusion of q/k/v or gate/up in the checkpoint changes only
+`tensor_slice` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pdserve.engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Rank `rank` of a tensor-parallel group of `size` ranks."""
+
+    rank: int
+    size: int
+
+    def check(self, cfg: ModelConfig) -> None:
+        """ValueError naming what cannot be split `size` ways."""
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} of {self.size} is not a valid rank")
+        hq, hkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+        if hq % self.size:
+            raise ValueError(f"tensor-parallel size {self.size} does not divide the {hq} attention heads")
+        if hkv % self.size and self.size % hkv:
+            raise ValueError(
+                f"tensor-parallel size {self.size} and the {hkv} KV heads: one must divide the other "
+                "(KV heads are split, or replicated when there are fewer than ranks)"
+            )
+        if inter % self.size:
+            raise ValueError(f"tensor-parallel size {self.size} does not divide intermediate_size {inter}")
+
+    def q_heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """[start, stop) of the query heads this rank computes."""
+        n = cfg.num_attention_heads // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """[start, stop) of the KV heads this rank holds (one replicated head when KV heads < ranks)."""
+        return kv_head_range(cfg.num_key_value_heads, self.rank, self.size)
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The geometry one rank computes with: its share of heads and of the MLP width."""
+        kv_start, kv_stop = self.kv_heads(cfg)
+        return dataclasses.replace(
+            cfg,
+            num_attention_heads=cfg.num_attention_heads // self.size,
+            num_key_value_heads=kv_stop - kv_start,
+            intermediate_size=cfg.intermediate_size // self.size,
+        )
+
+    def tensor_slice(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of checkpoint tensor `name` on this rank; None: the whole tensor."""
+        if self.size == 1 or ".layers." not in name:
+            return None  # embedding, final norm, LM head: replicated
+        d = cfg.head_dim
+        inter = cfg.intermediate_size // self.size
+        if ".self_attn.q_proj." in name:
+            q0, q1 = self.q_heads(cfg)
+            return 0, q0 * d, q1 * d
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            k0, k1 = self.kv_heads(cfg)
+            return 0, k0 * d, k1 * d
+        if ".self_attn.o_proj." in name:
+            q0, q1 = self.q_heads(cfg)
+            return 1, q0 * d, q1 * d
+        if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            return 0, self.rank * inter, (self.rank + 1) * inter
+        if ".mlp.down_proj." in name:
+            return 1, self.rank * inter, (self.rank + 1) * inter
+        return None  # the layer norms
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """KV heads [start, stop) of `rank` in a group of `size`; with fewer heads than ranks, the
+    one head shared by ranks `h * size / num_kv_heads ...` (vLLM's replication)."""
+    if num_kv_heads >= size:
+        n = num_kv_heads // size
+        return rank * n, (rank + 1) * n
+    head = rank // (size // num_kv_heads)
+    return head, head + 1

@@ -1,0 +1,159 @@
+"""The router's HTTP app: OpenAI-compatible endpoints, auth, bounds, errors in the OpenAI shape."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+
+import pdserve
+from pdserve.router.body_limit import DEFAULT_BODY_TIMEOUT, BodyLimit
+from pdserve.openai_api.errors import (
+    ModelNotFound,
+    NoCapacityError,
+    RouterError,
+    Unauthorized,
+    error_body,
+    error_response,
+    validation_message,
+)
+from pdserve.router.http_metrics import HttpMetrics
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.serving import Server
+from pdserve.router.utility_routes import add_utility_routes
+
+log = logging.getLogger("pdserve.router")
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def create_app(
+    server: Server,
+    *,
+    api_keys: list[str] | None = None,
+    registry: CollectorRegistry | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+) -> FastAPI:
+    """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
+    app = FastAPI(
+        title="pdserve router",
+        version=pdserve.__version__,
+        description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
+    )
+    registry = registry or CollectorRegistry()
+    http_metrics = HttpMetrics(registry, server.model_name)
+    keys = [k.encode() for k in (api_keys or []) if k]
+    # inside `guard`, so its 413s and 408s are counted
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """API keys on /v1/*, the request counter (every response, 500s included), and no plain-text 500."""
+        path = request.url.path
+        try:
+            if keys and path.startswith("/v1/"):
+                auth = request.headers.get("authorization", "")
+                given = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
+                if not any(hmac.compare_digest(given, k) for k in keys):
+                    raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
+            response = await call_next(request)
+        except RouterError as e:
+            response = error_response(e)
+        except Exception:  # a bug: answer in the OpenAI shape and count it, never a bare 500 page
+            log.exception("unhandled error on %s %s", request.method, path)
+            response = JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+        http_metrics.observe(app.router.routes, request.scope, response.status_code)
+        return response
+
+    @app.exception_handler(RouterError)
+    async def router_error(request: Request, exc: RouterError):
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        # FastAPI's own errors (unknown route, wrong method, an undecodable body) in the OpenAI shape
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    def check_model(name: str) -> None:
+        if name not in server.model_names:
+            served = ", ".join(repr(n) for n in server.model_names)
+            raise ModelNotFound(f"the model {name!r} does not exist; this server serves {served}", "model")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        """Every served name (vLLM's shape; root: the first name, the one model they all serve); sampling_defaults
+        are the generation_config.json values applied to requests that leave the field unset."""
+        created = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "pdserve",
+                    "root": server.model_name,
+                    "parent": None,
+                    "max_model_len": server.max_model_len,
+                    "sampling_defaults": server.generation_defaults,
+                }
+                for name in server.model_names
+            ],
+        }
+
+    async def generate(body: CompletionRequest | ChatCompletionRequest):
+        """Both generation endpoints: an SSE stream when the body asks for one, else the whole response."""
+        check_model(body.model)
+        chat = isinstance(body, ChatCompletionRequest)
+        if body.stream:
+            return _sse(await server.stream(body, chat=chat))
+        return await server.chat(body) if isinstance(body, ChatCompletionRequest) else await server.completion(body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await generate(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await generate(body)
+
+    @app.get("/health")
+    async def health():
+        if not server.cluster.is_healthy():
+            raise NoCapacityError("no healthy decode node yet")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pdserve.__version__}
+
+    add_utility_routes(app, server, check_model)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/cluster", include_in_schema=False)
+    async def cluster_state() -> dict:
+        return {"nodes": server.cluster.snapshot()}
+
+    return app
+
+
+def _sse(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,373 @@
+"""Cluster: the router's view of the nodes — load, health, choice, retries and request migration."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.node_runtime.discovery import Discovery
+from pdserve.node_runtime.auth import cluster_metadata
+from pdserve.node_runtime import cluster_tls, keepalive
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.router.backoff import backoff_delay
+from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
+from pdserve.router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
+from pdserve.openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
+from pdserve.router.kv_routing import ROUTING_MODES, KvRouter
+from pdserve.router.kv_subscriber import KvSubscriber
+from pdserve.router.node_state import GenerateChunk, NodeState, Route
+from pdserve.router.prefill_offload import OffloadPolicy, Prefilling
+
+log = logging.getLogger("pdserve.router")
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+)
+
+
+class Cluster:
+    """Watches the members from discovery, polls their load and health, and runs requests."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        *,
+        cluster_secret: str = "",
+        refresh_interval: float = 0.5,
+        max_retries: int = 5,
+        max_migrations: int = 3,
+        backoff: float = 0.1,
+        request_timeout: float = 600.0,
+        deadlines: Deadlines | None = None,
+        registry: CollectorRegistry | None = None,
+        model_name: str = "unknown",
+        tls: cluster_tls.ClusterTLS | None = None,
+        routing: str = "kv-aware",
+        kv_router: KvRouter | None = None,
+        offload: OffloadPolicy | None = None,
+    ) -> None:
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
+        self.discovery = discovery
+        self.tls = tls
+        """Mutual TLS to the nodes (None: plaintext)."""
+        self.metadata = cluster_metadata(cluster_secret)
+        self.refresh_interval = refresh_interval
+        self.max_retries = max_retries
+        self.max_migrations = max_migrations
+        self.backoff = backoff
+        self.request_timeout = request_timeout
+        self.deadlines = deadlines or Deadlines()
+        self.token_deadline = TokenDeadline(self.deadlines)
+        self.nodes: dict[tuple[str, str], NodeState] = {}
+        self.decode_balancer = DecodeBalancer()
+        self.prefill_balancer = PrefillBalancer()
+        self.routing = routing
+        self.kv_router = kv_router or KvRouter(
+            decode_balancer=self.decode_balancer, prefill_balancer=self.prefill_balancer
+        )
+        self.offload = offload or OffloadPolicy()
+        """When a decode node prefills a prompt itself because every prefill node is saturated."""
+        self._task: asyncio.Task | None = None
+        r = registry or CollectorRegistry()
+        self.retries = Counter(
+            "pdserve_router_retries", "requests retried before the first token", ["model_name"], registry=r
+        ).labels(model_name)
+        self.migrations = Counter(
+            "pdserve_router_migrations", "streams moved to another decode node", ["model_name"], registry=r
+        ).labels(model_name)
+
+    async def start(self) -> None:
+        await self.discovery.start()
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self.discovery.stop()
+        for node in self.nodes.values():
+            if node.kv is not None:
+                await node.kv.stop()
+            await node.channel.close()
+
+    def _sync_members(self) -> None:
+        current = {(m.role, m.address): m for role in ("prefill", "decode") for m in self.discovery.members(role)}
+        for key in list(self.nodes):
+            if key not in current:
+                asyncio.create_task(self._forget(self.nodes.pop(key)))
+        for key, member in current.items():
+            if key not in self.nodes:
+                # keepalive pings: a partitioned node fails the calls in flight on it (UNAVAILABLE)
+                channel = cluster_tls.channel(
+                    member.address, self.tls, keepalive.client_options(self.deadlines.hung_after)
+                )
+                stub_class = decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub
+                stub = stub_class(channel)
+                node = NodeState(member, channel, stub, health_pb2_grpc.HealthStub(channel), NodeLoad(member.address))
+                if self.routing == "kv-aware":
+                    node.kv = KvSubscriber(member.address, stub, self.kv_router.index, self.metadata)
+                    node.kv.start()
+                self.nodes[key] = node
+
+    @staticmethod
+    async def _forget(node: NodeState) -> None:
+        """A node left discovery: stop following its KV events (dropping its entries), close its channel."""
+        if node.kv is not None:
+            await node.kv.stop()
+        await node.channel.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            try:
+                self._sync_members()
+                for node in list(self.nodes.values()):
+                    # each node on its own task: a hung node's probe never delays the others'
+                    if node.probe is None or node.probe.done():
+                        node.probe = asyncio.create_task(self._probe(node))
+            except Exception:  # never let the health loop die
+                log.exception("cluster refresh failed")
+
+    async def refresh(self) -> None:
+        self._sync_members()
+        await asyncio.gather(*[self._probe(n) for n in list(self.nodes.values())])
+
+    async def _probe(self, node: NodeState) -> None:
+        """Active health check (gRPC health) plus a load report, each within the health deadline."""
+        timeout = self.deadlines.health_timeout
+        was_usable = node.usable
+        try:
+            await self._check(node, timeout)
+        finally:
+            if was_usable and not node.usable and node.kv is not None:
+                node.kv.reset("unusable")  # never route on what a dead or hung node held
+
+    async def _check(self, node: NodeState, timeout: float) -> None:
+        sent = time.monotonic()  # the node's silence starts no later than this probe
+        try:
+            status = await node.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            report = await node.stub.GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if node.responsive:
+                log.warning(
+                    "%s %s missed a health check (%s): no new requests until it answers",
+                    node.member.role,
+                    node.member.address,
+                    e.code().name,
+                )
+            node.responsive = False
+            if node.silent_since is None:
+                node.silent_since = sent
+            node.breaker.failure()
+            return
+        node.responsive, node.silent_since, node.stalled = True, None, False
+        node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
+        node.max_model_len = report.max_model_len
+        node.load.report(
+            report.num_free_blocks,
+            report.num_total_blocks,
+            report.block_size or 16,
+            report.num_queued_prefill_tokens,
+            time.monotonic(),
+            report.compatibility,
+        )
+        self.kv_router.index.set_capacity(node.member.address, report.num_total_blocks)
+        node.breaker.success()
+
+    def _hung(self, node: NodeState) -> bool:
+        """The node has missed every health probe for `hung_after` seconds, or a stream on it stalled
+        and a probe has missed since: two independent signals, so nothing waits `hung_after` more."""
+        if node.silent_since is None:
+            return False
+        return node.stalled or time.monotonic() - node.silent_since >= self.deadlines.hung_after
+
+    def _hung_in(self, decode: NodeState, prefills: list[str], first: bool) -> str | None:
+        """The address of a hung node an attempt needs: its decode node, and until its first event
+        (the KV has not arrived) its prefill nodes too. None while they all live."""
+        if self._hung(decode):
+            return decode.member.address
+        if first:
+            for address in prefills:
+                node = self.nodes.get(("prefill", address))
+                if node is not None and self._hung(node):
+                    return address
+        return None
+
+    def _usable(self, role: str) -> list[NodeState]:
+        return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
+
+    def is_healthy(self) -> bool:
+        """For /health: a decode node is reachable (it prefills locally when no prefill node is). A node
+        that only missed a health deadline counts (a loaded machine is slow, not down); requests still
+        wait for a responsive one (capacity_wait)."""
+        return any(n.reachable for (r, _), n in self.nodes.items() if r == "decode")
+
+    def max_model_len(self) -> int | None:
+        lens = [n.max_model_len for n in self._usable("decode") if n.max_model_len]
+        return min(lens) if lens else None
+
+    def snapshot(self) -> list[dict]:
+        return [
+            {
+                "role": r,
+                "address": a,
+                "usable": n.usable,
+                "breaker": n.breaker.state.value,
+                "free_blocks": n.load.free_blocks,
+                "total_blocks": n.load.total_blocks,
+            }
+            for (r, a), n in self.nodes.items()
+        ]
+
+    def _choose(
+        self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
+    ) -> Route:
+        usable = self._usable("decode")
+        decodes = [n for n in usable if n.member.address not in exclude] or usable  # excluded ones as a last resort
+        prefills = self._usable("prefill")
+        if not decodes:  # with no usable prefill node, the decode node prefills locally (no addresses)
+            raise NoCapacityError("no healthy decode node is available; try again later")
+        by_load = {id(n.load): n for n in decodes}
+        loads, now = [n.load for n in decodes], time.monotonic()
+        if self.routing == "kv-aware":
+            chosen = self.kv_router.choose_decode(loads, prompt, cache_salt, tokens_needed, now)
+        else:
+            chosen = self.decode_balancer.pick(loads, tokens_needed, now)
+        if chosen is None:
+            raise NoCapacityError("no decode node has room for this request now; try again later")
+        self.decode_balancer.assign(chosen, tokens_needed)
+        prompt_tokens = len(prompt) or tokens_needed
+        # what the decode node would compute itself: kv-aware routing knows its cached prefix
+        local_tokens = self.kv_router.last_uncached_tokens if self.routing == "kv-aware" else prompt_tokens
+        if self.offload.prefill_here([n.load for n in prefills], chosen, local_tokens):
+            self.offload.assign_local(chosen, local_tokens)
+            return Route(by_load[id(chosen)], [])  # no addresses: the decode node prefills the prompt itself
+        cached: tuple[int, ...] = ()
+        if self.routing == "kv-aware":  # counts the uncached tokens on the first node itself
+            ordered = self.kv_router.order_prefill([n.load for n in prefills], prompt, cache_salt)[:3]
+            cached = tuple(self.kv_router.last_prefill_cached_tokens[n.address] for n in ordered)
+        else:
+            ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
+            if ordered:
+                ordered[0].inflight_tokens += prompt_tokens
+        if not ordered:  # none usable: the decode node prefills locally
+            self.offload.assign_local(chosen, local_tokens)
+        return Route(by_load[id(chosen)], [n.address for n in ordered], cached)
+
+    def _prefilling(self, node: NodeState, prefills: list[str], tokens: int) -> Prefilling:
+        """Count the prompt on the node that prefills it (the first prefill address, else the decode
+        node) until its first token: the pending work `OffloadPolicy` compares."""
+        target = self.nodes.get(("prefill", prefills[0])) if prefills else node
+        return Prefilling((target or node).load, tokens)
+
+    async def _choose_waiting(
+        self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
+    ) -> Route:
+        """_choose, waiting up to capacity_wait for a node to come back or to free room."""
+        deadline = time.monotonic() + self.deadlines.capacity_wait
+        while True:
+            try:
+                return self._choose(tokens_needed, exclude, prompt, cache_salt)
+            except NoCapacityError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(0.2, self.refresh_interval))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: common_pb2.SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream one request; retries before the first token, migrates after it (no gap, no duplicate).
+        `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt."""
+        sent: list[int] = []
+        tried: set[str] = set()
+        retries = migrations = 0
+        while True:
+            remaining = params.max_tokens - len(sent)
+            node, prefills, prefill_cached = await self._choose_waiting(
+                len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt
+            )
+            attempt = common_pb2.SamplingParams()
+            attempt.CopyFrom(params)
+            attempt.max_tokens = remaining
+            attempt.min_tokens = max(0, params.min_tokens - len(sent))
+            if params.HasField("structured_outputs"):  # the grammar resumes after what was sent
+                attempt.structured_outputs.generated_token_ids[:] = sent
+            req = decode_pb2.GenerateRequest(
+                request_id=f"{request_id}-{retries}-{migrations}",
+                prompt_token_ids=prompt + sent,
+                params=attempt,
+                prefill_addresses=prefills,
+                prefill_cached_tokens=prefill_cached,
+                cache_salt=cache_salt,
+            )
+            call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
+            sent_before = len(sent)
+            prefilling = self._prefilling(node, prefills, len(req.prompt_token_ids))
+            try:
+                hung = partial(self._hung_in, node, prefills)
+                async for event in events_within_deadline(call, self.token_deadline, hung):
+                    if event.token_ids:
+                        sent.extend(event.token_ids)
+                        prefilling.done()
+                    usage = None
+                    if event.finish_reason:
+                        usage = common_pb2.Usage(
+                            prompt_tokens=len(prompt),
+                            completion_tokens=len(sent),
+                            cached_tokens=event.usage.cached_tokens,
+                        )
+                    if event.token_ids or event.finish_reason:
+                        yield GenerateChunk(
+                            list(event.token_ids), list(event.logprobs) or None, event.finish_reason or None, usage
+                        )
+                    if event.finish_reason:
+                        return
+                raise UpstreamError(f"decode node {node.member.address} ended the stream without finishing")
+            except (grpc.aio.AioRpcError, StreamStalled) as e:
+                code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+                details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise UpstreamInvalidRequest(details or "invalid request") from None
+                if code not in RETRYABLE and not isinstance(e, StreamStalled):
+                    raise UpstreamError(f"decode node {node.member.address}: {code.name} {details}") from None
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    node.breaker.failure()
+                if isinstance(e, StreamStalled) and e.culprit in (None, node.member.address):
+                    node.responsive = False  # until its next probe answers in time
+                    node.stalled = node.stalled or e.culprit is None
+                if not isinstance(e, StreamStalled) or e.culprit in (None, node.member.address):
+                    tried.add(node.member.address)  # a hung prefill node is no fault of this decode node
+                if len(sent) == sent_before:  # no progress on this attempt (e.g. its prefill failed): a retry
+                    retries += 1
+                    if retries > self.max_retries:
+                        raise NoCapacityError(f"request failed after {self.max_retries} retries: {details}") from None
+                    self.retries.inc()
+                    await asyncio.sleep(backoff_delay(self.backoff, retries))
+                else:  # the stream moved on and then failed: migrate what was sent; retries start over
+                    retries = 0
+                    migrations += 1
+                    if migrations > self.max_migrations:
+                        raise UpstreamError(f"stream failed after {self.max_migrations} migrations") from None
+                    self.migrations.inc()
+                    log.warning("migrating %s after %d tokens: %s", request_id, len(sent), code.name)
+            finally:
+                prefilling.done()
+                call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
+                asyncio.create_task(self._probe(node))  # refresh the load right after a response

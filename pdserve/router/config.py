@@ -1,0 +1,82 @@
+"""RouterConfig: everything one router process is built from.
+
+Composed, not inherited: the HTTP front end's own options, how it talks to nodes
+(`ClusterOptions`) and how it finds them (`DiscoveryConfig`). `pdserve router` builds it once from
+the parsed flags (`pdserve/commands/router.py::router_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.node_runtime.discovery import DiscoveryConfig
+from pdserve.node_runtime.tls_options import ClusterTLSOptions
+from pdserve.router.deadlines import Deadlines
+from pdserve.router.http_limits import ConnectionLimits
+from pdserve.router.kv_routing import ROUTING_MODES
+from pdserve.router.prefill_offload import DEFAULT_SATURATED_TOKENS, OffloadPolicy
+
+
+@dataclass(frozen=True)
+class ClusterOptions(ClusterTLSOptions):
+    """How the router calls nodes."""
+
+    cluster_secret: str = ""
+    """Shared secret sent on every node call (empty: none, dev only)."""
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    routing: str = "kv-aware"
+    """kv-aware: decode and prefill nodes by cached prefix + load (router/kv_policy.py); wrr: by load only."""
+    prefill_saturated_tokens: int = DEFAULT_SATURATED_TOKENS
+    """Pending prompt tokens at which every prefill node counts as saturated and a decode node with a
+    shorter queue prefills the prompt itself (router/prefill_offload.py; 0: never)."""
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
+        OffloadPolicy(self.prefill_saturated_tokens)  # ValueError when out of range
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """One router process: HTTP options + cluster + discovery."""
+
+    model_dir: str | Path
+    """Checkpoint directory: the router needs its tokenizer, chat template and context length."""
+    served_model_name: tuple[str, ...] = ()
+    """Model ids clients may use, the first labels the metrics (empty: the model directory's name)."""
+    tokenizer: str | Path | None = None
+    """Tokenizer directory when not the checkpoint's."""
+    chat_template: str | None = None
+    """--chat-template: a template or a file holding one, instead of the checkpoint's."""
+    generation_config: str = "auto"
+    """auto | vllm | DIR: where the sampling defaults come from (pdserve.engine.generation_defaults)."""
+    enable_prompt_tokens_details: bool = True
+    """Report usage.prompt_tokens_details.cached_tokens (vLLM reports it only with the flag)."""
+    max_model_len: int | None = None
+    """A ceiling on the context the nodes report (None: theirs)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    """Accepted Bearer keys; none: the API is open."""
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_prompt_tokens: int | None = None
+    """Refuse longer prompts with a 400 (None: only the model's context length bounds them)."""
+    graceful_timeout: float = 30.0
+    """Seconds open streams may finish after SIGTERM before they are cut (uvicorn)."""
+    log_level: str = "info"
+    sse_keepalive: float = 15.0
+    """Seconds without a chunk before a stream sends an SSE keep-alive comment (`: keep-alive`)."""
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    cluster: ClusterOptions = field(default_factory=ClusterOptions)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if any(not n for n in self.served_model_name):
+            raise ValueError("--served-model-name: names must not be empty")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.sse_keepalive <= 0:
+            raise ValueError(f"--sse-keepalive must be > 0, got {self.sse_keepalive}")

@@ -1,0 +1,81 @@
+"""Prefill offload: while every prefill node is saturated, a decode node prefills the prompt itself.
+
+Issue 27's profile of `pdserve up` under AIPerf (chat, 128 in / 64 out, concurrency 8, 2 cores):
+requests arrive in waves (8 start together, decode together, finish together), and every prompt of a
+wave queued at the one prefill process while the decode nodes waited for their KV; then the decode
+nodes worked while the prefill node idled (py-spy: its engine thread waited for work about half of
+the run). The prefill node already batches (every prompt waiting when a step starts joins it, up to
+8192 tokens), but a step over 8 prompts still costs several times one prompt's compute, so the last
+prompt of a wave waited for the whole wave. Spreading a wave's prompts over the prefill node and the
+idle decode nodes puts more processes on it at once: TTFT p50 fell from ~14 s to ~3 s and p99 from
+16-20 s to 6-7 s on that (heavily shared) machine; see BENCHMARKS.md.
+
+The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be computed:
+
+- `queue` is the least loaded prefill node's pending tokens: the prompt tokens this router sent it
+  whose first token has not come back yet (`NodeLoad.prefilling_tokens`, counted by `Prefilling`).
+  Load reports are not used: one taken while a long prompt was in flight would still say "saturated"
+  half a refresh after it finished, and offload the next request for nothing. With several routers
+  each sees only its own requests, so it offloads less, never more;
+- `local` is the same for the chosen decode node (the prompts it was sent to prefill itself);
+- the decode node prefills locally when `queue >= saturated_tokens` and `local + prompt <= queue`:
+  the prompt would start no later there, counting its own length against the decode node, because a
+  local prefill also holds up the decode node's running streams (one longer step for each of them).
+
+`saturated_tokens` 0 turns offloading off: every prompt goes to a prefill node (the behaviour before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.router.balancer import NodeLoad
+
+DEFAULT_SATURATED_TOKENS = 256
+"""About two prompts of the benchmark's 128-token chats: a prefill node with a longer queue than this
+is saturated (a wave of 8 then splits about 3 / 3 / 2 between the prefill and two decode nodes)."""
+
+
+def pending_tokens(node: NodeLoad) -> int:
+    """Prompt tokens this router sent `node` to prefill whose first token has not come back yet."""
+    return node.prefilling_tokens
+
+
+class Prefilling:
+    """One request's prompt, counted on the node that prefills it from routing until its first token
+    (or the end of the attempt, whichever comes first); `done` is idempotent."""
+
+    def __init__(self, node: NodeLoad, tokens: int) -> None:
+        self.node, self.tokens = node, tokens
+        node.prefilling_tokens += tokens
+
+    def done(self) -> None:
+        if self.tokens:
+            self.node.prefilling_tokens -= self.tokens
+            self.tokens = 0
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """When a decode node should prefill a prompt itself instead of asking a prefill node."""
+
+    saturated_tokens: int = DEFAULT_SATURATED_TOKENS
+    """Pending prompt tokens at which a prefill node counts as saturated (0: never offload)."""
+
+    def __post_init__(self) -> None:
+        if self.saturated_tokens < 0:
+            raise ValueError(f"--prefill-saturated-tokens must be >= 0, got {self.saturated_tokens}")
+
+    def prefill_here(self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int) -> bool:
+        """Whether `decode` should prefill this prompt locally (see the module doc). False when
+        offloading is off or there is no prefill node (the decode node prefills then anyway)."""
+        if self.saturated_tokens == 0 or not prefills:
+            return False
+        queue = min(pending_tokens(n) for n in prefills)
+        return queue >= self.saturated_tokens and pending_tokens(decode) + prompt_tokens <= queue
+
+    @staticmethod
+    def assign_local(decode: NodeLoad, prompt_tokens: int) -> None:
+        """Count a prompt sent to `decode` to prefill in its load until its next report includes it
+        (kv-aware routing weighs a decode node's own prefill queue)."""
+        decode.inflight_tokens += prompt_tokens

@@ -1,0 +1,52 @@
+"""Router-side request metrics: what the client sees, end to end, across retries and migrations.
+
+The nodes measure their own engine (vllm:* with `engine="0"`); the router observes the stream it
+hands to the client under the same vLLM names with `engine="router"` (TTFT includes routing,
+prefill, KV transfer and any retry), which is what an SLO is written against. Every series
+carries `model_name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from pdserve.node_runtime.vllm_metrics import RequestFamilies
+from pdserve.router.node_state import GenerateChunk
+
+ENGINE = "router"
+"""The `engine` label of the router's vllm:* series: select or exclude them with it."""
+
+
+class RequestMetrics:
+    """vllm:* request series as the client sees them; `track` wraps one generation stream."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int = 2048) -> None:
+        self.families = RequestFamilies(registry, model_name, ENGINE, max_model_len)
+        self.in_flight = Gauge(
+            "pdserve_router_requests_in_flight", "generation streams open now", ["model_name"], registry=registry
+        ).labels(model_name)
+        self.model_name = model_name
+
+    async def track(self, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+        """Yield `chunks` unchanged while observing latency, tokens and how the stream ended."""
+        clock = self.families.clock(0)
+        reason = "abort"  # a consumer that stops early (client gone) ends the stream without a reason
+        generated: int | None = None
+        self.in_flight.inc()
+        try:
+            async for chunk in chunks:
+                clock.tokens(len(chunk.token_ids))
+                if chunk.usage is not None:
+                    clock.prompt(chunk.usage.prompt_tokens)
+                    generated = chunk.usage.completion_tokens
+                if chunk.finish_reason:
+                    reason = chunk.finish_reason if chunk.finish_reason in ("stop", "length") else "abort"
+                yield chunk
+        except Exception:
+            reason = "error"
+            raise
+        finally:
+            self.in_flight.dec()
+            clock.finish(reason, generated)

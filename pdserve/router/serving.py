@@ -1,0 +1,217 @@
+"""Serving completions and chat completions on top of Cluster.generate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.openai_api.choices import Choice, ChoiceBuilder
+from pdserve.openai_api.errors import RouterError, error_body
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.openai_api.responses import chat_choice, chat_delta, completion_choice, response_body, usage
+from pdserve.openai_api.text import chat_logprob_entry, completion_logprobs
+from pdserve.router.cluster import Cluster
+from pdserve.router.keepalive_stream import DEFAULT_INTERVAL, KEEPALIVE_COMMENT, with_keepalive
+from pdserve.router.request_metrics import RequestMetrics
+
+STREAM_QUEUE_CHUNKS = 32
+"""Chunks buffered per choice between the node stream and the HTTP response. When a client stops
+reading, the queue fills, the node stream is no longer read, and gRPC flow control holds the rest
+on the node: router memory per request stays bounded whatever the client does."""
+
+
+class Server:
+    """Builds engine-level requests from OpenAI bodies and shapes the answers."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        tokenizer: Tokenizer,
+        model_name: str | Sequence[str],
+        max_model_len: int,
+        max_prompt_tokens: int | None = None,
+        metrics: RequestMetrics | None = None,
+        keepalive_interval: float = DEFAULT_INTERVAL,
+        *,
+        generation_defaults: Mapping[str, float | int] | None = None,
+        prompt_tokens_details: bool = True,
+        max_model_len_cap: int | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.keepalive_interval = keepalive_interval
+        """Seconds without a chunk before a stream sends an SSE keep-alive comment."""
+        self.model_names: tuple[str, ...] = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        """Every served name (--served-model-name); a request may use any, and its response echoes it."""
+        if not self.model_names:
+            raise ValueError("at least one served model name is needed")
+        self.model_name = self.model_names[0]
+        """The first name: the metrics' model_name label."""
+        self.metrics = metrics or RequestMetrics(CollectorRegistry(), self.model_name)
+        self.tokenizer = tokenizer
+        self.default_max_model_len = max_model_len
+        self.max_model_len_cap = max_model_len_cap
+        """The router's --max-model-len: a ceiling on what the nodes report."""
+        self.generation_defaults = dict(generation_defaults or {})
+        self.prompt_tokens_details = prompt_tokens_details
+        """Report usage.prompt_tokens_details (cached_tokens); vLLM's --enable-prompt-tokens-details."""
+        self.builder = ChoiceBuilder(tokenizer, lambda: self.max_model_len, max_prompt_tokens, generation_defaults)
+
+    @property
+    def max_model_len(self) -> int:
+        reported = self.cluster.max_model_len() or self.default_max_model_len
+        return min(reported, self.max_model_len_cap) if self.max_model_len_cap else reported
+
+    async def choices(self, req: SamplingFields, chat: bool) -> list[Choice]:
+        """Validate and tokenize in a worker thread: a multi-megabyte prompt must not stall every other
+        stream on the event loop (Tokenizer.encode releases the GIL on long texts)."""
+        return await asyncio.to_thread(self.builder.choices, req)
+
+    # --- running ------------------------------------------------------------------------
+    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list, str | None, list[int]]]:
+        """Run all choices concurrently; yield (choice, text delta, new logprobs, finish reason, new
+        token ids) as tokens arrive. The finish reason travels with its chunk: `choice.finish_reason` is set when the
+        producer sees the end, possibly many queued chunks before the consumer writes them."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
+        base = f"cmpl-{uuid.uuid4().hex[:16]}"
+
+        async def one(choice: Choice) -> None:
+            try:
+                chunks = self.cluster.generate(
+                    f"{base}-{choice.index}", choice.prompt_ids, choice.params, cache_salt=choice.cache_salt
+                )
+                async for chunk in self.metrics.track(chunks):
+                    delta = choice.text.add(chunk.token_ids)
+                    new_lps = chunk.logprobs or []
+                    choice.logprobs += new_lps
+                    choice.token_ids += chunk.token_ids
+                    finish = None
+                    if chunk.finish_reason:
+                        delta += choice.text.finish()
+                        finish = chunk.finish_reason if chunk.finish_reason != "abort" else "stop"
+                        choice.finish_reason, choice.usage = finish, chunk.usage
+                    await queue.put((choice, delta, new_lps, finish, list(chunk.token_ids)))
+                await queue.put((choice, None, None, None, None))
+            except Exception as e:  # delivered to the consumer, which owns the response
+                await queue.put((choice, e, None, None, None))
+
+        tasks = [asyncio.create_task(one(c)) for c in choices]
+        pending = len(choices)
+        try:
+            while pending:
+                choice, delta, lps, finish, ids = await queue.get()
+                if delta is None:
+                    pending -= 1
+                elif isinstance(delta, Exception):
+                    raise delta
+                else:
+                    yield choice, delta, lps, finish, ids
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # --- responses ------------------------------------------------------------------------
+    def usage(self, choices: list[Choice]) -> dict:
+        prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
+        completion = sum(c.usage.completion_tokens if c.usage else 0 for c in choices)
+        # the nodes' count of prompt tokens not recomputed; a prompt shared by n choices counts once
+        cached_by_prompt: dict[int, int] = {}
+        for c in choices:
+            held = min(c.usage.cached_tokens, len(c.prompt_ids)) if c.usage else 0
+            cached_by_prompt[id(c.prompt_ids)] = max(cached_by_prompt.get(id(c.prompt_ids), 0), held)
+        return usage(prompt, completion, sum(cached_by_prompt.values()) if self.prompt_tokens_details else None)
+
+    async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, str]]:
+        """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
+        choices = await self.choices(req, chat)
+        texts = {c.index: "" for c in choices}
+        async for c, delta, *_ in self.run(choices):
+            texts[c.index] += delta
+        return choices, texts
+
+    async def completion(self, req: CompletionRequest) -> dict:
+        choices, texts = await self.run_to_end(req, chat=False)
+        out = []
+        for c in choices:
+            prefix = (c.prompt_text or self.tokenizer.decode(c.prompt_ids)) if req.echo else ""
+            lp = completion_logprobs(self.tokenizer, c.logprobs, len(prefix)) if req.logprobs is not None else None
+            ids = (c.token_ids, c.prompt_ids) if req.return_token_ids else (None, None)
+            out.append(completion_choice(c.index, prefix + texts[c.index], lp, c.finish_reason, *ids))
+        return response_body(False, req.model, out, self.usage(choices))
+
+    async def chat(self, req: ChatCompletionRequest) -> dict:
+        choices, texts = await self.run_to_end(req, chat=True)
+        out = [
+            chat_choice(
+                c.index,
+                texts[c.index],
+                {"content": [chat_logprob_entry(self.tokenizer, lp) for lp in c.logprobs]} if req.logprobs else None,
+                c.finish_reason,
+            )
+            for c in choices
+        ]
+        return response_body(True, req.model, out, self.usage(choices))
+
+    async def stream(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> AsyncIterator[str]:
+        """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
+        choices = await self.choices(req, chat)  # 400s before streaming
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice_list: list[dict], usage: dict | None = None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": choice_list}
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def gen() -> AsyncIterator[str]:
+            try:
+                for c in choices:  # chat opens each choice with its role; echo sends the prompt first
+                    if chat:
+                        yield chunk([chat_delta(c.index, {"role": "assistant", "content": ""}, None, None)])
+                    elif isinstance(req, CompletionRequest) and req.echo:
+                        prompt = c.prompt_text or self.tokenizer.decode(c.prompt_ids)
+                        yield chunk([completion_choice(c.index, prompt, None, None)])
+                token_ids = isinstance(req, CompletionRequest) and req.return_token_ids
+                unsent_prompt = {c.index for c in choices} if token_ids else set()  # sent once, first
+                offsets = {c.index: 0 for c in choices}
+                async for item in with_keepalive(self.run(choices), self.keepalive_interval):
+                    if isinstance(item, type):  # the KeepAlive marker
+                        yield KEEPALIVE_COMMENT
+                        continue
+                    c, delta, lps, finish, ids = item
+                    if chat:
+                        lp = (
+                            {"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]}
+                            if req.logprobs and lps
+                            else None
+                        )
+                        body = chat_delta(c.index, {"content": delta} if delta else {}, lp, finish)
+                    else:
+                        lp = (
+                            completion_logprobs(self.tokenizer, lps, offsets[c.index])
+                            if req.logprobs is not None and lps
+                            else None
+                        )
+                        prompt_ids = c.prompt_ids if c.index in unsent_prompt else None
+                        unsent_prompt.discard(c.index)
+                        body = completion_choice(c.index, delta, lp, finish, ids if token_ids else None, prompt_ids)
+                    offsets[c.index] += len(delta)
+                    if delta or finish or lp or (token_ids and ids):
+                        yield chunk([body])
+                if include_usage:
+                    yield chunk([], self.usage(choices))
+            except RouterError as e:
+                yield f"data: {json.dumps(e.body())}\n\n"
+            except Exception as e:  # a stream that already started can only report in-band
+                yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return gen()

@@ -1,5 +1,0 @@
-"""Prefill node: computes prompts and streams each layer's KV into a decode node's pool."""
-
-from prefill_node.server import PrefillNode
-
-__all__ = ["PrefillNode"]
