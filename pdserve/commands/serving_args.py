@@ -18,7 +18,14 @@ if TYPE_CHECKING:  # the CLI imports no serving code until a command runs
 
 ROUTER_FLAGS = ("served_model_name", "tokenizer", "chat_template", "generation_config", "enable_prompt_tokens_details")
 """What `up` hands its router (besides --model and --max-model-len)."""
-NODE_FLAGS = ("served_model_name", "tokenizer", "max_num_seqs", "max_num_batched_tokens", "seed")
+NODE_FLAGS = (
+    "served_model_name",
+    "tokenizer",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "seed",
+    "enable_expert_parallel",
+)
 """What `up` hands its nodes (besides the model, device and KV flags)."""
 
 

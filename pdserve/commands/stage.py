@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_kv_memory_args(p, max_model_len=False, gpu=False)  # the same count as `pdserve batch` derives
     p.add_argument("--block-size", type=int, default=16)
     add_device_args(p)  # a bare `cuda` gives each stage its own N GPUs ($LOCAL_RANK, else stage index)
-    add_tensor_parallel_arg(p)  # this stage is a group of N rank processes; this one talks to the pipeline
+    add_tensor_parallel_arg(
+        p, expert_parallel=False
+    )  # this stage is a group of N rank processes; this one talks to the pipeline
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of this stage")
     p.add_argument(

@@ -21,8 +21,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
-def default_model_dir(size: str = "tiny") -> Path:
-    """Path of the built-in `size` model, building it on first use.
+def default_model_dir(size: str = "tiny", arch: str = "llama") -> Path:
+    """Path of the built-in `size` model (of architecture `arch`: tiny_model.ARCHS), building it on
+    first use.
 
     Safe under concurrent first use (several node processes start at once): each
     builder writes into its own temp dir and renames it into place; a loser of
@@ -30,13 +31,14 @@ def default_model_dir(size: str = "tiny") -> Path:
     """
     source = Path(tiny_model.__file__).read_bytes()
     digest = hashlib.sha256(source + CORPUS.read_bytes()).hexdigest()[:10]
-    target = cache_root() / "models" / f"{size}-v{FORMAT_VERSION}-{digest}"
+    name = size if arch == "llama" else f"{size}-{arch}"
+    target = cache_root() / "models" / f"{name}-v{FORMAT_VERSION}-{digest}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=target.parent))
     try:
-        make_tiny_model(tmp, size)
+        make_tiny_model(tmp, size, arch=arch)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -59,7 +59,10 @@ class EngineConfig:
     """torch intra-op threads (default: torch's choice; with tensor parallelism on CPU, the host's
     cores shared out over the ranks)."""
     tensor_parallel_size: int = 1
-    """Ranks the model is split over (engine.parallel): one process each, this one rank 0."""
+    """Ranks the model is split over (pdserve.engine.parallel): one process each, this one rank 0."""
+    enable_expert_parallel: bool = False
+    """A mixture-of-experts model's experts are placed whole on the ranks (a range each) instead of
+    each expert being split over all of them (vLLM's `--enable-expert-parallel`)."""
     rank_service: str = ""
     """"module:factory" of a side service every rank other than 0 runs (engine.parallel.rank_commands),
     e.g. a node's per-rank KV endpoint; empty: none."""
@@ -80,6 +83,7 @@ class EngineConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            expert_parallel=self.enable_expert_parallel,
         )
 
     def __post_init__(self) -> None:

@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a flat token batch."""
+"""The decoder of every served architecture over a flat token batch: the Llama family (Llama 2/3,
+Qwen2/2.5, Mistral), Qwen3 (per-head q/k norms) and the mixture-of-experts models Qwen3-MoE and
+Mixtral (a sparse expert MLP, `engine.moe`, in place of the dense one on its layers)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch.nn.functional as F
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding
+from pdserve.engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding, apply_rotary, rms_norm
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.moe import Expert, SparseMoe
+from pdserve.engine.weights import expert_names, expert_prefix
 
 LayerHook = Callable[[int, ForwardBatch], None]
 """Called as hook(global_layer_index, batch) after a layer has written its KV."""
@@ -26,8 +30,14 @@ class DecoderLayer:
     post_norm: torch.Tensor
     qkv: Linear  # [(Hq + 2*Hkv) * D, H], bias in Qwen2
     o_proj: Linear  # [H, Hq * D]
-    gate_up: Linear  # [2 * I, H]
-    down: Linear  # [H, I]
+    gate_up: Linear | None  # [2 * I, H]; None on a sparse layer
+    down: Linear | None  # [H, I]; None on a sparse layer
+    q_norm: torch.Tensor | None = None  # [D], Qwen3
+    k_norm: torch.Tensor | None = None  # [D], Qwen3
+    moe: SparseMoe | None = None  # the expert MLP of a sparse layer
+
+    def linears(self) -> list[Linear]:
+        return [lin for lin in (self.qkv, self.o_proj, self.gate_up, self.down) if lin is not None]
 
 
 class LlamaModel:
@@ -59,7 +69,7 @@ class LlamaModel:
         self.norm = tensors.get("model.norm.weight")
         head = tensors.get("lm_head.weight", self.embed) if self.is_last else None
         self.lm_head = Linear(head, prepack=prepack) if head is not None else None
-        self.layers = [self._fuse(tensors, i, prepack) for i in range(self.start, self.end)]
+        self.layers = [self._fuse(config, tensors, i, prepack) for i in range(self.start, self.end)]
         self.rotary = RotaryEmbedding(config, device)
         self.scale = config.head_dim**-0.5
         self.reduce = all_reduce or (lambda t: t)
@@ -69,21 +79,46 @@ class LlamaModel:
         self.carry = all_reduce is None and any(layer.qkv.out_dtype is not None for layer in self.layers)
 
     @staticmethod
-    def _fuse(t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
+    def _fuse(cfg: ModelConfig, t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
         p = f"model.layers.{i}."
         qkv = torch.cat([t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         bias = None
         if p + "self_attn.q_proj.bias" in t:
             bias = torch.cat([t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        gate_up = torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")])
+        gate_up = down = moe = None
+        if cfg.is_sparse(i):
+            moe = LlamaModel._experts(cfg, t, i, prepack)
+        else:
+            gate_up = Linear(
+                torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")]), None, prepack
+            )
+            down = Linear(t.pop(p + "mlp.down_proj.weight"), prepack=prepack)
         return DecoderLayer(
             t.pop(p + "input_layernorm.weight"),
             t.pop(p + "post_attention_layernorm.weight"),
             Linear(qkv, bias, prepack),
             Linear(t.pop(p + "self_attn.o_proj.weight"), prepack=prepack),
-            Linear(gate_up, prepack=prepack),
-            Linear(t.pop(p + "mlp.down_proj.weight"), prepack=prepack),
+            gate_up,
+            down,
+            t.pop(p + "self_attn.q_norm.weight", None),
+            t.pop(p + "self_attn.k_norm.weight", None),
+            moe,
         )
+
+    @staticmethod
+    def _experts(cfg: ModelConfig, t: dict[str, torch.Tensor], i: int, prepack: bool) -> SparseMoe:
+        """Layer i's router and the experts whose weights were loaded (all, or this rank's range)."""
+        assert cfg.moe is not None
+        prefix, (gate, up, down) = expert_prefix(cfg, i), expert_names(cfg)
+        experts = {}
+        for e in range(cfg.moe.num_experts):
+            x = f"{prefix}experts.{e}."
+            if x + f"{gate}.weight" in t:
+                gate_up = torch.cat([t.pop(x + f"{gate}.weight"), t.pop(x + f"{up}.weight")])
+                experts[e] = Expert(
+                    Linear(gate_up, prepack=prepack), Linear(t.pop(x + f"{down}.weight"), prepack=prepack)
+                )
+        return SparseMoe(cfg.moe, t.pop(prefix + "gate.weight"), experts)
 
     def forward(
         self,
@@ -122,24 +157,45 @@ class LlamaModel:
         for local, (layer, next_norm) in enumerate(zip(layers, norms_after_mlp), offset):
             # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
             qkv = ops.linear(layer.qkv, h)
-            q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k, v = self._norm_rotate_qk(qkv.to(x.dtype), layer.q_norm, layer.k_norm, cos, sin)
+            else:
+                q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
             o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
             if layer_hook is not None:
                 layer_hook(self.start + local, batch)
             h = ops.add_rms_norm(x, self.reduce(ops.linear(layer.o_proj, o.reshape(-1, hq * d))), layer.post_norm, eps)
-            # MLP block: SiLU-gated, gate_up [T, 2I] -> [T, I]
-            mlp = self.reduce(ops.linear(layer.down, ops.silu_mul(ops.linear(layer.gate_up, h))))
+            if layer.moe is not None:  # sparse MLP: in the model's dtype (CpuCarryOps' h is float32)
+                silu_mul = CpuFusedOps.silu_mul if ops is CpuCarryOps else ops.silu_mul
+                mlp = self.reduce(layer.moe.forward(h.to(x.dtype), silu_mul))
+            else:  # MLP block: SiLU-gated, gate_up [T, 2I] -> [T, I]
+                assert layer.gate_up is not None and layer.down is not None
+                mlp = self.reduce(ops.linear(layer.down, ops.silu_mul(ops.linear(layer.gate_up, h))))
             if next_norm is None:  # a non-last pipeline stage hands on the un-normed stream
                 x.add_(mlp.to(x.dtype))
             else:
                 h = ops.add_rms_norm(x, mlp, next_norm, eps)
         return h.to(x.dtype) if last else x  # CpuCarryOps' last norm is float32
 
+    def _norm_rotate_qk(
+        self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Qwen3: RMSNorm over each head of q and k, then the rotary embedding (eager ops: two small
+        passes over q and k, against the GEMMs around them)."""
+        cfg = self.config
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = rms_norm(q.reshape(-1, hq, d), q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(-1, hkv, d), k_norm, cfg.rms_norm_eps)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(-1, hkv, d)
+
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (every linear and norm; not the embedding table,
-        of which a step reads one row per token)."""
-        total = sum(lin.nbytes for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
-        norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)] + [self.norm]
+        """Bytes of weights one decode step reads (every linear and norm, every expert a sparse layer
+        holds; not the embedding table, of which a step reads one row per token)."""
+        total = sum(lin.nbytes for layer in self.layers for lin in layer.linears())
+        total += sum(layer.moe.weight_bytes() for layer in self.layers if layer.moe is not None)
+        norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
+        norms += [self.norm]
         total += sum(t.numel() * t.element_size() for t in norms if t is not None)
         return total + (self.lm_head.nbytes if self.lm_head is not None else 0)
 

@@ -27,7 +27,7 @@ class ModelRunner:
     non-last stage returns hidden states instead of logits and a non-first stage
     takes `hidden_states` instead of token ids. `fused_ops=False` keeps the eager
     elementwise ops even where the compiled CPU ops run (the A/B of benchmarks/profile_step.py);
-    `prepack` holds the linear weights in oneDNN's layout (`pdserve.engine.layers.Linear`; None: wherever
+    `prepack` holds the linear weights in oneDNN's layout (`engine.layers.Linear`; None: wherever
     it can).
 
     `run(batch, layers=(a, b))` runs a sub-range of the loaded layers (a pipeline stage whose layers
@@ -66,6 +66,7 @@ class ModelRunner:
         kv_memory: KvMemory | None = None,
         tp: TPGroup | None = None,
         kv_tensor: torch.Tensor | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -74,7 +75,7 @@ class ModelRunner:
         self._drives_ranks = False
         """Rank 0 sends each batch to the other ranks. False until the pool is sized, so the start-up
         profile run (every rank runs the same one, engine.cuda_memory) sends nothing."""
-        shard = TPShard(tp.rank, tp.size) if tp is not None else None
+        shard = TPShard(tp.rank, tp.size, expert_parallel) if tp is not None else None
         if shard is not None:
             shard.check(self.model_config)
         self.local_config = shard.local_config(self.model_config) if shard is not None else self.model_config
@@ -125,7 +126,7 @@ class ModelRunner:
         self._drives_ranks = tp is not None and tp.rank == 0
 
     def check(self) -> None:
-        """Raise if this runner can no longer step (engine.parallel.launcher: a rank died)."""
+        """Raise if this runner can no longer step (pdserve.engine.parallel.launcher: a rank died)."""
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to stop (their processes exit)."""

@@ -1,9 +1,10 @@
 """Deterministic built-in checkpoints in real Hugging Face format (random weights, trained BPE).
 
-`make_tiny_model(dir, size)` writes config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json (with a ChatML chat template), generation_config.json and
-special_tokens_map.json. The weights are random but seeded, so every build is
-byte-identical; they are loaded by the same code path as any real checkpoint.
+`make_tiny_model(dir, size, arch=..., fp8=...)` writes config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json (with a ChatML chat template), generation_config.json and
+special_tokens_map.json, for any served architecture (ARCHS), optionally FP8 block-quantized as
+Qwen3-*-FP8 checkpoints are. The weights are random but seeded, so every build is byte-identical;
+they are loaded by the same code path as any real checkpoint (and by transformers).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:  # torch is imported where weights are made: `pdserve --help` lists ARCHS without it
+    import torch
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -100,28 +104,79 @@ def pad_tokenizer(tok: Tokenizer, vocab_size: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
+ARCHS: dict[str, dict[str, Any]] = {  # config.json values of each architecture over a size's dimensions
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=512),
+    # head_dim 64 on both sizes: not hidden_size / heads (32 on tiny), as in real Qwen3 configs
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=64),
+    "qwen3-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2
+    ),
+}
+"""`--arch`: the Llama family, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral (8 experts, top-2)."""
+
+FP8_BLOCK = 128
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+"""`quantization_config` of an FP8 checkpoint: float8_e4m3fn weights, one float32 scale per 128x128 block."""
+
+
 def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random weights. lm_head gets a larger scale than usual so greedy decoding has
     clear top-1 margins (exactness tests compare greedy ids across batchings)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // hq
+    d = cfg.get("head_dim") or h // hq
     std = h**-0.5
 
     def rand(*shape: int, scale: float = std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
+    def mlp(prefix: str, names: tuple[str, str, str], width: int) -> None:
+        t[f"{prefix}{names[0]}.weight"] = rand(width, h)
+        t[f"{prefix}{names[1]}.weight"] = rand(width, h)
+        t[f"{prefix}{names[2]}.weight"] = rand(h, width, scale=width**-0.5 / layers**0.5)
+
     t = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h, scale=1.0)}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    mixtral = cfg["model_type"] == "mixtral"
     for i in range(layers):
         p = f"model.layers.{i}."
         t[p + "self_attn.q_proj.weight"] = rand(hq * d, h)
         t[p + "self_attn.k_proj.weight"] = rand(hkv * d, h)
         t[p + "self_attn.v_proj.weight"] = rand(hkv * d, h)
+        if cfg.get("attention_bias"):
+            for x, n in (("q", hq), ("k", hkv), ("v", hkv)):
+                t[p + f"self_attn.{x}_proj.bias"] = rand(n * d, scale=0.1)
+        if cfg["model_type"].startswith("qwen3"):  # per-head q/k norms, not all ones
+            t[p + "self_attn.q_norm.weight"] = 1.0 + rand(d, scale=0.1)
+            t[p + "self_attn.k_norm.weight"] = 1.0 + rand(d, scale=0.1)
         t[p + "self_attn.o_proj.weight"] = rand(h, hq * d, scale=std / layers**0.5)
-        t[p + "mlp.gate_proj.weight"] = rand(inter, h)
-        t[p + "mlp.up_proj.weight"] = rand(inter, h)
-        t[p + "mlp.down_proj.weight"] = rand(h, inter, scale=inter**-0.5 / layers**0.5)
+        if experts:
+            moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+            width = cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]
+            t[moe + "gate.weight"] = rand(experts, h, scale=1.0)  # clear routing margins
+            for e in range(experts):
+                mlp(
+                    f"{moe}experts.{e}.",
+                    ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"),
+                    width,
+                )
+        else:
+            mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"), inter)
         t[p + "input_layernorm.weight"] = torch.ones(h)
         t[p + "post_attention_layernorm.weight"] = torch.ones(h)
     t["model.norm.weight"] = torch.ones(h)
@@ -129,11 +184,45 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, vocab_size: int | None = None) -> Path:
-    """Write the built-in checkpoint `size` ("tiny" or "bench") into out_dir; `vocab_size` replaces
-    the size's vocabulary (a wider LM head: the pipeline tests' phase split)."""
+def quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every linear projection's weight as float8_e4m3fn plus a `weight_scale_inv` per 128x128 block
+    (amax / 448, as FP8 checkpoints are made); embeddings, norms, routers and the LM head stay as
+    they are, as in Qwen3-*-FP8."""
+    import torch
+
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    out: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if not name.endswith("_proj.weight") and not name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
+            out[name] = w
+            continue
+        n, k = w.shape
+        bn, bk = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        padded = torch.zeros(bn * FP8_BLOCK, bk * FP8_BLOCK)
+        padded[:n, :k] = w
+        blocks = padded.view(bn, FP8_BLOCK, bk, FP8_BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fmax
+        q = (blocks / scale[:, None, :, None]).clamp(-fmax, fmax).view(bn * FP8_BLOCK, bk * FP8_BLOCK)
+        out[name] = q[:n, :k].to(torch.float8_e4m3fn).contiguous()
+        out[name.removesuffix(".weight") + ".weight_scale_inv"] = scale.float()
+    return out
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    vocab_size: int | None = None,
+    arch: str = "llama",
+    fp8: bool = False,
+) -> Path:
+    """Write the built-in checkpoint `size` ("tiny" or "bench") of architecture `arch` (ARCHS) into
+    out_dir; `vocab_size` replaces the size's vocabulary (a wider LM head: the pipeline tests' phase
+    split); `fp8`: FP8 block-quantized linear weights (`quantize_fp8`)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
@@ -143,8 +232,6 @@ def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, voca
     tok = pad_tokenizer(tok, spec["vocab_size"])  # every model id decodes to text
     bos, eos, im_end = tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(IM_END)
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         **spec,
         "head_dim": spec["hidden_size"] // spec["num_attention_heads"],
         "hidden_act": "silu",
@@ -158,7 +245,14 @@ def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, voca
         "torch_dtype": "float32",
         "initializer_range": 0.02,
         "use_cache": True,
+        **ARCHS[arch],
     }
+    if arch == "qwen3-moe":  # each expert a quarter of the dense width: 8 experts, top-2
+        config["moe_intermediate_size"] = spec["intermediate_size"] // 4
+    elif arch == "mixtral":
+        config["intermediate_size"] = spec["intermediate_size"] // 4
+    if fp8:
+        config["quantization_config"] = dict(FP8_CONFIG)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen_config = {"bos_token_id": bos, "eos_token_id": [eos, im_end], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2, sort_keys=True) + "\n")
@@ -176,5 +270,8 @@ def make_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, voca
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     special = {"bos_token": BOS, "eos_token": IM_END, "pad_token": EOS}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
-    save_file(_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    from safetensors.torch import save_file
+
+    tensors = _weights(config, seed)
+    save_file(quantize_fp8(tensors) if fp8 else tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

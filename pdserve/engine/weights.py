@@ -38,7 +38,42 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def needed_tensor_names(config: ModelConfig, layer_range: tuple[int, int]) -> list[str]:
+def expert_prefix(config: ModelConfig, layer: int) -> str:
+    """The checkpoint prefix of layer `layer`'s sparse MLP: its router is `<prefix>gate.weight` and
+    expert e's projections `<prefix>experts.<e>.<name>.weight` with EXPERT_NAMES' names."""
+    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer}.{block}."
+
+
+def expert_names(config: ModelConfig) -> tuple[str, str, str]:
+    """(gate, up, down) projection names of one expert: Mixtral's w1, w3, w2; Qwen3-MoE's own."""
+    if config.architecture == "MixtralForCausalLM":
+        return ("w1", "w3", "w2")
+    return ("gate_proj", "up_proj", "down_proj")
+
+
+def layer_tensor_names(config: ModelConfig, layer: int, experts: range | None = None) -> list[str]:
+    """The checkpoint tensors of decoder layer `layer` (global index); `experts`: the experts this
+    process holds (expert parallelism), default all."""
+    p = f"model.layers.{layer}."
+    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+    if config.attention_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
+    if config.qk_norm:
+        names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if config.is_sparse(layer):
+        assert config.moe is not None
+        moe = expert_prefix(config, layer)
+        names.append(moe + "gate.weight")
+        for e in experts if experts is not None else range(config.moe.num_experts):
+            names += [f"{moe}experts.{e}.{x}.weight" for x in expert_names(config)]
+    else:
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def needed_tensor_names(config: ModelConfig, layer_range: tuple[int, int], experts: range | None = None) -> list[str]:
     """Names of the checkpoint tensors a process holding `layer_range` must read."""
     start, end = layer_range
     first, last = start == 0, end == config.num_hidden_layers
@@ -46,17 +81,30 @@ def needed_tensor_names(config: ModelConfig, layer_range: tuple[int, int]) -> li
     if first or (last and config.tie_word_embeddings):
         names.append("model.embed_tokens.weight")
     for i in range(start, end):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
-        if config.attention_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += layer_tensor_names(config, i, experts)
     if last:
         names.append("model.norm.weight")
         if not config.tie_word_embeddings:
             names.append("lm_head.weight")
     return names
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str
+) -> torch.Tensor:
+    """A float8_e4m3fn weight [N, K] times its per-block scales [ceil(N/bn), ceil(K/bk)], in float32
+    (as the checkpoint's producer quantized it: w ~= w_fp8 * scale_inv, block by block)."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: an FP8 weight must be 2-D, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"{name}_scale_inv has shape {tuple(scale_inv.shape)}; a [{n}, {k}] weight in {bn}x{bk} blocks needs {want}"
+        )
+    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.float() * scales
 
 
 def load_tensors(
@@ -70,12 +118,16 @@ def load_tensors(
     """Read exactly the tensors of `layer_range` (plus embeddings / norm / lm_head at the ends).
 
     With `shard`, a tensor-parallel rank reads only its slice of each split tensor from the file
-    (safetensors slices: the rest of the tensor is never materialized on this rank)."""
+    (safetensors slices: the rest of the tensor is never materialized on this rank), and only its
+    experts under expert parallelism. An FP8 block-quantized weight (one with a `weight_scale_inv`
+    beside it) is dequantized to `dtype` at load, whole, then sliced."""
     files = _tensor_files(Path(model_dir))
-    wanted = needed_tensor_names(config, layer_range)
+    experts = shard.experts(config) if shard is not None else None
+    wanted = needed_tensor_names(config, layer_range, experts)
     missing = [n for n in wanted if n not in files]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:5])}")
+    _refuse_unserved(config, files, layer_range)
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
@@ -83,12 +135,48 @@ def load_tensors(
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:
+                scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
                 cut = shard.tensor_slice(name, config) if shard is not None else None
-                if cut is None:
+                if scale_name in files:
+                    tensor = _fp8_weight(f.get_tensor(name), files, scale_name, config, name)
+                    if cut is not None:
+                        dim, start, stop = cut
+                        tensor = tensor.narrow(dim, start, stop - start)
+                elif cut is None:
                     tensor = f.get_tensor(name)
                 else:
                     dim, start, stop = cut
                     index = (slice(None),) * dim + (slice(start, stop),)
                     tensor = f.get_slice(name)[index]
+                if tensor.dtype == torch.float8_e4m3fn and scale_name not in files:
+                    raise ValueError(f"{name} is float8 but the checkpoint has no {scale_name} to scale it")
                 out[name] = tensor.to(device=device, dtype=dtype)
     return out
+
+
+def _fp8_weight(
+    weight: torch.Tensor, files: dict[str, Path], scale_name: str, config: ModelConfig, name: str
+) -> torch.Tensor:
+    if config.fp8_block is None:
+        raise ValueError(f"{scale_name} found, but config.json has no quantization_config (quant_method 'fp8')")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name} has a weight_scale_inv but is {weight.dtype}, not float8_e4m3fn")
+    with safe_open(str(files[scale_name]), framework="pt", device="cpu") as s:
+        scale = s.get_tensor(scale_name)
+    return dequantize_fp8_block(weight, scale, config.fp8_block, name)
+
+
+def _refuse_unserved(config: ModelConfig, files: dict[str, Path], layer_range: tuple[int, int]) -> None:
+    """Tensors of a layer that the model code would silently ignore (a shared expert or its gate on
+    an architecture without one, projection biases pdserve does not apply) are refused by name."""
+    start, end = layer_range
+    for name in files:
+        if not name.startswith("model.layers."):
+            continue
+        layer = int(name.split(".")[2])
+        if not start <= layer < end:
+            continue
+        if ".shared_expert" in name:
+            raise ValueError(f"{name}: {config.architecture} has no shared expert in pdserve")
+        if (".mlp." in name or ".o_proj." in name or ".experts." in name) and name.endswith(".bias"):
+            raise ValueError(f"{name}: projection biases outside q/k/v are not supported")

@@ -9,8 +9,8 @@ import torch
 
 def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     """A random transformers checkpoint of `kind` (gqa | mqa | qwen2 | llama3 | mistral, the last
-    with a sliding window of 32; mqa has one KV head, fewer than any tensor-parallel degree) using
-    the tiny model's tokenizer."""
+    with a sliding window of 32; mqa has one KV head, fewer than any tensor-parallel degree; and the
+    newer architectures in NEW_KINDS) using the tiny model's tokenizer."""
     import shutil
 
     from transformers import (
@@ -18,8 +18,14 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     common = dict(
@@ -47,10 +53,27 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
         cfg, cls = LlamaConfig(num_key_value_heads=3, rope_scaling=rope, rope_theta=50000.0, **common), LlamaForCausalLM
     elif kind == "mistral":
         cfg, cls = MistralConfig(num_key_value_heads=2, sliding_window=32, **common), MistralForCausalLM
+    elif kind in ("qwen3", "qwen3-tied"):  # head_dim 40: q is 240 wide on a hidden size of 96
+        qwen3 = dict(common, num_key_value_heads=2, head_dim=40, tie_word_embeddings=kind == "qwen3-tied")
+        cfg, cls = Qwen3Config(**qwen3), Qwen3ForCausalLM
+    elif kind in ("qwen3-moe", "qwen3-moe-mixed"):
+        moe = dict(common, num_key_value_heads=2, head_dim=24, num_experts=6, num_experts_per_tok=2)
+        moe.update(moe_intermediate_size=40)
+        if kind == "qwen3-moe-mixed":  # sparse every other layer (1, 3, 5) but layer 3 (mlp_only_layers)
+            moe.update(num_hidden_layers=6, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3])
+        cfg, cls = Qwen3MoeConfig(**moe), Qwen3MoeForCausalLM
+    elif kind == "mixtral":
+        mix = dict(common, intermediate_size=48, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+        cfg, cls = MixtralConfig(sliding_window=32, **mix), MixtralForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234)
     model = cls(cfg).to(torch.float32)
+    if cfg.model_type in ("qwen3", "qwen3_moe"):  # norms that are not all ones, so a skipped one shows
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     with torch.no_grad():  # sharper logits than the default init, so greedy has clear margins
         head = model.lm_head.weight if not cfg.tie_word_embeddings else model.model.embed_tokens.weight
         head.normal_(0.0, 0.3)
@@ -58,3 +81,8 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer_src / name, out_dir / name)
     return out_dir
+
+
+NEW_KINDS = ["qwen3", "qwen3-tied", "qwen3-moe", "qwen3-moe-mixed", "mixtral"]
+"""Qwen3 (untied, tied), Qwen3-MoE (all layers sparse; dense and sparse mixed with norm_topk_prob),
+Mixtral (with a sliding window of 32)."""

@@ -40,6 +40,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "seed": (["--seed", "7"], 7),
     "num_threads": (["--num-threads", "2"], 2),
     "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
+    "enable_expert_parallel": (["--enable-expert-parallel"], True),
 }
 """Per EngineConfig field: flags that set it to a value other than its default, and that value."""
 

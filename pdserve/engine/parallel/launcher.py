@@ -126,7 +126,9 @@ class TensorParallelRunner(ModelRunner):
     pipeline stage waiting on its controller: it ends the process instead of waiting to notice."""
 
     def __init__(self, config: EngineConfig, on_rank_death: Callable[[str], None] | None = None) -> None:
-        TPShard(0, config.tensor_parallel_size).check(ModelConfig.from_dir(config.model_dir))  # before any spawn
+        TPShard(0, config.tensor_parallel_size, config.enable_expert_parallel).check(
+            ModelConfig.from_dir(config.model_dir)
+        )  # before any spawn
         options = rank_options(config, 0)
         store = rendezvous(0, config.tensor_parallel_size, 0, START_TIMEOUT_S)
         self.ranks = RankProcesses(config, store.port, on_rank_death)

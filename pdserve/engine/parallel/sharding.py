@@ -6,6 +6,11 @@ partial outputs are summed by one all-reduce per attention block and one per MLP
 the norms and the LM head are replicated on every rank (a documented choice: the tiny and bench
 models' vocabularies are small, and a replicated head needs no gather before sampling).
 
+A mixture-of-experts layer's router is replicated. Its experts are either split like the dense MLP,
+each expert's gate/up by rows and down by columns (`--tensor-parallel-size`), or, with expert
+parallelism (`--enable-expert-parallel`, vLLM's flag), placed whole, a contiguous range of experts on
+each rank; either way each rank's partial MLP output is summed by the same all-reduce.
+
 KV heads are split like the query heads. When a model has fewer KV heads than ranks, each KV head
 is replicated on `size / num_kv_heads` ranks, as vLLM does, so that every rank holds the one KV
 head its query heads attend to. A later fusion of q/k/v or gate/up in the checkpoint changes only
@@ -26,6 +31,8 @@ class TPShard:
 
     rank: int
     size: int
+    expert_parallel: bool = False
+    """Experts are placed whole on ranks instead of each being split over all of them."""
 
     def check(self, cfg: ModelConfig) -> None:
         """ValueError naming what cannot be split `size` ways."""
@@ -39,8 +46,17 @@ class TPShard:
                 f"tensor-parallel size {self.size} and the {hkv} KV heads: one must divide the other "
                 "(KV heads are split, or replicated when there are fewer than ranks)"
             )
-        if inter % self.size:
+        if inter % self.size and any(not cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)):
             raise ValueError(f"tensor-parallel size {self.size} does not divide intermediate_size {inter}")
+        if cfg.moe is not None and self.expert_parallel and cfg.moe.num_experts % self.size:
+            raise ValueError(f"expert-parallel size {self.size} does not divide the {cfg.moe.num_experts} experts")
+        if cfg.moe is not None and not self.expert_parallel and cfg.moe.intermediate_size % self.size:
+            raise ValueError(
+                f"tensor-parallel size {self.size} does not divide the experts' width {cfg.moe.intermediate_size} "
+                "(--enable-expert-parallel places whole experts instead)"
+            )
+        if self.expert_parallel and cfg.moe is None:
+            raise ValueError("--enable-expert-parallel needs a mixture-of-experts model")
 
     def q_heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """[start, stop) of the query heads this rank computes."""
@@ -51,14 +67,26 @@ class TPShard:
         """[start, stop) of the KV heads this rank holds (one replicated head when KV heads < ranks)."""
         return kv_head_range(cfg.num_key_value_heads, self.rank, self.size)
 
+    def experts(self, cfg: ModelConfig) -> range | None:
+        """The experts this rank holds under expert parallelism; None: all of them (each split)."""
+        if cfg.moe is None or not self.expert_parallel:
+            return None
+        n = cfg.moe.num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The geometry one rank computes with: its share of heads and of the MLP width."""
+        """The geometry one rank computes with: its share of heads and of the MLP width (of each
+        expert's width too, unless experts are placed whole)."""
         kv_start, kv_stop = self.kv_heads(cfg)
+        moe = cfg.moe
+        if moe is not None and not self.expert_parallel:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size)
         return dataclasses.replace(
             cfg,
             num_attention_heads=cfg.num_attention_heads // self.size,
             num_key_value_heads=kv_stop - kv_start,
             intermediate_size=cfg.intermediate_size // self.size,
+            moe=moe,
         )
 
     def tensor_slice(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
@@ -67,6 +95,13 @@ class TPShard:
             return None  # embedding, final norm, LM head: replicated
         d = cfg.head_dim
         inter = cfg.intermediate_size // self.size
+        if ".experts." in name:
+            if self.expert_parallel or cfg.moe is None:
+                return None  # whole experts (which ones: `experts`)
+            width = cfg.moe.intermediate_size // self.size
+            if name.endswith((".w2.weight", ".down_proj.weight")):
+                return 1, self.rank * width, (self.rank + 1) * width
+            return 0, self.rank * width, (self.rank + 1) * width
         if ".self_attn.q_proj." in name:
             q0, q1 = self.q_heads(cfg)
             return 0, q0 * d, q1 * d

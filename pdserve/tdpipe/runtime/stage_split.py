@@ -34,12 +34,19 @@ from pdserve.engine.model_config import ModelConfig
 
 def decoder_layer_weights(cfg: ModelConfig) -> int:
     """Matmul weights one token goes through in one decoder layer: q/k/v/o (GQA: k and v are
-    kv_heads x head_dim wide) and the gated MLP's gate/up/down. Norms, RoPE and biases are
+    kv_heads x head_dim wide) and the gated MLP's gate/up/down (of a mixture-of-experts model: its
+    router and top-k experts, averaged over sparse and dense layers). Norms, RoPE and biases are
     elementwise and left out; attention over the KV grows with the context and is left out too."""
     q_width = cfg.num_attention_heads * cfg.head_dim
     kv_width = cfg.num_key_value_heads * cfg.head_dim
     attention = 2 * cfg.hidden_size * q_width + 2 * cfg.hidden_size * kv_width  # q, o; k, v
-    return attention + 3 * cfg.hidden_size * cfg.intermediate_size
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size
+    if cfg.moe is None:
+        return attention + dense
+    sparse = cfg.hidden_size * (cfg.moe.num_experts + 3 * cfg.moe.top_k * cfg.moe.intermediate_size)
+    layers = cfg.num_hidden_layers
+    n_sparse = sum(cfg.is_sparse(i) for i in range(layers))
+    return attention + (n_sparse * sparse + (layers - n_sparse) * dense) // layers
 
 
 OP_OVERHEAD_WEIGHTS = 80_000
