@@ -189,11 +189,14 @@ class LlamaModel:
         k = rms_norm(k.reshape(-1, hkv, d), k_norm, cfg.rms_norm_eps)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(-1, hkv, d)
 
-    def weight_bytes(self) -> int:
+    def weight_bytes(self, one_token: bool = False) -> int:
         """Bytes of weights one decode step reads (every linear and norm, every expert a sparse layer
-        holds; not the embedding table, of which a step reads one row per token)."""
+        holds; not the embedding table, of which a step reads one row per token). `one_token`: a step
+        of one sequence, which reads only its top-k experts of each sparse layer."""
         total = sum(lin.nbytes for layer in self.layers for lin in layer.linears())
-        total += sum(layer.moe.weight_bytes() for layer in self.layers if layer.moe is not None)
+        for layer in self.layers:
+            if layer.moe is not None:
+                total += layer.moe.active_weight_bytes() if one_token else layer.moe.weight_bytes()
         norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
         norms += [self.norm]
         total += sum(t.numel() * t.element_size() for t in norms if t is not None)

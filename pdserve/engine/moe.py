@@ -64,47 +64,38 @@ class SparseMoe:
         """h [T, H] -> this process's share of the MLP output [T, H]. `silu_mul`: [T, 2I] -> [T, I]
         (the layer's elementwise op, fused on CPU)."""
         weights, ids = self.route(h)
-        if h.is_cuda and _grouped_mm_usable(h, self.experts, self.config.num_experts):
-            return self._grouped(h, weights, ids)
-        out = torch.zeros_like(h)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
         tokens = order // self.config.top_k
-        pair_weights = weights.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows, w = tokens[start : start + n], pair_weights[start : start + n]
-            start += n
-            expert = self.experts.get(e)
-            if expert is None:  # held by another rank
-                continue
-            y = expert.down(silu_mul(expert.gate_up(h.index_select(0, rows))))
-            out.index_add_(0, rows, (y * w[:, None]).to(out.dtype))
-        return out
+        x = h.index_select(0, tokens)  # one gather: each expert's rows are a contiguous slice
+        y = torch.zeros_like(x)  # rows of experts held by another rank stay zero
+        if h.is_cuda and _grouped_mm_usable(h, self.experts):
+            self._grouped(x, y, counts, silu_mul)
+        else:
+            start = 0
+            for e, n in enumerate(counts):
+                expert = self.experts.get(e)
+                if n and expert is not None:
+                    y[start : start + n] = expert.down(silu_mul(expert.gate_up(x[start : start + n])))
+                start += n
+        y = y * weights.reshape(-1)[order][:, None]
+        # one scatter, in expert order: each token's expert outputs are added in ascending expert order
+        return torch.zeros_like(h).index_add_(0, tokens, y.to(h.dtype))
 
-    def _grouped(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """All local experts in one grouped GEMM per projection (CUDA, `torch._grouped_mm`)."""
+    def _grouped(
+        self, x: torch.Tensor, y: torch.Tensor, counts: list[int], silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """The local experts' rows of y (a contiguous range: experts are sorted) from one grouped GEMM
+        per projection (CUDA, `torch._grouped_mm`)."""
         gate_up, down = self._stacked_weights()
-        first = min(self.experts)
-        local = (ids >= first) & (ids < first + len(self.experts))
-        flat_ids = torch.where(local, ids - first, len(self.experts)).reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=len(self.experts) + 1)[: len(self.experts)]
-        kept = int(counts.sum())
-        order = order[:kept]
-        rows = order // self.config.top_k
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        x = h.index_select(0, rows)
-        gu = torch._grouped_mm(x, gate_up, offs=offs)
-        i = gu.shape[-1] // 2
-        y = torch._grouped_mm(F.silu(gu[:, :i]) * gu[:, i:], down, offs=offs)
-        w = weights.reshape(-1)[order]
-        out = torch.zeros_like(h)
-        out.index_add_(0, rows, (y * w[:, None]).to(out.dtype))
-        return out
+        first, last = min(self.experts), max(self.experts) + 1
+        lo, hi = sum(counts[:first]), sum(counts[:last])
+        if hi == lo:
+            return
+        offs = torch.tensor(counts[first:last], device=x.device).cumsum(0).to(torch.int32)
+        gu = torch._grouped_mm(x[lo:hi], gate_up, offs=offs)
+        y[lo:hi] = torch._grouped_mm(silu_mul(gu), down, offs=offs)
 
     def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Local experts' weights stacked once, [E, N, K] in memory, handed to `_grouped_mm` as [E, K, N]
@@ -138,7 +129,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _grouped_mm_usable(h: torch.Tensor, experts: dict[int, Expert], num_experts: int) -> bool:
+def _grouped_mm_usable(h: torch.Tensor, experts: dict[int, Expert]) -> bool:
     """torch's grouped GEMM: CUDA capability 9.0+, bfloat16, a contiguous range of experts."""
     if not hasattr(torch, "_grouped_mm") or h.dtype != torch.bfloat16 or not experts:
         return False

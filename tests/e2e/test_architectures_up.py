@@ -1,8 +1,10 @@
 """Each new architecture served by `pdserve up` (router + prefill + decode processes) gives the text
 `pdserve generate` gives on the same checkpoint: Qwen3, Qwen3-MoE, Mixtral and an FP8 Qwen3-MoE,
-over tcp and the emulated rdma transport. The prompt is prefilled on the prefill node and its KV
-streamed into the decode node (local prefill off); a second request that shares the first one's
-prompt reuses its KV from the decode node's prefix cache; and a JSON-schema request is constrained."""
+over tcp and the emulated rdma transport, and a Qwen3-MoE whose decode node is two tensor-parallel
+ranks with whole experts each (P TP=1 -> D TP=2). The prompt is prefilled on the prefill node and
+its KV streamed into the decode node (local prefill off; one case runs `up`'s defaults); a second
+request that shares the first one's prompt reuses its KV; a JSON-schema request is constrained; and
+`pdserve batch` runs a MoE model on TD-Pipe stages. Cases marked slow run in CI's slow pass."""
 
 from __future__ import annotations
 
@@ -56,12 +58,31 @@ def _complete(port: int, prompt: str, **extra) -> dict:
     return r.json()
 
 
+REMOTE = ["--num-prefill", "1", "--num-decode", "1", "--local-prefill-max-tokens", "0"]
+"""One prefill and one decode node, and every prompt prefilled on the prefill node."""
+
+
 @pytest.mark.parametrize(
-    "arch, fp8, transport",
-    [("qwen3", False, "tcp"), ("qwen3-moe", False, "rdma"), ("mixtral", False, "tcp"), ("qwen3-moe", True, "tcp")],
-    ids=["qwen3-tcp", "qwen3-moe-rdma", "mixtral-tcp", "qwen3-moe-fp8-tcp"],
+    "arch, fp8, transport, shape",
+    [
+        pytest.param("qwen3", False, "tcp", REMOTE, id="qwen3-tcp", marks=pytest.mark.slow),
+        pytest.param("qwen3-moe", False, "rdma", REMOTE, id="qwen3-moe-rdma"),
+        pytest.param("mixtral", False, "tcp", REMOTE, id="mixtral-tcp", marks=pytest.mark.slow),
+        pytest.param("qwen3-moe", True, "tcp", REMOTE, id="qwen3-moe-fp8-tcp", marks=pytest.mark.slow),
+        # P TP=1 -> D TP=2 with whole experts per decode rank: head-sliced KV into the two ranks
+        pytest.param(
+            "qwen3-moe",
+            False,
+            "tcp",
+            REMOTE + ["--decode-tensor-parallel-size", "2", "--enable-expert-parallel"],
+            id="qwen3-moe-p1-d2-ep",
+            marks=pytest.mark.slow,
+        ),
+        # the defaults: 1 prefill, 2 decode, local prefill of short prompts, KV-aware routing
+        pytest.param("mixtral", False, "tcp", [], id="mixtral-defaults"),
+    ],
 )
-def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport):
+def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport, shape):
     model_dir = make_tiny_model(tmp_path / arch, "tiny", arch=arch, fp8=fp8)
     expected = [_generate(model_dir, p) for p in (PROMPT, LONGER)]
     port = free_port()
@@ -70,7 +91,7 @@ def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport):
     try:
         up = start_up(
             ["--port", str(port), "--model", str(model_dir), "--served-model-name", "m", "--transport", transport]
-            + ["--num-prefill", "1", "--num-decode", "1", "--local-prefill-max-tokens", "0"]
+            + shape
         )
     finally:
         if env_before is None:
@@ -78,12 +99,13 @@ def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport):
         else:
             os.environ["PDSERVE_RDMA_EMULATOR"] = env_before
     try:
-        assert up.wait_up(), "\n".join(up.lines[-40:])
+        assert up.wait_up(300), "\n".join(up.lines[-40:])
         first = _complete(port, PROMPT)
         assert _whole_chars(first["choices"][0]["text"]) == expected[0]
         second = _complete(port, LONGER)
         assert _whole_chars(second["choices"][0]["text"]) == expected[1]
-        # the shared part of the prompt (whole blocks) came from the decode node's prefix cache
+        # the shared part of the prompt (whole blocks) came from the decode node's prefix cache (the
+        # KV-aware router sends the second request where the first one's KV lives)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, second["usage"]
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
         constrained = _complete(

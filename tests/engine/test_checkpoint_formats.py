@@ -93,7 +93,7 @@ def _dequantized_copy(fp8_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_fp8_checkpoint_equals_its_hand_dequantized_copy(tmp_path, arch):
     fp8_dir = make_tiny_model(tmp_path / "fp8", "tiny", arch=arch, fp8=True)
     tensors = load_file(str(fp8_dir / "model.safetensors"))
