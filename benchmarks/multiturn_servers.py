@@ -33,10 +33,8 @@ def start_pdserve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
     from pdserve.engine.attention import cpu_build
 
     cpu_build.load_paged_attention_op()
-    # a 2-core machine shared with other jobs stalls processes for seconds: liveness limits that
-    # would take a busy node for a hung one are raised (retries would distort both arms)
-    env = {"PDSERVE_HEALTH_TIMEOUT": "10", "PDSERVE_HUNG_AFTER": "120", "PDSERVE_TOKEN_TIMEOUT": "60", **os.environ}
-    return start_server(cmd, lambda line: "pdserve is up" in line, env)
+    # the defaults a user gets: no liveness limit is raised (a busy node is not taken for a hung one)
+    return start_server(cmd, lambda line: "pdserve is up" in line, dict(os.environ))
 
 
 def start_vllm(python: str, model: str, port: int, extra: list[str]) -> subprocess.Popen:

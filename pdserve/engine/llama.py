@@ -73,6 +73,9 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(config, device)
         self.scale = config.head_dim**-0.5
         self.reduce = all_reduce or (lambda t: t)
+        self.layers_run = 0
+        """Decoder layers computed since load, over every forward: read from other threads as a sign
+        of life (a node busy with one long prompt still advances it layer by layer)."""
         # bf16 linears through float32 (layers.bf16_via_float32): activations may travel as float32
         # between the fused ops and the GEMMs; not under tensor parallelism, whose all-reduce sums
         # each rank's bf16-rounded share
@@ -175,6 +178,7 @@ class LlamaModel:
                 x.add_(mlp.to(x.dtype))
             else:
                 h = ops.add_rms_norm(x, mlp, next_norm, eps)
+            self.layers_run += 1
         return h.to(x.dtype) if last else x  # CpuCarryOps' last norm is float32
 
     def _norm_rotate_qk(

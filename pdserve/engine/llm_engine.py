@@ -252,6 +252,12 @@ class LLMEngine(RemotePrefill, KvPullTarget):
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._finished)
 
+    @property
+    def progress(self) -> int:
+        """Decoder layers computed since start: grows while the engine works, also within one long
+        step; safe to read from another thread (one int)."""
+        return self.runner.progress
+
     def load(self) -> EngineLoad:
         """The load report. Free blocks exclude those `preemption="never"` reserves for the future
         tokens of admitted requests: they are free in the pool but promised, so the router's

@@ -136,6 +136,11 @@ class ModelRunner:
             self.tp.send_step(None)
 
     @property
+    def progress(self) -> int:
+        """Decoder layers this process has computed since load (`LlamaModel.layers_run`)."""
+        return self.model.layers_run
+
+    @property
     def is_first_stage(self) -> bool:
         return self.model.is_first
 

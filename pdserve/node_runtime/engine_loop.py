@@ -4,6 +4,12 @@ The engine is not thread-safe, so every engine call goes through `call()`,
 which runs it in the engine thread between steps. Step outputs are pushed to
 per-request asyncio queues (subscription, not polling).
 
+Busy is not hung: the engine thread says how long it has been inside one step
+or command without computing a decoder layer (`stalled_seconds`). A node busy
+with long prompts keeps that near zero however slow each step is; a wedged
+engine thread lets it grow, and the router calls the node hung when it passes
+its hung-node deadline, while the node still answers its probes.
+
 If the engine thread dies (a bug in a step), that is a failure of the whole
 node, never a silent hang: every subscriber's next `get()` and every pending or
 later `call()` raise EngineDeadError, and `on_death` tells the node to report
@@ -16,6 +22,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 log = logging.getLogger("pdserve.engine_loop")
@@ -56,6 +63,9 @@ class EngineLoop:
         once the batch is scheduled (engine.on_scheduled) and whenever it is idle: a scrape (llm-d's
         endpoint picker polls every 50 ms) reads it without touching the not thread-safe engine."""
         engine.on_scheduled = self._publish_load
+        self._busy_since: float | None = None
+        """When the engine thread began its current step or command (None while it waits for work)."""
+        self._seen_progress, self._progress_at = -1, time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -93,12 +103,25 @@ class EngineLoop:
         else:
             fut.set_result(result)
 
+    def stalled_seconds(self) -> float:
+        """Seconds the engine thread has spent in its current step or command without computing a
+        decoder layer; 0 while it waits for work or advances. Called from the event loop (each load
+        report): the engine's layer counter is sampled then, so progress between two reports counts."""
+        now, progress = time.monotonic(), self.engine.progress
+        if progress != self._seen_progress:
+            self._seen_progress, self._progress_at = progress, now
+        busy = self._busy_since
+        return 0.0 if busy is None else now - max(busy, self._progress_at)
+
     def _run_command(self, item) -> None:
         fn, args, kwargs, fut = item
+        self._busy_since = time.monotonic()
         try:
             result, error = fn(*args, **kwargs), None
         except Exception as e:  # delivered to the caller, never kills the loop
             result, error = None, e
+        finally:
+            self._busy_since = None
         self.loop.call_soon_threadsafe(self._resolve, fut, result, error)
 
     def _dispatch(self, outputs) -> None:
@@ -149,7 +172,9 @@ class EngineLoop:
             if item is None:
                 return
             if engine.has_unfinished_requests():
+                self._busy_since = time.monotonic()
                 outputs = engine.step()  # an exception here ends the thread: see _run
+                self._busy_since = None
                 if outputs and not self.loop.is_closed():
                     self.loop.call_soon_threadsafe(self._dispatch, outputs)
             if not engine.has_unfinished_requests():  # idle, or only parked requests: no step publishes

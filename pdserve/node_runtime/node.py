@@ -194,7 +194,13 @@ class NodeRuntime:
         }
 
     async def load_report(self) -> common_pb2.LoadReport:
-        load = await self.loop_thread.call(self.engine.load)
+        """The router's probe. Answered from the load the engine thread last published, never by a
+        call into that thread: queued behind a long prefill step, such a call made a busy node miss
+        its probes until the router declared it hung (issue 54). The engine's liveness travels
+        with it: the layers it has computed and how long it has been stuck in one step."""
+        load = self.loop_thread.load
+        if load is None:  # before the engine thread's first publication
+            load = await self.loop_thread.call(self.engine.load)
         self.metrics.observe_load(load)
         return common_pb2.LoadReport(
             role=self.role,
@@ -204,6 +210,8 @@ class NodeRuntime:
             block_size=self.engine.runner.kv_pool.block_size,
             draining=self.draining,
             max_model_len=self.engine.max_model_len,
+            progress=self.engine.progress,
+            engine_stalled_seconds=self.loop_thread.stalled_seconds(),
         )
 
     async def drain_and_stop(self) -> None:

@@ -173,7 +173,17 @@ class Cluster:
                 node.silent_since = sent
             node.breaker.failure()
             return
-        node.responsive, node.silent_since, node.stalled = True, None, False
+        wedged = report.engine_stalled_seconds >= self.deadlines.hung_after
+        if wedged and node.responsive:
+            log.warning(
+                "%s %s answers its probes, but its engine has computed nothing for %.0f s: hung",
+                node.member.role,
+                node.member.address,
+                report.engine_stalled_seconds,
+            )
+        # a node whose engine is wedged gets no new requests, and attempts on it end (_hung)
+        node.responsive, node.silent_since, node.stalled = not wedged, None, False
+        node.progress, node.engine_stalled = report.progress, report.engine_stalled_seconds
         node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
         node.max_model_len = report.max_model_len
         node.load.report(
@@ -189,10 +199,24 @@ class Cluster:
 
     def _hung(self, node: NodeState) -> bool:
         """The node has missed every health probe for `hung_after` seconds, or a stream on it stalled
-        and a probe has missed since: two independent signals, so nothing waits `hung_after` more."""
+        and a probe has missed since (two independent signals, so nothing waits `hung_after` more),
+        or it answers its probes but its engine has been stuck in one step, computing no layer, for
+        `hung_after` seconds. A node whose engine advances is busy, not hung."""
+        if node.engine_stalled >= self.deadlines.hung_after:
+            return True
         if node.silent_since is None:
             return False
         return node.stalled or time.monotonic() - node.silent_since >= self.deadlines.hung_after
+
+    def _progress_of(self, decode: NodeState, prefills: list[str], first: bool) -> int:
+        """What the nodes an attempt waits on have computed (reported layers): its decode node, and
+        until its first event its prefill nodes too. While this grows, a late event is a busy node's."""
+        total = decode.progress
+        if first:
+            for address in prefills:
+                node = self.nodes.get(("prefill", address))
+                total += node.progress if node is not None else 0
+        return total
 
     def _hung_in(self, decode: NodeState, prefills: list[str], first: bool) -> str | None:
         """The address of a hung node an attempt needs: its decode node, and until its first event
@@ -225,6 +249,8 @@ class Cluster:
                 "role": r,
                 "address": a,
                 "usable": n.usable,
+                "hung": self._hung(n),
+                "progress": n.progress,
                 "breaker": n.breaker.state.value,
                 "free_blocks": n.load.free_blocks,
                 "total_blocks": n.load.total_blocks,
@@ -322,7 +348,8 @@ class Cluster:
             prefilling = self._prefilling(node, prefills, len(req.prompt_token_ids))
             try:
                 hung = partial(self._hung_in, node, prefills)
-                async for event in events_within_deadline(call, self.token_deadline, hung):
+                progress = partial(self._progress_of, node, prefills)
+                async for event in events_within_deadline(call, self.token_deadline, hung, progress):
                     if event.token_ids:
                         sent.extend(event.token_ids)
                         prefilling.done()

@@ -19,7 +19,12 @@ into a failure the router can act on:
 
 The token deadline must not fire on a node that is merely slow (a loaded CI
 machine, a big model), so it is never shorter than `itl_factor` times the
-inter-token latency the router has been observing (a moving average).
+inter-token latency the router has been observing (a moving average). And a
+deadline that passes while the nodes the attempt waits on report progress
+(decoder layers computed, in their load reports) starts again instead of
+failing the attempt, for up to `first_token_timeout` more: a busy node is
+slow, not hung, and a slower answer is better than a migration that recomputes
+and re-sends everything.
 """
 
 from __future__ import annotations
@@ -88,17 +93,25 @@ class StreamStalled(Exception):
 
 HungCheck = Callable[[bool], "str | None"]
 """Called with `first` (no event yet): the address of a hung node the attempt depends on, else None."""
+ProgressCheck = Callable[[bool], int]
+"""Called with `first`: a count that grows while the nodes the attempt waits on compute."""
 
 
-async def events_within_deadline(call, deadline: TokenDeadline, hung: HungCheck | None = None) -> AsyncIterator:
+async def events_within_deadline(
+    call, deadline: TokenDeadline, hung: HungCheck | None = None, progress: ProgressCheck | None = None
+) -> AsyncIterator:
     """The events of a gRPC response stream, each within the token deadline (else StreamStalled).
     `hung(first)` names a node the attempt needs that was declared hung (its decode node; before
     the first event also its prefill nodes): the wait ends as soon as that happens, also for an
-    attempt sent before it did. While the caller is not asking for the next event (a client that
-    reads slowly) no clock runs."""
+    attempt sent before it did. `progress(first)`: when the deadline passes and this has grown
+    since the wait began (or since the deadline last passed), the deadline starts again, up to
+    `first_token_timeout` past the first one (a node that works for others but lost this stream
+    still ends it). While the
+    caller is not asking for the next event (a client that reads slowly) no clock runs."""
     first, last = True, time.monotonic()
     while True:
-        event = await _read(call, deadline.timeout(first), first, hung)
+        timeout = deadline.timeout(first)
+        event = await _read(call, timeout, timeout + deadline.deadlines.first_token_timeout, first, hung, progress)
         if event is grpc.aio.EOF:
             return
         now = time.monotonic()
@@ -112,15 +125,24 @@ HUNG_CHECK_INTERVAL = 0.1
 """How often a wait for an event looks at its nodes' health (a dict lookup and a clock read)."""
 
 
-async def _read(call, timeout: float, first: bool, hung: HungCheck | None):
+async def _read(
+    call, timeout: float, limit: float, first: bool, hung: HungCheck | None, progress: ProgressCheck | None
+):
     # One read, watched in slices: cancelling and re-issuing reads on a gRPC stream is not safe.
     read = asyncio.ensure_future(call.read())
-    end = time.monotonic() + timeout
+    start = time.monotonic()
+    end = start + timeout
+    mark = progress(first) if progress is not None else None
     try:
         while True:
             left = end - time.monotonic()
             if left <= 0:
-                raise StreamStalled(f"no {'first ' if first else ''}event for {timeout:.1f} s")
+                now = progress(first) if progress is not None else None
+                waited = time.monotonic() - start
+                if now is None or now == mark or waited >= limit:
+                    raise StreamStalled(f"no {'first ' if first else ''}event for {waited:.1f} s")
+                mark, end = now, min(start + limit, time.monotonic() + timeout)  # the nodes work: wait on
+                continue
             done, _ = await asyncio.wait({read}, timeout=min(left, HUNG_CHECK_INTERVAL))
             if done:
                 return read.result()

@@ -46,6 +46,12 @@ class NodeState:
     stalled: bool = False
     """A stream on this node got no event within its token deadline; with a missed probe after it,
     the node is hung at once (not `hung_after` later). Cleared when a probe answers."""
+    progress: int = 0
+    """The decoder layers the node's engine had computed at its last load report: while it grows the
+    node is working, however late its streams' next events are."""
+    engine_stalled: float = 0.0
+    """Seconds the node's engine thread had spent in one step without computing a layer, at its last
+    load report: a wedged engine behind a node that still answers its probes."""
     probe: asyncio.Task | None = None
     kv: KvSubscriber | None = None
     """Follows the node's KV events into the router's index (kv-aware routing only)."""

@@ -97,7 +97,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "node_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_queued_prefill_tokens", "compatibility", "block_size", "draining", "max_model_len")
+    __slots__ = ("role", "node_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_queued_prefill_tokens", "compatibility", "block_size", "draining", "max_model_len", "progress", "engine_stalled_seconds")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class LoadReport(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STALLED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     role: str
     node_id: str
     num_free_blocks: int
@@ -120,7 +122,9 @@ class LoadReport(_message.Message):
     block_size: int
     draining: bool
     max_model_len: int
-    def __init__(self, role: _Optional[str] = ..., node_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., compatibility: _Optional[str] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    progress: int
+    engine_stalled_seconds: float
+    def __init__(self, role: _Optional[str] = ..., node_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., compatibility: _Optional[str] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., progress: _Optional[int] = ..., engine_stalled_seconds: _Optional[float] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ("after_seq", "node_id")

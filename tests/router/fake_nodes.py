@@ -43,6 +43,10 @@ class FakeNode:
 
     def __init__(self, script: Callable[[decode_pb2.GenerateRequest], list[int | None]] | None = None) -> None:
         self.frozen = False
+        self.progress = 0
+        """Decoder layers this node reports having computed (a test makes it grow: a busy node)."""
+        self.engine_stalled = 0.0
+        """Seconds its engine reports being stuck in one step (a wedged engine behind live probes)."""
         self.script = script
         self.requests: list[decode_pb2.GenerateRequest] = []
 
@@ -60,7 +64,14 @@ class FakeNode:
         )
 
     async def GetLoad(self, request, metadata=None, timeout=None):
-        report = common_pb2.LoadReport(num_free_blocks=1000, num_total_blocks=1000, block_size=16, max_model_len=4096)
+        report = common_pb2.LoadReport(
+            num_free_blocks=1000,
+            num_total_blocks=1000,
+            block_size=16,
+            max_model_len=4096,
+            progress=self.progress,
+            engine_stalled_seconds=self.engine_stalled,
+        )
         return await self._answer(timeout, report)
 
     def Generate(self, request, metadata=None, timeout=None) -> FakeCall:

@@ -109,3 +109,62 @@ async def _take_one(stream):
     async for event in stream:
         yield event
         return
+
+
+class _OneThenSilent:
+    """One event, then silence (the node is busy with other work, or lost the stream)."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    async def read(self):
+        if not self.sent:
+            self.sent = True
+            return "e1"
+        await asyncio.Event().wait()
+
+
+async def _seconds_to_stall(deadline: TokenDeadline, progress, before=lambda: None) -> float:
+    """Seconds from the stream's first event until StreamStalled ends it."""
+    loop = asyncio.get_running_loop()
+    start = None
+    with pytest.raises(StreamStalled):
+        async for _ in events_within_deadline(_OneThenSilent(), deadline, lambda first: None, progress):
+            start = loop.time()
+            before()
+    assert start is not None
+    return loop.time() - start
+
+
+async def test_a_late_event_from_a_node_that_reports_progress_is_waited_for() -> None:
+    """Past the token deadline, an attempt whose nodes' reported progress grew waits on (a busy node
+    is slow, not hung); once the progress stops growing, the deadline ends it."""
+    loop = asyncio.get_running_loop()
+    layers = {"n": 0, "until": 0.0}
+
+    def work() -> None:  # the node computes for 1 s after the first event, then stops
+        if loop.time() < layers["until"]:
+            layers["n"] += 1
+            loop.call_later(0.05, work)
+
+    def begin() -> None:
+        layers["until"] = loop.time() + 1.0
+        work()
+
+    deadline = TokenDeadline(Deadlines(token_timeout=0.3, first_token_timeout=30.0))
+    waited = await _seconds_to_stall(deadline, lambda first: layers["n"], begin)
+    assert 1.0 <= waited < 2.0, waited  # past the 0.3 s deadline while it worked, then one deadline more
+
+
+async def test_progress_extends_a_wait_by_at_most_the_first_token_timeout() -> None:
+    """A node that works for other requests but lost this stream still ends it."""
+    counter = iter(range(10**9))
+    deadline = TokenDeadline(Deadlines(token_timeout=0.2, first_token_timeout=0.6))
+    waited = await _seconds_to_stall(deadline, lambda first: next(counter))
+    assert 0.7 <= waited < 1.5, waited  # the 0.2 s deadline plus at most 0.6 s of progress
+
+
+async def test_a_stream_with_no_progress_stalls_at_its_deadline() -> None:
+    deadline = TokenDeadline(Deadlines(token_timeout=0.2, first_token_timeout=30.0))
+    waited = await _seconds_to_stall(deadline, lambda first: 7)
+    assert 0.2 <= waited < 1.0, waited

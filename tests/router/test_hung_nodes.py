@@ -121,3 +121,56 @@ async def test_a_migrated_structured_stream_carries_the_tokens_its_grammar_alrea
         assert moved.params.structured_outputs.spec == "[0-9]+"
     finally:
         await cluster.stop()
+
+
+async def test_a_busy_node_keeps_its_stream_while_it_reports_progress():
+    """A stream whose next token is late on a node that answers its probes and reports progress
+    (busy with long prompts) is waited for, not migrated at the token deadline."""
+    rest = lambda r: [7, 8, 9, 10][4 - r.params.max_tokens :]  # noqa: E731 - what a migrated stream still needs
+    fakes = {D1: FakeNode(lambda r: [7, None]), D2: FakeNode(rest)}
+    deadlines = Deadlines(hung_after=30.0, health_timeout=0.2, token_timeout=0.3, first_token_timeout=2.0)
+    cluster = await fake_cluster(fakes, refresh_interval=0.05, deadlines=deadlines, backoff=0.01)
+    busy = True
+
+    async def work() -> None:
+        while busy:
+            fakes[D1].progress += 12
+            await asyncio.sleep(0.05)
+
+    worker = asyncio.create_task(work())
+    try:
+        pin_first(cluster, D1, [])
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await asyncio.wait_for(collect(cluster, "r"), 20) == [7, 8, 9, 10]
+        # the stream moved only once the extension (first_token_timeout, 2 s) ran out, not at 0.3 s
+        assert loop.time() - start >= 2.0
+        (moved,) = fakes[D2].requests  # migrated once, after its first token
+        assert list(moved.prompt_token_ids) == [1, 2, 3, 7]
+    finally:
+        busy = False
+        await worker
+        await cluster.stop()
+
+
+async def test_a_node_whose_engine_computes_nothing_is_hung_though_it_answers_probes():
+    """A wedged engine thread (probes still answered): once its reported stall passes hung_after the
+    node gets no new requests and its attempts are retried elsewhere at once."""
+    fakes = {D1: FakeNode(lambda r: [None]), D2: FakeNode(lambda r: [7, 8, 9, 10])}
+    deadlines = Deadlines(hung_after=1.0, health_timeout=0.2, first_token_timeout=60.0, capacity_wait=5.0)
+    cluster = await fake_cluster(fakes, refresh_interval=0.05, deadlines=deadlines, backoff=0.01)
+    try:
+        pin_first(cluster, D1, [])
+        task = asyncio.create_task(collect(cluster, "r"))
+        await asyncio.sleep(0.3)
+        fakes[D1].engine_stalled = 1.5
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await asyncio.wait_for(task, 20) == [7, 8, 9, 10]
+        assert loop.time() - start < 5  # at the next probe, far below the 60 s first-token deadline
+        assert not cluster.nodes[D1].usable
+        fakes[D1].engine_stalled = 0.0  # it recovers: usable again after a probe
+        await asyncio.sleep(0.3)
+        assert cluster.nodes[D1].usable
+    finally:
+        await cluster.stop()
