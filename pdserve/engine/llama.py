@@ -161,7 +161,7 @@ class LlamaModel:
             # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
             qkv = ops.linear(layer.qkv, h)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q, k, v = self._norm_rotate_qk(qkv.to(x.dtype), layer.q_norm, layer.k_norm, cos, sin)
+                q, k, v = self._norm_rotate_qk(ops, qkv.to(x.dtype), layer.q_norm, layer.k_norm, cos, sin)
             else:
                 q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
             o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
@@ -182,16 +182,26 @@ class LlamaModel:
         return h.to(x.dtype) if last else x  # CpuCarryOps' last norm is float32
 
     def _norm_rotate_qk(
-        self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        ops: type[EagerOps] | type[CpuFusedOps],
+        qkv: torch.Tensor,
+        q_norm: torch.Tensor,
+        k_norm: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Qwen3: RMSNorm over each head of q and k, then the rotary embedding (eager ops: two small
-        passes over q and k, against the GEMMs around them)."""
+        """Qwen3: RMSNorm over each head of q and k (qkv [T, W] in the model's dtype), then the rotary
+        embedding: eager, or on the CPU ops' path written back into qkv and rotated there in one pass."""
         cfg = self.config
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = rms_norm(q.reshape(-1, hq, d), q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k.reshape(-1, hkv, d), k_norm, cfg.rms_norm_eps)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(-1, hkv, d)
+        qn = rms_norm(q.view(-1, hq, d), q_norm, cfg.rms_norm_eps)
+        kn = rms_norm(k.view(-1, hkv, d), k_norm, cfg.rms_norm_eps)
+        if ops is EagerOps:
+            return apply_rotary(qn, cos, sin), apply_rotary(kn, cos, sin), v.view(-1, hkv, d)
+        q.view(-1, hq, d).copy_(qn)
+        k.view(-1, hkv, d).copy_(kn)
+        return CpuFusedOps.rotate_qk(qkv, cos, sin, hq, hkv, d)
 
     def weight_bytes(self, one_token: bool = False) -> int:
         """Bytes of weights one decode step reads (every linear and norm, every expert a sparse layer

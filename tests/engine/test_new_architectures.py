@@ -3,8 +3,9 @@ sizes (tests/engine/factories.py, NEW_KINDS).
 
 float32: greedy ids identical and logprobs within 1e-4, on both CPU attention backends, in a batch
 and after a cached prefix; also split over two tensor-parallel ranks (each expert split) and with
-expert parallelism (whole experts per rank). bfloat16: transformers in bfloat16, teacher-forced on
-the engine's output, logprobs within 0.2 (the tolerance of the dense models, tests/gpu).
+expert parallelism (whole experts per rank). bfloat16 and float16: transformers in the same dtype,
+teacher-forced on the engine's output, logprobs within 0.2 and 0.05 (the dense models' tolerances,
+tests/gpu).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from tests.engine.factories import NEW_KINDS, build_checkpoint
 
 NEW_TOKENS = 12
 LOGPROB_ATOL = 1e-4
-BF16_ATOL = 0.2
+HALF_ATOL = {"bfloat16": 0.2, "float16": 0.05}
+"""The dense models' tolerances (tests/gpu/test_cuda_engine.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +120,13 @@ def test_two_ranks_match_transformers(checkpoints, kind, expert_parallel):
         llm.close()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe-mixed", "mixtral"])
-def test_bfloat16_within_tolerance(checkpoints, kind):
+def test_half_precision_within_tolerance(checkpoints, kind, dtype):
     model_dir = checkpoints(kind)
-    hf = _hf(model_dir, torch.bfloat16)
-    llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=256, block_size=8, max_num_batched_tokens=96)
+    hf = _hf(model_dir, getattr(torch, dtype))
+    atol = HALF_ATOL[dtype]
+    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=256, block_size=8, max_num_batched_tokens=96)
     try:
         prompts = _prompts(4, seed=6)
         for prompt, out in zip(prompts, llm.generate(prompts, _params())):
@@ -132,10 +136,10 @@ def test_bfloat16_within_tolerance(checkpoints, kind):
             ref = torch.log_softmax(logits, dim=-1)
             got = torch.tensor([lp.logprob for lp in comp.logprobs])
             want = ref[torch.arange(NEW_TOKENS), torch.tensor(comp.token_ids)]
-            assert torch.allclose(got, want, atol=BF16_ATOL), (got - want).abs().max()
+            assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
             top2 = ref.topk(2, dim=-1).values
             for i, t in enumerate(comp.token_ids):  # another pick only where transformers sees a near-tie
-                assert ref[i].argmax().item() == t or (top2[i, 0] - top2[i, 1]).item() < 2 * BF16_ATOL
+                assert ref[i].argmax().item() == t or (top2[i, 0] - top2[i, 1]).item() < 2 * atol
     finally:
         llm.close()
 
