@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.commands.node_common import add_node_args, node_config, serve
+from pdserve.commands.node_common import add_decode_kv_args, add_node_args, node_config, serve
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,20 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="accepted for compatibility: a decode node always prefills a request that names no prefill node",
     )
-    p.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=None,
-        help="with --kv-reuse on: prefill on this node when the prompt tokens it lacks are at most this "
-        "many (0: only when no prefill node is usable; default 16)",
-    )
-    p.add_argument(
-        "--kv-pull-min-blocks",
-        type=int,
-        default=None,
-        help="with --kv-reuse on: send the prompt blocks this node holds to the prefill node (D->P pull) "
-        "when it lacks at least this many, instead of it recomputing them (0: never; default 1)",
-    )
+    add_decode_kv_args(p, "this decode node")
     p.set_defaults(func=run)
 
 

@@ -18,6 +18,45 @@ if TYPE_CHECKING:  # the CLI imports no node code until a node runs
     from pdserve.node_runtime.node import Node
     from pdserve.node_runtime.node_config import NodeConfig
 
+
+def add_kv_reuse_arg(p: argparse.ArgumentParser, who: str) -> None:
+    """--kv-reuse, for a node (`who`: "this node") or for every node of `up`; its default is
+    NodeOptions'. Unset, nothing is passed on and the node takes that default."""
+    from pdserve.node_runtime.node_config import NodeOptions
+
+    p.add_argument(
+        "--kv-reuse",
+        type=on_off,
+        default=None,
+        metavar="on|off",
+        help=f"reuse KV across the prefill/decode split on {who}: a decode node shares its cached prefix "
+        "and receives only the missing blocks, a prefill node serves from its own prefix cache "
+        f"(default {'on' if NodeOptions.kv_reuse else 'off'}; off: the no-reuse baseline)",
+    )
+
+
+def add_decode_kv_args(p: argparse.ArgumentParser, who: str) -> None:
+    """--local-prefill-max-tokens and --kv-pull-min-blocks, for a decode node or every decode node of
+    `up` (`who`), with NodeOptions' defaults in their help."""
+    from pdserve.node_runtime.node_config import NodeOptions
+
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=None,
+        help=f"with --kv-reuse on, {who} prefills locally when the prompt tokens it lacks are at most this "
+        f"many (0: only when no prefill node is usable; default {NodeOptions.local_prefill_max_tokens})",
+    )
+    p.add_argument(
+        "--kv-pull-min-blocks",
+        type=int,
+        default=None,
+        help=f"with --kv-reuse on, {who} sends the prompt blocks it holds to a prefill node that lacks at "
+        "least this many of them (D->P pull) instead of it recomputing them "
+        f"(0: never; default {NodeOptions.kv_pull_min_blocks})",
+    )
+
+
 CLI_TRANSPORTS = ("auto", "tcp", "rdma")
 """--transport choices; `local` (both ends in one process) is for tests through the Python API."""
 
@@ -65,15 +104,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
         help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
         "if --host is a wildcard)",
     )
-    p.add_argument(
-        "--kv-reuse",
-        type=on_off,
-        default=None,
-        metavar="on|off",
-        help="reuse KV across the prefill/decode split: decode shares its cached prefix and receives "
-        "only the missing blocks, prefill serves from its own prefix cache (default on; off: the "
-        "no-reuse baseline)",
-    )
+    add_kv_reuse_arg(p, "this node")
     add_rdma_args(p)
     add_cluster_tls_args(p)
     from pdserve.node_runtime.discovery import add_discovery_args

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
-from pdserve.commands.node_common import CLI_TRANSPORTS, on_off
+from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
 from pdserve.commands.router import add_api_key_args, add_routing_args, api_keys
 from pdserve.commands.serving_args import (
     NODE_FLAGS,
@@ -48,27 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--num-prefill", type=int, default=1, help="prefill nodes (0: decode-only nodes prefill every prompt)"
     )
     p.add_argument("--num-decode", type=int, default=2)
-    p.add_argument(
-        "--kv-reuse",
-        type=on_off,
-        default=True,
-        metavar="on|off",
-        help="reuse KV across the prefill/decode split on every node (default on; off: the no-reuse baseline)",
-    )
-    p.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=None,
-        help="decode nodes prefill locally when the prompt tokens they lack are at most this many "
-        "(0: only when no prefill node is usable; default 16)",
-    )
-    p.add_argument(
-        "--kv-pull-min-blocks",
-        type=int,
-        default=None,
-        help="decode nodes send the prompt blocks they hold to a prefill node that lacks at least this "
-        "many of them (D->P pull) instead of it recomputing them (0: never; default 1)",
-    )
+    add_kv_reuse_arg(p, "every node")
+    add_decode_kv_args(p, "each decode node")
     p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument(
@@ -156,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         + device_flags(args)
         + kv_memory_flags(args)
         + child_flags(args, NODE_FLAGS)
-        + ["--kv-reuse", "on" if args.kv_reuse else "off"]
+        + (["--kv-reuse", "on" if args.kv_reuse else "off"] if args.kv_reuse is not None else [])
     )
     decode_args = [
         arg
