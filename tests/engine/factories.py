@@ -86,3 +86,18 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
 NEW_KINDS = ["qwen3", "qwen3-tied", "qwen3-moe", "qwen3-moe-mixed", "mixtral"]
 """Qwen3 (untied, tied), Qwen3-MoE (all layers sparse; dense and sparse mixed with norm_topk_prob),
 Mixtral (with a sliding window of 32)."""
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of `prompt`: (`new_tokens` ids, log-softmax of each step's
+    logits [new_tokens, vocab] in float32)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.tiny_model import ARCHS, make_tiny_model
+from tests.engine.factories import hf_greedy
 
 NEW_TOKENS = 10
 
@@ -33,18 +34,9 @@ def _assert_greedy_equals_hf(llm: LLM, hf_dir: Path, prompts: list[list[int]]) -
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, llm.generate(prompts, _params())):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        ids = ref.sequences[0, len(prompt) :].tolist()
+        ids, ref = hf_greedy(hf, prompt, NEW_TOKENS)
         assert out.outputs[0].token_ids == ids
-        lp = torch.log_softmax(torch.stack(ref.logits)[:, 0].float(), -1)[torch.arange(NEW_TOKENS), torch.tensor(ids)]
+        lp = ref[torch.arange(NEW_TOKENS), torch.tensor(ids)]
         got = torch.tensor([x.logprob for x in out.outputs[0].logprobs])
         assert torch.allclose(got, lp, atol=1e-4), (got - lp).abs().max()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from tests.engine.factories import build_checkpoint
+from tests.engine.factories import build_checkpoint, hf_greedy
 
 CASES = ["builtin", "gqa", "qwen2", "llama3"]
 NEW_TOKENS = 12
@@ -60,21 +60,6 @@ def _prompts(n: int, seed: int, prefix: list[int] | None = None) -> list[list[in
     return [(prefix or []) + [rng.randrange(5, 1700) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
 
 
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            min_new_tokens=NEW_TOKENS,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    ids = out.sequences[0, len(prompt) :].tolist()
-    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
-    return ids, logprobs
-
-
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("shared_prefix", [False, True])
 def test_greedy_matches_transformers(case, batch, shared_prefix):
@@ -88,7 +73,7 @@ def test_greedy_matches_transformers(case, batch, shared_prefix):
     if shared_prefix:
         assert all(o.num_cached_tokens >= 32 for o in outputs), [o.num_cached_tokens for o in outputs]
     for prompt, out in zip(prompts, outputs):
-        ids, ref_lp = _hf_greedy(hf, prompt)
+        ids, ref_lp = hf_greedy(hf, prompt, NEW_TOKENS)
         comp = out.outputs[0]
         assert comp.token_ids == ids
         got = torch.tensor([lp.logprob for lp in comp.logprobs])

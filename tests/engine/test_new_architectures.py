@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from tests.engine.factories import NEW_KINDS, build_checkpoint
+from tests.engine.factories import NEW_KINDS, build_checkpoint, hf_greedy
 
 NEW_TOKENS = 12
 LOGPROB_ATOL = 1e-4
@@ -47,19 +47,6 @@ def _prompts(n: int, seed: int, prefix: list[int] | None = None) -> list[list[in
     return [(prefix or []) + [rng.randrange(5, 1700) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
 
 
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1)
-
-
 def _params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
 
@@ -67,7 +54,7 @@ def _params() -> SamplingParams:
 def _assert_matches(hf, llm: LLM, prompts: list[list[int]]) -> None:
     outputs = llm.generate(prompts, _params())
     for prompt, out in zip(prompts, outputs):
-        ids, ref = _hf_greedy(hf, prompt)
+        ids, ref = hf_greedy(hf, prompt, NEW_TOKENS)
         comp = out.outputs[0]
         assert comp.token_ids == ids, (prompt[:8], comp.token_ids, ids)
         got = torch.tensor([lp.logprob for lp in comp.logprobs])

@@ -13,7 +13,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention.cpu_build import load_paged_attention_op
 from pdserve.engine.model_config import ModelConfig
-from tests.engine.factories import build_checkpoint
+from tests.engine.factories import build_checkpoint, hf_greedy
 
 WINDOW = 32
 NEW_TOKENS = 12
@@ -33,19 +33,6 @@ def mistral(tiny_model_dir, tmp_path_factory):
 def _prompts(seed: int, n: int, prefix: list[int]) -> list[list[int]]:
     rng = random.Random(seed)
     return [prefix + [rng.randrange(5, 1700) for _ in range(rng.randrange(100, 140) - len(prefix))] for _ in range(n)]
-
-
-def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1)
 
 
 def test_the_window_is_read_from_the_config(mistral):
@@ -69,7 +56,7 @@ def test_greedy_matches_transformers_beyond_the_window(mistral, backend):
     outputs = llm.generate(prompts, params)
     assert all(o.num_cached_tokens >= 40 for o in outputs[3:])
     for prompt, out in zip(prompts, outputs):
-        ids, ref = _hf_greedy(hf, prompt)
+        ids, ref = hf_greedy(hf, prompt, NEW_TOKENS)
         comp = out.outputs[0]
         assert comp.token_ids == ids
         got = torch.tensor([lp.logprob for lp in comp.logprobs])
