@@ -158,6 +158,13 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
         "a decode node whose own pending prefill plus the prompt is no longer prefills the prompt itself "
         "(0: never; default 256)",
     )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="requests that may wait, in arrival order, for a decode node with room (each up to "
+        "--capacity-wait); past it a new request gets 503 with Retry-After before any work (default 256)",
+    )
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -224,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         tls=config.cluster.tls(),
         routing=config.cluster.routing,
         offload=OffloadPolicy(config.cluster.prefill_saturated_tokens),
+        max_waiting_requests=config.cluster.max_waiting_requests,
     )
     server = Server(
         cluster,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 from fastapi.responses import JSONResponse
@@ -50,9 +52,14 @@ class RequestTimeout(RouterError):
 
 
 class NoCapacityError(RouterError):
-    """No healthy prefill+decode pair, or no decode node can fit the request."""
+    """No healthy prefill+decode pair, or no decode node can fit the request. `retry_after`: seconds
+    a client should wait before trying again (the HTTP `Retry-After` header)."""
 
     status, type, code = 503, "server_error", "no_capacity"
+
+    def __init__(self, message: str, param: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, param)
+        self.retry_after = retry_after
 
 
 class UpstreamError(RouterError):
@@ -74,4 +81,6 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def error_response(err: RouterError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    retry_after = getattr(err, "retry_after", None)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)

@@ -19,6 +19,7 @@ from pdserve.node_runtime import cluster_tls, keepalive
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.router.backoff import backoff_delay
 from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
+from pdserve.router.admission import DEFAULT_MAX_WAITING, AdmissionQueue
 from pdserve.router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from pdserve.openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from pdserve.router.kv_routing import ROUTING_MODES, KvRouter
@@ -57,6 +58,7 @@ class Cluster:
         routing: str = "kv-aware",
         kv_router: KvRouter | None = None,
         offload: OffloadPolicy | None = None,
+        max_waiting_requests: int = DEFAULT_MAX_WAITING,
     ) -> None:
         if routing not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
@@ -88,6 +90,8 @@ class Cluster:
         self.migrations = Counter(
             "pdserve_router_migrations", "streams moved to another decode node", ["model_name"], registry=r
         ).labels(model_name)
+        self.queue = AdmissionQueue(max_waiting_requests, r, model_name)
+        """Requests waiting for a decode node with room, in arrival order (router/admission.py)."""
 
     async def start(self) -> None:
         await self.discovery.start()
@@ -299,18 +303,40 @@ class Cluster:
         target = self.nodes.get(("prefill", prefills[0])) if prefills else node
         return Prefilling((target or node).load, tokens)
 
+    def check_admission(self) -> None:
+        """QueueFull (503 with Retry-After) when the admission queue is full: asked before any work."""
+        self.queue.check(self.retry_after)
+
+    @property
+    def retry_after(self) -> float:
+        """What a refused client is told to wait: the time the queue's head may wait for room."""
+        return max(1.0, min(self.deadlines.capacity_wait, 30.0))
+
     async def _choose_waiting(
-        self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
+        self,
+        tokens_needed: int,
+        exclude: set[str],
+        prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
+        new: bool = True,
     ) -> Route:
-        """_choose, waiting up to capacity_wait for a node to come back or to free room."""
-        deadline = time.monotonic() + self.deadlines.capacity_wait
-        while True:
+        """_choose, at once when nobody waits ahead; else in the admission queue's order, waiting up to
+        capacity_wait for a node to come back or to free room. `new`: a request's first attempt (a
+        retry or migration goes ahead of new requests and is never refused for a full queue)."""
+        if not self.queue.waiting or not new:
             try:
                 return self._choose(tokens_needed, exclude, prompt, cache_salt)
             except NoCapacityError:
-                if time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(min(0.2, self.refresh_interval))
+                pass
+        deadline = time.monotonic() + self.deadlines.capacity_wait
+        async with self.queue.turn(new, deadline, self.retry_after):
+            while True:
+                try:
+                    return self._choose(tokens_needed, exclude, prompt, cache_salt)
+                except NoCapacityError as e:
+                    if time.monotonic() >= deadline:
+                        raise NoCapacityError(e.message, retry_after=self.retry_after) from None
+                await asyncio.sleep(min(0.2, self.refresh_interval))
 
     async def generate(
         self,
@@ -327,7 +353,7 @@ class Cluster:
         while True:
             remaining = params.max_tokens - len(sent)
             node, prefills, prefill_cached = await self._choose_waiting(
-                len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt
+                len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt, new=not (retries or sent)
             )
             attempt = common_pb2.SamplingParams()
             attempt.CopyFrom(params)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pdserve.node_runtime.discovery import DiscoveryConfig
 from pdserve.node_runtime.tls_options import ClusterTLSOptions
+from pdserve.router.admission import DEFAULT_MAX_WAITING
 from pdserve.router.deadlines import Deadlines
 from pdserve.router.http_limits import ConnectionLimits
 from pdserve.router.kv_routing import ROUTING_MODES
@@ -30,11 +31,16 @@ class ClusterOptions(ClusterTLSOptions):
     prefill_saturated_tokens: int = DEFAULT_SATURATED_TOKENS
     """Pending prompt tokens at which every prefill node counts as saturated and a decode node with a
     shorter queue prefills the prompt itself (router/prefill_offload.py; 0: never)."""
+    max_waiting_requests: int = DEFAULT_MAX_WAITING
+    """Requests that may wait, in arrival order, for a decode node with room; past it a new request
+    gets 503 with Retry-After before any work (router/admission.py)."""
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
         OffloadPolicy(self.prefill_saturated_tokens)  # ValueError when out of range
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,10 @@ class Server:
 
     async def choices(self, req: SamplingFields, chat: bool) -> list[Choice]:
         """Validate and tokenize in a worker thread: a multi-megabyte prompt must not stall every other
-        stream on the event loop (Tokenizer.encode releases the GIL on long texts)."""
+        stream on the event loop (Tokenizer.encode releases the GIL on long texts). A full admission
+        queue refuses the request first (503 with Retry-After), before any work and before a stream
+        starts."""
+        self.cluster.check_admission()
         return await asyncio.to_thread(self.builder.choices, req)
 
     # --- running ------------------------------------------------------------------------

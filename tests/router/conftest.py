@@ -33,6 +33,9 @@ class FakeCluster:
     def max_model_len(self) -> int:
         return 128
 
+    def check_admission(self) -> None:
+        """Never full: the admission queue has its own tests (tests/router/test_admission.py)."""
+
     def snapshot(self) -> list:
         return []
 

@@ -17,6 +17,9 @@ class PacedCluster:
     def max_model_len(self) -> int:
         return 128
 
+    def check_admission(self) -> None:
+        """Never full."""
+
     async def generate(self, request_id, prompt, params, cache_salt=None):
         await asyncio.sleep(self.first_delay)
         n = min(len(self.tokens), params.max_tokens)

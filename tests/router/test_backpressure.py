@@ -21,6 +21,9 @@ class EndlessCluster:
     def max_model_len(self) -> int:
         return 10**6
 
+    def check_admission(self) -> None:
+        """Never full."""
+
     async def generate(self, request_id, prompt, params, cache_salt=None):
         while True:
             self.pulled += 1

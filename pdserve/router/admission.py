@@ -1,0 +1,96 @@
+"""The router's admission queue: requests that find no decode node with room wait here, in arrival
+order, and a full queue refuses new ones at once (503 with Retry-After) instead of letting them pile
+up and fail later.
+
+A request with nobody waiting ahead of it is routed at once. Otherwise it joins the queue; only the
+request at the head asks for a node, so room that frees up goes to the longest-waiting request, not
+to whichever poll happened to come first. An attempt of a request that already ran (a retry or a
+migrated stream: work was done for it) joins at the head. A request leaves the queue when it gets a
+node, when `capacity_wait` runs out (503), or when its client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from pdserve.openai_api.errors import NoCapacityError
+
+DEFAULT_MAX_WAITING = 256
+"""Requests that may wait at the router for capacity (`--max-waiting-requests`) before new ones get 503."""
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+
+class QueueFull(NoCapacityError):
+    """The admission queue holds `max_waiting_requests` already: refused before any work."""
+
+
+class AdmissionQueue:
+    """FIFO of requests waiting for capacity, at most `limit` long (new arrivals; retries and
+    migrations are never refused by it)."""
+
+    def __init__(self, limit: int, registry: CollectorRegistry, model_name: str) -> None:
+        if limit < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {limit}")
+        self.limit = limit
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.depth = Gauge(
+            "pdserve_router_requests_waiting",
+            "requests waiting at the router for a decode node with room",
+            ["model_name"],
+            registry=registry,
+        ).labels(model_name)
+        self.wait_seconds = Histogram(
+            "pdserve_router_queue_wait_seconds",
+            "time requests waited at the router for a decode node with room (routed or refused)",
+            ["model_name"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def check(self, retry_after: float) -> None:
+        """QueueFull when a new request could not join: the HTTP layer asks before any work."""
+        if len(self._waiters) >= self.limit:
+            raise QueueFull(
+                f"{len(self._waiters)} requests are already waiting for capacity; try again later",
+                retry_after=retry_after,
+            )
+
+    @contextlib.asynccontextmanager
+    async def turn(self, new: bool, deadline: float, retry_after: float) -> AsyncIterator[None]:
+        """Wait (until `deadline`, monotonic) until this caller heads the queue; it stays the head
+        until it leaves the block. `new`: a first attempt (joins at the tail, and is refused when the
+        queue is full); else a retry or migration (joins at the head)."""
+        if new:
+            self.check(retry_after)
+        me: asyncio.Future = asyncio.get_running_loop().create_future()
+        if new:
+            self._waiters.append(me)
+        else:
+            self._waiters.appendleft(me)
+        self.depth.set(len(self._waiters))
+        start = time.monotonic()
+        try:
+            if self._waiters[0] is not me:
+                try:
+                    await asyncio.wait_for(asyncio.shield(me), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise NoCapacityError(
+                        "no decode node had room for this request in time; try again later", retry_after=retry_after
+                    ) from None
+            yield
+        finally:
+            self._waiters.remove(me)
+            self.depth.set(len(self._waiters))
+            self.wait_seconds.observe(time.monotonic() - start)
+            if self._waiters and not self._waiters[0].done():
+                self._waiters[0].set_result(None)  # the next request's turn
