@@ -36,7 +36,7 @@ BLOCK = 16
 
 def workload(tokenizer, sessions: int, turns: int, seed: int) -> tuple[list[int], list[list[list[int]]]]:
     """The shared system prompt (~1k tokens of corpus text) and each session's user messages."""
-    text = (ROOT / "engine" / "data" / "corpus.txt").read_text().split()
+    text = (ROOT / "pdserve" / "engine" / "data" / "corpus.txt").read_text().split()
     rng = random.Random(seed)
     system: list[int] = []
     while len(system) < 1000:

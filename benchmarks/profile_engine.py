@@ -74,7 +74,7 @@ def main() -> None:
         batch, _ = make_batch(n, n <= args.max_decode, args.context, block_size)
         rows.append((n, time_forward(runner, batch, 2 if args.quick else 5)))
         print(f"{n:5d} tokens: {rows[-1][1]:.2f} ms", flush=True)
-    out = Path(args.out or ROOT / "tdpipe" / "data" / f"cpu-{args.model}.csv")
+    out = Path(args.out or ROOT / "pdserve" / "tdpipe" / "data" / f"cpu-{args.model}.csv")
     out.write_text("Total Length,Execute Time\n" + "".join(f"{n},{ms}\n" for n, ms in rows))
     n_max, t_max = rows[-1]
     emit(

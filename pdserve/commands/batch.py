@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="forward-time table the schedule is planned on: profile (time each stage's layer slice "
         "on this job's batch sizes before starting; a few seconds to a minute), analytic (a "
         "GPU-like fixed + per-token cost), a named table (e.g. L20-Llama-13B, see "
-        "tdpipe/data/README.md) or a CSV path (`Total Length,Execute Time` rows, ms); auto: "
+        "pdserve/tdpipe/data/README.md) or a CSV path (`Total Length,Execute Time` rows, ms); auto: "
         "profile for local CPU stages, analytic otherwise",
     )
     p.add_argument(

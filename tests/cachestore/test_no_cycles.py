@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = "cachestore"
+PACKAGE = Path("pdserve") / "cachestore"
 
 
 def module_name(path: Path) -> str:
@@ -64,7 +64,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_cachestore_has_no_import_cycles():
-    cycle = find_cycle(import_graph())
+    graph = import_graph()
+    assert len(graph) > 20 and "pdserve.cachestore.client" in graph  # the checker reads the package
+    cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
@@ -90,11 +92,9 @@ def test_cachestore_imports_no_other_pdserve_package():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module or ""]
-            for name in names:
-                top = name.split(".")[0]
-                assert top not in {"engine", "pdserve", "router", "prefill_node", "decode_node", "tdpipe"}, (
-                    f"{mod} imports {name}"
-                )
+            for name in names:  # only itself (and the namespace's version) from the repository
+                inside = name.startswith("pdserve.cachestore") or name == "pdserve"
+                assert inside or not name.startswith("pdserve"), f"{mod} imports {name}"
 
 
 if __name__ == "__main__":  # list every circle's edges while untangling

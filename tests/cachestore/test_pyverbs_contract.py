@@ -36,7 +36,7 @@ GID_STR = "fe80:0000:0000:0000:7f00:0001:9c41:0001"
 
 
 def rdma_sources() -> str:
-    root = Path(__file__).resolve().parents[2] / "cachestore"
+    root = Path(__file__).resolve().parents[2] / "pdserve" / "cachestore"
     return "\n".join((root / name).read_text() for name in RDMA_FILES)
 
 

@@ -25,7 +25,7 @@ def _published(name: str) -> CostTable:
     exists (it does on CI), the tables are meant to be there: a missing or unreadable
     file must fail this test, not skip it, or the simulator report silently loses them.
     """
-    shared = DATA_DIR.parents[2] / "shared" / "tdpipe"
+    shared = DATA_DIR.parents[3] / "shared" / "tdpipe"
     downloaded = (DATA_DIR / f"{name}.csv").is_file()
     if not os.environ.get(TABLES_ENV) and not shared.is_dir() and not downloaded:
         pytest.skip(
