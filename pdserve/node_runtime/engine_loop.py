@@ -58,10 +58,11 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, Subscription] = {}
         self._running = False
-        self.load: Any = None
-        """The engine's last `load()` (EngineLoad), published by the engine thread in every step
-        once the batch is scheduled (engine.on_scheduled) and whenever it is idle: a scrape (llm-d's
-        endpoint picker polls every 50 ms) reads it without touching the not thread-safe engine."""
+        self.load: Any = engine.load()  # no thread drives the engine yet: safe to read here
+        """The engine's last `load()` (EngineLoad), published by the engine thread after every
+        command, in every step once the batch is scheduled (engine.on_scheduled) and whenever it is
+        idle: a probe or a scrape (llm-d's endpoint picker polls every 50 ms) reads it without
+        touching the not thread-safe engine, and it is never unset."""
         engine.on_scheduled = self._publish_load
         self._busy_since: float | None = None
         """When the engine thread began its current step or command (None while it waits for work)."""
@@ -122,6 +123,7 @@ class EngineLoop:
             result, error = None, e
         finally:
             self._busy_since = None
+        self._publish_load()  # a command (an admission, an abort) changes the load at once
         self.loop.call_soon_threadsafe(self._resolve, fut, result, error)
 
     def _dispatch(self, outputs) -> None:

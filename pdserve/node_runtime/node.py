@@ -199,8 +199,6 @@ class NodeRuntime:
         its probes until the router declared it hung (issue 54). The engine's liveness travels
         with it: the layers it has computed and how long it has been stuck in one step."""
         load = self.loop_thread.load
-        if load is None:  # before the engine thread's first publication
-            load = await self.loop_thread.call(self.engine.load)
         self.metrics.observe_load(load)
         return common_pb2.LoadReport(
             role=self.role,
