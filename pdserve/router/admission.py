@@ -26,6 +26,13 @@ DEFAULT_MAX_WAITING = 256
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
+def check_limit(limit: int) -> int:
+    """`limit` when it is a valid --max-waiting-requests, else ValueError naming the flag."""
+    if limit < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {limit}")
+    return limit
+
+
 class QueueFull(NoCapacityError):
     """The admission queue holds `max_waiting_requests` already: refused before any work."""
 
@@ -35,9 +42,7 @@ class AdmissionQueue:
     migrations are never refused by it)."""
 
     def __init__(self, limit: int, registry: CollectorRegistry, model_name: str) -> None:
-        if limit < 0:
-            raise ValueError(f"--max-waiting-requests must be >= 0, got {limit}")
-        self.limit = limit
+        self.limit = check_limit(limit)
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self.depth = Gauge(
             "pdserve_router_requests_waiting",

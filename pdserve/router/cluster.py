@@ -212,27 +212,20 @@ class Cluster:
             return False
         return node.stalled or time.monotonic() - node.silent_since >= self.deadlines.hung_after
 
+    def _waited_on(self, decode: NodeState, prefills: list[str], first: bool) -> list[NodeState]:
+        """The nodes an attempt waits on: its decode node, and until its first event (the KV has not
+        arrived) its prefill nodes too."""
+        found = [self.nodes.get(("prefill", a)) for a in prefills] if first else []
+        return [decode, *(n for n in found if n is not None)]
+
     def _progress_of(self, decode: NodeState, prefills: list[str], first: bool) -> int:
-        """What the nodes an attempt waits on have computed (reported layers): its decode node, and
-        until its first event its prefill nodes too. While this grows, a late event is a busy node's."""
-        total = decode.progress
-        if first:
-            for address in prefills:
-                node = self.nodes.get(("prefill", address))
-                total += node.progress if node is not None else 0
-        return total
+        """What the nodes an attempt waits on have computed (reported layers): while this grows, a
+        late event is a busy node's."""
+        return sum(n.progress for n in self._waited_on(decode, prefills, first))
 
     def _hung_in(self, decode: NodeState, prefills: list[str], first: bool) -> str | None:
-        """The address of a hung node an attempt needs: its decode node, and until its first event
-        (the KV has not arrived) its prefill nodes too. None while they all live."""
-        if self._hung(decode):
-            return decode.member.address
-        if first:
-            for address in prefills:
-                node = self.nodes.get(("prefill", address))
-                if node is not None and self._hung(node):
-                    return address
-        return None
+        """The address of a hung node an attempt waits on; None while they all live."""
+        return next((n.member.address for n in self._waited_on(decode, prefills, first) if self._hung(n)), None)
 
     def _usable(self, role: str) -> list[NodeState]:
         return [n for (r, _), n in self.nodes.items() if r == role and n.usable]

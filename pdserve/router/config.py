@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pdserve.node_runtime.discovery import DiscoveryConfig
 from pdserve.node_runtime.tls_options import ClusterTLSOptions
-from pdserve.router.admission import DEFAULT_MAX_WAITING
+from pdserve.router.admission import DEFAULT_MAX_WAITING, check_limit
 from pdserve.router.deadlines import Deadlines
 from pdserve.router.http_limits import ConnectionLimits
 from pdserve.router.kv_routing import ROUTING_MODES
@@ -39,8 +39,7 @@ class ClusterOptions(ClusterTLSOptions):
         if self.routing not in ROUTING_MODES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}")
         OffloadPolicy(self.prefill_saturated_tokens)  # ValueError when out of range
-        if self.max_waiting_requests < 0:
-            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        check_limit(self.max_waiting_requests)
 
 
 @dataclass(frozen=True)
