@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.fp8 import fused_linear
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding, apply_rotary, rms_norm
 from pdserve.engine.model_config import ModelConfig
@@ -84,23 +85,29 @@ class LlamaModel:
     @staticmethod
     def _fuse(cfg: ModelConfig, t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
         p = f"model.layers.{i}."
-        qkv = torch.cat([t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        dtype = t[p + "input_layernorm.weight"].dtype  # the compute dtype the loader gave every tensor
+
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+            # weights kept FP8 by the loader arrive with their `<name>_scale_inv` (fp8.fused_linear)
+            weights = [t.pop(p + n + ".weight") for n in names]
+            scales = [t.pop(p + n + ".weight_scale_inv", None) for n in names]
+            return fused_linear(weights, scales, dtype, bias, prepack, p + names[0])
+
         bias = None
         if p + "self_attn.q_proj.bias" in t:
             bias = torch.cat([t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        qkv = linear([f"self_attn.{x}_proj" for x in "qkv"], bias)
         gate_up = down = moe = None
         if cfg.is_sparse(i):
             moe = LlamaModel._experts(cfg, t, i, prepack)
         else:
-            gate_up = Linear(
-                torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")]), None, prepack
-            )
-            down = Linear(t.pop(p + "mlp.down_proj.weight"), prepack=prepack)
+            gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
+            down = linear(["mlp.down_proj"])
         return DecoderLayer(
             t.pop(p + "input_layernorm.weight"),
             t.pop(p + "post_attention_layernorm.weight"),
-            Linear(qkv, bias, prepack),
-            Linear(t.pop(p + "self_attn.o_proj.weight"), prepack=prepack),
+            qkv,
+            linear(["self_attn.o_proj"]),
             gate_up,
             down,
             t.pop(p + "self_attn.q_norm.weight", None),

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from pdserve.engine.fp8 import check_fp8_scale, dequantize_fp8_block, fp8_gemm_unavailable, slice_fp8
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.sharding import TPShard
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,24 +93,6 @@ def needed_tensor_names(config: ModelConfig, layer_range: tuple[int, int], exper
     return names
 
 
-def dequantize_fp8_block(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str
-) -> torch.Tensor:
-    """A float8_e4m3fn weight [N, K] times its per-block scales [ceil(N/bn), ceil(K/bk)], in float32
-    (as the checkpoint's producer quantized it: w ~= w_fp8 * scale_inv, block by block)."""
-    if weight.dim() != 2:
-        raise ValueError(f"{name}: an FP8 weight must be 2-D, got shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    bn, bk = block
-    want = (-(-n // bn), -(-k // bk))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"{name}_scale_inv has shape {tuple(scale_inv.shape)}; a [{n}, {k}] weight in {bn}x{bk} blocks needs {want}"
-        )
-    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.float() * scales
-
-
 def load_tensors(
     model_dir: str | Path,
     config: ModelConfig,
@@ -114,13 +100,21 @@ def load_tensors(
     dtype: torch.dtype,
     device: torch.device,
     shard: TPShard | None = None,
+    fp8_gemm: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read exactly the tensors of `layer_range` (plus embeddings / norm / lm_head at the ends).
 
     With `shard`, a tensor-parallel rank reads only its slice of each split tensor from the file
     (safetensors slices: the rest of the tensor is never materialized on this rank), and only its
-    experts under expert parallelism. An FP8 block-quantized weight (one with a `weight_scale_inv`
-    beside it) is dequantized to `dtype` at load, whole, then sliced."""
+    experts under expert parallelism.
+
+    An FP8 block-quantized weight (one with a `weight_scale_inv` beside it) is dequantized to `dtype`
+    at load, whole, then sliced; except where FP8 GEMMs run (`fp8_gemm`, default
+    `fp8.fp8_gemm_supported(device, dtype)`, logged on CUDA): there the attention and dense MLP
+    projections stay float8_e4m3fn, this rank's slice of them (128-aligned, else refused) with the
+    matching block rows or columns of their scales, returned float32 under the checkpoint's
+    `<name>_scale_inv` key beside each weight (`fp8.fused_linear` builds the linears). Experts are
+    dequantized either way."""
     files = _tensor_files(Path(model_dir))
     experts = shard.experts(config) if shard is not None else None
     wanted = needed_tensor_names(config, layer_range, experts)
@@ -128,6 +122,11 @@ def load_tensors(
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:5])}")
     _refuse_unserved(config, files, layer_range)
+    if fp8_gemm is None and config.fp8_block is not None:
+        why_not = fp8_gemm_unavailable(device, dtype)
+        fp8_gemm = why_not is None
+        if device.type == "cuda":  # where either path could run: say which one did
+            log.info("FP8 checkpoint: %s", "FP8 GEMMs" if fp8_gemm else f"dequantized at load ({why_not})")
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
@@ -138,7 +137,15 @@ def load_tensors(
                 scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
                 cut = shard.tensor_slice(name, config) if shard is not None else None
                 if scale_name in files:
-                    tensor = _fp8_weight(f.get_tensor(name), files, scale_name, config, name)
+                    weight, scale = _read_fp8(f.get_tensor(name), files, scale_name, config, name)
+                    if fp8_gemm and ".experts." not in name:
+                        if cut is not None:
+                            weight, scale = slice_fp8(weight, scale, *cut, name)
+                        out[name] = weight.contiguous().to(device)
+                        out[scale_name] = scale.contiguous().to(device=device, dtype=torch.float32)
+                        continue
+                    assert config.fp8_block is not None  # _read_fp8 refuses a scale without it
+                    tensor = dequantize_fp8_block(weight, scale, config.fp8_block, name)
                     if cut is not None:
                         dim, start, stop = cut
                         tensor = tensor.narrow(dim, start, stop - start)
@@ -154,16 +161,18 @@ def load_tensors(
     return out
 
 
-def _fp8_weight(
+def _read_fp8(
     weight: torch.Tensor, files: dict[str, Path], scale_name: str, config: ModelConfig, name: str
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight and its block scales, both as the checkpoint stores them, checked."""
     if config.fp8_block is None:
         raise ValueError(f"{scale_name} found, but config.json has no quantization_config (quant_method 'fp8')")
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{name} has a weight_scale_inv but is {weight.dtype}, not float8_e4m3fn")
     with safe_open(str(files[scale_name]), framework="pt", device="cpu") as s:
         scale = s.get_tensor(scale_name)
-    return dequantize_fp8_block(weight, scale, config.fp8_block, name)
+    check_fp8_scale(tuple(weight.shape), tuple(scale.shape), config.fp8_block, name)
+    return weight, scale
 
 
 def _refuse_unserved(config: ModelConfig, files: dict[str, Path], layer_range: tuple[int, int]) -> None:
