@@ -240,14 +240,22 @@ def serve(role: str, config: NodeConfig, make_node: Callable[[NodeConfig], Node]
     )
 
     async def main() -> int:
-        from pdserve.node_runtime.discovery import Member, discovery_from_config
+        from pdserve.node_runtime.discovery import DiscoveryAuthError, DiscoveryError, Member, discovery_from_config
 
         address = await node.start()
         host = config.node.advertise_host or config.node.host
         meta = {"node_id": node.rt.node_id, "metrics_port": str(config.node.metrics_port), **node.discovery_meta()}
         member = Member(role, host, int(address.rsplit(":", 1)[1]), meta)
-        discovery = discovery_from_config(config.discovery)
-        await discovery.register(member)  # a no-op for static and k8s (the platform lists the pods)
+        try:
+            discovery = discovery_from_config(config.discovery)
+            await discovery.register(member)  # a no-op for static and k8s (the platform lists the pods)
+        except (DiscoveryError, ValueError) as e:
+            # Never READY: say why in one line (e.g. Nacos rejected the credentials). Rejected
+            # credentials are a configuration error (2, as for a bad flag); anything else (registry
+            # down) is 1, which a supervisor retries.
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            await node.stop(drain=False)
+            return 2 if isinstance(e, (DiscoveryAuthError, ValueError)) else 1
         print(f"READY {role} {address}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 from typing import TYPE_CHECKING
 
 from pdserve.commands.memory_args import add_max_model_len_arg
@@ -201,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from pdserve.engine.model_config import ModelConfig
-    from pdserve.node_runtime.discovery import discovery_from_config
+    from pdserve.node_runtime.discovery import DiscoveryError, discovery_from_config
     from pdserve.node_runtime.node_metrics import add_process_collectors, served_model_name
     from pdserve.router.app import create_app
     from pdserve.router.cluster import Cluster
@@ -222,8 +224,14 @@ def run(args: argparse.Namespace) -> int:
         )
     registry = add_process_collectors(CollectorRegistry())
     max_model_len = ModelConfig.from_dir(config.model_dir).max_position_embeddings
+    try:  # rejected Nacos credentials end here in one line, not in the HTTP server's start-up traceback
+        discovery = discovery_from_config(config.discovery)
+        asyncio.run(discovery.check())
+    except (DiscoveryError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     cluster = Cluster(
-        discovery_from_config(config.discovery),
+        discovery,
         model_name=name,
         cluster_secret=config.cluster.cluster_secret,
         deadlines=config.cluster.deadlines,

@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import logging
+import sys
+from dataclasses import dataclass, field
 
-from pdserve.node_runtime.discovery.base import Discovery, Member
+from pdserve.node_runtime.discovery.base import Discovery, DiscoveryAuthError, DiscoveryError, Member
 from pdserve.node_runtime.discovery.static import StaticDiscovery
 
 KINDS = ("static", "nacos", "k8s")
+NACOS_SECRET_FLAGS = ("--nacos-password", "--nacos-secret-key")
+"""Flags whose value `ps` would show; each also comes from $PDSERVE_<FLAG> or a --<flag>-file."""
+
+log = logging.getLogger("pdserve.discovery")
+
+
+def _read_secret(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            # only the line end: a mounted Secret may or may not end in a newline, while a space can
+            # be part of a password
+            value = f.read().rstrip("\r\n")
+    except OSError as e:
+        raise ValueError(f"cannot read {flag} {path}: {e.strerror}") from None
+    if not value:
+        raise ValueError(f"{flag} {path} is empty")
+    return value
 
 
 @dataclass(frozen=True)
@@ -25,6 +44,20 @@ class DiscoveryConfig:
     nacos_namespace: str = ""
     nacos_service: str = "pdserve"
     """nacos: service name prefix."""
+    nacos_username: str = ""
+    """nacos: user to log in as (Nacos auth); needs a password."""
+    nacos_password: str = field(default="", repr=False)
+    """nacos: that user's password (kept out of repr; never logged)."""
+    nacos_password_file: str = ""
+    """nacos: file holding the password instead (one line)."""
+    nacos_access_key: str = ""
+    """nacos: access key; requests are signed with the secret key."""
+    nacos_secret_key: str = field(default="", repr=False)
+    """nacos: the secret key (kept out of repr; never logged)."""
+    nacos_secret_key_file: str = ""
+    """nacos: file holding the secret key instead (one line)."""
+    nacos_tls_ca: str = ""
+    """nacos: CA bundle (PEM) for an https:// server (default: the system's CAs)."""
     k8s_prefill_service: str = ""
     """k8s: headless service of prefill nodes (NAME:PORT, NAME or _PORTNAME._tcp.NAME)."""
     k8s_decode_service: str = ""
@@ -32,6 +65,49 @@ class DiscoveryConfig:
     def __post_init__(self) -> None:
         if self.discovery not in KINDS:
             raise ValueError(f"discovery must be one of {', '.join(KINDS)}, got {self.discovery!r}")
+        if self.discovery == "nacos":
+            self._check_nacos()
+
+    def nacos_secret(self, name: str) -> str:
+        """`password` or `secret_key`: the flag's (or env's) value, else its file's content without the
+        line end (read now), else ""."""
+        value, path = getattr(self, f"nacos_{name}"), getattr(self, f"nacos_{name}_file")
+        flag = "--nacos-" + name.replace("_", "-")
+        if value and path:
+            env = "$PDSERVE_NACOS_" + name.upper()
+            raise ValueError(f"give {flag} ({env}) or {flag}-file, not both")
+        return _read_secret(path, f"{flag}-file") if path else value
+
+    def _check_nacos(self) -> None:
+        """Refuse half-given credentials at start, naming the flag (never a value)."""
+        password, secret_key = self.nacos_secret("password"), self.nacos_secret("secret_key")
+        if self.nacos_username and not password:
+            raise ValueError(
+                "--nacos-username needs a password: $PDSERVE_NACOS_PASSWORD, --nacos-password-file or --nacos-password"
+            )
+        if password and not self.nacos_username:
+            raise ValueError("a Nacos password (--nacos-password, its -file or env) needs --nacos-username")
+        if self.nacos_access_key and not secret_key:
+            raise ValueError(
+                "--nacos-access-key needs a secret key: $PDSERVE_NACOS_SECRET_KEY, --nacos-secret-key-file "
+                "or --nacos-secret-key"
+            )
+        if secret_key and not self.nacos_access_key:
+            raise ValueError("a Nacos secret key (--nacos-secret-key, its -file or env) needs --nacos-access-key")
+        servers = [s.strip() for s in self.nacos_server.split(",")]
+        for server in servers:
+            scheme, sep, rest = server.rpartition("://")
+            # the SDK reads `scheme://host:port` and `host[:port]`; a scheme without a port breaks it
+            if sep and (scheme.lower() not in ("http", "https") or not rest.rpartition(":")[2].isdigit()):
+                raise ValueError(f"--nacos-server {server!r}: expected HOST[:PORT] or http(s)://HOST:PORT")
+        if self.nacos_tls_ca:
+            if not any(s.lower().startswith("https://") for s in servers):
+                raise ValueError("--nacos-tls-ca needs an https:// --nacos-server")
+            try:
+                with open(self.nacos_tls_ca, "rb"):
+                    pass
+            except OSError as e:
+                raise ValueError(f"cannot read --nacos-tls-ca {self.nacos_tls_ca}: {e.strerror}") from None
 
 
 def add_discovery_args(p: argparse.ArgumentParser) -> None:
@@ -39,9 +115,34 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discovery", default=None, choices=KINDS, help="membership source (default static)")
     p.add_argument("--prefill", default=None, help="static: comma-separated prefill HOST:PORT list")
     p.add_argument("--decode", default=None, help="static: comma-separated decode HOST:PORT list")
-    p.add_argument("--nacos-server", default=None, help="nacos: server HOST:PORT (default 127.0.0.1:8848)")
+    p.add_argument(
+        "--nacos-server",
+        default=None,
+        help="nacos: server HOST:PORT or https://HOST:PORT, comma-separated for several (default 127.0.0.1:8848)",
+    )
     p.add_argument("--nacos-namespace", default=None, help="nacos: namespace id")
     p.add_argument("--nacos-service", default=None, help="nacos: service name prefix (default pdserve)")
+    p.add_argument("--nacos-username", default=None, help="nacos: user to log in as (with a password)")
+    p.add_argument(
+        "--nacos-password",
+        default=None,
+        help="nacos: that user's password (visible in `ps`: prefer the env or --nacos-password-file)",
+    )
+    p.add_argument("--nacos-password-file", default=None, help="nacos: file holding the password")
+    p.add_argument(
+        "--nacos-access-key", default=None, help="nacos: access key; requests are signed with the secret key"
+    )
+    p.add_argument(
+        "--nacos-secret-key",
+        default=None,
+        help="nacos: secret key of --nacos-access-key (visible in `ps`: prefer the env or --nacos-secret-key-file)",
+    )
+    p.add_argument("--nacos-secret-key-file", default=None, help="nacos: file holding the secret key")
+    p.add_argument(
+        "--nacos-tls-ca",
+        default=None,
+        help="nacos: CA bundle (PEM) that signed the https:// server's certificate (default: the system's CAs)",
+    )
     p.add_argument(
         "--k8s-prefill-service",
         default=None,
@@ -55,11 +156,30 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def warn_secrets_in_argv(argv: list[str]) -> None:
+    """Warn about a Nacos secret given as a flag: every user of the machine can read a command line."""
+    for flag in NACOS_SECRET_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            env = "$PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+            log.warning("%s puts a secret on the command line, where `ps` shows it; use %s or %s-file", flag, env, flag)
+
+
 def discovery_from_config(config: DiscoveryConfig) -> Discovery:
+    """The Discovery that `config` describes; a nacos one contacts the server on its first call, not here."""
     if config.discovery == "nacos":
         from pdserve.node_runtime.discovery.nacos import NacosDiscovery
 
-        return NacosDiscovery(config.nacos_server, config.nacos_namespace, config.nacos_service)
+        warn_secrets_in_argv(sys.argv)  # here, because both the router and the nodes pass through
+        return NacosDiscovery(
+            config.nacos_server,
+            config.nacos_namespace,
+            config.nacos_service,
+            username=config.nacos_username,
+            password=config.nacos_secret("password"),
+            access_key=config.nacos_access_key,
+            secret_key=config.nacos_secret("secret_key"),
+            tls_ca=config.nacos_tls_ca,
+        )
     if config.discovery == "k8s":
         from pdserve.node_runtime.discovery.k8s import K8sDnsDiscovery
 
@@ -67,4 +187,14 @@ def discovery_from_config(config: DiscoveryConfig) -> Discovery:
     return StaticDiscovery.from_lists(config.prefill, config.decode)
 
 
-__all__ = ["Discovery", "DiscoveryConfig", "Member", "StaticDiscovery", "add_discovery_args", "discovery_from_config"]
+__all__ = [
+    "Discovery",
+    "DiscoveryAuthError",
+    "DiscoveryConfig",
+    "DiscoveryError",
+    "Member",
+    "StaticDiscovery",
+    "add_discovery_args",
+    "discovery_from_config",
+    "warn_secrets_in_argv",
+]

@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 ROLES = ("prefill", "decode")
 
 
+class DiscoveryError(RuntimeError):
+    """A registry call failed in a way the operator must read (its message says why, with no secrets):
+    a node that cannot register exits with it instead of a traceback."""
+
+
+class DiscoveryAuthError(DiscoveryError):
+    """The registry rejected our credentials (or refused them the access they need): retrying cannot
+    help, so a process stops at start with this message rather than serving an empty cluster."""
+
+
 @dataclass(frozen=True)
 class Member:
     """One node: its role, gRPC address and metadata (cachestore_port, metrics_port, node_id)."""
@@ -32,6 +42,10 @@ class Member:
 class Discovery(ABC):
     """Membership of the cluster. `members()` always answers from the last known view, so a
     registry outage does not empty the cluster."""
+
+    async def check(self) -> None:
+        """Fail fast with DiscoveryAuthError on what retrying cannot fix (rejected credentials), before
+        a process starts serving; a registry that is merely down is not an error here."""
 
     async def start(self) -> None:
         """Begin watching (subscribe or refresh)."""

@@ -19,17 +19,174 @@ poll timer stops for good on the first failed poll (so we mark the timer to
 ignore errors: a registry outage keeps the last-known membership and the
 subscription resumes afterwards). A node that dies between the SDK's first and
 second poll raises no event; the router's own health checks cover that case.
+
+Auth and TLS, as the SDK offers them (`NacosClient(..., username=, password=, ak=, sk=)`):
+- username/password: the SDK logs in at POST /nacos/v1/auth/login (both in the query string) and
+  adds the `accessToken` it gets to every later request, logging in again before the token's
+  `tokenTtl` runs out. Its constructor would log in at once, synchronously; `_Client` defers that
+  to the first request, which runs on our executor, so a registry that is down at start is retried
+  as before and a rejection is reported by `_login` as one clear DiscoveryAuthError.
+- access key/secret key: every naming request carries `ak`, `data` (`<ms timestamp>@@<group>@@
+  <service>`, or `<ms timestamp>@@<service>` when the name already holds `@@`) and `signature`
+  (base64 HMAC-SHA1 of `data` under the secret key) as query parameters; the `Spas-*` headers
+  are only for the config API, which pdserve does not use.
+- TLS: an `https://HOST:PORT` server address is used as is, but 2.0.x opens it with a bare
+  `ssl.SSLContext()`, which checks no certificate. `_Client` hands it a verifying context
+  instead (the system's CAs, or --nacos-tls-ca): the password travels in that connection.
+Secrets never reach a log line: the SDK logs each request's URL (the login's holds the password)
+at DEBUG and the access token at INFO, so `_Redact` scrubs its records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import ssl
 import threading
+import traceback
+from typing import Any
+from urllib.error import HTTPError
+from urllib.parse import quote, quote_plus
 
-from pdserve.node_runtime.discovery.base import ROLES, Discovery, Member
+import nacos  # nacos-sdk-python 2.0.x
+import nacos.client
+
+from pdserve.node_runtime.discovery.base import ROLES, Discovery, DiscoveryAuthError, DiscoveryError, Member
 
 log = logging.getLogger("pdserve.discovery")
+
+SDK_LOGGERS = ("nacos", "nacos.client")
+"""The SDK's loggers (client.py and its beat threads use nacos.client; files.py uses nacos)."""
+REFUSED = (401, 403)
+"""HTTP statuses with which Nacos rejects credentials or denies access."""
+
+
+class _Redact(logging.Filter):
+    """Scrubs Nacos secrets from the SDK's own log records. One instance serves every client of the
+    process (the SDK logs through module-level loggers); each client adds its password and secret
+    key. Tokens are not known in advance, so they are matched by the shapes the SDK prints."""
+
+    # `accessToken=T` in a logged URL, `'accessToken': 'T'` in a logged dict, `AccessToken: T` in the
+    # login line; `password` likewise, in case a value is not among the registered secrets.
+    SHAPES = re.compile(r"(?i)((?:accessToken|password)(?:=|': '|: ))[^&\s',}]+")
+
+    def __init__(self) -> None:
+        super().__init__()
+        # replaced whole, never changed in place: the SDK's threads read it while a client adds to it
+        self.secrets: tuple[str, ...] = ()
+
+    def add(self, secret: str) -> None:
+        if secret:
+            # as given, as the SDK's urlencode writes it into a URL, and as repr() shows it in a dict
+            forms = {secret, quote_plus(secret), quote(secret, safe=""), repr(secret)[1:-1]}
+            # longest first: one form may contain another
+            self.secrets = tuple(sorted(forms.union(self.secrets), key=len, reverse=True))
+
+    def scrub(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return self.SHAPES.sub(r"\1***", text)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: leave it to the handler's own error handling
+            return True
+        record.msg, record.args = self.scrub(message), None
+        if record.exc_info:
+            # The SDK logs a full traceback for every failed request (each poll, during an outage);
+            # we report failures in one line of our own, so keep its traceback only at DEBUG.
+            if logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+                record.exc_text = self.scrub("".join(traceback.format_exception(*record.exc_info)).rstrip())
+            record.exc_info = None
+        return True
+
+
+_REDACT = _Redact()
+
+
+def _guard_sdk_logs(*secrets: str) -> None:
+    for secret in secrets:
+        _REDACT.add(secret)
+    for name in SDK_LOGGERS:
+        logger = logging.getLogger(name)
+        if _REDACT not in logger.filters:
+            logger.addFilter(_REDACT)
+
+
+_request_tls = threading.local()
+"""The verifying SSL context of the client whose request runs on this thread (see _SslModule)."""
+
+
+class _SslModule:
+    """Stands in for the `ssl` module inside nacos.client, whose request code builds a fresh
+    `ssl.SSLContext()` (no certificate check) for each request and offers no way to pass one. While
+    one of our clients makes a request, its verifying context is returned instead; any other caller
+    gets what the real module would give."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def SSLContext(self, *args: Any, **kwargs: Any) -> ssl.SSLContext:  # the name the SDK calls
+        context = getattr(_request_tls, "context", None)
+        return context if context is not None else self._real.SSLContext(*args, **kwargs)
+
+
+def _install_ssl_hook() -> None:
+    if not isinstance(nacos.client.ssl, _SslModule):
+        nacos.client.ssl = _SslModule(nacos.client.ssl)
+
+
+class _Client(nacos.NacosClient):
+    """nacos.NacosClient with two changes: the login its constructor would do at once waits for the
+    first request (see the module docstring), and https requests verify the server's certificate."""
+
+    def __init__(self, server: str, namespace: str, tls: ssl.SSLContext | None, **auth: str | None) -> None:
+        self._tls = tls
+        if tls is not None:
+            _install_ssl_hook()
+        self._constructing = True
+        super().__init__(server, namespace=namespace or None, **auth)
+        self._constructing = False
+
+    def get_access_token(self, force_refresh: bool = False) -> Any:
+        if self._constructing:
+            return None
+        return super().get_access_token(force_refresh)
+
+    def _do_sync_req(self, *args: Any, **kwargs: Any) -> Any:
+        if self._tls is None:
+            return super()._do_sync_req(*args, **kwargs)
+        # restore rather than clear: a request logs in first, from inside this same call
+        previous = getattr(_request_tls, "context", None)
+        _request_tls.context = self._tls
+        try:
+            return super()._do_sync_req(*args, **kwargs)
+        finally:
+            _request_tls.context = previous
+
+
+def _refused(e: BaseException) -> int | None:
+    """The HTTP status with which Nacos refused a request, if it did. The SDK turns an HTTPError
+    into NacosException("Insufficient privilege.") (403) or "Request Error, code is N" inside its
+    `except` block, so the HTTPError is the exception's context."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, HTTPError) and seen.code in REFUSED:
+            return seen.code
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    # The SDK's own messages; never a URL (HTTPError's str omits it: a login URL holds the password).
+    if isinstance(e, HTTPError):
+        return f"HTTP {e.code} {e.reason}"
+    return str(e) or type(e).__name__
 
 
 def _instance_id(host: dict) -> str:
@@ -45,11 +202,38 @@ class NacosDiscovery(Discovery):
     """Registers members (nodes) and watches members (router) through a Nacos server."""
 
     def __init__(
-        self, server: str, namespace: str = "", service: str = "pdserve", interval: float = 3.0, heartbeat: float = 5.0
+        self,
+        server: str,
+        namespace: str = "",
+        service: str = "pdserve",
+        interval: float = 3.0,
+        heartbeat: float = 5.0,
+        *,
+        username: str = "",
+        password: str = "",
+        access_key: str = "",
+        secret_key: str = "",
+        tls_ca: str = "",
     ) -> None:
-        import nacos  # nacos-sdk-python 2.0.x
-
-        self.client = nacos.NacosClient(server, namespace=namespace or None)
+        _guard_sdk_logs(password, secret_key)
+        https = any(s.strip().lower().startswith("https://") for s in server.split(","))
+        try:
+            tls = ssl.create_default_context(cafile=tls_ca or None) if https else None
+        except (OSError, ssl.SSLError) as e:  # a bad setting, as a bad flag value is
+            raise ValueError(f"cannot load --nacos-tls-ca {tls_ca}: {e}") from None
+        self.client = _Client(
+            server,
+            namespace,
+            tls,
+            username=username or None,
+            password=password or None,
+            ak=access_key or None,
+            sk=secret_key or None,
+        )
+        self.server = server
+        self.namespace = namespace
+        self.username = username
+        self.access_key = access_key
         self.service = service
         self.interval = interval
         self.heartbeat = heartbeat
@@ -68,7 +252,51 @@ class NacosDiscovery(Discovery):
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
+    def _refusal(self, what: str, code: int) -> DiscoveryAuthError:
+        """The error for a request Nacos refused: which credentials to check (never their values)."""
+        if self.access_key:
+            hint = (
+                f"check --nacos-access-key {self.access_key!r} and its secret key"
+                f"{' and the permissions of user ' + repr(self.username) if self.username else ''}"
+            )
+        elif self.username:
+            hint = f"check that user {self.username!r} may use namespace {self.namespace or 'public'!r}"
+        else:
+            hint = "this Nacos requires auth: set --nacos-username with $PDSERVE_NACOS_PASSWORD, or --nacos-access-key"
+        return DiscoveryAuthError(f"{what}: nacos at {self.server} refused it (HTTP {code}); {hint}")
+
+    def _failure(self, what: str, e: BaseException) -> DiscoveryError:
+        code = _refused(e)
+        if code is not None:
+            return self._refusal(what, code)
+        return DiscoveryError(f"{what}: nacos at {self.server} failed: {_describe(e)}")
+
+    async def _login(self) -> None:
+        """Log in now (username/password), so that a rejected password is reported as such rather
+        than as the 403 of whatever request would have logged in first."""
+        if not self.username:
+            return
+        try:
+            await self._call(self.client.get_access_token)
+        except Exception as e:
+            code = _refused(e)
+            if code is not None:
+                raise DiscoveryAuthError(
+                    f"nacos at {self.server} rejected the login of user {self.username!r} (HTTP {code}): "
+                    "check --nacos-username and the password ($PDSERVE_NACOS_PASSWORD, --nacos-password-file)"
+                ) from None
+            raise DiscoveryError(f"cannot log in to nacos at {self.server}: {_describe(e)}") from None
+
+    async def check(self) -> None:
+        try:
+            await self._login()
+        except DiscoveryAuthError:
+            raise
+        except DiscoveryError as e:  # down or unreachable: the caller's retries cover it
+            log.warning("%s; retrying", e)
+
     async def start(self) -> None:
+        await self.check()
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._subscribe_all()))
 
@@ -80,14 +308,22 @@ class NacosDiscovery(Discovery):
             await self.deregister(member)
 
     async def register(self, member: Member) -> None:
+        """Register and start the SDK's beat; DiscoveryError (DiscoveryAuthError if refused) says why not."""
+        await self._login()
         meta = {"role": member.role, **{k: str(v) for k, v in member.metadata.items()}}
-        await self._call(
-            self.client.add_naming_instance,
-            *self.instance(member),
-            metadata=meta,
-            ephemeral=True,
-            heartbeat_interval=self.heartbeat,
-        )
+        what = f"registering {member.role} node {member.address}"
+        try:
+            accepted = await self._call(
+                self.client.add_naming_instance,
+                *self.instance(member),
+                metadata=meta,
+                ephemeral=True,
+                heartbeat_interval=self.heartbeat,
+            )
+        except Exception as e:
+            raise self._failure(what, e) from None
+        if not accepted:  # the SDK starts no beat then, so the instance would expire unseen
+            raise DiscoveryError(f"{what}: nacos at {self.server} did not answer ok")
         self._registered.append(member)
 
     async def deregister(self, member: Member) -> None:
@@ -114,7 +350,10 @@ class NacosDiscovery(Discovery):
             try:
                 await self._call(self.client.subscribe, listener, self.interval, name, healthy_only=True)
             except Exception as e:
-                log.warning("nacos subscribe to %s failed (%s); retrying", name, e)
+                failure = self._failure(f"subscribing to {name}", e)
+                # refused here, after start() got in: the credentials changed; say so, keep trying
+                level = logging.ERROR if isinstance(failure, DiscoveryAuthError) else logging.WARNING
+                log.log(level, "%s; retrying", failure)
                 await asyncio.sleep(self.interval)
                 continue
             timer = self.client.subscribe_timer_manager.all_timers().get(f"service-subscribe-timer-{name}")
@@ -131,11 +370,15 @@ class NacosDiscovery(Discovery):
                 known[slc.instance_id] = _member(role, slc.instance)
 
     async def refresh(self) -> None:
-        """One full healthy listing per role (at start; the subscription keeps it current after)."""
+        """One full healthy listing per role (at start; the subscription keeps it current after). A
+        registry that is down keeps the last known view; one that refuses us raises DiscoveryAuthError."""
         for role in ROLES:
             try:
                 reply = await self._call(self.client.list_naming_instance, self.service_name(role), healthy_only=True)
             except Exception as e:
+                code = _refused(e)
+                if code is not None:
+                    raise self._refusal(f"listing the {role} nodes", code) from None
                 log.warning(
                     "nacos unreachable (%s); keeping %d known %s nodes", e, len(self._members.get(role, {})), role
                 )
