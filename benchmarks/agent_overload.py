@@ -60,8 +60,21 @@ def counter(port: int, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def measure(model: str, sessions: int, turns: int, in_flight: int) -> tuple[dict, int, float, float]:
-    """One fresh `pdserve up` (defaults, 192 MiB of KV per node): texts, failures, retries, migrations."""
+def blocks_free_after(port: int, wait: float = 30.0) -> bool:
+    """Whether every node's KV blocks are all free again (within `wait` s of the last reply)."""
+    deadline = time.monotonic() + wait
+    while True:
+        nodes = httpx.get(f"http://127.0.0.1:{port}/v1/cluster", timeout=10).json()["nodes"]
+        if all(n["free_blocks"] == n["total_blocks"] for n in nodes):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
+def measure(model: str, sessions: int, turns: int, in_flight: int) -> tuple[dict, int, float, float, bool]:
+    """One fresh `pdserve up` (defaults, 192 MiB of KV per node): texts, failures, retries, migrations,
+    and whether every block was free afterwards."""
     port = free_port()
     server = start_pdserve(model, port, ["--kv-cache-memory", "192MiB", "--served-model-name", "bench"])
     try:
@@ -71,6 +84,7 @@ def measure(model: str, sessions: int, turns: int, in_flight: int) -> tuple[dict
             failed,
             counter(port, "pdserve_router_retries_total"),
             counter(port, "pdserve_router_migrations_total"),
+            blocks_free_after(port),
         )
     finally:
         stop(server)
@@ -86,14 +100,14 @@ def main() -> None:
     model = str(default_model_dir("bench"))
     sessions, turns = (8, 2) if args.quick else (24, 4)
     start = time.monotonic()
-    loaded, failed, retries, migrations = measure(model, sessions, turns, args.in_flight)
+    loaded, failed, retries, migrations, free_after = measure(model, sessions, turns, args.in_flight)
     loaded_s = time.monotonic() - start
-    unloaded, unloaded_failed, _, _ = measure(model, sessions, turns, 1)
+    unloaded, unloaded_failed, _, _, _ = measure(model, sessions, turns, 1)
     same = sum(loaded[k] is not None and loaded[k] == unloaded[k] for k in loaded)
     print(
         f"loaded ({args.in_flight} in flight): {len(loaded) - failed}/{len(loaded)} completed in {loaded_s:.0f} s, "
         f"{retries:.0f} retries, {migrations:.0f} migrations; unloaded: {len(unloaded) - unloaded_failed}/"
-        f"{len(unloaded)} completed; identical text {same}/{len(loaded)}",
+        f"{len(unloaded)} completed; identical text {same}/{len(loaded)}; blocks free after: {free_after}",
         file=sys.stderr,
     )
     emit(
@@ -108,6 +122,7 @@ def main() -> None:
             "in_flight": args.in_flight,
             "retries": retries,
             "migrations": migrations,
+            "blocks_free_after": free_after,
             "loaded_seconds": round(loaded_s, 1),
         }
     )

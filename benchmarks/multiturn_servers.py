@@ -60,10 +60,14 @@ def start_server(cmd: list[str], ready, env: dict[str, str] | None = None) -> su
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
     )
     tail: list[str] = []
+    keep = open(os.environ["BENCH_SERVER_LOG"], "a") if os.environ.get("BENCH_SERVER_LOG") else None
     for line in proc.stdout:
         tail = (tail + [line])[-200:]  # enough for a worker's traceback and its root cause
+        if keep:
+            keep.write(line)
         if ready(line):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            # $BENCH_SERVER_LOG: a file that keeps the servers' output (else it is read and dropped)
+            threading.Thread(target=lambda: [keep.write(x) if keep else None for x in proc.stdout], daemon=True).start()
             return proc
     stop(proc)
     raise RuntimeError(f"{' '.join(cmd)} exited before it was ready:\n{''.join(tail)}")

@@ -16,7 +16,17 @@ from pdserve.node_runtime.config import API_KEYS_ENV
 if TYPE_CHECKING:
     from pdserve.router.config import RouterConfig
 
-__all__ = ["API_KEYS_ENV", "add_api_key_args", "add_routing_args", "api_keys", "register", "router_config", "run"]
+__all__ = [
+    "API_KEYS_ENV",
+    "KEY_LIMIT_FLAGS",
+    "ROUTING_FLAGS",
+    "add_api_key_args",
+    "add_routing_args",
+    "api_keys",
+    "register",
+    "router_config",
+    "run",
+]
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +42,25 @@ def add_api_key_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="file with accepted Bearer keys, one per line (repeatable)",
     )
+    p.add_argument(
+        "--api-key-max-in-flight",
+        type=int,
+        default=None,
+        help="requests one API key may have running at once; more get 429 with Retry-After (0: no limit; default 0)",
+    )
+    p.add_argument(
+        "--api-key-rpm",
+        type=int,
+        default=None,
+        help="requests one API key may start per minute (bursts up to it); more get 429 with Retry-After "
+        "(0: no limit; default 0)",
+    )
+
+
+KEY_LIMIT_FLAGS = ("api_key_max_in_flight", "api_key_rpm")
+"""What add_api_key_args declares besides the keys (`up` hands them to its router)."""
+ROUTING_FLAGS = ("routing", "prefill_saturated_tokens", "max_waiting_requests", "max_prefill_backlog")
+"""What add_routing_args declares (`up` hands them to its router)."""
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -167,6 +196,14 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
         help="requests that may wait, in arrival order, for a decode node with room (each up to "
         "--capacity-wait); past it a new request gets 503 with Retry-After before any work (default 256)",
     )
+    p.add_argument(
+        "--max-prefill-backlog",
+        type=float,
+        default=None,
+        help="seconds of queued prompts (at the rate it has sustained) a node may hold; while every node holds "
+        "that much, new requests wait at the router (--capacity-wait) instead of in the nodes' queues "
+        "(0: no bound; default 30, a quarter of --first-token-timeout)",
+    )
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -178,17 +215,21 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     from pdserve.router.config import ClusterOptions, RouterConfig
     from pdserve.router.deadlines import Deadlines
     from pdserve.router.http_limits import ConnectionLimits
+    from pdserve.router.key_limits import KeyLimits
 
     try:
         cluster = ClusterOptions(
             **flag_values(args, ClusterOptions, deadlines=None), deadlines=Deadlines(**flag_values(args, Deadlines))
         )
-        top = flag_values(args, RouterConfig, model_dir="model", cluster=None, discovery=None, connections=None)
+        top = flag_values(
+            args, RouterConfig, model_dir="model", cluster=None, discovery=None, connections=None, key_limits=None
+        )
         top["served_model_name"] = tuple(top.get("served_model_name") or ())
         top.setdefault("model_dir", default_model_dir())
         return RouterConfig(
             **top,
             api_keys=tuple(api_keys(args)),
+            key_limits=KeyLimits(**flag_values(args, KeyLimits)),
             cluster=cluster,
             connections=ConnectionLimits(**flag_values(args, ConnectionLimits)),
             discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)),
@@ -256,7 +297,11 @@ def run(args: argparse.Namespace) -> int:
     ClusterCollector(cluster, name, registry)
     KvRoutingCollector(cluster, name, registry)
     app = create_app(
-        server, api_keys=list(config.api_keys), registry=registry, body_timeout=config.connections.body_timeout
+        server,
+        api_keys=list(config.api_keys),
+        registry=registry,
+        body_timeout=config.connections.body_timeout,
+        key_limits=config.key_limits,
     )
 
     @app.on_event("startup")

@@ -17,7 +17,7 @@ from pathlib import Path
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
-from pdserve.commands.router import add_api_key_args, add_routing_args, api_keys
+from pdserve.commands.router import KEY_LIMIT_FLAGS, ROUTING_FLAGS, add_api_key_args, add_routing_args, api_keys
 from pdserve.commands.serving_args import (
     NODE_FLAGS,
     ROUTER_FLAGS,
@@ -123,9 +123,16 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.engine.builtin import default_model_dir
     from pdserve.commands.device_args import device_flags
     from pdserve.commands.memory_args import kv_memory_flags
+    from pdserve.node_runtime.config import flag_values
+    from pdserve.router.key_limits import KeyLimits
 
     if args.num_prefill < 0 or args.num_decode < 1:
         print("error: --num-prefill must be >= 0 and --num-decode >= 1", file=sys.stderr)
+        return 2
+    try:  # what the router would refuse, refused before any node starts
+        KeyLimits(**flag_values(args, KeyLimits)).check_keys(api_keys(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     model = args.model or str(default_model_dir())  # build the built-in model once, before the children start
     secret = secrets.token_hex(16)
@@ -203,10 +210,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         if args.model is None and not args.served_model_name:
             router_args += ["--served-model-name", "pdserve-tiny"]
-        if args.routing:
-            router_args += ["--routing", args.routing]
-        if args.prefill_saturated_tokens is not None:
-            router_args += ["--prefill-saturated-tokens", str(args.prefill_saturated_tokens)]
+        router_args += child_flags(args, ROUTING_FLAGS + KEY_LIMIT_FLAGS)
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
         router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised(

@@ -24,6 +24,7 @@ from pdserve.openai_api.errors import (
     validation_message,
 )
 from pdserve.router.http_metrics import HttpMetrics
+from pdserve.router.key_limits import KeyLimit, KeyLimiter, KeyLimits
 from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.serving import Server
 from pdserve.router.utility_routes import add_utility_routes
@@ -39,8 +40,10 @@ def create_app(
     registry: CollectorRegistry | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    key_limits: KeyLimits | None = None,
 ) -> FastAPI:
-    """Build the FastAPI app around a Server (which owns the Cluster and tokenizer)."""
+    """Build the FastAPI app around a Server (which owns the Cluster and tokenizer). `key_limits`:
+    per-API-key in-flight and per-minute limits (429), applied after the key is checked."""
     app = FastAPI(
         title="pdserve router",
         version=pdserve.__version__,
@@ -51,6 +54,9 @@ def create_app(
     keys = [k.encode() for k in (api_keys or []) if k]
     # inside `guard`, so its 413s and 408s are counted
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    if key_limits is not None and key_limits.any:  # inside `guard`: only authenticated keys get state
+        key_limits.check_keys(api_keys or [])
+        app.add_middleware(KeyLimit, limiter=KeyLimiter(key_limits, registry, server.model_name))
 
     @app.middleware("http")
     async def guard(request: Request, call_next):

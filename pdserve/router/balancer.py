@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import blocks_for
+from pdserve.router.saturation import PrefillRate
 
 
 @dataclass
@@ -25,6 +26,8 @@ class NodeLoad:
     prefilling_tokens: int = 0
     """Prompt tokens this router sent to this node to prefill whose first token has not come back yet
     (exact for this router's requests, unlike a load report that may be half a refresh old)."""
+    prefill_rate: PrefillRate = field(default_factory=PrefillRate)
+    """Prompt tokens per second this node's prefill path has sustained (router/saturation.py)."""
     current_weight: float = 0.0
     compatibility: str = ""
     """The node's KV compatibility string (its block keys' namespace)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 from pdserve.openai_api.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError
 
@@ -45,7 +46,7 @@ class BodyLimit:
                     f"the request body did not arrive within {self.body_timeout:g} s of its headers"
                 ) from None
         except RouterError as e:
-            return await _send_error(send, e)
+            return await send_error(send, e)
         replayed = False
 
         async def replay():
@@ -82,17 +83,17 @@ class BodyLimit:
                 return b"".join(chunks)
 
 
-async def _send_error(send, err: RouterError) -> None:
+async def send_error(send, err: RouterError) -> None:
+    """Answer `err` in the OpenAI shape from ASGI middleware (with its Retry-After, if it has one)
+    and close the connection: the request's body was not read."""
     payload = json.dumps(err.body()).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": err.status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        (b"connection", b"close"),
+    ]
+    retry_after = getattr(err, "retry_after", None)
+    if retry_after is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(retry_after))).encode()))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

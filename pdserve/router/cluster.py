@@ -26,6 +26,7 @@ from pdserve.router.kv_routing import ROUTING_MODES, KvRouter
 from pdserve.router.kv_subscriber import KvSubscriber
 from pdserve.router.node_state import GenerateChunk, NodeState, Route
 from pdserve.router.prefill_offload import OffloadPolicy, Prefilling
+from pdserve.router.saturation import backlog_seconds
 
 log = logging.getLogger("pdserve.router")
 RETRYABLE = (
@@ -90,7 +91,7 @@ class Cluster:
         self.migrations = Counter(
             "pdserve_router_migrations", "streams moved to another decode node", ["model_name"], registry=r
         ).labels(model_name)
-        self.queue = AdmissionQueue(max_waiting_requests, r, model_name)
+        self.queue = AdmissionQueue(max_waiting_requests, r, model_name, self.deadlines.capacity_wait)
         """Requests waiting for a decode node with room, in arrival order (router/admission.py)."""
 
     async def start(self) -> None:
@@ -165,52 +166,23 @@ class Cluster:
             status = await node.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             report = await node.stub.GetLoad(common_pb2.LoadRequest(), metadata=self.metadata, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            if node.responsive:
+            if node.missed_probe(sent):
                 log.warning(
                     "%s %s missed a health check (%s): no new requests until it answers",
                     node.member.role,
                     node.member.address,
                     e.code().name,
                 )
-            node.responsive = False
-            if node.silent_since is None:
-                node.silent_since = sent
-            node.breaker.failure()
             return
-        wedged = report.engine_stalled_seconds >= self.deadlines.hung_after
-        if wedged and node.responsive:
+        serving = status.status == health_pb2.HealthCheckResponse.SERVING
+        if node.answered_probe(report, serving, self.deadlines.hung_after):
             log.warning(
                 "%s %s answers its probes, but its engine has computed nothing for %.0f s: hung",
                 node.member.role,
                 node.member.address,
                 report.engine_stalled_seconds,
             )
-        # a node whose engine is wedged gets no new requests, and attempts on it end (_hung)
-        node.responsive, node.silent_since, node.stalled = not wedged, None, False
-        node.progress, node.engine_stalled = report.progress, report.engine_stalled_seconds
-        node.draining = report.draining or status.status != health_pb2.HealthCheckResponse.SERVING
-        node.max_model_len = report.max_model_len
-        node.load.report(
-            report.num_free_blocks,
-            report.num_total_blocks,
-            report.block_size or 16,
-            report.num_queued_prefill_tokens,
-            time.monotonic(),
-            report.compatibility,
-        )
         self.kv_router.index.set_capacity(node.member.address, report.num_total_blocks)
-        node.breaker.success()
-
-    def _hung(self, node: NodeState) -> bool:
-        """The node has missed every health probe for `hung_after` seconds, or a stream on it stalled
-        and a probe has missed since (two independent signals, so nothing waits `hung_after` more),
-        or it answers its probes but its engine has been stuck in one step, computing no layer, for
-        `hung_after` seconds. A node whose engine advances is busy, not hung."""
-        if node.engine_stalled >= self.deadlines.hung_after:
-            return True
-        if node.silent_since is None:
-            return False
-        return node.stalled or time.monotonic() - node.silent_since >= self.deadlines.hung_after
 
     def _waited_on(self, decode: NodeState, prefills: list[str], first: bool) -> list[NodeState]:
         """The nodes an attempt waits on: its decode node, and until its first event (the KV has not
@@ -225,7 +197,10 @@ class Cluster:
 
     def _hung_in(self, decode: NodeState, prefills: list[str], first: bool) -> str | None:
         """The address of a hung node an attempt waits on; None while they all live."""
-        return next((n.member.address for n in self._waited_on(decode, prefills, first) if self._hung(n)), None)
+        return next(
+            (n.member.address for n in self._waited_on(decode, prefills, first) if n.hung(self.deadlines.hung_after)),
+            None,
+        )
 
     def _usable(self, role: str) -> list[NodeState]:
         return [n for (r, _), n in self.nodes.items() if r == role and n.usable]
@@ -241,19 +216,8 @@ class Cluster:
         return min(lens) if lens else None
 
     def snapshot(self) -> list[dict]:
-        return [
-            {
-                "role": r,
-                "address": a,
-                "usable": n.usable,
-                "hung": self._hung(n),
-                "progress": n.progress,
-                "breaker": n.breaker.state.value,
-                "free_blocks": n.load.free_blocks,
-                "total_blocks": n.load.total_blocks,
-            }
-            for (r, a), n in self.nodes.items()
-        ]
+        """What /v1/cluster shows of each node."""
+        return [n.describe(self.deadlines.hung_after) for n in self.nodes.values()]
 
     def _choose(
         self, tokens_needed: int, exclude: set[str], prompt: Sequence[int] = (), cache_salt: str | None = None
@@ -271,24 +235,40 @@ class Cluster:
             chosen = self.decode_balancer.pick(loads, tokens_needed, now)
         if chosen is None:
             raise NoCapacityError("no decode node has room for this request now; try again later")
+        prefill_full = bool(prefills) and all(self._saturated(n.load) for n in prefills)
+        if self._saturated(chosen) and (prefill_full or not prefills):
+            raise NoCapacityError("every node has its fill of queued prompts; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
         prompt_tokens = len(prompt) or tokens_needed
         # what the decode node would compute itself: kv-aware routing knows its cached prefix
         local_tokens = self.kv_router.last_uncached_tokens if self.routing == "kv-aware" else prompt_tokens
-        if self.offload.prefill_here([n.load for n in prefills], chosen, local_tokens):
+        # every prefill node saturated (backlog in seconds) but this decode node not: it prefills
+        offload = not self._saturated(chosen) and self.offload.prefill_here(
+            [n.load for n in prefills], chosen, local_tokens
+        )
+        if prefill_full or offload:
             self.offload.assign_local(chosen, local_tokens)
-            return Route(by_load[id(chosen)], [])  # no addresses: the decode node prefills the prompt itself
+            # no addresses: the decode node prefills the prompt itself
+            return Route(by_load[id(chosen)], [], (), Prefilling(chosen, prompt_tokens))
         cached: tuple[int, ...] = ()
+        open_loads = [n.load for n in prefills if not self._saturated(n.load)]  # saturated ones get nothing new
         if self.routing == "kv-aware":  # counts the uncached tokens on the first node itself
-            ordered = self.kv_router.order_prefill([n.load for n in prefills], prompt, cache_salt)[:3]
+            ordered = self.kv_router.order_prefill(open_loads, prompt, cache_salt)[:3]
             cached = tuple(self.kv_router.last_prefill_cached_tokens[n.address] for n in ordered)
         else:
-            ordered = self.prefill_balancer.order([n.load for n in prefills])[:3]
+            ordered = self.prefill_balancer.order(open_loads)[:3]
             if ordered:
                 ordered[0].inflight_tokens += prompt_tokens
         if not ordered:  # none usable: the decode node prefills locally
             self.offload.assign_local(chosen, local_tokens)
-        return Route(by_load[id(chosen)], [n.address for n in ordered], cached)
+        target = ordered[0] if ordered else chosen
+        return Route(by_load[id(chosen)], [n.address for n in ordered], cached, Prefilling(target, prompt_tokens))
+
+    def _saturated(self, load: NodeLoad) -> bool:
+        """The node already has `max_prefill_backlog` seconds of this router's prompts pending
+        (router/saturation.py): a new prompt waits in the admission queue instead of behind them."""
+        limit = self.deadlines.prefill_backlog
+        return limit > 0 and backlog_seconds(load.prefilling_tokens, load.prefill_rate) >= limit
 
     def _prefilling(self, node: NodeState, prefills: list[str], tokens: int) -> Prefilling:
         """Count the prompt on the node that prefills it (the first prefill address, else the decode
@@ -298,12 +278,7 @@ class Cluster:
 
     def check_admission(self) -> None:
         """QueueFull (503 with Retry-After) when the admission queue is full: asked before any work."""
-        self.queue.check(self.retry_after)
-
-    @property
-    def retry_after(self) -> float:
-        """What a refused client is told to wait: the time the queue's head may wait for room."""
-        return max(1.0, min(self.deadlines.capacity_wait, 30.0))
+        self.queue.check()
 
     async def _choose_waiting(
         self,
@@ -315,21 +290,17 @@ class Cluster:
     ) -> Route:
         """_choose, at once when nobody waits ahead; else in the admission queue's order, waiting up to
         capacity_wait for a node to come back or to free room. `new`: a request's first attempt (a
-        retry or migration goes ahead of new requests and is never refused for a full queue)."""
-        if not self.queue.waiting or not new:
-            try:
-                return self._choose(tokens_needed, exclude, prompt, cache_salt)
-            except NoCapacityError:
-                pass
-        deadline = time.monotonic() + self.deadlines.capacity_wait
-        async with self.queue.turn(new, deadline, self.retry_after):
-            while True:
-                try:
-                    return self._choose(tokens_needed, exclude, prompt, cache_salt)
-                except NoCapacityError as e:
-                    if time.monotonic() >= deadline:
-                        raise NoCapacityError(e.message, retry_after=self.retry_after) from None
-                await asyncio.sleep(min(0.2, self.refresh_interval))
+        retry or migration goes ahead of new requests, is never refused for a full queue, and waits
+        `max_prefill_backlog` longer: work was done for it, and saturated nodes drain in that time)."""
+        wait = self.deadlines.capacity_wait + (0.0 if new else self.deadlines.prefill_backlog)
+        choose = lambda: self._choose(tokens_needed, exclude, prompt, cache_salt)  # noqa: E731
+        return await self.queue.route(choose, new, wait, min(0.2, self.refresh_interval))
+
+    async def admit(self, prompt: list[int], params: common_pb2.SamplingParams, cache_salt: str | None = None) -> Route:
+        """A route for a request's first attempt, waiting in the admission queue when the nodes are
+        full; NoCapacityError (503) when none frees up in `capacity_wait`. The HTTP layer asks this
+        before it answers, so a refusal is a status code, never an error inside a started stream."""
+        return await self._choose_waiting(len(prompt) + params.max_tokens, set(), prompt, cache_salt)
 
     async def generate(
         self,
@@ -337,17 +308,22 @@ class Cluster:
         prompt: list[int],
         params: common_pb2.SamplingParams,
         cache_salt: str | None = None,
+        route: Route | None = None,
     ) -> AsyncIterator[GenerateChunk]:
         """Stream one request; retries before the first token, migrates after it (no gap, no duplicate).
-        `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt."""
+        `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt. `route`:
+        the first attempt's, from `admit` (None: chosen here)."""
         sent: list[int] = []
         tried: set[str] = set()
         retries = migrations = 0
         while True:
             remaining = params.max_tokens - len(sent)
-            node, prefills, prefill_cached = await self._choose_waiting(
-                len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt, new=not (retries or sent)
-            )
+            if route is None:
+                route = await self._choose_waiting(
+                    len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt, new=not (retries or sent)
+                )
+            node, prefills, prefill_cached, prefilling = route
+            route = None
             attempt = common_pb2.SamplingParams()
             attempt.CopyFrom(params)
             attempt.max_tokens = remaining
@@ -364,14 +340,14 @@ class Cluster:
             )
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
-            prefilling = self._prefilling(node, prefills, len(req.prompt_token_ids))
+            prefilling = prefilling or self._prefilling(node, prefills, len(req.prompt_token_ids))
             try:
                 hung = partial(self._hung_in, node, prefills)
                 progress = partial(self._progress_of, node, prefills)
                 async for event in events_within_deadline(call, self.token_deadline, hung, progress):
                     if event.token_ids:
                         sent.extend(event.token_ids)
-                        prefilling.done()
+                        prefilling.first_token()
                     usage = None
                     if event.finish_reason:
                         usage = common_pb2.Usage(

@@ -15,6 +15,7 @@ from pdserve.node_runtime.tls_options import ClusterTLSOptions
 from pdserve.router.admission import DEFAULT_MAX_WAITING, check_limit
 from pdserve.router.deadlines import Deadlines
 from pdserve.router.http_limits import ConnectionLimits
+from pdserve.router.key_limits import KeyLimits
 from pdserve.router.kv_routing import ROUTING_MODES
 from pdserve.router.prefill_offload import DEFAULT_SATURATED_TOKENS, OffloadPolicy
 
@@ -64,6 +65,8 @@ class RouterConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     """Accepted Bearer keys; none: the API is open."""
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
+    """Per-key in-flight and per-minute limits (429; router/key_limits.py)."""
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     max_prompt_tokens: int | None = None
@@ -85,3 +88,4 @@ class RouterConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.sse_keepalive <= 0:
             raise ValueError(f"--sse-keepalive must be > 0, got {self.sse_keepalive}")
+        self.key_limits.check_keys(self.api_keys)

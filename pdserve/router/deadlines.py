@@ -36,6 +36,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from pdserve.router.saturation import BACKLOG_SHARE, check_max_backlog
+
 
 @dataclass(frozen=True)
 class Deadlines:
@@ -56,6 +58,9 @@ class Deadlines:
     capacity_wait: float = 30.0
     """How long a request (or a stream being migrated) waits for a usable decode + prefill pair that
     has room, e.g. while `pdserve up` restarts a node, before it fails with 503."""
+    max_prefill_backlog: float | None = None
+    """Seconds of queued prompts a node may hold before new requests wait at the router instead
+    (router/saturation.py; 0: no bound; None: a quarter of first_token_timeout, 30 s by default)."""
 
     def __post_init__(self) -> None:
         for name in ("token_timeout", "itl_factor", "first_token_timeout", "health_timeout", "hung_after"):
@@ -63,6 +68,14 @@ class Deadlines:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.capacity_wait < 0:
             raise ValueError(f"capacity_wait must be >= 0, got {self.capacity_wait}")
+        if self.max_prefill_backlog is None:
+            object.__setattr__(self, "max_prefill_backlog", self.first_token_timeout * BACKLOG_SHARE)
+        check_max_backlog(self.prefill_backlog, self.first_token_timeout)
+
+    @property
+    def prefill_backlog(self) -> float:
+        """`max_prefill_backlog` as resolved at construction (0: no bound)."""
+        return self.max_prefill_backlog or 0.0
 
 
 class TokenDeadline:

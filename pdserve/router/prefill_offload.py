@@ -27,6 +27,8 @@ The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be c
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 from pdserve.router.balancer import NodeLoad
@@ -43,15 +45,32 @@ def pending_tokens(node: NodeLoad) -> int:
 
 class Prefilling:
     """One request's prompt, counted on the node that prefills it from routing until its first token
-    (or the end of the attempt, whichever comes first); `done` is idempotent."""
+    (or the end of the attempt, whichever comes first); the node's `prefill_rate` learns from the
+    prompts that got their first token. `first_token` and `done` are idempotent."""
 
     def __init__(self, node: NodeLoad, tokens: int) -> None:
         self.node, self.tokens = node, tokens
+        node.prefill_rate.started(time.monotonic())
         node.prefilling_tokens += tokens
 
+    def first_token(self) -> None:
+        """The prompt is computed: its tokens leave the node's queue and count towards its rate."""
+        self._leave(computed=True)
+
     def done(self) -> None:
+        """The attempt ended (if no first token came, nothing is measured)."""
+        self._leave(computed=False)
+
+    def __del__(self) -> None:
+        # a route that was chosen but never run (its client left first) gives its tokens back
+        with contextlib.suppress(Exception):  # e.g. at interpreter exit: nothing left to count
+            self._leave(computed=False)
+
+    def _leave(self, computed: bool) -> None:
         if self.tokens:
             self.node.prefilling_tokens -= self.tokens
+            idle = self.node.prefilling_tokens <= 0
+            self.node.prefill_rate.finished(self.tokens, time.monotonic(), idle, computed)
             self.tokens = 0
 
 

@@ -29,9 +29,12 @@ class RequestMetrics:
         ).labels(model_name)
         self.model_name = model_name
 
-    async def track(self, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
-        """Yield `chunks` unchanged while observing latency, tokens and how the stream ended."""
-        clock = self.families.clock(0)
+    async def track(
+        self, chunks: AsyncIterator[GenerateChunk], started: float | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        """Yield `chunks` unchanged while observing latency, tokens and how the stream ended;
+        `started` (monotonic): when the request arrived, so time in the admission queue counts."""
+        clock = self.families.clock(0, started)
         reason = "abort"  # a consumer that stops early (client gone) ends the stream without a reason
         generated: int | None = None
         self.in_flight.inc()

@@ -17,6 +17,7 @@ from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.openai_api.responses import chat_choice, chat_delta, completion_choice, response_body, usage
 from pdserve.openai_api.text import chat_logprob_entry, completion_logprobs
 from pdserve.router.cluster import Cluster
+from pdserve.router.node_state import Route
 from pdserve.router.keepalive_stream import DEFAULT_INTERVAL, KEEPALIVE_COMMENT, with_keepalive
 from pdserve.router.request_metrics import RequestMetrics
 
@@ -75,20 +76,38 @@ class Server:
         self.cluster.check_admission()
         return await asyncio.to_thread(self.builder.choices, req)
 
+    async def admit(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, Route], float]:
+        """The request's choices, each one's first route, and when it arrived (monotonic): 400s and
+        a full queue's 503 first, then each choice waits in the admission queue while the nodes are
+        full, and one that finds no room in `--capacity-wait` is refused here (503 with Retry-After),
+        before any work and before a stream starts."""
+        started = time.monotonic()
+        choices = await self.choices(req, chat)
+        routes = {c.index: await self.cluster.admit(c.prompt_ids, c.params, c.cache_salt) for c in choices}
+        return choices, routes, started
+
     # --- running ------------------------------------------------------------------------
-    async def run(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, list, str | None, list[int]]]:
-        """Run all choices concurrently; yield (choice, text delta, new logprobs, finish reason, new
-        token ids) as tokens arrive. The finish reason travels with its chunk: `choice.finish_reason` is set when the
-        producer sees the end, possibly many queued chunks before the consumer writes them."""
+    async def run(
+        self, choices: list[Choice], routes: dict[int, Route] | None = None, started: float | None = None
+    ) -> AsyncIterator[tuple[Choice, str, list, str | None, list[int]]]:
+        """Run all choices concurrently, each on its route from `admit` (for a request that arrived
+        at `started`, monotonic); yield (choice, text delta, new logprobs, finish reason, new token
+        ids) as tokens arrive. The finish reason travels with its chunk: `choice.finish_reason` is set
+        when the producer sees the end, possibly many queued chunks before the consumer writes them."""
+        routes = routes or {}
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
         base = f"cmpl-{uuid.uuid4().hex[:16]}"
 
         async def one(choice: Choice) -> None:
             try:
                 chunks = self.cluster.generate(
-                    f"{base}-{choice.index}", choice.prompt_ids, choice.params, cache_salt=choice.cache_salt
+                    f"{base}-{choice.index}",
+                    choice.prompt_ids,
+                    choice.params,
+                    cache_salt=choice.cache_salt,
+                    route=routes.get(choice.index),
                 )
-                async for chunk in self.metrics.track(chunks):
+                async for chunk in self.metrics.track(chunks, started):
                     delta = choice.text.add(chunk.token_ids)
                     new_lps = chunk.logprobs or []
                     choice.logprobs += new_lps
@@ -131,9 +150,9 @@ class Server:
 
     async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, str]]:
         """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
-        choices = await self.choices(req, chat)
+        choices, routes, started = await self.admit(req, chat)
         texts = {c.index: "" for c in choices}
-        async for c, delta, *_ in self.run(choices):
+        async for c, delta, *_ in self.run(choices, routes, started):
             texts[c.index] += delta
         return choices, texts
 
@@ -162,7 +181,7 @@ class Server:
 
     async def stream(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> AsyncIterator[str]:
         """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
-        choices = await self.choices(req, chat)  # 400s before streaming
+        choices, routes, started = await self.admit(req, chat)  # 400s and 503s before streaming
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -185,7 +204,7 @@ class Server:
                 token_ids = isinstance(req, CompletionRequest) and req.return_token_ids
                 unsent_prompt = {c.index for c in choices} if token_ids else set()  # sent once, first
                 offsets = {c.index: 0 for c in choices}
-                async for item in with_keepalive(self.run(choices), self.keepalive_interval):
+                async for item in with_keepalive(self.run(choices, routes, started), self.keepalive_interval):
                     if isinstance(item, type):  # the KeepAlive marker
                         yield KEEPALIVE_COMMENT
                         continue

@@ -39,7 +39,14 @@ class FakeCluster:
     def snapshot(self) -> list:
         return []
 
-    async def generate(self, request_id, prompt, params, cache_salt=None):
+    async def admit(self, prompt, params, cache_salt=None):
+        """The real Cluster.admit's refusal (before any response) when no node is healthy; the route
+        is opaque to the Server."""
+        if not self.healthy:
+            raise NoCapacityError("no healthy prefill and decode node is available", retry_after=1.0)
+        return None
+
+    async def generate(self, request_id, prompt, params, cache_salt=None, route=None):
         if not self.healthy:
             raise NoCapacityError("no healthy prefill and decode node is available")
         if self.crash is not None:

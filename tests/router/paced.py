@@ -20,7 +20,11 @@ class PacedCluster:
     def check_admission(self) -> None:
         """Never full."""
 
-    async def generate(self, request_id, prompt, params, cache_salt=None):
+    async def admit(self, prompt, params, cache_salt=None):
+        """Always room: the route is opaque to the Server."""
+        return None
+
+    async def generate(self, request_id, prompt, params, cache_salt=None, route=None):
         await asyncio.sleep(self.first_delay)
         n = min(len(self.tokens), params.max_tokens)
         for i, t in enumerate(self.tokens[:n]):

@@ -142,3 +142,16 @@ async def test_the_api_answers_503_with_retry_after_before_any_work(make_client,
     assert r.status_code == 503 and r.headers["retry-after"] == "30"
     assert r.json()["error"]["code"] == "no_capacity"
     assert not cluster.requests  # nothing was sent to a node
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_that_waited_in_vain_gets_503_not_a_started_stream(make_client, stream):
+    """The real Cluster with no decode node: the request waits `capacity_wait` in the admission queue,
+    and then the answer is a 503 status with Retry-After, never a 200 whose stream carries the error."""
+    make, _, _ = make_client
+    cluster = Cluster(StaticDiscovery([]), refresh_interval=0.01, deadlines=Deadlines(capacity_wait=0.3))
+    async with make(cluster) as client:
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3, "stream": stream})
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "no_capacity"
+    assert cluster.queue.waiting == 0

@@ -24,7 +24,11 @@ class EndlessCluster:
     def check_admission(self) -> None:
         """Never full."""
 
-    async def generate(self, request_id, prompt, params, cache_salt=None):
+    async def admit(self, prompt, params, cache_salt=None):
+        """Always room: the route is opaque to the Server."""
+        return None
+
+    async def generate(self, request_id, prompt, params, cache_salt=None, route=None):
         while True:
             self.pulled += 1
             yield GenerateChunk([self.token], None, None, None)

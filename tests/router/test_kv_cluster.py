@@ -53,7 +53,7 @@ async def test_warm_prompt_routes_to_holder_and_dead_node_entries_are_dropped(cl
     nodes[1].fill(PROMPT, namespace_root(COMPAT, None))
     await until(lambda: index.node_size(addrs[1]) == 10)
     for _ in range(3):
-        node, prefills, cached = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
+        node, prefills, cached, _ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
         assert node.member.address == addrs[1] and prefills == [addrs[2]]
         assert cached == (0,)  # a prefill node without events: holds nothing as far as we know
         node.load.inflight_blocks = 0  # as if it finished and reported before the next request
@@ -63,7 +63,7 @@ async def test_warm_prompt_routes_to_holder_and_dead_node_entries_are_dropped(cl
     await until(lambda: not cluster.nodes[("decode", addrs[1])].usable)
     assert index.node_size(addrs[1]) == 0 and not index.is_synced(addrs[1])
     for _ in range(3):
-        node, _, _ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
+        node, *_ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
         assert node.member.address == addrs[0]
 
 
@@ -75,7 +75,7 @@ async def test_wrr_routing_ignores_the_cache_and_matches_the_balancer(cluster_of
     reference = DecodeBalancer()
     ref_loads = copy.deepcopy([cluster.nodes[("decode", a)].load for a in addrs[:2]])
     for _ in range(6):
-        node, _, _ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
+        node, *_ = cluster._choose(len(PROMPT) + 8, set(), PROMPT, None)
         expected = reference.pick(ref_loads, len(PROMPT) + 8, time.monotonic())
         reference.assign(expected, len(PROMPT) + 8)
         assert node.member.address == expected.address

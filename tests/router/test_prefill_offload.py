@@ -13,10 +13,13 @@ from pdserve.node_runtime.discovery.static import StaticDiscovery
 from pdserve.v1 import common_pb2
 from pdserve.router.balancer import NodeLoad
 from pdserve.router.cluster import Cluster
+from pdserve.router.deadlines import Deadlines
 from pdserve.router.prefill_offload import OffloadPolicy, Prefilling, pending_tokens
 from tests.router.kv_fake_node import FakeKvNode, FakePrefill, serve, until
 
 PROMPT = list(range(1, 140))  # 139 tokens, the benchmark's chat prompt
+NO_BOUND = Deadlines(max_prefill_backlog=0)
+"""The backlog bound off (tests/router/test_saturation.py covers it): the offload policy alone."""
 
 
 def load(address: str, queued: int = 0) -> NodeLoad:
@@ -79,19 +82,21 @@ async def test_cluster_offloads_a_wave_between_prefill_and_decode_nodes(routing)
     served = [await serve(FakeKvNode(num_blocks=512)), await serve(FakeKvNode(num_blocks=512)), await serve(prefill)]
     roles = ["decode", "decode", "prefill"]
     members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(roles, served)]
-    cluster = Cluster(StaticDiscovery(members), refresh_interval=60, routing=routing, offload=OffloadPolicy(256))
+    cluster = Cluster(
+        StaticDiscovery(members), refresh_interval=60, routing=routing, offload=OffloadPolicy(256), deadlines=NO_BOUND
+    )
     await cluster.start()
     try:
-        where, counted = [], []
+        where, routes = [], []
         for _ in range(8):
-            node, prefills, _ = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
-            counted.append(cluster._prefilling(node, prefills, len(PROMPT)))  # as generate() does
-            where.append(node.member.address if not prefills else "prefill")
+            route = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
+            routes.append(route)  # held, its prompt stays pending on its node, as while an attempt runs
+            where.append(route.node.member.address if not route.prefills else "prefill")
         assert 2 <= where.count("prefill") <= 4, where
         local = [w for w in where if w != "prefill"]
         assert len(set(local)) == 2 and max(local.count(a) for a in set(local)) <= 3, where
-        for c in counted:  # every first token came back: nothing is pending any more
-            c.done()
+        for r in routes:  # every first token came back: nothing is pending any more
+            r.prefilling.first_token()
         assert all(n.load.prefilling_tokens == 0 for n in cluster.nodes.values())
         assert cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[2][1]]
     finally:
@@ -106,17 +111,20 @@ async def test_a_stale_report_of_a_long_queue_does_not_offload():
     with prompts in flight it offloads, and with the policy off it never does."""
     served = [await serve(FakeKvNode(num_blocks=512)), await serve(FakePrefill(queued=5000))]
     members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
-    on = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr")
-    off = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr", offload=OffloadPolicy(0))
+    on = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr", deadlines=NO_BOUND)
+    off = Cluster(
+        StaticDiscovery(members), refresh_interval=0.05, routing="wrr", offload=OffloadPolicy(0), deadlines=NO_BOUND
+    )
     await on.start()
     await off.start()
     try:
         prefills = [n for c in (on, off) for n in c.nodes.values() if n.member.role == "prefill"]
         await until(lambda: all(n.load.queued_prefill_tokens == 5000 for n in prefills))
+        held = []
         for cluster in (on, off):
-            assert cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[1][1]]
-            node, addresses, _ = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
-            cluster._prefilling(node, addresses, 300)  # a long prompt in flight at the prefill node
+            assert cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[1][1]]  # given back
+            node, addresses, *_ = cluster._choose(len(PROMPT) + 64, set(), PROMPT, None)
+            held.append(cluster._prefilling(node, addresses, 300))  # a long prompt in flight at the prefill node
         assert on._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == []
         assert off._choose(len(PROMPT) + 64, set(), PROMPT, None)[1] == [served[1][1]]
     finally:
