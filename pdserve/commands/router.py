@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "API_KEYS_ENV",
-    "KEY_LIMIT_FLAGS",
-    "ROUTING_FLAGS",
     "add_api_key_args",
+    "add_key_limit_args",
     "add_routing_args",
     "api_keys",
     "register",
@@ -42,6 +41,11 @@ def add_api_key_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="file with accepted Bearer keys, one per line (repeatable)",
     )
+    add_key_limit_args(p)
+
+
+def add_key_limit_args(p: argparse.ArgumentParser) -> None:
+    """The per-key limits (router/key_limits.py): `up` hands them to its router as flags."""
     p.add_argument(
         "--api-key-max-in-flight",
         type=int,
@@ -55,12 +59,6 @@ def add_api_key_args(p: argparse.ArgumentParser) -> None:
         help="requests one API key may start per minute (bursts up to it); more get 429 with Retry-After "
         "(0: no limit; default 0)",
     )
-
-
-KEY_LIMIT_FLAGS = ("api_key_max_in_flight", "api_key_rpm")
-"""What add_api_key_args declares besides the keys (`up` hands them to its router)."""
-ROUTING_FLAGS = ("routing", "prefill_saturated_tokens", "max_waiting_requests", "max_prefill_backlog")
-"""What add_routing_args declares (`up` hands them to its router)."""
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:

@@ -10,6 +10,7 @@ templates and fills in sampling defaults (`--served-model-name`, `--chat-templat
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI imports no serving code until a command runs
@@ -110,6 +111,14 @@ def load_frontend(config: RouterConfig) -> tuple[Tokenizer, dict]:
             defaults,
         )
     return tokenizer, defaults
+
+
+def declared_dests(add: Callable[[argparse.ArgumentParser], None]) -> tuple[str, ...]:
+    """The dests of the flags `add` declares, so a command that hands them on to a child names them
+    where they are declared, not in a second list."""
+    p = argparse.ArgumentParser(add_help=False)
+    add(p)
+    return tuple(a.dest for a in p._actions)
 
 
 def child_flags(args: argparse.Namespace, dests: tuple[str, ...]) -> list[str]:

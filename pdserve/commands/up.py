@@ -17,7 +17,7 @@ from pathlib import Path
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
-from pdserve.commands.router import KEY_LIMIT_FLAGS, ROUTING_FLAGS, add_api_key_args, add_routing_args, api_keys
+from pdserve.commands.router import add_api_key_args, add_key_limit_args, add_routing_args, api_keys
 from pdserve.commands.serving_args import (
     NODE_FLAGS,
     ROUTER_FLAGS,
@@ -25,6 +25,7 @@ from pdserve.commands.serving_args import (
     add_scheduler_args,
     add_served_name_args,
     child_flags,
+    declared_dests,
 )
 from pdserve.node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
 from pdserve.node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         if args.model is None and not args.served_model_name:
             router_args += ["--served-model-name", "pdserve-tiny"]
-        router_args += child_flags(args, ROUTING_FLAGS + KEY_LIMIT_FLAGS)
+        router_args += child_flags(args, declared_dests(add_routing_args) + declared_dests(add_key_limit_args))
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
         router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised(

@@ -62,6 +62,16 @@ class NoCapacityError(RouterError):
         self.retry_after = retry_after
 
 
+class RateLimited(RouterError):
+    """An API key is over its in-flight or per-minute limit (OpenAI's 429 shape, with Retry-After)."""
+
+    status, type, code = 429, "requests", "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class UpstreamError(RouterError):
     status, type, code = 502, "server_error", "upstream_error"
 
@@ -80,7 +90,18 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(err: RouterError) -> JSONResponse:
+def retry_after_header(err: RouterError) -> str | None:
+    """The `Retry-After` value (whole seconds, at least 1) of an error that says when to retry."""
     retry_after = getattr(err, "retry_after", None)
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+    return str(max(1, math.ceil(retry_after))) if retry_after is not None else None
+
+
+def error_response(err: RouterError) -> JSONResponse:
+    retry_after = retry_after_header(err)
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def bearer_key(authorization: bytes) -> bytes:
+    """The key of an `Authorization: Bearer <key>` header value (b"" for any other scheme)."""
+    return authorization[7:].strip() if authorization[:7].lower() == b"bearer " else b""

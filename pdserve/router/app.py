@@ -19,6 +19,7 @@ from pdserve.openai_api.errors import (
     NoCapacityError,
     RouterError,
     Unauthorized,
+    bearer_key,
     error_body,
     error_response,
     validation_message,
@@ -64,8 +65,7 @@ def create_app(
         path = request.url.path
         try:
             if keys and path.startswith("/v1/"):
-                auth = request.headers.get("authorization", "")
-                given = auth[7:].strip().encode() if auth.lower().startswith("bearer ") else b""
+                given = bearer_key(request.headers.get("authorization", "").encode("latin-1"))
                 if not any(hmac.compare_digest(given, k) for k in keys):
                     raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
             response = await call_next(request)

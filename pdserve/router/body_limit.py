@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 
-from pdserve.openai_api.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError
+from pdserve.openai_api.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError, retry_after_header
 
 DEFAULT_BODY_TIMEOUT = 60.0
 
@@ -92,8 +91,8 @@ async def send_error(send, err: RouterError) -> None:
         (b"content-length", str(len(payload)).encode()),
         (b"connection", b"close"),
     ]
-    retry_after = getattr(err, "retry_after", None)
+    retry_after = retry_after_header(err)
     if retry_after is not None:
-        headers.append((b"retry-after", str(max(1, math.ceil(retry_after))).encode()))
+        headers.append((b"retry-after", retry_after.encode()))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

@@ -236,16 +236,15 @@ class Cluster:
         if chosen is None:
             raise NoCapacityError("no decode node has room for this request now; try again later")
         prefill_full = bool(prefills) and all(self._saturated(n.load) for n in prefills)
-        if self._saturated(chosen) and (prefill_full or not prefills):
+        decode_full = self._saturated(chosen)
+        if decode_full and (prefill_full or not prefills):
             raise NoCapacityError("every node has its fill of queued prompts; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
         prompt_tokens = len(prompt) or tokens_needed
         # what the decode node would compute itself: kv-aware routing knows its cached prefix
         local_tokens = self.kv_router.last_uncached_tokens if self.routing == "kv-aware" else prompt_tokens
         # every prefill node saturated (backlog in seconds) but this decode node not: it prefills
-        offload = not self._saturated(chosen) and self.offload.prefill_here(
-            [n.load for n in prefills], chosen, local_tokens
-        )
+        offload = not decode_full and self.offload.prefill_here([n.load for n in prefills], chosen, local_tokens)
         if prefill_full or offload:
             self.offload.assign_local(chosen, local_tokens)
             # no addresses: the decode node prefills the prompt itself

@@ -20,18 +20,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.openai_api.errors import RouterError
+from pdserve.openai_api.errors import RateLimited, bearer_key
 from pdserve.router.body_limit import send_error
-
-
-class RateLimited(RouterError):
-    """A key is over its in-flight or per-minute limit (OpenAI's 429 shape, with Retry-After)."""
-
-    status, type, code = 429, "requests", "rate_limit_exceeded"
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -122,7 +112,10 @@ class KeyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        key = _bearer(scope)
+        # the Bearer key of the first Authorization header: the one the API-key guard outside this
+        # middleware checked (so only configured keys get state here)
+        header = next((v for n, v in scope.get("headers", ()) if n == b"authorization"), b"")
+        key = bearer_key(header)
         try:
             state = self.limiter.acquire(key)
         except RateLimited as e:
@@ -131,11 +124,3 @@ class KeyLimit:
             await self.app(scope, receive, send)  # returns when the response (a whole stream) is sent
         finally:
             self.limiter.release(state)
-
-
-def _bearer(scope) -> bytes:
-    """The request's Bearer key (already checked by the API-key guard outside this middleware)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            return value[7:].strip() if value[:7].lower() == b"bearer " else b""
-    return b""

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.cli import build_parser
 from pdserve.commands.router import router_config
-from pdserve.router.key_limits import KeyLimiter, KeyLimits, RateLimited
+from pdserve.openai_api.errors import RateLimited
+from pdserve.router.key_limits import KeyLimiter, KeyLimits
 from tests.router.paced import PacedCluster
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 3}
@@ -86,3 +87,21 @@ async def test_a_key_over_its_rpm_gets_429_before_its_body_is_read(make_client):
     assert int(codes[2].headers["retry-after"]) == 30
     assert len(cluster.requests) == 2  # the refused one reached no node
     assert models.status_code == 200  # reads are not counted
+
+
+async def test_only_the_checked_key_is_counted_when_a_request_repeats_the_header():
+    """The API-key guard checks the first Authorization header; a second one (any string a client
+    makes up) must not get its own bucket, or the limiter's memory would grow without bound."""
+    from pdserve.router.key_limits import KeyLimit
+
+    limiter = KeyLimiter(KeyLimits(api_key_rpm=10), CollectorRegistry(), "m")
+
+    async def app(scope, receive, send) -> None:
+        pass
+
+    for i in range(3):
+        headers = [(b"authorization", b"Bearer k1"), (b"authorization", f"Bearer made-up-{i}".encode())]
+        await KeyLimit(app, limiter)(
+            {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, None, None
+        )
+    assert list(limiter._keys) == [b"k1"]
