@@ -14,7 +14,7 @@ mantissa bits, per-group scale amax / 448), so results are close to, not equal t
 model's (tests/gpu/test_cuda_fp8.py states the tolerance). Experts of MoE layers stay dequantized
 (`weights.load_tensors`): torch has no block-scaled grouped GEMM of this recipe.
 
-Layouts (what torch's `_scaled_mm_v2` checks, pinned on CPU by tests/engine/test_fp8_contract.py
+Layouts (what torch's `_scaled_mm_v2` checks, pinned on CPU by tests/engine/test_fp8_gemm.py
 through torch's own meta kernel):
 - mat_a: the quantized activation [M, K], row-major; K a multiple of 16 (here of 128).
 - scale_a (BlockWise1x128): float32 [M, K/128] with strides (1, M): M-major ("outer-dim-major").

@@ -1,6 +1,6 @@
 """Nacos discovery against a Nacos that demands auth: the REAL nacos-sdk-python 2.0.x client (its login,
 its access tokens, its request signing) talks to a local stand-in (tests/discovery/nacos_standin.py)
-that checks credentials as Nacos does. What is pinned:
+that checks credentials as Nacos does (tests/discovery/nacos_auth_standin.py). What is pinned:
 
 - username/password: the SDK logs in with them, and every later request carries the token the
   server returned (never the password);
@@ -10,29 +10,16 @@ that checks credentials as Nacos does. What is pinned:
 - a rejected login or signature ends in one DiscoveryAuthError that says so, for a node (register,
   and `pdserve prefill|decode`'s serve: exit 2, no READY) and for the router (start);
 - https: the server's certificate is verified (the SDK alone would not check it), so the password
-  never goes to a server the CA did not sign;
-- secrets stay out of logs (the SDK's own records included, at DEBUG), reprs, errors and --help;
-- half-given credentials are refused at start, naming the flag.
+  never goes to a server the CA did not sign.
+
+Secrets kept out of logs, reprs and --help, and half-given credentials: test_nacos_secrets.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import hashlib
-import hmac
-import io
-import logging
-import secrets
-import socket
 import ssl
-import threading
 import time
-from collections.abc import Callable, Iterator
-from http.server import ThreadingHTTPServer
-from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
 
@@ -40,120 +27,20 @@ from pdserve.node_runtime.discovery import (
     DiscoveryAuthError,
     DiscoveryConfig,
     DiscoveryError,
-    Member,
-    add_discovery_args,
-    discovery_from_config,
 )
 from pdserve.node_runtime.discovery.nacos import NacosDiscovery
-from tests.discovery.nacos_standin import NacosStandIn
-
-LOGIN = "/nacos/v1/auth/login"
-USER, PASSWORD = "pdserve", "pa ss&wörd=1%"  # characters that URL encoding changes, to catch encoded leaks
-ACCESS_KEY, SECRET_KEY = "AK-test", "sk/+=SECRET-0123456789"
-
-
-class AuthNacos(NacosStandIn):
-    """NacosStandIn behind Nacos's auth: POST /nacos/v1/auth/login answers an accessToken for a known
-    user (403 "unknown user!" otherwise); a naming request needs a token it issued, or a valid
-    access-key signature (`ak`, `data`, `signature`, with `data` naming this request's service).
-    Every request is recorded. Use `standin()` for a subclass with its own state."""
-
-    users: dict[str, str] = {}
-    keys: dict[str, str] = {}
-    tokens: list[str] = []
-    seen: list[tuple[str, str, dict[str, str]]] = []
-    """(method, path, parameters) of every request, in arrival order."""
-
-    def _params(self) -> dict[str, str]:
-        if "_parsed" not in self.__dict__:  # read the body once: the base handlers read it again
-            self._parsed = super()._params()
-        return self._parsed
-
-    def _signed(self, p: dict[str, str]) -> bool:
-        secret, data = self.keys.get(p.get("ak", "")), p.get("data", "")
-        if secret is None or not p.get("serviceName"):
-            return False
-        name = p["serviceName"] if "@@" in p["serviceName"] else f"{p.get('groupName')}@@{p['serviceName']}"
-        expected = base64.b64encode(hmac.new(secret.encode(), data.encode(), hashlib.sha1).digest()).decode()
-        return data.endswith("@@" + name) and hmac.compare_digest(expected, p.get("signature", ""))
-
-    def _guarded(self, method: str, serve: Callable[[], None]) -> None:
-        p = self._params()
-        path = urlparse(self.path).path
-        self.seen.append((method, path, dict(p)))
-        if path == LOGIN:
-            if self.users.get(p.get("username", "")) != p.get("password") or "password" not in p:
-                return self._reply("unknown user!", 403)
-            token = secrets.token_hex(16)
-            self.tokens.append(token)
-            return self._reply({"accessToken": token, "tokenTtl": 18000, "globalAdmin": False})
-        if p.get("accessToken") not in self.tokens and not self._signed(p):
-            return self._reply("no permission", 403)
-        serve()
-
-    def do_POST(self) -> None:
-        self._guarded("POST", super().do_POST)
-
-    def do_PUT(self) -> None:
-        self._guarded("PUT", super().do_PUT)
-
-    def do_DELETE(self) -> None:
-        self._guarded("DELETE", super().do_DELETE)
-
-    def do_GET(self) -> None:
-        self._guarded("GET", super().do_GET)
-
-
-def standin(users: dict[str, str] | None = None, keys: dict[str, str] | None = None) -> type[AuthNacos]:
-    fresh = {"instances": {}, "last_beat": {}, "beats": [], "seen": [], "tokens": []}
-    return type("AuthNacosCase", (AuthNacos,), {**fresh, "users": users or {}, "keys": keys or {}})
-
-
-@contextlib.contextmanager
-def serving(handler: type[AuthNacos], tls: ssl.SSLContext | None = None) -> Iterator[str]:
-    """The stand-in on 127.0.0.1 (a free port), ready to accept; stopped however the test ends."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    if tls is not None:
-        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    port = httpd.server_address[1]
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "stand-in never accepted a connection"
-                time.sleep(0.05)
-        yield f"{'https://' if tls else ''}127.0.0.1:{port}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
-def independent_signature(secret: str, data: str) -> str:
-    """Nacos's naming signature, as its open API documents it: base64(HMAC-SHA1(secret key, data))."""
-    return base64.b64encode(hmac.new(secret.encode("utf-8"), data.encode("utf-8"), hashlib.sha1).digest()).decode()
-
-
-@pytest.fixture
-def sdk_logs(monkeypatch) -> None:
-    """The SDK's records reach caplog: its constructor turns propagation off when it finds no handler
-    at all (a process that has not configured logging), whatever ran earlier in this process."""
-    monkeypatch.setattr(logging.getLogger("nacos.client"), "propagate", True)
-
-
-DECODE = Member("decode", "127.0.0.1", 50071, {"cachestore_port": 50081})
+from tests.discovery.nacos_auth_standin import (
+    ACCESS_KEY,
+    DECODE,
+    independent_signature,
+    LOGIN,
+    PASSWORD,
+    SECRET_KEY,
+    serving,
+    standin,
+    until,
+    USER,
+)
 
 
 async def test_login_then_every_request_carries_the_token():
@@ -334,105 +221,3 @@ async def test_https_server_certificate_is_verified(tmp_path, caplog, sdk_logs):
         await node.register(DECODE)
         await node.stop()
         assert [path for _, path, _ in plain.seen][:2] == [LOGIN, "/nacos/v1/ns/instance"]
-
-
-async def test_secrets_stay_out_of_logs_reprs_and_help(caplog, monkeypatch, sdk_logs):
-    caplog.set_level(logging.DEBUG)
-    handler = standin(users={USER: PASSWORD}, keys={ACCESS_KEY: SECRET_KEY})
-    with serving(handler) as server:
-        config = DiscoveryConfig(
-            discovery="nacos",
-            nacos_server=server,
-            nacos_service="t",
-            nacos_username=USER,
-            nacos_password=PASSWORD,
-            nacos_access_key=ACCESS_KEY,
-            nacos_secret_key=SECRET_KEY,
-        )
-        node = discovery_from_config(config)
-        assert isinstance(node, NacosDiscovery)
-        node.heartbeat = 0.2
-        router = discovery_from_config(config)
-        try:
-            await node.register(DECODE)
-            await until(lambda: any(path.endswith("/beat") for _, path, _ in handler.seen), "an SDK heartbeat")
-            await router.start()
-            await until(lambda: all(t.done() for t in router._tasks), "the subscriptions")
-        finally:
-            await router.stop()
-            await node.stop()
-    sdk_lines = [r.getMessage() for r in caplog.records if r.name == "nacos.client"]
-    # not vacuous: the SDK did log the login URL and the token, and they were scrubbed
-    assert any(LOGIN in line and "password=***" in line for line in sdk_lines)
-    assert any("AccessToken: ***" in line for line in sdk_lines)
-    logged = caplog.text + "\n".join(sdk_lines)
-    for secret in (PASSWORD, SECRET_KEY, "pa+ss%26w%C3%B6rd%3D1%25", *handler.tokens):
-        assert secret not in logged
-    assert handler.tokens and all(p.get("signature") for _, path, p in handler.seen if path != LOGIN)
-
-    shown = repr(config) + str(config)
-    assert PASSWORD not in shown and SECRET_KEY not in shown and USER in shown
-
-    from pdserve.node_runtime.config import new_parser
-
-    monkeypatch.setenv("PDSERVE_NACOS_PASSWORD", PASSWORD)
-    monkeypatch.setenv("PDSERVE_NACOS_SECRET_KEY", SECRET_KEY)
-    parser = new_parser(prog="pdserve").add_subparsers().add_parser("decode")  # a command's parser, as the CLI's
-    add_discovery_args(parser)
-    shown_help = io.StringIO()
-    with contextlib.redirect_stdout(shown_help), pytest.raises(SystemExit):
-        parser.parse_args(["--help"])  # as `pdserve decode --help` (configargparse adds env names when parsing)
-    text = shown_help.getvalue()
-    assert "PDSERVE_NACOS_PASSWORD" in text and PASSWORD not in text and SECRET_KEY not in text
-    # the environment is how the secrets arrive (no `ps` exposure): the generic PDSERVE_<FLAG> mapping
-    args = parser.parse_args(["--discovery", "nacos", "--nacos-username", USER, "--nacos-access-key", ACCESS_KEY])
-    assert (args.nacos_password, args.nacos_secret_key) == (PASSWORD, SECRET_KEY)
-
-    from pdserve.node_runtime.discovery import warn_secrets_in_argv
-
-    caplog.clear()
-    warn_secrets_in_argv(["pdserve", "router", f"--nacos-password={PASSWORD}", "--nacos-secret-key", SECRET_KEY])
-    assert "--nacos-password puts a secret on the command line" in caplog.text
-    assert "--nacos-secret-key puts a secret" in caplog.text and "$PDSERVE_NACOS_SECRET_KEY" in caplog.text
-    assert PASSWORD not in caplog.text and SECRET_KEY not in caplog.text
-
-
-@pytest.mark.parametrize(
-    "fields, flag",
-    [
-        ({"nacos_username": USER}, "--nacos-username needs a password"),
-        ({"nacos_password": PASSWORD}, "needs --nacos-username"),
-        ({"nacos_access_key": ACCESS_KEY}, "--nacos-access-key needs a secret key"),
-        ({"nacos_secret_key": SECRET_KEY}, "needs --nacos-access-key"),
-        ({"nacos_tls_ca": "/etc/hostname"}, "--nacos-tls-ca needs an https:// --nacos-server"),
-        ({"nacos_server": "https://nacos.example"}, "expected HOST"),
-    ],
-)
-def test_half_given_settings_are_refused_naming_the_flag(fields, flag):
-    with pytest.raises(ValueError, match=flag) as refused:
-        DiscoveryConfig(discovery="nacos", **fields)
-    assert PASSWORD not in str(refused.value) and SECRET_KEY not in str(refused.value)
-    DiscoveryConfig(discovery="static", **fields)  # only a nacos process reads them
-
-
-def test_secrets_from_files(tmp_path: Path):
-    password_file, key_file, empty = tmp_path / "password", tmp_path / "sk", tmp_path / "empty"
-    password_file.write_text(PASSWORD + "\n")
-    key_file.write_text(SECRET_KEY)
-    empty.write_text("\n")
-    config = DiscoveryConfig(
-        discovery="nacos",
-        nacos_username=USER,
-        nacos_password_file=str(password_file),
-        nacos_access_key=ACCESS_KEY,
-        nacos_secret_key_file=str(key_file),
-    )
-    assert (config.nacos_secret("password"), config.nacos_secret("secret_key")) == (PASSWORD, SECRET_KEY)
-    with pytest.raises(ValueError, match="--nacos-password-file .* is empty"):
-        DiscoveryConfig(discovery="nacos", nacos_username=USER, nacos_password_file=str(empty))
-    with pytest.raises(ValueError, match="cannot read --nacos-secret-key-file"):
-        DiscoveryConfig(discovery="nacos", nacos_access_key=ACCESS_KEY, nacos_secret_key_file=str(tmp_path / "no"))
-    with pytest.raises(ValueError, match="not both"):
-        DiscoveryConfig(
-            discovery="nacos", nacos_username=USER, nacos_password="x", nacos_password_file=str(password_file)
-        )

@@ -4,12 +4,12 @@ On compute capability 9.x (Hopper) in bfloat16 the dense projections run as FP8 
 (`engine.fp8.Fp8Linear`, `torch.nn.functional.scaled_mm` with 1x128 activation and 128x128 weight
 scales). Asserted there:
 - the GEMM itself: `Fp8Linear` on the card equals the block-scaled GEMM emulated in float32 on the
-  same quantized operands (tests/engine/test_fp8_contract.py's emulation) within 2 bfloat16 ulps of
+  same quantized operands (tests/engine/fp8_reference.py's emulation) within 2 bfloat16 ulps of
   the output's scale, for decode- and prefill-sized row counts;
 - the engine: greedy completions of 8 prompts x 12 tokens, transformers (bfloat16, on the checkpoint
   dequantized by hand) teacher-forced on the engine's tokens: every chosen token's logprob within
   FP8_LOGPROB_ATOL = 0.3 of transformers', and every token transformers' argmax unless its top-2 are
-  within 0.6 (a near-tie); see test_fp8_contract.FP8_LOGPROB_ATOL for how the bound was measured;
+  within 0.6 (a near-tie); see fp8_reference.FP8_LOGPROB_ATOL for how the bound was measured;
 - PDSERVE_FP8_GEMM=0 dequantizes instead (no `Fp8Linear`).
 Elsewhere (before Hopper, or Blackwell, where torch does not run this recipe) the checkpoint must be
 dequantized at load, and its greedy tokens equal those of the same checkpoint with
@@ -24,7 +24,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.fp8 import Fp8Linear, fp8_gemm_supported, quantize_1x128, scale_a_layout, scale_b_layout
 from pdserve.engine.tiny_model import make_tiny_model
-from tests.engine.test_fp8_contract import (
+from tests.engine.fp8_reference import (
     FP8_LOGPROB_ATOL,
     quantize_weight,
     assert_teacher_forced_close,
