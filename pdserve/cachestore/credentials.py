@@ -36,15 +36,21 @@ class SessionCredentials:
     tp_rank: int = 0
     tp_size: int = 1
     """The receiving rank and its node's tensor-parallel degree: the session expects that rank's heads."""
+    planes: int = 2
+    """Planes of a block: 2 (K, V), 1 (an MLA latent). Sent only when 1, so that 2-plane credentials
+    stay the bytes a node without this field reads (and one without it refuses a 1-plane pool)."""
 
     def heads(self) -> HeadLayout | None:
         """The KV heads the receiving pool holds (and the session expects), or None if not stated."""
         if not self.total_heads:
             return None
-        return HeadLayout.of_rank(self.total_heads, self.head_bytes, self.tp_rank, self.tp_size)
+        return HeadLayout.of_rank(self.total_heads, self.head_bytes, self.tp_rank, self.tp_size, self.planes)
 
     def to_bytes(self) -> bytes:
-        data = json.dumps(asdict(self), separators=(",", ":")).encode()
+        fields = asdict(self)
+        if self.planes == 2:
+            del fields["planes"]
+        data = json.dumps(fields, separators=(",", ":")).encode()
         assert len(data) <= MAX_CREDENTIALS_BYTES, "credentials too large"
         return data
 

@@ -15,6 +15,7 @@ from pdserve.cachestore import wire
 from pdserve.cachestore.credentials import SessionCredentials
 from pdserve.cachestore.faults import FaultInjector
 from pdserve.cachestore.geometry import MemoryRegion, PoolGeometry
+from pdserve.cachestore.heads import HeadLayout
 from pdserve.cachestore.metrics import CacheStoreMetrics
 from pdserve.cachestore.session import Session, SessionState
 from pdserve.cachestore.tcp_listener import TcpLimits
@@ -143,6 +144,7 @@ class CacheStoreServer:
             head_bytes=heads.head_bytes if heads else 0,
             tp_rank=heads.tp_rank if heads else 0,
             tp_size=heads.tp_size if heads else 1,
+            planes=heads.planes if heads else 2,
         )
         session = Session(creds, self.geometry, timeout, self._loop)
         with self._lock:
@@ -292,7 +294,7 @@ class CacheStoreServer:
             else:
                 wakes.append(session)
         if accepted:
-            per_block = self.geometry.block_bytes if heads is None else 2 * (heads[1] - heads[0]) * self._head_bytes
+            per_block = self.geometry.block_bytes if heads is None else self._layout.slice_bytes(*heads)
             self.metrics.add_bytes("recv", len(block_ids) * per_block)
         elif ok:
             self.reject("session_closed")
@@ -309,12 +311,13 @@ class CacheStoreServer:
         return self.region.view[start : start + count * self.geometry.block_bytes]
 
     @property
-    def _head_bytes(self) -> int:
+    def _layout(self) -> HeadLayout:
         assert self.geometry.heads is not None, "a head-sliced write was accepted: the pool has a head layout"
-        return self.geometry.heads.head_bytes
+        return self.geometry.heads
 
     def head_destinations(self, layer: int, block_ids: Sequence[int], lo: int, hi: int) -> list[memoryview]:
-        """The K and V slices of heads [lo, hi) of each block (a validated head-sliced write lands there)."""
+        """The K and V slices (one latent slice with one plane) of heads [lo, hi) of each block (a
+        validated head-sliced write lands there)."""
         view = self.region.view
         return [view[o : o + n] for o, n in self.geometry.head_spans(layer, block_ids, lo, hi)]
 

@@ -156,7 +156,7 @@ class TcpChannel:
 
     def _send_loop(self) -> None:
         client, block_bytes, sock = self.client, self.client.geometry.block_bytes, self.sock
-        head_bytes = client.geometry.heads.head_bytes if client.geometry.heads is not None else 0
+        layout = client.geometry.heads
         assert sock is not None, "the send loop runs on a connected channel"
         for transfer, layer, runs, ready_event, notify in self._queue.live():
             if client.faults is not None and not client.faults.before_write():
@@ -185,8 +185,9 @@ class TcpChannel:
                 if heads is None:
                     kind, field, nbytes = wire.KIND_WRITEV, 0, num_ids * block_bytes
                 else:  # a tensor-parallel rank's share: those heads' K/V slices of each block
+                    assert layout is not None, "a head-sliced transfer needs the pool's HeadLayout"
                     kind, field = wire.KIND_WRITEVH, wire.pack_heads(*heads)
-                    nbytes = num_ids * 2 * (heads[1] - heads[0]) * head_bytes
+                    nbytes = num_ids * layout.slice_bytes(*heads)
                 header = wire.Header(kind, flags, sid, token, layer, field, num_ids, seq, nbytes)
                 buffers = [header.pack() + packed_ids, *self._payloads(layer, runs, ready_event, heads)]
             try:

@@ -18,12 +18,15 @@ MAX_CACHE_SALT_BYTES = 256
 
 
 def kv_compatibility(config: ModelConfig, pool: KVPool) -> str:
-    """Two nodes may exchange KV (and share block keys) only when these strings are equal."""
+    """Two nodes may exchange KV (and share block keys) only when these strings are equal. The plane
+    count (`;planes=1` for an MLA latent) is named only when it is not 2, so that the strings of
+    K/V pools, and with them their block keys, stay what nodes without MLA support compute."""
+    planes = "" if config.kv_planes == 2 else f";planes={config.kv_planes}"
     return (
         f"model={config.name};arch={config.architecture};vocab={config.vocab_size};"
         f"dtype={str(pool.dtype).replace('torch.', '')};"
         f"block_size={pool.block_size};layout=HND;layers={config.num_hidden_layers};"
-        f"kv_heads={config.num_key_value_heads};head_dim={config.head_dim}"
+        f"kv_heads={config.num_key_value_heads};head_dim={config.head_dim}{planes}"
     )
 
 

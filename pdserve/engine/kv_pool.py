@@ -12,9 +12,9 @@ from pdserve.engine.model_config import ModelConfig
 
 
 def kv_bytes_per_token(config: ModelConfig, num_layers: int, dtype: torch.dtype) -> int:
-    """K and V of one token over `num_layers` layers."""
+    """K and V of one token over `num_layers` layers (MLA: its one latent, `config.kv_planes` = 1)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_key_value_heads * config.head_dim * itemsize * num_layers
+    return config.kv_planes * config.num_key_value_heads * config.head_dim * itemsize * num_layers
 
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,11 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 class KVPool:
-    """`tensor`: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim].
+    """`tensor`: [num_layers, num_blocks, planes, num_kv_heads, block_size, head_dim].
 
-    One layer's block (K and V of `block_size` tokens) is one contiguous region
+    `planes` is `config.kv_planes`: 2 (K then V) for multi-head attention, 1 for MLA, whose one
+    latent per token (num_kv_heads 1, head_dim the latent width) is both key and value, stored once.
+    One layer's block (its planes of `block_size` tokens) is one contiguous region
     of `block_bytes` bytes, so a run of consecutive blocks of one layer is one
     RDMA write or one TCP frame, and the whole pool is one memory registration.
     It is a plain allocation (torch.zeros -> cudaMalloc on GPU, malloc on CPU),
@@ -79,10 +81,11 @@ class KVPool:
         self.block_size = block_size
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.planes = config.kv_planes
         self.dtype = dtype
         self.block_bytes = kv_bytes_per_token(config, 1, dtype) * block_size
         if tensor is not None:
-            want = (num_layers, tensor.shape[1], 2, self.num_kv_heads, block_size, self.head_dim)
+            want = (num_layers, tensor.shape[1], self.planes, self.num_kv_heads, block_size, self.head_dim)
             if tuple(tensor.shape) != want or tensor.dtype != dtype or not tensor.is_contiguous():
                 raise ValueError(f"KV tensor {tuple(tensor.shape)} {tensor.dtype} is not a contiguous {want} {dtype}")
             num_blocks = tensor.shape[1]
@@ -96,7 +99,7 @@ class KVPool:
             )
         self.num_blocks = int(num_blocks)
         if tensor is None:
-            shape = (num_layers, self.num_blocks, 2, self.num_kv_heads, block_size, self.head_dim)
+            shape = (num_layers, self.num_blocks, self.planes, self.num_kv_heads, block_size, self.head_dim)
             if torch.device(device).type == "cpu":  # huge pages before the first touch (the zeroing)
                 tensor = torch.empty(shape, dtype=dtype, device=device)
                 advise_huge_pages(tensor)
@@ -106,5 +109,5 @@ class KVPool:
         self.tensor = tensor
 
     def layer(self, local_layer: int) -> torch.Tensor:
-        """[num_blocks, 2, num_kv_heads, block_size, head_dim] view of one layer."""
+        """[num_blocks, planes, num_kv_heads, block_size, head_dim] view of one layer."""
         return self.tensor[local_layer]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention import cpu_build
-from pdserve.engine.model_config import ModelConfig, RopeScaling
+from pdserve.engine.model_config import ModelConfig, RopeScaling, YarnScaling
 
 AMX_MAX_ROWS = 1024
 """Rows up to which a prepacked bf16 linear runs on `pdserve_cpu.amx_linear` instead of oneDNN
@@ -37,8 +37,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with Llama-3 scaling applied when configured."""
-    dim = config.head_dim
+    """Inverse frequencies [head_dim/2], with Llama-3 or YaRN scaling applied when configured."""
+    if isinstance(config.rope_scaling, YarnScaling):
+        return yarn_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)[0]
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
@@ -59,17 +61,67 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    if isinstance(config.rope_scaling, YarnScaling):
+        return yarn_attention_factor(config.rope_scaling)
+    return 1.0
+
+
+def yarn_inv_freq(dim: int, base: float, s: YarnScaling) -> tuple[torch.Tensor, float]:
+    """YaRN over `dim` rotary dims of base `base`: (inverse frequencies [dim/2], attention factor),
+    the arithmetic of transformers' `_compute_yarn_parameters` step for step, so float32 tables agree
+    bit for bit. Dims turning more than `beta_fast` times over the original context keep their
+    frequency, dims turning fewer than `beta_slow` times are divided by `factor`, and a linear ramp
+    blends the dims in between."""
+    low = _yarn_correction_dim(s.beta_fast, dim, base, s.original_max_position_embeddings)
+    high = _yarn_correction_dim(s.beta_slow, dim, base, s.original_max_position_embeddings)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the share of each dim's original (extrapolated) frequency
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, yarn_attention_factor(s)
+
+
+def _yarn_correction_dim(turns: float, dim: int, base: float, max_positions: int) -> float:
+    """The (fractional) dim whose wavelength fits `turns` times into `max_positions`."""
+    return (dim * math.log(max_positions / (turns * 2 * math.pi))) / (2 * math.log(base))
+
+
+def yarn_attention_factor(s: YarnScaling) -> float:
+    """YaRN's cos/sin scale: `attention_factor` when set, else 0.1 ln(factor) + 1, or DeepSeek's ratio of
+    that with `mscale` to that with `mscale_all_dim` when both are set (1 for a factor <= 1)."""
+    if s.attention_factor is not None:
+        return s.attention_factor
+    if s.mscale and s.mscale_all_dim:
+        return float(_yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim))
+    return _yarn_mscale(s.factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 class RotaryEmbedding:
     """cos/sin tables for the rotate-half convention used by HF Llama checkpoints."""
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         self.inv_freq = rope_inv_freq(config).to(device)
+        self.attention_factor = rope_attention_factor(config)  # YaRN: cos/sin scaled, in float32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim] (broadcast over heads)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

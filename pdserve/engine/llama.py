@@ -1,6 +1,7 @@
 """The decoder of every served architecture over a flat token batch: the Llama family (Llama 2/3,
 Qwen2/2.5, Mistral), Qwen3 (per-head q/k norms) and the mixture-of-experts models Qwen3-MoE and
-Mixtral (a sparse expert MLP, `engine.moe`, in place of the dense one on its layers)."""
+Mixtral (a sparse expert MLP, `engine.moe`, in place of the dense one on its layers), and gpt-oss
+(attention sinks, per-layer windows, biased experts with a clamped SwiGLU: `engine.gpt_oss`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch.nn.functional as F
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.fp8 import fused_linear
+from pdserve.engine.gpt_oss import GptOssMoe, load_sinks
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding, apply_rotary, rms_norm
+from pdserve.engine.mla import MlaAttention
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.moe import Expert, SparseMoe
 from pdserve.engine.weights import expert_names, expert_prefix
@@ -29,16 +32,19 @@ class DecoderLayer:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear  # [(Hq + 2*Hkv) * D, H], bias in Qwen2
+    qkv: Linear | None  # [(Hq + 2*Hkv) * D, H], bias in Qwen2; None with MLA
     o_proj: Linear  # [H, Hq * D]
     gate_up: Linear | None  # [2 * I, H]; None on a sparse layer
     down: Linear | None  # [H, I]; None on a sparse layer
     q_norm: torch.Tensor | None = None  # [D], Qwen3
     k_norm: torch.Tensor | None = None  # [D], Qwen3
     moe: SparseMoe | None = None  # the expert MLP of a sparse layer
+    mla: MlaAttention | None = None  # DeepSeek's latent attention, in place of qkv
+    sinks: torch.Tensor | None = None  # [Hq], gpt-oss: one logit per head in each softmax's denominator
 
     def linears(self) -> list[Linear]:
-        return [lin for lin in (self.qkv, self.o_proj, self.gate_up, self.down) if lin is not None]
+        mla = self.mla.linears() if self.mla is not None else []
+        return [lin for lin in (self.qkv, self.o_proj, self.gate_up, self.down) if lin is not None] + mla
 
 
 class LlamaModel:
@@ -80,7 +86,7 @@ class LlamaModel:
         # bf16 linears through float32 (layers.bf16_via_float32): activations may travel as float32
         # between the fused ops and the GEMMs; not under tensor parallelism, whose all-reduce sums
         # each rank's bf16-rounded share
-        self.carry = all_reduce is None and any(layer.qkv.out_dtype is not None for layer in self.layers)
+        self.carry = all_reduce is None and any(layer.o_proj.out_dtype is not None for layer in self.layers)
 
     @staticmethod
     def _fuse(cfg: ModelConfig, t: dict[str, torch.Tensor], i: int, prepack: bool) -> DecoderLayer:
@@ -93,13 +99,18 @@ class LlamaModel:
             scales = [t.pop(p + n + ".weight_scale_inv", None) for n in names]
             return fused_linear(weights, scales, dtype, bias, prepack, p + names[0])
 
-        bias = None
-        if p + "self_attn.q_proj.bias" in t:
-            bias = torch.cat([t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        qkv = linear([f"self_attn.{x}_proj" for x in "qkv"], bias)
+        qkv, mla = None, None
+        if cfg.mla is not None:
+            mla = MlaAttention.load(cfg, t, p + "self_attn.", dtype, prepack)
+        else:
+            bias = None
+            if p + "self_attn.q_proj.bias" in t:
+                bias = torch.cat([t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            qkv = linear([f"self_attn.{x}_proj" for x in "qkv"], bias)
         gate_up = down = moe = None
         if cfg.is_sparse(i):
-            moe = LlamaModel._experts(cfg, t, i, prepack)
+            experts = GptOssMoe.load if cfg.swiglu is not None else LlamaModel._experts  # gpt-oss: biased, clamped
+            moe = experts(cfg, t, i, prepack)
         else:
             gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
             down = linear(["mlp.down_proj"])
@@ -107,12 +118,14 @@ class LlamaModel:
             t.pop(p + "input_layernorm.weight"),
             t.pop(p + "post_attention_layernorm.weight"),
             qkv,
-            linear(["self_attn.o_proj"]),
+            linear(["self_attn.o_proj"], t.pop(p + "self_attn.o_proj.bias", None)),  # a bias in gpt-oss
             gate_up,
             down,
             t.pop(p + "self_attn.q_norm.weight", None),
             t.pop(p + "self_attn.k_norm.weight", None),
             moe,
+            mla,
+            sinks=load_sinks(cfg, t, i) if cfg.attention_sinks else None,
         )
 
     @staticmethod
@@ -128,7 +141,16 @@ class LlamaModel:
                 experts[e] = Expert(
                     Linear(gate_up, prepack=prepack), Linear(t.pop(x + f"{down}.weight"), prepack=prepack)
                 )
-        return SparseMoe(cfg.moe, t.pop(prefix + "gate.weight"), experts)
+        shared = None
+        if cfg.moe.shared_intermediate_size:  # DeepSeek: one MLP every token runs, beside its routed experts
+            x = prefix + "shared_experts."
+            gate_up = torch.cat([t.pop(x + f"{gate}.weight"), t.pop(x + f"{up}.weight")])
+            shared = Expert(Linear(gate_up, prepack=prepack), Linear(t.pop(x + f"{down}.weight"), prepack=prepack))
+        bias = t.pop(prefix + "gate.e_score_correction_bias", None)
+        router = t.pop(prefix + "gate.weight")
+        if cfg.moe.router_float32:  # DeepSeek keeps its router in float32 whatever the model's dtype
+            router, bias = router.float(), bias.float() if bias is not None else None
+        return SparseMoe(cfg.moe, router, experts, shared, bias)
 
     def forward(
         self,
@@ -165,16 +187,21 @@ class LlamaModel:
         norms_after_mlp = [layer.input_norm for layer in layers[1:]] + [self.norm if last else None]
         h = ops.add_rms_norm(x, None, layers[0].input_norm, eps)
         for local, (layer, next_norm) in enumerate(zip(layers, norms_after_mlp), offset):
-            # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
-            qkv = ops.linear(layer.qkv, h)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k, v = self._norm_rotate_qk(ops, qkv.to(x.dtype), layer.q_norm, layer.k_norm, cos, sin)
-            else:
-                q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
-            o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale)
+            if layer.mla is not None:  # latent attention: in the model's dtype (CpuCarryOps' h is float32)
+                o = layer.mla.forward(h.to(x.dtype), cos, sin, attn, kv_pool.layer(local), meta)
+            else:  # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
+                assert layer.qkv is not None
+                qkv = ops.linear(layer.qkv, h)
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    q, k, v = self._norm_rotate_qk(ops, qkv.to(x.dtype), layer.q_norm, layer.k_norm, cos, sin)
+                else:
+                    q, k, v = ops.rotate_qk(qkv, cos, sin, hq, hkv, d)
+                window, sinks = cfg.layer_window(self.start + local), layer.sinks  # gpt-oss's per layer
+                o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale, window=window, sinks=sinks)
+                o = o.reshape(-1, hq * d)
             if layer_hook is not None:
                 layer_hook(self.start + local, batch)
-            h = ops.add_rms_norm(x, self.reduce(ops.linear(layer.o_proj, o.reshape(-1, hq * d))), layer.post_norm, eps)
+            h = ops.add_rms_norm(x, self.reduce(ops.linear(layer.o_proj, o)), layer.post_norm, eps)
             if layer.moe is not None:  # sparse MLP: in the model's dtype (CpuCarryOps' h is float32)
                 silu_mul = CpuFusedOps.silu_mul if ops is CpuCarryOps else ops.silu_mul
                 mlp = self.reduce(layer.moe.forward(h.to(x.dtype), silu_mul))
@@ -215,6 +242,7 @@ class LlamaModel:
         holds; not the embedding table, of which a step reads one row per token). `one_token`: a step
         of one sequence, which reads only its top-k experts of each sparse layer."""
         total = sum(lin.nbytes for layer in self.layers for lin in layer.linears())
+        total += sum(layer.mla.weight_bytes() for layer in self.layers if layer.mla is not None)
         for layer in self.layers:
             if layer.moe is not None:
                 total += layer.moe.active_weight_bytes() if one_token else layer.moe.weight_bytes()

@@ -7,7 +7,8 @@ key named (`ValueError`), never served wrong."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = (
@@ -17,7 +18,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 )
+GPT_OSS = "GptOssForCausalLM"
+"""Attention sinks, per-layer windows (`layer_types`), biased experts with a clamped SwiGLU."""
+LAYER_WINDOWS = ("sliding_attention", "full_attention")
+"""The `layer_types` of gpt-oss: a layer attends within `sliding_window`, or to every key."""
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+"""Multi-head latent attention (`MlaConfig`) and DeepSeek's MoE: shared experts, grouped routing."""
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """Per-head RMSNorm on q and k before the rotary embedding."""
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -45,10 +55,57 @@ class MoeConfig:
     dtype (Qwen3-MoE), as transformers does: it matters in bfloat16."""
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
+    scoring: str = "softmax"
+    """Router scores: `softmax` over all experts, or DeepSeek-V3's `sigmoid` per expert."""
+    topk_method: str = "greedy"
+    """`greedy` top-k; DeepSeek-V2's `group_limited_greedy` (the `topk_group` groups of highest
+    max score, then top-k inside them); DeepSeek-V3's `noaux_tc` (groups ranked by the sum of their
+    two best bias-corrected scores; experts chosen by the corrected scores, weighted by the raw ones)."""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights (DeepSeek)."""
+    shared_intermediate_size: int = 0
+    """Width of the shared expert MLP every token runs besides its routed ones (DeepSeek's
+    `n_shared_experts * moe_intermediate_size`); 0: none."""
+    first_k_dense_replace: int = 0
+    """Layers below this index run a dense MLP of the model's `intermediate_size` (DeepSeek)."""
+    router_float32: bool = False
+    """The router GEMM runs in float32 on float32 weights (DeepSeek keeps its gate in float32)."""
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` (global index) has the expert MLP."""
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        if layer < self.first_k_dense_replace or layer in self.mlp_only_layers:
+            return False
+        return (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: each token caches one latent of `kv_lora_rank` values
+    (normed) plus one shared rotary key of `qk_rope_head_dim`, not per-head K/V. Heads see keys of
+    `qk_nope_head_dim + qk_rope_head_dim` and values of `v_head_dim` through `kv_b_proj`.
+
+    KV geometry (what the pool, CacheStore and sizing see): one KV "head" of
+    `kv_lora_rank + qk_rope_head_dim` values and one plane (`ModelConfig.kv_planes` = 1): the value
+    is the key plane's first `kv_lora_rank` values, never stored twice."""
+
+    q_lora_rank: int | None
+    """None: q comes from one `q_proj`; else `q_a_proj` -> RMSNorm -> `q_b_proj` (V2-Lite has none)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    """The rotary dims of q and k come in interleaved pairs in the checkpoint (V2 always, V3 by its
+    key): the loader permutes those weight rows so the rotate-half convention applies."""
+    softmax_scale: float
+    """`(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`, times YaRN's `mscale_all_dim` factor squared."""
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -59,6 +116,33 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN scaling of rotary embeddings (`rope_type: yarn`; gpt-oss, DeepSeek): frequencies blended
+    between interpolated (divided by `factor`) and original along a ramp over the dims set by
+    `beta_fast`/`beta_slow`, and cos/sin scaled by an attention factor (`layers.yarn_inv_freq`)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    """Round the ramp's ends to whole dims (transformers' default when the key is absent)."""
+    attention_factor: float | None = None
+    """cos/sin scale; None: from `factor` (and `mscale`/`mscale_all_dim` when both are set)."""
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation: gate clamped above at `limit`, up clamped to [-limit, limit],
+    out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
 
 
 @dataclass(frozen=True)
@@ -76,7 +160,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | YarnScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -93,6 +177,36 @@ class ModelConfig:
     fp8_block: tuple[int, int] | None = None
     """An FP8 block-quantized checkpoint (`quantization_config.quant_method: fp8`): its linear
     weights are float8_e4m3fn with one float32 `weight_scale_inv` per block of this shape."""
+    mla: MlaConfig | None = None
+    """DeepSeek's latent attention; then `num_key_value_heads` is 1 and `head_dim` is the latent
+    width (`MlaConfig.latent_dim`): the KV geometry, not the heads' q/k width."""
+    layer_windows: tuple[int, ...] | None = None
+    """gpt-oss: each layer's attention window (0: full attention), by global layer index; then
+    `sliding_window` is None, so the per-step metadata carries no model-wide window."""
+    attention_sinks: bool = False
+    """gpt-oss: a learned logit per query head (`self_attn.sinks`) joins each softmax's denominator."""
+    output_bias: bool = False
+    """o_proj carries a bias (gpt-oss's `attention_bias` covers q, k, v and o)."""
+    swiglu: ClampedSwiglu | None = None
+    """gpt-oss: experts as fused, interleaved, biased gate/up and down tensors with this activation."""
+    mxfp4: bool = False
+    """gpt-oss's MXFP4 checkpoints (`quant_method: mxfp4`): expert weights as `<name>_blocks` and
+    `<name>_scales`, dequantized at load (`engine.mxfp4`)."""
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (global index) to pass a backend: None (the step's
+        model-wide `sliding_window`), 0 (none on this layer) or W."""
+        return self.layer_windows[layer] if self.layer_windows is not None else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each q/k head the rotary embedding turns: MLA's `qk_rope_head_dim`, else `head_dim`."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes per KV block: 2 (K and V) for multi-head attention, 1 for MLA (the latent is both)."""
+        return 1 if self.mla is not None else 2
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` (global index) runs the expert MLP."""
@@ -123,7 +237,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         bias = bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM"))
         _check_activation(raw)
-        return cls(
+        mla = _parse_mla(arch, raw)
+        if mla is not None and bias:
+            raise ValueError(f"attention_bias=true is not supported on {arch}")
+        config = cls(
             name=name,
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -131,8 +248,9 @@ class ModelConfig:
             intermediate_size=int(raw["intermediate_size"]),
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            # MLA: the KV geometry is one latent "head" (MlaConfig), whatever the checkpoint says of heads
+            num_key_value_heads=1 if mla else int(raw.get("num_key_value_heads") or heads),
+            head_dim=mla.latent_dim if mla else int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or raw.get("rope_parameters")),
@@ -144,9 +262,11 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
-            moe=_parse_moe(arch, raw),
+            moe=_parse_deepseek_moe(arch, raw) if mla else _parse_moe(arch, raw),
+            mla=mla,
             fp8_block=_parse_quantization(raw.get("quantization_config")),
         )
+        return _with_gpt_oss(config, raw)
 
 
 def _check_activation(raw: dict) -> None:
@@ -161,6 +281,8 @@ def _check_activation(raw: dict) -> None:
 def _parse_moe(arch: str, raw: dict) -> MoeConfig | None:
     """The expert MLP of Qwen3-MoE and Mixtral; a routing or expert layout pdserve lacks is refused
     with its config key named."""
+    if arch == GPT_OSS:
+        return _parse_gpt_oss_moe(raw)
     if arch not in MOE_ARCHITECTURES:
         for key in ("num_experts", "num_local_experts", "n_routed_experts"):
             if raw.get(key):
@@ -202,12 +324,95 @@ def _parse_moe(arch: str, raw: dict) -> MoeConfig | None:
     )
 
 
+def _parse_mla(arch: str, raw: dict) -> MlaConfig | None:
+    """DeepSeek's latent attention dims; None for every other architecture."""
+    if arch not in DEEPSEEK_ARCHITECTURES:
+        return None
+    dims = {}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        value = raw.get(key)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arch} needs a positive integer {key}, got {value!r}")
+        dims[key] = value
+    if dims["qk_rope_head_dim"] % 2:
+        raise ValueError(f"qk_rope_head_dim must be even, got {dims['qk_rope_head_dim']}")
+    q_lora = raw.get("q_lora_rank")
+    if q_lora is not None and (not isinstance(q_lora, int) or q_lora < 1):
+        raise ValueError(f"q_lora_rank must be a positive integer or null, got {q_lora!r}")
+    scale = (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        factor = float(rope.get("factor") or 1.0)
+        m = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return MlaConfig(
+        q_lora_rank=q_lora,
+        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(raw.get("rope_interleave", True)),
+        softmax_scale=scale,
+        **dims,
+    )
+
+
+def _parse_deepseek_moe(arch: str, raw: dict) -> MoeConfig | None:
+    """DeepSeek's expert MLP: routed experts (`n_routed_experts`) with grouped top-k, plus shared
+    experts; every key it routes by is checked, an unknown method refused by name."""
+    experts = raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts")
+    if not experts:
+        return None  # a dense DeepSeek (no routed experts): every layer runs the dense MLP
+    experts = int(experts)
+    v3 = arch == "DeepseekV3ForCausalLM"
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    served = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+    if scoring not in served:
+        raise ValueError(f"scoring_func {scoring!r} is not supported: pdserve serves softmax and sigmoid")
+    if method not in served[scoring]:
+        raise ValueError(
+            f"topk_method {method!r} is not supported with scoring_func {scoring!r}: "
+            f"pdserve serves {', '.join(served[scoring])} there"
+        )
+    top_k, groups = int(raw.get("num_experts_per_tok") or 0), int(raw.get("n_group") or 1)
+    topk_group = int(raw.get("topk_group") or 1)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and n_routed_experts={experts}")
+    if experts % groups or not 1 <= topk_group <= groups:
+        raise ValueError(f"n_group={groups} must divide n_routed_experts={experts} and hold topk_group={topk_group}")
+    if method != "greedy" and top_k > topk_group * (experts // groups):
+        raise ValueError(f"num_experts_per_tok={top_k} exceeds the experts of topk_group={topk_group} groups")
+    if int(raw.get("moe_layer_freq", 1) or 1) != 1:
+        raise ValueError(
+            f"moe_layer_freq={raw['moe_layer_freq']} is not supported: only 1 (every layer after the dense ones)"
+        )
+    width = raw.get("moe_intermediate_size")
+    if not width:
+        raise ValueError(f"{arch} needs moe_intermediate_size")
+    return MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=int(width),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        float32_weights=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        scoring=scoring,
+        topk_method=method,
+        n_group=groups,
+        topk_group=topk_group,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0),
+        shared_intermediate_size=int(raw.get("n_shared_experts") or 0) * int(width),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        router_float32=True,
+    )
+
+
 def _parse_quantization(raw: dict | None) -> tuple[int, int] | None:
     """FP8 block quantization (the one scheme served); any other `quant_method` is refused by name,
     so a quantized checkpoint is never loaded as garbage."""
     if not raw:
         return None
     method = raw.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's expert format: `_with_gpt_oss` takes it (and refuses it elsewhere)
+        return None
     if method != "fp8":
         raise ValueError(
             f"quantization_config.quant_method {method!r} is not supported: pdserve serves unquantized "
@@ -244,18 +449,129 @@ def _parse_sliding_window(arch: str, raw: dict) -> int | None:
     return int(window)
 
 
-def _parse_rope_scaling(raw: dict | None) -> RopeScaling | None:
-    """None for plain RoPE; RopeScaling for `llama3`; ValueError for anything else."""
+def _parse_rope_scaling(raw: dict | None) -> RopeScaling | YarnScaling | None:
+    """None for plain RoPE; RopeScaling for `llama3`, YarnScaling for `yarn`; ValueError for anything else."""
     if not raw:
         return None
     kind = raw.get("rope_type", raw.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "yarn":
+        return _parse_yarn(raw)
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}: pdserve supports 'llama3' and plain RoPE")
+        raise ValueError(
+            f"unsupported rope_scaling rope_type {kind!r}: pdserve supports 'llama3', 'yarn' and plain RoPE"
+        )
     return RopeScaling(
         factor=float(raw["factor"]),
         low_freq_factor=float(raw["low_freq_factor"]),
         high_freq_factor=float(raw["high_freq_factor"]),
         original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+    )
+
+
+def _parse_yarn(raw: dict) -> YarnScaling:
+    """YaRN's keys as transformers' `_compute_yarn_parameters` reads them (beta_fast 32 and beta_slow 1
+    when absent or zero, truncate true when absent); `factor` and `original_max_position_embeddings`
+    are required, named when absent."""
+    for key in ("factor", "original_max_position_embeddings"):
+        if raw.get(key) is None:
+            raise ValueError(f"rope_scaling rope_type 'yarn' needs {key}")
+    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError(f"rope_scaling partial_rotary_factor {raw['partial_rotary_factor']} is not supported")
+
+    def optional(key: str) -> float | None:
+        return float(raw[key]) if raw.get(key) is not None else None
+
+    return YarnScaling(
+        factor=float(raw["factor"]),
+        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+        beta_fast=float(raw.get("beta_fast") or 32.0),
+        beta_slow=float(raw.get("beta_slow") or 1.0),
+        truncate=bool(raw.get("truncate", True)),
+        attention_factor=optional("attention_factor"),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+    )
+
+
+GPT_OSS_DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+"""transformers' GptOssConfig when config.json has neither rope_scaling nor rope_parameters."""
+
+
+def _with_gpt_oss(config: ModelConfig, raw: dict) -> ModelConfig:
+    """gpt-oss's own keys over the common ones: per-layer windows, sinks, biases on q/k/v/o, the
+    clamped SwiGLU, MXFP4 experts, and transformers' defaults for keys its config may leave out
+    (attention_bias true, rope_theta 150000, `GPT_OSS_DEFAULT_ROPE`). Any other architecture is
+    returned as it is, an MXFP4 `quantization_config` refused on it."""
+    mxfp4 = (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    if config.architecture != GPT_OSS:
+        if mxfp4:
+            raise ValueError(
+                f"quantization_config.quant_method 'mxfp4' is not supported on {config.architecture}: "
+                "pdserve reads MXFP4 for gpt-oss's experts only"
+            )
+        return config
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters")
+    theta = raw.get("rope_theta", (rope or {}).get("rope_theta", 150000.0))
+    bias = bool(raw.get("attention_bias", True))
+    return replace(
+        config,
+        rope_theta=float(theta),
+        rope_scaling=_parse_rope_scaling(rope or GPT_OSS_DEFAULT_ROPE),
+        attention_bias=bias,
+        output_bias=bias,
+        layer_windows=_parse_layer_windows(raw, config.num_hidden_layers),
+        attention_sinks=True,
+        swiglu=ClampedSwiglu(alpha=float(raw.get("swiglu_alpha", 1.702)), limit=float(raw.get("swiglu_limit", 7.0))),
+        mxfp4=mxfp4,
+    )
+
+
+def _parse_layer_windows(raw: dict, layers: int) -> tuple[int, ...]:
+    """Each layer's window from `layer_types` (0: full attention). Absent, transformers' default:
+    sliding on even layers, full on odd ones."""
+    types = raw.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"layer_types must name one type for each of the {layers} layers, got {types!r}")
+    window = raw.get("sliding_window")
+    windows: list[int] = []
+    for i, kind in enumerate(types):
+        if kind not in LAYER_WINDOWS:
+            raise ValueError(f"layer_types[{i}] {kind!r} is not supported: pdserve serves {', '.join(LAYER_WINDOWS)}")
+        if kind == "full_attention":
+            windows.append(0)
+        elif isinstance(window, int) and window >= 1:
+            windows.append(window)
+        else:
+            raise ValueError(f"layer_types[{i}] is sliding_attention but sliding_window is {window!r}")
+    return tuple(windows)
+
+
+def _parse_gpt_oss_moe(raw: dict) -> MoeConfig:
+    """gpt-oss's experts: every layer sparse, `num_local_experts` of `intermediate_size` each, top
+    `num_experts_per_tok` (transformers' default 4) by router logit, weighted by a softmax over those."""
+    experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if experts < 1:
+        raise ValueError(f"GptOssForCausalLM needs a positive num_local_experts, got {experts}")
+    top_k = int(raw.get("num_experts_per_tok") or 4)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_local_experts={experts}")
+    return MoeConfig(
+        num_experts=experts,
+        top_k=top_k,
+        intermediate_size=int(raw["intermediate_size"]),
+        norm_topk_prob=True,  # a softmax over the top-k logits: the weights sum to 1
+        float32_weights=False,  # routing weights in the model's dtype, as transformers' router
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, make_backend, resolve_backend
+from pdserve.engine.attention import AttentionMetadata, backend_for_planes, make_backend, resolve_backend
 from pdserve.engine.cpu_malloc import keep_freed_memory
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import KVPool, kv_bytes_per_token
@@ -110,8 +110,9 @@ class ModelRunner:
             prepack = can_prepack(self.dtype, self.device)
         all_reduce = tp.all_reduce if tp is not None else None
         self.model = LlamaModel(cfg, tensors, self.layer_range, self.device, fused_ops, prepack, all_reduce)
-        self.attention = make_backend(resolve_backend(attention_backend, self.device.type))
-        self.attention.configure(cfg.num_attention_heads, self.dtype)
+        backend = backend_for_planes(resolve_backend(attention_backend, self.device.type), cfg.kv_planes)
+        self.attention = make_backend(backend)
+        self.attention.configure(cfg.num_attention_heads, self.dtype, attention_sinks=cfg.attention_sinks)
         if num_kv_blocks is None:  # profiled: measured with the weights in place
             assert kv_memory is not None
             num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)

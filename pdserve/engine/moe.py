@@ -42,23 +42,63 @@ class SparseMoe:
     expert parallelism: tokens routed elsewhere contribute nothing here, and the all-reduce that
     follows sums the ranks' shares)."""
 
-    def __init__(self, config: MoeConfig, router: torch.Tensor, experts: dict[int, Expert]) -> None:
+    def __init__(
+        self,
+        config: MoeConfig,
+        router: torch.Tensor,
+        experts: dict[int, Expert],
+        shared: Expert | None = None,
+        score_bias: torch.Tensor | None = None,
+    ) -> None:
+        """`shared`: the shared expert every token runs (this rank's share of its width), DeepSeek;
+        `score_bias`: V3's `e_score_correction_bias` [E], float32, added to the scores only to choose."""
         self.config = config
         self.router = router  # [E, H], replicated: every rank routes every token the same way
         self.experts = experts
+        self.shared = shared
+        self.score_bias = score_bias
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, H] -> (weights [T, k], expert ids [T, k]): softmax over the router logits in float32,
-        top-k, renormalised when configured; weights in float32 or h's dtype, as configured."""
-        logits = F.linear(h, self.router)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.config.top_k, dim=-1)
-        if self.config.norm_topk_prob:
+        """h [T, H] -> (weights [T, k], expert ids [T, k]): softmax (or sigmoid) over the router
+        logits in float32, top-k (greedy, or inside the best expert groups), renormalised and scaled
+        when configured; weights in float32 or h's dtype, as configured."""
+        cfg = self.config
+        logits = F.linear(h.float(), self.router.float()) if cfg.router_float32 else F.linear(h, self.router)
+        if cfg.scoring == "sigmoid":
+            scores = logits.float().sigmoid()
+        else:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if cfg.topk_method == "greedy":
+            weights, ids = torch.topk(scores, cfg.top_k, dim=-1)
+        else:
+            weights, ids = self._group_limited(scores)
+        if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.config.float32_weights:
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        if not cfg.float32_weights:
             weights = weights.to(h.dtype)
         return weights, ids
+
+    def _group_limited(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's routing inside the `topk_group` best of `n_group` expert groups: V2 ranks groups
+        by their best score and picks experts by score; V3 (`noaux_tc`) ranks them by the sum of their
+        two best bias-corrected scores, picks experts by corrected score and weights them by the raw one."""
+        cfg = self.config
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(group_scores, cfg.topk_group, dim=-1).indices, True)
+        mask = keep[:, :, None].expand_as(grouped).reshape(-1, cfg.num_experts)
+        if cfg.topk_method == "noaux_tc":
+            ids = torch.topk(choice.masked_fill(~mask, float("-inf")), cfg.top_k, dim=-1).indices
+            return scores.gather(1, ids), ids
+        return torch.topk(scores.masked_fill(~mask, 0.0), cfg.top_k, dim=-1)
 
     def forward(self, h: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """h [T, H] -> this process's share of the MLP output [T, H]. `silu_mul`: [T, 2I] -> [T, I]
@@ -70,7 +110,7 @@ class SparseMoe:
         tokens = order // self.config.top_k
         x = h.index_select(0, tokens)  # one gather: each expert's rows are a contiguous slice
         y = torch.zeros_like(x)  # rows of experts held by another rank stay zero
-        if h.is_cuda and _grouped_mm_usable(h, self.experts):
+        if h.is_cuda and self._grouped_usable(h):
             self._grouped(x, y, counts, silu_mul)
         else:
             start = 0
@@ -81,7 +121,14 @@ class SparseMoe:
                 start += n
         y = y * weights.reshape(-1)[order][:, None]
         # one scatter, in expert order: each token's expert outputs are added in ascending expert order
-        return torch.zeros_like(h).index_add_(0, tokens, y.to(h.dtype))
+        out = torch.zeros_like(h).index_add_(0, tokens, y.to(h.dtype))
+        if self.shared is not None:  # DeepSeek: routed experts first, then the shared one, as transformers adds
+            out += self.shared.down(silu_mul(self.shared.gate_up(h)))
+        return out
+
+    def _grouped_usable(self, h: torch.Tensor) -> bool:
+        """Whether this step's experts run as grouped GEMMs (`_grouped`) rather than one by one."""
+        return _grouped_mm_usable(h, self.experts)
 
     def _grouped(
         self, x: torch.Tensor, y: torch.Tensor, counts: list[int], silu_mul: Callable[[torch.Tensor], torch.Tensor]
@@ -112,12 +159,18 @@ class SparseMoe:
 
     def weight_bytes(self) -> int:
         """Bytes of expert weights this process holds (all experts; a step reads the active ones)."""
-        return sum(x.gate_up.nbytes + x.down.nbytes for x in self.experts.values()) + _nbytes(self.router)
+        routed = sum(x.gate_up.nbytes + x.down.nbytes for x in self.experts.values())
+        return routed + self._always_read()
 
     def active_weight_bytes(self) -> int:
         """Bytes of expert weights one token reads: its top-k experts (of this process's share)."""
         per_expert = max((x.gate_up.nbytes + x.down.nbytes for x in self.experts.values()), default=0)
-        return per_expert * min(self.config.top_k, len(self.experts)) + _nbytes(self.router)
+        return per_expert * min(self.config.top_k, len(self.experts)) + self._always_read()
+
+    def _always_read(self) -> int:
+        """The router and the shared expert: read by every step."""
+        shared = self.shared.gate_up.nbytes + self.shared.down.nbytes if self.shared is not None else 0
+        return _nbytes(self.router) + shared
 
 
 def _dense(lin: Linear) -> torch.Tensor:

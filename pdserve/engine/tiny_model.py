@@ -124,7 +124,57 @@ ARCHS: dict[str, dict[str, Any]] = {  # config.json values of each architecture 
         architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2
     ),
 }
-"""`--arch`: the Llama family, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral (8 experts, top-2)."""
+DEEPSEEK_MOE = dict(  # 8 routed experts in 4 groups, top-2 from the best 2 groups, a dense first layer
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, moe_layer_freq=1
+)
+ARCHS["deepseek-v2"] = dict(  # V2's q LoRA-less layout (as V2-Lite), softmax routing in groups, 2 shared experts
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    topk_method="group_limited_greedy",
+    scoring_func="softmax",
+    n_shared_experts=2,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    **DEEPSEEK_MOE,
+)
+ARCHS["deepseek-v3"] = dict(  # V3: q LoRA, sigmoid scores with a correction bias, one shared expert
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rope_interleave=True,
+    **DEEPSEEK_MOE,
+)
+"""`--arch`: the Llama family, Qwen3, the mixture-of-experts Qwen3-MoE and Mixtral (8 experts, top-2),
+and DeepSeek-V2/V3 (latent attention, 8 routed experts in groups plus shared ones)."""
+ARCHS["gpt-oss"] = dict(  # sinks, sliding and full layers alternating, 8 biased experts (top-2), YaRN
+    architectures=["GptOssForCausalLM"],
+    model_type="gpt_oss",
+    attention_bias=True,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    swiglu_limit=7.0,
+    rope_theta=150000.0,
+    rope_scaling=dict(  # as openai/gpt-oss's config.json, over a quarter of tiny's 4096 positions
+        rope_type="yarn",
+        factor=4.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=1024,
+    ),
+)
+GPT_OSS_WINDOW = {"tiny": 16, "bench": 128}
+"""gpt-oss's sliding window per size: 16 keys on tiny, so that test prompts of ~70 tokens outgrow it."""
+MLA_DIMS = {
+    "tiny": dict(kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=48),
+    # DeepSeek-V2-Lite's proportions at the bench size: a latent of 256 + 32 values per token and layer
+    "bench": dict(kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, q_lora_rank=384),
+}
+"""Latent attention dims of the DeepSeek archs per size (`q_lora_rank` on V3 only)."""
 
 FP8_BLOCK = 128
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
@@ -155,6 +205,12 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     mixtral = cfg["model_type"] == "mixtral"
     for i in range(layers):
         p = f"model.layers.{i}."
+        if cfg.get("kv_lora_rank"):
+            _mla_weights(t, cfg, p + "self_attn.", rand)
+            _deepseek_mlp(t, cfg, i, p + "mlp.", rand, mlp)
+            t[p + "input_layernorm.weight"] = torch.ones(h)
+            t[p + "post_attention_layernorm.weight"] = torch.ones(h)
+            continue
         t[p + "self_attn.q_proj.weight"] = rand(hq * d, h)
         t[p + "self_attn.k_proj.weight"] = rand(hkv * d, h)
         t[p + "self_attn.v_proj.weight"] = rand(hkv * d, h)
@@ -184,6 +240,77 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return t
 
 
+def _mla_weights(t: dict, cfg: dict, p: str, rand: Any) -> None:
+    """One DeepSeek attention block: the q (LoRA or not), latent and up-projections, and non-trivial
+    latent norms."""
+    h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    lora, latent = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    if lora is None:
+        t[p + "q_proj.weight"] = rand(hq * qk, h)
+    else:
+        t[p + "q_a_proj.weight"] = rand(lora, h)
+        t[p + "q_a_layernorm.weight"] = 1.0 + rand(lora, scale=0.1)
+        t[p + "q_b_proj.weight"] = rand(hq * qk, lora, scale=lora**-0.5)
+    t[p + "kv_a_proj_with_mqa.weight"] = rand(latent + cfg["qk_rope_head_dim"], h)
+    t[p + "kv_a_layernorm.weight"] = 1.0 + rand(latent, scale=0.1)
+    t[p + "kv_b_proj.weight"] = rand(hq * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), latent, scale=latent**-0.5)
+    t[p + "o_proj.weight"] = rand(h, hq * cfg["v_head_dim"], scale=(hq * cfg["v_head_dim"]) ** -0.5)
+
+
+def _deepseek_mlp(t: dict, cfg: dict, i: int, p: str, rand: Any, mlp: Any) -> None:
+    """Layer i's DeepSeek MLP: dense below `first_k_dense_replace`, else routed experts, a router
+    (and V3's score correction bias) and the shared experts."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    if i < cfg["first_k_dense_replace"]:
+        mlp(p, names, cfg["intermediate_size"])
+        return
+    experts, width = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    t[p + "gate.weight"] = rand(experts, cfg["hidden_size"], scale=1.0)
+    if cfg["topk_method"] == "noaux_tc":
+        t[p + "gate.e_score_correction_bias"] = rand(experts, scale=0.1)
+    for e in range(experts):
+        mlp(f"{p}experts.{e}.", names, width)
+    mlp(p + "shared_experts.", names, width * cfg["n_shared_experts"])
+
+
+def _gpt_oss_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random gpt-oss weights in its checkpoint layout (`engine.gpt_oss.EXPERT_TENSORS`):
+    biased q/k/v/o and experts, random sinks, a biased router with clear margins, and gate/up
+    weights large enough that the SwiGLU's clamp at `swiglu_limit` is reached by some values."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    e, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+    std = h**-0.5
+
+    def rand(*shape: int, scale: float = std) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    t = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h, scale=1.0)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for x, n in (("q", hq), ("k", hkv), ("v", hkv)):
+            t[p + f"self_attn.{x}_proj.weight"] = rand(n * d, h)
+            t[p + f"self_attn.{x}_proj.bias"] = rand(n * d, scale=0.1)
+        t[p + "self_attn.o_proj.weight"] = rand(h, hq * d, scale=std / layers**0.5)
+        t[p + "self_attn.o_proj.bias"] = rand(h, scale=0.1)
+        t[p + "self_attn.sinks"] = rand(hq, scale=1.0)
+        t[p + "mlp.router.weight"] = rand(e, h, scale=1.0)
+        t[p + "mlp.router.bias"] = rand(e, scale=0.1)
+        t[p + "mlp.experts.gate_up_proj"] = rand(e, h, 2 * inter, scale=3.0 * std)
+        t[p + "mlp.experts.gate_up_proj_bias"] = rand(e, 2 * inter, scale=0.1)
+        t[p + "mlp.experts.down_proj"] = rand(e, inter, h, scale=inter**-0.5 / layers**0.5 / 4)
+        t[p + "mlp.experts.down_proj_bias"] = rand(e, h, scale=0.1)
+        t[p + "input_layernorm.weight"] = torch.ones(h)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    t["model.norm.weight"] = torch.ones(h)
+    t["lm_head.weight"] = rand(cfg["vocab_size"], h, scale=3.0 * std)
+    return t
+
+
 def quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every linear projection's weight as float8_e4m3fn plus a `weight_scale_inv` per 128x128 block
     (amax / 448, as FP8 checkpoints are made); embeddings, norms, routers and the LM head stay as
@@ -193,7 +320,7 @@ def quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     fmax = torch.finfo(torch.float8_e4m3fn).max
     out: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
-        if not name.endswith("_proj.weight") and not name.endswith((".w1.weight", ".w2.weight", ".w3.weight")):
+        if not name.endswith(("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
             out[name] = w
             continue
         n, k = w.shape
@@ -251,6 +378,20 @@ def make_tiny_model(
         config["moe_intermediate_size"] = spec["intermediate_size"] // 4
     elif arch == "mixtral":
         config["intermediate_size"] = spec["intermediate_size"] // 4
+    elif arch.startswith("deepseek"):
+        dims = dict(MLA_DIMS[size])
+        lora = dims.pop("q_lora_rank")
+        config.update(dims, q_lora_rank=lora if arch == "deepseek-v3" else None)
+        config["moe_intermediate_size"] = spec["intermediate_size"] // 4
+        del config["head_dim"]  # MLA heads are qk_nope + qk_rope wide; transformers derives its own
+        config["num_key_value_heads"] = config["num_attention_heads"]  # as in DeepSeek's configs
+    elif arch == "gpt-oss":  # experts a quarter of the dense width; windowed layers 0, 2, ...
+        if fp8:
+            raise ValueError("gpt-oss is not built FP8-quantized (its checkpoints quantize experts to MXFP4)")
+        config["intermediate_size"] = spec["intermediate_size"] // 4
+        config["sliding_window"] = GPT_OSS_WINDOW[size]
+        layers = range(spec["num_hidden_layers"])
+        config["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in layers]
     if fp8:
         config["quantization_config"] = dict(FP8_CONFIG)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -272,6 +413,6 @@ def make_tiny_model(
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
     from safetensors.torch import save_file
 
-    tensors = _weights(config, seed)
+    tensors = _gpt_oss_weights(config, seed) if arch == "gpt-oss" else _weights(config, seed)
     save_file(quantize_fp8(tensors) if fp8 else tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

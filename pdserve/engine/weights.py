@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.engine import gpt_oss, mxfp4
 from pdserve.engine.fp8 import check_fp8_scale, dequantize_fp8_block, fp8_gemm_unavailable, slice_fp8
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_config import GPT_OSS, ModelConfig
 from pdserve.engine.parallel.sharding import TPShard
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,14 @@ def expert_names(config: ModelConfig) -> tuple[str, str, str]:
 def layer_tensor_names(config: ModelConfig, layer: int, experts: range | None = None) -> list[str]:
     """The checkpoint tensors of decoder layer `layer` (global index); `experts`: the experts this
     process holds (expert parallelism), default all."""
+    if config.architecture == GPT_OSS:  # fused expert tensors, sinks, router bias: its own names
+        return gpt_oss.layer_tensor_names(config, layer)
     p = f"model.layers.{layer}."
     names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+    if config.mla is not None:
+        names += mla_tensor_names(config, p + "self_attn.")
+    else:
+        names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
     if config.attention_bias:
         names += [p + f"self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
     if config.qk_norm:
@@ -72,9 +78,23 @@ def layer_tensor_names(config: ModelConfig, layer: int, experts: range | None = 
         names.append(moe + "gate.weight")
         for e in experts if experts is not None else range(config.moe.num_experts):
             names += [f"{moe}experts.{e}.{x}.weight" for x in expert_names(config)]
+        if config.moe.shared_intermediate_size:
+            names += [f"{moe}shared_experts.{x}.weight" for x in expert_names(config)]
+        if config.moe.topk_method == "noaux_tc":
+            names.append(moe + "gate.e_score_correction_bias")
     else:
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     return names
+
+
+def mla_tensor_names(config: ModelConfig, prefix: str) -> list[str]:
+    """DeepSeek's latent attention tensors under `prefix` ("model.layers.N.self_attn.")."""
+    assert config.mla is not None
+    q = ["q_proj.weight"]
+    if config.mla.q_lora_rank is not None:
+        q = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+    rest = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+    return [prefix + n for n in q + rest]
 
 
 def needed_tensor_names(config: ModelConfig, layer_range: tuple[int, int], experts: range | None = None) -> list[str]:
@@ -114,14 +134,18 @@ def load_tensors(
     projections stay float8_e4m3fn, this rank's slice of them (128-aligned, else refused) with the
     matching block rows or columns of their scales, returned float32 under the checkpoint's
     `<name>_scale_inv` key beside each weight (`fp8.fused_linear` builds the linears). Experts are
-    dequantized either way."""
+    dequantized either way. MXFP4 experts (gpt-oss) are dequantized to `dtype` too, on any device
+    (`engine.mxfp4`), and returned under their weight's name."""
     files = _tensor_files(Path(model_dir))
     experts = shard.experts(config) if shard is not None else None
     wanted = needed_tensor_names(config, layer_range, experts)
+    if config.mxfp4:  # gpt-oss's MXFP4 experts: read as blocks and scales, dequantized below
+        wanted = mxfp4.stored_names(wanted, files)
     missing = [n for n in wanted if n not in files]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:5])}")
     _refuse_unserved(config, files, layer_range)
+    _log_skipped_layers(config, files, layer_range)
     if fp8_gemm is None and config.fp8_block is not None:
         why_not = fp8_gemm_unavailable(device, dtype)
         fp8_gemm = why_not is None
@@ -134,6 +158,9 @@ def load_tensors(
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:
+                if config.mxfp4 and name.endswith(mxfp4.PARTS):  # uint8 codes and exponents, as stored
+                    out[name] = f.get_tensor(name)
+                    continue
                 scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
                 cut = shard.tensor_slice(name, config) if shard is not None else None
                 if scale_name in files:
@@ -158,6 +185,10 @@ def load_tensors(
                 if tensor.dtype == torch.float8_e4m3fn and scale_name not in files:
                     raise ValueError(f"{name} is float8 but the checkpoint has no {scale_name} to scale it")
                 out[name] = tensor.to(device=device, dtype=dtype)
+    if config.mxfp4:
+        if device.type == "cuda":
+            log.info("MXFP4 checkpoint: experts dequantized to %s at load (no MXFP4 GEMMs)", dtype)
+        mxfp4.dequantize_loaded(out, dtype, device)
     return out
 
 
@@ -175,6 +206,16 @@ def _read_fp8(
     return weight, scale
 
 
+def _log_skipped_layers(config: ModelConfig, files: dict[str, Path], layer_range: tuple[int, int]) -> None:
+    """DeepSeek-V3 checkpoints carry multi-token-prediction layers after the last decoder layer
+    (`num_nextn_predict_layers`, for speculative decoding): not decoder layers, never loaded; said once."""
+    n = config.num_hidden_layers
+    layers = {int(name.split(".")[2]) for name in files if name.startswith("model.layers.")}
+    extra = {i for i in layers if i >= n}
+    if extra and layer_range[1] == n:
+        log.info("skipping layers %s of the checkpoint: multi-token-prediction layers, not served", sorted(extra))
+
+
 def _refuse_unserved(config: ModelConfig, files: dict[str, Path], layer_range: tuple[int, int]) -> None:
     """Tensors of a layer that the model code would silently ignore (a shared expert or its gate on
     an architecture without one, projection biases pdserve does not apply) are refused by name."""
@@ -185,7 +226,8 @@ def _refuse_unserved(config: ModelConfig, files: dict[str, Path], layer_range: t
         layer = int(name.split(".")[2])
         if not start <= layer < end:
             continue
-        if ".shared_expert" in name:
+        if ".shared_expert" in name and not (config.moe is not None and config.moe.shared_intermediate_size):
             raise ValueError(f"{name}: {config.architecture} has no shared expert in pdserve")
-        if (".mlp." in name or ".o_proj." in name or ".experts." in name) and name.endswith(".bias"):
+        projection = ".mlp." in name or ".o_proj." in name or ".experts." in name
+        if projection and name.endswith(".bias") and config.architecture != GPT_OSS:  # gpt-oss loads these
             raise ValueError(f"{name}: projection biases outside q/k/v are not supported")

@@ -28,11 +28,14 @@ from pdserve.engine.forward_batch import ForwardBatch
 
 
 def pool_geometry(runner: Any) -> PoolGeometry:
-    """The CacheStore geometry of a runner's KV pool, with the KV heads this rank holds."""
+    """The CacheStore geometry of a runner's KV pool, with the KV heads this rank holds. An MLA pool
+    has one plane and one KV head (the latent), which every rank holds whole (replicated), so the
+    head-sliced path never cuts it: each decode rank gets whole blocks, whatever the two TP degrees."""
     pool = runner.kv_pool
     rank, size = (runner.tp.rank, runner.tp.size) if runner.tp is not None else (0, 1)
     head_bytes = pool.block_size * pool.head_dim * pool.tensor.element_size()
-    heads = HeadLayout.of_rank(runner.model_config.num_key_value_heads, head_bytes, rank, size)
+    planes = pool.tensor.shape[2]  # [layers, blocks, planes, heads, block_size, head_dim]
+    heads = HeadLayout.of_rank(runner.model_config.num_key_value_heads, head_bytes, rank, size, planes)
     return PoolGeometry(pool.num_layers, pool.num_blocks, pool.block_bytes, heads)
 
 

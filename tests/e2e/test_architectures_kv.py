@@ -1,4 +1,4 @@
-"""KV paths beyond prefill -> decode on a mixture-of-experts model (tiny Qwen3-MoE): the D->P pull of
+"""KV paths beyond prefill -> decode on mixture-of-experts models (tiny Qwen3-MoE, DeepSeek-V3): the D->P pull of
 a held prefix, and a stream migrated off a decode node killed mid-stream, each with the text the
 engine gives alone."""
 
@@ -21,9 +21,12 @@ from tests.e2e.test_kv_pull import pulls, two_turns
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("moe"), "tiny", arch="qwen3-moe")
+@pytest.fixture(
+    scope="module", params=["qwen3-moe", pytest.param("deepseek-v3", marks=pytest.mark.slow)], ids=lambda a: a
+)
+def moe_dir(tmp_path_factory, request):
+    """Qwen3-MoE, and DeepSeek-V3 (latent KV: one plane of one "head", pulled and migrated whole)."""
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), "tiny", arch=request.param)
 
 
 async def test_a_held_prefix_is_pulled_into_the_prefill_node(moe_dir):

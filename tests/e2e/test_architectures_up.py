@@ -4,7 +4,8 @@ over tcp and the emulated rdma transport, and a Qwen3-MoE whose decode node is t
 ranks with whole experts each (P TP=1 -> D TP=2). The prompt is prefilled on the prefill node and
 its KV streamed into the decode node (local prefill off; one case runs `up`'s defaults); a second
 request that shares the first one's prompt reuses its KV; a JSON-schema request is constrained; and
-`pdserve batch` runs a MoE model on TD-Pipe stages. Cases marked slow run in CI's slow pass."""
+`pdserve batch` runs a MoE model on TD-Pipe stages. DeepSeek-V2/V3 run the same cases, their latent
+KV streamed whole into each decode rank. Cases marked slow run in CI's slow pass."""
 
 from __future__ import annotations
 
@@ -80,6 +81,12 @@ REMOTE = ["--num-prefill", "1", "--num-decode", "1", "--local-prefill-max-tokens
         ),
         # the defaults: 1 prefill, 2 decode, local prefill of short prompts, KV-aware routing
         pytest.param("mixtral", False, "tcp", [], id="mixtral-defaults"),
+        # DeepSeek's latent KV (one plane, one "head"): P TP=1 -> D TP=2, every decode rank gets it whole
+        pytest.param(
+            "deepseek-v3", False, "rdma", REMOTE + ["--decode-tensor-parallel-size", "2"], id="deepseek-v3-p1-d2-rdma"
+        ),
+        pytest.param("deepseek-v2", False, "tcp", REMOTE, id="deepseek-v2-tcp", marks=pytest.mark.slow),
+        pytest.param("deepseek-v2", False, "tcp", [], id="deepseek-v2-defaults", marks=pytest.mark.slow),
     ],
 )
 def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport, shape):
@@ -129,10 +136,13 @@ def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport, shape
                 up.proc.wait(10)
 
 
-def test_batch_on_td_pipe_stages_gives_the_text_generate_gives(tmp_path):
+@pytest.mark.parametrize(
+    "arch", ["qwen3-moe", pytest.param("deepseek-v3", marks=pytest.mark.slow)], ids=["qwen3-moe", "deepseek-v3"]
+)
+def test_batch_on_td_pipe_stages_gives_the_text_generate_gives(tmp_path, arch):
     """`pdserve batch` runs a mixture-of-experts model as a two-stage TD-Pipe pipeline (its layers,
     experts included, moved between the stages by the phase split) and writes generate's text."""
-    model_dir = make_tiny_model(tmp_path / "moe", "tiny", arch="qwen3-moe")
+    model_dir = make_tiny_model(tmp_path / "moe", "tiny", arch=arch)
     prompts = [PROMPT, LONGER, "a b c d e f g"]
     lines = [
         {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions"}

@@ -14,6 +14,8 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     import shutil
 
     from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -65,6 +67,8 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     elif kind == "mixtral":
         mix = dict(common, intermediate_size=48, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
         cfg, cls = MixtralConfig(sliding_window=32, **mix), MixtralForCausalLM
+    elif kind == "gpt-oss":
+        cfg, cls = GptOssConfig(**GPT_OSS, **dict(common, num_hidden_layers=4, intermediate_size=64)), GptOssForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234)
@@ -74,6 +78,8 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    if cfg.model_type == "gpt_oss":
+        _spread_gpt_oss(model)
     with torch.no_grad():  # sharper logits than the default init, so greedy has clear margins
         head = model.lm_head.weight if not cfg.tie_word_embeddings else model.model.embed_tokens.weight
         head.normal_(0.0, 0.3)
@@ -83,9 +89,48 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     return out_dir
 
 
-NEW_KINDS = ["qwen3", "qwen3-tied", "qwen3-moe", "qwen3-moe-mixed", "mixtral"]
+GPT_OSS = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=6,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    # not the default alternation: two full layers in a row, windowed first and last layers
+    layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 256,
+    },
+)
+"""gpt-oss of the factory's sizes: 16-key windows on layers 0 and 3, 6 experts (top-2) of width 64
+(a multiple of MXFP4's 32-value blocks, as the hidden size 96 is), YaRN over 256 original positions."""
+
+
+def _spread_gpt_oss(model) -> None:
+    """Weights that make every gpt-oss feature count: sinks of the size of the scores, q/k/v/o
+    biases, router margins, and gate/up values past the SwiGLU's clamp (7) for some tokens."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.sinks.normal_(0.0, 1.0)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                proj.bias.normal_(0.0, 0.1)
+            mlp.router.weight.normal_(0.0, 0.5)
+            mlp.router.bias.normal_(0.0, 0.1)
+            mlp.experts.gate_up_proj.normal_(0.0, 0.4)
+            mlp.experts.gate_up_proj_bias.normal_(0.0, 0.1)
+            mlp.experts.down_proj.normal_(0.0, 0.05)
+            mlp.experts.down_proj_bias.normal_(0.0, 0.1)
+
+
+NEW_KINDS = ["qwen3", "qwen3-tied", "qwen3-moe", "qwen3-moe-mixed", "mixtral", "gpt-oss"]
 """Qwen3 (untied, tied), Qwen3-MoE (all layers sparse; dense and sparse mixed with norm_topk_prob),
-Mixtral (with a sliding window of 32)."""
+Mixtral (with a sliding window of 32), gpt-oss (`GPT_OSS`: sinks, per-layer windows of 16, YaRN)."""
 
 
 def hf_greedy(hf, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:

@@ -23,14 +23,15 @@ def op():
 
 def reference(q, kv, tables, q_lens, ctxs, block_size, scale, window=0):
     """Gather each sequence's keys position by position; exact causal softmax in float64, over the
-    last `window` keys of each query (0: all of them)."""
+    last `window` keys of each query (0: all of them). Values are plane 1 of kv [N, P, Hkv, B, D], or
+    plane 0 of a one-plane (MLA) pool, whose latent is both."""
     out, t = [], 0
     hq, hkv = q.shape[1], kv.shape[2]
     for table, q_len, ctx in zip(tables, q_lens, ctxs):
         pos = torch.arange(ctx)
         blocks = torch.tensor(table)[pos // block_size]
         keys = kv[blocks, 0, :, pos % block_size].double()  # [ctx, Hkv, D]
-        values = kv[blocks, 1, :, pos % block_size].double()
+        values = kv[blocks, kv.shape[1] - 1, :, pos % block_size].double()
         keys = keys.repeat_interleave(hq // hkv, dim=1)
         values = values.repeat_interleave(hq // hkv, dim=1)
         for j in range(q_len):

@@ -93,6 +93,7 @@ def test_rotate_qk_carry_equals_the_bf16_op(rows, hq, hkv, d):
 class _Rope:
     def __init__(self, head_dim: int) -> None:
         self.head_dim, self.rope_theta, self.rope_scaling = head_dim, 10000.0, None
+        self.rotary_dim = head_dim
 
 
 def test_a_bf16_model_gives_the_same_logits_with_and_without_the_carry(tiny_model_dir):

@@ -68,6 +68,7 @@ def test_silu_mul_matches_eager(rows, hidden, dtype):
 class _Rope:
     def __init__(self, head_dim: int) -> None:
         self.head_dim, self.rope_theta, self.rope_scaling = head_dim, 10000.0, None
+        self.rotary_dim = head_dim
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

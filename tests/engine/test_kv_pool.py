@@ -19,7 +19,7 @@ def _thp_allowed() -> bool:
 
 
 def test_pool_is_zeroed_and_shaped():
-    cfg = SimpleNamespace(num_key_value_heads=2, head_dim=16)  # all the pool reads of a model's config
+    cfg = SimpleNamespace(num_key_value_heads=2, head_dim=16, kv_planes=2)  # all the pool reads of a model's config
     pool = KVPool(cfg, 2, 16, torch.bfloat16, torch.device("cpu"), num_blocks=2048)  # type: ignore[arg-type]  # 8 MiB
     assert pool.tensor.shape == (2, 2048, 2, 2, 16, 16)
     assert pool.tensor.dtype == torch.bfloat16

@@ -51,8 +51,8 @@ def test_rejects_unsupported_architecture_and_rope():
     }
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="rope_scaling rope_type 'longrope'"):  # yarn is served (gpt-oss)
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
     qwen = ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"]})
     assert qwen.attention_bias
 

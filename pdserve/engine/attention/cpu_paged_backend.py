@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, layer_window
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.attention import cpu_build
 from pdserve.engine.attention.torch_backend import TorchAttention, causal_self_attention, chunk_attention
@@ -49,7 +49,7 @@ class CpuPagedAttention(AttentionBackend):
         self._fallback = TorchAttention()
         self._plan: _StepPlan | None = None
 
-    def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
+    def configure(self, num_qo_heads: int, dtype: torch.dtype, *, attention_sinks: bool = False) -> None:
         self._kernel_dtype = dtype in KERNEL_DTYPES
         self._op = self._op if self._kernel_dtype else None
 
@@ -65,16 +65,30 @@ class CpuPagedAttention(AttentionBackend):
         self._op = cpu_build.current_op() if self._kernel_dtype else None
         self._plan = _StepPlan.of(meta)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        if self._op is None or q.device.type != "cpu":
-            return self._fallback.forward(q, k, v, kv, meta, scale)
-        # kv: [N, 2, Hkv, B, D]; write this step's K/V into the pages first
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        # The C++ kernels have no sink term, so a layer with sinks (gpt-oss) runs the torch path.
+        # TODO(speed): add the sink logit to the kernels' softmax denominators (one exp per query and head).
+        if self._op is None or q.device.type != "cpu" or sinks is not None:
+            return self._fallback.forward(q, k, v, kv, meta, scale, window=window, sinks=sinks)
+        # kv: [N, P, Hkv, B, D] (P = 1: an MLA latent, which the kernels read as K and V); write this
+        # step's K/V into the pages first
         torch.ops.pdserve_cpu.store_kv(kv, k, v, meta.slot_blocks, meta.slot_offsets)
         if self._plan is None or self._plan.meta is not meta:
             self.begin_step(meta, kv.shape)
         plan = self._plan
         assert plan is not None
-        window = meta.sliding_window
+        window = layer_window(meta, window)
         decode = plan.decode
         if decode.rows is None:  # decode-only or all short chunks: one call, no copies
             return self._op(q, kv, decode.table, decode.starts, decode.ctx, scale, window or 0)

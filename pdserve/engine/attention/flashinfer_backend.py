@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, store_kv
+from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, layer_window, store_kv
 from pdserve.engine.attention.plan import paged_plan
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -48,7 +48,12 @@ class FlashInferAttention(AttentionBackend):
 
     def begin_step(self, meta: AttentionMetadata, kv_layer_shape: torch.Size) -> None:
         # kv_layer_shape: [N, 2, Hkv, B, D]
-        _, _, hkv, page, d = kv_layer_shape
+        _, planes, hkv, page, d = kv_layer_shape
+        if planes != 2:  # the engine picks the torch backend for these (`backend_for_planes`): never here
+            raise ValueError(
+                f"the flashinfer backend reads K and V planes; this pool has {planes} (MLA's latent): use the "
+                "torch backend"
+            )
         b = meta.batch
         plan = paged_plan(b.query_lens, b.context_lens, b.block_tables, page)
         dev = meta.positions.device
@@ -68,8 +73,14 @@ class FlashInferAttention(AttentionBackend):
             w.plan(as_i32(plan.qo_indptr), *paged_kv, causal=True, **plan_kw)
         self._active = w
 
-    def configure(self, num_qo_heads: int, dtype: torch.dtype) -> None:
-        """Facts the plan needs that the pool shape does not carry."""
+    def configure(self, num_qo_heads: int, dtype: torch.dtype, *, attention_sinks: bool = False) -> None:
+        """Facts the plan needs that the pool shape does not carry; attention sinks (gpt-oss) are
+        refused: the wrappers' softmax has no sink term (the torch backend serves them on CUDA)."""
+        if attention_sinks:
+            raise ValueError(
+                "the flashinfer backend has no attention sinks, which this model (gpt-oss) needs: "
+                "use the torch backend (--attention-backend torch)"
+            )
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"the flashinfer backend runs float16 or bfloat16 KV, not {dtype} "
@@ -78,7 +89,22 @@ class FlashInferAttention(AttentionBackend):
         self.num_qo_heads = num_qo_heads
         self.dtype = dtype
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        # one plan per step, made with the step's model-wide window: a layer's own window or sinks
+        # cannot run on it (configure refuses sinks; no served model without them windows per layer)
+        if sinks is not None or layer_window(meta, window) != meta.sliding_window:
+            raise ValueError("the flashinfer backend runs neither attention sinks nor per-layer windows")
         # write this step's K/V into the pages first: kv [N, 2, Hkv, B, D]
         store_kv(kv, k, v, meta)
         assert self._active is not None, "begin_step() must plan before forward()"

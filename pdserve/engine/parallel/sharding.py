@@ -11,6 +11,10 @@ each expert's gate/up by rows and down by columns (`--tensor-parallel-size`), or
 parallelism (`--enable-expert-parallel`, vLLM's flag), placed whole, a contiguous range of experts on
 each rank; either way each rank's partial MLP output is summed by the same all-reduce.
 
+DeepSeek's latent attention splits its heads the same way (q's and kv_b_proj's rows, o_proj's
+columns), while the latent, one KV "head", is whole on every rank; its shared expert is split like a
+dense MLP.
+
 KV heads are split like the query heads. When a model has fewer KV heads than ranks, each KV head
 is replicated on `size / num_kv_heads` ranks, as vLLM does, so that every rank holds the one KV
 head its query heads attend to. A later fusion of q/k/v or gate/up in the checkpoint changes only
@@ -57,6 +61,15 @@ class TPShard:
             )
         if self.expert_parallel and cfg.moe is None:
             raise ValueError("--enable-expert-parallel needs a mixture-of-experts model")
+        if cfg.attention_sinks and self.size > 1:  # sinks, o_proj and expert biases are not split here
+            raise ValueError(
+                f"{cfg.architecture} is served on one rank: tensor and expert parallelism are not supported"
+            )
+        if cfg.moe is not None and cfg.moe.shared_intermediate_size % self.size:
+            raise ValueError(
+                f"tensor-parallel size {self.size} does not divide the shared experts' width "
+                f"{cfg.moe.shared_intermediate_size}"
+            )
 
     def q_heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """[start, stop) of the query heads this rank computes."""
@@ -79,6 +92,8 @@ class TPShard:
         expert's width too, unless experts are placed whole)."""
         kv_start, kv_stop = self.kv_heads(cfg)
         moe = cfg.moe
+        if moe is not None:  # the shared expert is split like a dense MLP, with or without expert parallelism
+            moe = dataclasses.replace(moe, shared_intermediate_size=moe.shared_intermediate_size // self.size)
         if moe is not None and not self.expert_parallel:
             moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size)
         return dataclasses.replace(
@@ -95,6 +110,12 @@ class TPShard:
             return None  # embedding, final norm, LM head: replicated
         d = cfg.head_dim
         inter = cfg.intermediate_size // self.size
+        if ".shared_experts." in name:
+            assert cfg.moe is not None
+            width = cfg.moe.shared_intermediate_size // self.size
+            return (1 if ".down_proj." in name else 0), self.rank * width, (self.rank + 1) * width
+        if cfg.mla is not None and ".self_attn." in name:
+            return self._mla_slice(name, cfg)
         if ".experts." in name:
             if self.expert_parallel or cfg.moe is None:
                 return None  # whole experts (which ones: `experts`)
@@ -116,6 +137,22 @@ class TPShard:
         if ".mlp.down_proj." in name:
             return 1, self.rank * inter, (self.rank + 1) * inter
         return None  # the layer norms
+
+    def _mla_slice(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
+        """MLA: q's up-projection and kv_b_proj by this rank's heads, o_proj by their value columns;
+        the latent's projections and norms are whole on every rank (each rank caches the whole latent)."""
+        assert cfg.mla is not None
+        q0, q1 = self.q_heads(cfg)
+        m = cfg.mla
+        if ".q_proj." in name or ".q_b_proj." in name:
+            width = m.qk_nope_head_dim + m.qk_rope_head_dim
+            return 0, q0 * width, q1 * width
+        if ".kv_b_proj." in name:
+            width = m.qk_nope_head_dim + m.v_head_dim
+            return 0, q0 * width, q1 * width
+        if ".o_proj." in name:
+            return 1, q0 * m.v_head_dim, q1 * m.v_head_dim
+        return None
 
 
 def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:

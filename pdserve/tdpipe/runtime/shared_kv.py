@@ -27,8 +27,8 @@ def available() -> bool:
 
 
 def _shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Every layer's pool, in `KVPool`'s layout."""
-    return (cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads, block_size, cfg.head_dim)
+    """Every layer's pool, in `KVPool`'s layout (`kv_planes`: 2, or 1 for an MLA latent)."""
+    return (cfg.num_hidden_layers, num_blocks, cfg.kv_planes, cfg.num_key_value_heads, block_size, cfg.head_dim)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -50,7 +50,7 @@ def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtyp
 def map_layers(
     fd: int, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, layers: tuple[int, int]
 ) -> torch.Tensor:
-    """The pool tensor of `layers` ([end - start, num_blocks, 2, kv heads, block_size, head_dim])
+    """The pool tensor of `layers` ([end - start, num_blocks, planes, kv heads, block_size, head_dim])
     over the shared file `fd` (inherited from the launcher); writes are seen by every stage."""
     if fd < 0:
         raise ValueError("the phase split needs the shared KV file of a local launcher (pdserve batch)")

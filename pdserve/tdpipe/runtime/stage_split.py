@@ -37,9 +37,7 @@ def decoder_layer_weights(cfg: ModelConfig) -> int:
     kv_heads x head_dim wide) and the gated MLP's gate/up/down (of a mixture-of-experts model: its
     router and top-k experts, averaged over sparse and dense layers). Norms, RoPE and biases are
     elementwise and left out; attention over the KV grows with the context and is left out too."""
-    q_width = cfg.num_attention_heads * cfg.head_dim
-    kv_width = cfg.num_key_value_heads * cfg.head_dim
-    attention = 2 * cfg.hidden_size * q_width + 2 * cfg.hidden_size * kv_width  # q, o; k, v
+    attention = attention_weights(cfg)
     dense = 3 * cfg.hidden_size * cfg.intermediate_size
     if cfg.moe is None:
         return attention + dense
@@ -47,6 +45,21 @@ def decoder_layer_weights(cfg: ModelConfig) -> int:
     layers = cfg.num_hidden_layers
     n_sparse = sum(cfg.is_sparse(i) for i in range(layers))
     return attention + (n_sparse * sparse + (layers - n_sparse) * dense) // layers
+
+
+def attention_weights(cfg: ModelConfig) -> int:
+    """The attention projections' weights of one layer. For MLA, `head_dim` is the cached latent's
+    width, not the heads': its projections are q (maybe through a low-rank q_a/q_b), the latent's
+    kv_a, the heads' kv_b and o."""
+    hidden, heads, mla = cfg.hidden_size, cfg.num_attention_heads, cfg.mla
+    if mla is None:
+        q_width = heads * cfg.head_dim
+        kv_width = cfg.num_key_value_heads * cfg.head_dim
+        return 2 * hidden * q_width + 2 * hidden * kv_width  # q, o; k, v
+    q_width = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    q = hidden * q_width if mla.q_lora_rank is None else mla.q_lora_rank * (hidden + q_width)
+    kv = hidden * mla.latent_dim + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv + heads * mla.v_head_dim * hidden
 
 
 OP_OVERHEAD_WEIGHTS = 80_000

@@ -154,6 +154,7 @@ PDS_AMX_ATTN_TARGET void pack_keys(const pds::PrefillProblem& pb, const Unit& u,
   s.k.resize(chunks * kKeys * d);
   s.vt.resize(chunks * dblocks * 16 * kKeys);
   const int64_t head_stride = pb.bs * d, kv_stride = pb.hkv * head_stride;
+  const int64_t block_stride = pb.planes * kv_stride, v_off = (pb.planes - 1) * kv_stride;  // one plane: V = K
   const uint16_t* kv = static_cast<const uint16_t*>(pb.kv);
   alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -167,9 +168,9 @@ PDS_AMX_ATTN_TARGET void pack_keys(const pds::PrefillProblem& pb, const Unit& u,
       uint16_t* kdst = s.k.data() + (c * kKeys + j) * d;
       if (key < u.key_end) {
         const int64_t block = pb.table[u.seq * pb.max_pages + key / pb.bs];
-        const uint16_t* krow = kv + block * 2 * kv_stride + u.head * head_stride + (key % pb.bs) * d;
+        const uint16_t* krow = kv + block * block_stride + u.head * head_stride + (key % pb.bs) * d;
         std::memcpy(kdst, krow, d * sizeof(uint16_t));
-        vrows[j] = krow + kv_stride;
+        vrows[j] = krow + v_off;
       } else {
         std::memset(kdst, 0, d * sizeof(uint16_t));
         vrows[j] = nullptr;

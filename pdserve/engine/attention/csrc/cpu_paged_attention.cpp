@@ -1,6 +1,7 @@
 // Paged attention on CPU that reads K/V pages of the pool in place.
 //
-// Pool layer layout (HND inside a block): kv[N, 2, Hkv, B, D].
+// Pool layer layout (HND inside a block): kv[N, P, Hkv, B, D], P planes: 2 (K then V), or 1 for
+// DeepSeek's latent attention (MLA), whose one latent row per token is both the key and the value.
 // For every sequence s, its query tokens q[query_start[s] .. query_start[s+1])
 // sit at the last positions of its context (context_lens[s]); query j attends
 // causally to keys 0 .. ctx - q_len + j, found through block_table[s]; with a sliding window W > 0
@@ -113,6 +114,7 @@ struct Problem {
   const int32_t* seq_of;  // token -> sequence
   int64_t hq, hkv, d, bs, max_pages, window;
   float scale;
+  int64_t planes;  // kv.size(1): 2 (K, V) or 1 (the V rows are the K rows)
 };
 
 // Per-thread buffers, sized once per parallel chunk (`scores` grows to the longest item's keys).
@@ -288,15 +290,15 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   const int32_t* pages = pb.table + s * pb.max_pages;
   const T* qp = static_cast<const T*>(pb.q);
   const T* kvp = static_cast<const T*>(pb.kv);
-  // strides of kv[N, 2, Hkv, B, D] (contiguous)
-  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
+  // strides of kv[N, P, Hkv, B, D] (contiguous); V rows start v_off after the K rows (0 with one plane)
+  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = pb.planes * s_kv, v_off = (pb.planes - 1) * s_kv;
   const int64_t page_bytes = s_head * static_cast<int64_t>(sizeof(T));
   if (static_cast<int64_t>(sc.scores.size()) < group * stride) sc.scores.resize(group * stride);
   float* scores = sc.scores.data();
   const auto head_rows = [&](int64_t key) { return kvp + pages[key / bs] * s_block + h * s_head + key % bs * d; };
   const auto page_k = [&](int64_t pi) { return kvp + pages[pi] * s_block + h * s_head; };
   const int64_t last_page = (end_key - 1) / bs;
-  // Asks for page pi's rows of this head (K; V at kv_off = s_kv) ahead of their use: all at once here,
+  // Asks for page pi's rows of this head (K; V at kv_off = v_off) ahead of their use: all at once here,
   // or, `by_rows`, a row per key by the caller (`ask_row` on the returned pointer; else null).
   const auto ask_page = [&](int64_t pi, int64_t kv_off, bool by_rows) -> const char* {
     const T* rows = page_k(pi) + kv_off;
@@ -348,7 +350,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
   }
   if constexpr (L == 16)  // pass 3's first pages, while pass 2 computes
     for (int64_t a = 0; a < AHEAD; ++a)
-      if (first / bs + a <= last_page) prefetch<LOCALITY>(page_k(first / bs + a) + s_kv, page_bytes);
+      if (first / bs + a <= last_page) prefetch<LOCALITY>(page_k(first / bs + a) + v_off, page_bytes);
   // 2. numerators exp(score - max) in place, and their sum. A chunk cut short by a page end wrote
   // -inf past its keys, which the next chunk overwrites, so the row is dense up to `keys`; past it
   // the lanes are masked to 0.
@@ -391,8 +393,8 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
         const int64_t off = key % bs, n = std::min(end_key - key, bs - off), pi = key / bs;
         const char* ahead = nullptr;
         if (g == 0 && (off == 0 || key == first) && pi + AHEAD <= last_page)
-          ahead = ask_page(pi + AHEAD, s_kv, n == bs);
-        const T* vrows = head_rows(key) + s_kv;
+          ahead = ask_page(pi + AHEAD, v_off, n == bs);
+        const T* vrows = head_rows(key) + v_off;
         const float* p = scores + g * stride + (key - first);
         for (int64_t j = 0; j < n; ++j) {
           ask_row<ROW_BYTES>(ahead, j);
@@ -456,9 +458,9 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
       const int64_t n = std::min(end_key - key, bs - off);
       if (off == 0 || key == first) {
         const int64_t pi = key / bs;
-        if (pi + AHEAD <= last_page) prefetch<LOCALITY>(page_k(pi + AHEAD) + s_kv, page_bytes);
+        if (pi + AHEAD <= last_page) prefetch<LOCALITY>(page_k(pi + AHEAD) + v_off, page_bytes);
       }
-      const auto vrows = rows_for_heads<L, WIDEN>(head_rows(key) + s_kv, n, d, sc.rows.data());
+      const auto vrows = rows_for_heads<L, WIDEN>(head_rows(key) + v_off, n, d, sc.rows.data());
       for (int64_t g = 0; g < group; ++g)
         add_values<L, std::remove_cv_t<std::remove_pointer_t<decltype(vrows)>>, VECS>(
             &sc.acc[g * vecs * L], scores + g * stride + (key - first), vrows, n, d, vecs, tail);
@@ -580,7 +582,8 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
     }
   }
   const Problem pb{q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), out.data_ptr<T>(),
-                   table, qstart, ctx, seq_of.data(), hq, hkv, d, bs, max_pages, window, static_cast<float>(scale)};
+                   table, qstart, ctx, seq_of.data(), hq, hkv, d, bs, max_pages, window, static_cast<float>(scale),
+                   kv.size(1)};
   // One contiguous range of items per thread, of about equal keys: contexts differ from one
   // sequence to the next, and equal item counts left one thread waiting for the other at the end.
   // A range reads at least about 256K K/V values: a batch-1 decode step reads far fewer, and waking
@@ -634,7 +637,8 @@ constexpr int64_t kWidestWindow = std::numeric_limits<int32_t>::max();
 std::array<at::Tensor, 4> checked(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                                   const at::Tensor& query_start, const at::Tensor& context_lens, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "cpu_paged attention runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && kv.size(1) == 2, "q [T,Hq,D], kv [N,2,Hkv,B,D] expected");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && (kv.size(1) == 1 || kv.size(1) == 2),
+              "q [T,Hq,D], kv [N,P,Hkv,B,D] with P = 2 (K, V) or 1 (MLA latent) expected");
   TORCH_CHECK(kv.size(3) > 0, "kv pages must hold at least one token (block size B > 0)");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
   TORCH_CHECK(kv.size(2) > 0 && q.size(2) == kv.size(4) && q.size(1) % kv.size(2) == 0, "head shapes do not match");
@@ -680,7 +684,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv, co
   const pds::PrefillProblem pb{qc.data_ptr(), qc.stride(0), kv.data_ptr(), out.data_ptr(),
                                bt.data_ptr<int32_t>(), qs.data_ptr<int32_t>(), cl.data_ptr<int32_t>(),
                                cl.size(0), q.size(1), kv.size(2), q.size(2), kv.size(3), bt.size(1), window,
-                               static_cast<float>(scale)};
+                               static_cast<float>(scale), kv.size(1)};
   if (q.scalar_type() == at::kFloat)
     pds::prefill_attention_f32(pb);
   else if (amx && pds::amx_prefill_supported(q.size(2)))
@@ -692,9 +696,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv, co
 
 // kv[slot_blocks[t], 0/1, :, slot_offsets[t]] = k[t] / v[t] for every new token t. One serial
 // pass of row copies: torch's advanced-index assignment costs two parallel index_put_ per layer.
+// A one-plane pool (MLA) stores k only: its latent is the key and the value (v, the same tensor
+// from the model, is not read).
 void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_blocks,
               const at::Tensor& slot_offsets) {
-  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.is_contiguous(), "kv [N,2,Hkv,B,D] contiguous expected");
+  TORCH_CHECK(kv.dim() == 5 && (kv.size(1) == 1 || kv.size(1) == 2) && kv.is_contiguous(),
+              "kv [N,P,Hkv,B,D] contiguous with P = 2 (K, V) or 1 (MLA latent) expected");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv.size(2) && k.size(2) == kv.size(4),
               "k/v [T,Hkv,D] matching the pool expected");
   TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(), "k/v dtype differs");
@@ -703,7 +710,8 @@ void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at:
                   slot_blocks.numel() == k.size(0) && slot_offsets.numel() == k.size(0), "int64 slots [T] expected");
   const int64_t num_tokens = k.size(0), hkv = kv.size(2), bs = kv.size(3), d = kv.size(4);
   const int64_t num_blocks = kv.size(0), item = kv.element_size();
-  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = 2 * s_kv;
+  const bool has_v = kv.size(1) == 2;
+  const int64_t s_head = bs * d, s_kv = hkv * s_head, s_block = kv.size(1) * s_kv;
   at::Tensor blocks = slot_blocks.contiguous(), offsets = slot_offsets.contiguous();
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t* op = offsets.data_ptr<int64_t>();
@@ -715,7 +723,7 @@ void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v, const at:
     for (int64_t h = 0; h < hkv; ++h) {
       const int64_t dst = bp[t] * s_block + h * s_head + op[t] * d;
       std::memcpy(base + dst * item, kp + (t * k.stride(0) + h * k.stride(1)) * item, d * item);
-      std::memcpy(base + (dst + s_kv) * item, vp + (t * v.stride(0) + h * v.stride(1)) * item, d * item);
+      if (has_v) std::memcpy(base + (dst + s_kv) * item, vp + (t * v.stride(0) + h * v.stride(1)) * item, d * item);
     }
   }
 }

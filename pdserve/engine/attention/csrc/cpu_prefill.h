@@ -9,7 +9,8 @@
 namespace pds {
 
 // Sequences whose query tokens are many (fresh prompts, long chunks after a cached prefix), over
-// their K/V pages in the pool kv[N, 2, Hkv, B, D]. Inputs as for paged_attention; out is [T, Hq, D].
+// their K/V pages in the pool kv[N, P, Hkv, B, D] (P = 2: K, V; P = 1: MLA, the V rows are the K rows).
+// Inputs as for paged_attention; out is [T, Hq, D].
 struct PrefillProblem {
   const void* q;
   int64_t q_row;  // elements from one query token's row to the next
@@ -20,6 +21,7 @@ struct PrefillProblem {
   const int32_t* ctx;     // [num_seqs]
   int64_t num_seqs, hq, hkv, d, bs, max_pages, window;
   float scale;
+  int64_t planes;  // kv.size(1)
 };
 
 // Whether this CPU and head size run the kernel: AVX-512 and D a multiple of 16 (up to 256).

@@ -110,8 +110,8 @@ __attribute__((always_inline)) inline void attend_rows(const pds::PrefillProblem
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t page = lo / pb.bs; page <= hi / pb.bs; ++page) {
     const int64_t block = pb.table[s * pb.max_pages + page];
-    const T* kpage = kv + block * 2 * kv_stride + h * head_stride;
-    const T* vpage = kpage + kv_stride;
+    const T* kpage = kv + block * pb.planes * kv_stride + h * head_stride;
+    const T* vpage = kpage + (pb.planes - 1) * kv_stride;  // one plane: the values are the keys
     for (int64_t off = 0; off < pb.bs; off += KC) {
       const int64_t k0 = page * pb.bs + off, n = std::min({KC, pb.bs - off, hi + 1 - k0});
       if (n <= 0) break;
