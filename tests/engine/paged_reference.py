@@ -21,10 +21,11 @@ def op():
     return fn
 
 
-def reference(q, kv, tables, q_lens, ctxs, block_size, scale, window=0):
+def reference(q, kv, tables, q_lens, ctxs, block_size, scale, window=0, sinks=None):
     """Gather each sequence's keys position by position; exact causal softmax in float64, over the
     last `window` keys of each query (0: all of them). Values are plane 1 of kv [N, P, Hkv, B, D], or
-    plane 0 of a one-plane (MLA) pool, whose latent is both."""
+    plane 0 of a one-plane (MLA) pool, whose latent is both. `sinks` [Hq] (gpt-oss): each head's
+    logit is one more column of its scores, softmaxed with them and then dropped."""
     out, t = [], 0
     hq, hkv = q.shape[1], kv.shape[2]
     for table, q_len, ctx in zip(tables, q_lens, ctxs):
@@ -38,7 +39,11 @@ def reference(q, kv, tables, q_lens, ctxs, block_size, scale, window=0):
             n = ctx - q_len + j + 1
             first = max(0, n - window) if window else 0
             scores = torch.einsum("hd,khd->hk", q[t].double(), keys[first:n]) * scale
-            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values[first:n]))
+            if sinks is not None:
+                probs = torch.cat([scores, sinks.double()[:, None]], dim=1).softmax(-1)[:, :-1]
+            else:
+                probs = scores.softmax(-1)
+            out.append(torch.einsum("hk,khd->hd", probs, values[first:n]))
             t += 1
     return torch.stack(out)
 

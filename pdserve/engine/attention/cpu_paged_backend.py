@@ -23,7 +23,7 @@ PROMPT_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 float32 (AVX-512) it ran 1.3-1.6x faster than SDPA's flash kernel at 64-512 tokens (2-core Sapphire
 Rapids). bfloat16 takes it only on AMX tiles (`prefill_amx_supported`: csrc/cpu_amx_prefill.cpp,
 2.4-3.3x SDPA there); without AMX, SDPA was 2x faster than the AVX-512 kernel's float32 arithmetic,
-so bf16 keeps SDPA."""
+so bf16 keeps SDPA, except in a layer with sinks, which SDPA cannot run (`_runs_prompts`)."""
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -34,7 +34,9 @@ class CpuPagedAttention(AttentionBackend):
     `CHUNK_SDPA_MIN_TOKENS` or more after a cached prefix gathers its pages for SDPA too
     (`chunk_attention`, also the torch backend's). In float32 on an AVX-512 CPU, and in bfloat16 on one
     with AMX tiles, both go instead to one call of the prompt kernel over their pages in place
-    (`PROMPT_KERNEL_DTYPES`). Until the op
+    (`PROMPT_KERNEL_DTYPES`). A layer with attention sinks (gpt-oss) passes them to both kernels; the
+    rows the prompt kernel does not take then go to the torch backend's `sink_attention` in place of
+    SDPA, which has no sink term. Until the op
     is built (first use on a machine), or forever without a compiler, steps run the torch backend's
     path (see `cpu_build`); the choice is made per step. The compiled ops run float32 and bfloat16;
     a float16 model runs the torch path throughout (`configure`), so that it never switches to ops
@@ -44,7 +46,7 @@ class CpuPagedAttention(AttentionBackend):
     def __init__(self) -> None:
         cpu_build.start_build()
         self._kernel_dtype = True
-        self._prompt_kernel: dict[tuple[int, torch.dtype], bool] = {}  # whether the prompt kernel runs it
+        self._prompt_kernel: dict[tuple[int, torch.dtype, bool], bool] = {}  # whether the prompt kernel runs it
         self._op = cpu_build.current_op()
         self._fallback = TorchAttention()
         self._plan: _StepPlan | None = None
@@ -77,9 +79,7 @@ class CpuPagedAttention(AttentionBackend):
         window: int | None = None,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        # The C++ kernels have no sink term, so a layer with sinks (gpt-oss) runs the torch path.
-        # TODO(speed): add the sink logit to the kernels' softmax denominators (one exp per query and head).
-        if self._op is None or q.device.type != "cpu" or sinks is not None:
+        if self._op is None or q.device.type != "cpu":
             return self._fallback.forward(q, k, v, kv, meta, scale, window=window, sinks=sinks)
         # kv: [N, P, Hkv, B, D] (P = 1: an MLA latent, which the kernels read as K and V); write this
         # step's K/V into the pages first
@@ -90,38 +90,45 @@ class CpuPagedAttention(AttentionBackend):
         assert plan is not None
         window = layer_window(meta, window)
         decode = plan.decode
+        # the kernels take the sinks (gpt-oss) as a last positional argument, None for none
         if decode.rows is None:  # decode-only or all short chunks: one call, no copies
-            return self._op(q, kv, decode.table, decode.starts, decode.ctx, scale, window or 0)
+            return self._op(q, kv, decode.table, decode.starts, decode.ctx, scale, window or 0, sinks)
         out = torch.empty_like(q)
         if decode.rows.numel():
             rows = decode.rows
             out[rows] = self._op(
-                q.index_select(0, rows), kv, decode.table, decode.starts, decode.ctx, scale, window or 0
+                q.index_select(0, rows), kv, decode.table, decode.starts, decode.ctx, scale, window or 0, sinks
             )
-        if q.dtype in PROMPT_KERNEL_DTYPES and self._runs_prompts(q.shape[-1], q.dtype):
+        if q.dtype in PROMPT_KERNEL_DTYPES and self._runs_prompts(q.shape[-1], q.dtype, sinks is not None):
             p = plan.prompts()
+            prompt_op = torch.ops.pdserve_cpu.paged_prefill_attention
             if p.rows is None:  # prompts only: one call, no copies
-                return torch.ops.pdserve_cpu.paged_prefill_attention(
-                    q, kv, p.table, p.starts, p.ctx, scale, window or 0
-                )
-            out[p.rows] = torch.ops.pdserve_cpu.paged_prefill_attention(
-                q.index_select(0, p.rows), kv, p.table, p.starts, p.ctx, scale, window or 0
+                return prompt_op(q, kv, p.table, p.starts, p.ctx, scale, window or 0, True, sinks)
+            out[p.rows] = prompt_op(
+                q.index_select(0, p.rows), kv, p.table, p.starts, p.ctx, scale, window or 0, True, sinks
             )
             return out
         b = meta.batch
+        # SDPA has no sink term: with sinks these take the torch backend's `sink_attention` (same masks)
         for i, s, e in plan.sdpa:
             if b.query_lens[i] == b.context_lens[i]:  # fresh prompt: causal SDPA over its own K/V
-                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale, window)
+                out[s:e] = causal_self_attention(q[s:e], k[s:e], v[s:e], scale, window, sinks)
             else:  # a long chunk after a cached prefix: SDPA over its gathered pages
                 table, ctx = b.block_tables[i], b.context_lens[i]
-                out[s:e] = chunk_attention(q[s:e], kv, table, ctx, meta.block_size, scale, window)
+                out[s:e] = chunk_attention(q[s:e], kv, table, ctx, meta.block_size, scale, window, sinks)
         return out
 
-    def _runs_prompts(self, head_dim: int, dtype: torch.dtype) -> bool:
-        key = (head_dim, dtype)
+    def _runs_prompts(self, head_dim: int, dtype: torch.dtype, sinks: bool = False) -> bool:
+        key = (head_dim, dtype, sinks)
         if key not in self._prompt_kernel:
             ops = torch.ops.pdserve_cpu
-            runs = ops.prefill_amx_supported(head_dim) if dtype == torch.bfloat16 else ops.prefill_supported(head_dim)
+            runs = ops.prefill_supported(head_dim)
+            if dtype == torch.bfloat16:
+                # without sinks bf16 takes the kernel on AMX tiles only (`PROMPT_KERNEL_DTYPES`); with
+                # them the alternative is `sink_attention`'s float32 matmuls, not SDPA, and the AVX-512
+                # kernel ran 4-14x faster than that (bench gpt-oss's 12/4 heads of 64, 64-512-token
+                # prompts, 2-core AVX-512 EPYC)
+                runs = ops.prefill_amx_supported(head_dim) or (sinks and runs)
             self._prompt_kernel[key] = bool(runs)
         return self._prompt_kernel[key]
 

@@ -22,7 +22,8 @@
 // the probabilities stay below 4096 and most chunks need no rescale (FlashAttention-4's rule).
 //
 // Masks as in the AVX-512 kernel: query j (position p) sees keys 0..p, and with a sliding window W
-// only those above p - W; chunks wholly inside every row's range skip the mask.
+// only those above p - W; chunks wholly inside every row's range skip the mask. Sinks (gpt-oss) join
+// each row's sum once, after the last chunk.
 //
 // Needs AMX bf16 (Sapphire Rapids or later; `pds::amx_ready`) and a head size that is a multiple of 32
 // up to 256 (`pds::amx_prefill_supported`); elsewhere bf16 prompts keep SDPA. Products and sums in
@@ -97,11 +98,12 @@ struct ItemRows {
   int32_t pos[kQ];        // position of each row in its sequence; -1 for padding rows
   const uint16_t* q[kQ];  // each row's query vector (null for padding rows)
   uint16_t* out[kQ];      // where each row's output goes
+  float sink2[kQ];        // each row's head's sink logit in the softmax's base-2 units (with sinks; 0 else)
 };
 
 ItemRows item_rows(const pds::PrefillProblem& pb, int64_t s, int64_t h, int64_t row0, int64_t row_end) {
   const int64_t g = pb.hq / pb.hkv, q_len = pb.qstart[s + 1] - pb.qstart[s], first_pos = pb.ctx[s] - q_len;
-  ItemRows it{std::min<int64_t>(kQ, row_end - row0), 0, 0, {}, {}, {}};
+  ItemRows it{std::min<int64_t>(kQ, row_end - row0), 0, 0, {}, {}, {}, {}};
   const uint16_t* q = static_cast<const uint16_t*>(pb.q);
   uint16_t* out = static_cast<uint16_t*>(pb.out);
   int64_t t = row0 / g, i = row0 % g;
@@ -110,6 +112,7 @@ ItemRows item_rows(const pds::PrefillProblem& pb, int64_t s, int64_t h, int64_t 
     it.pos[r] = real ? static_cast<int32_t>(first_pos + t) : -1;
     it.q[r] = real ? q + (pb.qstart[s] + t) * pb.q_row + (h * g + i) * pb.d : nullptr;
     it.out[r] = real ? out + ((pb.qstart[s] + t) * pb.hq + h * g + i) * pb.d : nullptr;
+    it.sink2[r] = real && pb.sinks ? pb.sinks[h * g + i] * 1.44269504088896341f : 0.0f;
     if (++i == g) {
       i = 0;
       ++t;
@@ -379,7 +382,17 @@ PDS_AMX_ATTN_TARGET void attend_item(const pds::PrefillProblem& pb, const Unit& 
   if constexpr (kDBlocks <= kOTiles) o_tiles<kDBlocks>(TileOp::kStore, s);
   // out = O / l, transposed back to [token][head][dim]; every real row saw at least its own key
   alignas(64) float inv[kQ];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), st.l));
+  if (pb.sinks) {
+    // A sink is one more term of the denominator with no value, taken once here: the max moves to it
+    // where it is larger (it may pass every score), rescaling O and l, so that neither overflows;
+    // out = O * alpha / (l * alpha + 2^(sink - max)), in the same base-2 units as m.
+    const __m512 sink = _mm512_loadu_ps(it.sink2), m_new = _mm512_max_ps(st.m, sink);
+    const __m512 alpha = exp2_16(_mm512_sub_ps(st.m, m_new));
+    const __m512 denom = _mm512_fmadd_ps(st.l, alpha, exp2_16(_mm512_sub_ps(sink, m_new)));
+    _mm512_store_ps(inv, _mm512_div_ps(alpha, denom));
+  } else {
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), st.l));
+  }
   for (int64_t b = 0; b < kDBlocks; ++b) {
     __m512i cols[16];
     for (int64_t x = 0; x < 16; ++x) cols[x] = _mm512_load_si512(s.o[b * 16 + x]);

@@ -6,6 +6,8 @@
 // sit at the last positions of its context (context_lens[s]); query j attends
 // causally to keys 0 .. ctx - q_len + j, found through block_table[s]; with a sliding window W > 0
 // (Mistral) only to the last W of them, its own included (Hugging Face: key > query - W).
+// With sinks (gpt-oss: float [Hq]), query head h's softmax has one more term, exp(sinks[h]), in its
+// denominator and none in the sum of values; both ops take them (`Tensor? sinks`, None: none).
 //
 // One work item is (query token, kv head): the group's Hq/Hkv query heads share each K/V row
 // read. It runs in three passes over its keys (see `attend`): the scores, L keys at a time from
@@ -38,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -115,6 +118,7 @@ struct Problem {
   int64_t hq, hkv, d, bs, max_pages, window;
   float scale;
   int64_t planes;  // kv.size(1): 2 (K, V) or 1 (the V rows are the K rows)
+  const float* sinks;  // [hq]: each query head's logit in its softmax denominator only (gpt-oss); null: none
 };
 
 // Per-thread buffers, sized once per parallel chunk (`scores` grows to the longest item's keys).
@@ -358,6 +362,10 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     const f32v<L> mv = get<L>(&sc.max[g * L]);
     float mx = mv[0];
     for (int64_t j = 1; j < L; ++j) mx = mv[j] > mx ? mv[j] : mx;
+    // A sink joins the max as well as the sum: it can exceed every score, and exp(sink - max) must
+    // not overflow. Once per (query, head), so the key loops stay as they are without sinks.
+    const float sink = pb.sinks ? pb.sinks[h * group + g] : -INFINITY;
+    mx = sink > mx ? sink : mx;
     float* row = scores + g * stride;
     // two vectors a step: their exps are independent chains the core can overlap
     f32v<L> total[2] = {};
@@ -373,6 +381,7 @@ __attribute__((always_inline)) inline void attend(const Problem& pb, int64_t ite
     const f32v<L> both = total[0] + total[1];
     float sum = 0.0f;
     for (int64_t j = 0; j < L; ++j) sum += both[j];
+    if (pb.sinks) sum += std::exp(sink - mx);  // the sink's share of the denominator; it has no value row
     sc.inv[g] = 1.0f / sum;
   }
   // 3. values. Wide kernels with a head size of whole vectors: one sweep over the V pages per CAP
@@ -562,7 +571,7 @@ void check_pages(const at::Tensor& block_table, const at::Tensor& query_start, c
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& query_start,
-         const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
+         const at::Tensor& context_lens, double scale, int64_t window, const float* sinks, at::Tensor& out) {
   const int64_t num_tokens = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = kv.size(2), bs = kv.size(3);
   const int64_t num_seqs = context_lens.size(0);
@@ -583,7 +592,7 @@ void run(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tabl
   }
   const Problem pb{q.data_ptr<T>(), q.stride(0), kv.data_ptr<T>(), out.data_ptr<T>(),
                    table, qstart, ctx, seq_of.data(), hq, hkv, d, bs, max_pages, window, static_cast<float>(scale),
-                   kv.size(1)};
+                   kv.size(1), sinks};
   // One contiguous range of items per thread, of about equal keys: contexts differ from one
   // sequence to the next, and equal item counts left one thread waiting for the other at the end.
   // A range reads at least about 256K K/V values: a batch-1 decode step reads far fewer, and waking
@@ -657,16 +666,28 @@ std::array<at::Tensor, 4> checked(const at::Tensor& q, const at::Tensor& kv, con
   return {qc, bt, qs, cl};
 }
 
+// The sinks as the kernels read them: float32 [Hq] (a model's bf16 copy is widened here, Hq values), or
+// an undefined tensor for none (None, or an empty tensor: callers with no sinks may pass either).
+at::Tensor checked_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor& q) {
+  if (!sinks.has_value() || !sinks->defined() || sinks->numel() == 0) return at::Tensor();
+  TORCH_CHECK(sinks->device().is_cpu() && sinks->dim() == 1 && sinks->size(0) == q.size(1),
+              "sinks must be a CPU tensor [Hq] of one logit per query head, got ", sinks->sizes());
+  TORCH_CHECK(at::isFloatingType(sinks->scalar_type()), "sinks must be floating point");
+  return sinks->to(at::kFloat).contiguous();
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                            const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
-                           int64_t window) {
+                           int64_t window, const std::optional<at::Tensor>& sinks) {
   auto [qc, bt, qs, cl] = checked(q, kv, block_table, query_start, context_lens, window);
   window = std::min<int64_t>(window, kWidestWindow);
+  const at::Tensor sk = checked_sinks(sinks, q);
+  const float* sp = sk.defined() ? sk.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat)
-    run<float>(qc, kv, bt, qs, cl, scale, window, out);
+    run<float>(qc, kv, bt, qs, cl, scale, window, sp, out);
   else
-    run<at::BFloat16>(qc, kv, bt, qs, cl, scale, window, out);
+    run<at::BFloat16>(qc, kv, bt, qs, cl, scale, window, sp, out);
   return out;
 }
 
@@ -675,16 +696,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
 // (cpu_amx_prefill.cpp) where `prefill_amx_supported` says so, unless `amx` is false.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                                    const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
-                                   int64_t window, bool amx) {
+                                   int64_t window, bool amx, const std::optional<at::Tensor>& sinks) {
   auto [qc, bt, qs, cl] = checked(q, kv, block_table, query_start, context_lens, window);
   window = std::min<int64_t>(window, kWidestWindow);
+  const at::Tensor sk = checked_sinks(sinks, q);
   TORCH_CHECK(pds::prefill_supported(q.size(2)), "the prompt kernel needs AVX-512 and a head size that is a ",
               "multiple of 16 up to 256; see prefill_supported");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const pds::PrefillProblem pb{qc.data_ptr(), qc.stride(0), kv.data_ptr(), out.data_ptr(),
                                bt.data_ptr<int32_t>(), qs.data_ptr<int32_t>(), cl.data_ptr<int32_t>(),
                                cl.size(0), q.size(1), kv.size(2), q.size(2), kv.size(3), bt.size(1), window,
-                               static_cast<float>(scale), kv.size(1)};
+                               static_cast<float>(scale), kv.size(1), sk.defined() ? sk.data_ptr<float>() : nullptr};
   if (q.scalar_type() == at::kFloat)
     pds::prefill_attention_f32(pb);
   else if (amx && pds::amx_prefill_supported(q.size(2)))
@@ -739,12 +761,12 @@ bool prefill_amx_supported_op(int64_t head_dim) { return pds::amx_prefill_suppor
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("attention_kernels() -> int", &attention_kernels);
   m.def("paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor query_start, Tensor context_lens, "
-        "float scale, int window=0) -> Tensor");
+        "float scale, int window=0, Tensor? sinks=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def("prefill_supported(int head_dim) -> bool", &prefill_supported_op);
   m.def("prefill_amx_supported(int head_dim) -> bool", &prefill_amx_supported_op);
   m.def("paged_prefill_attention(Tensor q, Tensor kv, Tensor block_table, Tensor query_start, "
-        "Tensor context_lens, float scale, int window=0, bool amx=True) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, bool amx=True, Tensor? sinks=None) -> Tensor");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
   m.def("store_kv(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
   m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);

@@ -22,6 +22,7 @@ struct PrefillProblem {
   int64_t num_seqs, hq, hkv, d, bs, max_pages, window;
   float scale;
   int64_t planes;  // kv.size(1)
+  const float* sinks;  // [hq]: a logit per query head in its softmax denominator only (gpt-oss); null: none
 };
 
 // Whether this CPU and head size run the kernel: AVX-512 and D a multiple of 16 (up to 256).

@@ -12,8 +12,9 @@
 // with each V value broadcast. Only at the end is it transposed back and divided by the sums.
 //
 // Masks: query j (position p) sees keys 0..p, and with a sliding window W only those above p - W.
-// Chunks wholly inside every row's range skip the mask. Float32 throughout (bf16 K/V widened a chunk
-// at a time, a float32 exp: `exp_f32`); bf16 output rounded once at the end.
+// Chunks wholly inside every row's range skip the mask. Sinks (gpt-oss) join each row's sum once, at
+// the end. Float32 throughout (bf16 K/V widened a chunk at a time, a float32 exp: `exp_f32`); bf16
+// output rounded once at the end.
 //
 // AVX-512 only (the 16-lane variant, target x86-64-v4, built with GCC on x86-64); other CPUs and
 // builds keep SDPA (`prefill_supported`).
@@ -49,8 +50,17 @@ struct Scratch {
   std::vector<int32_t> pos;   // [RV][L]: each row's position in its sequence; -1 for padding rows
   std::vector<float> p;       // [KC][L]: one row vector's probabilities over a chunk
   std::vector<float> kf, vf;  // [KC][d]: a chunk's K and V rows in float32, zero past its keys
+  std::vector<float> sink;    // [RV][L]: each row's head's sink logit (with sinks only)
   explicit Scratch(int64_t d)
-      : qt(d * RV * L), ot(d * RV * L), m(RV * L), l(RV * L), pos(RV * L), p(KC * L), kf(KC * d), vf(KC * d) {}
+      : qt(d * RV * L),
+        ot(d * RV * L),
+        m(RV * L),
+        l(RV * L),
+        pos(RV * L),
+        p(KC * L),
+        kf(KC * d),
+        vf(KC * d),
+        sink(RV * L) {}
 };
 
 // exp of every lane in float32: pds::fast_exp's Cephes polynomial (~1 ulp), 16 lanes at a time. The
@@ -97,6 +107,7 @@ __attribute__((always_inline)) inline void attend_rows(const pds::PrefillProblem
   for (int64_t r = 0; r < RV * L; ++r) {
     const int64_t row = it.row0 + r, t = row / g;
     sc.pos[r] = r < rows ? static_cast<int32_t>(first_pos + t) : -1;
+    if (pb.sinks) sc.sink[r] = r < rows ? pb.sinks[h * g + row % g] : 0.0f;
     const T* src = q + (pb.qstart[s] + t) * pb.q_row + (h * g + row % g) * d;
     for (int64_t c = 0; c < d; ++c) sc.qt[(c * RV + r / L) * L + r % L] = r < rows ? to_f32(src[c]) : 0.0f;
   }
@@ -179,6 +190,20 @@ __attribute__((always_inline)) inline void attend_rows(const pds::PrefillProblem
   // normalise lane-wise (a scalar division per value cost a quarter of the item), then transpose back
   for (int64_t rv = 0; rv < vecs; ++rv) {
     const v16 sum = get<L>(sc.l.data() + rv * L);
+    if (pb.sinks) {
+      // The sink is one more term of each row's denominator, with no value: taken once at the end, as
+      // a last key would be, so that the max moves to it where it is larger (it may exceed every
+      // score) and nothing overflows; then o * alpha / (l * alpha + exp(sink - max)).
+      const v16 m = get<L>(sc.m.data() + rv * L), sink = get<L>(sc.sink.data() + rv * L);
+      const v16 m_new = m > sink ? m : sink;
+      const v16 alpha = exp_f32(m - m_new);
+      const v16 factor = alpha / (sum * alpha + exp_f32(sink - m_new));
+      for (int64_t c = 0; c < d; ++c) {
+        float* o = sc.ot.data() + (c * RV + rv) * L;
+        put<L>(o, get<L>(o) * factor);
+      }
+      continue;
+    }
     for (int64_t c = 0; c < d; ++c) {
       float* o = sc.ot.data() + (c * RV + rv) * L;
       put<L>(o, get<L>(o) / sum);
