@@ -79,10 +79,16 @@ class GptOssMoe(SparseMoe):
     def load(cls, config: ModelConfig, t: dict[str, torch.Tensor], layer: int, prepack: bool) -> GptOssMoe:
         """Layer `layer`'s router and experts, popped from `t`. The checkpoint's gate_up [E, H, 2I]
         has gate at even and up at odd columns: each expert's becomes one [2I, H] Linear, gate rows
-        then up rows (its bias likewise), so one GEMM still computes both."""
+        then up rows (its bias likewise), so one GEMM still computes both.
+
+        `config` is this process's share (`TPShard.local_config`): I its part of each expert's width,
+        and under expert parallelism the expert tensors hold only `moe.expert_range`, keyed here by
+        their global ids (experts of other ranks are absent: SparseMoe's rows for them stay zero).
+        The router is whole: every rank routes every token."""
         moe, swiglu = config.moe, config.swiglu
         assert moe is not None and swiglu is not None
-        e, h, i = moe.num_experts, config.hidden_size, moe.intermediate_size
+        first, stop = moe.expert_range or (0, moe.num_experts)
+        e, h, i = stop - first, config.hidden_size, moe.intermediate_size
         p = f"model.layers.{layer}.mlp."
         gate_up = _take(t, p + "experts.gate_up_proj", (e, h, 2 * i))
         gate_up_bias = _take(t, p + "experts.gate_up_proj_bias", (e, 2 * i))
@@ -92,12 +98,12 @@ class GptOssMoe(SparseMoe):
         for x in range(e):
             weight = torch.cat([gate_up[x, :, 0::2].T, gate_up[x, :, 1::2].T])
             bias = torch.cat([gate_up_bias[x, 0::2], gate_up_bias[x, 1::2]])
-            experts[x] = Expert(
+            experts[first + x] = Expert(
                 Linear(weight, bias, prepack=prepack),
                 Linear(down[x].T.contiguous(), down_bias[x].contiguous(), prepack=prepack),
             )
-        router = _take(t, p + "router.weight", (e, h))
-        return cls(moe, router, _take(t, p + "router.bias", (e,)), experts, swiglu)
+        router = _take(t, p + "router.weight", (moe.num_experts, h))
+        return cls(moe, router, _take(t, p + "router.bias", (moe.num_experts,)), experts, swiglu)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (weights [T, k] in h's dtype, expert ids [T, k]): top-k of the biased router

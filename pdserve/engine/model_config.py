@@ -72,6 +72,9 @@ class MoeConfig:
     """Layers below this index run a dense MLP of the model's `intermediate_size` (DeepSeek)."""
     router_float32: bool = False
     """The router GEMM runs in float32 on float32 weights (DeepSeek keeps its gate in float32)."""
+    expert_range: tuple[int, int] | None = None
+    """[start, stop) of the experts this process holds under expert parallelism (set by
+    `TPShard.local_config`: gpt-oss's fused expert tensors arrive sliced to them); None: all."""
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` (global index) has the expert MLP."""

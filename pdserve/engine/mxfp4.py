@@ -11,7 +11,7 @@ of its bf16 checkpoints and of transformers' parameters.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -58,9 +58,49 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, n
     return out
 
 
-def dequantize_loaded(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-    """Replace every `<name>_blocks`/`<name>_scales` pair in `tensors` by `<name>`, dequantized."""
+Cut = tuple[int, int, int]
+"""(dim, start, stop) of a dequantized [E, in, out] weight (`TPShard.tensor_slice`)."""
+
+
+def weight_name(part: str) -> str:
+    """`<name>_blocks` or `<name>_scales` -> `<name>`."""
+    for suffix in PARTS:
+        part = part.removesuffix(suffix)
+    return part
+
+
+def stored_index(cut: Cut) -> tuple[slice, ...]:
+    """The index, into blocks [E, out, in / 32, 16] and scales [E, out, in / 32], of what holds `cut`
+    of the dequantized weight: experts and outputs are whole stored rows; inputs are packed 32 to a
+    block, so the blocks covering [start, stop) (`trim` drops the values outside it)."""
+    dim, start, stop = cut
+    if dim == 1:
+        return (slice(None), slice(None), slice(start // BLOCK, -(-stop // BLOCK)))
+    return (slice(None),) * {0: 0, 2: 1}[dim] + (slice(start, stop),)
+
+
+def trim(weight: torch.Tensor, cut: Cut) -> torch.Tensor:
+    """`weight`, dequantized from the blocks `stored_index(cut)` chose, narrowed to `cut`: along the
+    inputs a slice need not be 32-aligned (e.g. 2880 / 4 ranks), its first block may begin before it."""
+    dim, start, stop = cut
+    if dim != 1:
+        return weight
+    offset = start % BLOCK
+    return weight[:, offset : offset + stop - start].contiguous()
+
+
+def dequantize_loaded(
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    cut_of: Callable[[str], Cut | None] | None = None,
+) -> None:
+    """Replace every `<name>_blocks`/`<name>_scales` pair in `tensors` by `<name>`, dequantized;
+    `cut_of(name)`: the slice of it this process holds, the pair being the blocks `stored_index` read
+    for it (tensor parallelism); None: whole."""
     for blocks_name in [n for n in tensors if n.endswith(PARTS[0])]:
         name = blocks_name.removesuffix(PARTS[0])
         blocks, scales = tensors.pop(blocks_name), tensors.pop(name + PARTS[1])
-        tensors[name] = dequantize(blocks, scales, dtype, name).to(device)
+        weight = dequantize(blocks, scales, dtype, name)
+        cut = cut_of(name) if cut_of is not None else None
+        tensors[name] = (weight if cut is None else trim(weight, cut)).to(device)

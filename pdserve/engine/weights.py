@@ -135,7 +135,8 @@ def load_tensors(
     matching block rows or columns of their scales, returned float32 under the checkpoint's
     `<name>_scale_inv` key beside each weight (`fp8.fused_linear` builds the linears). Experts are
     dequantized either way. MXFP4 experts (gpt-oss) are dequantized to `dtype` too, on any device
-    (`engine.mxfp4`), and returned under their weight's name."""
+    (`engine.mxfp4`), only the blocks holding this rank's slice, and returned under their weight's
+    name. A bias that `shard.zeroes` is returned as zeros."""
     files = _tensor_files(Path(model_dir))
     experts = shard.experts(config) if shard is not None else None
     wanted = needed_tensor_names(config, layer_range, experts)
@@ -155,14 +156,19 @@ def load_tensors(
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
     out: dict[str, torch.Tensor] = {}
+
+    def cut_of(name: str) -> tuple[int, int, int] | None:
+        return shard.tensor_slice(name, config) if shard is not None else None
+
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:
-                if config.mxfp4 and name.endswith(mxfp4.PARTS):  # uint8 codes and exponents, as stored
-                    out[name] = f.get_tensor(name)
+                if config.mxfp4 and name.endswith(mxfp4.PARTS):  # uint8 codes and exponents: the blocks
+                    mx_cut = cut_of(mxfp4.weight_name(name))  # that hold this rank's slice, as stored
+                    out[name] = f.get_tensor(name) if mx_cut is None else f.get_slice(name)[mxfp4.stored_index(mx_cut)]
                     continue
                 scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
-                cut = shard.tensor_slice(name, config) if shard is not None else None
+                cut = cut_of(name)
                 if scale_name in files:
                     weight, scale = _read_fp8(f.get_tensor(name), files, scale_name, config, name)
                     if fp8_gemm and ".experts." not in name:
@@ -185,10 +191,12 @@ def load_tensors(
                 if tensor.dtype == torch.float8_e4m3fn and scale_name not in files:
                     raise ValueError(f"{name} is float8 but the checkpoint has no {scale_name} to scale it")
                 out[name] = tensor.to(device=device, dtype=dtype)
+                if shard is not None and shard.zeroes(name):  # rank 0's copy alone enters the all-reduce
+                    out[name].zero_()
     if config.mxfp4:
         if device.type == "cuda":
             log.info("MXFP4 checkpoint: experts dequantized to %s at load (no MXFP4 GEMMs)", dtype)
-        mxfp4.dequantize_loaded(out, dtype, device)
+        mxfp4.dequantize_loaded(out, dtype, device, cut_of)
     return out
 
 

@@ -1,6 +1,6 @@
-"""KV paths beyond prefill -> decode on mixture-of-experts models (tiny Qwen3-MoE, DeepSeek-V3): the D->P pull of
-a held prefix, and a stream migrated off a decode node killed mid-stream, each with the text the
-engine gives alone."""
+"""KV paths beyond prefill -> decode on mixture-of-experts models (tiny Qwen3-MoE, DeepSeek-V3,
+gpt-oss): the D->P pull of a held prefix, and a stream migrated off a decode node killed mid-stream,
+each with the text the engine gives alone."""
 
 from __future__ import annotations
 
@@ -22,10 +22,17 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(
-    scope="module", params=["qwen3-moe", pytest.param("deepseek-v3", marks=pytest.mark.slow)], ids=lambda a: a
+    scope="module",
+    params=[
+        "qwen3-moe",
+        pytest.param("deepseek-v3", marks=pytest.mark.slow),
+        pytest.param("gpt-oss", marks=pytest.mark.slow),
+    ],
+    ids=lambda a: a,
 )
 def moe_dir(tmp_path_factory, request):
-    """Qwen3-MoE, and DeepSeek-V3 (latent KV: one plane of one "head", pulled and migrated whole)."""
+    """Qwen3-MoE, DeepSeek-V3 (latent KV: one plane of one "head", pulled and migrated whole), and
+    gpt-oss (the KV of windowed and full layers alike, pulled and migrated whole)."""
     return make_tiny_model(tmp_path_factory.mktemp("moe"), "tiny", arch=request.param)
 
 

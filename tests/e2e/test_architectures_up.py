@@ -5,7 +5,9 @@ ranks with whole experts each (P TP=1 -> D TP=2). The prompt is prefilled on the
 its KV streamed into the decode node (local prefill off; one case runs `up`'s defaults); a second
 request that shares the first one's prompt reuses its KV; a JSON-schema request is constrained; and
 `pdserve batch` runs a MoE model on TD-Pipe stages. DeepSeek-V2/V3 run the same cases, their latent
-KV streamed whole into each decode rank. Cases marked slow run in CI's slow pass."""
+KV streamed whole into each decode rank; gpt-oss too (sinks, per-layer windows, biases; its decode
+ranks split heads and experts), and its chat template answers /v1/chat/completions as `generate
+--chat` does. Cases marked slow run in CI's slow pass."""
 
 from __future__ import annotations
 
@@ -59,6 +61,18 @@ def _complete(port: int, prompt: str, **extra) -> dict:
     return r.json()
 
 
+def _chat(port: int, content: str) -> str:
+    """The reply to one user message through /v1/chat/completions (the model's chat template)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS}
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body | {"temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    return _whole_chars(r.json()["choices"][0]["message"]["content"])
+
+
+CHAT_ARCHS = {"gpt-oss"}
+"""Architectures whose case also asks /v1/chat/completions for `generate --chat`'s reply: gpt-oss's
+checkpoints ship a harmony-format template, the tiny one the tiny tokenizer's ChatML."""
+
 REMOTE = ["--num-prefill", "1", "--num-decode", "1", "--local-prefill-max-tokens", "0"]
 """One prefill and one decode node, and every prompt prefilled on the prefill node."""
 
@@ -87,11 +101,26 @@ REMOTE = ["--num-prefill", "1", "--num-decode", "1", "--local-prefill-max-tokens
         ),
         pytest.param("deepseek-v2", False, "tcp", REMOTE, id="deepseek-v2-tcp", marks=pytest.mark.slow),
         pytest.param("deepseek-v2", False, "tcp", [], id="deepseek-v2-defaults", marks=pytest.mark.slow),
+        # gpt-oss (sinks, per-layer windows, biases): P TP=1 -> D TP=2, its sinks and o_proj bias split
+        pytest.param(
+            "gpt-oss", False, "rdma", REMOTE + ["--decode-tensor-parallel-size", "2"], id="gpt-oss-p1-d2-rdma"
+        ),
+        pytest.param("gpt-oss", False, "tcp", REMOTE, id="gpt-oss-tcp", marks=pytest.mark.slow),
+        pytest.param(
+            "gpt-oss",
+            False,
+            "tcp",
+            REMOTE + ["--decode-tensor-parallel-size", "2", "--enable-expert-parallel"],
+            id="gpt-oss-p1-d2-ep",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param("gpt-oss", False, "tcp", [], id="gpt-oss-defaults", marks=pytest.mark.slow),
     ],
 )
 def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport, shape):
     model_dir = make_tiny_model(tmp_path / arch, "tiny", arch=arch, fp8=fp8)
     expected = [_generate(model_dir, p) for p in (PROMPT, LONGER)]
+    expected_chat = _generate(model_dir, PROMPT, "--chat") if arch in CHAT_ARCHS else None
     port = free_port()
     env_before = os.environ.get("PDSERVE_RDMA_EMULATOR")
     os.environ["PDSERVE_RDMA_EMULATOR"] = "1"  # read by the nodes when --transport rdma
@@ -126,6 +155,8 @@ def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport, shape
             assert isinstance(json.loads(text)["n"], int), text
         else:  # cut by max_tokens: still a prefix of the grammar's language
             assert text.lstrip().startswith("{"), text
+        if expected_chat is not None:
+            assert _chat(port, PROMPT) == expected_chat
     finally:
         if up.proc.poll() is None:
             up.proc.send_signal(signal.SIGINT)
@@ -137,7 +168,9 @@ def test_up_serves_the_text_generate_gives(tmp_path, arch, fp8, transport, shape
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen3-moe", pytest.param("deepseek-v3", marks=pytest.mark.slow)], ids=["qwen3-moe", "deepseek-v3"]
+    "arch",
+    ["qwen3-moe", pytest.param("deepseek-v3", marks=pytest.mark.slow), pytest.param("gpt-oss", marks=pytest.mark.slow)],
+    ids=["qwen3-moe", "deepseek-v3", "gpt-oss"],
 )
 def test_batch_on_td_pipe_stages_gives_the_text_generate_gives(tmp_path, arch):
     """`pdserve batch` runs a mixture-of-experts model as a two-stage TD-Pipe pipeline (its layers,

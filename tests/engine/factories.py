@@ -67,8 +67,10 @@ def build_checkpoint(kind: str, out_dir: Path, tokenizer_src: Path) -> Path:
     elif kind == "mixtral":
         mix = dict(common, intermediate_size=48, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
         cfg, cls = MixtralConfig(sliding_window=32, **mix), MixtralForCausalLM
-    elif kind == "gpt-oss":
-        cfg, cls = GptOssConfig(**GPT_OSS, **dict(common, num_hidden_layers=4, intermediate_size=64)), GptOssForCausalLM
+    elif kind in ("gpt-oss", "gpt-oss-tp"):  # -tp: experts 96 wide, 48 a rank of two (not a multiple of 32)
+        width = 96 if kind == "gpt-oss-tp" else 64
+        gpt_oss = dict(common, num_hidden_layers=4, intermediate_size=width)
+        cfg, cls = GptOssConfig(**GPT_OSS, **gpt_oss), GptOssForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234)

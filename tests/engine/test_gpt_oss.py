@@ -7,7 +7,8 @@ runs the same kind on short prompts too); bfloat16 and float16 teacher-forced wi
 models' 0.2 and 0.05. Its
 pieces alone: YaRN tables bit for bit, the experts against transformers' GptOssMLP, the sink softmax
 against a float64 reference on every backend path, per-layer windows through the C++ kernels; and
-what is refused, each with its key or tensor named.
+what is refused, each with its key or tensor named. Tensor and expert parallelism:
+test_gpt_oss_parallel.py.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.attention import make_backend
+from pdserve.engine.attention import make_backend, torch_backend
 from pdserve.engine.attention.base import AttentionMetadata
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.parallel.sharding import TPShard
 from tests.engine.factories import build_checkpoint, hf_greedy
 
 NEW_TOKENS = 12
@@ -54,6 +54,10 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
 
 
+def _refused(*args, **kwargs):
+    raise AssertionError("cpu_paged ran a gpt-oss step on the torch backend")
+
+
 def _assert_matches(hf, llm: LLM, prompts: list[list[int]]) -> None:
     for prompt, out in zip(prompts, llm.generate(prompts, _params())):
         ids, ref = hf_greedy(hf, prompt, NEW_TOKENS)
@@ -73,14 +77,24 @@ def test_config_reads_windows_sinks_and_yarn(model_dir):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
-def test_greedy_matches_transformers_beyond_the_windows(model_dir, backend):
+def test_greedy_matches_transformers_beyond_the_windows(model_dir, backend, monkeypatch):
     """96-token steps: prompts of 100-140 tokens prefill in two chunks, the second after a cached
-    prefix; three of them share a 48-token prefix that a first request cached."""
+    prefix; three of them share a 48-token prefix that a first request cached. On cpu_paged the
+    decode rows (sinks and all) run the C++ kernel: the torch path is refused for them."""
     llm = LLM(model_dir, num_kv_blocks=512, block_size=8, max_num_batched_tokens=96, attention_backend=backend)
     try:
-        if backend == "cpu_paged":  # the fused elementwise ops run; attention with sinks takes the torch path
-            llm.engine.runner.attention.wait_ready()
-            assert llm.engine.runner.attention.uses_kernel
+        if backend == "cpu_paged":  # the fused elementwise ops and the attention kernels run, with the sinks
+            attention = llm.engine.runner.attention
+            attention.wait_ready()
+            assert attention.uses_kernel
+            monkeypatch.setattr(attention._fallback, "forward", _refused)
+            sink_attention = torch_backend.sink_attention  # a prompt's rows may take it without the prompt kernel
+
+            def prompt_rows_only(q, *args):
+                assert q.shape[2] > 1, "a decode row took sink_attention"
+                return sink_attention(q, *args)
+
+            monkeypatch.setattr(torch_backend, "sink_attention", prompt_rows_only)
         prefix = [random.Random(3).randrange(5, 1700) for _ in range(48)]
         llm.generate(_prompts(0, 1, (60, 70), prefix), _params())
         prompts = _prompts(1, 3, (100, 140)) + _prompts(2, 3, (52, 92), prefix)
@@ -217,8 +231,8 @@ def _mixed_step(d: int = 32):
 @pytest.mark.parametrize("window, meta_window, expect", [(8, None, 8), (0, 8, 0), (None, 8, 8), (None, None, 0)])
 @pytest.mark.parametrize("with_sinks", [True, False])
 def test_backends_honour_layer_windows_and_sinks(backend_name, window, meta_window, expect, with_sinks):
-    """`window` None takes the step's window, 0 none, W its own; cpu_paged runs a layer without sinks
-    on its kernels with that window and one with sinks on the torch path; both against float64."""
+    """`window` None takes the step's window, 0 none, W its own; cpu_paged runs a layer with or
+    without sinks on its kernels with that window; both against float64."""
     q, k, v, pool, batch, tables, q_lens, ctxs, bs, sinks = _mixed_step()
     meta = AttentionMetadata.build(batch, bs, torch.device("cpu"), meta_window)
     backend = make_backend(backend_name)
@@ -316,12 +330,10 @@ def test_bad_configs_are_refused_by_key(model_dir, change, match):
         ModelConfig.from_dict(dict(_raw(model_dir), **change))
 
 
-def test_mxfp4_elsewhere_and_parallel_ranks_are_refused(model_dir, tiny_model_dir):
+def test_mxfp4_elsewhere_is_refused(tiny_model_dir):
     llama = json.loads((tiny_model_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
         ModelConfig.from_dict(dict(llama, quantization_config={"quant_method": "mxfp4"}))
-    with pytest.raises(ValueError, match="one rank"):
-        TPShard(0, 2).check(ModelConfig.from_dir(model_dir))
 
 
 def test_a_sink_tensor_of_the_wrong_shape_is_refused_at_load(model_dir, tmp_path):

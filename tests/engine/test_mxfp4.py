@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,10 +52,13 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def mxfp4_dir(tiny_model_dir, tmp_path_factory):
-    """The gpt-oss factory checkpoint with its experts in MXFP4, as openai/gpt-oss ships them: each
-    [E, in, out] weight quantized along `in` as its transpose [E, out, in]."""
     src = build_checkpoint("gpt-oss", tmp_path_factory.mktemp("gpt-oss"), tiny_model_dir)
-    dst = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    return to_mxfp4(src, tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+
+
+def to_mxfp4(src: Path, dst: Path) -> Path:
+    """gpt-oss checkpoint `src` copied to `dst` with its experts in MXFP4, as openai/gpt-oss ships
+    them: each [E, in, out] weight quantized along `in` as its transpose [E, out, in]."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
     tensors = {}
     for name, w in load_file(str(src / "model.safetensors")).items():

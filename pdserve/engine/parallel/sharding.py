@@ -15,6 +15,12 @@ DeepSeek's latent attention splits its heads the same way (q's and kv_b_proj's r
 columns), while the latent, one KV "head", is whole on every rank; its shared expert is split like a
 dense MLP.
 
+gpt-oss adds biases and sinks: q/k/v's biases and the sinks [Hq] go with their heads; a bias added
+after a row-parallel projection (o_proj's, and each expert's down bias unless experts are placed
+whole) is held whole by rank 0 and as zeros by the others (`zeroes`), so the all-reduce adds it once.
+Its experts are stored fused over all of them ([E, ...] tensors): sliced by I within each expert, or
+by E under expert parallelism, each expert's biases with it.
+
 KV heads are split like the query heads. When a model has fewer KV heads than ranks, each KV head
 is replicated on `size / num_kv_heads` ranks, as vLLM does, so that every rank holds the one KV
 head its query heads attend to. A later fusion of q/k/v or gate/up in the checkpoint changes only
@@ -26,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_config import GPT_OSS, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,6 @@ class TPShard:
             )
         if self.expert_parallel and cfg.moe is None:
             raise ValueError("--enable-expert-parallel needs a mixture-of-experts model")
-        if cfg.attention_sinks and self.size > 1:  # sinks, o_proj and expert biases are not split here
-            raise ValueError(
-                f"{cfg.architecture} is served on one rank: tensor and expert parallelism are not supported"
-            )
         if cfg.moe is not None and cfg.moe.shared_intermediate_size % self.size:
             raise ValueError(
                 f"tensor-parallel size {self.size} does not divide the shared experts' width "
@@ -96,6 +98,9 @@ class TPShard:
             moe = dataclasses.replace(moe, shared_intermediate_size=moe.shared_intermediate_size // self.size)
         if moe is not None and not self.expert_parallel:
             moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size)
+        held = self.experts(cfg)
+        if moe is not None and held is not None:
+            moe = dataclasses.replace(moe, expert_range=(held.start, held.stop))
         return dataclasses.replace(
             cfg,
             num_attention_heads=cfg.num_attention_heads // self.size,
@@ -116,6 +121,12 @@ class TPShard:
             return (1 if ".down_proj." in name else 0), self.rank * width, (self.rank + 1) * width
         if cfg.mla is not None and ".self_attn." in name:
             return self._mla_slice(name, cfg)
+        if cfg.architecture == GPT_OSS and ".mlp.experts." in name:
+            return self._fused_expert_slice(name, cfg)
+        if name.endswith(".self_attn.o_proj.bias"):
+            return None  # whole, and zeros on all but rank 0 (`zeroes`)
+        if name.endswith(".self_attn.sinks"):
+            return 0, *self.q_heads(cfg)
         if ".experts." in name:
             if self.expert_parallel or cfg.moe is None:
                 return None  # whole experts (which ones: `experts`)
@@ -137,6 +148,33 @@ class TPShard:
         if ".mlp.down_proj." in name:
             return 1, self.rank * inter, (self.rank + 1) * inter
         return None  # the layer norms
+
+    def zeroes(self, name: str) -> bool:
+        """Whether this rank holds zeros in place of tensor `name`: a bias added after a row-parallel
+        projection, whose ranks' outputs the all-reduce sums, is kept by rank 0 alone to be added once
+        (an expert's down bias is not split under expert parallelism: its expert runs on one rank)."""
+        if self.size == 1 or self.rank == 0:
+            return False
+        down_bias = name.endswith(".mlp.experts.down_proj_bias") and not self.expert_parallel
+        return down_bias or name.endswith(".self_attn.o_proj.bias")
+
+    def _fused_expert_slice(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
+        """gpt-oss's experts, each tensor over all of them: gate_up_proj [E, H, 2I], its bias [E, 2I],
+        down_proj [E, I, H], its bias [E, H]. Expert parallelism: this rank's experts (dim 0), biases
+        included. Else each expert's share [i0, i1) of I: gate and up interleave along 2I (gate at
+        even columns), so that share is the contiguous columns [2 * i0, 2 * i1); down's bias is whole
+        (`zeroes`)."""
+        assert cfg.moe is not None
+        held = self.experts(cfg)
+        if held is not None:
+            return 0, held.start, held.stop
+        width = cfg.moe.intermediate_size // self.size
+        i0, i1 = self.rank * width, (self.rank + 1) * width
+        if name.endswith(".down_proj_bias"):
+            return None
+        if name.endswith(".down_proj"):
+            return 1, i0, i1
+        return (1 if name.endswith("_bias") else 2), 2 * i0, 2 * i1
 
     def _mla_slice(self, name: str, cfg: ModelConfig) -> tuple[int, int, int] | None:
         """MLA: q's up-projection and kv_b_proj by this rank's heads, o_proj by their value columns;
