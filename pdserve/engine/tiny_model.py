@@ -171,8 +171,9 @@ GPT_OSS_WINDOW = {"tiny": 16, "bench": 128}
 """gpt-oss's sliding window per size: 16 keys on tiny, so that test prompts of ~70 tokens outgrow it."""
 MLA_DIMS = {
     "tiny": dict(kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=48),
-    # DeepSeek-V2-Lite's proportions at the bench size: a latent of 256 + 32 values per token and layer
-    "bench": dict(kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, q_lora_rank=384),
+    # DeepSeek-V2/V3's own attention dims (a latent of 512 + 64 values per token and layer), which
+    # vLLM's CPU MLA also runs (it takes latents of 320, 512 or 576 values only)
+    "bench": dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=384),
 }
 """Latent attention dims of the DeepSeek archs per size (`q_lora_rank` on V3 only)."""
 

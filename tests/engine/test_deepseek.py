@@ -1,9 +1,10 @@
 """DeepSeek-V2 and V3 (latent attention, grouped MoE routing, shared experts) against Hugging Face
 transformers on random-weight checkpoints saved by transformers itself, odd sizes.
 
-float32: greedy ids identical and logprobs within 1e-4 on both CPU attention backends, in a batch and
-after a cached prefix, and over two tensor-parallel ranks (heads split, the latent whole on each);
-bfloat16 teacher-forced within the other models' tolerance. Also: the pool holds the latent once
+float32: greedy ids identical and logprobs within 1e-4 on both CPU attention backends, in a batch
+and after a cached prefix, and over two tensor-parallel ranks (heads split, the latent whole on
+each; experts split or whole); bfloat16 and float16 teacher-forced within the other models'
+tolerances. Also: the pool holds the latent once
 (one plane of kv_lora_rank + qk_rope_head_dim values), and bad configs are refused by key.
 """
 
@@ -162,22 +163,31 @@ def test_pool_holds_the_latent_once(checkpoints):
         llm.close()
 
 
-@pytest.mark.parametrize("kind", ["v2", "v3"])
-def test_two_ranks_match_transformers(checkpoints, kind):
-    """Heads (q, kv_b_proj, o_proj) and every expert and shared expert split over two ranks; each rank
-    caches the whole latent."""
+@pytest.mark.parametrize("kind, expert_parallel", [("v2", False), ("v3", False), ("v3", True)])
+def test_two_ranks_match_transformers(checkpoints, kind, expert_parallel):
+    """Heads (q, kv_b_proj, o_proj) and the shared expert split over two ranks, the routed experts
+    split too or placed whole (expert parallelism); each rank caches the whole latent."""
     model_dir = checkpoints(kind)
-    llm = LLM(model_dir, num_kv_blocks=256, block_size=8, max_num_batched_tokens=96, tensor_parallel_size=2)
+    llm = LLM(
+        model_dir,
+        num_kv_blocks=256,
+        block_size=8,
+        max_num_batched_tokens=96,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
     try:
         _assert_matches(_hf(model_dir), llm, _prompts(3, seed=5))
     finally:
         llm.close()
 
 
-def test_bfloat16_within_tolerance(checkpoints):
+@pytest.mark.parametrize("dtype, atol", [("bfloat16", 0.2), ("float16", 0.05)])
+def test_half_precision_within_tolerance(checkpoints, dtype, atol):
+    """The dense models' tolerances (tests/gpu/test_cuda_engine.py), transformers in the same dtype."""
     model_dir = checkpoints("v3")
-    hf = _hf(model_dir, torch.bfloat16)
-    llm = LLM(model_dir, dtype="bfloat16", num_kv_blocks=256, block_size=8, max_num_batched_tokens=96)
+    hf = _hf(model_dir, getattr(torch, dtype))
+    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=256, block_size=8, max_num_batched_tokens=96)
     try:
         prompts = _prompts(3, seed=6)
         for prompt, out in zip(prompts, llm.generate(prompts, _params())):
@@ -187,7 +197,7 @@ def test_bfloat16_within_tolerance(checkpoints):
             ref = torch.log_softmax(logits, dim=-1)
             got = torch.tensor([lp.logprob for lp in comp.logprobs])
             want = ref[torch.arange(NEW_TOKENS), torch.tensor(comp.token_ids)]
-            assert torch.allclose(got, want, atol=0.2), (got - want).abs().max()
+            assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
     finally:
         llm.close()
 
