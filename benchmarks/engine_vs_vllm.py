@@ -17,7 +17,7 @@ goes first. The figures are the medians over rounds of each engine's tok/s and
 of the per-round ratio. Timing covers generation only: vLLM's load and
 torch.compile, and the build of pdserve's cpu_paged op, happen before.
 
-    python -m benchmarks.engine_vs_vllm [--arch llama|qwen3|qwen3-moe|mixtral] [--dtype float32|bfloat16]
+    python -m benchmarks.engine_vs_vllm [--arch ARCH (tiny_model.ARCHS)] [--dtype float32|bfloat16]
                                         [--rounds N] [--requests N] [--quick] [--vllm-python PATH]
 
 `--requests N` keeps the full workload's prompt and output length ranges with fewer requests (for a
@@ -102,8 +102,10 @@ class Worker:
 
 
 def main() -> None:
+    from pdserve.engine.tiny_model import ARCHS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="llama", choices=["llama", "qwen3", "qwen3-moe", "mixtral"])
+    parser.add_argument("--arch", default="llama", choices=list(ARCHS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a new workload seed each)")
