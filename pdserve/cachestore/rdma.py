@@ -161,9 +161,13 @@ class RdmaLane:
             try:
                 self._write(layer, run, ready_event, creds, windows, transfer.heads)
             except OSError as e:
-                self.broken = True  # before the request learns it failed: the next run gets a new lane
+                reason = f"RDMA lane to {self.endpoint} failed: {e}"
+                # broken, with its reason, before the request learns it failed: the next run gets a new
+                # lane, and whoever sees `broken` also reads why
+                self.error = reason
+                self.broken = True
                 transfer._on_ack(False, f"RDMA write failed: {e}")
-                self._fail(f"RDMA lane to {self.endpoint} failed: {e}")
+                self._fail(reason)
                 return
             heads, geometry = transfer.heads, self.client.geometry
             per_block = geometry.block_bytes if heads is None else geometry.heads.slice_bytes(*heads)
@@ -248,7 +252,8 @@ class RdmaLane:
         """Mark the lane broken (its channel replaces it). Runs still queued here were never posted:
         they move to another lane once (a second failure fails them), so one request's broken QP
         does not fail the others queued behind it."""
-        self.broken, self.error = True, reason
+        self.error = reason  # first: another thread that sees `broken` reads why
+        self.broken = True
         log.warning("%s", reason)
         self._teardown()
         for item in self._queue.drain():
