@@ -148,3 +148,35 @@ def hf_greedy(hf, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.
             return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt) :].tolist(), torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1)
+
+
+def hf_model(model_dir, dtype: torch.dtype = torch.float32):
+    """transformers' model of a checkpoint, for reference outputs."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def random_prompts(n: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
+    """`n` seeded prompts of 3-69 random ids (after `prefix`)."""
+    import random
+
+    rng = random.Random(seed)
+    return [(prefix or []) + [rng.randrange(5, 1700) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
+
+
+def assert_greedy_matches(hf, llm, prompts: list[list[int]], new_tokens: int, atol: float) -> None:
+    """The engine's greedy ids equal transformers' and its logprobs are within `atol`, for every
+    prompt; afterwards the engine is consistent and every KV block is free again."""
+    from pdserve.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        ids, ref = hf_greedy(hf, prompt, new_tokens)
+        comp = out.outputs[0]
+        assert comp.token_ids == ids, (prompt[:8], comp.token_ids, ids)
+        got = torch.tensor([lp.logprob for lp in comp.logprobs])
+        want = ref[torch.arange(len(ids)), torch.tensor(ids)]
+        assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
+    llm.engine.check_integrity()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

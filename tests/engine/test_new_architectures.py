@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from tests.engine.factories import NEW_KINDS, build_checkpoint, hf_greedy
+from tests.engine.factories import NEW_KINDS, assert_greedy_matches, build_checkpoint, hf_model, random_prompts
 
 NEW_TOKENS = 12
 LOGPROB_ATOL = 1e-4
@@ -37,14 +37,11 @@ def checkpoints(tiny_model_dir, tmp_path_factory):
 
 
 def _hf(model_dir, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return hf_model(model_dir, dtype)
 
 
 def _prompts(n: int, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [(prefix or []) + [rng.randrange(5, 1700) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
+    return random_prompts(n, seed, prefix)
 
 
 def _params() -> SamplingParams:
@@ -52,16 +49,7 @@ def _params() -> SamplingParams:
 
 
 def _assert_matches(hf, llm: LLM, prompts: list[list[int]]) -> None:
-    outputs = llm.generate(prompts, _params())
-    for prompt, out in zip(prompts, outputs):
-        ids, ref = hf_greedy(hf, prompt, NEW_TOKENS)
-        comp = out.outputs[0]
-        assert comp.token_ids == ids, (prompt[:8], comp.token_ids, ids)
-        got = torch.tensor([lp.logprob for lp in comp.logprobs])
-        want = ref[torch.arange(len(ids)), torch.tensor(ids)]
-        assert torch.allclose(got, want, atol=LOGPROB_ATOL), (got - want).abs().max()
-    llm.engine.check_integrity()
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert_greedy_matches(hf, llm, prompts, NEW_TOKENS, LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
