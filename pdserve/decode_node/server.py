@@ -15,7 +15,8 @@ from pdserve.cachestore import Session, SessionError
 from pdserve.decode_node.kv_pull import PullSender
 from pdserve.decode_node.prefill_client import PrefillClients
 from pdserve.engine.prompt_check import check_prompt
-from pdserve.engine.remote_prefill import PrefillPlan
+from pdserve.engine.kv_connector import KvSource
+from pdserve.engine.remote_prefill import DO_REMOTE_PREFILL, RemotePrefillPolicy
 from pdserve.engine.request import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_runtime import convert, kv_store
@@ -39,7 +40,8 @@ REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 
 class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
     """Decode-driven flow: match the prompt against this node's prefix cache; prefill here when the
-    missing part is short or no prefill node is usable (`engine.plan_prefill`); otherwise share the
+    missing part is short or no prefill node is usable (the engine's `RemotePrefillPolicy`
+    connector); otherwise share the
     held blocks, open a CacheStore session over the missing ones, call a prefill node, wait for the
     KV by notification (other requests keep decoding), then stream tokens.
 
@@ -47,9 +49,10 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
     closed, the node waits until no writer can touch the blocks, and only then frees them."""
 
     def __init__(self, config: NodeConfig) -> None:
-        self.rt = NodeRuntime("decode", with_rank_service(config, RECEIVER))
         self.kv_reuse = config.node.kv_reuse
         self.local_prefill_max_tokens = config.node.local_prefill_max_tokens
+        policy = RemotePrefillPolicy(reuse=self.kv_reuse, local_max_tokens=self.local_prefill_max_tokens)
+        self.rt = NodeRuntime("decode", with_rank_service(config, RECEIVER), policy)
         self.advertise_host = config.node.advertise_host
         """Host prefill nodes use to reach our CacheStore listener (needed when bound to 0.0.0.0)."""
         self.cachestore = kv_store.receiver(self.rt, config)
@@ -130,13 +133,12 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             prefill=",".join(addresses) or "local",
         ) as scope:
             plan = await rt.loop_thread.call(
-                engine.plan_prefill,
+                engine.add_request,
                 rid,
                 prompt,
                 params,
                 cache_salt=salt,
-                reuse=self.kv_reuse,
-                local_max_tokens=self.local_prefill_max_tokens if addresses else None,
+                kv_transfer_params={DO_REMOTE_PREFILL: bool(addresses)},
             )
             first = None
             if plan.location == "remote":
@@ -200,7 +202,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             await self.rt.loop_thread.call(self.rt.engine.abort, rid)
 
     async def _remote_prefill(
-        self, rid: str, request: decode_pb2.GenerateRequest, plan: PrefillPlan, addresses: list[str]
+        self, rid: str, request: decode_pb2.GenerateRequest, plan: KvSource, addresses: list[str]
     ) -> prefill_pb2.PrefillResponse | None:
         """Try each prefill node in order until one fills the blocks this node lacks. The CacheStore
         session covers only those (the held prefix blocks are shared with other requests and never

@@ -38,7 +38,7 @@ class ProfiledRunner(Protocol):
     def is_first_stage(self) -> bool: ...
 
     def run(
-        self, batch: ForwardBatch, *, layer_hook: Any = None, hidden_states: torch.Tensor | None = None
+        self, batch: ForwardBatch, *, connector: Any = None, hidden_states: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
 

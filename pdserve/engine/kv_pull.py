@@ -1,17 +1,20 @@
 """The prefill node's half of a D->P pull: blocks that receive a prefix the decode node holds.
 
-Mixed into LLMEngine. When a decode node holds a block-aligned prefix of a prompt that this
+`LLMEngine.pulls`. When a decode node holds a block-aligned prefix of a prompt that this
 engine's prefix cache lacks, the decode node can write those blocks into this engine's pool
-(over CacheStore) instead of this engine recomputing them. `reserve_pull` allocates the blocks
+(over CacheStore) instead of this engine recomputing them. `reserve` allocates the blocks
 (the prefix blocks already cached here are shared, so their keys cannot be evicted under the
-pull); `finish_pull` keys the received blocks into the prefix cache (the prefill request that
+pull); `finish` keys the received blocks into the prefix cache (the prefill request that
 follows then hits them, like any cached prefix) or, when the pull failed, frees them unkeyed.
-The caller fences the CacheStore session before `finish_pull`: no writer is inside the blocks.
+The caller fences the CacheStore session before `finish`: no writer is inside the blocks.
+
+Unlike the engine's `KvConnector`, a pull belongs to no request: it lands before the Prefill
+call that uses it arrives, and what it leaves behind is ordinary prefix-cache blocks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from pdserve.engine.block_keys import BlockKey
 from pdserve.engine.kv_namespace import request_root
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class PendingPull(NamedTuple):
-    """Blocks held for one pull until `finish_pull`."""
+    """Blocks held for one pull until `PullReservations.finish`."""
 
     block_ids: list[int]
     """Every block of the pulled prefix, the ones already cached here first."""
@@ -33,18 +36,24 @@ class PendingPull(NamedTuple):
     """The request's key namespace (compatibility + cache salt)."""
 
 
-class KvPullTarget:
-    """Engine-side bookkeeping of D->P pulls (`pulls` counts as a block owner in check_integrity)."""
+class PullReservations:
+    """Blocks held for D->P pulls until they are settled (they count as block owners in
+    `LLMEngine.check_integrity`). `holders` lists the engine's requests, which room is kept for."""
 
-    if TYPE_CHECKING:
-        block_manager: BlockManager
-        scheduler: Scheduler
-        kv_compatibility: str
-        pulls: dict[str, PendingPull]
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        kv_compatibility: str,
+        holders: Callable[[], list[Request]],
+        scheduler: Scheduler,
+    ) -> None:
+        self.block_manager = block_manager
+        self.kv_compatibility = kv_compatibility
+        self.holders = holders
+        self.scheduler = scheduler
+        self.pulls: dict[str, PendingPull] = {}
 
-        def parked(self) -> list[Request]: ...
-
-    def reserve_pull(
+    def reserve(
         self, pull_id: str, prompt: list[int], held_tokens: int, min_blocks: int, cache_salt: str | None = None
     ) -> tuple[list[int], int] | None:
         """Blocks to receive the KV of `prompt[:held_tokens]` (block aligned, below the prompt
@@ -61,8 +70,8 @@ class KvPullTarget:
         have = min(len(bm.prefix_hits(prompt, root)), held_blocks)
         if held_blocks - have < max(1, min_blocks):
             return None
-        holders = self.scheduler.running + self.parked() + list(self.scheduler.waiting)
-        if not bm.can_allocate(prompt, held_tokens, reserve=self.scheduler.reserved_blocks(holders), root=root):
+        reserve = self.scheduler.reserved_blocks(self.holders())
+        if not bm.can_allocate(prompt, held_tokens, reserve=reserve, root=root):
             return None
         # allocate() never reuses the last block of what it covers; that block is missing here anyway
         block_ids, cached = bm.allocate(prompt, held_tokens, root)
@@ -70,7 +79,7 @@ class KvPullTarget:
         self.pulls[pull_id] = PendingPull(block_ids, list(prompt[:held_tokens]), root)
         return block_ids[have:], have
 
-    def finish_pull(self, pull_id: str, landed: bool) -> int:
+    def finish(self, pull_id: str, landed: bool) -> int:
         """Release a pull's blocks. `landed`: every block arrived intact, so they are keyed first
         and stay cached; else the fresh ones go back unkeyed. Returns the blocks keyed (0 if none
         or the pull is unknown). The caller has fenced the session: no write can still land."""
@@ -84,6 +93,6 @@ class KvPullTarget:
         bm.free_blocks(pull.block_ids)
         return len(bm.hash_to_block) - before
 
-    def pull_owners(self) -> dict[str, list[int]]:
+    def owners(self) -> dict[str, list[int]]:
         """Blocks each pending pull holds, by `pull:<request id>` (for check_integrity)."""
         return {f"pull:{rid}": p.block_ids for rid, p in self.pulls.items()}

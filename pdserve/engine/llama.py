@@ -17,13 +17,11 @@ from pdserve.engine.fp8 import fused_linear
 from pdserve.engine.gpt_oss import GptOssMoe, load_sinks
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding, apply_rotary, rms_norm
+from pdserve.engine.kv_connector import KvConnector
 from pdserve.engine.mla import MlaAttention
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.moe import Expert, SparseMoe
 from pdserve.engine.weights import expert_names, expert_prefix
-
-LayerHook = Callable[[int, ForwardBatch], None]
-"""Called as hook(global_layer_index, batch) after a layer has written its KV."""
 
 
 @dataclass
@@ -160,7 +158,7 @@ class LlamaModel:
         kv_pool: KVPool,
         attn: AttentionBackend,
         meta: AttentionMetadata,
-        layer_hook: LayerHook | None,
+        connector: KvConnector,
         span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """Returns hidden states [T, H] after layers `span` (default: this slice's; a sub-range of
@@ -187,6 +185,7 @@ class LlamaModel:
         norms_after_mlp = [layer.input_norm for layer in layers[1:]] + [self.norm if last else None]
         h = ops.add_rms_norm(x, None, layers[0].input_norm, eps)
         for local, (layer, next_norm) in enumerate(zip(layers, norms_after_mlp), offset):
+            connector.wait_for_layer(self.start + local)  # a restore of this layer's KV has landed
             if layer.mla is not None:  # latent attention: in the model's dtype (CpuCarryOps' h is float32)
                 o = layer.mla.forward(h.to(x.dtype), cos, sin, attn, kv_pool.layer(local), meta)
             else:  # attention block: h [T, H] -> qkv [T, (Hq + 2Hkv) * D]
@@ -199,8 +198,7 @@ class LlamaModel:
                 window, sinks = cfg.layer_window(self.start + local), layer.sinks  # gpt-oss's per layer
                 o = attn.forward(q, k, v, kv_pool.layer(local), meta, self.scale, window=window, sinks=sinks)
                 o = o.reshape(-1, hq * d)
-            if layer_hook is not None:
-                layer_hook(self.start + local, batch)
+            connector.save_layer(self.start + local, batch)
             h = ops.add_rms_norm(x, self.reduce(ops.linear(layer.o_proj, o)), layer.post_norm, eps)
             if layer.moe is not None:  # sparse MLP: in the model's dtype (CpuCarryOps' h is float32)
                 silu_mul = CpuFusedOps.silu_mul if ops is CpuCarryOps else ops.silu_mul

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar_cache import GrammarCache
+from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector, KvSource
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.kv_namespace import kv_compatibility, request_root
-from pdserve.engine.kv_pull import KvPullTarget, PendingPull
-from pdserve.engine.llama import LayerHook
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.kv_pull import PullReservations
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prompt_check import check_max_tokens, check_prompt
-from pdserve.engine.remote_prefill import RemotePrefill
-from pdserve.engine.request import Request, RequestStatus, StepOutput, TokenLogprob
+from pdserve.engine.request import AdmissionError, Request, RequestStatus, StepOutput, TokenLogprob
 from pdserve.engine.sampler import Sampler, make_generator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -33,23 +33,30 @@ class EngineLoad(NamedTuple):
     num_queued_prefill_tokens: int
 
 
-class LLMEngine(RemotePrefill, KvPullTarget):
+class LLMEngine:
     """One model, one KV pool, one scheduler. Not thread-safe: drive it from one thread.
 
     The loop: `batch = scheduler.schedule(); logits = runner.run(batch); update(batch, sample(logits))`.
-    Besides plain requests it supports the two halves of disaggregation:
-    `prefill_only` requests (prefill node: compute the prompt, sample one token,
-    keep the blocks until `release`) and remote-prefill requests (decode node:
-    blocks allocated up front, filled by a prefill node, then `complete_remote_prefill`; see
-    engine.remote_prefill). Every request's blocks are keyed in the namespace of the engine's
-    `kv_compatibility` and its `cache_salt`; `kv_events` records every key stored or evicted.
+    Everything that moves KV into or out of the pool goes through the one `connector` it is built
+    with (`pdserve.engine.kv_connector`): on a prefill node, layer streaming to a decode node
+    (`prefill_only` requests: compute the prompt, sample one token, keep the blocks until
+    `release`); on a decode node, remote prefill (the prompt's blocks allocated up front and
+    parked in WAITING_FOR_REMOTE_KV until `complete_remote_prefill`). Every request's blocks are
+    keyed in the namespace of the engine's `kv_compatibility` and its `cache_salt`; `kv_events`
+    records every key stored or evicted.
     """
 
     def __init__(
-        self, config: EngineConfig, *, layer_hook: LayerHook | None = None, runner: ModelRunner | None = None
+        self,
+        config: EngineConfig,
+        *,
+        connector: KvConnector = NO_CONNECTOR,
+        on_scheduled: Callable[[], None] | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         self.config = config
-        self.on_scheduled: Callable[[], None] | None = None
+        self.connector = connector
+        self.on_scheduled = on_scheduled
         """Called in every step after scheduling, before the model runs: the state vLLM's scheduler
         stats describe (the batch admitted, the rest waiting). A node publishes its load here."""
         torch.manual_seed(config.seed)
@@ -69,6 +76,7 @@ class LLMEngine(RemotePrefill, KvPullTarget):
         self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         """Structured-output grammars: nodes compile a request's in a worker thread before admitting it."""
         pool = self.runner.kv_pool
+        connector.register_kv_pool(pool)
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
         """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
         self.kv_events = KvEventLog()
@@ -83,7 +91,6 @@ class LLMEngine(RemotePrefill, KvPullTarget):
             preemption=config.preemption,
         )
         self.sampler = Sampler()
-        self.layer_hook = layer_hook
         self.requests: dict[str, Request] = {}
         """Every request the engine owns. Its status alone says who holds its blocks (`check_integrity`
         proves it): WAITING/PREEMPTED are queued in the scheduler (no blocks), RUNNING the scheduler
@@ -91,7 +98,7 @@ class LLMEngine(RemotePrefill, KvPullTarget):
         WAITING_FOR_REMOTE_KV (decode node: a prefill node is filling them, until
         `complete_remote_prefill`) and finished (prefill node: a prefill_only request whose blocks a
         KV transfer still reads, pinned until `release`). A request leaves when its blocks are freed."""
-        self.pulls: dict[str, PendingPull] = {}
+        self.pulls = PullReservations(self.block_manager, self.kv_compatibility, self.holders, self.scheduler)
         """Prefill node: blocks receiving a prefix a decode node holds (pdserve.engine.kv_pull)."""
         self.generators: dict[str, torch.Generator] = {}
         self._finished: list[StepOutput] = []
@@ -131,13 +138,51 @@ class LLMEngine(RemotePrefill, KvPullTarget):
         *,
         prefill_only: bool = False,
         cache_salt: str | None = None,
-    ) -> None:
-        """Queue a request; ValueError (clear message) if it can never be served. `cache_salt`
-        separates its prefix-cache namespace (tenants with different salts never share blocks)."""
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> KvSource:
+        """Admit a request; ValueError (clear message) if it can never be served, AdmissionError if
+        the connector's source needs blocks the pool cannot give now. `cache_salt` separates its
+        prefix-cache namespace (tenants with different salts never share blocks);
+        `kv_transfer_params` is what the connector reads about it. Returns where its prompt KV
+        comes from: queued here ("local"), or parked until the connector's source fills it."""
         req = self._validate(request_id, prompt_token_ids, params, cache_salt)
         req.prefill_only = prefill_only
+        req.kv_transfer_params = dict(kv_transfer_params or {})
+        pool_tokens = 0
+        if self.connector is not NO_CONNECTOR:
+            bm = self.block_manager
+            pool_tokens = len(bm.prefix_hits(req.prompt_token_ids, req.kv_root)) * bm.block_size
+            external = self.connector.match(req, pool_tokens)
+            if external is not None:
+                held = pool_tokens if external.share_pool else 0
+                block_ids = self._allocate_remote(req, held)
+                self.connector.after_alloc(req, block_ids, held)
+                return KvSource("remote", block_ids, held)
         self._register(req)
         self.scheduler.waiting.append(req)
+        return KvSource("local", [], pool_tokens)
+
+    def _allocate_remote(self, req: Request, held_tokens: int) -> list[int]:
+        """Allocate every prompt block now (the `held_tokens` prefix shared from the prefix cache,
+        the rest fresh) and park the request in WAITING_FOR_REMOTE_KV. Returns the blocks."""
+        reserve = self.scheduler.reserved_blocks(self.holders()) + self.scheduler.future_blocks_after_alloc(req)
+        bm = self.block_manager
+        if held_tokens:
+            fits = bm.can_allocate(req.prompt_token_ids, reserve=reserve, root=req.kv_root)
+        else:
+            fits = bm.blocks_for(req.num_tokens) + reserve <= bm.num_free_blocks
+        if not fits:
+            raise AdmissionError(
+                f"no KV room: request needs {bm.blocks_for(req.num_tokens + req.max_tokens)} "
+                f"blocks, {bm.num_free_blocks} free, {reserve} reserved"
+            )
+        if held_tokens:
+            req.block_ids, req.num_cached_tokens = bm.allocate(req.prompt_token_ids, root=req.kv_root)
+        else:
+            req.block_ids = [bm.append_block() for _ in range(bm.blocks_for(req.num_tokens))]
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._register(req)
+        return list(req.block_ids)
 
     def _register(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -151,7 +196,7 @@ class LLMEngine(RemotePrefill, KvPullTarget):
         if self.on_scheduled is not None:
             self.on_scheduled()
         if batch is not None:
-            logits = self.runner.run(batch, layer_hook=self.layer_hook)
+            logits = self.runner.run(batch, connector=self.connector)
             sampled = iter(
                 self.sampler(logits, [r for r, s in zip(scheduled, batch.sample_mask) if s], self.generators)
             )
@@ -205,13 +250,64 @@ class LLMEngine(RemotePrefill, KvPullTarget):
     def _finish(self, req: Request) -> None:
         self.scheduler.remove(req)
         self.generators.pop(req.request_id, None)
-        if req.prefill_only and req.status != RequestStatus.FINISHED_ABORTED:
-            return  # parked: a KV transfer still reads these blocks, until release()
+        if req.status != RequestStatus.FINISHED_ABORTED:
+            self.connector.request_finished(req)
+            if req.prefill_only:
+                return  # parked: a KV transfer still reads these blocks, until release()
         self.requests.pop(req.request_id, None)
         self.block_manager.free_blocks(req.block_ids)
         req.block_ids = []
 
     # --- lifecycle ----------------------------------------------------------------------------
+    def complete_remote_prefill(
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprobs: TokenLogprob | None = None,
+        num_cached_tokens: int | None = None,
+    ) -> None:
+        """WAITING_FOR_REMOTE_KV -> RUNNING: the prompt's KV has landed, and the request runs with
+        the first token the remote side sampled. `num_cached_tokens`: prompt tokens the remote
+        side did not compute (its own prefix-cache hit), reported as the request's cached tokens
+        (default: what this node held)."""
+        req = self._remote(request_id)
+        # the prefill node sampled the first token under the same grammar: replay it into ours
+        if req.matcher is not None and not req.matcher.accept_token(first_token_id):
+            raise ValueError(f"the prefill node's first token {first_token_id} breaks the request's grammar")
+        if num_cached_tokens is not None:
+            req.num_cached_tokens = max(0, min(num_cached_tokens, req.num_prompt_tokens - 1))
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_full_blocks(req.all_token_ids, req.block_ids, req.num_computed_tokens, req.kv_root)
+        req.start_running()
+        self.scheduler.running.append(req)
+        self._append_token(req, first_token_id, first_logprobs)
+        req.num_emitted = 1  # the node streams the first token itself, straight from the prefill reply
+        if req.status.is_finished:  # eos / stop string / max_tokens=1: reported by the next step()
+            self._finish(req)
+            self._finished.append(self._output(req))
+
+    def prefill_locally(self, request_id: str) -> None:
+        """WAITING_FOR_REMOTE_KV -> WAITING: no remote source could fill the KV. The request's blocks
+        are freed (the caller has made sure no writer can still touch them) and it queues here, to
+        be prefilled from this node's cache."""
+        req = self._remote(request_id)
+        self.block_manager.free_blocks(req.block_ids)
+        req.block_ids = []
+        req.num_cached_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.scheduler.waiting.append(req)
+
+    def _remote(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        return req
+
+    def holders(self) -> list[Request]:
+        """Every request that holds blocks or will: running, parked, then waiting (the order
+        `Scheduler.reserved_blocks` promises room in)."""
+        return self.scheduler.running + self.parked() + list(self.scheduler.waiting)
+
     def parked(self) -> list[Request]:
         """Requests holding blocks outside the scheduler: waiting for remote KV, or finished and
         pinned until `release` (see `requests`)."""
@@ -253,6 +349,11 @@ class LLMEngine(RemotePrefill, KvPullTarget):
         return bool(self.scheduler.running or self.scheduler.waiting or self._finished)
 
     @property
+    def kv_pool(self) -> KVPool:
+        """The KV pool (rank 0's, on a tensor-parallel engine): what a node's CacheStore registers."""
+        return self.runner.kv_pool
+
+    @property
     def progress(self) -> int:
         """Decoder layers computed since start: grows while the engine works, also within one long
         step; safe to read from another thread (one int)."""
@@ -264,8 +365,7 @@ class LLMEngine(RemotePrefill, KvPullTarget):
         weighting must not count them."""
         s = self.scheduler
         num_remote = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KV for r in self.requests.values())
-        holders = s.running + self.parked() + list(s.waiting)
-        num_free = max(0, self.block_manager.num_free_blocks - s.reserved_blocks(holders))
+        num_free = max(0, self.block_manager.num_free_blocks - s.reserved_blocks(self.holders()))
         return EngineLoad(
             num_free,
             self.block_manager.num_blocks,
@@ -287,5 +387,5 @@ class LLMEngine(RemotePrefill, KvPullTarget):
             assert where == expected, f"request {rid!r} is {r.status.name} but {where}"
             assert not r.status.is_finished or r.prefill_only, f"finished request {rid!r} was not freed"
         assert len(running) + len(waiting) + len(self.parked()) == len(self.requests), "a request the engine lost"
-        owners = {rid: r.block_ids for rid, r in self.requests.items()} | self.pull_owners()
+        owners = {rid: r.block_ids for rid, r in self.requests.items()} | self.pulls.owners()
         self.block_manager.check_integrity(owners)

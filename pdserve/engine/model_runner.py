@@ -13,7 +13,8 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import KVPool, kv_bytes_per_token
 from pdserve.engine.kv_sizing import KvMemory, fit_max_model_len, kv_memory_for
 from pdserve.engine.layers import can_prepack
-from pdserve.engine.llama import LayerHook, LlamaModel
+from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
+from pdserve.engine.llama import LlamaModel
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TPGroup
 from pdserve.engine.parallel.sharding import TPShard
@@ -154,7 +155,7 @@ class ModelRunner:
         self,
         batch: ForwardBatch,
         *,
-        layer_hook: LayerHook | None = None,
+        connector: KvConnector = NO_CONNECTOR,
         hidden_states: torch.Tensor | None = None,
         layers: tuple[int, int] | None = None,
         head: bool = True,
@@ -180,9 +181,11 @@ class ModelRunner:
                 "token id out of range"
             )
         meta = AttentionMetadata.build(batch, self.kv_pool.block_size, self.device, self.model_config.sliding_window)
+        connector.start_load(batch)
         hidden = self.model.forward(
-            batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, layer_hook, (start, end)
+            batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, connector, (start, end)
         )
+        connector.wait_for_save()
         if end < self.model_config.num_hidden_layers:
             return hidden
         last_rows, end = [], 0

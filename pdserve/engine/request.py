@@ -66,6 +66,10 @@ class Request:
     max_tokens: int
     """Effective output budget (params.max_tokens capped by the context)."""
     prefill_only: bool = False
+    """Prefill node: finish after the first token and keep the blocks pinned until `release` (a
+    KV transfer still reads them); vLLM's `do_remote_decode`."""
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    """What the engine's KV connector reads about this request (e.g. `do_remote_prefill`)."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

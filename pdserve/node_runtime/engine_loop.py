@@ -60,10 +60,10 @@ class EngineLoop:
         self._running = False
         self.load: Any = engine.load()  # no thread drives the engine yet: safe to read here
         """The engine's last `load()` (EngineLoad), published by the engine thread after every
-        command, in every step once the batch is scheduled (engine.on_scheduled) and whenever it is
+        command, in every step once the batch is scheduled (the engine's `on_scheduled`, which the
+        node points here) and whenever it is
         idle: a probe or a scrape (llm-d's endpoint picker polls every 50 ms) reads it without
         touching the not thread-safe engine, and it is never unset."""
-        engine.on_scheduled = self._publish_load
         self._busy_since: float | None = None
         """When the engine thread began its current step or command (None while it waits for work)."""
         self._seen_progress, self._progress_at = -1, time.monotonic()
@@ -123,7 +123,7 @@ class EngineLoop:
             result, error = None, e
         finally:
             self._busy_since = None
-        self._publish_load()  # a command (an admission, an abort) changes the load at once
+        self.publish_load()  # a command (an admission, an abort) changes the load at once
         self.loop.call_soon_threadsafe(self._resolve, fut, result, error)
 
     def _dispatch(self, outputs) -> None:
@@ -180,8 +180,8 @@ class EngineLoop:
                 if outputs and not self.loop.is_closed():
                     self.loop.call_soon_threadsafe(self._dispatch, outputs)
             if not engine.has_unfinished_requests():  # idle, or only parked requests: no step publishes
-                self._publish_load()
+                self.publish_load()
 
-    def _publish_load(self) -> None:
+    def publish_load(self) -> None:
         """In the engine thread: replace `load` with the engine's state now (one reference swap)."""
         self.load = self.engine.load()

@@ -98,7 +98,7 @@ class KvEventsServicer:
             raise TooManySubscribers(f"this node already serves {MAX_SUBSCRIBERS} KvEvents streams")
         if self._kv_waiters is None:
             self._kv_waiters = ThreadPoolExecutor(MAX_SUBSCRIBERS, thread_name_prefix="kv-events")
-        medium = "gpu" if rt.engine.runner.kv_pool.tensor.is_cuda else "cpu"
+        medium = "gpu" if rt.engine.kv_pool.tensor.is_cuda else "cpu"
         self._kv_subscribers += 1
         try:
             async for batch in kv_event_batches(

@@ -36,7 +36,7 @@ def receiver(
     the node's own unless given (`pull_transport`)."""
     tls = config.node.tls()
     return CacheStoreServer(
-        MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor),
+        MemoryRegion.from_tensor(rt.engine.kv_pool.tensor),
         pool_geometry(rt.engine.runner),  # rank 0's KV heads; ranks 1.. have their own ends
         transport=transport or config.transfer.transport,
         host=config.node.host,
@@ -57,7 +57,7 @@ def pull_transport(rt: NodeRuntime, transport: str) -> str:
     occasional pull on top of its decode peers' own (on one H200 host, two nodes at 0.25 of the card
     each pinned more than the host had). TCP stages each connection's frames through a bounded
     buffer instead; the decode node's sender follows the transport its credentials name."""
-    region = MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor)
+    region = MemoryRegion.from_tensor(rt.engine.kv_pool.tensor)
     if transport != "rdma" or not region.is_device:
         return transport
     from pdserve.cachestore import rdma_memory
@@ -90,7 +90,7 @@ def sender(
     TCP fallback twice)."""
     tls = config.node.tls()
     return CacheStoreClient(
-        MemoryRegion.from_tensor(rt.engine.runner.kv_pool.tensor),
+        MemoryRegion.from_tensor(rt.engine.kv_pool.tensor),
         pool_geometry(rt.engine.runner),  # rank 0's KV heads; ranks 1.. have their own ends
         transport=transport or config.transfer.transport,
         secret=config.node.cluster_secret,

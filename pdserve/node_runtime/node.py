@@ -11,6 +11,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -60,10 +61,10 @@ class RequestScope:
 class NodeRuntime:
     """Owns the engine thread and the grpc.aio server of one node process."""
 
-    def __init__(self, role: str, config: NodeConfig) -> None:
+    def __init__(self, role: str, config: NodeConfig, connector: KvConnector = NO_CONNECTOR) -> None:
         self.role = role
         self.config = config
-        self.engine = LLMEngine(config.engine)
+        self.engine = LLMEngine(config.engine, connector=connector, on_scheduled=self._scheduled)
         self.compatibility = self.engine.kv_compatibility
         names = config.node.served_model_name
         self.metrics = NodeMetrics(
@@ -113,6 +114,11 @@ class NodeRuntime:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.metrics.serve(self.config.node.host, self.config.node.metrics_port)
         return self.address
+
+    def _scheduled(self) -> None:
+        """Engine thread, in every step once its batch is scheduled: publish the load then."""
+        if self._loop_thread is not None:
+            self._loop_thread.publish_load()
 
     @property
     def loop_thread(self) -> EngineLoop:
@@ -185,7 +191,7 @@ class NodeRuntime:
         cfg = self.engine.config
         return {
             "engine": "0",
-            "block_size": str(self.engine.runner.kv_pool.block_size),
+            "block_size": str(self.engine.kv_pool.block_size),
             "num_gpu_blocks": str(self.engine.block_manager.num_blocks),
             "num_cpu_blocks": "None",
             "cache_dtype": str(self.engine.runner.dtype).removeprefix("torch."),
@@ -205,7 +211,7 @@ class NodeRuntime:
             node_id=self.node_id,
             **load._asdict(),  # EngineLoad's fields are named as the report's
             compatibility=self.compatibility,
-            block_size=self.engine.runner.kv_pool.block_size,
+            block_size=self.engine.kv_pool.block_size,
             draining=self.draining,
             max_model_len=self.engine.max_model_len,
             progress=self.engine.progress,

@@ -25,6 +25,7 @@ from pdserve.cachestore import (
 from pdserve.cachestore.heads import HeadLayout
 from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_connector import KvConnector
 
 
 def pool_geometry(runner: Any) -> PoolGeometry:
@@ -51,20 +52,33 @@ def ready_event(pool: Any) -> Any:
     return event
 
 
-def ship_layer(
-    transfers: dict[str, tuple[list[Transfer], int]], layer: int, batch: ForwardBatch, block_size: int, pool: Any
-) -> None:
-    """Engine thread, after `layer` wrote its KV: hand it to the transfers of every request whose prompt
-    completes in this step (rid -> (transfers, index of the first block they write))."""
-    ready = None
-    for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables, batch.sample_mask):
-        entry = transfers.get(rid)
-        if entry is not None and last:
-            if ready is None:
-                ready = ready_event(pool)
-            txs, first = entry
-            for tx in txs:
-                tx.write_layer(layer, table[first : blocks_for(ctx, block_size)], ready_event=ready)
+class LayerStreamer(KvConnector):
+    """The prefill side's KV connector (worker half): after each layer has written its KV, hand that
+    layer's blocks to the transfers of every request whose prompt completes in this step (earlier
+    chunks' layers are final by then too), so sending layer i overlaps computing layer i+1. Rank 0
+    of a prefill node and each of its other ranks (`SenderRank`) run one over their own pool."""
+
+    def __init__(self) -> None:
+        self.transfers: dict[str, tuple[list[Transfer], int]] = {}
+        """request id -> (its Transfers, one per decode rank this rank writes heads to; index of the
+        first block they write: the decode node holds the ones before). Written by the event loop
+        before the request is admitted, read by the engine thread in `save_layer`."""
+        self.pool: Any = None
+
+    def register_kv_pool(self, pool: Any) -> None:
+        self.pool = pool
+
+    def save_layer(self, layer: int, batch: ForwardBatch) -> None:
+        ready = None
+        block_size = self.pool.block_size
+        for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables, batch.sample_mask):
+            entry = self.transfers.get(rid)
+            if entry is not None and last:
+                if ready is None:
+                    ready = ready_event(self.pool.tensor)
+                txs, first = entry
+                for tx in txs:
+                    tx.write_layer(layer, table[first : blocks_for(ctx, block_size)], ready_event=ready)
 
 
 class _RankEndpoint:
@@ -145,17 +159,16 @@ class ReceiverRank(_RankEndpoint):
 
 class SenderRank(_RankEndpoint):
     """A prefill node's rank: writes its KV heads of each request into the decode ranks that own them,
-    from the layer hook of every step it runs."""
+    from its `LayerStreamer` in every step it runs."""
 
     client: CacheStoreClient
 
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
-        self.transfers: dict[str, tuple[list[Transfer], int]] = {}
-
-    def layer_hook(self, layer: int, batch: ForwardBatch) -> None:
-        pool = self.runner.kv_pool
-        ship_layer(self.transfers, layer, batch, pool.block_size, pool.tensor)
+        self.connector = LayerStreamer()
+        """What the rank's every `run` calls after each layer (`engine.parallel.rank_commands`)."""
+        self.connector.register_kv_pool(runner.kv_pool)
+        self.transfers = self.connector.transfers
 
     async def op_start(self, msg: dict) -> dict:
         self.client = CacheStoreClient(
@@ -175,7 +188,7 @@ class SenderRank(_RankEndpoint):
         """Open a transfer into every decode rank this rank writes heads to (before the prompt runs)."""
         creds = [SessionCredentials.from_bytes(c.encode()) for c in msg["creds"]]
         txs = [self.client.open_transfer(c) for c in creds if self.client.writes_to(c)]
-        self.transfers[msg["rid"]] = (txs, int(msg["skip"]))
+        self.transfers[msg["rid"]] = (txs, int(msg["held_blocks"]))
         return {"transfers": len(txs)}
 
     async def op_finish(self, msg: dict) -> dict:

@@ -100,9 +100,9 @@ class RankEndpoints:
     async def start_senders(self, **options: Any) -> None:
         await self._all({"op": "start", **options})
 
-    async def open_transfers(self, rid: str, creds: list[bytes], skip: int) -> None:
+    async def open_transfers(self, rid: str, creds: list[bytes], held_blocks: int) -> None:
         """Every other rank opens its transfers into the decode ranks it writes heads to."""
-        await self._all({"op": "open", "rid": rid, "creds": [c.decode() for c in creds], "skip": skip})
+        await self._all({"op": "open", "rid": rid, "creds": [c.decode() for c in creds], "held_blocks": held_blocks})
 
     async def finish(self, rid: str, timeout: float) -> float:
         """Every other rank's transfers acknowledged: the slowest rank's transfer seconds."""

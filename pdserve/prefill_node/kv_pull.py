@@ -52,17 +52,17 @@ class PullReceiver:
         if self.closed or self.rt.draining:
             return prefill_pb2.PullOffer()
         engine = self.rt.engine
-        got = await self.rt.loop_thread.call(engine.reserve_pull, rid, prompt, held_tokens, min_blocks, salt)
+        got = await self.rt.loop_thread.call(engine.pulls.reserve, rid, prompt, held_tokens, min_blocks, salt)
         if got is None:
             return prefill_pb2.PullOffer()
         block_ids, first = got
         if self.closed:  # the node began stopping while the engine reserved the blocks
-            await self.rt.loop_thread.call(engine.finish_pull, rid, False)
+            await self.rt.loop_thread.call(engine.pulls.finish, rid, False)
             return prefill_pb2.PullOffer()
         try:
             creds = self.cachestore.open_session(rid, block_ids, timeout=self.timeout)
         except BaseException:
-            await self.rt.loop_thread.call(engine.finish_pull, rid, False)
+            await self.rt.loop_thread.call(engine.pulls.finish, rid, False)
             raise
         session = self.cachestore.get_session(rid)
         assert session is not None  # opened just above
@@ -97,7 +97,7 @@ class PullReceiver:
         complete = landed and session.state == SessionState.COMPLETE
         if landed and not complete:
             log.warning("request_id=%s event=pull_incomplete landed=%d/%d", rid, len(session.landed), session.expected)
-        keyed = await self.rt.loop_thread.call(self.rt.engine.finish_pull, rid, complete)
+        keyed = await self.rt.loop_thread.call(self.rt.engine.pulls.finish, rid, complete)
         log.debug("request_id=%s event=pull_settled complete=%s keyed_blocks=%d", rid, complete, keyed)
         return complete
 

@@ -9,7 +9,6 @@ from functools import partial
 
 from pdserve.cachestore import SessionCredentials, Transfer
 from pdserve.engine.block_manager import blocks_for
-from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.prompt_check import check_prompt
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_runtime import convert
@@ -18,7 +17,7 @@ from pdserve.node_runtime.kv_events_service import KvEventsServicer
 from pdserve.node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
 from pdserve.node_runtime.node import NodeRuntime
 from pdserve.node_runtime.node_config import NodeConfig
-from pdserve.node_runtime.rank_kv import pool_geometry, ship_layer
+from pdserve.node_runtime.rank_kv import LayerStreamer, pool_geometry
 from pdserve.node_runtime.rank_kv_driver import SENDER, RankEndpoints, endpoint_options, with_rank_service
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.prefill_node.kv_pull import PullReceiver
@@ -29,17 +28,18 @@ MAX_TP = 64
 
 
 class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
-    """Runs prompts with `prefill_only` requests; after each layer the engine's hook hands that
-    layer's blocks to the request's CacheStore transfer, so the transfer of layer i overlaps the
-    compute of layer i+1. The first token is returned only once every layer is acknowledged."""
+    """Runs prompts with `prefill_only` requests; after each layer the engine's KV connector (a
+    `LayerStreamer`) hands that layer's blocks to the request's CacheStore transfer, so the transfer
+    of layer i overlaps the compute of layer i+1. The first token is returned only once every layer
+    is acknowledged."""
 
     def __init__(self, config: NodeConfig) -> None:
         if config.engine.tensor_parallel_size > 1 and config.transfer.transport == "local":  # before loading
             raise ValueError("a tensor-parallel prefill node needs a network transport: ranks 1.. are other processes")
         if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
-        self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER))
-        self.rt.engine.layer_hook = self._layer_hook
+        self.streamer = LayerStreamer()
+        self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER), self.streamer)
         self.geometry = pool_geometry(self.rt.engine.runner)  # rank 0's KV heads; ranks 1.. send theirs
         self.client = kv_store.sender(self.rt, config)
         self.advertise_host = config.node.advertise_host
@@ -51,9 +51,6 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             config.transfer.kv_timeout,
         )
         """D->P pulls: this node receives held prefix blocks from decode nodes (`kv_pull`); TP=1 only."""
-        self.transfers: dict[str, tuple[list[Transfer], int]] = {}
-        """request id -> (its Transfers, one per decode rank this rank writes heads to; index of the first
-        block they write: the decode node holds the ones before); read by the engine thread in the layer hook."""
         self.ranks = RankEndpoints(self.rt.engine.runner)
         """The CacheStore senders of tensor-parallel ranks 1.. (none with TP=1)."""
 
@@ -72,15 +69,9 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         await self.pulls.cachestore.stop()
         await self.client.close()
 
-    def _layer_hook(self, layer: int, batch: ForwardBatch) -> None:
-        """Engine thread, after `layer` wrote its KV: ship it for every request whose prompt
-        completes in this step (earlier chunks' layers are final by then too)."""
-        pool = self.rt.engine.runner.kv_pool
-        ship_layer(self.transfers, layer, batch, pool.block_size, pool.tensor)
-
     @property
     def geometry_block_size(self) -> int:
-        return self.rt.engine.runner.kv_pool.block_size
+        return self.rt.engine.kv_pool.block_size
 
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:
         return await self.rt.load_report()
@@ -91,7 +82,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         await self.pulls.claim(request.request_id, request.kv_pulled)
         rid, prompt, params, dests, salt = self._parse(request)
         await rt.compile_grammar(params)
-        skip = request.decode_cached_tokens // self.geometry_block_size
+        held_blocks = request.decode_cached_tokens // self.geometry_block_size
         txs = [self.client.open_transfer(c) for c in dests if self.client.writes_to(c)]
         async with rt.request(
             rid,
@@ -102,8 +93,8 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             destination=dests[0].endpoint,
         ) as scope:
             if self.ranks.ranks:  # before the prompt runs: every rank's hook must know its transfers
-                await self.ranks.open_transfers(rid, [c.to_bytes() for c in dests], skip)
-            self.transfers[rid] = (txs, skip)
+                await self.ranks.open_transfers(rid, [c.to_bytes() for c in dests], held_blocks)
+            self.streamer.transfers[rid] = (txs, held_blocks)
             await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True, cache_salt=salt)
             out = await scope.next_output()
             while not out.finished:
@@ -179,7 +170,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     async def _end(self, rid: str, txs: list[Transfer], finished: bool) -> None:
         """Success: release keeps the blocks prefix-cached; failure or cancel: the transfers (on every
         rank) are aborted and abort frees the blocks too."""
-        self.transfers.pop(rid, None)
+        self.streamer.transfers.pop(rid, None)
         if not finished:
             for tx in txs:
                 tx.abort("prefill cancelled or failed")

@@ -37,7 +37,7 @@ async def assert_no_blocks_used(nodes: Nodes, decode: bool = True) -> None:
         assert not engine.requests, (node.rt.role, list(engine.requests))
     assert not decode or nodes.decode.cachestore.num_sessions == 0
     for p in nodes.prefills:  # D->P pulls: every session settled, no block held by a pull
-        assert p.pulls.cachestore.num_sessions == 0 and not p.rt.engine.pulls
+        assert p.pulls.cachestore.num_sessions == 0 and not p.rt.engine.pulls.pulls
 
 
 @contextlib.asynccontextmanager

@@ -180,3 +180,13 @@ def assert_greedy_matches(hf, llm, prompts: list[list[int]], new_tokens: int, at
         assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
     llm.engine.check_integrity()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def add_remote(engine, request_id: str, prompt: list[int], params) -> list[int]:
+    """Admit a request as a decode node that offers it to a prefill node does (the engine's connector
+    is a `RemotePrefillPolicy`, by default never local): its blocks, parked for the remote KV."""
+    from pdserve.engine.remote_prefill import DO_REMOTE_PREFILL
+
+    source = engine.add_request(request_id, prompt, params, kv_transfer_params={DO_REMOTE_PREFILL: True})
+    assert source.location == "remote", source
+    return source.block_ids

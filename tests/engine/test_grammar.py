@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.grammar import (
     GrammarSpec,
     GrammarUnavailable,
@@ -20,6 +20,8 @@ from pdserve.engine.grammar import (
 )
 from pdserve.engine.grammar_cache import GrammarCache
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.remote_prefill import RemotePrefillPolicy
+from tests.engine.factories import add_remote
 
 pytest.importorskip("xgrammar")
 SCHEMA = {
@@ -106,16 +108,16 @@ def test_outputs_match_and_finish_with_stop(llm) -> None:
     llm.engine.check_integrity()
 
 
-def test_the_decode_side_replays_the_first_token_and_refuses_one_the_grammar_forbids(llm) -> None:
-    engine = llm.engine
+def test_the_decode_side_replays_the_first_token_and_refuses_one_the_grammar_forbids(tiny_model_dir) -> None:
+    engine = LLMEngine(EngineConfig(tiny_model_dir, num_kv_blocks=64), connector=RemotePrefillPolicy())
     spec = GrammarSpec("regex", "[0-9]+")
     params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=spec)
     digit, letter = engine.tokenizer.encode("7", add_special_tokens=False)[0], engine.tokenizer.encode("q")[-1]
-    engine.add_remote_prefill_request("bad", [5, 6, 7], params)
+    add_remote(engine, "bad", [5, 6, 7], params)
     with pytest.raises(ValueError, match="breaks the request's grammar"):
         engine.complete_remote_prefill("bad", letter)
     engine.abort("bad")
-    engine.add_remote_prefill_request("ok", [5, 6, 7], params)
+    add_remote(engine, "ok", [5, 6, 7], params)
     engine.complete_remote_prefill("ok", digit)
     tokens = [digit]
     while engine.has_unfinished_requests():

@@ -20,6 +20,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.remote_prefill import RemotePrefillPolicy
+from tests.engine.factories import add_remote
 
 GiB, MiB = 1024**3, 1024**2
 
@@ -159,14 +161,15 @@ def test_explicit_max_model_len_that_cannot_fit_is_refused(tiny_model_dir):
 
 
 def test_load_report_subtracts_blocks_reserved_by_never_preempt(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(tiny_model_dir, num_kv_blocks=64, block_size=4, preemption="never"))
+    config = EngineConfig(tiny_model_dir, num_kv_blocks=64, block_size=4, preemption="never")
+    engine = LLMEngine(config, connector=RemotePrefillPolicy())
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine.add_request("a", [5] * 8, params)  # 2 blocks now, 7 over its life
     engine.step()
     bm = engine.block_manager
     assert bm.num_free_blocks == 64 - 2  # the prompt's blocks; the output's come as it grows
     assert engine.load().num_free_blocks == 64 - 7
-    engine.add_remote_prefill_request("b", [6] * 8, params)  # 2 blocks held, 7 promised
+    add_remote(engine, "b", [6] * 8, params)  # 2 blocks held, 7 promised
     assert engine.load().num_free_blocks == 64 - 14
     engine.abort("a")
     engine.abort("b")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import AdmissionError, EngineConfig, LLMEngine, RequestStatus, SamplingParams
+from pdserve.engine.remote_prefill import RemotePrefillPolicy
+from tests.engine.factories import add_remote
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -16,7 +18,7 @@ def make_engine(tiny_model_dir):
     def make(**kw) -> LLMEngine:
         kw.setdefault("num_kv_blocks", 64)
         kw.setdefault("block_size", 4)
-        engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, **kw))
+        engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, **kw), connector=RemotePrefillPolicy())
         engines.append(engine)
         return engine
 
@@ -100,7 +102,7 @@ def test_never_preempt_reserves_and_refuses(make_engine):
     engine.step()
     assert [r.request_id for r in engine.scheduler.running] == ["a", "b"]
     with pytest.raises(AdmissionError):
-        engine.add_remote_prefill_request("d", [8] * 8, params)
+        add_remote(engine, "d", [8] * 8, params)
     run_all(engine)
 
 
@@ -116,7 +118,7 @@ def test_remote_prefill_flow(make_engine, tiny_model_dir):
     held = pre.requests["x"].block_ids  # parked: finished, pinned until release
     # "decode node": allocate, receive the KV (copied here by hand), complete
     dec = make_engine()
-    blocks = dec.add_remote_prefill_request("x", [9, 10, 11, 12, 13], GREEDY)
+    blocks = add_remote(dec, "x", [9, 10, 11, 12, 13], GREEDY)
     assert dec.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KV
     for src, dst in zip(held, blocks):
         dec.runner.kv_pool.tensor[:, dst] = pre.runner.kv_pool.tensor[:, src]
@@ -128,7 +130,7 @@ def test_remote_prefill_flow(make_engine, tiny_model_dir):
 
 def test_remote_prefill_finishing_on_first_token(make_engine):
     dec = make_engine()
-    dec.add_remote_prefill_request("x", [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=1))
+    add_remote(dec, "x", [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=1))
     dec.complete_remote_prefill("x", 42)
     outs = dec.step()
     assert outs[0].finished and outs[0].finish_reason == "length" and outs[0].num_output_tokens == 1
@@ -138,7 +140,7 @@ def test_abort_in_every_state(make_engine):
     engine = make_engine(max_num_seqs=1)
     engine.add_request("running", [5, 6, 7], GREEDY)
     engine.add_request("waiting", [5, 6, 8], GREEDY)
-    engine.add_remote_prefill_request("remote", [5, 6, 9], GREEDY)
+    add_remote(engine, "remote", [5, 6, 9], GREEDY)
     engine.add_request("held", [5, 6, 10], GREEDY, prefill_only=True)
     engine.step()
     assert engine.abort("running") and engine.abort("waiting") and engine.abort("remote")
@@ -162,7 +164,7 @@ def test_outputs_report_how_long_a_request_waited_before_it_ran(make_engine):
         if not engine.has_unfinished_requests():
             break
     assert waited["b"] > waited["a"]
-    engine.add_remote_prefill_request("r", [7, 8, 9], GREEDY)
+    add_remote(engine, "r", [7, 8, 9], GREEDY)
     engine.complete_remote_prefill("r", 10)
     outs = [o for o in engine.step() if o.request_id == "r"]
     assert outs and outs[0].queue_seconds is not None
@@ -174,7 +176,7 @@ def test_integrity_check_follows_each_request_status(make_engine):
     engine = make_engine(max_num_seqs=1)
     engine.add_request("a", [5, 6, 7], GREEDY)
     engine.add_request("b", [5, 6, 8], GREEDY)
-    engine.add_remote_prefill_request("r", [5, 6, 9], GREEDY)
+    add_remote(engine, "r", [5, 6, 9], GREEDY)
     engine.step()
     engine.check_integrity()
     assert engine.parked() == [engine.requests["r"]]

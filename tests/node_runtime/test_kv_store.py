@@ -15,9 +15,7 @@ from tests.cachestore.test_rdma_emulated import _from_engine_thread
 
 
 def _node(pool: torch.Tensor):
-    return types.SimpleNamespace(
-        engine=types.SimpleNamespace(runner=types.SimpleNamespace(kv_pool=types.SimpleNamespace(tensor=pool)))
-    )
+    return types.SimpleNamespace(engine=types.SimpleNamespace(kv_pool=types.SimpleNamespace(tensor=pool)))
 
 
 def test_pulls_into_a_staged_cuda_pool_go_over_tcp(monkeypatch):

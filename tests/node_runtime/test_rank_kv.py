@@ -63,9 +63,9 @@ def test_a_sending_rank_fills_a_receiving_rank_and_an_abort_leaves_nothing():
     assert _call(receiver, {"op": "start", **start})["endpoint"].startswith("127.0.0.1:")
     assert _call(sender, {"op": "start", **start}) == {}
     creds = _call(receiver, {"op": "open", "rid": "r", "blocks": [5, 6], "timeout": 10})["creds"]
-    assert _call(sender, {"op": "open", "rid": "r", "creds": [creds], "skip": 0}) == {"transfers": 1}
+    assert _call(sender, {"op": "open", "rid": "r", "creds": [creds], "held_blocks": 0}) == {"transfers": 1}
     for layer in range(LAYERS):
-        sender.layer_hook(layer, _batch("r", [1, 2]))
+        sender.connector.save_layer(layer, _batch("r", [1, 2]))
     assert "error" not in _call(sender, {"op": "finish", "rid": "r", "timeout": 10})
     assert _call(receiver, {"op": "wait", "rid": "r", "timeout": 10}) == {}
     closed = _call(receiver, {"op": "close", "rid": "r"})
@@ -74,7 +74,7 @@ def test_a_sending_rank_fills_a_receiving_rank_and_an_abort_leaves_nothing():
     assert closed["recv_bytes"] == LAYERS * 2 * 2 * BLOCK_SIZE * HEAD_DIM * 4  # exactly its head's share
 
     creds = _call(receiver, {"op": "open", "rid": "q", "blocks": [0], "timeout": 10})["creds"]
-    _call(sender, {"op": "open", "rid": "q", "creds": [creds], "skip": 0})
+    _call(sender, {"op": "open", "rid": "q", "creds": [creds], "held_blocks": 0})
     assert _call(sender, {"op": "abort", "rid": "q"}) == {}
     assert "error" in _call(receiver, {"op": "wait", "rid": "q", "timeout": 0.2})
     _call(receiver, {"op": "close", "rid": "q"})

@@ -38,9 +38,9 @@ def test_one_prefill_rank_fills_every_decode_rank_with_the_whole_latent():
         assert _call(receiver, {"op": "start", **start})["endpoint"].startswith("127.0.0.1:")
     assert _call(sender, {"op": "start", **start}) == {}
     creds = [_call(r, {"op": "open", "rid": "r", "blocks": [5, 6], "timeout": 10})["creds"] for r in receivers]
-    assert _call(sender, {"op": "open", "rid": "r", "creds": creds, "skip": 0}) == {"transfers": 2}
+    assert _call(sender, {"op": "open", "rid": "r", "creds": creds, "held_blocks": 0}) == {"transfers": 2}
     for layer in range(LAYERS):
-        sender.layer_hook(layer, _batch("r", [1, 2]))
+        sender.connector.save_layer(layer, _batch("r", [1, 2]))
     assert "error" not in _call(sender, {"op": "finish", "rid": "r", "timeout": 10})
     src = sender.runner.kv_pool.tensor
     for receiver in receivers:

@@ -9,7 +9,8 @@ command's id, so a slow command (waiting for KV) does not hold up the others.
 A rank runs a side service only when the engine config names one (`EngineConfig.rank_service`,
 "module:factory"): the factory is called with the rank's ModelRunner and returns an object with
 `handle(msg, reply)` (any thread; `reply(dict)` may be called later, from any thread) and,
-optionally, `layer_hook`, which the rank passes to every `run`.
+optionally, `connector`: the worker side of a KvConnector (`engine.kv_connector`), which the rank
+passes to every `run`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 from concurrent.futures import Future
 from typing import IO, Any
 
+from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
 from pdserve.engine.parallel.group import RankFailure
 
 
@@ -93,8 +95,9 @@ class RankService:
         self._ready.set()
 
     @property
-    def layer_hook(self) -> Any:
-        return getattr(self.service, "layer_hook", None)
+    def connector(self) -> KvConnector:
+        """The side service's KV connector (the engine's no-op one when it has none)."""
+        return getattr(self.service, "connector", None) or NO_CONNECTOR
 
     def serve(self, stdin: IO[bytes]) -> None:
         """Dispatch every command line until EOF (rank 0 closed the pipe or died)."""

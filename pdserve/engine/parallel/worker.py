@@ -41,14 +41,14 @@ def serve(spec: dict, service: RankService) -> None:
     tp = TPGroup(rank, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
     runner = ModelRunner(config.model_dir, **options, tp=tp)
     service.start(runner)
-    hook = service.layer_hook
+    connector = service.connector  # built by the service with this runner: its pool is registered
     while (msg := tp.recv_step()) is not None:
         batch = ForwardBatch(**msg["batch"])
         hidden = None
         if msg.get("hidden"):  # a later pipeline stage (tdpipe): rank 0 broadcasts the previous stage's output
             shape = (batch.num_tokens, runner.model_config.hidden_size)
             hidden = tp.broadcast(torch.empty(shape, dtype=runner.dtype, device=runner.device))
-        runner.run(batch, hidden_states=hidden, layer_hook=hook)
+        runner.run(batch, hidden_states=hidden, connector=connector)
 
 
 def main() -> int:
