@@ -1,4 +1,5 @@
-"""Errors the router returns, in the OpenAI error shape: {"error": {message, type, param, code}}."""
+"""Errors in the OpenAI error shape, {"error": {message, type, param, code}}: the router answers them
+over HTTP and the batch job writes them into a line's result."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Sequence
 from fastapi.responses import JSONResponse
 
 
-class RouterError(Exception):
+class OpenAIError(Exception):
     """An error with an HTTP status and an OpenAI error body."""
 
     status = 500
@@ -25,7 +26,7 @@ class RouterError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-class BadRequest(RouterError):
+class BadRequest(OpenAIError):
     status, type, code = 400, "invalid_request_error", None
 
 
@@ -33,25 +34,25 @@ class UpstreamInvalidRequest(BadRequest):
     """A node refused the request as invalid (gRPC INVALID_ARGUMENT)."""
 
 
-class Unauthorized(RouterError):
+class Unauthorized(OpenAIError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
-class ModelNotFound(RouterError):
+class ModelNotFound(OpenAIError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
 
-class PayloadTooLarge(RouterError):
+class PayloadTooLarge(OpenAIError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
-class RequestTimeout(RouterError):
+class RequestTimeout(OpenAIError):
     """The request body did not arrive in time (a slow-body drip)."""
 
     status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
-class NoCapacityError(RouterError):
+class NoCapacityError(OpenAIError):
     """No healthy prefill+decode pair, or no decode node can fit the request. `retry_after`: seconds
     a client should wait before trying again (the HTTP `Retry-After` header)."""
 
@@ -62,7 +63,7 @@ class NoCapacityError(RouterError):
         self.retry_after = retry_after
 
 
-class RateLimited(RouterError):
+class RateLimited(OpenAIError):
     """An API key is over its in-flight or per-minute limit (OpenAI's 429 shape, with Retry-After)."""
 
     status, type, code = 429, "requests", "rate_limit_exceeded"
@@ -72,7 +73,7 @@ class RateLimited(RouterError):
         self.retry_after = retry_after
 
 
-class UpstreamError(RouterError):
+class UpstreamError(OpenAIError):
     status, type, code = 502, "server_error", "upstream_error"
 
 
@@ -90,13 +91,13 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def retry_after_header(err: RouterError) -> str | None:
+def retry_after_header(err: OpenAIError) -> str | None:
     """The `Retry-After` value (whole seconds, at least 1) of an error that says when to retry."""
     retry_after = getattr(err, "retry_after", None)
     return str(max(1, math.ceil(retry_after))) if retry_after is not None else None
 
 
-def error_response(err: RouterError) -> JSONResponse:
+def error_response(err: OpenAIError) -> JSONResponse:
     retry_after = retry_after_header(err)
     headers = {"Retry-After": retry_after} if retry_after is not None else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)

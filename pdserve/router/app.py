@@ -17,7 +17,7 @@ from pdserve.router.body_limit import DEFAULT_BODY_TIMEOUT, BodyLimit
 from pdserve.openai_api.errors import (
     ModelNotFound,
     NoCapacityError,
-    RouterError,
+    OpenAIError,
     Unauthorized,
     bearer_key,
     error_body,
@@ -69,7 +69,7 @@ def create_app(
                 if not any(hmac.compare_digest(given, k) for k in keys):
                     raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
             response = await call_next(request)
-        except RouterError as e:
+        except OpenAIError as e:
             response = error_response(e)
         except Exception:  # a bug: answer in the OpenAI shape and count it, never a bare 500 page
             log.exception("unhandled error on %s %s", request.method, path)
@@ -77,8 +77,8 @@ def create_app(
         http_metrics.observe(app.router.routes, request.scope, response.status_code)
         return response
 
-    @app.exception_handler(RouterError)
-    async def router_error(request: Request, exc: RouterError):
+    @app.exception_handler(OpenAIError)
+    async def router_error(request: Request, exc: OpenAIError):
         return error_response(exc)
 
     @app.exception_handler(HTTPException)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.openai_api.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError, retry_after_header
+from pdserve.openai_api.errors import BadRequest, PayloadTooLarge, RequestTimeout, OpenAIError, retry_after_header
 
 DEFAULT_BODY_TIMEOUT = 60.0
 
@@ -44,7 +44,7 @@ class BodyLimit:
                 raise RequestTimeout(
                     f"the request body did not arrive within {self.body_timeout:g} s of its headers"
                 ) from None
-        except RouterError as e:
+        except OpenAIError as e:
             return await send_error(send, e)
         replayed = False
 
@@ -82,7 +82,7 @@ class BodyLimit:
                 return b"".join(chunks)
 
 
-async def send_error(send, err: RouterError) -> None:
+async def send_error(send, err: OpenAIError) -> None:
     """Answer `err` in the OpenAI shape from ASGI middleware (with its Retry-After, if it has one)
     and close the connection: the request's body was not read."""
     payload = json.dumps(err.body()).encode()

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.openai_api.choices import Choice, ChoiceBuilder
-from pdserve.openai_api.errors import RouterError, error_body
+from pdserve.openai_api.errors import OpenAIError, error_body
 from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pdserve.openai_api.responses import chat_choice, chat_delta, completion_choice, response_body, usage
 from pdserve.openai_api.text import chat_logprob_entry, completion_logprobs
@@ -230,7 +230,7 @@ class Server:
                         yield chunk([body])
                 if include_usage:
                     yield chunk([], self.usage(choices))
-            except RouterError as e:
+            except OpenAIError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
             except Exception as e:  # a stream that already started can only report in-band
                 yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.openai_api.choices import Choice, ChoiceBuilder
-from pdserve.openai_api.errors import RouterError, error_body, validation_message
+from pdserve.openai_api.errors import OpenAIError, error_body, validation_message
 from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.openai_api.responses import chat_choice, completion_choice, response_body, usage
 
@@ -153,7 +153,7 @@ def _parse(obj: dict, builder: ChoiceBuilder, model_name: str) -> BatchItem:
         )
     try:
         choices = builder.choices(req)
-    except RouterError as e:
+    except OpenAIError as e:
         code = e.code or ("context_length_exceeded" if "context" in e.message else "invalid_body")
         raise LineError(code, e.message, status=e.status, param=e.param) from None
     return BatchItem(obj["custom_id"], obj["url"], req, choices[0])
