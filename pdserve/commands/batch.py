@@ -147,6 +147,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.builtin import default_model_dir
     from pdserve.tdpipe.runtime.batch_job import external_world
+    from pdserve.tdpipe.runtime.batch_config import BatchConfig
     from pdserve.tdpipe.runtime.batch_main import run_batch
 
     try:
@@ -166,4 +167,4 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run_batch(args, device)
+    return run_batch(BatchConfig.from_args(args), device)

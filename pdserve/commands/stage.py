@@ -81,5 +81,6 @@ def _num_kv_blocks(args: argparse.Namespace, device: str) -> int:
     from pdserve.tdpipe.runtime.batch_kv import stage_kv_blocks
 
     world = int(os.environ.get("WORLD_SIZE", "2"))  # main_from_env refuses a missing one
-    sized = argparse.Namespace(**vars(args), stages=max(world - 1, 1), external_stages=True)
+    # external stages never split by phase (resolve_phase_split)
+    sized = argparse.Namespace(**vars(args), stages=max(world - 1, 1), external_stages=True, split_by_phase=False)
     return stage_kv_blocks(sized, ModelConfig.from_dir(args.model_dir), device, num_lines=0)

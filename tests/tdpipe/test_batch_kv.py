@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.engine.model_config import ModelConfig
 from pdserve.cli import build_parser
+from pdserve.tdpipe.runtime.batch_config import BatchConfig
 from pdserve.tdpipe.runtime.batch_kv import FIXED_DEFAULT_BLOCKS, stage_kv_blocks
 from pdserve.tdpipe.runtime.stage_split import model_stage_ranges
 
@@ -17,7 +18,13 @@ MiB = 1024**2
 
 def _args(**kw) -> Namespace:
     base = dict(
-        num_kv_blocks=None, kv_cache_bytes=None, stages=2, block_size=16, dtype="float32", external_stages=False
+        num_kv_blocks=None,
+        kv_cache_bytes=None,
+        stages=2,
+        block_size=16,
+        dtype="float32",
+        external_stages=False,
+        split_by_phase=False,
     )
     return Namespace(**{**base, **kw})
 
@@ -62,6 +69,6 @@ def test_external_stages_derive_the_controllers_count(tiny_model_dir, monkeypatc
     batch = ["batch", "-i", "in", "-o", "out", "--external-stages", "--stages", "2", "--dtype", "float32"]
     for flags in (["--kv-cache-memory", "3MiB"], []):
         stage_args = build_parser().parse_args(stage + flags)
-        batch_args = build_parser().parse_args(batch + flags)
+        batch_args = BatchConfig.from_args(build_parser().parse_args(batch + flags))
         assert _num_kv_blocks(stage_args, "cpu") == stage_kv_blocks(batch_args, cfg, "cpu", 5)
     assert _num_kv_blocks(build_parser().parse_args(stage), "cpu") == FIXED_DEFAULT_BLOCKS

@@ -5,7 +5,6 @@ The watchdog that unblocks the job when a stage dies or a signal comes is `batch
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections import deque
 import os
@@ -18,6 +17,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.node_runtime.node_metrics import served_model_name
 from pdserve.openai_api.choices import ChoiceBuilder
 from pdserve.tdpipe.feed import RequestFeed
+from pdserve.tdpipe.runtime.batch_config import BatchConfig
 from pdserve.tdpipe.runtime.batch_input import RawLine
 from pdserve.tdpipe.runtime.batch_io import result_line
 from pdserve.tdpipe.runtime.batch_lengths import LengthPlanner, fit_line
@@ -66,7 +66,7 @@ class BatchJob:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        args: BatchConfig,
         model_dir: str,
         device: dict[str, str],
         tokenizer: Tokenizer,
@@ -74,9 +74,11 @@ class BatchJob:
         writer: OrderedWriter,
     ) -> None:
         self.args, self.model_dir, self.device, self.tokenizer, self.writer = args, model_dir, device, tokenizer, writer
-        self.model_name = getattr(args, "served_model_name", None) or served_model_name(model_dir)
-        defaults = getattr(args, "sampling_defaults", None)  # --generation-config, resolved by batch_main
-        self.builder = ChoiceBuilder(tokenizer, lambda: max_model_len, defaults=defaults)
+        if args.num_kv_blocks is None:
+            raise ValueError("a batch job runs on a resolved --num-kv-blocks (batch_main resolves it)")
+        self.num_kv_blocks: int = args.num_kv_blocks
+        self.model_name = args.served_model_name or served_model_name(model_dir)
+        self.builder = ChoiceBuilder(tokenizer, lambda: max_model_len, defaults=args.sampling_defaults)
         self.progress: tqdm | None = None
         self.watchdog: StageWatchdog | None = None
         self.executor: StageExecutor | None = None
@@ -114,7 +116,7 @@ class BatchJob:
 
     def _source(self, lines: Iterator[RawLine], done: set[ResumeKey]) -> LineSource:
         # PP's virtual engines each own 1/stages of the pool, and a request must fit one of them
-        share = self.args.stages if getattr(self.args, "policy", "tdpipe").startswith("pp") else 1
+        share = self.args.stages if self.args.policy.startswith("pp") else 1
         bar = self.progress
         return LineSource(
             lines,
@@ -124,7 +126,7 @@ class BatchJob:
             self.writer,
             done,
             window=self.args.max_lines_in_flight,
-            capacity=self.args.num_kv_blocks // share * self.args.block_size,
+            capacity=self.num_kv_blocks // share * self.args.block_size,
             kv_hint=" per virtual engine" if share > 1 else "",
             on_skip=(lambda: bar.update(1)) if bar is not None else None,
             fit=fit_line,
@@ -157,17 +159,17 @@ class BatchJob:
 
         cfg = StageConfig(
             self.model_dir,
-            num_kv_blocks=self.args.num_kv_blocks,
+            num_kv_blocks=self.num_kv_blocks,
             block_size=self.args.block_size,
             dtype=self.args.dtype,
             num_threads=self.args.num_threads,
             init_timeout=self.args.init_timeout,
-            tensor_parallel_size=getattr(self.args, "tensor_parallel_size", 1),
-            phase_split=getattr(self.args, "split_by_phase", False),
+            tensor_parallel_size=self.args.tensor_parallel_size,
+            phase_split=self.args.split_by_phase,
             device=self.device["device"],
             attention_backend=self.device["attention_backend"],
         )
-        external = getattr(self.args, "external_stages", False)
+        external = self.args.external_stages
         table = self.cost_table(cfg, list(reqs), external)  # planned on the first window of lines
         # external stages join on their own; local ones are started (and watched) by the launcher
         on_spawn = self.watchdog.watch if self.watchdog else None

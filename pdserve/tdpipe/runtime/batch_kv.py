@@ -11,7 +11,7 @@ host memory but in full here).
 
 from __future__ import annotations
 
-import argparse
+from typing import Protocol
 
 import torch
 
@@ -27,17 +27,41 @@ FIXED_DEFAULT_BLOCKS = 512
 (whose `pdserve stage` ranks take the count as a flag and must agree with it)."""
 
 
+class StageKvFlags(Protocol):
+    """The flags the block count depends on (a BatchConfig; `pdserve stage` derives the same)."""
+
+    @property
+    def num_kv_blocks(self) -> int | None: ...
+
+    @property
+    def kv_cache_bytes(self) -> int | None: ...
+
+    @property
+    def external_stages(self) -> bool: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def stages(self) -> int: ...
+
+    @property
+    def split_by_phase(self) -> bool: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
 def stage_kv_blocks(
-    args: argparse.Namespace, cfg: ModelConfig, device: str, num_lines: int, available: int | None = None
+    args: StageKvFlags, cfg: ModelConfig, device: str, num_lines: int, available: int | None = None
 ) -> int:
     """The per-stage block count for this job (ValueError when the budget holds under two blocks)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
-    external = getattr(args, "external_stages", False)
-    if args.kv_cache_bytes is None and (device.startswith("cuda") or external):
+    if args.kv_cache_bytes is None and (device.startswith("cuda") or args.external_stages):
         return FIXED_DEFAULT_BLOCKS
     dtype = resolve_dtype(args.dtype, cfg, torch.device(device))
-    split = pipeline_split(cfg, args.stages, getattr(args, "split_by_phase", False))
+    split = pipeline_split(cfg, args.stages, args.split_by_phase)
     most_layers = max(end - start for start, end in map(split.held, range(args.stages)))
     per_token = kv_bytes_per_token(cfg, most_layers, dtype)
     budget = args.kv_cache_bytes

@@ -7,7 +7,6 @@ non-zero case the lines already written stay valid and `--resume` finishes the j
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ from pdserve.engine.generation_defaults import generation_defaults
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.sharding import TPShard
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.tdpipe.runtime.batch_config import BatchConfig
 from pdserve.tdpipe.runtime.batch_input import count_lines, read_lines
 from pdserve.tdpipe.runtime.batch_job import BatchJob, table_choice
 from pdserve.tdpipe.runtime.batch_kv import stage_kv_blocks
@@ -40,9 +40,8 @@ def _bubble_fraction(timelines: list) -> float | None:
     return sum(fracs) / len(fracs) if fracs else None
 
 
-def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
-    """Run the job `args` describes (`pdserve batch`'s flags, `args.model` a checkpoint directory and
-    `args.stages` resolved) on `device` (device_args.device_options); the exit code."""
+def run_batch(args: BatchConfig, device: dict[str, str]) -> int:
+    """Run the job `args` describes on `device` (device_args.device_options); the exit code."""
     from tqdm import tqdm
 
     model_dir = args.model
@@ -51,18 +50,20 @@ def run_batch(args: argparse.Namespace, device: dict[str, str]) -> int:
         cfg = ModelConfig.from_dir(model_dir)
         if args.stages > cfg.num_hidden_layers:
             raise ValueError(f"--stages {args.stages} is more than the model's {cfg.num_hidden_layers} layers")
-        TPShard(0, getattr(args, "tensor_parallel_size", 1)).check(cfg)  # every stage splits its layers N ways
+        TPShard(0, args.tensor_parallel_size).check(cfg)  # every stage splits its layers N ways
         if args.max_lines_in_flight < 1:
             raise ValueError(f"--max-lines-in-flight must be at least 1, got {args.max_lines_in_flight}")
         tokenizer = Tokenizer(model_dir)
         lengths = LengthPlanner(args.length_predictor)
         # generation_config.json's sampling defaults for fields a line leaves unset, as the router applies them
-        args.sampling_defaults = generation_defaults(args.generation_config or "auto", model_dir)
-        args.split_by_phase = resolve_phase_split(
-            args.phase_split, device["device"], getattr(args, "tensor_parallel_size", 1), args.external_stages
+        args = args.resolved(
+            sampling_defaults=generation_defaults(args.generation_config or "auto", model_dir),
+            split_by_phase=resolve_phase_split(
+                args.phase_split, device["device"], args.tensor_parallel_size, args.external_stages
+            ),
         )
         # at most a window of lines is in flight: the KV never needs more than they can fill
-        args.num_kv_blocks = stage_kv_blocks(args, cfg, device["device"], args.max_lines_in_flight)
+        args = args.resolved(num_kv_blocks=stage_kv_blocks(args, cfg, device["device"], args.max_lines_in_flight))
         stream = open_input(args.input)
         out_path = local_output(args.output, args.local_output_dir)
         out, done = open_output(out_path, args.resume)  # locked: a second job on this output fails here
