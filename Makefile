@@ -23,7 +23,7 @@ venv: $(STAMP)
 # a quick load afterwards). Building it here, in one process, keeps node processes from each
 # compiling it at start. Without a compiler it reports the pure-torch fallback and succeeds.
 kernels: $(STAMP)
-	@$(BIN)/python -c "from pdserve.engine.attention.cpu_build import load_paged_attention_op as b; \
+	@$(BIN)/python -c "from pdserve.engine.kernels.cpu_build import load_paged_attention_op as b; \
 	print('cpu ops (paged attention, fused elementwise):', 'ready' if b() else 'unavailable, using the pure-torch fallback')"
 
 serve: kernels

@@ -28,7 +28,7 @@ import time
 import torch
 
 from benchmarks.common import emit, machine
-from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 
 HQ, LORA, NOPE, ROPE, V, BLOCK = 16, 512, 128, 64, 128, 16
 QK = NOPE + ROPE

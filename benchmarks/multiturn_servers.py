@@ -30,7 +30,7 @@ def start_pdserve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model, "--port", str(port), *extra]
     # The nodes build the CPU attention op on first use and serve on the slower torch path meanwhile
     # (a compiler on one core for about a minute): a once-per-machine cost, not part of a measurement.
-    from pdserve.engine.attention import cpu_build
+    from pdserve.engine.kernels import cpu_build
 
     cpu_build.load_paged_attention_op()
     # the defaults a user gets: no liveness limit is raised (a busy node is not taken for a hung one)

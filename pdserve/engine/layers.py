@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 from pdserve.engine.model_config import ModelConfig, RopeScaling, YarnScaling
 
 AMX_MAX_ROWS = 1024
@@ -163,7 +163,7 @@ class EagerOps:
 
 class CpuFusedOps:
     """The same steps as `EagerOps`, one C++ pass each (`torch.ops.pdserve_cpu`, built by
-    `engine.attention.cpu_build`); equal to EagerOps up to float rounding order."""
+    `engine.kernels.cpu_build`); equal to EagerOps up to float rounding order."""
 
     linear = EagerOps.linear
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 from pdserve.engine.grammar_cache import accept_tokens, apply_grammar_masks
 from pdserve.engine.request import Request, TokenLogprob
 

@@ -50,4 +50,4 @@ def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
     ]
     missing = sorted(set(wanted) - set(names))
     assert not missing, f"left out of the wheel: {missing[:10]}"
-    assert "pdserve/v1/decode_pb2.py" in names and "pdserve/engine/attention/csrc/cpu_paged_attention.cpp" in names
+    assert "pdserve/v1/decode_pb2.py" in names and "pdserve/engine/kernels/csrc/cpu_paged_attention.cpp" in names

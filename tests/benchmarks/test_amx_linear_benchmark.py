@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 
 ROOT = Path(__file__).resolve().parents[2]
 

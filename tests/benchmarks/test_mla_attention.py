@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.mla_attention import LORA, ROPE, V, build, expanded_step, latent_step
-from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 
 BF16_ATOL = 2e-2  # bf16 inputs/outputs (8-bit mantissa), float32 accumulation
 

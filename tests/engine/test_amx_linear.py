@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 from pdserve.engine.layers import AMX_MAX_ROWS, Linear, amx_layout, bf16_via_float32
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 
 PROMPTS = ["The old lighthouse keeper", "a b c d e f g h i j k l m n o p q r s t u v w x y z"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 from pdserve.engine.layers import (
     CpuCarryOps,
     CpuFusedOps,

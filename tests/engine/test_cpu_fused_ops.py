@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 from pdserve.engine.layers import CpuFusedOps, EagerOps, RotaryEmbedding
 
 SHAPES = [(1, 768), (1, 77), (37, 777), (200, 64)]
@@ -98,7 +98,7 @@ def test_model_uses_eager_ops_without_the_kernel(monkeypatch, tiny_model_dir):
     """No compiler (forced here): the cpu_paged runner still works, on the eager ops, and equals
     the torch backend's logits."""
     import pdserve.engine.layers
-    from pdserve.engine.attention import cpu_build
+    from pdserve.engine.kernels import cpu_build
     from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.model_runner import ModelRunner
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 
-BUILD = "from pdserve.engine.attention.cpu_build import load_paged_attention_op as b; print('op', b() is not None)"
+BUILD = "from pdserve.engine.kernels.cpu_build import load_paged_attention_op as b; print('op', b() is not None)"
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler on this machine")
@@ -104,7 +104,7 @@ def test_two_processes_on_an_empty_cache_compile_once(tmp_path: Path):
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
     env.pop("PDSERVE_NO_CPU_KERNEL", None)
     code = (
-        "import torch; from pdserve.engine.attention import cpu_build as c; op = c.load_paged_attention_op(); "
+        "import torch; from pdserve.engine.kernels import cpu_build as c; op = c.load_paged_attention_op(); "
         "q = torch.randn(1, 2, 8); kv = torch.randn(1, 2, 2, 4, 8); i = lambda *x: torch.tensor(x, dtype=torch.int32); "
         "out = op(q, kv, i(0).reshape(1, 1), i(0, 1), i(3), 0.35); "
         "print('built', c.built_in_this_process, 'works', bool(torch.isfinite(out).all()))"
@@ -145,7 +145,7 @@ def test_ops_linked_with_a_static_libstdcxx_still_format_their_errors(tmp_path: 
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(wrapper)}
     env.pop("PDSERVE_NO_CPU_KERNEL", None)
     code = (
-        "import torch; from pdserve.engine.attention import cpu_build as c; op = c.load_paged_attention_op(); "
+        "import torch; from pdserve.engine.kernels import cpu_build as c; op = c.load_paged_attention_op(); "
         "i = lambda *x: torch.tensor(x, dtype=torch.int32)\n"
         "try: op(torch.randn(1, 4, 16), torch.randn(4, 2, 2, 8, 16), i(0, 1).reshape(1, 2), i(0, 1), i(40), 1.0)\n"
         "except RuntimeError as e: print(str(e).splitlines()[0])"

@@ -153,7 +153,7 @@ def test_rejects_what_would_read_outside_the_pool(op, table, starts, ctxs, match
 
 def test_backend_falls_back_without_the_op(monkeypatch):
     """No compiler (forced here) must still give a working backend: the torch path."""
-    import pdserve.engine.attention.cpu_build as build
+    import pdserve.engine.kernels.cpu_build as build
 
     monkeypatch.setattr(build, "_tried", False)
     monkeypatch.setattr(build, "_op", None)

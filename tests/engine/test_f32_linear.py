@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 from pdserve.engine.layers import F32_MAX_ROWS, Linear, f32_layout
 
 

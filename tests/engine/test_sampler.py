@@ -29,7 +29,7 @@ def test_greedy_and_logprobs_of_raw_logits():
 def test_greedy_batch_picks_the_first_maximum_of_each_row(monkeypatch, dtype, compiled):
     # the all-greedy batch takes one reduction over the rows, the compiled `greedy` op where it is
     # loaded (bf16 logits read as they are), else torch's: ties, -inf and NaN as argmax does
-    from pdserve.engine.attention import cpu_build
+    from pdserve.engine.kernels import cpu_build
 
     if compiled:
         assert cpu_build.load_paged_attention_op() is not None, "this machine has a C++ compiler"

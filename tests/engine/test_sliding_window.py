@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.attention.cpu_build import load_paged_attention_op
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 from pdserve.engine.model_config import ModelConfig
 from tests.engine.factories import build_checkpoint, hf_greedy
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, layer_window
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.attention import cpu_build
+from pdserve.engine.kernels import cpu_build
 from pdserve.engine.attention.torch_backend import TorchAttention, causal_self_attention, chunk_attention
 
 CHUNK_SDPA_MIN_TOKENS = 16
