@@ -146,9 +146,10 @@ def simulate(
             need = len(r.tokens) + output_blocks(r) * BLOCK
             loads = [n.load for n in nodes]
             if routing == "kv-aware":
-                chosen = router.choose_decode(loads, r.tokens, None, need, now)
-                if chosen is not None:  # colocated nodes: the router counts the prompt each one prefills
-                    OffloadPolicy.assign_local(chosen, router.last_uncached_tokens)
+                choice = router.choose_decode(loads, r.tokens, None, need, now)
+                chosen = choice.node if choice else None
+                if choice is not None:  # colocated nodes: the router counts the prompt each one prefills
+                    OffloadPolicy.assign_local(choice.node, choice.uncached_tokens)
             else:
                 chosen = wrr.pick(loads, need, now)
             chosen = chosen or min(loads, key=lambda x: x.inflight_blocks)  # all full: queue on the least loaded

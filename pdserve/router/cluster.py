@@ -229,10 +229,13 @@ class Cluster:
             raise NoCapacityError("no healthy decode node is available; try again later")
         by_load = {id(n.load): n for n in decodes}
         loads, now = [n.load for n in decodes], time.monotonic()
+        prompt_tokens = len(prompt) or tokens_needed
+        # local_tokens: what the decode node would compute itself (kv-aware routing knows its cached prefix)
         if self.routing == "kv-aware":
-            chosen = self.kv_router.choose_decode(loads, prompt, cache_salt, tokens_needed, now)
+            choice = self.kv_router.choose_decode(loads, prompt, cache_salt, tokens_needed, now)
+            chosen, local_tokens = (choice.node, choice.uncached_tokens) if choice else (None, 0)
         else:
-            chosen = self.decode_balancer.pick(loads, tokens_needed, now)
+            chosen, local_tokens = self.decode_balancer.pick(loads, tokens_needed, now), prompt_tokens
         if chosen is None:
             raise NoCapacityError("no decode node has room for this request now; try again later")
         prefill_full = bool(prefills) and all(self._saturated(n.load) for n in prefills)
@@ -240,9 +243,6 @@ class Cluster:
         if decode_full and (prefill_full or not prefills):
             raise NoCapacityError("every node has its fill of queued prompts; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
-        prompt_tokens = len(prompt) or tokens_needed
-        # what the decode node would compute itself: kv-aware routing knows its cached prefix
-        local_tokens = self.kv_router.last_uncached_tokens if self.routing == "kv-aware" else prompt_tokens
         # every prefill node saturated (backlog in seconds) but this decode node not: it prefills
         offload = not decode_full and self.offload.prefill_here([n.load for n in prefills], chosen, local_tokens)
         if prefill_full or offload:
@@ -252,8 +252,9 @@ class Cluster:
         cached: tuple[int, ...] = ()
         open_loads = [n.load for n in prefills if not self._saturated(n.load)]  # saturated ones get nothing new
         if self.routing == "kv-aware":  # counts the uncached tokens on the first node itself
-            ordered = self.kv_router.order_prefill(open_loads, prompt, cache_salt)[:3]
-            cached = tuple(self.kv_router.last_prefill_cached_tokens[n.address] for n in ordered)
+            order = self.kv_router.order_prefill(open_loads, prompt, cache_salt)
+            ordered = order.nodes[:3]
+            cached = tuple(order.cached_tokens[n.address] for n in ordered)
         else:
             ordered = self.prefill_balancer.order(open_loads)[:3]
             if ordered:

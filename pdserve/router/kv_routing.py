@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from pdserve.engine.block_keys import BlockKey, namespace_root, prompt_block_keys
 from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
@@ -19,6 +20,24 @@ from pdserve.router.kv_index import KvIndex
 from pdserve.router.kv_policy import Candidate, PolicyParams, choose_decode, order_prefill
 
 ROUTING_MODES = ("kv-aware", "wrr")
+
+
+class DecodeChoice(NamedTuple):
+    """A decode node for one request, and what it lacks of the prompt."""
+
+    node: NodeLoad
+    uncached_tokens: int
+    """The prompt tokens the node does not hold: what it computes if it prefills the prompt itself
+    (the caller counts them in its load, `OffloadPolicy.assign_local`)."""
+
+
+class PrefillOrder(NamedTuple):
+    """Prefill nodes for one request, best first, and what each holds of the prompt."""
+
+    nodes: list[NodeLoad]
+    cached_tokens: dict[str, int]
+    """Leading prompt tokens each node held (by the index), by address: sent to the decode node,
+    which then offers no D->P pull a prefill node does not need."""
 
 
 class KvRouter:
@@ -41,13 +60,7 @@ class KvRouter:
         """(role, reason) -> routing decisions."""
         self.hit_blocks: Counter[tuple[str, str]] = Counter()
         """(role, address) -> prompt blocks the chosen node held at routing time."""
-        self.last_uncached_tokens = 0
-        """The prompt tokens the last `choose_decode` node lacks: what it computes if it prefills
-        the prompt itself (the caller counts them in its load, `OffloadPolicy.assign_local`)."""
         self.hit_tokens: Counter[tuple[str, str]] = Counter()
-        self.last_prefill_cached_tokens: dict[str, int] = {}
-        """Leading prompt tokens each prefill node held at the last `order_prefill` (by the index):
-        sent to the decode node, which then offers no D->P pull a prefill node does not need."""
 
     def overlaps(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> dict[str, int]:
         """Leading blocks of `prompt` each node holds (the block of the last token never counts:
@@ -65,7 +78,7 @@ class KvRouter:
 
     def choose_decode(
         self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None, tokens_needed: int, now: float
-    ) -> NodeLoad | None:
+    ) -> DecodeChoice | None:
         """The decode node for a request needing `tokens_needed` tokens of KV (None: no room)."""
         fits = [n for n in nodes if n.report_time is None or n.effective_free >= n.blocks_for(tokens_needed)]
         if not fits:
@@ -78,21 +91,21 @@ class KvRouter:
         decision = choose_decode(cands, prompt_blocks, p, self.rng, slack=slack)
         short = [n for n in fits if n.address in decision.addresses]
         chosen = self.decode_balancer.pick(short, tokens_needed, now)
-        if chosen is not None:
-            # the prompt tokens it prefills itself, if any, are counted by the caller (router.prefill_offload)
-            self._count("decode", decision.reason, chosen, overlap[chosen.address])
-            self.last_uncached_tokens = max(len(prompt) - overlap[chosen.address] * chosen.block_size, 0)
-        return chosen
+        if chosen is None:
+            return None
+        # the prompt tokens it prefills itself, if any, are counted by the caller (router.prefill_offload)
+        self._count("decode", decision.reason, chosen, overlap[chosen.address])
+        return DecodeChoice(chosen, max(len(prompt) - overlap[chosen.address] * chosen.block_size, 0))
 
     def decode_load(self, n: NodeLoad) -> float:
         """Active decode blocks + prompt blocks the node has queued to prefill itself, weighted."""
         queued_blocks = (n.queued_prefill_tokens + n.inflight_tokens) / n.block_size
         return self.params.load_weight * used_blocks(n) + self.params.queue_weight * queued_blocks
 
-    def order_prefill(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> list[NodeLoad]:
+    def order_prefill(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> PrefillOrder:
         """Prefill nodes best first: least (uncached prompt tokens + queued tokens)."""
         if not nodes:
-            return []
+            return PrefillOrder([], {})
         overlap = self.overlaps(nodes, prompt, cache_salt)
         # overlap in tokens (block size 1 below): nodes may differ in block size
         cands = [
@@ -106,10 +119,9 @@ class KvRouter:
             by_address = {n.address: n for n in nodes}
             ordered = [by_address[a] for a in ranked]
         first = ordered[0]
-        self.last_prefill_cached_tokens = {n.address: overlap[n.address] * n.block_size for n in nodes}
         self._count("prefill", reason, first, overlap[first.address])
         first.inflight_tokens += max(len(prompt) - overlap[first.address] * first.block_size, 0)
-        return ordered
+        return PrefillOrder(ordered, {n.address: overlap[n.address] * n.block_size for n in nodes})
 
     def _count(self, role: str, reason: str, node: NodeLoad, blocks: int) -> None:
         self.decisions[(role, reason)] += 1

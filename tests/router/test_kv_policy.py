@@ -34,7 +34,7 @@ def test_cold_prompts_follow_plain_wrr_exactly():
     kv, wrr = KvRouter(params=NO_EXPLORE), DecodeBalancer()
     a, b = loads(500, 300, 200), loads(500, 300, 200)
     prompt = list(range(64))
-    kv_picks = [kv.choose_decode(a, prompt, None, 80, 100.0).address for _ in range(100)]
+    kv_picks = [kv.choose_decode(a, prompt, None, 80, 100.0).node.address for _ in range(100)]
     wrr_picks = [wrr.pick(b, 80, 100.0).address for _ in range(100)]
     assert kv_picks == wrr_picks
     assert kv.decisions[("decode", "cold")] == 100
@@ -47,13 +47,13 @@ def test_warm_prompt_goes_to_its_holder_and_counts_the_hit():
     hold(kv, "n2", prompt)
     for n in ("n0", "n1"):
         kv.index.replace(n, [])
-    assert {kv.choose_decode(nodes, prompt, None, 200, 100.0).address for _ in range(5)} == {"n2"}
+    assert {kv.choose_decode(nodes, prompt, None, 200, 100.0).node.address for _ in range(5)} == {"n2"}
     assert kv.decisions[("decode", "cache")] == 5
     assert kv.hit_blocks[("decode", "n2")] == 5 * 8 and kv.hit_tokens[("decode", "n2")] == 5 * 128
 
 
 def test_chosen_nodes_uncached_tokens_are_what_it_would_prefill_itself():
-    """`last_uncached_tokens`: the prompt less the chosen node's cached blocks. The router counts it
+    """`uncached_tokens`: the prompt less the chosen node's cached blocks. The router counts it
     in a decode node's own prefill queue when that node prefills locally; the trace replay's TTFT
     depends on it (without it every node looked idle and the replay lost its TTFT gain)."""
     kv = KvRouter(params=NO_EXPLORE)
@@ -61,11 +61,9 @@ def test_chosen_nodes_uncached_tokens_are_what_it_would_prefill_itself():
     prompt = list(range(16 * 8 + 3))
     hold(kv, "n1", prompt[: 16 * 5])
     kv.index.replace("n0", [])
-    assert kv.choose_decode(nodes, prompt, None, 200, 100.0).address == "n1"
-    assert kv.last_uncached_tokens == len(prompt) - 16 * 5
+    assert kv.choose_decode(nodes, prompt, None, 200, 100.0) == (nodes[1], len(prompt) - 16 * 5)
     cold = list(range(1000, 1040))
-    kv.choose_decode(nodes, cold, None, 60, 100.0)
-    assert kv.last_uncached_tokens == len(cold)
+    assert kv.choose_decode(nodes, cold, None, 60, 100.0).uncached_tokens == len(cold)
 
 
 def test_no_cross_salt_hit():
@@ -108,7 +106,7 @@ def test_shared_system_prompt_does_not_pin_traffic_on_one_node():
     picks: Counter[str] = Counter()
     for i in range(400):
         prompt = system + [10_000 + i * 50 + j for j in range(48)]
-        chosen = kv.choose_decode(nodes, prompt, None, len(prompt) + 16, 100.0)
+        chosen = kv.choose_decode(nodes, prompt, None, len(prompt) + 16, 100.0).node
         DecodeBalancer.assign(chosen, len(prompt) + 16)  # its load grows (no report in between)
         hold(kv, chosen.address, prompt)  # and it now holds the system prompt too
         picks[chosen.address] += 1
@@ -138,10 +136,10 @@ def test_prefill_choice_through_the_router_counts_inflight_uncached_tokens():
     prompt = list(range(16 * 10 + 1))
     hold(kv, "n1", prompt)
     kv.index.replace("n0", [])
-    ordered = kv.order_prefill(nodes, prompt, None)
+    ordered, cached = kv.order_prefill(nodes, prompt, None)
     assert [n.address for n in ordered] == ["n1", "n0"]
     assert ordered[0].inflight_tokens == 1  # only the uncached token is queued there
     # what the decode node is told each holds (so it offers no D->P pull to a node that has it all)
-    assert kv.last_prefill_cached_tokens == {"n1": 160, "n0": 0}
-    cold = kv.order_prefill(nodes, list(range(5000, 5100)), None)
+    assert cached == {"n1": 160, "n0": 0}
+    cold = kv.order_prefill(nodes, list(range(5000, 5100)), None).nodes
     assert cold[0].address == "n0"  # least queued (n1 has 1 in flight)
