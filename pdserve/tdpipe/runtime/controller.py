@@ -19,9 +19,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.block_manager import BlockManager, blocks_for
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.tdpipe.executor import Batch, Executor
-from pdserve.tdpipe.pipeline import blocks_for
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, StageMessage, needs_announcing
 from pdserve.tdpipe.runtime.live_stats import PipelineGauge
@@ -111,7 +111,8 @@ class StageExecutor(Executor):
     ) -> None:
         super().__init__()
         self.num_stages, self.block_size = num_stages, block_size
-        self.free_blocks = list(range(num_kv_blocks - 1, -1, -1))
+        self.blocks = BlockManager(num_kv_blocks, block_size, enable_prefix_caching=False)
+        """The stages' KV block ids: the engine's allocator (each stage's pool has the same ids)."""
         self.stage_procs = stage_procs or []
         self.on_finish = on_finish
         self.outbox = Outbox()
@@ -130,12 +131,12 @@ class StageExecutor(Executor):
             assert isinstance(r, PipeRequest)
             end = r.num_computed + item.num_tokens
             need = blocks_for(end, self.block_size) - len(r.block_ids)
-            if need > len(self.free_blocks):  # the policy's accounting must prevent this
+            if need > self.blocks.num_free_blocks:  # the policy's accounting must prevent this
                 raise RuntimeError(
                     f"policy over-committed the KV pool: {r.request_id} needs {need} blocks, "
-                    f"{len(self.free_blocks)} free"
+                    f"{self.blocks.num_free_blocks} free"
                 )
-            r.block_ids += [self.free_blocks.pop() for _ in range(need)]
+            r.block_ids += [self.blocks.append_block() for _ in range(need)]
             ids += r.all_ids[r.num_computed : end]
             query.append(item.num_tokens)
             context.append(end)
@@ -210,7 +211,7 @@ class StageExecutor(Executor):
 
     def free(self, request: SimRequest) -> None:
         assert isinstance(request, PipeRequest)
-        self.free_blocks += request.block_ids
+        self.blocks.free_blocks(request.block_ids)
         request.block_ids = []
 
     def finish(self, request: SimRequest) -> None:
