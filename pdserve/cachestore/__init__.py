@@ -33,7 +33,7 @@ from pdserve.cachestore.geometry import MemoryRegion, PoolGeometry, Run, coalesc
 from pdserve.cachestore.server import CacheStoreServer
 from pdserve.cachestore.session import Session, SessionError, SessionState
 from pdserve.cachestore.tls import LinkTLS
-from pdserve.cachestore.transport import resolve_transport
+from pdserve.cachestore.transport import Transport, resolve_transport
 
 __all__ = [
     "CacheStoreClient",
@@ -51,4 +51,5 @@ __all__ = [
     "TransferError",
     "coalesce",
     "resolve_transport",
+    "Transport",
 ]

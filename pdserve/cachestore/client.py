@@ -8,6 +8,7 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.cachestore.transport import Transport
 from pdserve.cachestore.channel import Channel, Transfer
 from pdserve.cachestore.credentials import SessionCredentials
 from pdserve.cachestore.faults import FaultInjector
@@ -43,7 +44,7 @@ class CacheStoreClient:
         self.tls = tls
         self.metrics.tls.set(1 if tls else 0)
         """Mutual TLS to receivers over TCP (data and rdma control), or None: plaintext."""
-        if self.active_transport == "rdma":  # GPUDirect or staging, decided now (registered at first use)
+        if self.active_transport == Transport.RDMA:  # GPUDirect or staging, decided now (registered at first use)
             from pdserve.cachestore import rdma_memory
             from pdserve.cachestore.rdma_verbs import verbs
 
@@ -66,7 +67,7 @@ class CacheStoreClient:
         if heads is None:
             raise ValueError(f"this sender writes no KV heads into {creds.endpoint} (see writes_to)")
         whole = heads == () or (creds.heads() is not None and self._same_heads(creds))
-        if creds.transport == "rdma" and not whole and self.region.is_device:
+        if creds.transport == Transport.RDMA and not whole and self.region.is_device:
             raise ValueError(
                 "head-sliced RDMA transfers (different TP degrees) from a device pool are not supported yet"
             )
@@ -125,11 +126,11 @@ class CacheStoreClient:
             return ch
 
     def _make_channel(self, creds: SessionCredentials) -> Channel:
-        if creds.transport == "local":
+        if creds.transport == Transport.LOCAL:
             from pdserve.cachestore.local import LocalChannel
 
             return LocalChannel(self, creds.endpoint)
-        if creds.transport == "rdma":
+        if creds.transport == Transport.RDMA:
             from pdserve.cachestore.rdma import RdmaChannel
 
             return RdmaChannel(self, creds)

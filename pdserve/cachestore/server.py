@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.cachestore.transport import Transport
 from pdserve.cachestore import wire
 from pdserve.cachestore.credentials import SessionCredentials
 from pdserve.cachestore.faults import FaultInjector
@@ -86,12 +87,12 @@ class CacheStoreServer:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.active_transport == "local":
+        if self.active_transport == Transport.LOCAL:
             from pdserve.cachestore.local import register_server
 
             self.endpoint = register_server(self)
         else:  # tcp, and rdma's control channel
-            if self.active_transport == "rdma":
+            if self.active_transport == Transport.RDMA:
                 from pdserve.cachestore.rdma_access import RdmaReceiver
                 from pdserve.cachestore.rdma_verbs import device_choice
 
@@ -109,7 +110,7 @@ class CacheStoreServer:
             self._listener.stop()
         if self._rdma is not None:
             self._rdma.close()
-        if self.active_transport == "local":
+        if self.active_transport == Transport.LOCAL:
             from pdserve.cachestore.local import unregister_server
 
             unregister_server(self.endpoint)
@@ -199,7 +200,7 @@ class CacheStoreServer:
     @property
     def listening(self) -> bool:
         """Whether new senders can connect (False while accept() is failing, e.g. out of fds)."""
-        return self.active_transport == "local" or (self._listener is not None and self._listener.up)
+        return self.active_transport == Transport.LOCAL or (self._listener is not None and self._listener.up)
 
     def listener_changed(self, up: bool) -> None:
         if self.on_listener_change is not None:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from pdserve.cachestore.transport import Transport
 from pdserve.cachestore import wire
 from pdserve.cachestore.geometry import block_runs
 from pdserve.cachestore.sockio import IOV_MAX, advance_views, recv_exact, recv_exact_into
@@ -131,14 +132,14 @@ class FrameWorker:
             raise wire.CorruptFrame("ACK frame sent to the receiver")
         heads = wire.unpack_heads(h.dst_block) if h.kind == wire.KIND_WRITEVH else None
         if h.kind == wire.KIND_NOTIFYH:  # head-sliced RDMA WRITEs: the head range rides in 4 payload bytes
-            if server.active_transport != "rdma" or h.payload_len != wire.HEADS.size:
+            if server.active_transport != Transport.RDMA or h.payload_len != wire.HEADS.size:
                 raise wire.CorruptFrame("NOTIFYH frame outside the rdma transport")
             raw = recv_exact(conn, wire.HEADS.size)
             if raw is None:
                 raise OSError("peer closed inside a NOTIFYH frame")
             heads, h = wire.unpack_heads(wire.HEADS.unpack(raw)[0]), h._replace(payload_len=0)
         expects_payload = h.kind in (wire.KIND_WRITE, wire.KIND_WRITEV, wire.KIND_WRITEVH)
-        if not expects_payload and (server.active_transport != "rdma" or h.payload_len):
+        if not expects_payload and (server.active_transport != Transport.RDMA or h.payload_len):
             raise wire.CorruptFrame("NOTIFY frame outside the rdma transport")
         if h.kind in (
             wire.KIND_WRITEV,
@@ -185,7 +186,7 @@ class FrameWorker:
     def _rdma_connect(self, c: Connection, h: wire.Header) -> None:
         """rdma transport control (JSON both ways): a QP info exchange, which gives the connection its
         responder QP, or a grant request for one session's windows (`cachestore.rdma_access`)."""
-        if self.server.active_transport != "rdma" or h.payload_len > wire.MAX_CONNECT_BYTES:
+        if self.server.active_transport != Transport.RDMA or h.payload_len > wire.MAX_CONNECT_BYTES:
             raise wire.CorruptFrame("CONNECT frame outside the rdma transport")
         hello = recv_exact(c.sock, h.payload_len)
         if hello is None:

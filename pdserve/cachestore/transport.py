@@ -2,32 +2,45 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 
 log = logging.getLogger("pdserve.cachestore")
 
 
-TRANSPORTS = ("tcp", "rdma", "local", "auto")
+class Transport(enum.StrEnum):
+    """How a CacheStore moves KV. Members equal their strings, so configs and credentials that
+    carry the plain name compare equal to them."""
+
+    TCP = "tcp"
+    RDMA = "rdma"
+    LOCAL = "local"
+    """Both ends in one process (tests through the Python API)."""
+    AUTO = "auto"
+    """RDMA where a device exists, else TCP (said in a warning)."""
 
 
-def resolve_transport(requested: str) -> str:
+TRANSPORTS = tuple(t.value for t in Transport)
+
+
+def resolve_transport(requested: str) -> Transport:
     """The transport that will actually run for `requested`."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {requested!r}")
-    if requested != "auto":
-        if requested == "rdma":
+    if requested != Transport.AUTO:
+        if requested == Transport.RDMA:
             from pdserve.cachestore.rdma_verbs import rdma_devices
 
             if not rdma_devices():
                 raise ValueError(
                     "transport 'rdma' requested but no RDMA device is available (use 'auto' to fall back to tcp)"
                 )
-        return requested
+        return Transport(requested)
     from pdserve.cachestore.rdma_verbs import rdma_devices
 
     devices = rdma_devices()
     if devices:
-        return "rdma"
+        return Transport.RDMA
     # A silent fallback to TCP is a known production trap: say it, and the metrics label shows it too.
     log.warning("cachestore transport 'auto': no RDMA device found, falling back to tcp")
-    return "tcp"
+    return Transport.TCP

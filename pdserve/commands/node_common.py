@@ -9,6 +9,9 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Callable
 
+from pdserve.engine.config import Preemption
+from pdserve.node_runtime.discovery import Role
+from pdserve.cachestore.transport import Transport
 from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.memory_args import add_kv_memory_args
@@ -57,7 +60,7 @@ def add_decode_kv_args(p: argparse.ArgumentParser, who: str) -> None:
     )
 
 
-CLI_TRANSPORTS = ("auto", "tcp", "rdma")
+CLI_TRANSPORTS = (Transport.AUTO.value, Transport.TCP.value, Transport.RDMA.value)
 """--transport choices; `local` (both ends in one process) is for tests through the Python API."""
 
 ROLE_ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
@@ -194,7 +197,7 @@ def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
             **device_options(args),
         }
         engine.setdefault("model_dir", default_model_dir())
-        if role == "decode" and engine["preemption"] != "never":
+        if role == Role.DECODE and engine["preemption"] != Preemption.NEVER:
             raise ValueError(
                 f"a decode node needs --preemption never (it must never drop a request's KV), "
                 f"got {engine['preemption']!r}"

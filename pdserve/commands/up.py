@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.node_runtime.discovery import Role
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
@@ -72,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_api_key_args(p)
     add_num_threads_arg(p)
     add_tensor_parallel_arg(p)
-    for role in ("prefill", "decode"):
+    for role in (Role.PREFILL, Role.DECODE):
         p.add_argument(
             f"--{role}-tensor-parallel-size",
             type=int,
@@ -168,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"[up] threads per node: {describe(roles, shares)}", flush=True)
 
     def node(role: str, i: int, port: int) -> Supervised:
-        index = i if role == "prefill" else args.num_prefill + i
+        index = i if role == Role.PREFILL else args.num_prefill + i
         metrics = ["--metrics-port", str(args.metrics_base_port + index)] if args.metrics_base_port else []
-        own = decode_args if role == "decode" else []
+        own = decode_args if role == Role.DECODE else []
         own = own + (["--tensor-parallel-size", str(tps[index])] if tps[index] else [])
         own = own + ["--num-threads", str(shares[index].threads)]
         return Supervised(

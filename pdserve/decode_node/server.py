@@ -11,6 +11,7 @@ from typing import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
+from pdserve.cachestore import Transport
 from pdserve.cachestore import Session, SessionError
 from pdserve.decode_node.kv_pull import PullSender
 from pdserve.decode_node.prefill_client import PrefillClients
@@ -74,7 +75,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         """request id -> a closed session whose writers may not have left its blocks yet."""
         self.ranks = RankEndpoints(self.rt.engine.runner, self.rt.metrics.registry, self.rt.metrics.model_name)
         """The CacheStore receivers of tensor-parallel ranks 1.. (none with TP=1)."""
-        self._remote_kv = not self.ranks.ranks or self.cachestore.active_transport != "local"
+        self._remote_kv = not self.ranks.ranks or self.cachestore.active_transport != Transport.LOCAL
         """Whether KV can come from a prefill node: every rank must be reachable by the transport."""
         self._rank_sessions: set[str] = set()
         """Requests with sessions open on ranks 1..: closed (fenced) before their blocks are freed."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +10,15 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's (and torch's) other names of the dtypes: `--dtype half` means float16."""
+
+
+class Preemption(enum.StrEnum):
+    """What the scheduler does when the pool runs out (members equal their strings)."""
+
+    RECOMPUTE = "recompute"
+    """Free a running request's blocks and recompute it later (offline, colocated)."""
+    NEVER = "never"
+    """Admit only what can run to its end: KV is never dropped (decode nodes)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + output; default the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
-    preemption: str = "recompute"
+    preemption: str = Preemption.RECOMPUTE.value
     """recompute: under KV pressure free the newest request and recompute it later.
     never: a request's KV is never dropped; admission reserves blocks for prompt +
     max_tokens and is refused when they do not fit (decode nodes)."""
@@ -93,7 +103,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.preemption not in ("recompute", "never"):
+        if self.preemption not in tuple(Preemption):
             raise ValueError(f"preemption must be 'recompute' or 'never', got {self.preemption!r}")
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:

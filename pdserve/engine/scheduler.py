@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
+from pdserve.engine.config import Preemption
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.request import Request, RequestStatus
@@ -27,7 +28,7 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
-        self.never_preempt = preemption == "never"
+        self.never_preempt = preemption == Preemption.NEVER
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

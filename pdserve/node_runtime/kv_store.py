@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdserve.cachestore import Transport
 from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
@@ -58,7 +59,7 @@ def pull_transport(rt: NodeRuntime, transport: str) -> str:
     each pinned more than the host had). TCP stages each connection's frames through a bounded
     buffer instead; the decode node's sender follows the transport its credentials name."""
     region = MemoryRegion.from_tensor(rt.engine.kv_pool.tensor)
-    if transport != "rdma" or not region.is_device:
+    if transport != Transport.RDMA or not region.is_device:
         return transport
     from pdserve.cachestore import rdma_memory
     from pdserve.cachestore.rdma_verbs import verbs
@@ -77,7 +78,7 @@ async def start_receiver(server: CacheStoreServer, advertise_host: str | None) -
     """Start the listener; credentials carry `advertise_host` instead of a wildcard bind address,
     which other hosts cannot reach."""
     await server.start()
-    if advertise_host and server.active_transport != "local":
+    if advertise_host and server.active_transport != Transport.LOCAL:
         server.endpoint = f"{advertise_host}:{server.endpoint.rsplit(':', 1)[1]}"
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.cachestore.transport import TRANSPORTS
 from pdserve.engine.config import EngineConfig
 from pdserve.node_runtime.discovery import DiscoveryConfig
 from pdserve.node_runtime.tls_options import ClusterTLSOptions
 
-TRANSPORTS = ("auto", "tcp", "rdma", "local")
-"""auto: RDMA if a device exists, else tcp. local: both ends in one process (tests only)."""
 
 RDMA_ENV = {
     "rdma_device": "PDSERVE_RDMA_DEVICE",
@@ -89,7 +88,8 @@ class TransferOptions:
     """How this node's KV cache moves (CacheStore)."""
 
     transport: str = "tcp"
-    """One of TRANSPORTS."""
+    """One of cachestore's TRANSPORTS (auto: RDMA if a device exists, else tcp; local: both ends in
+    one process, tests only)."""
     kv_timeout: float = 60.0
     """Seconds a KV transfer / session may take."""
     peer_timeout: float = 10.0

@@ -13,6 +13,7 @@ import asyncio
 import threading
 from typing import Any, Callable
 
+from pdserve.cachestore import Transport
 from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
@@ -131,7 +132,7 @@ class ReceiverRank(_RankEndpoint):
         )
         await self.server.start()
         endpoint = self.server.endpoint
-        if msg.get("advertise_host") and self.server.active_transport != "local":
+        if msg.get("advertise_host") and self.server.active_transport != Transport.LOCAL:
             endpoint = self.server.endpoint = f"{msg['advertise_host']}:{endpoint.rsplit(':', 1)[1]}"
         return {"endpoint": endpoint}
 

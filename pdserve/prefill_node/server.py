@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 from functools import partial
 
+from pdserve.cachestore import Transport
 from pdserve.cachestore import SessionCredentials, Transfer
 from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.prompt_check import check_prompt
@@ -34,7 +35,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     is acknowledged."""
 
     def __init__(self, config: NodeConfig) -> None:
-        if config.engine.tensor_parallel_size > 1 and config.transfer.transport == "local":  # before loading
+        if config.engine.tensor_parallel_size > 1 and config.transfer.transport == Transport.LOCAL:  # before loading
             raise ValueError("a tensor-parallel prefill node needs a network transport: ranks 1.. are other processes")
         if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))

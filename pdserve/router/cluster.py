@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.node_runtime.discovery import Discovery
+from pdserve.node_runtime.discovery import Discovery, Role
 from pdserve.node_runtime.auth import cluster_metadata
 from pdserve.node_runtime import cluster_tls, keepalive
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -22,7 +22,7 @@ from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from pdserve.router.admission import DEFAULT_MAX_WAITING, AdmissionQueue
 from pdserve.router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from pdserve.openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
-from pdserve.router.kv_routing import ROUTING_MODES, KvRouter
+from pdserve.router.kv_routing import ROUTING_MODES, KvRouter, Routing
 from pdserve.router.kv_subscriber import KvSubscriber
 from pdserve.router.node_state import GenerateChunk, NodeState, Route
 from pdserve.router.prefill_offload import OffloadPolicy, Prefilling
@@ -109,7 +109,7 @@ class Cluster:
             await node.channel.close()
 
     def _sync_members(self) -> None:
-        current = {(m.role, m.address): m for role in ("prefill", "decode") for m in self.discovery.members(role)}
+        current = {(m.role, m.address): m for role in (Role.PREFILL, Role.DECODE) for m in self.discovery.members(role)}
         for key in list(self.nodes):
             if key not in current:
                 asyncio.create_task(self._forget(self.nodes.pop(key)))
@@ -119,10 +119,10 @@ class Cluster:
                 channel = cluster_tls.channel(
                     member.address, self.tls, keepalive.client_options(self.deadlines.hung_after)
                 )
-                stub_class = decode_pb2_grpc.DecodeStub if member.role == "decode" else prefill_pb2_grpc.PrefillStub
+                stub_class = decode_pb2_grpc.DecodeStub if member.role == Role.DECODE else prefill_pb2_grpc.PrefillStub
                 stub = stub_class(channel)
                 node = NodeState(member, channel, stub, health_pb2_grpc.HealthStub(channel), NodeLoad(member.address))
-                if self.routing == "kv-aware":
+                if self.routing == Routing.KV_AWARE:
                     node.kv = KvSubscriber(member.address, stub, self.kv_router.index, self.metadata)
                     node.kv.start()
                 self.nodes[key] = node
@@ -209,7 +209,7 @@ class Cluster:
         """For /health: a decode node is reachable (it prefills locally when no prefill node is). A node
         that only missed a health deadline counts (a loaded machine is slow, not down); requests still
         wait for a responsive one (capacity_wait)."""
-        return any(n.reachable for (r, _), n in self.nodes.items() if r == "decode")
+        return any(n.reachable for (r, _), n in self.nodes.items() if r == Role.DECODE)
 
     def max_model_len(self) -> int | None:
         lens = [n.max_model_len for n in self._usable("decode") if n.max_model_len]
@@ -231,7 +231,7 @@ class Cluster:
         loads, now = [n.load for n in decodes], time.monotonic()
         prompt_tokens = len(prompt) or tokens_needed
         # local_tokens: what the decode node would compute itself (kv-aware routing knows its cached prefix)
-        if self.routing == "kv-aware":
+        if self.routing == Routing.KV_AWARE:
             choice = self.kv_router.choose_decode(loads, prompt, cache_salt, tokens_needed, now)
             chosen, local_tokens = (choice.node, choice.uncached_tokens) if choice else (None, 0)
         else:
@@ -251,7 +251,7 @@ class Cluster:
             return Route(by_load[id(chosen)], [], (), Prefilling(chosen, prompt_tokens))
         cached: tuple[int, ...] = ()
         open_loads = [n.load for n in prefills if not self._saturated(n.load)]  # saturated ones get nothing new
-        if self.routing == "kv-aware":  # counts the uncached tokens on the first node itself
+        if self.routing == Routing.KV_AWARE:  # counts the uncached tokens on the first node itself
             order = self.kv_router.order_prefill(open_loads, prompt, cache_salt)
             ordered = order.nodes[:3]
             cached = tuple(order.cached_tokens[n.address] for n in ordered)

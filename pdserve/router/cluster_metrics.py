@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from pdserve.node_runtime.discovery import Role
 from pdserve.router.cluster import Cluster
 
 ROLES = ("prefill", "decode")
@@ -43,6 +44,7 @@ class ClusterCollector(Collector):
             labels=["model_name"],
         )
         queued.add_metric(
-            [self.model_name], sum(n.load.queued_prefill_tokens for (r, _), n in nodes if r == "prefill" and n.usable)
+            [self.model_name],
+            sum(n.load.queued_prefill_tokens for (r, _), n in nodes if r == Role.PREFILL and n.usable),
         )
         yield from (healthy, known, queued)

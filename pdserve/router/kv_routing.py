@@ -9,6 +9,7 @@ counts what it did (decisions by reason, prefix hits per node) for the metrics c
 
 from __future__ import annotations
 
+import enum
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -19,7 +20,17 @@ from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from pdserve.router.kv_index import KvIndex
 from pdserve.router.kv_policy import Candidate, PolicyParams, choose_decode, order_prefill
 
-ROUTING_MODES = ("kv-aware", "wrr")
+
+class Routing(enum.StrEnum):
+    """How the router picks nodes (`--routing`; members equal their strings)."""
+
+    KV_AWARE = "kv-aware"
+    """By the blocks each node holds, then load (KvRouter)."""
+    WRR = "wrr"
+    """By load alone: smooth weighted round robin on free decode memory."""
+
+
+ROUTING_MODES = tuple(r.value for r in Routing)
 
 
 class DecodeChoice(NamedTuple):

@@ -23,6 +23,7 @@ Contract (both executors honour it, the policies rely on it):
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,13 +48,22 @@ class BatchItem:
     """Whether the batch yields a token for the request (decode, or the last chunk of its prompt)."""
 
 
+class Phase(enum.StrEnum):
+    """What a batch computes (members equal their strings: stats and timelines carry the plain name)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    HYBRID = "hybrid"
+    """Chunked prefill mixed with decode (pp-hb)."""
+
+
 @dataclass
 class Batch:
     """A submitted batch and, once collected, when it left the pipeline."""
 
     items: list[BatchItem]
     phase: str
-    """`prefill`, `decode` or `hybrid` (chunked prefill mixed with decode)."""
+    """A Phase."""
     ready_ms: float
     """Earliest start the policy's model of time allows (the simulator honours it; real stages
     start when their input arrives)."""

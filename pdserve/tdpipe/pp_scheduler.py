@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+from pdserve.tdpipe.executor import Phase
 from pdserve.engine.block_manager import blocks_for
 from pdserve.tdpipe.config import InstanceConfig
 from pdserve.tdpipe.cost_table import CostTable
@@ -98,13 +99,13 @@ class PPScheduler:
         new = self._admit(ve, self.inst.max_batch_tokens, len(ve.running))
         if new:  # prefill first
             ve.running += new
-            return [BatchItem(r, r.input_len, True) for r in new], "prefill"
+            return [BatchItem(r, r.input_len, True) for r in new], Phase.PREFILL
         if not ve.running:
             return [], ""
         self._preempt_overflow(ve)
         if not ve.running:  # everything was preempted: start over with prefills
             return self._plan_separate(ve)
-        return [BatchItem(r, 1, True) for r in ve.running], "decode"
+        return [BatchItem(r, 1, True) for r in ve.running], Phase.DECODE
 
     def _plan_hybrid(self, ve: _VirtualEngine) -> tuple[list[BatchItem], str]:
         self._preempt_overflow(ve)
@@ -121,7 +122,7 @@ class PPScheduler:
             items.append(BatchItem(r, c, c == r.input_len))  # the last chunk yields the first token
             budget -= c
             ve.running.append(r)
-        return items, "hybrid"
+        return items, Phase.HYBRID
 
     def _complete(self, ve: _VirtualEngine, done: Batch) -> None:
         """Account a returned batch: decode steps grow the KV, prompt chunks advance, finished requests leave."""

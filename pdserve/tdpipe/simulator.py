@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 from typing import Callable
 
+from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
 from pdserve.tdpipe.cost_table import CostTable
 from pdserve.tdpipe.pipeline import SimStats
@@ -72,7 +73,7 @@ def plot_kv_usage(results: list[SimStats], path: str | Path) -> None:
         ax.plot([t / 1000 for t, _ in samples], [u * 100 for _, u in samples], color="black", lw=0.8)
         switches = stats.phase_switches + [(stats.makespan_ms, "end")]
         for (t0, phase), (t1, _) in zip(switches, switches[1:]):
-            ax.axvspan(t0 / 1000, t1 / 1000, alpha=0.25, lw=0, color="tab:blue" if phase == "prefill" else "gold")
+            ax.axvspan(t0 / 1000, t1 / 1000, alpha=0.25, lw=0, color="tab:blue" if phase == Phase.PREFILL else "gold")
         ax.set_ylim(0, 105)
         ax.set_ylabel("KV usage %")
         ax.set_title(f"{stats.name}: {stats.throughput:.0f} tok/s", fontsize=9)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.executor import Executor, SimExecutor
 from pdserve.tdpipe.memory_sim import FutureMemory
 from pdserve.tdpipe.cost_table import CostTable
@@ -56,7 +57,7 @@ class OverlapTDPipe(TDPipeScheduler):
         while waiting or self.ex.inflight or stealer.held:
             if not self.ex.inflight:  # nothing to overlap with: prefill, or start decoding what is held
                 if stealer.held:
-                    self.stats.phase_switches.append((now, "decode"))
+                    self.stats.phase_switches.append((now, Phase.DECODE))
                     held = stealer.drain_held()
                     phase = _Phase(self, held)
                     # more batches than stages where that hides the per-batch round trip (overheads)
@@ -74,7 +75,7 @@ class OverlapTDPipe(TDPipeScheduler):
                 continue
             done = self.ex.collect()
             now = done.end_ms
-            if done.phase == "prefill":
+            if done.phase == Phase.PREFILL:
                 prefills -= 1
                 for item in done.items:
                     if not item.sample:
@@ -124,13 +125,13 @@ class OverlapTDPipe(TDPipeScheduler):
 
     def _in_flight(self, decode: bool) -> list[SimRequest]:
         """The requests of the decode (or prefill) batches in flight."""
-        return [i.request for b in self.ex.inflight if (b.phase == "prefill") != decode for i in b.items]
+        return [i.request for b in self.ex.inflight if (b.phase == Phase.PREFILL) != decode for i in b.items]
 
     def _switch(
         self, waiting: deque[SimRequest], stealer: WorkStealer[SimRequest], nxt: list[SimRequest], now: float
     ) -> int:
         """Submit a prefill phase now; returns how many prefill batches it submitted."""
-        self.stats.phase_switches.append((now, "prefill"))
+        self.stats.phase_switches.append((now, Phase.PREFILL))
         in_flight = self._in_flight(decode=True)
         # each in-flight step writes one more token when it returns: that block must stay free
         growth = sum(blocks_for(r.kv_len + 1, self.kv.block_size) - self.kv.blocks(r) for r in in_flight)
@@ -142,13 +143,13 @@ class OverlapTDPipe(TDPipeScheduler):
         if not batches:  # the KV had no room after all (the rule's estimate ignores in-flight growth)
             self.stats.phase_switches.pop()
         elif nxt or in_flight:
-            self.stats.phase_switches.append((now, "decode"))  # decoding resumes behind the prefills
+            self.stats.phase_switches.append((now, Phase.DECODE))  # decoding resumes behind the prefills
         return batches
 
     def _fill_slots(self, stealer: WorkStealer[SimRequest], now: float) -> None:
         """Once the prefills are back: if batches emptied out while they ran, give the pipeline
         its `num_stages` decode batches again from the held-back requests."""
-        in_flight = sum(1 for b in self.ex.inflight if b.phase != "prefill")
+        in_flight = sum(1 for b in self.ex.inflight if b.phase != Phase.PREFILL)
         missing = stealer.num_stages - in_flight
         if missing <= 0 or not in_flight or not stealer.held:
             return  # nothing in flight at all: the main loop starts a fresh phase

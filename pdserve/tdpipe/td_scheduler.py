@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
 from pdserve.tdpipe.cost_table import CostTable
 from pdserve.tdpipe.intensity import decide
@@ -67,7 +68,7 @@ class TDPipeScheduler:
         self.ex.finish(r)
 
     def _prefill_phase(self, waiting: deque[SimRequest], resident: list[SimRequest], now: float) -> list[SimRequest]:
-        self.stats.phase_switches.append((now, "prefill"))
+        self.stats.phase_switches.append((now, Phase.PREFILL))
         admitted, _ = self._submit_prefills(waiting, resident, now)
         # The phase ends when every prefill is back: the first decode step needs each prompt's token.
         while self.ex.inflight:
@@ -114,7 +115,7 @@ class TDPipeScheduler:
             for i, n in batch:
                 left[i] -= n
                 items.append(BatchItem(admitted[i], n, left[i] == 0))  # the last chunk yields the first token
-            self.ex.submit(items, "prefill", now, hold=self.opts.hold_first_tokens and k < len(batches) - 1)
+            self.ex.submit(items, Phase.PREFILL, now, hold=self.opts.hold_first_tokens and k < len(batches) - 1)
         self._num_admitted = len(admitted)
         return admitted, len(batches)
 
@@ -131,7 +132,7 @@ class TDPipeScheduler:
         batches = [b for b in stealer.start(resident) if b]
         # The phase starts when the first decode batch may enter: its requests' prefills are done.
         start = min(max(self.ready_ms[r.request_id] for r in b) for b in batches)
-        self.stats.phase_switches.append((start, "decode"))
+        self.stats.phase_switches.append((start, Phase.DECODE))
         for b in batches:
             self._submit_decode(b, start)
         num_phase, num_done, num_returns = len(resident), 0, 0
@@ -178,7 +179,7 @@ class TDPipeScheduler:
 
     def _submit_decode(self, batch: list[SimRequest], ready: float) -> None:
         ready = max([ready] + [self.ready_ms[r.request_id] for r in batch])
-        self.ex.submit([BatchItem(r, 1, True) for r in batch], "decode", ready)
+        self.ex.submit([BatchItem(r, 1, True) for r in batch], Phase.DECODE, ready)
 
     def _preempt_overflow(
         self, remaining: list[SimRequest], stealer: WorkStealer[SimRequest], waiting: deque[SimRequest]

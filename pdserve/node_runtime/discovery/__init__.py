@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import sys
 from dataclasses import dataclass, field
 
-from pdserve.node_runtime.discovery.base import Discovery, DiscoveryAuthError, DiscoveryError, Member
+from pdserve.node_runtime.discovery.base import Discovery, DiscoveryAuthError, DiscoveryError, Member, Role
 from pdserve.node_runtime.discovery.static import StaticDiscovery
 
-KINDS = ("static", "nacos", "k8s")
+
+class DiscoveryKind(enum.StrEnum):
+    """Where members are found (`--discovery`; members equal their strings)."""
+
+    STATIC = "static"
+    NACOS = "nacos"
+    K8S = "k8s"
+
+
+KINDS = tuple(k.value for k in DiscoveryKind)
 NACOS_SECRET_FLAGS = ("--nacos-password", "--nacos-secret-key")
 """Flags whose value `ps` would show; each also comes from $PDSERVE_<FLAG> or a --<flag>-file."""
 
@@ -65,7 +75,7 @@ class DiscoveryConfig:
     def __post_init__(self) -> None:
         if self.discovery not in KINDS:
             raise ValueError(f"discovery must be one of {', '.join(KINDS)}, got {self.discovery!r}")
-        if self.discovery == "nacos":
+        if self.discovery == DiscoveryKind.NACOS:
             self._check_nacos()
 
     def nacos_secret(self, name: str) -> str:
@@ -166,7 +176,7 @@ def warn_secrets_in_argv(argv: list[str]) -> None:
 
 def discovery_from_config(config: DiscoveryConfig) -> Discovery:
     """The Discovery that `config` describes; a nacos one contacts the server on its first call, not here."""
-    if config.discovery == "nacos":
+    if config.discovery == DiscoveryKind.NACOS:
         from pdserve.node_runtime.discovery.nacos import NacosDiscovery
 
         warn_secrets_in_argv(sys.argv)  # here, because both the router and the nodes pass through
@@ -180,7 +190,7 @@ def discovery_from_config(config: DiscoveryConfig) -> Discovery:
             secret_key=config.nacos_secret("secret_key"),
             tls_ca=config.nacos_tls_ca,
         )
-    if config.discovery == "k8s":
+    if config.discovery == DiscoveryKind.K8S:
         from pdserve.node_runtime.discovery.k8s import K8sDnsDiscovery
 
         return K8sDnsDiscovery({"prefill": config.k8s_prefill_service, "decode": config.k8s_decode_service})
@@ -188,6 +198,8 @@ def discovery_from_config(config: DiscoveryConfig) -> Discovery:
 
 
 __all__ = [
+    "DiscoveryKind",
+    "Role",
     "Discovery",
     "DiscoveryAuthError",
     "DiscoveryConfig",

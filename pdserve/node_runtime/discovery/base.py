@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -16,6 +17,14 @@ class DiscoveryError(RuntimeError):
 class DiscoveryAuthError(DiscoveryError):
     """The registry rejected our credentials (or refused them the access they need): retrying cannot
     help, so a process stops at start with this message rather than serving an empty cluster."""
+
+
+class Role(enum.StrEnum):
+    """A serving node's role in the cluster (members equal their strings: discovery metadata and
+    logs carry the plain name)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.cost_table import CostTable
 from pdserve.tdpipe.runtime.profile_comm import pipeline_overheads
 
@@ -49,8 +50,8 @@ class StageProfile:
 
 
 def bottleneck_curve(profiles: list[StageProfile], phase: str) -> dict[int, float]:
-    """Per token count, the slowest stage's time (ms) for `phase` ("decode" or "prefill")."""
-    curves = [p.decode_ms if phase == "decode" else p.prefill_ms for p in profiles]
+    """Per token count, the slowest stage's time (ms) for `phase` (Phase.DECODE or Phase.PREFILL)."""
+    curves = [p.decode_ms if phase == Phase.DECODE else p.prefill_ms for p in profiles]
     keys = set(curves[0])
     if any(set(c) != keys for c in curves):
         raise ValueError("every stage must be profiled at the same points")
@@ -96,7 +97,7 @@ def build_cost_table(profiles: list[StageProfile], name: str = "profiled", decod
     if not profiles:
         raise ValueError("no stage profiles")
     num_stages = len(profiles)
-    decode, prefill = bottleneck_curve(profiles, "decode"), bottleneck_curve(profiles, "prefill")
+    decode, prefill = bottleneck_curve(profiles, Phase.DECODE), bottleneck_curve(profiles, Phase.PREFILL)
     cut = max(decode) if decode_max is None else decode_max
     if cut < 1:
         raise ValueError(f"decode_max must be >= 1, got {decode_max}")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pdserve.tdpipe.executor import Phase
 from pdserve.engine.grammar_cache import GrammarCache
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
@@ -161,7 +162,7 @@ def _serve(cfg: StageConfig, runner: ModelRunner, rank: int, split: PipelineSpli
         else:
             outbox.send(runner.run(batch, hidden_states=hidden, layers=layers).contiguous(), rank + 1)
         timeline.spans.append(
-            (start, time.perf_counter(), batch.num_tokens, "decode" if batch.is_decode_only else "prefill")
+            (start, time.perf_counter(), batch.num_tokens, Phase.DECODE if batch.is_decode_only else Phase.PREFILL)
         )
     send_frame(outbox, timeline.spans, [CONTROLLER_RANK])
     outbox.flush()
