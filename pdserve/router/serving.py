@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator, Mapping, Sequence
+from typing import AsyncIterator, Mapping, NamedTuple, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +25,18 @@ STREAM_QUEUE_CHUNKS = 32
 """Chunks buffered per choice between the node stream and the HTTP response. When a client stops
 reading, the queue fills, the node stream is no longer read, and gRPC flow control holds the rest
 on the node: router memory per request stays bounded whatever the client does."""
+
+
+class ChoiceDelta(NamedTuple):
+    """What one node chunk added to a choice: the text (cut at stop strings), its logprobs and token
+    ids, and the finish reason on the last one (it travels with its chunk: `choice.finish_reason`
+    is set when the producer sees the end, possibly many queued chunks before they are written)."""
+
+    choice: Choice
+    text: str
+    logprobs: list
+    finish_reason: str | None
+    token_ids: list[int]
 
 
 class Server:
@@ -89,11 +101,9 @@ class Server:
     # --- running ------------------------------------------------------------------------
     async def run(
         self, choices: list[Choice], routes: dict[int, Route] | None = None, started: float | None = None
-    ) -> AsyncIterator[tuple[Choice, str, list, str | None, list[int]]]:
+    ) -> AsyncIterator[ChoiceDelta]:
         """Run all choices concurrently, each on its route from `admit` (for a request that arrived
-        at `started`, monotonic); yield (choice, text delta, new logprobs, finish reason, new token
-        ids) as tokens arrive. The finish reason travels with its chunk: `choice.finish_reason` is set
-        when the producer sees the end, possibly many queued chunks before the consumer writes them."""
+        at `started`, monotonic); yield each one's deltas as tokens arrive."""
         routes = routes or {}
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
         base = f"cmpl-{uuid.uuid4().hex[:16]}"
@@ -117,22 +127,22 @@ class Server:
                         delta += choice.text.finish()
                         finish = chunk.finish_reason if chunk.finish_reason != "abort" else "stop"
                         choice.finish_reason, choice.usage = finish, chunk.usage
-                    await queue.put((choice, delta, new_lps, finish, list(chunk.token_ids)))
-                await queue.put((choice, None, None, None, None))
+                    await queue.put(ChoiceDelta(choice, delta, new_lps, finish, list(chunk.token_ids)))
+                await queue.put(choice)  # this choice is done
             except Exception as e:  # delivered to the consumer, which owns the response
-                await queue.put((choice, e, None, None, None))
+                await queue.put(e)
 
         tasks = [asyncio.create_task(one(c)) for c in choices]
         pending = len(choices)
         try:
             while pending:
-                choice, delta, lps, finish, ids = await queue.get()
-                if delta is None:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, Choice):
                     pending -= 1
-                elif isinstance(delta, Exception):
-                    raise delta
                 else:
-                    yield choice, delta, lps, finish, ids
+                    yield item
         finally:
             for t in tasks:
                 t.cancel()
@@ -152,8 +162,8 @@ class Server:
         """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
         choices, routes, started = await self.admit(req, chat)
         texts = {c.index: "" for c in choices}
-        async for c, delta, *_ in self.run(choices, routes, started):
-            texts[c.index] += delta
+        async for d in self.run(choices, routes, started):
+            texts[d.choice.index] += d.text
         return choices, texts
 
     async def completion(self, req: CompletionRequest) -> dict:
