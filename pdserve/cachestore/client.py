@@ -8,7 +8,6 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.cachestore.transport import Transport
 from pdserve.cachestore.channel import Channel, Transfer
 from pdserve.cachestore.credentials import SessionCredentials
 from pdserve.cachestore.faults import FaultInjector
@@ -16,7 +15,7 @@ from pdserve.cachestore.geometry import MemoryRegion, PoolGeometry, Run
 from pdserve.cachestore.heads import assigned_heads, check_mappable
 from pdserve.cachestore.metrics import CacheStoreMetrics
 from pdserve.cachestore.tls import LinkTLS
-from pdserve.cachestore.transport import resolve_transport
+from pdserve.cachestore.transport import Transport, resolve_transport
 
 
 class CacheStoreClient:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.cachestore.transport import Transport
 from pdserve.cachestore import wire
 from pdserve.cachestore.credentials import SessionCredentials
 from pdserve.cachestore.faults import FaultInjector
@@ -21,7 +20,7 @@ from pdserve.cachestore.metrics import CacheStoreMetrics
 from pdserve.cachestore.session import Session, SessionState
 from pdserve.cachestore.tcp_listener import TcpLimits
 from pdserve.cachestore.tls import LinkTLS
-from pdserve.cachestore.transport import resolve_transport
+from pdserve.cachestore.transport import Transport, resolve_transport
 
 if TYPE_CHECKING:  # both load on start() for their transport
     from pdserve.cachestore.rdma_access import RdmaReceiver

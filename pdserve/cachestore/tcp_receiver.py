@@ -14,11 +14,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-from pdserve.cachestore.transport import Transport
 from pdserve.cachestore import wire
 from pdserve.cachestore.geometry import block_runs
 from pdserve.cachestore.sockio import IOV_MAX, advance_views, recv_exact, recv_exact_into
 from pdserve.cachestore.tcp import Connection, Fence, bound_receive, hold_blocking, recv_nowait, wait_readable
+from pdserve.cachestore.transport import Transport
 
 log = logging.getLogger("pdserve.cachestore")
 DISCARD_CHUNK = 1 << 20

@@ -146,8 +146,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.builtin import default_model_dir
-    from pdserve.tdpipe.runtime.batch_job import external_world
     from pdserve.tdpipe.runtime.batch_config import BatchConfig
+    from pdserve.tdpipe.runtime.batch_job import external_world
     from pdserve.tdpipe.runtime.batch_main import run_batch
 
     try:

@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="accepted for compatibility: a decode node always prefills a request that names no prefill node",
     )
-    add_decode_kv_args(p, "this decode node")
+    add_decode_kv_args(p)
     p.set_defaults(func=run)
 
 

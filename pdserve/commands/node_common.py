@@ -9,55 +9,34 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Callable
 
+from pdserve.cachestore.transport import Transport
+from pdserve.commands.config_flags import config_flag
+from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
+from pdserve.commands.memory_args import add_kv_memory_args
+from pdserve.commands.model_args import add_model_args
+from pdserve.commands.serving_args import add_scheduler_args, add_served_name_args
 from pdserve.engine.config import Preemption
 from pdserve.node_runtime.discovery import Role
-from pdserve.cachestore.transport import Transport
-from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
-from pdserve.commands.model_args import add_model_args
-from pdserve.commands.memory_args import add_kv_memory_args
-from pdserve.commands.serving_args import add_scheduler_args, add_served_name_args
 
 if TYPE_CHECKING:  # the CLI imports no node code until a node runs
     from pdserve.node_runtime.node import Node
     from pdserve.node_runtime.node_config import NodeConfig
 
 
-def add_kv_reuse_arg(p: argparse.ArgumentParser, who: str) -> None:
-    """--kv-reuse, for a node (`who`: "this node") or for every node of `up`; its default is
-    NodeOptions'. Unset, nothing is passed on and the node takes that default."""
+def add_kv_reuse_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-reuse, for a node or for every node of `up`. Unset, nothing is passed on and the node
+    takes NodeOptions' default."""
     from pdserve.node_runtime.node_config import NodeOptions
 
-    p.add_argument(
-        "--kv-reuse",
-        type=on_off,
-        default=None,
-        metavar="on|off",
-        help=f"reuse KV across the prefill/decode split on {who}: a decode node shares its cached prefix "
-        "and receives only the missing blocks, a prefill node serves from its own prefix cache "
-        f"(default {'on' if NodeOptions.kv_reuse else 'off'}; off: the no-reuse baseline)",
-    )
+    config_flag(p, NodeOptions, "kv_reuse")
 
 
-def add_decode_kv_args(p: argparse.ArgumentParser, who: str) -> None:
-    """--local-prefill-max-tokens and --kv-pull-min-blocks, for a decode node or every decode node of
-    `up` (`who`), with NodeOptions' defaults in their help."""
+def add_decode_kv_args(p: argparse.ArgumentParser) -> None:
+    """--local-prefill-max-tokens and --kv-pull-min-blocks, for a decode node or every decode node of `up`."""
     from pdserve.node_runtime.node_config import NodeOptions
 
-    p.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=None,
-        help=f"with --kv-reuse on, {who} prefills locally when the prompt tokens it lacks are at most this "
-        f"many (0: only when no prefill node is usable; default {NodeOptions.local_prefill_max_tokens})",
-    )
-    p.add_argument(
-        "--kv-pull-min-blocks",
-        type=int,
-        default=None,
-        help=f"with --kv-reuse on, {who} sends the prompt blocks it holds to a prefill node that lacks at "
-        "least this many of them (D->P pull) instead of it recomputing them "
-        f"(0: never; default {NodeOptions.kv_pull_min_blocks})",
-    )
+    config_flag(p, NodeOptions, "local_prefill_max_tokens")
+    config_flag(p, NodeOptions, "kv_pull_min_blocks")
 
 
 CLI_TRANSPORTS = (Transport.AUTO.value, Transport.TCP.value, Transport.RDMA.value)
@@ -75,51 +54,34 @@ ROLE_PORTS = {"prefill": 50061, "decode": 50071}
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     """Flags of NodeConfig, one per field (EngineConfig's are named after its fields, `--model` for
     model_dir); every default is None so that the dataclass default applies (see node_config)."""
+    from pdserve.node_runtime.node_config import NodeOptions, TransferOptions
+
     add_model_args(p)
     add_served_name_args(p)  # the model_name label of the node's metrics
     add_device_args(p)
     add_engine_args(p)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=None, help=f"gRPC port (0: pick a free one; default {ROLE_PORTS[role]})")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default 0: off)")
-    p.add_argument(
-        "--transport",
-        default=None,
-        choices=CLI_TRANSPORTS,
-        help="CacheStore transport for KV (auto: RDMA if a device exists, else tcp; default tcp)",
-    )
+    config_flag(p, NodeOptions, "metrics_port")
+    config_flag(p, TransferOptions, "transport", choices=CLI_TRANSPORTS)
     p.add_argument("--cluster-secret", default=None, help="shared secret (default: $PDSERVE_CLUSTER_SECRET)")
-    p.add_argument(
-        "--drain-timeout", type=float, default=None, help="seconds to finish requests on SIGTERM (default 30)"
-    )
-    p.add_argument("--kv-timeout", type=float, default=None, help="seconds a KV transfer may take (default 60)")
-    p.add_argument(
-        "--peer-timeout",
-        type=float,
-        default=None,
-        help="a gRPC peer that leaves keepalive pings unanswered this long is dead: its calls fail and are "
-        "retried (a partitioned prefill node; default 10)",
-    )
-    p.add_argument("--log-level", default=None, help="default INFO")
+    config_flag(p, NodeOptions, "drain_timeout")
+    config_flag(p, TransferOptions, "kv_timeout")
+    config_flag(p, TransferOptions, "peer_timeout")
+    config_flag(p, NodeOptions, "log_level")
     p.add_argument(
         "--advertise-host",
         default=None,
         help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
         "if --host is a wildcard)",
     )
-    add_kv_reuse_arg(p, "this node")
-    add_rdma_args(p)
+    add_kv_reuse_arg(p)
+    for name in ("rdma_device", "rdma_port", "rdma_gid_index", "rdma_qps"):
+        config_flag(p, TransferOptions, name, type=str if name == "rdma_device" else int)
     add_cluster_tls_args(p)
     from pdserve.node_runtime.discovery import add_discovery_args
 
     add_discovery_args(p)
-
-
-def on_off(value: str) -> bool:
-    """argparse type of an on|off flag."""
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
-    return value == "on"
 
 
 def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
@@ -157,28 +119,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
     add_tensor_parallel_arg(p)
-
-
-RDMA_HELP = {
-    "rdma_device": "RDMA device (NIC) name, e.g. mlx5_0 (default: the first device)",
-    "rdma_port": "RDMA port number on the device (default 1)",
-    "rdma_gid_index": "GID index for RoCE (default 0)",
-    "rdma_qps": "RC queue pairs per receiver, used round robin (default 2)",
-}
-"""--transport rdma settings (TransferOptions fields) and their help."""
-
-
-def add_rdma_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.node_runtime.node_config import RDMA_ENV
-
-    for dest, text in RDMA_HELP.items():
-        p.add_argument(
-            "--" + dest.replace("_", "-"),
-            dest=dest,
-            default=None,
-            type=str if dest == "rdma_device" else int,
-            help=f"{text}; default: ${RDMA_ENV[dest]}",
-        )
 
 
 def node_config(args: argparse.Namespace, role: str) -> NodeConfig:

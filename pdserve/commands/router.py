@@ -7,6 +7,7 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
+from pdserve.commands.config_flags import config_flag
 from pdserve.commands.memory_args import add_max_model_len_arg
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.serving_args import add_frontend_args, add_served_name_args, load_frontend
@@ -46,19 +47,10 @@ def add_api_key_args(p: argparse.ArgumentParser) -> None:
 
 def add_key_limit_args(p: argparse.ArgumentParser) -> None:
     """The per-key limits (router/key_limits.py): `up` hands them to its router as flags."""
-    p.add_argument(
-        "--api-key-max-in-flight",
-        type=int,
-        default=None,
-        help="requests one API key may have running at once; more get 429 with Retry-After (0: no limit; default 0)",
-    )
-    p.add_argument(
-        "--api-key-rpm",
-        type=int,
-        default=None,
-        help="requests one API key may start per minute (bursts up to it); more get 429 with Retry-After "
-        "(0: no limit; default 0)",
-    )
+    from pdserve.router.key_limits import KeyLimits
+
+    config_flag(p, KeyLimits, "api_key_max_in_flight")
+    config_flag(p, KeyLimits, "api_key_rpm")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
@@ -77,6 +69,9 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.deadlines import Deadlines
+
     from pdserve.node_runtime.discovery import add_discovery_args
 
     p = subparsers.add_parser("router", help="run the OpenAI-compatible router")
@@ -91,43 +86,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster-secret", default=None, help="shared node secret (default: $PDSERVE_CLUSTER_SECRET)")
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-keyfile", default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (400)")
-    p.add_argument(
-        "--graceful-timeout",
-        type=float,
-        default=None,
-        help="seconds open streams may finish after SIGTERM before they are cut (uvicorn; default 30)",
-    )
-    p.add_argument(
-        "--token-timeout",
-        type=float,
-        default=None,
-        help="migrate a stream that gets no token for this long (raised to --itl-factor x the "
-        "observed inter-token latency on slow nodes; default 2)",
-    )
-    p.add_argument("--itl-factor", type=float, default=None, help="default 20")
-    p.add_argument(
-        "--first-token-timeout", type=float, default=None, help="wait this long for a first token (default 120)"
-    )
-    p.add_argument(
-        "--health-timeout",
-        type=float,
-        default=None,
-        help="a node that misses a health check by this long gets no new requests until it answers (default 1)",
-    )
-    p.add_argument(
-        "--hung-after",
-        type=float,
-        default=None,
-        help="a node that has missed every health check for this long is hung: requests still waiting "
-        "for their first token on it are retried on another node (default 10)",
-    )
-    p.add_argument(
-        "--capacity-wait",
-        type=float,
-        default=None,
-        help="a request waits this long for a usable node with room before a 503 (0: fail at once; default 30)",
-    )
+    config_flag(p, RouterConfig, "max_prompt_tokens", type=int)
+    config_flag(p, RouterConfig, "graceful_timeout")
+    config_flag(p, Deadlines, "token_timeout")
+    config_flag(p, Deadlines, "itl_factor")
+    config_flag(p, Deadlines, "first_token_timeout")
+    config_flag(p, Deadlines, "health_timeout")
+    config_flag(p, Deadlines, "hung_after")
+    config_flag(p, Deadlines, "capacity_wait")
     add_connection_args(p)
     add_cluster_tls_args(p)
     add_routing_args(p)
@@ -137,71 +103,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
     """Flags of pdserve.router.http_limits.ConnectionLimits and the SSE keep-alive interval."""
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        default=None,
-        help="close a connection whose request head is not complete this long after it opened (default 10)",
-    )
-    p.add_argument(
-        "--keepalive-timeout",
-        type=float,
-        default=None,
-        help="close an idle keep-alive connection this long after its last response (default 5)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=None,
-        help="answer 408 and close when a request's whole body has not arrived this long after its head "
-        "(a slow-body drip; default 60)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=None,
-        help="open client connections at most (lowered to fit the open-file limit; beyond it the idlest "
-        "connection is closed, or a 503 when all are busy; default 4096)",
-    )
-    p.add_argument(
-        "--sse-keepalive",
-        type=float,
-        default=None,
-        help="seconds without a token before a stream sends an SSE keep-alive comment (default 15)",
-    )
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.http_limits import ConnectionLimits
+
+    config_flag(p, ConnectionLimits, "header_timeout")
+    config_flag(p, ConnectionLimits, "keepalive_timeout")
+    config_flag(p, ConnectionLimits, "body_timeout")
+    config_flag(p, ConnectionLimits, "max_connections")
+    config_flag(p, RouterConfig, "sse_keepalive")
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--routing",
-        default=None,
-        choices=("kv-aware", "wrr"),
-        help="kv-aware: route each request to the nodes that hold most of its prompt's KV, bounded by load "
-        "(nodes' KV events); wrr: weighted round robin on free KV only (default kv-aware)",
-    )
-    p.add_argument(
-        "--prefill-saturated-tokens",
-        type=int,
-        default=None,
-        help="a prefill node with this many prompt tokens pending is saturated: while every prefill node is, "
-        "a decode node whose own pending prefill plus the prompt is no longer prefills the prompt itself "
-        "(0: never; default 256)",
-    )
-    p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help="requests that may wait, in arrival order, for a decode node with room (each up to "
-        "--capacity-wait); past it a new request gets 503 with Retry-After before any work (default 256)",
-    )
-    p.add_argument(
-        "--max-prefill-backlog",
-        type=float,
-        default=None,
-        help="seconds of queued prompts (at the rate it has sustained) a node may hold; while every node holds "
-        "that much, new requests wait at the router (--capacity-wait) instead of in the nodes' queues "
-        "(0: no bound; default 30, a quarter of --first-token-timeout)",
-    )
+    from pdserve.router.config import ClusterOptions
+    from pdserve.router.deadlines import Deadlines
+    from pdserve.router.kv_routing import ROUTING_MODES
+
+    config_flag(p, ClusterOptions, "routing", choices=ROUTING_MODES)
+    config_flag(p, ClusterOptions, "prefill_saturated_tokens")
+    config_flag(p, ClusterOptions, "max_waiting_requests")
+    config_flag(p, Deadlines, "max_prefill_backlog", type=float)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:

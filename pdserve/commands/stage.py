@@ -41,8 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.tdpipe.runtime.stage_worker import StageConfig, main_from_env
     from pdserve.engine.parallel.group import RankFailure
+    from pdserve.tdpipe.runtime.stage_worker import StageConfig, main_from_env
     from pdserve.tdpipe.runtime.wire import RendezvousTimeout
 
     try:

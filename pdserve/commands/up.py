@@ -14,7 +14,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.node_runtime.discovery import Role
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
@@ -29,6 +28,7 @@ from pdserve.commands.serving_args import (
     declared_dests,
 )
 from pdserve.node_runtime.config import API_KEY_ENV, API_KEYS_ENV, CLUSTER_SECRET_ENV
+from pdserve.node_runtime.discovery import Role
 from pdserve.node_runtime.supervisor import RestartPolicy, Supervised, Supervisor
 
 READY_TIMEOUT = 180.0
@@ -50,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--num-prefill", type=int, default=1, help="prefill nodes (0: decode-only nodes prefill every prompt)"
     )
     p.add_argument("--num-decode", type=int, default=2)
-    add_kv_reuse_arg(p, "every node")
-    add_decode_kv_args(p, "each decode node")
+    add_kv_reuse_arg(p)
+    add_decode_kv_args(p)
     p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument(
@@ -122,9 +122,9 @@ def _throwaway_tls_args(directory: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.builtin import default_model_dir
     from pdserve.commands.device_args import device_flags
     from pdserve.commands.memory_args import kv_memory_flags
+    from pdserve.engine.builtin import default_model_dir
     from pdserve.node_runtime.config import flag_values
     from pdserve.router.key_limits import KeyLimits
 

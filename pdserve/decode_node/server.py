@@ -11,18 +11,17 @@ from typing import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pdserve.cachestore import Transport
-from pdserve.cachestore import Session, SessionError
+from pdserve.cachestore import Session, SessionError, Transport
 from pdserve.decode_node.kv_pull import PullSender
 from pdserve.decode_node.prefill_client import PrefillClients
-from pdserve.engine.prompt_check import check_prompt
 from pdserve.engine.kv_connector import KvSource
+from pdserve.engine.prompt_check import check_prompt
 from pdserve.engine.remote_prefill import DO_REMOTE_PREFILL, RemotePrefillPolicy
 from pdserve.engine.request import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_runtime import convert, kv_store
-from pdserve.node_runtime.kv_events_service import KvEventsServicer
 from pdserve.node_runtime.grpc_errors import NodeUnavailable
+from pdserve.node_runtime.kv_events_service import KvEventsServicer
 from pdserve.node_runtime.node import NodeRuntime
 from pdserve.node_runtime.node_config import NodeConfig
 from pdserve.node_runtime.rank_kv_driver import (

@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's (and torch's) other names of the dtypes: `--dtype half` means float16."""

@@ -15,9 +15,9 @@ from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.fp8 import fused_linear
 from pdserve.engine.gpt_oss import GptOssMoe, load_sinks
+from pdserve.engine.kv_connector import KvConnector
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.layers import CpuCarryOps, CpuFusedOps, EagerOps, Linear, RotaryEmbedding, apply_rotary, rms_norm
-from pdserve.engine.kv_connector import KvConnector
 from pdserve.engine.mla import MlaAttention
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.moe import Expert, SparseMoe

@@ -10,10 +10,10 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, backend_for_planes, make_backend, resolve_backend
 from pdserve.engine.cpu_malloc import keep_freed_memory
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
 from pdserve.engine.kv_pool import KVPool, kv_bytes_per_token
 from pdserve.engine.kv_sizing import KvMemory, fit_max_model_len, kv_memory_for
 from pdserve.engine.layers import can_prepack
-from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
 from pdserve.engine.llama import LlamaModel
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TPGroup

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kernels import cpu_build
 from pdserve.engine.grammar_cache import accept_tokens, apply_grammar_masks
+from pdserve.engine.kernels import cpu_build
 from pdserve.engine.request import Request, TokenLogprob
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from pdserve.engine.config import Preemption
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import Preemption
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.request import Request, RequestStatus
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.cachestore import Transport
 from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
     FaultInjector,
     MemoryRegion,
     Session,
+    Transport,
 )
 from pdserve.cachestore.metrics import CacheStoreMetrics
 from pdserve.node_runtime.node import NodeRuntime

@@ -11,12 +11,13 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node_runtime.auth import SecretInterceptor
 from pdserve.node_runtime import cluster_tls, keepalive
+from pdserve.node_runtime.auth import SecretInterceptor
 from pdserve.node_runtime.engine_loop import EngineLoop, Subscription
 from pdserve.node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from pdserve.node_runtime.node_config import NodeConfig

@@ -16,7 +16,6 @@ from pdserve.engine.config import EngineConfig
 from pdserve.node_runtime.discovery import DiscoveryConfig
 from pdserve.node_runtime.tls_options import ClusterTLSOptions
 
-
 RDMA_ENV = {
     "rdma_device": "PDSERVE_RDMA_DEVICE",
     "rdma_port": "PDSERVE_RDMA_PORT",
@@ -71,6 +70,7 @@ class NodeOptions(ClusterTLSOptions):
     node (D->P pull, `decode_node.kv_pull`) when it lacks at least this many of them, instead of
     letting it recompute them (0: never pull)."""
     log_level: str = "INFO"
+    """Logging level of the node process: DEBUG, INFO, WARNING or ERROR."""
     served_model_name: tuple[str, ...] = ()
     """--served-model-name: the first is the model_name label of the node's metrics (empty: the
     model directory's name)."""
@@ -88,8 +88,8 @@ class TransferOptions:
     """How this node's KV cache moves (CacheStore)."""
 
     transport: str = "tcp"
-    """One of cachestore's TRANSPORTS (auto: RDMA if a device exists, else tcp; local: both ends in
-    one process, tests only)."""
+    """CacheStore transport for KV: tcp, rdma, auto (RDMA if a device exists, else tcp) or local
+    (both ends in one process; tests only)."""
     kv_timeout: float = 60.0
     """Seconds a KV transfer / session may take."""
     peer_timeout: float = 10.0

@@ -13,7 +13,6 @@ import asyncio
 import threading
 from typing import Any, Callable
 
-from pdserve.cachestore import Transport
 from pdserve.cachestore import (
     CacheStoreClient,
     CacheStoreServer,
@@ -22,6 +21,7 @@ from pdserve.cachestore import (
     PoolGeometry,
     SessionCredentials,
     Transfer,
+    Transport,
 )
 from pdserve.cachestore.heads import HeadLayout
 from pdserve.engine.block_manager import blocks_for

@@ -4,7 +4,6 @@ over HTTP and the batch job writes them into a line's result."""
 from __future__ import annotations
 
 import math
-
 from typing import Sequence
 
 from fastapi.responses import JSONResponse

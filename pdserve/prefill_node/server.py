@@ -7,21 +7,19 @@ import time
 from dataclasses import replace
 from functools import partial
 
-from pdserve.cachestore import Transport
-from pdserve.cachestore import SessionCredentials, Transfer
+from pdserve.cachestore import SessionCredentials, Transfer, Transport
 from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.prompt_check import check_prompt
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node_runtime import convert
-from pdserve.node_runtime import kv_store
-from pdserve.node_runtime.kv_events_service import KvEventsServicer
+from pdserve.node_runtime import convert, kv_store
 from pdserve.node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
+from pdserve.node_runtime.kv_events_service import KvEventsServicer
 from pdserve.node_runtime.node import NodeRuntime
 from pdserve.node_runtime.node_config import NodeConfig
 from pdserve.node_runtime.rank_kv import LayerStreamer, pool_geometry
 from pdserve.node_runtime.rank_kv_driver import SENDER, RankEndpoints, endpoint_options, with_rank_service
-from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.prefill_node.kv_pull import PullReceiver
+from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
 MAX_TP = 64

@@ -13,7 +13,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException
 
 import pdserve
-from pdserve.router.body_limit import DEFAULT_BODY_TIMEOUT, BodyLimit
 from pdserve.openai_api.errors import (
     ModelNotFound,
     NoCapacityError,
@@ -24,9 +23,10 @@ from pdserve.openai_api.errors import (
     error_response,
     validation_message,
 )
+from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.body_limit import DEFAULT_BODY_TIMEOUT, BodyLimit
 from pdserve.router.http_metrics import HttpMetrics
 from pdserve.router.key_limits import KeyLimit, KeyLimiter, KeyLimits
-from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.serving import Server
 from pdserve.router.utility_routes import add_utility_routes
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.openai_api.errors import BadRequest, PayloadTooLarge, RequestTimeout, OpenAIError, retry_after_header
+from pdserve.openai_api.errors import BadRequest, OpenAIError, PayloadTooLarge, RequestTimeout, retry_after_header
 
 DEFAULT_BODY_TIMEOUT = 60.0
 

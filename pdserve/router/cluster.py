@@ -13,20 +13,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.node_runtime.discovery import Discovery, Role
-from pdserve.node_runtime.auth import cluster_metadata
 from pdserve.node_runtime import cluster_tls, keepalive
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.node_runtime.auth import cluster_metadata
+from pdserve.node_runtime.discovery import Discovery, Role
+from pdserve.openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
+from pdserve.router.admission import DEFAULT_MAX_WAITING, AdmissionQueue
 from pdserve.router.backoff import backoff_delay
 from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
-from pdserve.router.admission import DEFAULT_MAX_WAITING, AdmissionQueue
 from pdserve.router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
-from pdserve.openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
 from pdserve.router.kv_routing import ROUTING_MODES, KvRouter, Routing
 from pdserve.router.kv_subscriber import KvSubscriber
 from pdserve.router.node_state import GenerateChunk, NodeState, Route
 from pdserve.router.prefill_offload import OffloadPolicy, Prefilling
 from pdserve.router.saturation import backlog_seconds
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
 RETRYABLE = (

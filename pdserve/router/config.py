@@ -28,13 +28,15 @@ class ClusterOptions(ClusterTLSOptions):
     """Shared secret sent on every node call (empty: none, dev only)."""
     deadlines: Deadlines = field(default_factory=Deadlines)
     routing: str = "kv-aware"
-    """kv-aware: decode and prefill nodes by cached prefix + load (router/kv_policy.py); wrr: by load only."""
+    """kv-aware: route each request to the nodes that hold most of its prompt's KV, bounded by load
+    (nodes' KV events); wrr: weighted round robin on free KV only."""
     prefill_saturated_tokens: int = DEFAULT_SATURATED_TOKENS
-    """Pending prompt tokens at which every prefill node counts as saturated and a decode node with a
-    shorter queue prefills the prompt itself (router/prefill_offload.py; 0: never)."""
+    """A prefill node with this many prompt tokens pending is saturated: while every prefill node
+    is, a decode node whose own pending prefill plus the prompt is no longer prefills the prompt
+    itself (0: never)."""
     max_waiting_requests: int = DEFAULT_MAX_WAITING
-    """Requests that may wait, in arrival order, for a decode node with room; past it a new request
-    gets 503 with Retry-After before any work (router/admission.py)."""
+    """Requests that may wait, in arrival order, for a decode node with room (each up to
+    --capacity-wait); past it a new request gets 503 with Retry-After before any work."""
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
@@ -70,12 +72,12 @@ class RouterConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     max_prompt_tokens: int | None = None
-    """Refuse longer prompts with a 400 (None: only the model's context length bounds them)."""
+    """Refuse longer prompts with a 400 (unset: only the model's context length bounds them)."""
     graceful_timeout: float = 30.0
-    """Seconds open streams may finish after SIGTERM before they are cut (uvicorn)."""
+    """Seconds open streams may finish after SIGTERM before they are cut."""
     log_level: str = "info"
     sse_keepalive: float = 15.0
-    """Seconds without a chunk before a stream sends an SSE keep-alive comment (`: keep-alive`)."""
+    """Seconds without a token before a stream sends an SSE keep-alive comment (`: keep-alive`)."""
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     cluster: ClusterOptions = field(default_factory=ClusterOptions)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)

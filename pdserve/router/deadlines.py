@@ -44,23 +44,25 @@ class Deadlines:
     """Router-side deadlines on nodes (seconds)."""
 
     token_timeout: float = 2.0
-    """Floor of the gap between two events of a stream before the stream is migrated."""
+    """Migrate a stream that gets no token for this long (raised to --itl-factor x the observed
+    inter-token latency on slow nodes)."""
     itl_factor: float = 20.0
-    """The token deadline is at least this many times the observed mean inter-token latency."""
+    """The token deadline is at least this many times the stream's mean inter-token latency."""
     first_token_timeout: float = 120.0
-    """Wait for the first event of an attempt (prefill of a long prompt can take long)."""
+    """Wait this long for a first token (the prefill of a long prompt can take long)."""
     health_timeout: float = 1.0
-    """A health/load probe that takes longer marks the node unresponsive until a probe succeeds."""
+    """A node that misses a health check by this long gets no new requests until it answers."""
     hung_after: float = 10.0
-    """A node unresponsive this long (every probe missed) is hung: attempts waiting for its first
-    event are abandoned and retried elsewhere. Long enough that a loaded but live node answers a
-    probe in between."""
+    """A node that has missed every health check for this long is hung: requests still waiting for
+    their first token on it are retried on another node. Long enough that a loaded but live node
+    answers a probe in between."""
     capacity_wait: float = 30.0
-    """How long a request (or a stream being migrated) waits for a usable decode + prefill pair that
-    has room, e.g. while `pdserve up` restarts a node, before it fails with 503."""
+    """A request (or a stream being migrated) waits this long for a usable node with room, e.g. while
+    `pdserve up` restarts a node, before a 503 (0: fail at once)."""
     max_prefill_backlog: float | None = None
-    """Seconds of queued prompts a node may hold before new requests wait at the router instead
-    (router/saturation.py; 0: no bound; None: a quarter of first_token_timeout, 30 s by default)."""
+    """Seconds of queued prompts (at the rate it has sustained) a node may hold; while every node
+    holds that much, new requests wait at the router (--capacity-wait) instead of in the nodes'
+    queues (0: no bound; default a quarter of --first-token-timeout, 30)."""
 
     def __post_init__(self) -> None:
         for name in ("token_timeout", "itl_factor", "first_token_timeout", "health_timeout", "hung_after"):

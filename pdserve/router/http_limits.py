@@ -35,13 +35,15 @@ class ConnectionLimits:
     """Per-process limits on client connections (seconds, counts)."""
 
     header_timeout: float = 10.0
-    """A new connection's request head must be complete this long after it opened."""
+    """Close a connection whose request head is not complete this long after it opened."""
     keepalive_timeout: float = 5.0
-    """An idle keep-alive connection is closed this long after its last response."""
+    """Close an idle keep-alive connection this long after its last response."""
     max_connections: int = 4096
-    """Open connections at most (lowered to the fd limit minus FD_RESERVE at start)."""
+    """Open client connections at most (lowered to fit the open-file limit; beyond it the idlest
+    connection is closed, or a 503 when all are busy)."""
     body_timeout: float = 60.0
-    """A request's whole body must arrive this long after its head (4 MiB, the body cap, at 70 KB/s)."""
+    """Answer 408 and close when a request's whole body has not arrived this long after its head (a
+    slow-body drip; 60 s is the 4 MiB body cap at 70 KB/s)."""
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "keepalive_timeout", "body_timeout"):

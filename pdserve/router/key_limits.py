@@ -29,9 +29,10 @@ class KeyLimits:
     """Limits that apply to each API key separately (0: none)."""
 
     api_key_max_in_flight: int = 0
-    """Requests of one key that may run at once; more get 429."""
+    """Requests one API key may have running at once; more get 429 with Retry-After (0: no limit)."""
     api_key_rpm: int = 0
-    """Requests one key may start per minute (bursts up to this many); more get 429."""
+    """Requests one API key may start per minute (bursts up to it); more get 429 with Retry-After
+    (0: no limit)."""
 
     def __post_init__(self) -> None:
         for name in ("api_key_max_in_flight", "api_key_rpm"):

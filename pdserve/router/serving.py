@@ -17,8 +17,8 @@ from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.openai_api.responses import chat_choice, chat_delta, completion_choice, response_body, usage
 from pdserve.openai_api.text import chat_logprob_entry, completion_logprobs
 from pdserve.router.cluster import Cluster
-from pdserve.router.node_state import Route
 from pdserve.router.keepalive_stream import DEFAULT_INTERVAL, KEEPALIVE_COMMENT, with_keepalive
+from pdserve.router.node_state import Route
 from pdserve.router.request_metrics import RequestMetrics
 
 STREAM_QUEUE_CHUNKS = 32

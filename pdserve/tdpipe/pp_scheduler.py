@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from pdserve.tdpipe.executor import Phase
 from pdserve.engine.block_manager import blocks_for
 from pdserve.tdpipe.config import InstanceConfig
 from pdserve.tdpipe.cost_table import CostTable
-from pdserve.tdpipe.executor import Batch, BatchItem, Executor, SimExecutor
+from pdserve.tdpipe.executor import Batch, BatchItem, Executor, Phase, SimExecutor
 from pdserve.tdpipe.feed import RequestFeed
 from pdserve.tdpipe.pipeline import KVPool, SimStats
 from pdserve.tdpipe.workload import SimRequest

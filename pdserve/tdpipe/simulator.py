@@ -6,9 +6,9 @@ import copy
 from pathlib import Path
 from typing import Callable
 
-from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
 from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.pipeline import SimStats
 from pdserve.tdpipe.pp_scheduler import PPScheduler
 from pdserve.tdpipe.td_overlap import OverlapTDPipe

@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from pdserve.tdpipe.executor import Phase
-from pdserve.tdpipe.executor import Executor, SimExecutor
-from pdserve.tdpipe.memory_sim import FutureMemory
 from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import Executor, Phase, SimExecutor
+from pdserve.tdpipe.memory_sim import FutureMemory
 from pdserve.tdpipe.pipeline import SimStats, blocks_for
 from pdserve.tdpipe.td_scheduler import TDPipeScheduler
 from pdserve.tdpipe.work_stealing import WorkStealer

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.config import InstanceConfig, TDPipeOptions
 from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import BatchItem, Executor, Phase, SimExecutor
 from pdserve.tdpipe.intensity import decide
 from pdserve.tdpipe.memory_sim import FutureMemory, FuturePointsConfig
-from pdserve.tdpipe.executor import BatchItem, Executor, SimExecutor
 from pdserve.tdpipe.pipeline import KVPool, SimStats, blocks_for
 from pdserve.tdpipe.work_stealing import WorkStealer
 from pdserve.tdpipe.workload import SimRequest

@@ -98,8 +98,8 @@ def test_model_uses_eager_ops_without_the_kernel(monkeypatch, tiny_model_dir):
     """No compiler (forced here): the cpu_paged runner still works, on the eager ops, and equals
     the torch backend's logits."""
     import pdserve.engine.layers
-    from pdserve.engine.kernels import cpu_build
     from pdserve.engine.forward_batch import ForwardBatch
+    from pdserve.engine.kernels import cpu_build
     from pdserve.engine.model_runner import ModelRunner
 
     monkeypatch.setattr(cpu_build, "_op", None)

@@ -19,8 +19,8 @@ from pdserve.engine.grammar import (
     choice_ebnf,
 )
 from pdserve.engine.grammar_cache import GrammarCache
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.remote_prefill import RemotePrefillPolicy
+from pdserve.engine.tokenizer import Tokenizer
 from tests.engine.factories import add_remote
 
 pytest.importorskip("xgrammar")

@@ -19,8 +19,8 @@ from pdserve.engine.kv_sizing import (
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.remote_prefill import RemotePrefillPolicy
+from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.factories import add_remote
 
 GiB, MiB = 1024**3, 1024**2

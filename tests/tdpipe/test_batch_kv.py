@@ -7,8 +7,8 @@ from argparse import Namespace
 
 import pytest
 
-from pdserve.engine.model_config import ModelConfig
 from pdserve.cli import build_parser
+from pdserve.engine.model_config import ModelConfig
 from pdserve.tdpipe.runtime.batch_config import BatchConfig
 from pdserve.tdpipe.runtime.batch_kv import FIXED_DEFAULT_BLOCKS, stage_kv_blocks
 from pdserve.tdpipe.runtime.stage_split import model_stage_ranges

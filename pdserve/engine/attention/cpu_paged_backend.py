@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, layer_window
+from pdserve.engine.attention.torch_backend import TorchAttention, causal_self_attention, chunk_attention
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kernels import cpu_build
-from pdserve.engine.attention.torch_backend import TorchAttention, causal_self_attention, chunk_attention
 
 CHUNK_SDPA_MIN_TOKENS = 16
 """A prefill chunk after a cached prefix this long or longer goes to SDPA over its gathered pages

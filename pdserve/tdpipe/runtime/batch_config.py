@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-
 RESOLVED = ("sampling_defaults", "split_by_phase")
 """Fields that are no flag: batch_main derives them."""
 

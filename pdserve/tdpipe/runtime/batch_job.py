@@ -6,31 +6,31 @@ The watchdog that unblocks the job when a stage dies or a signal comes is `batch
 from __future__ import annotations
 
 import functools
-from collections import deque
 import os
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.node_runtime.node_metrics import served_model_name
 from pdserve.openai_api.choices import ChoiceBuilder
+from pdserve.tdpipe.cost_table import CostTable
 from pdserve.tdpipe.feed import RequestFeed
+from pdserve.tdpipe.pipeline import SimStats
 from pdserve.tdpipe.runtime.batch_config import BatchConfig
 from pdserve.tdpipe.runtime.batch_input import RawLine
 from pdserve.tdpipe.runtime.batch_io import result_line
 from pdserve.tdpipe.runtime.batch_lengths import LengthPlanner, fit_line
 from pdserve.tdpipe.runtime.batch_output import OrderedWriter, ResumeKey
 from pdserve.tdpipe.runtime.batch_stream import LineSource
-from pdserve.tdpipe.cost_table import CostTable
-from pdserve.tdpipe.pipeline import SimStats
+from pdserve.tdpipe.runtime.batch_watchdog import StageWatchdog
 from pdserve.tdpipe.runtime.controller import PipeRequest, StageExecutor
 from pdserve.tdpipe.runtime.local import run_controller, run_local_pipeline
 from pdserve.tdpipe.runtime.profile import build_cost_table, plan_profile
 from pdserve.tdpipe.runtime.profile_cache import cached_profiles, default_cache_dir
 from pdserve.tdpipe.runtime.stage_worker import StageConfig
-from pdserve.tdpipe.runtime.batch_watchdog import StageWatchdog
 
 if TYPE_CHECKING:
     from tqdm import tqdm

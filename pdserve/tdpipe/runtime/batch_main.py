@@ -22,10 +22,10 @@ from pdserve.tdpipe.runtime.batch_config import BatchConfig
 from pdserve.tdpipe.runtime.batch_input import count_lines, read_lines
 from pdserve.tdpipe.runtime.batch_job import BatchJob, table_choice
 from pdserve.tdpipe.runtime.batch_kv import stage_kv_blocks
+from pdserve.tdpipe.runtime.batch_lengths import LengthPlanner
 from pdserve.tdpipe.runtime.batch_metrics import BatchMetrics
 from pdserve.tdpipe.runtime.batch_output import OrderedWriter, open_output
 from pdserve.tdpipe.runtime.batch_url import local_output, open_input, upload
-from pdserve.tdpipe.runtime.batch_lengths import LengthPlanner
 from pdserve.tdpipe.runtime.batch_watchdog import StageWatchdog
 from pdserve.tdpipe.runtime.stage_split import resolve_phase_split
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from pdserve.engine.block_manager import BlockManager, blocks_for
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.tdpipe.executor import Batch, Executor
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tdpipe.executor import Batch, Executor
 from pdserve.tdpipe.runtime.last_stage import NO_TOKEN, STOP_ROW, TOKEN_ROW, StageMessage, needs_announcing
 from pdserve.tdpipe.runtime.live_stats import PipelineGauge
 from pdserve.tdpipe.runtime.wire import Outbox, recv_frame, send_frame

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.runtime.profile_comm import pipeline_overheads
 
 

@@ -15,17 +15,17 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pdserve.tdpipe.executor import Phase
 from pdserve.engine.grammar_cache import GrammarCache
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.runtime.last_stage import HeldRows, LastStageSampler, StageMessage
 from pdserve.tdpipe.runtime.stage_split import PipelineSplit, pipeline_split
 from pdserve.tdpipe.runtime.stage_split import stage_layer_range as stage_layer_range  # re-exported: its old home
