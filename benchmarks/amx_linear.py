@@ -34,8 +34,8 @@ import time
 import torch
 
 from benchmarks.common import emit
-from pdserve.engine.kernels import cpu_build
 from pdserve.engine.cpu_malloc import keep_freed_memory
+from pdserve.engine.kernels import cpu_build
 from pdserve.engine.layers import AMX_MAX_ROWS, F32_MAX_ROWS
 from pdserve.engine.tiny_model import SIZES
 

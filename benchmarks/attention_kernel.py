@@ -38,8 +38,8 @@ import time
 import torch
 
 from benchmarks.common import emit
-from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 from pdserve.engine.attention.torch_backend import causal_self_attention, chunk_attention
+from pdserve.engine.kernels.cpu_build import load_paged_attention_op
 
 HQ, HKV, D, BLOCK = 12, 4, 64, 16  # the bench model's attention geometry
 

@@ -128,8 +128,8 @@ def main() -> None:
     parser.add_argument("--dump", default=None, help="write the stages' raw timelines (JSON) of every runtime run")
     args = parser.parse_args()
 
-    from pdserve.engine.kernels import cpu_build
     from pdserve.engine.builtin import default_model_dir
+    from pdserve.engine.kernels import cpu_build
     from pdserve.engine.tokenizer import Tokenizer
 
     wall0 = time.perf_counter()

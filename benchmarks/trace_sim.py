@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pdserve.engine.block_keys import namespace_root
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_events import KvEventLog
-from pdserve.v1 import common_pb2
 from pdserve.router.balancer import DecodeBalancer, NodeLoad
 from pdserve.router.kv_index import KvIndex
-from pdserve.router.prefill_offload import OffloadPolicy
 from pdserve.router.kv_routing import KvRouter
 from pdserve.router.kv_subscriber import KvSubscriber
+from pdserve.router.prefill_offload import OffloadPolicy
+from pdserve.v1 import common_pb2
 
 BLOCK = 16  # engine tokens per trace block (the trace's 512-token blocks, scaled down)
 TRACE_BLOCK_TOKENS = 512
