@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     from pdserve.commands.memory_args import add_kv_memory_args
 
-    add_kv_memory_args(p, max_model_len=False, gpu=False)  # --kv-cache-memory is per stage
+    add_kv_memory_args(p, max_model_len=False, gpu=False, offloading=False)  # --kv-cache-memory is per stage
     add_generation_config_arg(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill batch")

@@ -32,9 +32,25 @@ def utilization(text: str) -> float:
     return value
 
 
-def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True, gpu: bool = True) -> None:
+def offloading_size(text: str) -> int:
+    """argparse type of --kv-offloading-size: GiB as a plain number (vLLM's unit, e.g. 8 or 0.5),
+    or a size with its unit (512MiB); bytes."""
+    try:
+        if text.replace(".", "", 1).isdigit():
+            value = int(float(text) * 2**30)
+            if value <= 0:
+                raise ValueError(f"must be positive, got {text!r}")
+            return value
+        return parse_memory_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_kv_memory_args(
+    p: argparse.ArgumentParser, *, max_model_len: bool = True, gpu: bool = True, offloading: bool = True
+) -> None:
     """Add the flags (defaults None: EngineConfig's defaults apply); `batch` takes neither
-    --max-model-len nor --gpu-memory-utilization (its stages are not profiled)."""
+    --max-model-len nor --gpu-memory-utilization (its stages are not profiled) nor a host KV tier."""
     p.add_argument(
         "--kv-cache-memory",
         "--kv-cache-bytes",
@@ -55,6 +71,23 @@ def add_kv_memory_args(p: argparse.ArgumentParser, *, max_model_len: bool = True
         )
     if max_model_len:
         add_max_model_len_arg(p)
+    if offloading:
+        p.add_argument(
+            "--kv-offloading-size",
+            dest="kv_offloading_bytes",
+            type=offloading_size,
+            default=None,
+            help="host memory for a KV tier below the pool, in GiB (e.g. 8) or with a unit (512MiB): finished "
+            "requests' blocks are kept there and restored instead of recomputed once the pool has evicted "
+            "them (default: no tier)",
+        )
+        p.add_argument(
+            "--kv-offloading-backend",
+            default=None,
+            choices=("native",),
+            help="where that tier lives: native, this process's host memory, the only backend (accepted for "
+            "vLLM's command lines; default native)",
+        )
 
 
 def add_max_model_len_arg(p: argparse.ArgumentParser) -> None:
@@ -71,12 +104,27 @@ def add_max_model_len_arg(p: argparse.ArgumentParser) -> None:
 
 def kv_memory_options(args: argparse.Namespace) -> dict:
     """The EngineConfig keyword arguments set on the command line (unset ones are left out)."""
-    names = ("kv_cache_bytes", "gpu_memory_utilization", "max_model_len")
+    names = (
+        "kv_cache_bytes",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "kv_offloading_bytes",
+    )
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def kv_memory_flags(args: argparse.Namespace) -> list[str]:
     """The same settings as flags for a child process (`pdserve up`); empty when unset."""
     opts = kv_memory_options(args)
-    flags = {"kv_cache_bytes": "--kv-cache-memory", "gpu_memory_utilization": "--gpu-memory-utilization"}
-    return [x for name, value in opts.items() for x in (flags.get(name, "--max-model-len"), str(value))]
+    if "kv_offloading_bytes" in opts:  # bytes, said with their unit (a bare number would read as GiB)
+        opts["kv_offloading_bytes"] = f"{opts['kv_offloading_bytes']}B"
+    return [x for name, value in opts.items() for x in (CHILD_FLAGS[name], str(value))]
+
+
+CHILD_FLAGS = {
+    "kv_cache_bytes": "--kv-cache-memory",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_model_len": "--max-model-len",
+    "kv_offloading_bytes": "--kv-offloading-size",
+}
+"""Each memory setting's flag on a child process."""

@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     from pdserve.commands.memory_args import add_kv_memory_args
 
-    add_kv_memory_args(p, max_model_len=False, gpu=False)  # the same count as `pdserve batch` derives
+    add_kv_memory_args(p, max_model_len=False, gpu=False, offloading=False)  # the same count as `pdserve batch` derives
     p.add_argument("--block-size", type=int, default=16)
     add_device_args(p)  # a bare `cuda` gives each stage its own N GPUs ($LOCAL_RANK, else stage index)
     add_tensor_parallel_arg(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 from pdserve.engine.block_keys import BlockKey, block_key, namespace_root
 from pdserve.engine.kv_events import KvEventLog
@@ -40,11 +41,15 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         events: KvEventLog | None = None,
+        before_reuse: Callable[[int], None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events
+        self.before_reuse = before_reuse
+        """Called with a free block before it is handed out to be overwritten (a KV tier still
+        copying it out returns once done)."""
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[BlockKey | None] = [None] * num_blocks
         self.hash_to_block: dict[BlockKey, int] = {}
@@ -158,6 +163,8 @@ class BlockManager:
         if not self.free:
             raise RuntimeError("out of KV blocks (scheduler should have checked can_allocate)")
         block, _ = self.free.popitem(last=False)
+        if self.before_reuse is not None:
+            self.before_reuse(block)
         old = self.block_hash[block]
         if old is not None:  # evict: its cached content is about to be overwritten
             del self.hash_to_block[old]

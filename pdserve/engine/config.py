@@ -72,6 +72,10 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     """A mixture-of-experts model's experts are placed whole on the ranks (a range each) instead of
     each expert being split over all of them (vLLM's `--enable-expert-parallel`)."""
+    kv_offloading_bytes: int | None = None
+    """Host memory for a KV tier below the pool (`--kv-offloading-size`, GiB on the command line, as
+    vLLM's): finished requests' blocks are copied there and restored instead of recomputed once the
+    pool has evicted them (pdserve.engine.kv_tier). None: no tier."""
     rank_service: str = ""
     """"module:factory" of a side service every rank other than 0 runs (engine.parallel.rank_commands),
     e.g. a node's per-rank KV endpoint; empty: none."""
@@ -115,3 +119,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_offloading_bytes is not None:
+            if self.kv_offloading_bytes <= 0:
+                raise ValueError(f"--kv-offloading-size must be positive, got {self.kv_offloading_bytes} bytes")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("--kv-offloading-size with --tensor-parallel-size > 1 is not supported yet")

@@ -7,16 +7,24 @@ vLLM's v1 KV connector does:
 Scheduler side (the engine thread, at admission and at a request's end):
 
 - `match(request, pool_tokens)`: after the engine looked the prompt up in its own prefix cache
-  (`pool_tokens` block-aligned tokens hit), may the connector supply the rest of the prompt's KV?
-  `None`: no, the scheduler computes it here. An `ExternalKv`: yes, asynchronously; the engine
-  allocates the prompt's blocks (sharing the pool's cached prefix, `share_pool`), parks the
-  request in WAITING_FOR_REMOTE_KV and calls `after_alloc`. The request leaves that state by
-  `LLMEngine.complete_remote_prefill` (the KV landed) or `LLMEngine.prefill_locally` (it did not:
-  the request is recomputed here).
+  (`pool_tokens` block-aligned tokens hit), may the connector supply more of the prompt's KV?
+  `None`: no, the scheduler computes it here. An `ExternalKv` with `load_tokens`: the connector
+  holds the next that many tokens' blocks (a tier below the pool); the engine allocates pool
+  blocks for them, calls `load(request, block_ids)` at once, keys them into its prefix cache, and
+  asks `match` once more with the larger hit. An `ExternalKv` without: the rest of the prompt
+  arrives asynchronously; the engine allocates the prompt's blocks (sharing the pool's cached
+  prefix, `share_pool`), parks the request in WAITING_FOR_REMOTE_KV and calls `after_alloc`. The
+  request leaves that state by `LLMEngine.complete_remote_prefill` (the KV landed) or
+  `LLMEngine.prefill_locally` (it did not: the request is recomputed here).
+- `load(request, block_ids)`: copy what `match` offered into these fresh pool blocks (False:
+  it could not, and those tokens are computed instead); `forget(request)`: the engine will not
+  load what `match` offered (no room, or the request was refused).
 - `after_alloc(request, block_ids, held_tokens)`: where the external KV must land (the blocks
   after the first `held_tokens` tokens').
 - `request_finished(request)`: the request finished (not aborted); the engine frees its blocks
   unless the request is `prefill_only`, whose blocks stay pinned for a reader until `release`.
+- `before_reuse(block_id)`: a free block is about to be handed out and overwritten (a connector
+  still reading it, e.g. a tier's writer, returns only when done).
 
 Worker side (inside `ModelRunner.run`, on every rank of a tensor-parallel engine, whose ranks
 1.. get their own worker-side connector from their rank service):
@@ -28,10 +36,10 @@ Worker side (inside `ModelRunner.run`, on every rank of a tensor-parallel engine
   sending layer i overlaps computing layer i+1), and `wait_for_save()` after the last layer.
 
 Implementations: `RemotePrefillPolicy` (decode node: which prompts a prefill node fills,
-`pdserve.engine.remote_prefill`) and `LayerStreamer` (prefill node and its ranks: each layer to
-the decode node, `pdserve.node_runtime.rank_kv`). A KV tier plugs in at the same points: `match`
-for a lookup below the pool, `wait_for_layer` for the overlapped restore, `request_finished` and
-`save_layer` for what goes down.
+`pdserve.engine.remote_prefill`), `LayerStreamer` (prefill node and its ranks: each layer to the
+decode node, `pdserve.node_runtime.rank_kv`) and `HostKvTier` (a host-memory tier below the pool,
+`pdserve.engine.kv_tier`). `KvConnectors` chains several: the engine of a decode node with a tier
+asks the tier first, then the remote-prefill policy.
 """
 
 from __future__ import annotations
@@ -45,11 +53,14 @@ if TYPE_CHECKING:
 
 
 class ExternalKv(NamedTuple):
-    """The connector supplies a prompt's KV (asynchronously) beyond what the pool shares."""
+    """The connector supplies KV of a prompt beyond what the pool holds."""
 
     share_pool: bool = True
-    """Share the pool's cached prefix blocks (never written; the source fills only the rest), or
-    take every block fresh and have the source fill the whole prompt."""
+    """Asynchronous: share the pool's cached prefix blocks (never written; the source fills only
+    the rest), or take every block fresh and have the source fill the whole prompt."""
+    load_tokens: int = 0
+    """Synchronous: the connector holds the next this many (block-aligned) prompt tokens' KV and
+    `load` copies it now; 0: asynchronous, the whole rest of the prompt."""
 
 
 class KvSource(NamedTuple):
@@ -78,6 +89,15 @@ class KvConnector:
     def request_finished(self, request: Request) -> None:
         return None
 
+    def before_reuse(self, block_id: int) -> None:
+        return None
+
+    def load(self, request: Request, block_ids: list[int]) -> bool:
+        return False
+
+    def forget(self, request: Request) -> None:
+        return None
+
     # --- worker side -------------------------------------------------------------------------
     def register_kv_pool(self, pool: KVPool) -> None:
         return None
@@ -93,6 +113,73 @@ class KvConnector:
 
     def wait_for_save(self) -> None:
         return None
+
+    def close(self) -> None:
+        """The engine is closing: stop any thread of the connector's own."""
+        return None
+
+
+class KvConnectors(KvConnector):
+    """Several connectors as one: `match` asks each in order and the first answer wins (its
+    `load`/`after_alloc` follow it); every other hook reaches all of them."""
+
+    def __init__(self, *connectors: KvConnector) -> None:
+        self.connectors = connectors
+        self._chosen: dict[str, KvConnector] = {}
+
+    def match(self, request: Request, pool_tokens: int) -> ExternalKv | None:
+        for connector in self.connectors:
+            found = connector.match(request, pool_tokens)
+            if found is not None:
+                self._chosen[request.request_id] = connector
+                return found
+        return None
+
+    def after_alloc(self, request: Request, block_ids: list[int], held_tokens: int) -> None:
+        chosen = self._chosen.pop(request.request_id, None)
+        if chosen is not None:
+            chosen.after_alloc(request, block_ids, held_tokens)
+
+    def load(self, request: Request, block_ids: list[int]) -> bool:
+        chosen = self._chosen.pop(request.request_id, None)
+        return chosen.load(request, block_ids) if chosen is not None else False
+
+    def forget(self, request: Request) -> None:
+        chosen = self._chosen.pop(request.request_id, None)
+        if chosen is not None:
+            chosen.forget(request)
+
+    def request_finished(self, request: Request) -> None:
+        for connector in self.connectors:
+            connector.request_finished(request)
+
+    def before_reuse(self, block_id: int) -> None:
+        for connector in self.connectors:
+            connector.before_reuse(block_id)
+
+    def register_kv_pool(self, pool: KVPool) -> None:
+        for connector in self.connectors:
+            connector.register_kv_pool(pool)
+
+    def start_load(self, batch: ForwardBatch) -> None:
+        for connector in self.connectors:
+            connector.start_load(batch)
+
+    def wait_for_layer(self, layer: int) -> None:
+        for connector in self.connectors:
+            connector.wait_for_layer(layer)
+
+    def save_layer(self, layer: int, batch: ForwardBatch) -> None:
+        for connector in self.connectors:
+            connector.save_layer(layer, batch)
+
+    def wait_for_save(self) -> None:
+        for connector in self.connectors:
+            connector.wait_for_save()
+
+    def close(self) -> None:
+        for connector in self.connectors:
+            connector.close()
 
 
 NO_CONNECTOR = KvConnector()

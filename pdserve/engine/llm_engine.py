@@ -9,11 +9,12 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar_cache import GrammarCache
-from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector, KvSource
+from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector, KvConnectors, KvSource
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.kv_namespace import kv_compatibility, request_root
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_pull import PullReservations
+from pdserve.engine.kv_tier import HostKvTier
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prompt_check import check_max_tokens, check_prompt
 from pdserve.engine.request import AdmissionError, Request, RequestStatus, StepOutput, TokenLogprob
@@ -55,6 +56,10 @@ class LLMEngine:
         runner: ModelRunner | None = None,
     ) -> None:
         self.config = config
+        self.tier = HostKvTier(config.kv_offloading_bytes) if config.kv_offloading_bytes else None
+        """The host KV tier below the pool (--kv-offloading-size), asked before the node's connector."""
+        if self.tier is not None:
+            connector = self.tier if connector is NO_CONNECTOR else KvConnectors(self.tier, connector)
         self.connector = connector
         self.on_scheduled = on_scheduled
         """Called in every step after scheduling, before the model runs: the state vLLM's scheduler
@@ -82,7 +87,11 @@ class LLMEngine:
         self.kv_events = KvEventLog()
         """Keys stored / evicted in this engine's prefix cache, for the node's KvEvents stream."""
         self.block_manager = BlockManager(
-            pool.num_blocks, pool.block_size, config.enable_prefix_caching, events=self.kv_events
+            pool.num_blocks,
+            pool.block_size,
+            config.enable_prefix_caching,
+            events=self.kv_events,
+            before_reuse=None if connector is NO_CONNECTOR else connector.before_reuse,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -153,14 +162,43 @@ class LLMEngine:
             bm = self.block_manager
             pool_tokens = len(bm.prefix_hits(req.prompt_token_ids, req.kv_root)) * bm.block_size
             external = self.connector.match(req, pool_tokens)
+            if external is not None and external.load_tokens:  # held below the pool: restored now
+                pool_tokens = self._load_below(req, pool_tokens, external.load_tokens)
+                external = self.connector.match(req, pool_tokens)
+                if external is not None and external.load_tokens:  # one restore per admission
+                    self.connector.forget(req)
+                    external = None
             if external is not None:
                 held = pool_tokens if external.share_pool else 0
-                block_ids = self._allocate_remote(req, held)
+                try:
+                    block_ids = self._allocate_remote(req, held)
+                except AdmissionError:
+                    self.connector.forget(req)  # it keeps nothing for a refused request
+                    raise
                 self.connector.after_alloc(req, block_ids, held)
                 return KvSource("remote", block_ids, held)
         self._register(req)
         self.scheduler.waiting.append(req)
         return KvSource("local", [], pool_tokens)
+
+    def _load_below(self, req: Request, pool_tokens: int, load_tokens: int) -> int:
+        """Restore `load_tokens` prompt tokens' KV that the connector holds below the pool into fresh
+        blocks, key them into the prefix cache and free them (the scheduler then hits them like any
+        cached prefix). Returns the pool's prefix hit afterwards (unchanged when there is no room
+        beyond what admitted requests may need, or the load failed: those tokens are computed)."""
+        bm = self.block_manager
+        upto = pool_tokens + load_tokens
+        reserve = self.scheduler.reserved_blocks(self.holders())
+        if not bm.can_allocate(req.prompt_token_ids, upto, reserve=reserve, root=req.kv_root):
+            self.connector.forget(req)
+            return pool_tokens
+        block_ids, cached = bm.allocate(req.prompt_token_ids, upto, req.kv_root)
+        assert cached == pool_tokens, (cached, pool_tokens)
+        loaded = self.connector.load(req, block_ids[pool_tokens // bm.block_size :])
+        if loaded:
+            bm.cache_full_blocks(req.prompt_token_ids, block_ids, upto, req.kv_root)
+        bm.free_blocks(block_ids)
+        return upto if loaded else pool_tokens
 
     def _allocate_remote(self, req: Request, held_tokens: int) -> list[int]:
         """Allocate every prompt block now (the `held_tokens` prefix shared from the prefix cache,
@@ -342,7 +380,8 @@ class LLMEngine:
         self.runner.check()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (their processes exit)."""
+        """Stop the other tensor-parallel ranks, if any (their processes exit), and the connector's threads."""
+        self.connector.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:

@@ -22,6 +22,7 @@ from pdserve.node_runtime.engine_loop import EngineLoop, Subscription
 from pdserve.node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from pdserve.node_runtime.node_config import NodeConfig
 from pdserve.node_runtime.node_metrics import NodeMetrics, served_model_name
+from pdserve.node_runtime.tier_metrics import TierCollector
 from pdserve.node_runtime.vllm_metrics import RequestClock
 from pdserve.v1 import common_pb2
 
@@ -75,6 +76,8 @@ class NodeRuntime:
             max_model_len=self.engine.max_model_len,
         )
         self.metrics.watch_engine(self._engine_state, self._cache_info())
+        if self.engine.tier is not None:
+            TierCollector(self.engine.tier.stats, role, self.metrics.model_name, self.metrics.registry)
         self.draining = False
         self.inflight = 0
         self._loop_thread: EngineLoop | None = None

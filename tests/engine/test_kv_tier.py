@@ -1,0 +1,203 @@
+"""The host KV tier below the pool (--kv-offloading-size): what goes down, what comes back, and that
+a restored block is the block that was stored."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.kv_connector import KvConnectors
+from pdserve.engine.kv_tier import HostKvTier
+from pdserve.engine.remote_prefill import DO_REMOTE_PREFILL, RemotePrefillPolicy
+from pdserve.node_runtime.tier_metrics import TierCollector
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+BS = 4
+POOL_BLOCKS = 24
+PROMPT = [5 + i for i in range(61)]  # 15 full blocks before the last token's
+
+
+def others(n: int) -> list[list[int]]:
+    """Prompts sharing nothing with PROMPT or each other: running them evicts PROMPT's blocks."""
+    return [[300 + k * 70 + i for i in range(61)] for k in range(n)]
+
+
+def run(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(500):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not engine.has_unfinished_requests():
+            return tokens
+    raise AssertionError("engine did not finish")
+
+
+def settle(tier: HostKvTier) -> None:
+    """Wait until the writer has stored everything queued (it runs beside the engine thread)."""
+    for _ in range(500):
+        if not tier._pending:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the tier's writer did not finish")
+
+
+@pytest.fixture
+def make(tiny_model_dir):
+    engines: list[LLMEngine] = []
+
+    def build(offload: int | None = 64 << 20, connector=None, **kw) -> LLMEngine:
+        config = EngineConfig(
+            model_dir=tiny_model_dir, num_kv_blocks=POOL_BLOCKS, block_size=BS, kv_offloading_bytes=offload, **kw
+        )
+        engine = LLMEngine(config, **({"connector": connector} if connector is not None else {}))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:  # every test leaves every block free and owned as the statuses say
+        assert not engine.has_unfinished_requests()
+        engine.check_integrity()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        engine.close()
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_output(make):
+    expected = run_one(make(offload=None), PROMPT)
+    engine = make()
+    tier = engine.tier
+    assert tier is not None and tier.num_slots > 0
+    assert run_one(engine, PROMPT) == expected
+    settle(tier)
+    assert tier.stats.stored_blocks == 16  # 61 prompt + 4 output tokens: 16 full blocks went down
+    for i, prompt in enumerate(others(3)):  # fill the pool with other prompts: PROMPT's blocks are evicted
+        run_one(engine, prompt, f"o{i}")
+    settle(tier)
+    assert not engine.block_manager.prefix_hits(PROMPT)  # gone from the pool
+    engine.add_request("again", PROMPT, GREEDY)
+    outs = run_outputs(engine)
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert outs[-1].num_cached_tokens == 60  # 15 blocks restored, only the last token's block computed
+    assert tier.stats.restored_blocks == 15 and tier.stats.hit_requests == 1
+
+
+def test_salted_blocks_are_not_restored_under_another_salt(make):
+    engine = make()
+    run_one(engine, PROMPT, salt="tenant-a")
+    for i, prompt in enumerate(others(3)):
+        run_one(engine, prompt, f"o{i}")
+    settle(engine.tier)
+    engine.add_request("b", PROMPT, GREEDY, cache_salt="tenant-b")
+    assert run_outputs(engine)[-1].num_cached_tokens == 0
+    assert engine.tier.stats.restored_blocks == 0
+    engine.add_request("a", PROMPT, GREEDY, cache_salt="tenant-a")
+    assert run_outputs(engine)[-1].num_cached_tokens == 60
+
+
+def test_a_full_tier_drops_its_least_recently_used_blocks_and_outputs_stay_the_same(make, tiny_model_dir):
+    reference = make(offload=None)
+    expected = {i: run_one(reference, p, f"r{i}") for i, p in enumerate([PROMPT, *others(3)])}
+    probe = make()
+    slot_bytes = probe.kv_pool.block_bytes * probe.kv_pool.num_layers
+    engine = make(offload=20 * slot_bytes)  # 20 blocks: one prompt and a bit
+    assert engine.tier.num_slots == 20
+    for i, prompt in enumerate([PROMPT, *others(3)]):
+        assert run_one(engine, prompt, f"p{i}") == expected[i]
+        settle(engine.tier)
+    assert engine.tier.stats.evicted_blocks > 0
+    for i, prompt in enumerate([PROMPT, *others(3)]):  # whatever each finds in pool or tier, the text is the same
+        assert run_one(engine, prompt, f"q{i}") == expected[i]
+
+
+def test_a_block_is_not_overwritten_before_its_copy_to_the_host_is_done(make, monkeypatch):
+    engine = make()
+    tier = engine.tier
+    gate, opened_at = threading.Event(), []
+    store = HostKvTier._store
+
+    def slow_store(self, block, key):
+        gate.wait()
+        store(self, block, key)
+
+    monkeypatch.setattr(HostKvTier, "_store", slow_store)
+    run_one(engine, PROMPT)  # its 16 blocks are queued, the writer holds at the gate
+    blocks = list(engine.block_manager.hash_to_block.values())
+    before = engine.kv_pool.tensor[:, blocks].clone()
+
+    def open_gate() -> None:
+        time.sleep(0.3)
+        opened_at.append(time.monotonic())
+        gate.set()
+
+    threading.Thread(target=open_gate).start()
+    engine.add_request("next", others(1)[0], GREEDY)
+    engine.step()  # allocating its blocks reuses PROMPT's freed ones: each waits for its copy first
+    allocated_at = time.monotonic()
+    run(engine)
+    assert opened_at and allocated_at >= opened_at[0]
+    settle(tier)
+    with tier._lock:
+        stored = torch.stack([tier.store[tier._slots[engine_key]] for engine_key in tier._slots][:16])
+    assert torch.equal(stored.transpose(0, 1), before)  # the tier holds the blocks as they were
+
+
+def test_a_decode_node_restores_from_its_tier_before_asking_a_prefill_node(make):
+    engine = make(connector=RemotePrefillPolicy(), preemption="never")
+    assert isinstance(engine.connector, KvConnectors)
+    run_one(engine, PROMPT)
+    for i, prompt in enumerate(others(3)):
+        run_one(engine, prompt, f"o{i}")
+    settle(engine.tier)
+    turn = PROMPT + [900 + i for i in range(12)]
+    source = engine.add_request("turn", turn, GREEDY, kv_transfer_params={DO_REMOTE_PREFILL: True})
+    # the tier restored the 60 held tokens into the pool; the prefill node fills only the rest
+    assert source.location == "remote" and source.held_tokens == 60
+    engine.abort("turn")
+    run(engine)
+
+
+def test_bad_offloading_sizes_are_refused_naming_the_flag(tiny_model_dir):
+    with pytest.raises(ValueError, match="--kv-offloading-size must be positive"):
+        EngineConfig(model_dir=tiny_model_dir, kv_offloading_bytes=0)
+    with pytest.raises(ValueError, match="--kv-offloading-size with --tensor-parallel-size"):
+        EngineConfig(model_dir=tiny_model_dir, kv_offloading_bytes=1 << 20, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--kv-offloading-size 16 bytes holds no KV block"):
+        LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=8, kv_offloading_bytes=16))
+    from pdserve.commands.memory_args import offloading_size
+
+    assert offloading_size("0.5") == 2**29 and offloading_size("512MiB") == 2**29
+    for bad in ("-1", "0", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            offloading_size(bad)
+
+
+def test_the_tier_series_are_exported(make):
+    engine = make()
+    run_one(engine, PROMPT)
+    settle(engine.tier)
+    registry = CollectorRegistry()
+    TierCollector(engine.tier.stats, "decode", "m", registry)
+    labels = {"role": "decode", "model_name": "m", "op": "stored"}
+    assert registry.get_sample_value("pdserve_kv_offload_blocks_total", labels) == 16
+    assert (
+        registry.get_sample_value("pdserve_kv_offload_hit_requests_total", {"role": "decode", "model_name": "m"}) == 0
+    )
+
+
+def run_outputs(engine: LLMEngine) -> list:
+    outs = []
+    for _ in range(500):
+        outs += engine.step()
+        if not engine.has_unfinished_requests():
+            return outs
+    raise AssertionError("engine did not finish")
+
+
+def run_one(engine: LLMEngine, prompt: list[int], rid: str = "a", salt: str | None = None) -> list[int]:
+    engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+    return run(engine)[rid]
