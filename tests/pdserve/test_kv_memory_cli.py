@@ -75,3 +75,21 @@ def test_flags_are_settable_from_the_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_GPU_MEMORY_UTILIZATION", "0.4")
     args = build_parser().parse_args(["decode"])
     assert (args.kv_cache_bytes, args.gpu_memory_utilization) == (2 * 1024**2, 0.4)
+
+
+def test_the_host_tier_flag_reaches_every_engine_and_up_hands_it_on():
+    for command in ("generate", "prefill", "decode", "up"):
+        args = build_parser().parse_args([command, "--kv-offloading-size", "0.25", "--kv-offloading-backend", "native"])
+        assert kv_memory_options(args) == {"kv_offloading_bytes": 2**28}
+    up = build_parser().parse_args(["up", "--kv-offloading-size", "1"])
+    node = build_parser().parse_args(["decode", *kv_memory_flags(up)])  # bytes with their unit, not GiB
+    assert node.kv_offloading_bytes == 2**30
+    for argv in (["batch", "-i", "in", "-o", "out"], ["stage", "--model-dir", "m"]):  # a pipeline stage keeps no tier
+        build_parser().parse_args(argv)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*argv, "--kv-offloading-size", "1"])
+
+
+def test_generate_runs_with_a_host_tier():
+    out = _run(["generate", "--prompt", "hello", "--max-tokens", "4", "--kv-offloading-size", "64MiB"])
+    assert out.returncode == 0, out.stderr
