@@ -22,8 +22,9 @@ figure is the median over rounds, the per-round figures are kept. `ratio` is off
 p50 over host's; the issue's targets: TTFT <= 0.3x (ratio >= 3.3), cached fraction >= 0.8,
 throughput >= 2x.
 
-This is an engine-level measurement (no router, nodes or HTTP), so it isolates the tier; vLLM's
-CPU build has no native offloading to compare against here.
+This is an engine-level measurement (no router, nodes or HTTP), so it isolates the tier. There is
+no vLLM arm yet: vLLM 0.32 has `--kv-offloading-size` (its OffloadingConnector), but whether it
+runs on vLLM's CPU platform has not been tried here.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def main() -> None:
                 "working_set_tokens": working_set,
             },
             "level": "one engine in-process (no router, nodes or HTTP); both arms the same fixed pool",
-            "peer": "none: vLLM's CPU build has no native KV offloading",
+            "peer": "not run: vLLM's --kv-offloading-size on its CPU platform has not been tried here",
             "rounds": rounds,
         }
     )
