@@ -246,14 +246,16 @@ def pack(magic: bytes, version: int, h: wire.Header) -> bytes:
     return wire.HEADER.pack(magic, version, *h)
 
 
-def check_frame(r: Receiver, frame) -> str:
-    """Send one fuzzed frame and check the answer against `expected`; returns the outcome's name."""
+def check_frame(r: Receiver, frame, fuzzed: bool = True) -> str:
+    """Send one frame (`fuzzed`: drawn by Hypothesis, which then records its outcome) and check the
+    answer against `expected`; returns the outcome's name."""
     magic, version, h, ids, body, whole = frame
     acks = exchange(r, pack(magic, version, h), body)
     assert acks is not None, "the receiver answered with something other than ACK frames"
     want = expected(r, magic, version, h, ids)
     outcome = "corrupt" if want is None else wire.REASONS.get(want, "ok")
-    event(f"expected {outcome}, body {'whole' if whole else 'cut'}")
+    if fuzzed:
+        event(f"expected {outcome}, body {'whole' if whole else 'cut'}")
     if want is None or not whole:
         assert acks == [] or all(a.status != wire.OK for a in acks), acks
         if want is None:
@@ -307,9 +309,46 @@ def test_a_well_formed_write_still_lands(receiver):
     assert acks is not None and [(x.status, x.seq) for x in acks] == [(wire.OK, 9)]
 
 
+def crafted_frames(r: Receiver) -> dict[str, tuple]:
+    """One frame per outcome of the receiver's checks, each a valid one-block WRITE into the
+    attacker's session with one field wrong (or none: "ok")."""
+    a = r.attacker
+    good = wire.Header(
+        wire.KIND_WRITE, 0, bytes.fromhex(a.session_id), bytes.fromhex(a.token), 0, 0, 1, 5, a.block_bytes
+    )
+    body = b"\x5a" * a.block_bytes
+    heads_ids = [a.block_ids[0]]
+    variants = {
+        "ok": (wire.MAGIC, good),
+        "corrupt": (b"XXXX", good),
+        "unknown_session": (wire.MAGIC, good._replace(session_id=b"\x01" * 16)),
+        "bad_token": (wire.MAGIC, good._replace(token=b"\0" * 16)),
+        "bad_layer": (wire.MAGIC, good._replace(layer=a.num_layers)),
+        "bad_block": (wire.MAGIC, good._replace(count=0, payload_len=0)),
+        "bad_length": (wire.MAGIC, good._replace(payload_len=a.block_bytes + 1)),
+    }
+    frames_ = {
+        name: (magic, wire.VERSION, h, None, b"\x5a" * h.payload_len, True) for name, (magic, h) in variants.items()
+    }
+    writevh = good._replace(kind=wire.KIND_WRITEVH)
+    frames_["bad_heads"] = (wire.MAGIC, wire.VERSION, writevh, heads_ids, wire.pack_ids(heads_ids) + body, True)
+    return frames_
+
+
+def test_a_frame_for_each_check_gets_that_check_s_answer(receiver):
+    """Every refusal the receiver has, reached on purpose (the fuzzer below reaches them by chance)."""
+    frames_ = crafted_frames(receiver)
+    assert set(frames_) == {"corrupt", "ok", *wire.REASONS.values()} - {"session_closed"}
+    for name, frame in frames_.items():
+        assert check_frame(receiver, frame, fuzzed=False) == name
+    receiver.assert_victim_untouched_and_memory_bounded()
+
+
 def test_fuzzed_headers_of_every_frame_kind_are_refused_within_bounds(receiver):
-    # derandomized: the same 300 frames every run, so the coverage check below cannot fail by chance
-    # (with random draws one run in a few hundred drew no foreign session id: seen 2026-11-27)
+    # derandomized, but what Hypothesis draws still depends on the constants of every module the
+    # process has loaded (its "local constants" pool): the suite's other tests change the draws. So
+    # the coverage asserted here is only that the fuzzer gets past the first refusal; every check is
+    # reached on purpose by the test above.
     @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
     @given(frame=frames(receiver))
     def run(frame) -> None:
@@ -317,8 +356,7 @@ def test_fuzzed_headers_of_every_frame_kind_are_refused_within_bounds(receiver):
 
     seen: collections.Counter[str] = collections.Counter()
     run()
-    # the strategies reach every check of the receiver, not only the first refusal
-    assert set(seen) >= {"corrupt", "ok", *wire.REASONS.values()} - {"session_closed"}, seen
+    assert len(set(seen) - {"corrupt"}) >= 5, seen
     receiver.assert_victim_untouched_and_memory_bounded()
 
 
