@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from functools import partial
 from typing import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pdserve.cachestore import Session, SessionError, Transport
+from pdserve.cachestore import SessionError, Transport
 from pdserve.decode_node.kv_pull import PullSender
 from pdserve.decode_node.prefill_client import PrefillClients
 from pdserve.engine.kv_connector import KvSource
@@ -23,6 +22,7 @@ from pdserve.node_runtime import convert, kv_store
 from pdserve.node_runtime.grpc_errors import NodeUnavailable
 from pdserve.node_runtime.kv_events_service import KvEventsServicer
 from pdserve.node_runtime.node import NodeRuntime
+from pdserve.node_runtime.node_request import NodeRequest
 from pdserve.node_runtime.node_config import NodeConfig
 from pdserve.node_runtime.rank_kv_driver import (
     RECEIVER,
@@ -70,14 +70,10 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             self.rt.metrics.model_name,
         )
         """D->P pulls: held prefix blocks sent to a prefill node that lacks them (`pdserve.decode_node.kv_pull`)."""
-        self._fencing: dict[str, Session] = {}
-        """request id -> a closed session whose writers may not have left its blocks yet."""
         self.ranks = RankEndpoints(self.rt.engine.runner, self.rt.metrics.registry, self.rt.metrics.model_name)
         """The CacheStore receivers of tensor-parallel ranks 1.. (none with TP=1)."""
         self._remote_kv = not self.ranks.ranks or self.cachestore.active_transport != Transport.LOCAL
         """Whether KV can come from a prefill node: every rank must be reachable by the transport."""
-        self._rank_sessions: set[str] = set()
-        """Requests with sessions open on ranks 1..: closed (fenced) before their blocks are freed."""
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
@@ -119,30 +115,25 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
         return await self.rt.load_report()
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context) -> AsyncIterator[decode_pb2.GenerateEvent]:
-        rt, engine = self.rt, self.rt.engine
+        rt = self.rt
         rid, prompt, params, salt = self._parse(request)
         # the local transport cannot reach ranks 1.. (other processes): such a node prefills itself
         addresses = list(request.prefill_addresses) if self._remote_kv else []
         await rt.compile_grammar(params)
         async with rt.request(
             rid,
-            partial(self._end, rid),
+            self._end,
             event="admit",
             prompt_tokens=len(prompt),
             max_tokens=params.max_tokens,
             prefill=",".join(addresses) or "local",
         ) as scope:
-            plan = await rt.loop_thread.call(
-                engine.add_request,
-                rid,
-                prompt,
-                params,
-                cache_salt=salt,
-                kv_transfer_params={DO_REMOTE_PREFILL: bool(addresses)},
+            plan = await rt.admit(
+                scope, prompt, params, cache_salt=salt, kv_transfer_params={DO_REMOTE_PREFILL: bool(addresses)}
             )
             first = None
             if plan.location == "remote":
-                first = await self._remote_prefill(rid, request, plan, addresses)
+                first = await self._remote_prefill(scope, request, plan, addresses)
             location = "local" if first is None else "remote"
             rt.metrics.count_prefill(location)
             log.debug(
@@ -194,32 +185,32 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             raise ValueError("prefill_cached_tokens has more entries than prefill_addresses")
         return rid, prompt, params, convert.cache_salt_from_pb(request)
 
-    async def _end(self, rid: str, finished: bool) -> None:
+    async def _end(self, scope: NodeRequest) -> None:
         """The one place a request leaves this node: a finished request has already left the engine;
         any other is cut off from its KV writers first, then aborted (its blocks freed)."""
-        if not finished:
-            await self._close_session(rid)  # no writer can touch the blocks after this
-            await self.rt.loop_thread.call(self.rt.engine.abort, rid)
+        if not scope.finished:
+            await self._close_session(scope)  # no writer can touch the blocks after this
+            await self.rt.loop_thread.call(self.rt.engine.abort, scope.request_id)
 
     async def _remote_prefill(
-        self, rid: str, request: decode_pb2.GenerateRequest, plan: KvSource, addresses: list[str]
+        self, scope: NodeRequest, request: decode_pb2.GenerateRequest, plan: KvSource, addresses: list[str]
     ) -> prefill_pb2.PrefillResponse | None:
         """Try each prefill node in order until one fills the blocks this node lacks. The CacheStore
         session covers only those (the held prefix blocks are shared with other requests and never
         writable). The prefill node gets the request's own (already validated) sampling params: its
         first token is sampled exactly as this node would have sampled it. When every prefill node
         failed, the request is prefilled here instead (None) if local prefill is on, else refused."""
-        rt, engine = self.rt, self.rt.engine
+        rt, engine, rid = self.rt, self.rt.engine, scope.request_id
         writable = plan.block_ids[plan.held_tokens // engine.block_manager.block_size :]
         errors = []
         hints = list(request.prefill_cached_tokens)
         for i, address in enumerate(addresses):
             creds = self.cachestore.open_session(rid, writable, timeout=rt.config.transfer.kv_timeout)
-            session = self.cachestore.get_session(rid)
+            session = scope.session = self.cachestore.get_session(rid)
             assert session is not None  # opened just above
             rank_creds: list[bytes] = []
             if self.ranks.ranks:  # a tensor-parallel node: every rank receives its own KV heads
-                self._rank_sessions.add(rid)
+                scope.rank_sessions = True
                 rank_creds = await self.ranks.open_sessions(rid, writable, rt.config.transfer.kv_timeout)
             pb = prefill_pb2.PrefillRequest(
                 request_id=rid,
@@ -249,7 +240,7 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             except (SessionError, asyncio.TimeoutError, RankKVError) as e:
                 errors.append(f"{address}: KV did not arrive ({e})")
                 response = None
-            await self._close_session(rid)
+            await self._close_session(scope)
             if response is not None:
                 await rt.loop_thread.call(
                     engine.complete_remote_prefill,
@@ -265,20 +256,20 @@ class DecodeNode(KvEventsServicer, decode_pb2_grpc.DecodeServicer):
             return None
         raise NodeUnavailable("every prefill node failed: " + "; ".join(errors))
 
-    async def _close_session(self, rid: str) -> None:
+    async def _close_session(self, scope: NodeRequest) -> None:
         """End the request's CacheStore session and wait until no writer is inside its blocks
-        (`kv_store.wait_fenced`)."""
-        # a session closed by an earlier, interrupted call (e.g. a cancel during its wait) is still fenced here
-        session = self.cachestore.close_session(rid) or self._fencing.get(rid)
-        if rid in self._rank_sessions:  # every other rank's writers are out of its blocks first
+        (`kv_store.wait_fenced`). The record keeps the session until then: a session closed by an
+        earlier, interrupted call (e.g. a cancel during its wait) is still fenced here."""
+        rid, session = scope.request_id, scope.session
+        self.cachestore.close_session(rid)  # no-op when already closed
+        if scope.rank_sessions:  # every other rank's writers are out of its blocks first
             await self.ranks.close_sessions(rid)
-            self._rank_sessions.discard(rid)
+            scope.rank_sessions = False
         if session is None:
             return
         self.ranks.record_received(0, self.cachestore.metrics.received_bytes())
-        self._fencing[rid] = session
         try:
             await kv_store.wait_fenced(session, rid)
         finally:
             if session.safe_to_reuse:
-                self._fencing.pop(rid, None)
+                scope.session = None

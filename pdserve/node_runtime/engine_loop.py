@@ -2,7 +2,8 @@
 
 The engine is not thread-safe, so every engine call goes through `call()`,
 which runs it in the engine thread between steps. Step outputs are pushed to
-per-request asyncio queues (subscription, not polling).
+the queues of the node's request records (`node_request.NodeRequests.deliver`: subscription, not
+polling).
 
 Busy is not hung: the engine thread says how long it has been inside one step
 or command without computing a decoder layer (`stalled_seconds`). A node busy
@@ -11,7 +12,7 @@ engine thread lets it grow, and the router calls the node hung when it passes
 its hung-node deadline, while the node still answers its probes.
 
 If the engine thread dies (a bug in a step), that is a failure of the whole
-node, never a silent hang: every subscriber's next `get()` and every pending or
+node, never a silent hang: every request's next output and every pending or
 later `call()` raise EngineDeadError, and `on_death` tells the node to report
 NOT_SERVING and exit non-zero.
 """
@@ -23,7 +24,10 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from pdserve.node_runtime.node_request import NodeRequests
 
 log = logging.getLogger("pdserve.engine_loop")
 _DEAD = object()
@@ -43,20 +47,29 @@ class Subscription(asyncio.Queue):
             raise EngineDeadError("the engine thread of this node died")
         return item
 
+    def fail(self) -> None:
+        """The engine died: the next `get()` raises EngineDeadError."""
+        self.put_nowait(_DEAD)
+
 
 class EngineLoop:
     """The engine thread: drain commands, step while there is work, dispatch outputs."""
 
     def __init__(
-        self, engine, loop: asyncio.AbstractEventLoop, on_death: Callable[[BaseException], None] | None = None
+        self,
+        engine,
+        loop: asyncio.AbstractEventLoop,
+        requests: NodeRequests,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.loop = loop
+        self.requests = requests
+        """The node's request records: step outputs are delivered to their queues."""
         self.on_death = on_death
         """Called in the event loop with the exception that killed the engine thread."""
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues: dict[str, Subscription] = {}
         self._running = False
         self.load: Any = engine.load()  # no thread drives the engine yet: safe to read here
         """The engine's last `load()` (EngineLoad), published by the engine thread after every
@@ -86,15 +99,12 @@ class EngineLoop:
         self._commands.put((fn, args, kwargs, fut))
         return await fut
 
-    def subscribe(self, request_id: str) -> Subscription:
+    def subscription(self) -> Subscription:
+        """A new request's output queue (already failed if the engine thread has died)."""
         q = Subscription()
         if self.error is not None:
-            q.put_nowait(_DEAD)
-        self._queues[request_id] = q
+            q.fail()
         return q
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
 
     def _resolve(self, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
         if fut.done():
@@ -126,12 +136,6 @@ class EngineLoop:
         self.publish_load()  # a command (an admission, an abort) changes the load at once
         self.loop.call_soon_threadsafe(self._resolve, fut, result, error)
 
-    def _dispatch(self, outputs) -> None:
-        for out in outputs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
-
     def _run(self) -> None:
         try:
             self._serve()
@@ -142,9 +146,8 @@ class EngineLoop:
                 self.loop.call_soon_threadsafe(self._fail_waiters, e)
 
     def _fail_waiters(self, error: BaseException) -> None:
-        """In the event loop: wake every subscriber and pending caller with EngineDeadError."""
-        for q in self._queues.values():
-            q.put_nowait(_DEAD)
+        """In the event loop: wake every request and pending caller with EngineDeadError."""
+        self.requests.engine_died()
         while True:
             try:
                 item = self._commands.get_nowait()
@@ -178,7 +181,7 @@ class EngineLoop:
                 outputs = engine.step()  # an exception here ends the thread: see _run
                 self._busy_since = None
                 if outputs and not self.loop.is_closed():
-                    self.loop.call_soon_threadsafe(self._dispatch, outputs)
+                    self.loop.call_soon_threadsafe(self.requests.deliver, outputs)
             if not engine.has_unfinished_requests():  # idle, or only parked requests: no step publishes
                 self.publish_load()
 

@@ -6,58 +6,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
+from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector, KvSource
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_runtime import cluster_tls, keepalive
 from pdserve.node_runtime.auth import SecretInterceptor
-from pdserve.node_runtime.engine_loop import EngineLoop, Subscription
+from pdserve.node_runtime.engine_loop import EngineLoop
 from pdserve.node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from pdserve.node_runtime.node_config import NodeConfig
 from pdserve.node_runtime.node_metrics import NodeMetrics, served_model_name
+from pdserve.node_runtime.node_request import NodeRequest, NodeRequests
 from pdserve.node_runtime.tier_metrics import TierCollector
-from pdserve.node_runtime.vllm_metrics import RequestClock
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.node")
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-
-
-@dataclass
-class RequestScope:
-    """One request's time on a node: its output queue, its clock (vLLM's request series), and
-    whether it ended with its result (else it is aborted when the scope closes)."""
-
-    request_id: str
-    queue: Subscription
-    clock: RequestClock
-    """Observes the request's queue time, tokens and end as its outputs arrive."""
-    metrics: NodeMetrics
-    finished: bool = False
-
-    @property
-    def started(self) -> float:
-        """When the node admitted the request (monotonic seconds)."""
-        return self.clock.started
-
-    async def next_output(self) -> StepOutput:
-        """The request's next step output (EngineDeadError if the engine died), observed on its way:
-        the wait before it first ran, its new tokens, and how it ended."""
-        out = await self.queue.get()
-        if out.queue_seconds is not None:
-            self.clock.queued(out.queue_seconds)
-        self.clock.tokens(len(out.new_token_ids))
-        if out.finished:
-            self.metrics.count_prefix_lookup(out.num_prompt_tokens, out.num_cached_tokens)
-            self.clock.finish(out.finish_reason, out.num_output_tokens)
-        return out
 
 
 class NodeRuntime:
@@ -79,7 +47,8 @@ class NodeRuntime:
         if self.engine.tier is not None:
             TierCollector(self.engine.tier.stats, role, self.metrics.model_name, self.metrics.registry)
         self.draining = False
-        self.inflight = 0
+        self.requests = NodeRequests()
+        """Every request on this node, by id: its one record and one cleanup path (`request`)."""
         self._loop_thread: EngineLoop | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -98,7 +67,9 @@ class NodeRuntime:
             )
         self.failed = asyncio.Event()
         self.tls = self.config.node.tls()
-        self._loop_thread = EngineLoop(self.engine, asyncio.get_running_loop(), on_death=self._engine_died)
+        self._loop_thread = EngineLoop(
+            self.engine, asyncio.get_running_loop(), self.requests, on_death=self._engine_died
+        )
         self._loop_thread.start()
         self.server = grpc.aio.server(
             interceptors=[SecretInterceptor(self.config.node.cluster_secret), ErrorInterceptor()],
@@ -145,46 +116,64 @@ class NodeRuntime:
         asyncio.ensure_future(self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
         self.failed.set()
 
+    @property
+    def inflight(self) -> int:
+        """Requests on this node whose RPC has not ended yet (their blocks may still be held)."""
+        return len(self.requests)
+
     @contextlib.asynccontextmanager
     async def request(
         self,
         request_id: str,
-        end: Callable[[bool], Awaitable[None]],
+        end: Callable[[NodeRequest], Awaitable[None]],
         prompt_tokens: int = 0,
         max_tokens: int | None = None,
         **log_fields: object,
-    ) -> AsyncIterator[RequestScope]:
+    ) -> AsyncIterator[NodeRequest]:
         """Admit one (already validated) request for the duration of the block: refuse it while
-        draining, subscribe to its outputs, count it in flight and log its admission and end.
+        draining or while another request with its id is in flight here, register its record (its
+        outputs queue up there) and log its admission and end.
 
-        However the block ends (result, error, cancelled stream), `end(finished)` runs exactly once,
-        shielded from the cancellation, and only then does the request stop counting as in flight,
-        so a drain waits for its blocks to be freed."""
+        However the block ends (result, error, cancelled stream), `end(record)` runs exactly once,
+        shielded from the cancellation, and only then does the record leave the registry, so a
+        drain waits for its blocks to be freed."""
         if self.draining:
             raise NodeUnavailable(f"{self.role} node is draining")
         clock = self.metrics.requests.clock(prompt_tokens, max_tokens=max_tokens)
-        scope = RequestScope(request_id, self.loop_thread.subscribe(request_id), clock, self.metrics)
-        self.inflight += 1
+        record = NodeRequest(request_id, self.loop_thread.subscription(), clock, self.metrics)
+        self.requests.add(record)  # ValueError for an id in flight: nothing registered, nothing to end
         fields = {k: v for k, v in log_fields.items() if k == "event"} | {"prompt_tokens": prompt_tokens} | log_fields
         log.info("request_id=%s %s", request_id, " ".join(f"{k}={v}" for k, v in fields.items()))
         try:
-            yield scope
+            yield record
         finally:
-            self.loop_thread.unsubscribe(request_id)
-            await asyncio.shield(asyncio.ensure_future(self._end(scope, end)))
+            record.ending = True
+            await asyncio.shield(asyncio.ensure_future(self._end(record, end)))
 
-    async def _end(self, scope: RequestScope, end: Callable[[bool], Awaitable[None]]) -> None:
+    async def admit(self, record: NodeRequest, prompt: list[int], params: SamplingParams, **kwargs: Any) -> KvSource:
+        """`LLMEngine.add_request` for the record's request, in the engine thread; the record keeps
+        the engine's `Request` (its status) from then on."""
+
+        def add() -> tuple[KvSource, Any]:
+            source = self.engine.add_request(record.request_id, prompt, params, **kwargs)
+            return source, self.engine.requests.get(record.request_id)
+
+        source, record.engine_request = await self.loop_thread.call(add)
+        return source
+
+    async def _end(self, record: NodeRequest, end: Callable[[NodeRequest], Awaitable[None]]) -> None:
         try:
             log.info(
-                "request_id=%s event=%s after_s=%.3f",
-                scope.request_id,
-                "finish" if scope.finished else "abort",
-                time.monotonic() - scope.started,
+                "request_id=%s event=%s status=%s after_s=%.3f",
+                record.request_id,
+                "finish" if record.finished else "abort",
+                record.status.name,
+                record.age,
             )
-            await end(scope.finished)
+            await end(record)
         finally:
-            scope.clock.finish("abort")  # no-op when its last output already ended it
-            self.inflight -= 1
+            record.clock.finish("abort")  # no-op when its last output already ended it
+            self.requests.remove(record)
 
     def _engine_state(self) -> tuple[object, int]:
         """(last load snapshot, preemptions so far), read by a scrape on the metrics server's thread."""

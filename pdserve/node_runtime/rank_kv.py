@@ -59,11 +59,11 @@ class LayerStreamer(KvConnector):
     chunks' layers are final by then too), so sending layer i overlaps computing layer i+1. Rank 0
     of a prefill node and each of its other ranks (`SenderRank`) run one over their own pool."""
 
-    def __init__(self) -> None:
-        self.transfers: dict[str, tuple[list[Transfer], int]] = {}
+    def __init__(self, transfers_of: Callable[[str], tuple[list[Transfer], int] | None]) -> None:
+        self.transfers_of = transfers_of
         """request id -> (its Transfers, one per decode rank this rank writes heads to; index of the
-        first block they write: the decode node holds the ones before). Written by the event loop
-        before the request is admitted, read by the engine thread in `save_layer`."""
+        first block they write: the decode node holds the ones before), or None. Set by the event
+        loop before the request is admitted, read by the engine thread in `save_layer`."""
         self.pool: Any = None
 
     def register_kv_pool(self, pool: Any) -> None:
@@ -73,7 +73,7 @@ class LayerStreamer(KvConnector):
         ready = None
         block_size = self.pool.block_size
         for rid, ctx, table, last in zip(batch.request_ids, batch.context_lens, batch.block_tables, batch.sample_mask):
-            entry = self.transfers.get(rid)
+            entry = self.transfers_of(rid)
             if entry is not None and last:
                 if ready is None:
                     ready = ready_event(self.pool.tensor)
@@ -166,10 +166,11 @@ class SenderRank(_RankEndpoint):
 
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
-        self.connector = LayerStreamer()
+        self.transfers: dict[str, tuple[list[Transfer], int]] = {}
+        """This rank's transfers by request id (opened and ended by rank 0's commands)."""
+        self.connector = LayerStreamer(self.transfers.get)
         """What the rank's every `run` calls after each layer (`engine.parallel.rank_commands`)."""
         self.connector.register_kv_pool(runner.kv_pool)
-        self.transfers = self.connector.transfers
 
     async def op_start(self, msg: dict) -> dict:
         self.client = CacheStoreClient(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from functools import partial
 
 from pdserve.cachestore import SessionCredentials, Transfer, Transport
 from pdserve.engine.block_manager import blocks_for
@@ -15,6 +14,7 @@ from pdserve.node_runtime import convert, kv_store
 from pdserve.node_runtime.grpc_errors import IncompatiblePeer, RequestAborted
 from pdserve.node_runtime.kv_events_service import KvEventsServicer
 from pdserve.node_runtime.node import NodeRuntime
+from pdserve.node_runtime.node_request import NodeRequest
 from pdserve.node_runtime.node_config import NodeConfig
 from pdserve.node_runtime.rank_kv import LayerStreamer, pool_geometry
 from pdserve.node_runtime.rank_kv_driver import SENDER, RankEndpoints, endpoint_options, with_rank_service
@@ -37,8 +37,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             raise ValueError("a tensor-parallel prefill node needs a network transport: ranks 1.. are other processes")
         if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
-        self.streamer = LayerStreamer()
-        self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER), self.streamer)
+        self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER), LayerStreamer(self._transfers_of))
         self.geometry = pool_geometry(self.rt.engine.runner)  # rank 0's KV heads; ranks 1.. send theirs
         self.client = kv_store.sender(self.rt, config)
         self.advertise_host = config.node.advertise_host
@@ -76,7 +75,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         return await self.rt.load_report()
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
-        rt, engine = self.rt, self.rt.engine
+        rt = self.rt
         # a pull offered for this request is settled first: its blocks keyed (then hit below) or freed
         await self.pulls.claim(request.request_id, request.kv_pulled)
         rid, prompt, params, dests, salt = self._parse(request)
@@ -85,7 +84,7 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         txs = [self.client.open_transfer(c) for c in dests if self.client.writes_to(c)]
         async with rt.request(
             rid,
-            partial(self._end, rid, txs),
+            self._end,
             event="prefill",
             prompt_tokens=len(prompt),
             max_tokens=params.max_tokens,
@@ -93,8 +92,8 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
         ) as scope:
             if self.ranks.ranks:  # before the prompt runs: every rank's hook must know its transfers
                 await self.ranks.open_transfers(rid, [c.to_bytes() for c in dests], held_blocks)
-            self.streamer.transfers[rid] = (txs, held_blocks)
-            await rt.loop_thread.call(engine.add_request, rid, prompt, params, prefill_only=True, cache_salt=salt)
+            scope.transfers, scope.first_block = txs, held_blocks  # the streamer finds them from now on
+            await rt.admit(scope, prompt, params, prefill_only=True, cache_salt=salt)
             out = await scope.next_output()
             while not out.finished:
                 out = await scope.next_output()
@@ -166,12 +165,17 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
             raise ValueError("kv_destination and kv_rank_destinations must name the decode ranks 0..b-1 in order")
         return rid, prompt, params, dests, salt
 
-    async def _end(self, rid: str, txs: list[Transfer], finished: bool) -> None:
+    def _transfers_of(self, rid: str) -> tuple[list[Transfer], int] | None:
+        """Engine thread (`LayerStreamer.save_layer`): a request's transfers, from its record."""
+        record = self.rt.requests.get(rid)
+        return None if record is None or record.ending else (record.transfers, record.first_block)
+
+    async def _end(self, scope: NodeRequest) -> None:
         """Success: release keeps the blocks prefix-cached; failure or cancel: the transfers (on every
         rank) are aborted and abort frees the blocks too."""
-        self.streamer.transfers.pop(rid, None)
-        if not finished:
-            for tx in txs:
+        if not scope.finished:
+            for tx in scope.transfers:
                 tx.abort("prefill cancelled or failed")
-            await self.ranks.abort(rid)
-        await self.rt.loop_thread.call(self.rt.engine.release if finished else self.rt.engine.abort, rid)
+            await self.ranks.abort(scope.request_id)
+        engine = self.rt.engine
+        await self.rt.loop_thread.call(engine.release if scope.finished else engine.abort, scope.request_id)

@@ -35,6 +35,7 @@ async def assert_no_blocks_used(nodes: Nodes, decode: bool = True) -> None:
             await node.rt.loop_thread.call(engine.check_integrity)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, node.rt.role
         assert not engine.requests, (node.rt.role, list(engine.requests))
+        assert not node.rt.requests, (node.rt.role, [r.request_id for r in node.rt.requests])
     assert not decode or nodes.decode.cachestore.num_sessions == 0
     for p in nodes.prefills:  # D->P pulls: every session settled, no block held by a pull
         assert p.pulls.cachestore.num_sessions == 0 and not p.rt.engine.pulls.pulls

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_runtime.engine_loop import EngineDeadError
+from pdserve.node_runtime.grpc_errors import NodeUnavailable
 from pdserve.node_runtime.node import NodeRuntime
 from pdserve.node_runtime.node_config import NodeConfig
 from tests.e2e.cluster import ROOT
@@ -24,6 +25,10 @@ def broken_step(self):
     raise RuntimeError("injected step failure")
 
 
+async def ended(record) -> None:
+    """A request's end callback with nothing to release (these requests hold no transfer)."""
+
+
 async def test_engine_death_fails_waiters_and_reports_not_serving(tiny_model_dir, monkeypatch, caplog):
     rt = NodeRuntime("decode", NodeConfig(EngineConfig(tiny_model_dir, num_kv_blocks=64)))
     with caplog.at_level(logging.WARNING, logger="pdserve.node"):
@@ -31,15 +36,16 @@ async def test_engine_death_fails_waiters_and_reports_not_serving(tiny_model_dir
     assert any("every gRPC and CacheStore peer" in r.getMessage() for r in caplog.records)
     try:
         monkeypatch.setattr(type(rt.engine), "step", broken_step)
-        queue = rt.loop_thread.subscribe("r1")
-        await rt.loop_thread.call(rt.engine.add_request, "r1", [1, 2, 3], SamplingParams(max_tokens=4))
-        with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(queue.get(), 30)  # an error finish, not a hang
+        async with rt.request("r1", ended) as scope:
+            await rt.admit(scope, [1, 2, 3], SamplingParams(max_tokens=4))
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(scope.next_output(), 30)  # an error finish, not a hang
         await asyncio.wait_for(rt.failed.wait(), 5)
         with pytest.raises(EngineDeadError):
             await rt.loop_thread.call(rt.engine.load)
-        with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(rt.loop_thread.subscribe("r2").get(), 5)
+        with pytest.raises(NodeUnavailable):  # a dead node admits nothing more
+            async with rt.request("r2", ended):
+                pass
         for _ in range(50):  # the health update is scheduled on the loop
             status = await rt.health.Check(health_pb2.HealthCheckRequest(), None)
             if status.status == health_pb2.HealthCheckResponse.NOT_SERVING:

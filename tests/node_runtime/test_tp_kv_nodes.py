@@ -36,7 +36,7 @@ async def _no_leaks(prefill, decode) -> None:
         await node.rt.loop_thread.call(engine.check_integrity)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, node.rt.role
         assert not engine.requests
-    assert decode.cachestore.num_sessions == 0 and not prefill.streamer.transfers
+    assert decode.cachestore.num_sessions == 0 and not prefill.rt.requests
     assert all(s["sessions"] == 0 for s in await decode.ranks.stats())
     assert all(s["transfers"] == 0 for s in await prefill.ranks.stats())
 

@@ -21,12 +21,18 @@ async def test_killing_a_rank_kills_the_node(tiny_model_dir):
     await rt.start(lambda server: None)
     (pid,) = rt.engine.runner.ranks.pids()
     try:
-        queue = rt.loop_thread.subscribe("r1")
-        params = SamplingParams(max_tokens=4, ignore_eos=True)
-        await rt.loop_thread.call(rt.engine.add_request, "r1", [5, 6, 7], params)
         tokens: list[int] = []
-        while len(tokens) < 4:
-            tokens += (await asyncio.wait_for(queue.get(), 60)).new_token_ids
+
+        async def end(record) -> None:
+            assert record.finished
+
+        async with rt.request("r1", end) as scope:
+            await rt.admit(scope, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            while not scope.finished:
+                out = await asyncio.wait_for(scope.next_output(), 60)
+                tokens += out.new_token_ids
+                scope.finished = out.finished
+        assert len(tokens) == 4
         os.kill(pid, signal.SIGKILL)  # idle node: noticed by the engine loop's rank check
         await asyncio.wait_for(rt.failed.wait(), 15)
         status = None
