@@ -69,6 +69,10 @@ class EngineConfig:
     cores shared out over the ranks)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (pdserve.engine.parallel): one process each, this one rank 0."""
+    dist_timeout: float = 120.0
+    """Seconds one tensor-parallel collective may take before the group is declared broken (a rank
+    hung): the node then reports NOT_SERVING and exits, and its supervisor restarts it (SGLang's
+    `--dist-timeout`). Start-up (rendezvous, the agreement on the KV pool) has its own, longer bound."""
     enable_expert_parallel: bool = False
     """A mixture-of-experts model's experts are placed whole on the ranks (a range each) instead of
     each expert being split over all of them (vLLM's `--enable-expert-parallel`)."""
@@ -117,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_offloading_bytes is not None:

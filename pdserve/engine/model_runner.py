@@ -186,6 +186,8 @@ class ModelRunner:
             batch, input_ids, hidden_states, self.kv_pool, self.attention, meta, connector, (start, end)
         )
         connector.wait_for_save()
+        if self.tp is not None:  # CUDA: a hung peer's collective fails here, in bounded time
+            self.tp.synchronize()
         if end < self.model_config.num_hidden_layers:
             return hidden
         last_rows, end = [], 0

@@ -4,6 +4,7 @@ any rank is the node's death (NOT_SERVING, `failed`), with no rank left behind."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -12,6 +13,8 @@ from grpc_health.v1 import health_pb2
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.parallel.group import RankFailure
+from pdserve.node_runtime.engine_loop import EngineDeadError
 from pdserve.node_runtime.node import NodeRuntime
 from pdserve.node_runtime.node_config import NodeConfig
 
@@ -57,3 +60,40 @@ def test_a_tensor_parallel_prefill_node_needs_a_network_transport(tiny_model_dir
     )
     with pytest.raises(ValueError, match="needs a network transport"):
         PrefillNode(config)
+
+
+async def test_a_hung_rank_fails_the_node_within_the_dist_timeout(tiny_model_dir):
+    """A rank that stops answering (SIGSTOP: alive, so no death is seen) breaks rank 0's next
+    collective after --dist-timeout: the request ends with an error, the node reports NOT_SERVING and
+    fails (its supervisor restarts it), and the hung rank is killed, not left behind."""
+    config = EngineConfig(tiny_model_dir, num_kv_blocks=64, tensor_parallel_size=2, dist_timeout=2.0)
+    rt = NodeRuntime("decode", NodeConfig(config))
+    await rt.start(lambda server: None)
+    (pid,) = rt.engine.runner.ranks.pids()
+
+    async def end(record) -> None:
+        assert not record.finished
+
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        async with rt.request("r1", end) as scope:
+            await rt.admit(scope, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            with pytest.raises(EngineDeadError):  # well before the 120 s default would have passed
+                while not (await asyncio.wait_for(scope.next_output(), 60)).finished:
+                    pass
+        await asyncio.wait_for(rt.failed.wait(), 15)
+        assert isinstance(rt.loop_thread.error, RankFailure)
+        status = await rt.health.Check(health_pb2.HealthCheckRequest(), None)
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        await rt.stop()
+    for _ in range(100):  # reaped by the runner's stop
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the hung rank outlived its node")

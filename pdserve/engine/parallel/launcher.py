@@ -133,7 +133,14 @@ class TensorParallelRunner(ModelRunner):
         store = rendezvous(0, config.tensor_parallel_size, 0, START_TIMEOUT_S)
         self.ranks = RankProcesses(config, store.port, on_rank_death)
         try:
-            tp = TPGroup(0, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
+            tp = TPGroup(
+                0,
+                config.tensor_parallel_size,
+                store,
+                torch.device(options["device"]),
+                config.dist_timeout,
+                start_timeout_s=START_TIMEOUT_S,
+            )
             super().__init__(config.model_dir, **options, tp=tp)
         except BaseException as e:
             self.ranks.stop(grace_s=2.0)

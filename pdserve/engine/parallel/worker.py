@@ -38,7 +38,14 @@ def serve(spec: dict, service: RankService) -> None:
     rank = int(spec["rank"])
     store = rendezvous(rank, config.tensor_parallel_size, int(spec["port"]), START_TIMEOUT_S)
     options = rank_options(config, rank)
-    tp = TPGroup(rank, config.tensor_parallel_size, store, torch.device(options["device"]), START_TIMEOUT_S)
+    tp = TPGroup(
+        rank,
+        config.tensor_parallel_size,
+        store,
+        torch.device(options["device"]),
+        config.dist_timeout,
+        start_timeout_s=START_TIMEOUT_S,
+    )
     runner = ModelRunner(config.model_dir, **options, tp=tp)
     service.start(runner)
     connector = service.connector  # built by the service with this runner: its pool is registered
