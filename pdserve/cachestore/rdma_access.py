@@ -188,9 +188,13 @@ class RdmaReceiver:
         return self.res.address
 
     def landed(self, layer: int, block_ids, heads: tuple[int, int] | None = None) -> None:
-        """A NOTIFY passed its checks: with a staged (CUDA) pool, copy the blocks (or those heads' K/V
-        slices of them) from the host mirror into the pool before the NOTIFY is acknowledged; nothing
-        to do otherwise."""
+        """A NOTIFY passed its checks: before it is acknowledged, make its WRITEs visible in the pool.
+        With a staged (CUDA) pool, copy the blocks (or those heads' K/V slices of them) from the host
+        mirror into the pool; with GPUDirect, flush the NIC's writes where the device needs it
+        (`cachestore.gpudirect`); nothing to do for a host pool."""
+        flush = self.res.registration.flush
+        if flush is not None:
+            flush()
         if not self.staged:
             return
         geometry = self.server.geometry

@@ -12,8 +12,10 @@
 
 The choice is made at start (`choose`), logged, and exported as the label `mode` of
 `pdserve_cachestore_rdma_pool_memory`. GPUDirect is taken when a peer-memory client is loaded (or
-$PDSERVE_RDMA_GPUDIRECT=on) AND registering the CUDA pool succeeds; $PDSERVE_RDMA_GPUDIRECT=off
-forces staging. dma-buf registration (ibv_reg_dmabuf_mr) is not implemented.
+$PDSERVE_RDMA_GPUDIRECT=on) AND registering the CUDA pool succeeds AND, on a receiver, the NIC's
+writes can be made visible to the GPU (`cachestore.gpudirect`: the device orders them, or flushes
+them after each NOTIFY); $PDSERVE_RDMA_GPUDIRECT=off forces staging. dma-buf registration
+(ibv_reg_dmabuf_mr) is not implemented.
 
 NOT EXERCISED on RDMA hardware: GPUDirect has never run, and nothing here has run on a GPU with an
 RDMA NIC. Pinned staging with real CUDA pools ran on an H100 over the emulated verbs device
@@ -29,6 +31,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from pdserve.cachestore import gpudirect
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +86,8 @@ class PoolRegistration:
     """The host buffer (a uint8 tensor) in mode "staging"."""
     slot_bytes: int = 0
     """Sender: bytes of each lane's slot of `staging` (0 on the receiver: `staging` mirrors the pool)."""
+    flush: gpudirect.WriteFlush | None = None
+    """Receiver in mode "gpudirect": makes the NIC's writes visible to the GPU (`RdmaReceiver.landed`)."""
 
 
 HOST_MEMORY_HEADROOM = 0.9
@@ -136,10 +142,17 @@ def register(v, pd, region, access: int, *, lanes: int = 0, block_bytes: int = 1
     """Register `region` for the rdma transport. `lanes` > 0: a sender, whose staging buffer holds
     one slot per lane; 0: a receiver, whose staging buffer mirrors the whole pool."""
     mode, reason = choose(v, region)
+    flush = None
+    if mode == GPUDIRECT and not lanes:  # a receiver: NICs write its pool, the GPU must see it
+        try:
+            flush = gpudirect.WriteFlush(region.tensor.device.index or 0, gpudirect.load_cudart())
+        except gpudirect.GpuDirectUnsupported as e:
+            mode, reason = STAGING, f"GPUDirect writes cannot be made visible ({e})"
     if mode == GPUDIRECT:
         address = int(region.tensor.data_ptr())
         try:
-            return PoolRegistration(mode, reason, v.MR(pd, len(region), access, address=address), address, len(region))
+            mr = v.MR(pd, len(region), access, address=address)
+            return PoolRegistration(mode, reason, mr, address, len(region), flush=flush)
         except Exception as e:  # PyverbsRDMAError: the driver refused device memory
             mode, reason = STAGING, f"registering the CUDA pool failed ({e})"
     if mode == HOST:
