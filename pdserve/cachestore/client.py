@@ -66,10 +66,6 @@ class CacheStoreClient:
         if heads is None:
             raise ValueError(f"this sender writes no KV heads into {creds.endpoint} (see writes_to)")
         whole = heads == () or (creds.heads() is not None and self._same_heads(creds))
-        if creds.transport == Transport.RDMA and not whole and self.region.is_device:
-            raise ValueError(
-                "head-sliced RDMA transfers (different TP degrees) from a device pool are not supported yet"
-            )
         channel = self._channel_for(creds)
         sliced = None if whole else (heads[0], heads[1])
         transfer = Transfer(creds, channel, self.metrics, asyncio.get_running_loop(), sliced)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -77,6 +79,9 @@ def block_runs(block_ids: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
+EMULATE_DEVICE_ENV = "PDSERVE_EMULATE_DEVICE_POOL"
+
+
 class MemoryRegion:
     """A writable byte view of a pool plus, for device memory, the tensor it came from.
 
@@ -94,11 +99,14 @@ class MemoryRegion:
 
     @classmethod
     def from_tensor(cls, tensor) -> "MemoryRegion":
+        """The region of a pool tensor: device memory for a CUDA tensor, or for any tensor when
+        $PDSERVE_EMULATE_DEVICE_POOL=1 (tests: a node on CPU takes every device-pool path, staging
+        and the GPUDirect choice included, as a CUDA node would)."""
         import torch
 
         assert tensor.is_contiguous(), "KV pool must be one contiguous allocation"
-        if tensor.is_cuda:
-            return cls(memoryview(bytearray(0)), tensor)
+        if tensor.is_cuda or os.environ.get(EMULATE_DEVICE_ENV) == "1":
+            return cls(memoryview(bytearray(0)), tensor, is_device=True)
         return cls(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()), tensor)
 
     @classmethod

@@ -23,6 +23,7 @@ request cleanly and is torn down; the next run gets a freshly connected lane in 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import os
@@ -181,24 +182,13 @@ class RdmaLane:
         client = self.client
         remote = PoolGeometry(creds.num_layers, int(creds.rdma["num_blocks"]), creds.block_bytes, creds.heads())
         res = self._ready()
-        reg = res.registration
-        if heads is not None:
-            if reg.mode == rdma_memory.STAGING:
-                raise OSError("head-sliced RDMA WRITEs from a staged (device) pool are not supported yet")
-            base = int(creds.rdma["address"])
-            for batch in plan_writes(
-                layer, [run], client.geometry, res.address, remote, base, self._wr_ids, heads=heads
-            ):
-                self._post(batch, windows)
+        base = int(creds.rdma["address"])
+        if res.registration.mode == rdma_memory.STAGING:
+            self._write_staged(layer, run, ready_event, remote, base, windows, heads)
             return
-        if reg.mode == rdma_memory.STAGING:
-            self._write_staged(layer, run, ready_event, remote, int(creds.rdma["address"]), windows)
-            return
-        if ready_event is not None:
+        if ready_event is not None:  # GPUDirect: the NIC reads the pool once the layer's kernels wrote it
             ready_event.synchronize()  # this thread waits for the layer's kernels, not the engine
-        for batch in plan_writes(
-            layer, [run], client.geometry, res.address, remote, int(creds.rdma["address"]), first_wr_id=self._wr_ids
-        ):
+        for batch in plan_writes(layer, [run], client.geometry, res.address, remote, base, self._wr_ids, heads=heads):
             self._post(batch, windows)
 
     def _post(self, batch: list, windows: list) -> None:
@@ -221,11 +211,20 @@ class RdmaLane:
         res.run_chain(self.qp, self.cq, wrs)
 
     def _write_staged(
-        self, layer: int, run: Run, ready_event, remote: PoolGeometry, remote_base: int, windows: list
+        self,
+        layer: int,
+        run: Run,
+        ready_event,
+        remote: PoolGeometry,
+        remote_base: int,
+        windows: list,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         """CUDA pool without GPUDirect: copy the run (in slot-sized pieces) device-to-host into this
         lane's registered slot, after the layer's CUDA event (a GPU-side wait on the staging stream,
-        on this thread), and WRITE from there. The slot is reused once the WRITE completed."""
+        on this thread), and WRITE from there. The slot is reused once the WRITE completed. With
+        `heads`, each block's K and V slices of those heads are gathered back to back into the slot
+        and each WRITE goes from its place there into the receiver's slice."""
         from pdserve.cachestore.staging import HostStaging
 
         reg, geometry = self._ready().registration, self.client.geometry
@@ -236,13 +235,19 @@ class RdmaLane:
         staging, pool = self._staging, self.client.region.tensor
         assert pool is not None, "staging serves a device pool"
         slot_address = reg.address + self.index * reg.slot_bytes
-        per = max(1, reg.slot_bytes // geometry.block_bytes)
+        per_block = geometry.block_bytes if heads is None else geometry.heads.slice_bytes(*heads)
+        per = max(1, reg.slot_bytes // per_block)
         for first in range(0, run.count, per):
             piece = Run(run.src_block + first, run.dst_block + first, min(per, run.count - first))
-            ((w,),) = plan_writes(layer, [piece], geometry, 0, remote, remote_base, first_wr_id=self._wr_ids)
-            staging.gather(pool, [(w.local_addr, w.length)], ready_event)
+            wrs = [
+                w
+                for batch in plan_writes(layer, [piece], geometry, 0, remote, remote_base, self._wr_ids, heads=heads)
+                for w in batch
+            ]
+            staging.gather(pool, [(w.local_addr, w.length) for w in wrs], ready_event)
             ready_event = None  # waited on once per run
-            self._post([w._replace(local_addr=slot_address)], windows)
+            offsets = itertools.accumulate((w.length for w in wrs), initial=0)
+            self._post([w._replace(local_addr=slot_address + o) for w, o in zip(wrs, offsets)], windows)
 
     def _ready(self) -> RdmaResources:
         assert self.res is not None, "the lane writes only after its setup"

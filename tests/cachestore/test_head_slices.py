@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from pdserve.cachestore import CacheStoreClient, CacheStoreServer, MemoryRegion, PoolGeometry, SessionCredentials
-from pdserve.cachestore import rdma
+from pdserve.cachestore import gpudirect, rdma, rdma_memory
 from pdserve.cachestore.heads import HeadLayout, assigned_heads
 from tests.cachestore.helpers import SECRET
+from tests.cachestore.test_gpudirect_flush import Runtime
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 12, 4, 8
 HEAD_BYTES = BLOCK_SIZE * HEAD_DIM * 4  # fp32
@@ -26,20 +27,32 @@ def _geometry(heads: HeadLayout) -> PoolGeometry:
     return PoolGeometry(LAYERS, BLOCKS, heads.block_bytes, heads)
 
 
-async def _move(total_heads: int, a: int, b: int, transport: str, src_blocks, dst_blocks, done=None):
+async def _move(
+    total_heads: int,
+    a: int,
+    b: int,
+    transport: str,
+    src_blocks,
+    dst_blocks,
+    done=None,
+    region=MemoryRegion.from_tensor,
+    device: str = "cpu",
+):
     """Every sending rank writes its assigned heads of every layer into every receiving rank.
-    `done`: the sending ranks that write at all (default: all). Returns (full, receiver pools, servers)."""
-    full = torch.randn(LAYERS, BLOCKS, 2, total_heads, BLOCK_SIZE, HEAD_DIM)
+    `done`: the sending ranks that write at all (default: all). `region`: how each pool is
+    presented (a host tensor, or one standing in for device memory). Returns (full, receiver
+    pools, servers). `device`: where the pools are."""
+    full = torch.randn(LAYERS, BLOCKS, 2, total_heads, BLOCK_SIZE, HEAD_DIM, device=device)
     senders = [HeadLayout.of_rank(total_heads, HEAD_BYTES, p, a) for p in range(a)]
     receivers = [HeadLayout.of_rank(total_heads, HEAD_BYTES, q, b) for q in range(b)]
-    dst_pools = [torch.zeros(LAYERS, BLOCKS, 2, r.count, BLOCK_SIZE, HEAD_DIM) for r in receivers]
+    dst_pools = [torch.zeros(LAYERS, BLOCKS, 2, r.count, BLOCK_SIZE, HEAD_DIM, device=device) for r in receivers]
     servers = [
-        CacheStoreServer(MemoryRegion.from_tensor(pool), _geometry(r), transport=transport, secret=SECRET)
+        CacheStoreServer(region(pool), _geometry(r), transport=transport, secret=SECRET)
         for pool, r in zip(dst_pools, receivers)
     ]
     src_pools = [_rank_pool(full, s) for s in senders]
     clients = [
-        CacheStoreClient(MemoryRegion.from_tensor(pool), _geometry(s), transport=transport, secret=SECRET)
+        CacheStoreClient(region(pool), _geometry(s), transport=transport, secret=SECRET)
         for pool, s in zip(src_pools, senders)
     ]
     for server in servers:
@@ -96,6 +109,39 @@ async def test_each_receiving_rank_gets_exactly_its_heads(heads, a, b, transport
             assert not pool[:, untouched].any()
             # the counter of KV bytes received per rank: exactly this rank's share, no more
             assert _recv_bytes(server) == LAYERS * len(dst_blocks) * r.block_bytes
+    finally:
+        await _close(servers)
+
+
+def _device_like(tensor: torch.Tensor) -> MemoryRegion:
+    return MemoryRegion(memoryview(bytearray(0)), tensor, is_device=True)
+
+
+@pytest.mark.parametrize("mode", [rdma_memory.STAGING, rdma_memory.GPUDIRECT])
+@pytest.mark.parametrize("heads,a,b", [(4, 1, 2), (4, 2, 1), (2, 1, 4), (4, 4, 2)])
+async def test_device_pools_send_and_receive_head_slices_over_rdma(heads, a, b, mode, monkeypatch):
+    """P TP=a -> D TP=b over rdma between pools in device memory (stood in for by host tensors that
+    report themselves as device memory, on the emulated verbs device): staged, each block's K and V
+    slices gathered into the lane's slot (several pieces a run) and WRITTEN from there, committed
+    from the receiver's mirror; or GPUDirect, WRITTEN from and into the pools themselves, each
+    NOTIFY flushed. Bit-exact either way."""
+    monkeypatch.setenv(rdma.EMULATOR_ENV, "1")
+    if mode == rdma_memory.GPUDIRECT:
+        monkeypatch.setenv(rdma_memory.GPUDIRECT_ENV, "on")  # the emulator has no peer-memory client
+        monkeypatch.setattr(gpudirect, "load_cudart", lambda: Runtime(ordering=0, options=gpudirect.FLUSH_OPTION_HOST))
+    else:
+        monkeypatch.setenv(rdma_memory.STAGING_ENV, "1")  # a slot of one block: a run goes in several pieces
+    src_blocks, dst_blocks = [1, 2, 3, 7], [9, 10, 4, 0]
+    full, dst_pools, servers, receivers = await _move(heads, a, b, "rdma", src_blocks, dst_blocks, region=_device_like)
+    try:
+        for pool, server, r in zip(dst_pools, servers, receivers):
+            registration = server._rdma.res.registration
+            assert registration.mode == mode and (registration.flush is not None) == (mode == rdma_memory.GPUDIRECT)
+            await server.get_session("r").wait_complete(5)
+            assert torch.equal(pool[:, dst_blocks], full[:, src_blocks][:, :, :, r.first : r.stop])
+            assert not pool[:, [x for x in range(BLOCKS) if x not in dst_blocks]].any()
+            if registration.flush is not None:
+                assert registration.flush.flushes > 0
     finally:
         await _close(servers)
 

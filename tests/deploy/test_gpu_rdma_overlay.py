@@ -1,15 +1,14 @@
-"""The gpu-rdma overlay: GPU and RDMA resources per tensor-parallel rank, a TP pairing the CacheStore
-can serve over RDMA from a CUDA pool, the shared model volume with the Job that fills it, and its
-host-network / SR-IOV variant."""
+"""The gpu-rdma overlay: GPU and RDMA resources per tensor-parallel rank, the shared model volume with
+the Job that fills it, and its host-network / SR-IOV variant. That its node commands serve together
+is test_overlay_nodes.py's."""
 
 from __future__ import annotations
 
 from tests.deploy.test_manifests import by_kind, render
 
-GPU_RDMA_TP = {"prefill": 2, "decode": 2}
-"""The gpu-rdma overlay's tensor-parallel degrees. Equal on both sides: a prefill of another degree
-writes KV head slices, which the CacheStore refuses over RDMA from a CUDA pool (issue 53), so an
-overlay with unequal degrees could never serve (test_gpu_rdma_pairs_what_the_cachestore_takes)."""
+GPU_RDMA_TP = {"prefill": 1, "decode": 2}
+"""The gpu-rdma overlay's tensor-parallel degrees: the prefill rank writes head slices into the decode
+ranks (test_overlay_nodes.py starts these commands and sends a request across the split)."""
 
 
 def test_gpu_rdma_requests_devices_and_ipc_lock():
@@ -26,26 +25,6 @@ def test_gpu_rdma_requests_devices_and_ipc_lock():
         assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
         assert c["args"][c["args"].index("--transport") + 1] == "rdma"
         assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in spec["volumes"])
-
-
-def test_gpu_rdma_pairs_what_the_cachestore_takes():
-    """What the shipped overlay asks for, the CacheStore client accepts: every prefill rank writes
-    whole blocks (its heads are exactly a decode rank's), the only RDMA transfer from a CUDA pool
-    `CacheStoreClient.open_transfer` does not refuse (8 KV heads, as Llama-3-8B and Qwen3-32B)."""
-    from pdserve.cachestore.heads import HeadLayout, assigned_heads
-
-    docs = render("gpu-rdma")
-    tps = {}
-    for role in GPU_RDMA_TP:
-        args = by_kind(docs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--device") + 1] == "cuda" and args[args.index("--transport") + 1] == "rdma"
-        tps[role] = int(args[args.index("--tensor-parallel-size") + 1])
-    for p in range(tps["prefill"]):
-        sender = HeadLayout.of_rank(8, 256, p, tps["prefill"])
-        for d in range(tps["decode"]):
-            receiver = HeadLayout.of_rank(8, 256, d, tps["decode"])
-            if assigned_heads(sender, receiver) is not None:  # this rank writes into that one: whole blocks
-                assert (sender.first, sender.count) == (receiver.first, receiver.count), (p, d)
 
 
 def test_gpu_rdma_model_volume_and_fill_job():

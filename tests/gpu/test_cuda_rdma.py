@@ -101,3 +101,23 @@ async def test_one_gpu_cluster_over_emulated_rdma_equals_llm(tiny_model_dir):
         cluster.stop()
     logs = "\n".join(cluster.decodes[0].lines + cluster.prefills[0].lines)
     assert "registers staging memory" in logs, logs[-3000:]
+
+
+@pytest.mark.parametrize("heads,a,b", [(4, 1, 2), (4, 2, 1)])
+async def test_cuda_pools_send_head_slices_over_staged_rdma(heads, a, b, monkeypatch):
+    """P TP=a -> D TP=b with CUDA pools over the emulated device (staged both ways): each block's K
+    and V slices of the receiving rank's heads are gathered into the sender's slot, bit-exact."""
+    from tests.cachestore.test_head_slices import BLOCKS, _close, _move
+
+    monkeypatch.setenv(rdma.EMULATOR_ENV, "1")
+    src_blocks, dst_blocks = [1, 2, 3, 7], [9, 10, 4, 0]
+    full, dst_pools, servers, receivers = await _move(heads, a, b, "rdma", src_blocks, dst_blocks, device="cuda")
+    try:
+        for pool, server, r in zip(dst_pools, servers, receivers):
+            assert server._rdma.staged
+            await server.get_session("r").wait_complete(10)
+            torch.cuda.synchronize()
+            assert torch.equal(pool[:, dst_blocks], full[:, src_blocks][:, :, :, r.first : r.stop])
+            assert not pool[:, [x for x in range(BLOCKS) if x not in dst_blocks]].any()
+    finally:
+        await _close(servers)
