@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> choices: validated, tokenized, each with the wire sampling params.
+"""OpenAI request bodies -> choices: validated, tokenized, each with the wire request that runs it.
 
 The router and the batch job build their choices here, so one body gets the same 400 (or the same
 parameters) from both front ends.
@@ -16,7 +16,7 @@ from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.openai_api.request_fields import check_request_fields
 from pdserve.openai_api.structured import structured_outputs_of
 from pdserve.openai_api.text import ChoiceText
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, decode_pb2
 
 SHARED_SAMPLING_FIELDS = tuple(
     sorted(
@@ -32,20 +32,28 @@ the list, map and structured-output fields are converted on their own (`_params`
 
 @dataclass
 class Choice:
-    """One generated sequence: prompt, parameters, and what has come back so far."""
+    """One generated sequence: the wire request that runs it, and what has come back so far."""
 
     index: int
-    prompt_ids: list[int]
+    prompt_index: int
+    """Which prompt of the body this choice continues: the n choices of a prompt share it, and usage
+    counts each prompt once."""
+    request: decode_pb2.GenerateRequest
+    """The prompt's token ids, the sampling params and the cache_salt (its block keys' namespace, on
+    the router and on the nodes) as the decode node takes them; the router names it (request_id)
+    when it runs, and each attempt sends a copy continued after the tokens already sent."""
     prompt_text: str | None
-    params: common_pb2.SamplingParams
+    """The prompt as the body gave it (a completion's string prompt), else None."""
     text: ChoiceText
     logprobs: list = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     """The generated token ids so far."""
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
-    cache_salt: str | None = None
-    """The request's cache_salt: its block keys' namespace, on the router and on the nodes."""
+
+    def prompt_as_text(self, tokenizer: Tokenizer) -> str:
+        """The prompt's text (echo): as the body gave it, else decoded from its token ids."""
+        return self.prompt_text or tokenizer.decode(list(self.request.prompt_token_ids))
 
 
 class ChoiceBuilder:
@@ -128,6 +136,20 @@ class ChoiceBuilder:
             skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
         )
 
+    def _choice(
+        self,
+        index: int,
+        prompt_index: int,
+        ids: list[int],
+        prompt_text: str | None,
+        params: common_pb2.SamplingParams,
+        cache_salt: str | None,
+    ) -> Choice:
+        """A choice with its own request (its own copy of the params: the batch job lowers one line's
+        max_tokens to what its KV holds)."""
+        request = decode_pb2.GenerateRequest(prompt_token_ids=ids, params=params, cache_salt=cache_salt)
+        return Choice(index, prompt_index, request, prompt_text, self._text(ids, params))
+
     def _check_ids(self, ids: list[int]) -> list[int]:
         """The prompt checked as every boundary checks it (engine.prompt_check), against the cluster's
         context and --max-prompt-tokens; a 400 naming the field otherwise."""
@@ -143,16 +165,14 @@ class ChoiceBuilder:
         if not prompts:
             raise BadRequest(EMPTY_PROMPT, "prompt")
         choices: list[Choice] = []
-        for p in prompts:
+        for prompt_index, p in enumerate(prompts):
             if isinstance(p, str) and not p:
                 raise BadRequest(EMPTY_PROMPT, "prompt")
             text = p if isinstance(p, str) else None
             ids = self._check_ids(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
             params = self._params(req, req.max_tokens, len(ids), req.logprobs, default_max=16)
             for _ in range(req.n):
-                choices.append(
-                    Choice(len(choices), ids, text, params, self._text(ids, params), cache_salt=req.cache_salt)
-                )
+                choices.append(self._choice(len(choices), prompt_index, ids, text, params, req.cache_salt))
         return choices
 
     def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
@@ -165,7 +185,7 @@ class ChoiceBuilder:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, len(ids), logprobs, default_max=None)
-        return [Choice(i, ids, None, params, self._text(ids, params), cache_salt=req.cache_salt) for i in range(req.n)]
+        return [self._choice(i, 0, ids, None, params, req.cache_salt) for i in range(req.n)]
 
     def choices(self, req: SamplingFields) -> list[Choice]:
         """The choices of a completion or chat completion body."""

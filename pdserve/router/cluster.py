@@ -296,48 +296,32 @@ class Cluster:
         choose = lambda: self._choose(tokens_needed, exclude, prompt, cache_salt)  # noqa: E731
         return await self.queue.route(choose, new, wait, min(0.2, self.refresh_interval))
 
-    async def admit(self, prompt: list[int], params: common_pb2.SamplingParams, cache_salt: str | None = None) -> Route:
+    async def admit(self, request: decode_pb2.GenerateRequest) -> Route:
         """A route for a request's first attempt, waiting in the admission queue when the nodes are
         full; NoCapacityError (503) when none frees up in `capacity_wait`. The HTTP layer asks this
         before it answers, so a refusal is a status code, never an error inside a started stream."""
-        return await self._choose_waiting(len(prompt) + params.max_tokens, set(), prompt, cache_salt)
+        prompt = list(request.prompt_token_ids)
+        needed = len(prompt) + request.params.max_tokens
+        return await self._choose_waiting(needed, set(), prompt, _salt(request))
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: common_pb2.SamplingParams,
-        cache_salt: str | None = None,
-        route: Route | None = None,
+        self, request: decode_pb2.GenerateRequest, route: Route | None = None
     ) -> AsyncIterator[GenerateChunk]:
         """Stream one request; retries before the first token, migrates after it (no gap, no duplicate).
+        Each attempt sends a copy of `request` (`_attempt`) named after its `request_id`; its
         `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt. `route`:
         the first attempt's, from `admit` (None: chosen here)."""
+        prompt, salt = list(request.prompt_token_ids), _salt(request)
         sent: list[int] = []
         tried: set[str] = set()
         retries = migrations = 0
         while True:
-            remaining = params.max_tokens - len(sent)
             if route is None:
-                route = await self._choose_waiting(
-                    len(prompt) + len(sent) + remaining, tried, prompt + sent, cache_salt, new=not (retries or sent)
-                )
+                needed = len(prompt) + request.params.max_tokens  # what was sent plus what remains
+                route = await self._choose_waiting(needed, tried, prompt + sent, salt, new=not (retries or sent))
             node, prefills, prefill_cached, prefilling = route
             route = None
-            attempt = common_pb2.SamplingParams()
-            attempt.CopyFrom(params)
-            attempt.max_tokens = remaining
-            attempt.min_tokens = max(0, params.min_tokens - len(sent))
-            if params.HasField("structured_outputs"):  # the grammar resumes after what was sent
-                attempt.structured_outputs.generated_token_ids[:] = sent
-            req = decode_pb2.GenerateRequest(
-                request_id=f"{request_id}-{retries}-{migrations}",
-                prompt_token_ids=prompt + sent,
-                params=attempt,
-                prefill_addresses=prefills,
-                prefill_cached_tokens=prefill_cached,
-                cache_salt=cache_salt,
-            )
+            req = _attempt(request, f"{request.request_id}-{retries}-{migrations}", sent, prefills, prefill_cached)
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
             prefilling = prefilling or self._prefilling(node, prefills, len(req.prompt_token_ids))
@@ -388,8 +372,37 @@ class Cluster:
                     if migrations > self.max_migrations:
                         raise UpstreamError(f"stream failed after {self.max_migrations} migrations") from None
                     self.migrations.inc()
-                    log.warning("migrating %s after %d tokens: %s", request_id, len(sent), code.name)
+                    log.warning("migrating %s after %d tokens: %s", request.request_id, len(sent), code.name)
             finally:
                 prefilling.done()
                 call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
                 asyncio.create_task(self._probe(node))  # refresh the load right after a response
+
+
+def _salt(request: decode_pb2.GenerateRequest) -> str | None:
+    """The request's cache_salt; None when unset (the unsalted namespace)."""
+    return request.cache_salt if request.HasField("cache_salt") else None
+
+
+def _attempt(
+    request: decode_pb2.GenerateRequest,
+    request_id: str,
+    sent: list[int],
+    prefills: list[str],
+    prefill_cached: Sequence[int],
+) -> decode_pb2.GenerateRequest:
+    """What one attempt sends: `request` continued after the tokens already `sent` (they join the
+    prompt and count against max_tokens and min_tokens; a grammar resumes after them), on its
+    route's prefill nodes."""
+    req = decode_pb2.GenerateRequest()
+    req.CopyFrom(request)
+    req.request_id = request_id
+    req.prompt_token_ids.extend(sent)
+    params = request.params
+    req.params.max_tokens = params.max_tokens - len(sent)
+    req.params.min_tokens = max(0, params.min_tokens - len(sent))
+    if params.HasField("structured_outputs"):
+        req.params.structured_outputs.generated_token_ids[:] = sent
+    req.prefill_addresses[:] = prefills
+    req.prefill_cached_tokens[:] = prefill_cached
+    return req

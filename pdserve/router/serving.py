@@ -95,7 +95,7 @@ class Server:
         before any work and before a stream starts."""
         started = time.monotonic()
         choices = await self.choices(req, chat)
-        routes = {c.index: await self.cluster.admit(c.prompt_ids, c.params, c.cache_salt) for c in choices}
+        routes = {c.index: await self.cluster.admit(c.request) for c in choices}
         return choices, routes, started
 
     # --- running ------------------------------------------------------------------------
@@ -110,13 +110,8 @@ class Server:
 
         async def one(choice: Choice) -> None:
             try:
-                chunks = self.cluster.generate(
-                    f"{base}-{choice.index}",
-                    choice.prompt_ids,
-                    choice.params,
-                    cache_salt=choice.cache_salt,
-                    route=routes.get(choice.index),
-                )
+                choice.request.request_id = f"{base}-{choice.index}"
+                chunks = self.cluster.generate(choice.request, routes.get(choice.index))
                 async for chunk in self.metrics.track(chunks, started):
                     delta = choice.text.add(chunk.token_ids)
                     new_lps = chunk.logprobs or []
@@ -149,13 +144,15 @@ class Server:
 
     # --- responses ------------------------------------------------------------------------
     def usage(self, choices: list[Choice]) -> dict:
-        prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
+        # a prompt shared by n choices counts once
+        prompt_lens = {c.prompt_index: len(c.request.prompt_token_ids) for c in choices}
         completion = sum(c.usage.completion_tokens if c.usage else 0 for c in choices)
-        # the nodes' count of prompt tokens not recomputed; a prompt shared by n choices counts once
+        # the nodes' count of prompt tokens not recomputed
         cached_by_prompt: dict[int, int] = {}
         for c in choices:
-            held = min(c.usage.cached_tokens, len(c.prompt_ids)) if c.usage else 0
-            cached_by_prompt[id(c.prompt_ids)] = max(cached_by_prompt.get(id(c.prompt_ids), 0), held)
+            held = min(c.usage.cached_tokens, prompt_lens[c.prompt_index]) if c.usage else 0
+            cached_by_prompt[c.prompt_index] = max(cached_by_prompt.get(c.prompt_index, 0), held)
+        prompt = sum(prompt_lens.values())
         return usage(prompt, completion, sum(cached_by_prompt.values()) if self.prompt_tokens_details else None)
 
     async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, str]]:
@@ -170,9 +167,9 @@ class Server:
         choices, texts = await self.run_to_end(req, chat=False)
         out = []
         for c in choices:
-            prefix = (c.prompt_text or self.tokenizer.decode(c.prompt_ids)) if req.echo else ""
+            prefix = c.prompt_as_text(self.tokenizer) if req.echo else ""
             lp = completion_logprobs(self.tokenizer, c.logprobs, len(prefix)) if req.logprobs is not None else None
-            ids = (c.token_ids, c.prompt_ids) if req.return_token_ids else (None, None)
+            ids = (c.token_ids, list(c.request.prompt_token_ids)) if req.return_token_ids else (None, None)
             out.append(completion_choice(c.index, prefix + texts[c.index], lp, c.finish_reason, *ids))
         return response_body(False, req.model, out, self.usage(choices))
 
@@ -209,8 +206,7 @@ class Server:
                     if chat:
                         yield chunk([chat_delta(c.index, {"role": "assistant", "content": ""}, None, None)])
                     elif isinstance(req, CompletionRequest) and req.echo:
-                        prompt = c.prompt_text or self.tokenizer.decode(c.prompt_ids)
-                        yield chunk([completion_choice(c.index, prompt, None, None)])
+                        yield chunk([completion_choice(c.index, c.prompt_as_text(self.tokenizer), None, None)])
                 token_ids = isinstance(req, CompletionRequest) and req.return_token_ids
                 unsent_prompt = {c.index for c in choices} if token_ids else set()  # sent once, first
                 offsets = {c.index: 0 for c in choices}
@@ -232,7 +228,7 @@ class Server:
                             if req.logprobs is not None and lps
                             else None
                         )
-                        prompt_ids = c.prompt_ids if c.index in unsent_prompt else None
+                        prompt_ids = list(c.request.prompt_token_ids) if c.index in unsent_prompt else None
                         unsent_prompt.discard(c.index)
                         body = completion_choice(c.index, delta, lp, finish, ids if token_ids else None, prompt_ids)
                     offsets[c.index] += len(delta)

@@ -117,7 +117,7 @@ def test_every_value_travels_from_the_body_to_the_engine(builder) -> None:
     body = {name: f.value for name, f in SURFACE.items() if f.http}
     choices = builder.completion_choices(CompletionRequest(model="m", prompt=[1, 2, 3], **body))
     assert len(choices) == SURFACE["n"].value  # the one field the router fans out instead of sending
-    pb = choices[0].params
+    pb = choices[0].request.params
     sent = {name for name in where("proto") if not pb.DESCRIPTOR.fields_by_name[name].has_presence or pb.HasField(name)}
     assert sent == where("proto")
     params = params_from_pb(pb)
@@ -131,7 +131,7 @@ def _line(body: dict) -> str:
 def test_the_batch_job_runs_its_fields_and_refuses_the_others(builder) -> None:
     runs = where("batch")
     item = parse_line(_line({name: SURFACE[name].value for name in runs}), builder, "m")
-    assert {name: getattr(params_from_pb(item.choice.params), name) for name in runs} == {
+    assert {name: getattr(params_from_pb(item.choice.request.params), name) for name in runs} == {
         n: _engine_value(n) for n in runs
     }
     for name in where("http") - runs:

@@ -39,20 +39,21 @@ class FakeCluster:
     def snapshot(self) -> list:
         return []
 
-    async def admit(self, prompt, params, cache_salt=None):
+    async def admit(self, request):
         """The real Cluster.admit's refusal (before any response) when no node is healthy; the route
         is opaque to the Server."""
         if not self.healthy:
             raise NoCapacityError("no healthy prefill and decode node is available", retry_after=1.0)
         return None
 
-    async def generate(self, request_id, prompt, params, cache_salt=None, route=None):
+    async def generate(self, request, route=None):
         if not self.healthy:
             raise NoCapacityError("no healthy prefill and decode node is available")
         if self.crash is not None:
             raise self.crash
+        prompt, params = list(request.prompt_token_ids), request.params
         self.requests.append((prompt, params))
-        self.salts.append(cache_salt)
+        self.salts.append(request.cache_salt if request.HasField("cache_salt") else None)
         n = min(len(self.tokens), params.max_tokens)
         for i, t in enumerate(self.tokens[:n]):
             if self.fail_after is not None and i == self.fail_after:

@@ -20,15 +20,15 @@ class PacedCluster:
     def check_admission(self) -> None:
         """Never full."""
 
-    async def admit(self, prompt, params, cache_salt=None):
+    async def admit(self, request):
         """Always room: the route is opaque to the Server."""
         return None
 
-    async def generate(self, request_id, prompt, params, cache_salt=None, route=None):
+    async def generate(self, request, route=None):
         await asyncio.sleep(self.first_delay)
-        n = min(len(self.tokens), params.max_tokens)
+        n = min(len(self.tokens), request.params.max_tokens)
         for i, t in enumerate(self.tokens[:n]):
             await asyncio.sleep(self.pace)
             last = i == n - 1
-            usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n) if last else None
+            usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=n) if last else None
             yield GenerateChunk([t], None, "length" if last else None, usage)

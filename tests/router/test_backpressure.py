@@ -24,11 +24,11 @@ class EndlessCluster:
     def check_admission(self) -> None:
         """Never full."""
 
-    async def admit(self, prompt, params, cache_salt=None):
+    async def admit(self, request):
         """Always room: the route is opaque to the Server."""
         return None
 
-    async def generate(self, request_id, prompt, params, cache_salt=None, route=None):
+    async def generate(self, request, route=None):
         while True:
             self.pulled += 1
             yield GenerateChunk([self.token], None, None, None)
@@ -64,5 +64,5 @@ async def test_prompts_are_tokenized_off_the_event_loop(tiny_model_dir, monkeypa
     server = Server(EndlessCluster(0), tok, "m", 10**6)
     big = "The quick brown fox jumps over the lazy dog. " * 2000
     choices = await server.choices(CompletionRequest(model="m", prompt=big, max_tokens=1), chat=False)
-    assert len(choices[0].prompt_ids) > 10_000
+    assert len(choices[0].request.prompt_token_ids) > 10_000
     assert threads and threading.get_ident() not in threads

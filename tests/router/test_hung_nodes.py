@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.backoff import backoff_delay
 from pdserve.router.node_state import Route
 from pdserve.router.deadlines import Deadlines
@@ -20,6 +20,10 @@ D1, D2, P1, P2 = (
     ("prefill", "127.0.0.1:4"),
 )
 PARAMS = common_pb2.SamplingParams(max_tokens=4)
+
+
+def request(rid: str, params: common_pb2.SamplingParams = PARAMS) -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], params=params)
 
 
 def pin_first(cluster, decode: tuple[str, str], prefills: list[str]) -> None:
@@ -36,7 +40,7 @@ def pin_first(cluster, decode: tuple[str, str], prefills: list[str]) -> None:
 
 
 async def collect(cluster, rid: str) -> list[int]:
-    return [t async for chunk in cluster.generate(rid, [1, 2, 3], PARAMS) for t in chunk.token_ids]
+    return [t async for chunk in cluster.generate(request(rid)) for t in chunk.token_ids]
 
 
 async def test_an_attempt_waiting_on_a_hung_prefill_node_is_retried_at_detection():
@@ -81,7 +85,7 @@ async def test_a_stalled_stream_makes_its_node_hung_for_attempts_sent_before():
         cluster._choose = lambda n, exclude, *route: (
             Route(cluster.nodes[D1], [P1[1]]) if not exclude else choose(n, exclude, *route)
         )
-        stream_a = cluster.generate("r-a", [1, 2, 3], PARAMS)
+        stream_a = cluster.generate(request("r-a"))
         assert (await stream_a.__anext__()).token_ids == [1]
         waiting_b = asyncio.create_task(collect(cluster, "r-b"))
         await asyncio.sleep(0.1)
@@ -113,10 +117,13 @@ async def test_a_migrated_structured_stream_carries_the_tokens_its_grammar_alrea
     cluster = await fake_cluster(fakes, refresh_interval=0.05, deadlines=deadlines, backoff=0.01)
     try:
         pin_first(cluster, D1, [P1[1]])
-        tokens = [t async for chunk in cluster.generate("s", [1, 2, 3], params) for t in chunk.token_ids]
+        original = request("s", params)
+        tokens = [t async for chunk in cluster.generate(original) for t in chunk.token_ids]
         assert tokens == [1, 2, 5, 6]
         moved = fakes[D2].requests[-1]
-        assert list(moved.prompt_token_ids) == [1, 2, 3, 1, 2]
+        assert moved.request_id == "s-0-1" and list(moved.prompt_token_ids) == [1, 2, 3, 1, 2]
+        assert moved.params.max_tokens == 2  # what remains after the two tokens sent
+        assert original == request("s", params)  # each attempt sends a copy
         assert list(moved.params.structured_outputs.generated_token_ids) == [1, 2]
         assert moved.params.structured_outputs.spec == "[0-9]+"
     finally:

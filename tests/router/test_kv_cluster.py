@@ -11,7 +11,7 @@ import pytest
 from pdserve.engine.block_keys import namespace_root
 from pdserve.node_runtime.discovery import Member
 from pdserve.node_runtime.discovery.static import StaticDiscovery
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.balancer import DecodeBalancer
 from pdserve.router.cluster import Cluster
 from pdserve.router.kv_policy import PolicyParams
@@ -95,12 +95,14 @@ async def test_generate_passes_cache_salt_and_reports_cached_tokens(cluster_of_t
     nodes[1].fill(PROMPT, namespace_root(COMPAT, "tenant"))
     await until(lambda: index.node_size(addrs[1]) == 10)
     params = common_pb2.SamplingParams(max_tokens=1)
-    chunks = [c async for c in cluster.generate("r1", PROMPT, params, cache_salt="tenant")]
+    salted = decode_pb2.GenerateRequest(request_id="r1", prompt_token_ids=PROMPT, params=params, cache_salt="tenant")
+    chunks = [c async for c in cluster.generate(salted)]
     assert nodes[1].salts == ["tenant"]  # routed to the holder of the salted prefix, salt passed on
     assert nodes[1].prefill_hints == [([addrs[2]], [0])]  # each prefill node's held prefix, as indexed
     assert chunks[-1].usage.cached_tokens == len(PROMPT) - 1
     await until(lambda: cluster.nodes[("decode", addrs[1])].load.inflight_blocks == 0)
-    chunks = [c async for c in cluster.generate("r2", PROMPT, params)]
+    unsalted = decode_pb2.GenerateRequest(request_id="r2", prompt_token_ids=PROMPT, params=params)
+    chunks = [c async for c in cluster.generate(unsalted)]
     assert sorted(nodes[0].salts + nodes[1].salts, key=str) == [None, "tenant"]
     assert cluster.kv_router.decisions[("decode", "cold")] == 1  # unsalted: no hit on the salted blocks
 

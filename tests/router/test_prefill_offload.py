@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.node_runtime.discovery import Member
 from pdserve.node_runtime.discovery.static import StaticDiscovery
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.balancer import NodeLoad
 from pdserve.router.cluster import Cluster
 from pdserve.router.deadlines import Deadlines
@@ -156,14 +156,16 @@ async def test_generate_counts_the_prompt_on_its_prefill_node_until_the_first_to
     try:
         prefill = next(n.load for n in cluster.nodes.values() if n.member.role == "prefill")
         params = common_pb2.SamplingParams(max_tokens=1)
-        task = asyncio.ensure_future(_drain(cluster.generate("r1", PROMPT, params)))
+        request = decode_pb2.GenerateRequest(request_id="r1", prompt_token_ids=PROMPT, params=params)
+        task = asyncio.ensure_future(_drain(cluster.generate(request)))
         await until(lambda: prefill.prefilling_tokens == len(PROMPT))
         decode.gate.set()
         assert await task == [5]
         assert all(n.load.prefilling_tokens == 0 for n in cluster.nodes.values())
         # an attempt that ends without a token (cancelled) releases its count too
         decode.gate.clear()
-        task = asyncio.ensure_future(_drain(cluster.generate("r2", PROMPT, params)))
+        request.request_id = "r2"
+        task = asyncio.ensure_future(_drain(cluster.generate(request)))
         await until(lambda: prefill.prefilling_tokens == len(PROMPT))
         task.cancel()
         await until(lambda: prefill.prefilling_tokens == 0)

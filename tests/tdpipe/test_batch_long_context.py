@@ -47,9 +47,9 @@ def test_a_defaulted_chat_line_is_capped_at_the_kv_and_a_stated_one_refused(long
     builder = ChoiceBuilder(Tokenizer(long_model), lambda: LONG_CONTEXT)
     hi = [{"role": "user", "content": "hi"}]
     free = _item(builder, messages=hi)
-    assert fills_context(free) and free.choice.params.max_tokens > KV_TOKENS  # context - prompt
+    assert fills_context(free) and free.choice.request.params.max_tokens > KV_TOKENS  # context - prompt
     fit_line(free, KV_TOKENS)
-    assert len(free.choice.prompt_ids) + free.choice.params.max_tokens == KV_TOKENS
+    assert len(free.choice.request.prompt_token_ids) + free.choice.request.params.max_tokens == KV_TOKENS
     stated = _item(builder, messages=hi, max_tokens=KV_TOKENS)
     assert not fills_context(stated)
     with pytest.raises(LineError, match="KV holds 512") as e:
@@ -60,7 +60,7 @@ def test_a_defaulted_chat_line_is_capped_at_the_kv_and_a_stated_one_refused(long
         fit_line(huge, KV_TOKENS)
     small = _item(builder, messages=hi, max_completion_tokens=7)
     fit_line(small, KV_TOKENS)
-    assert small.choice.params.max_tokens == 7
+    assert small.choice.request.params.max_tokens == 7
 
 
 def test_length_planner_heuristic_and_trained_predictor(long_model, tmp_path) -> None:
@@ -78,7 +78,7 @@ def test_length_planner_heuristic_and_trained_predictor(long_model, tmp_path) ->
     planner = LengthPlanner(str(tmp_path / "pred"))
     assert planner.source.startswith("predictor")
     guesses = planner.predict([free, stated[0]], tok)
-    assert 1 <= guesses[0] < free.choice.params.max_tokens and guesses[1] <= 10  # never above max_tokens
+    assert 1 <= guesses[0] < free.choice.request.params.max_tokens and guesses[1] <= 10  # never above max_tokens
     with pytest.raises(ValueError, match="predictor.json"):
         LengthPlanner(str(tmp_path / "missing"))
 

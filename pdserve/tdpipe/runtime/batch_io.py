@@ -169,11 +169,11 @@ def result_line(
         finish_reason = "stop"
     else:  # all tokens are here at once: decode them whole, as engine.LLM does (keeps a trailing partial char)
         text = tokenizer.decode(output_ids)
-    counts = usage(len(c.prompt_ids), len(output_ids), 0)
+    counts = usage(len(c.request.prompt_token_ids), len(output_ids), 0)
     if isinstance(item.body, ChatCompletionRequest):
         body = response_body(True, model_name, [chat_choice(0, text, None, finish_reason)], counts)
     else:
-        prefix = (c.prompt_text or tokenizer.decode(c.prompt_ids)) if item.body.echo else ""
+        prefix = c.prompt_as_text(tokenizer) if item.body.echo else ""
         body = response_body(False, model_name, [completion_choice(0, prefix + text, None, finish_reason)], counts)
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",

@@ -41,11 +41,12 @@ def fills_context(item: BatchItem) -> bool:
 def fit_line(item: BatchItem, capacity: int, where: str = "") -> None:
     """Make `item` fit `capacity` KV tokens (module docstring), or LineError `prompt_too_long`.
     `where` qualifies the capacity in the message (" per virtual engine")."""
-    prompt, max_tokens = len(item.choice.prompt_ids), item.choice.params.max_tokens
+    request = item.choice.request
+    prompt, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
     if prompt + max_tokens <= capacity:
         return
     if fills_context(item) and prompt < capacity:
-        item.choice.params.max_tokens = capacity - prompt  # the proto params the stages and usage read
+        request.params.max_tokens = capacity - prompt  # the proto params the stages and usage read
         return
     raise LineError(
         "prompt_too_long",
@@ -66,9 +67,9 @@ class LengthPlanner:
         self.stated: deque[int] = deque(maxlen=STATED_WINDOW)
 
     def predict(self, items: list[BatchItem], tokenizer: Tokenizer) -> list[int]:
-        caps = [it.choice.params.max_tokens for it in items]
+        caps = [it.choice.request.params.max_tokens for it in items]
         if self.model is not None:
-            texts = [it.choice.prompt_text or tokenizer.decode(it.choice.prompt_ids) for it in items]
+            texts = [it.choice.prompt_as_text(tokenizer) for it in items]
             return [max(1, min(cap, p)) for cap, p in zip(caps, self.model.predict(texts))]
         self.stated.extend(cap for it, cap in zip(items, caps) if not fills_context(it))
         guess = round(statistics.median(self.stated)) if self.stated else DEFAULT_PREDICTED_LEN

@@ -22,7 +22,8 @@ from pdserve.tdpipe.runtime.controller import PipeRequest
 
 def fit_capacity(item: BatchItem, capacity: int, where: str = "") -> None:
     """LineError `prompt_too_long` when prompt + max_tokens exceeds the KV one request can hold."""
-    need = len(item.choice.prompt_ids) + item.choice.params.max_tokens
+    request = item.choice.request
+    need = len(request.prompt_token_ids) + request.params.max_tokens
     if need > capacity:
         raise LineError(
             "prompt_too_long",
@@ -123,11 +124,13 @@ class LineSource:
 
     def _request(self, item: BatchItem) -> PipeRequest:
         self.fit(item, self.capacity, self.kv_hint)
-        params = params_from_pb(item.choice.params)  # the router's wire params, as the nodes convert them
+        request = item.choice.request
+        params = params_from_pb(request.params)  # the router's wire params, as the nodes convert them
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
-        max_tokens = item.choice.params.max_tokens
+        max_tokens = request.params.max_tokens
         guess = self.predict(item) if self.predict is not None else None
-        req = PipeRequest(item.custom_id, item.choice.prompt_ids, max_tokens, stops, predicted_len=guess, params=params)
+        prompt = list(request.prompt_token_ids)
+        req = PipeRequest(item.custom_id, prompt, max_tokens, stops, predicted_len=guess, params=params)
         self.items[item.custom_id] = item
         self._tickets[item.custom_id] = self.writer.ticket()
         return req
