@@ -23,7 +23,7 @@ from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
 from pdserve.router.deadlines import Deadlines, StreamStalled, TokenDeadline, events_within_deadline
 from pdserve.router.kv_routing import ROUTING_MODES, KvRouter, Routing
 from pdserve.router.kv_subscriber import KvSubscriber
-from pdserve.router.node_state import GenerateChunk, NodeState, Route
+from pdserve.router.node_state import NodeState, Route
 from pdserve.router.prefill_offload import OffloadPolicy, Prefilling
 from pdserve.router.saturation import backlog_seconds
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -306,8 +306,9 @@ class Cluster:
 
     async def generate(
         self, request: decode_pb2.GenerateRequest, route: Route | None = None
-    ) -> AsyncIterator[GenerateChunk]:
-        """Stream one request; retries before the first token, migrates after it (no gap, no duplicate).
+    ) -> AsyncIterator[decode_pb2.GenerateEvent]:
+        """Stream one request's events (those with tokens or its end); retries before the first token,
+        migrates after it (no gap, no duplicate), and the last event's usage is the whole request's.
         Each attempt sends a copy of `request` (`_attempt`) named after its `request_id`; its
         `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt. `route`:
         the first attempt's, from `admit` (None: chosen here)."""
@@ -332,17 +333,10 @@ class Cluster:
                     if event.token_ids:
                         sent.extend(event.token_ids)
                         prefilling.first_token()
-                    usage = None
-                    if event.finish_reason:
-                        usage = common_pb2.Usage(
-                            prompt_tokens=len(prompt),
-                            completion_tokens=len(sent),
-                            cached_tokens=event.usage.cached_tokens,
-                        )
+                    if event.finish_reason:  # the node counted this attempt's prompt and tokens
+                        event.usage.prompt_tokens, event.usage.completion_tokens = len(prompt), len(sent)
                     if event.token_ids or event.finish_reason:
-                        yield GenerateChunk(
-                            list(event.token_ids), list(event.logprobs) or None, event.finish_reason or None, usage
-                        )
+                        yield event
                     if event.finish_reason:
                         return
                 raise UpstreamError(f"decode node {node.member.address} ended the stream without finishing")

@@ -1,5 +1,5 @@
-"""What the router knows of one node (`NodeState`), where a request goes (`Route`), and what a
-request's stream yields (`GenerateChunk`): the plain types `router.cluster.Cluster` works with."""
+"""What the router knows of one node (`NodeState`) and where a request goes (`Route`): the plain
+types `router.cluster.Cluster` works with."""
 
 from __future__ import annotations
 
@@ -19,15 +19,6 @@ from pdserve.router.circuit_breaker import CircuitBreaker
 from pdserve.router.kv_subscriber import KvSubscriber
 from pdserve.router.prefill_offload import Prefilling
 from pdserve.router.saturation import backlog_seconds
-
-
-class GenerateChunk(NamedTuple):
-    """New tokens of a request's stream (and, on its last chunk, why it ended and the usage)."""
-
-    token_ids: list[int]
-    logprobs: list | None
-    finish_reason: str | None
-    usage: common_pb2.Usage | None
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.node_runtime.vllm_metrics import RequestFamilies
-from pdserve.router.node_state import GenerateChunk
+from pdserve.v1 import decode_pb2
 
 ENGINE = "router"
 """The `engine` label of the router's vllm:* series: select or exclude them with it."""
@@ -30,23 +30,23 @@ class RequestMetrics:
         self.model_name = model_name
 
     async def track(
-        self, chunks: AsyncIterator[GenerateChunk], started: float | None = None
-    ) -> AsyncIterator[GenerateChunk]:
-        """Yield `chunks` unchanged while observing latency, tokens and how the stream ended;
-        `started` (monotonic): when the request arrived, so time in the admission queue counts."""
+        self, events: AsyncIterator[decode_pb2.GenerateEvent], started: float | None = None
+    ) -> AsyncIterator[decode_pb2.GenerateEvent]:
+        """Yield `events` (Cluster.generate's) unchanged while observing latency, tokens and how the
+        stream ended (the last event's reason and usage); `started` (monotonic): when the request
+        arrived, so time in the admission queue counts."""
         clock = self.families.clock(0, started)
         reason = "abort"  # a consumer that stops early (client gone) ends the stream without a reason
         generated: int | None = None
         self.in_flight.inc()
         try:
-            async for chunk in chunks:
-                clock.tokens(len(chunk.token_ids))
-                if chunk.usage is not None:
-                    clock.prompt(chunk.usage.prompt_tokens)
-                    generated = chunk.usage.completion_tokens
-                if chunk.finish_reason:
-                    reason = chunk.finish_reason if chunk.finish_reason in ("stop", "length") else "abort"
-                yield chunk
+            async for event in events:
+                clock.tokens(len(event.token_ids))
+                if event.finish_reason:  # the last event: its usage is set
+                    clock.prompt(event.usage.prompt_tokens)
+                    generated = event.usage.completion_tokens
+                    reason = event.finish_reason if event.finish_reason in ("stop", "length") else "abort"
+                yield event
         except Exception:
             reason = "error"
             raise

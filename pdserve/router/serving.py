@@ -111,18 +111,18 @@ class Server:
         async def one(choice: Choice) -> None:
             try:
                 choice.request.request_id = f"{base}-{choice.index}"
-                chunks = self.cluster.generate(choice.request, routes.get(choice.index))
-                async for chunk in self.metrics.track(chunks, started):
-                    delta = choice.text.add(chunk.token_ids)
-                    new_lps = chunk.logprobs or []
+                events = self.cluster.generate(choice.request, routes.get(choice.index))
+                async for event in self.metrics.track(events, started):
+                    token_ids, new_lps = list(event.token_ids), list(event.logprobs)
+                    delta = choice.text.add(token_ids)
                     choice.logprobs += new_lps
-                    choice.token_ids += chunk.token_ids
+                    choice.token_ids += token_ids
                     finish = None
-                    if chunk.finish_reason:
+                    if event.finish_reason:
                         delta += choice.text.finish()
-                        finish = chunk.finish_reason if chunk.finish_reason != "abort" else "stop"
-                        choice.finish_reason, choice.usage = finish, chunk.usage
-                    await queue.put(ChoiceDelta(choice, delta, new_lps, finish, list(chunk.token_ids)))
+                        finish = event.finish_reason if event.finish_reason != "abort" else "stop"
+                        choice.finish_reason, choice.usage = finish, event.usage
+                    await queue.put(ChoiceDelta(choice, delta, new_lps, finish, token_ids))
                 await queue.put(choice)  # this choice is done
             except Exception as e:  # delivered to the consumer, which owns the response
                 await queue.put(e)

@@ -6,9 +6,8 @@ import httpx
 import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.app import create_app
-from pdserve.router.node_state import GenerateChunk
 from pdserve.openai_api.errors import NoCapacityError, UpstreamError
 from pdserve.router.serving import Server
 
@@ -59,13 +58,9 @@ class FakeCluster:
             if self.fail_after is not None and i == self.fail_after:
                 raise UpstreamError("decode node vanished")
             last = i == n - 1
-            yield GenerateChunk(
-                [t],
-                None,
-                "length" if last else None,
-                common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=self.cached_tokens)
-                if last
-                else None,
+            usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=self.cached_tokens)
+            yield decode_pb2.GenerateEvent(
+                token_ids=[t], finish_reason="length" if last else "", usage=usage if last else None
             )
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.v1 import common_pb2
-from pdserve.router.node_state import GenerateChunk
+from pdserve.v1 import common_pb2, decode_pb2
 
 
 class PacedCluster:
@@ -31,4 +30,4 @@ class PacedCluster:
             await asyncio.sleep(self.pace)
             last = i == n - 1
             usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=n) if last else None
-            yield GenerateChunk([t], None, "length" if last else None, usage)
+            yield decode_pb2.GenerateEvent(token_ids=[t], finish_reason="length" if last else "", usage=usage)

@@ -6,9 +6,9 @@ import asyncio
 import threading
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.node_state import GenerateChunk
 from pdserve.openai_api.protocol import CompletionRequest
 from pdserve.router.serving import STREAM_QUEUE_CHUNKS, Server
+from pdserve.v1 import decode_pb2
 
 
 class EndlessCluster:
@@ -31,7 +31,7 @@ class EndlessCluster:
     async def generate(self, request, route=None):
         while True:
             self.pulled += 1
-            yield GenerateChunk([self.token], None, None, None)
+            yield decode_pb2.GenerateEvent(token_ids=[self.token])
 
 
 async def test_a_reader_that_stops_reading_stops_the_node_stream(tiny_model_dir):

@@ -118,8 +118,10 @@ async def test_a_migrated_structured_stream_carries_the_tokens_its_grammar_alrea
     try:
         pin_first(cluster, D1, [P1[1]])
         original = request("s", params)
-        tokens = [t async for chunk in cluster.generate(original) for t in chunk.token_ids]
-        assert tokens == [1, 2, 5, 6]
+        events = [e async for e in cluster.generate(original)]
+        assert [t for e in events for t in e.token_ids] == [1, 2, 5, 6]
+        usage = events[-1].usage  # the whole request's, not the last attempt's (5 prompt tokens, 2 generated)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (3, 4)
         moved = fakes[D2].requests[-1]
         assert moved.request_id == "s-0-1" and list(moved.prompt_token_ids) == [1, 2, 3, 1, 2]
         assert moved.params.max_tokens == 2  # what remains after the two tokens sent

@@ -7,9 +7,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.node_runtime.discovery import Member
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.balancer import NodeLoad
-from pdserve.router.node_state import GenerateChunk, NodeState
+from pdserve.router.node_state import NodeState
 from pdserve.router.cluster_metrics import ClusterCollector
 from pdserve.router.request_metrics import RequestMetrics
 
@@ -25,11 +25,9 @@ async def _stream(n: int, *, fail: bool = False, cached: int = 0):
         last = i == n - 1
         if fail and last:
             raise RuntimeError("decode node vanished")
-        yield GenerateChunk(
-            [i],
-            None,
-            "length" if last else None,
-            common_pb2.Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=cached) if last else None,
+        usage = common_pb2.Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=cached)
+        yield decode_pb2.GenerateEvent(
+            token_ids=[i], finish_reason="length" if last else "", usage=usage if last else None
         )
 
 
