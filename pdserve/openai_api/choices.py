@@ -49,7 +49,20 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     """The generated token ids so far."""
     finish_reason: str | None = None
+    """Why the choice ended, set by its last event (`add`); None until then."""
     usage: common_pb2.Usage | None = None
+
+    def add(self, event: decode_pb2.GenerateEvent) -> str:
+        """Take in one event of the choice's stream; the text it adds (cut at stop strings). The last
+        event also sets finish_reason (OpenAI has no "abort": it reads "stop") and usage."""
+        delta = self.text.add(list(event.token_ids))
+        self.logprobs += event.logprobs
+        self.token_ids += event.token_ids
+        if event.finish_reason:
+            delta += self.text.finish()
+            self.finish_reason = event.finish_reason if event.finish_reason != "abort" else "stop"
+            self.usage = event.usage
+        return delta
 
     def prompt_as_text(self, tokenizer: Tokenizer) -> str:
         """The prompt's text (echo): as the body gave it, else decoded from its token ids."""

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator, Mapping, NamedTuple, Sequence
+from typing import AsyncIterator, Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -20,6 +20,7 @@ from pdserve.router.cluster import Cluster
 from pdserve.router.keepalive_stream import DEFAULT_INTERVAL, KEEPALIVE_COMMENT, with_keepalive
 from pdserve.router.node_state import Route
 from pdserve.router.request_metrics import RequestMetrics
+from pdserve.v1 import decode_pb2
 
 STREAM_QUEUE_CHUNKS = 32
 """Chunks buffered per choice between the node stream and the HTTP response. When a client stops
@@ -27,16 +28,11 @@ reading, the queue fills, the node stream is no longer read, and gRPC flow contr
 on the node: router memory per request stays bounded whatever the client does."""
 
 
-class ChoiceDelta(NamedTuple):
-    """What one node chunk added to a choice: the text (cut at stop strings), its logprobs and token
-    ids, and the finish reason on the last one (it travels with its chunk: `choice.finish_reason`
-    is set when the producer sees the end, possibly many queued chunks before they are written)."""
-
-    choice: Choice
-    text: str
-    logprobs: list
-    finish_reason: str | None
-    token_ids: list[int]
+ChunkShape = Callable[[Choice, str, decode_pb2.GenerateEvent], dict | None]
+"""What `Server.run` sends of one event, called as the event is added to its choice with the text it
+added: a response chunk's choice object, or None (nothing to send). It reads the choice's
+finish_reason then, set only by the last event: read later, while the chunks queued before it still
+wait to be written, it would already be set."""
 
 
 class Server:
@@ -100,10 +96,14 @@ class Server:
 
     # --- running ------------------------------------------------------------------------
     async def run(
-        self, choices: list[Choice], routes: dict[int, Route] | None = None, started: float | None = None
-    ) -> AsyncIterator[ChoiceDelta]:
+        self,
+        choices: list[Choice],
+        shape: ChunkShape,
+        routes: dict[int, Route] | None = None,
+        started: float | None = None,
+    ) -> AsyncIterator[dict]:
         """Run all choices concurrently, each on its route from `admit` (for a request that arrived
-        at `started`, monotonic); yield each one's deltas as tokens arrive."""
+        at `started`, monotonic); yield what `shape` makes of each event as it arrives."""
         routes = routes or {}
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
         base = f"cmpl-{uuid.uuid4().hex[:16]}"
@@ -113,16 +113,9 @@ class Server:
                 choice.request.request_id = f"{base}-{choice.index}"
                 events = self.cluster.generate(choice.request, routes.get(choice.index))
                 async for event in self.metrics.track(events, started):
-                    token_ids, new_lps = list(event.token_ids), list(event.logprobs)
-                    delta = choice.text.add(token_ids)
-                    choice.logprobs += new_lps
-                    choice.token_ids += token_ids
-                    finish = None
-                    if event.finish_reason:
-                        delta += choice.text.finish()
-                        finish = event.finish_reason if event.finish_reason != "abort" else "stop"
-                        choice.finish_reason, choice.usage = finish, event.usage
-                    await queue.put(ChoiceDelta(choice, delta, new_lps, finish, token_ids))
+                    body = shape(choice, choice.add(event), event)
+                    if body is not None:
+                        await queue.put(body)
                 await queue.put(choice)  # this choice is done
             except Exception as e:  # delivered to the consumer, which owns the response
                 await queue.put(e)
@@ -159,8 +152,12 @@ class Server:
         """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
         choices, routes, started = await self.admit(req, chat)
         texts = {c.index: "" for c in choices}
-        async for d in self.run(choices, routes, started):
-            texts[d.choice.index] += d.text
+
+        def collect(choice: Choice, text: str, event: decode_pb2.GenerateEvent) -> None:
+            texts[choice.index] += text  # and nothing to send: the body is written at the end
+
+        async for _ in self.run(choices, collect, routes, started):
+            pass
         return choices, texts
 
     async def completion(self, req: CompletionRequest) -> dict:
@@ -207,33 +204,16 @@ class Server:
                         yield chunk([chat_delta(c.index, {"role": "assistant", "content": ""}, None, None)])
                     elif isinstance(req, CompletionRequest) and req.echo:
                         yield chunk([completion_choice(c.index, c.prompt_as_text(self.tokenizer), None, None)])
-                token_ids = isinstance(req, CompletionRequest) and req.return_token_ids
-                unsent_prompt = {c.index for c in choices} if token_ids else set()  # sent once, first
-                offsets = {c.index: 0 for c in choices}
-                async for item in with_keepalive(self.run(choices, routes, started), self.keepalive_interval):
+                shape = (
+                    self._completion_chunk(req, choices)
+                    if isinstance(req, CompletionRequest)
+                    else self._chat_chunk(req)
+                )
+                async for item in with_keepalive(self.run(choices, shape, routes, started), self.keepalive_interval):
                     if isinstance(item, type):  # the KeepAlive marker
                         yield KEEPALIVE_COMMENT
-                        continue
-                    c, delta, lps, finish, ids = item
-                    if chat:
-                        lp = (
-                            {"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]}
-                            if req.logprobs and lps
-                            else None
-                        )
-                        body = chat_delta(c.index, {"content": delta} if delta else {}, lp, finish)
                     else:
-                        lp = (
-                            completion_logprobs(self.tokenizer, lps, offsets[c.index])
-                            if req.logprobs is not None and lps
-                            else None
-                        )
-                        prompt_ids = list(c.request.prompt_token_ids) if c.index in unsent_prompt else None
-                        unsent_prompt.discard(c.index)
-                        body = completion_choice(c.index, delta, lp, finish, ids if token_ids else None, prompt_ids)
-                    offsets[c.index] += len(delta)
-                    if delta or finish or lp or (token_ids and ids):
-                        yield chunk([body])
+                        yield chunk([item])
                 if include_usage:
                     yield chunk([], self.usage(choices))
             except OpenAIError as e:
@@ -243,3 +223,36 @@ class Server:
             yield "data: [DONE]\n\n"
 
         return gen()
+
+    def _chat_chunk(self, req: ChatCompletionRequest) -> ChunkShape:
+        """A chat.completion.chunk's choice for each event that adds text, logprobs or the end."""
+
+        def shape(c: Choice, text: str, event: decode_pb2.GenerateEvent) -> dict | None:
+            lps = event.logprobs
+            lp = {"content": [chat_logprob_entry(self.tokenizer, x) for x in lps]} if req.logprobs and lps else None
+            if not (text or c.finish_reason or lp):
+                return None
+            return chat_delta(c.index, {"content": text} if text else {}, lp, c.finish_reason)
+
+        return shape
+
+    def _completion_chunk(self, req: CompletionRequest, choices: list[Choice]) -> ChunkShape:
+        """A text_completion chunk's choice for each event that adds text, logprobs, token ids
+        (`return_token_ids`: the prompt's go with a choice's first chunk) or the end."""
+        unsent_prompt = {c.index for c in choices} if req.return_token_ids else set()
+        offsets = {c.index: 0 for c in choices}  # where each choice's next text starts (logprobs' text_offset)
+
+        def shape(c: Choice, text: str, event: decode_pb2.GenerateEvent) -> dict | None:
+            lps = event.logprobs
+            lp = (
+                completion_logprobs(self.tokenizer, lps, offsets[c.index]) if req.logprobs is not None and lps else None
+            )
+            offsets[c.index] += len(text)
+            prompt_ids = list(c.request.prompt_token_ids) if c.index in unsent_prompt else None
+            unsent_prompt.discard(c.index)
+            ids = list(event.token_ids) if req.return_token_ids else None
+            if not (text or c.finish_reason or lp or ids):
+                return None
+            return completion_choice(c.index, text, lp, c.finish_reason, ids, prompt_ids)
+
+        return shape
