@@ -24,32 +24,13 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from pdserve.node_runtime.node_request import NodeRequests
+from pdserve.node_runtime.node_request import EngineDeadError, NodeRequests, Subscription
+
+__all__ = ["EngineDeadError", "EngineLoop"]
 
 log = logging.getLogger("pdserve.engine_loop")
-_DEAD = object()
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has died; no request on this node can make progress."""
-
-
-class Subscription(asyncio.Queue):
-    """A request's output queue; after the engine dies, `get()` raises instead of waiting forever."""
-
-    async def get(self):
-        item = await super().get()
-        if item is _DEAD:
-            self.put_nowait(_DEAD)  # every later get() raises too
-            raise EngineDeadError("the engine thread of this node died")
-        return item
-
-    def fail(self) -> None:
-        """The engine died: the next `get()` raises EngineDeadError."""
-        self.put_nowait(_DEAD)
 
 
 class EngineLoop:

@@ -16,17 +16,38 @@ listener when a writer connects) holds nothing a record has not opened and does 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 from pdserve.engine.request import Request, RequestStatus, StepOutput
-from pdserve.node_runtime.engine_loop import Subscription
 from pdserve.node_runtime.node_metrics import NodeMetrics
 from pdserve.node_runtime.vllm_metrics import RequestClock
 
 if TYPE_CHECKING:
     from pdserve.cachestore import Session, Transfer
+
+_DEAD = object()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has died; no request on this node can make progress."""
+
+
+class Subscription(asyncio.Queue):
+    """A request's output queue; after the engine dies, `get()` raises instead of waiting forever."""
+
+    async def get(self):
+        item = await super().get()
+        if item is _DEAD:
+            self.put_nowait(_DEAD)  # every later get() raises too
+            raise EngineDeadError("the engine thread of this node died")
+        return item
+
+    def fail(self) -> None:
+        """The engine died: the next `get()` raises EngineDeadError."""
+        self.put_nowait(_DEAD)
 
 
 @dataclass(eq=False)
