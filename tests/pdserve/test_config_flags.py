@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.commands.config_flags import config_flag, field_docs
+from pdserve.commands.config_flags import config_flag, field_docs, plain_flag
 from pdserve.commands.node_common import node_config
 from pdserve.commands.router import router_config
 from pdserve.node_runtime.node_config import NodeOptions, TransferOptions
@@ -24,6 +24,8 @@ class Sample:
     """Whether it runs."""
     limit: int | None = None
     """Most items (unset: no limit)."""
+    name: str = ""
+    """What it is called (unset: nothing)."""
     undocumented: int = 3
 
 
@@ -44,6 +46,26 @@ def test_help_is_the_docstring_and_the_real_default():
     assert (args.ratio, args.enabled, args.limit) == (0.25, True, None)  # unset: None, the field's default applies
     with pytest.raises(SystemExit):
         p.parse_args(["--enabled", "yes"])
+
+
+def test_flag_forms_keep_their_argparse_shape():
+    """Switches, other names and dests, a parser default kept for commands that read the namespace,
+    a default the command states itself, an optional number's type from its annotation."""
+    p = argparse.ArgumentParser()
+    switch = config_flag(p, Sample, "enabled", action="store_true")
+    both = config_flag(p, Sample, "enabled", "--with-it", dest="with_it", action=argparse.BooleanOptionalAction)
+    kept = config_flag(p, Sample, "ratio", "--share", dest="share", keep_default=True)
+    config_flag(p, Sample, "limit", stated_default=7)
+    config_flag(p, Sample, "name")
+    plain_flag(p, "--count", type=int, default=2, help="how many")
+    assert getattr(switch, "config_field") == (Sample, "enabled") and kept.dest == "share"
+    assert _help(p, "enabled") == "Whether it runs (default off)" and both.help == "Whether it runs (default off)"
+    assert _help(p, "limit") == "Most items (unset: no limit) (default 7)"
+    assert _help(p, "name") == "What it is called (unset: nothing)."  # an empty default, like None, is the docstring's
+    assert _help(p, "count") == "how many (default 2)"
+    args = p.parse_args(["--enabled", "--no-with-it", "--limit", "3"])
+    assert (args.enabled, args.with_it, args.share, args.limit, args.name, args.count) == (True, False, 0.5, 3, None, 2)
+    assert p.parse_args([]).enabled is None  # unset: the field's default applies
 
 
 def test_a_field_without_a_docstring_cannot_become_a_flag():
