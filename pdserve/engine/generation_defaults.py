@@ -28,6 +28,10 @@ KEYS = {
 """generation_config.json key -> the request field it is the default of."""
 
 
+DEFAULT_GENERATION_CONFIG = "auto"
+"""--generation-config unset: the checkpoint's generation_config.json, as vLLM reads it."""
+
+
 def generation_defaults(setting: str, model_dir: str | Path) -> dict[str, Any]:
     """The request-field defaults of `setting` for the checkpoint at `model_dir` (empty: none).
     ValueError for a directory without the file, unreadable JSON or a value no request may have."""

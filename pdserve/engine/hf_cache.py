@@ -17,6 +17,8 @@ from pathlib import Path
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 """`name` or `org/name` (huggingface_hub's repo id rules, loosely): anything else is a path."""
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+DEFAULT_REVISION = "main"
+"""The revision of a Hub id when none is given (huggingface_hub's default branch)."""
 
 
 def hub_cache_dirs(download_dir: str | None = None) -> list[Path]:
@@ -39,7 +41,7 @@ def cached_snapshot(repo_id: str, revision: str | None, cache: Path) -> Path | N
     """The snapshot directory of `repo_id` at `revision` (a branch, tag or commit; default main) in
     one cache, or None when that cache lacks it."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
-    rev = revision or "main"
+    rev = revision or DEFAULT_REVISION
     ref = repo / "refs" / rev
     if ref.is_file():
         rev = ref.read_text().strip()

@@ -13,6 +13,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+FIXED_DEFAULT_BLOCKS = 512
+"""KV blocks per stage without --num-kv-blocks or --kv-cache-memory on CUDA (stages are not profiled
+for --gpu-memory-utilization: that sizing runs in the serving engine only) and with --external-stages
+(whose `pdserve stage` ranks take the count as a flag and must agree with it); `batch_kv` sizes the
+rest. Here, with the flags, so that their help states it without importing torch."""
+DEFAULT_PREDICTED_LEN = 256
+"""A chat answer's length when the job gives no hint (`batch_lengths`, `--length-predictor`'s help):
+the order of vLLM's benchmark datasets' median."""
 RESOLVED = ("sampling_defaults", "split_by_phase")
 """Fields that are no flag: batch_main derives them."""
 

@@ -19,12 +19,8 @@ from pdserve.engine.kv_pool import kv_bytes_per_token
 from pdserve.engine.kv_sizing import available_memory_bytes, default_cpu_kv_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.weights import resolve_dtype
+from pdserve.tdpipe.runtime.batch_config import FIXED_DEFAULT_BLOCKS
 from pdserve.tdpipe.runtime.stage_split import pipeline_split
-
-FIXED_DEFAULT_BLOCKS = 512
-"""Without --num-kv-blocks or --kv-cache-memory on CUDA (stages are not profiled for
---gpu-memory-utilization: that sizing runs in the serving engine only) and with --external-stages
-(whose `pdserve stage` ranks take the count as a flag and must agree with it)."""
 
 
 class StageKvFlags(Protocol):

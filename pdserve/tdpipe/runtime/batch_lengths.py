@@ -24,10 +24,9 @@ from collections import deque
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.openai_api.protocol import ChatCompletionRequest
 from pdserve.tdpipe.predictor import BucketPredictor
+from pdserve.tdpipe.runtime.batch_config import DEFAULT_PREDICTED_LEN
 from pdserve.tdpipe.runtime.batch_io import BatchItem, LineError
 
-DEFAULT_PREDICTED_LEN = 256
-"""A chat answer's length when the job gives no hint: the order of vLLM's benchmark datasets' median."""
 STATED_WINDOW = 1024
 """How many of the latest stated max_tokens the heuristic's median is taken over (bounded memory)."""
 

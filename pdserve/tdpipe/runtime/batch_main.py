@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from pdserve.engine.generation_defaults import generation_defaults
+from pdserve.engine.generation_defaults import DEFAULT_GENERATION_CONFIG, generation_defaults
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.sharding import TPShard
 from pdserve.engine.tokenizer import Tokenizer
@@ -57,7 +57,7 @@ def run_batch(args: BatchConfig, device: dict[str, str]) -> int:
         lengths = LengthPlanner(args.length_predictor)
         # generation_config.json's sampling defaults for fields a line leaves unset, as the router applies them
         args = args.resolved(
-            sampling_defaults=generation_defaults(args.generation_config or "auto", model_dir),
+            sampling_defaults=generation_defaults(args.generation_config or DEFAULT_GENERATION_CONFIG, model_dir),
             split_by_phase=resolve_phase_split(
                 args.phase_split, device["device"], args.tensor_parallel_size, args.external_stages
             ),

@@ -29,36 +29,10 @@ from pdserve.tdpipe.executor import Phase
 from pdserve.tdpipe.runtime.last_stage import HeldRows, LastStageSampler, StageMessage
 from pdserve.tdpipe.runtime.stage_split import PipelineSplit, pipeline_split
 from pdserve.tdpipe.runtime.stage_split import stage_layer_range as stage_layer_range  # re-exported: its old home
-from pdserve.tdpipe.runtime.wire import DEFAULT_INIT_TIMEOUT_S, ControlInbox, Outbox, send_frame
+from pdserve.tdpipe.runtime.stage_config import StageConfig as StageConfig  # re-exported: its old home
+from pdserve.tdpipe.runtime.wire import ControlInbox, Outbox, send_frame
 
 CONTROLLER_RANK = 0
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    """What a stage needs besides its rank (which comes from the environment)."""
-
-    model_dir: str
-    """Checkpoint directory (every stage reads only its slice)."""
-    num_kv_blocks: int
-    """Blocks in this stage's KV pool; the controller allocates ids in [0, num_kv_blocks)."""
-    block_size: int = 16
-    device: str = "cpu"
-    """`cpu` or `cuda[:i]` (CUDA not exercised on these machines)."""
-    dtype: str = "auto"
-    num_threads: int = 1
-    attention_backend: str = "auto"
-    """`torch`, `flashinfer` (CUDA) or `auto` (flashinfer on CUDA when importable)."""
-    init_timeout: float = DEFAULT_INIT_TIMEOUT_S
-    """Seconds to wait for the other ranks at the rendezvous (`--init-timeout`)."""
-    tensor_parallel_size: int = 1
-    """Ranks of this stage (engine.parallel): this process is rank 0, which alone talks to the
-    controller and the neighbouring stages; it starts ranks 1..N-1 and drives them per batch."""
-    phase_split: bool = False
-    """Prefill batches on the equal layer split, decode steps on the head-weighted one
-    (`stage_split.PipelineSplit`); local CPU stages of one tensor-parallel rank only."""
-    kv_fd: int = -1
-    """The launcher's shared KV file (`shared_kv`), which the phase split needs when it moves layers."""
 
 
 def stage_device(device: str, rank: int, tensor_parallel_size: int = 1) -> str:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from pdserve.tdpipe.runtime.stage_config import DEFAULT_INIT_TIMEOUT_S
+
 
 class Outbox:
     """Pending isends and the tensors they read from (kept alive until complete)."""
@@ -126,9 +128,6 @@ def recv_frame(src: int) -> object:
     return _unframe(frame, src, lambda t: dist.irecv(t, src))
 
 
-DEFAULT_INIT_TIMEOUT_S = 300.0
-"""How long rank 0 waits for every stage to join (and a stage for rank 0): process start and
-`import torch` on a loaded machine, not model loading, which comes after the join."""
 _store: dist.Store | None = None
 
 
