@@ -10,8 +10,13 @@ import argparse
 import sys
 
 from pdserve.commands.batch_io_args import add_batch_io_args
+from pdserve.commands.config_flags import plain_flag
 from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
+from pdserve.commands.memory_args import add_stage_kv_memory_arg
 from pdserve.commands.serving_args import add_generation_config_arg
+from pdserve.engine.config import DTYPES
+from pdserve.tdpipe.runtime.batch_config import DEFAULT_PREDICTED_LEN, FIXED_DEFAULT_BLOCKS
+from pdserve.tdpipe.runtime.stage_config import DEFAULT_INIT_TIMEOUT_S
 from pdserve.tdpipe.simulator import CLI_NAMES
 
 POLICIES = tuple(CLI_NAMES)
@@ -48,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"pipeline stages (processes), each holding a layer slice (default: {DEFAULT_STAGES}; "
         f"with --external-stages, WORLD_SIZE - 1)",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--policy",
         default=POLICIES[0],
         choices=POLICIES,
@@ -56,7 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "in flight per stage), pp-sb (pipeline parallelism with separate batching, vLLM-style "
         "virtual engines) or pp-hb (the same with chunked-prefill hybrid batches)",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--phase-split",
         default="auto",
         choices=["auto", "on", "off"],
@@ -69,14 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="KV blocks per stage (default: from --kv-cache-memory; else on CPU a share of the available "
-        "memory split among the stages, on CUDA and with --external-stages 512)",
+        f"memory split among the stages, on CUDA and with --external-stages {FIXED_DEFAULT_BLOCKS})",
     )
-    from pdserve.commands.memory_args import add_kv_memory_args
-
-    add_kv_memory_args(p, max_model_len=False, gpu=False, offloading=False)  # --kv-cache-memory is per stage
+    add_stage_kv_memory_arg(p)
     add_generation_config_arg(p)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per prefill batch")
+    plain_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    plain_flag(p, "--max-batch-tokens", type=int, default=2048, help="tokens per prefill batch")
     p.add_argument(
         "--resume",
         action="store_true",
@@ -93,9 +98,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="do not start local stages: act as rank 0 (the controller) of a pipeline whose "
         "`pdserve stage` ranks 1..WORLD_SIZE-1 run elsewhere, meeting at MASTER_ADDR:MASTER_PORT "
         "(e.g. the Kubernetes offline overlay); RANK must be 0 or unset. The stages must be "
-        "started with the same --num-kv-blocks (default 512) and --block-size",
+        "started with the same --num-kv-blocks and --block-size (without --num-kv-blocks or "
+        f"--kv-cache-memory, both sides take {FIXED_DEFAULT_BLOCKS} blocks)",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--cost-table",
         default="auto",
         help="forward-time table the schedule is planned on: profile (time each stage's layer slice "
@@ -109,7 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="directory of a trained output-length predictor (python -m pdserve.tdpipe.train_predictor) the "
         "planner admits requests on; default: lines with max_tokens plan on it, chat lines without "
-        "it on the median of those (256 when none has one)",
+        f"it on the median of those ({DEFAULT_PREDICTED_LEN} when none has one)",
     )
     p.add_argument(
         "--profile-cache",
@@ -118,21 +125,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "size and attention backend, so a rerun skips profiling (default: $PDSERVE_CACHE_DIR/tdpipe-profiles, "
         "else ~/.cache/pdserve/tdpipe-profiles); off: always profile",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPES,
         help="weights and KV dtype of the stages (auto: float32 on CPU, the checkpoint's on GPU)",
     )
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads per stage process")
-    p.add_argument(
+    plain_flag(p, "--num-threads", type=int, default=1, help="torch threads per stage process")
+    plain_flag(
+        p,
         "--init-timeout",
         type=float,
-        default=300.0,
+        default=DEFAULT_INIT_TIMEOUT_S,
         help="seconds to wait for every stage to join the pipeline (process start, not model loading); "
         "the job then fails with exit 1",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--heartbeat-timeout",
         type=float,
         default=30.0,

@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.commands.config_flags import plain_flag
 from pdserve.tdpipe.runtime.batch_input import DEFAULT_MAX_LINE_BYTES
 
 DEFAULT_LINES_IN_FLIGHT = 4096
 
 
 def add_batch_io_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    plain_flag(
+        p,
         "--output-order",
         choices=["input", "completion"],
         default="input",
         help="input: output lines in input-line order, as vLLM's run-batch writes them (a finished line waits "
         "for the earlier ones, within --max-lines-in-flight); completion: each line as soon as it finishes",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--max-lines-in-flight",
         type=int,
         default=DEFAULT_LINES_IN_FLIGHT,
         help="input lines read but not yet written (the window the input is streamed through; it bounds "
         "memory and the input-order buffer)",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--max-line-bytes",
         type=int,
         default=DEFAULT_MAX_LINE_BYTES,
@@ -47,5 +51,5 @@ def add_batch_io_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve Prometheus metrics during the job (requests done/failed, tokens, phase, bubble fraction)",
     )
-    p.add_argument("--url", dest="metrics_host", default="0.0.0.0", help="address of the metrics server")
-    p.add_argument("--port", type=int, default=8000, help="port of the metrics server")
+    plain_flag(p, "--url", dest="metrics_host", default="0.0.0.0", help="address of the metrics server")
+    plain_flag(p, "--port", type=int, default=8000, help="port of the metrics server")

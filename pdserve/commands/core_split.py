@@ -52,7 +52,7 @@ def add_num_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-threads",
         type=num_threads_arg,
-        default=None,
+        default="auto",  # a string default goes through `type` too: unset reads as None, like `auto`
         metavar="auto|N",
         help="torch threads per node process (per rank with TP). auto (default): split the usable cores "
         "between the nodes, a prefill node weighing twice a decode node (prefill GEMMs scale with threads, "

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import re
 
+from pdserve.commands.config_flags import config_flag
 from pdserve.engine.config import EngineConfig
 
-DEVICE_ENV = "PDSERVE_DEVICE"
-BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 _DEFAULT_DEVICE = EngineConfig.device
 _DEFAULT_BACKEND = EngineConfig.attention_backend
 BACKENDS = ("auto", "torch", "cpu_paged", "flashinfer")
@@ -21,38 +20,19 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """Add --device/--attention-backend (defaults: $PDSERVE_DEVICE or cpu, $PDSERVE_ATTENTION_BACKEND or auto)."""
-    p.add_argument("--device", default=None, help=f"cpu, cuda or cuda:N (default: ${DEVICE_ENV}, else cpu)")
-    p.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=BACKENDS,
-        help=f"torch, cpu_paged (CPU), flashinfer (CUDA), or auto: flashinfer on CUDA when importable, "
-        f"cpu_paged on CPU, else torch "
-        f"(default: ${BACKEND_ENV}, else auto)",
-    )
+    """Add --device/--attention-backend (unset: EngineConfig's defaults; $PDSERVE_DEVICE and
+    $PDSERVE_ATTENTION_BACKEND set them like any flag's variable)."""
+    config_flag(p, EngineConfig, "device")
+    config_flag(p, EngineConfig, "attention_backend", choices=BACKENDS)
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser, expert_parallel: bool = True) -> None:
     """--tensor-parallel-size: the model split over N ranks, one process each (pdserve.engine.parallel);
     with `expert_parallel`, also --enable-expert-parallel (serving commands; a TD-Pipe stage splits
     experts the tensor-parallel way)."""
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=None,
-        help="split the model over N ranks, one process each (gloo on CPU, NCCL on CUDA: rank r uses "
-        "GPU index+r); must divide the attention heads and the MLP width (default 1)",
-    )
+    config_flag(p, EngineConfig, "tensor_parallel_size")
     if expert_parallel:
-        p.add_argument(
-            "--enable-expert-parallel",
-            action="store_true",
-            default=None,
-            help="a mixture-of-experts model's experts are placed whole on the tensor-parallel ranks (a "
-            "range each; N must divide the number of experts) instead of each expert being split over "
-            "all ranks; attention stays split by heads (default: off)",
-        )
+        config_flag(p, EngineConfig, "enable_expert_parallel", action="store_true")
 
 
 def resolve_device(requested: str | None) -> str:

@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.commands.config_flags import config_flag, plain_flag
 from pdserve.commands.model_args import add_model_args
 
 
+DEFAULT_MAX_TOKENS = 32
+DEFAULT_TEMPERATURE = 0.0
+"""Greedy: the same text every run (SamplingParams' own default, 1.0, is for requests)."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from pdserve.engine.sampling_params import SamplingParams
+
     p = subparsers.add_parser("generate", help="generate text offline from prompts")
     add_model_args(p)
     from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg
@@ -20,10 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_kv_memory_args(p)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: a sample prompt)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    plain_flag(p, "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate per prompt")
+    plain_flag(p, "--temperature", type=float, default=DEFAULT_TEMPERATURE, help="sampling temperature (0: greedy)")
+    config_flag(p, SamplingParams, "top_p", keep_default=True)
+    config_flag(p, SamplingParams, "seed")
     p.set_defaults(func=run)
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.commands.config_flags import config_flag, with_default
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_sizing import parse_memory_size
+from pdserve.tdpipe.runtime.batch_config import FIXED_DEFAULT_BLOCKS
 
 
 def memory_size(text: str) -> int:
@@ -46,60 +49,48 @@ def offloading_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_kv_memory_args(
-    p: argparse.ArgumentParser, *, max_model_len: bool = True, gpu: bool = True, offloading: bool = True
-) -> None:
-    """Add the flags (defaults None: EngineConfig's defaults apply); `batch` takes neither
-    --max-model-len nor --gpu-memory-utilization (its stages are not profiled) nor a host KV tier."""
+KV_CACHE_MEMORY_FLAGS = ("--kv-cache-memory", "--kv-cache-bytes")
+OFFLOADING_BACKENDS = ("native",)
+"""--kv-offloading-backend's choices, the first its default."""
+
+
+def add_kv_memory_args(p: argparse.ArgumentParser) -> None:
+    """The engine's pool flags, from EngineConfig's fields (defaults None: its defaults apply)."""
+    config_flag(p, EngineConfig, "kv_cache_bytes", *KV_CACHE_MEMORY_FLAGS, type=memory_size)
+    config_flag(p, EngineConfig, "gpu_memory_utilization", type=utilization)
+    add_max_model_len_arg(p)
+    config_flag(p, EngineConfig, "kv_offloading_bytes", "--kv-offloading-size", type=offloading_size)
     p.add_argument(
-        "--kv-cache-memory",
-        "--kv-cache-bytes",
+        "--kv-offloading-backend",
+        default=None,
+        choices=OFFLOADING_BACKENDS,
+        help=with_default(
+            "where that tier lives: native, this process's host memory, the only backend (accepted for vLLM's "
+            "command lines)",
+            OFFLOADING_BACKENDS[0],
+        ),
+    )
+
+
+def add_stage_kv_memory_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-memory of `batch` and `stage`: the pool of each pipeline stage, sized by
+    tdpipe.runtime.batch_kv (neither takes --max-model-len nor --gpu-memory-utilization: stages are
+    not profiled; nor a host KV tier)."""
+    p.add_argument(
+        *KV_CACHE_MEMORY_FLAGS,
         dest="kv_cache_bytes",
         type=memory_size,
         default=None,
-        help="KV pool size, e.g. 4GiB or 512MiB or bytes (default on CPU: a tenth of the available "
-        "memory, at most what --max-num-seqs (at most 64) sequences of --max-model-len tokens fill; on CUDA: "
-        "from --gpu-memory-utilization)",
+        help="KV pool size of each stage, e.g. 4GiB or 512MiB or bytes (default: on CPU a share of the "
+        "host's available memory split among the local stages; on CUDA and with --external-stages, "
+        f"{FIXED_DEFAULT_BLOCKS} KV blocks)",
     )
-    if gpu:
-        p.add_argument(
-            "--gpu-memory-utilization",
-            type=utilization,
-            default=None,
-            help="CUDA: share of the card this process may use; KV gets what the weights and the peak "
-            "activations of a forward at the largest batch leave (default 0.9)",
-        )
-    if max_model_len:
-        add_max_model_len_arg(p)
-    if offloading:
-        p.add_argument(
-            "--kv-offloading-size",
-            dest="kv_offloading_bytes",
-            type=offloading_size,
-            default=None,
-            help="host memory for a KV tier below the pool, in GiB (e.g. 8) or with a unit (512MiB): finished "
-            "requests' blocks are kept there and restored instead of recomputed once the pool has evicted "
-            "them (default: no tier)",
-        )
-        p.add_argument(
-            "--kv-offloading-backend",
-            default=None,
-            choices=("native",),
-            help="where that tier lives: native, this process's host memory, the only backend (accepted for "
-            "vLLM's command lines; default native)",
-        )
 
 
-def add_max_model_len_arg(p: argparse.ArgumentParser) -> None:
-    """--max-model-len: the engine's (with the KV flags above), and the router's ceiling on it."""
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output; refused at start when the KV pool cannot hold it "
-        "(default: the model's max_position_embeddings, lowered to what the pool holds; on the router: "
-        "a ceiling on what its nodes report)",
-    )
+def add_max_model_len_arg(p: argparse.ArgumentParser, config: type = EngineConfig) -> None:
+    """--max-model-len: the engine's (with the KV flags above), and the router's ceiling on it
+    (`config` RouterConfig)."""
+    config_flag(p, config, "max_model_len")
 
 
 def kv_memory_options(args: argparse.Namespace) -> dict:

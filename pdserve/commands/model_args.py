@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.engine.config import DTYPE_ALIASES, DTYPES
+from pdserve.commands.config_flags import config_flag, with_default
+from pdserve.engine.config import DTYPE_ALIASES, DTYPES, EngineConfig
+from pdserve.engine.hf_cache import DEFAULT_REVISION
 
 
 def dtype_name(text: str) -> str:
@@ -19,23 +21,20 @@ def dtype_name(text: str) -> str:
     return DTYPE_ALIASES.get(text, text)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --tokenizer, --revision, --download-dir, --dtype."""
+def add_model_args(p: argparse.ArgumentParser, config: type = EngineConfig) -> None:
+    """--model, --tokenizer, --revision, --download-dir, --dtype; `config` is the one the command
+    builds (the router's RouterConfig takes the tokenizer)."""
     p.add_argument(
         "--model",
         default=None,
         help="Hugging Face checkpoint directory, or a Hub id (org/name) already in the local HF cache "
         "(default: the built-in tiny model)",
     )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer directory or cached Hub id, when not the model's own (default: --model)",
-    )
+    config_flag(p, config, "tokenizer")
     p.add_argument(
         "--revision",
         default=None,
-        help="branch, tag or commit of a Hub id --model in the cache (default: main)",
+        help=with_default("branch, tag or commit of a Hub id --model in the cache", DEFAULT_REVISION),
     )
     p.add_argument(
         "--download-dir",
@@ -43,14 +42,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="the Hugging Face cache to find Hub ids in (default: $HF_HUB_CACHE, else $HF_HOME/hub, "
         "else ~/.cache/huggingface/hub); nothing is downloaded",
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        type=dtype_name,
-        choices=list(DTYPES),
-        help="auto (float32 on CPU, the checkpoint's dtype on GPU; the default), float32 (alias float), "
-        "bfloat16, float16 (alias half)",
-    )
+    config_flag(p, EngineConfig, "dtype", type=dtype_name, choices=list(DTYPES))
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -15,26 +16,31 @@ from pdserve.commands.device_args import add_device_args, add_tensor_parallel_ar
 from pdserve.commands.memory_args import add_kv_memory_args
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.serving_args import add_scheduler_args, add_served_name_args
-from pdserve.engine.config import Preemption
-from pdserve.node_runtime.discovery import Role
+from pdserve.commands.discovery_args import add_discovery_args
+from pdserve.engine.config import EngineConfig, Preemption
+from pdserve.node_runtime.discovery import DiscoveryConfig, Role
+from pdserve.node_runtime.node_config import (
+    ROLE_ENGINE_DEFAULTS,
+    ROLE_PORTS,
+    NodeConfig,
+    NodeOptions,
+    TransferOptions,
+    role_defaults,
+)
+from pdserve.node_runtime.tls_options import ClusterTLSOptions
 
 if TYPE_CHECKING:  # the CLI imports no node code until a node runs
     from pdserve.node_runtime.node import Node
-    from pdserve.node_runtime.node_config import NodeConfig
 
 
 def add_kv_reuse_arg(p: argparse.ArgumentParser) -> None:
     """--kv-reuse, for a node or for every node of `up`. Unset, nothing is passed on and the node
     takes NodeOptions' default."""
-    from pdserve.node_runtime.node_config import NodeOptions
-
     config_flag(p, NodeOptions, "kv_reuse")
 
 
 def add_decode_kv_args(p: argparse.ArgumentParser) -> None:
     """--local-prefill-max-tokens and --kv-pull-min-blocks, for a decode node or every decode node of `up`."""
-    from pdserve.node_runtime.node_config import NodeOptions
-
     config_flag(p, NodeOptions, "local_prefill_max_tokens")
     config_flag(p, NodeOptions, "kv_pull_min_blocks")
 
@@ -42,82 +48,53 @@ def add_decode_kv_args(p: argparse.ArgumentParser) -> None:
 CLI_TRANSPORTS = (Transport.AUTO.value, Transport.TCP.value, Transport.RDMA.value)
 """--transport choices; `local` (both ends in one process) is for tests through the Python API."""
 
-ROLE_ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
-    "prefill": {"max_num_batched_tokens": 8192},  # prompts up to this size run in one step
-    "decode": {"preemption": "never"},  # a decode node never drops KV to make room: it refuses admission
-}
-"""Where a node role departs from EngineConfig's defaults (a flag still overrides them)."""
-ROLE_PORTS = {"prefill": 50061, "decode": 50071}
-"""Each role's default gRPC port, so that one of each runs on a host without flags."""
-
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     """Flags of NodeConfig, one per field (EngineConfig's are named after its fields, `--model` for
     model_dir); every default is None so that the dataclass default applies (see node_config)."""
-    from pdserve.node_runtime.node_config import NodeOptions, TransferOptions
-
     add_model_args(p)
     add_served_name_args(p)  # the model_name label of the node's metrics
     add_device_args(p)
     add_engine_args(p)
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=None, help=f"gRPC port (0: pick a free one; default {ROLE_PORTS[role]})")
+    config_flag(p, NodeOptions, "host")
+    config_flag(p, NodeOptions, "port", stated_default=ROLE_PORTS[role])
     config_flag(p, NodeOptions, "metrics_port")
     config_flag(p, TransferOptions, "transport", choices=CLI_TRANSPORTS)
-    p.add_argument("--cluster-secret", default=None, help="shared secret (default: $PDSERVE_CLUSTER_SECRET)")
+    config_flag(p, NodeOptions, "cluster_secret")
     config_flag(p, NodeOptions, "drain_timeout")
     config_flag(p, TransferOptions, "kv_timeout")
     config_flag(p, TransferOptions, "peer_timeout")
     config_flag(p, NodeOptions, "log_level")
-    p.add_argument(
-        "--advertise-host",
-        default=None,
-        help="host others use to reach this node (default: $POD_IP, else --host, or the hostname "
-        "if --host is a wildcard)",
-    )
+    config_flag(p, NodeOptions, "advertise_host")
     add_kv_reuse_arg(p)
     for name in ("rdma_device", "rdma_port", "rdma_gid_index", "rdma_qps"):
-        config_flag(p, TransferOptions, name, type=str if name == "rdma_device" else int)
+        config_flag(p, TransferOptions, name)
     add_cluster_tls_args(p)
-    from pdserve.node_runtime.discovery import add_discovery_args
-
     add_discovery_args(p)
 
 
 def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
     """Mutual TLS on the cluster's gRPC and CacheStore links (node_runtime.cluster_tls): all three or none."""
-    p.add_argument(
-        "--cluster-tls-cert", default=None, help="this process's certificate (PEM) for cluster gRPC and CacheStore"
-    )
-    p.add_argument("--cluster-tls-key", default=None, help="its private key (PEM)")
-    p.add_argument(
-        "--cluster-tls-ca", default=None, help="the cluster CA (PEM): peers must present a certificate it signed"
-    )
+    for field in dataclasses.fields(ClusterTLSOptions):
+        config_flag(p, ClusterTLSOptions, field.name)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The EngineConfig fields not covered by add_model_args/add_device_args (layer_range is for
     pipeline stages, not nodes)."""
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the memory flags)"
-    )
+    config_flag(p, EngineConfig, "num_kv_blocks")
     add_kv_memory_args(p)  # with --max-model-len, which the pool's fit check reads
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    config_flag(p, EngineConfig, "block_size")
     add_scheduler_args(p)
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse the KV of cached prompt prefixes (default on)",
+    config_flag(p, EngineConfig, "enable_prefix_caching", action=argparse.BooleanOptionalAction)
+    config_flag(
+        p,
+        EngineConfig,
+        "preemption",
+        choices=tuple(m.value for m in Preemption),
+        stated_default=role_defaults("preemption"),
     )
-    p.add_argument(
-        "--preemption",
-        default=None,
-        choices=("recompute", "never"),
-        help="under KV pressure: recompute (free the newest request, rerun it later; prefill default) "
-        "or never (admission reserves every block; the only choice on decode nodes)",
-    )
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+    config_flag(p, EngineConfig, "num_threads")
     add_tensor_parallel_arg(p)
 
 
@@ -125,10 +102,7 @@ def node_config(args: argparse.Namespace, role: str) -> NodeConfig:
     """The one NodeConfig of a `pdserve prefill|decode` process, from its parsed flags (which
     configargparse already merged with PDSERVE_* and --config). A bad value exits 2 with the reason."""
     from pdserve.engine.builtin import default_model_dir
-    from pdserve.engine.config import EngineConfig
     from pdserve.node_runtime.config import flag_values
-    from pdserve.node_runtime.discovery import DiscoveryConfig
-    from pdserve.node_runtime.node_config import NodeConfig, NodeOptions, TransferOptions
 
     try:
         engine = {

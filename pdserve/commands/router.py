@@ -69,24 +69,24 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from pdserve.router.config import RouterConfig
+    from pdserve.router.config import ClusterOptions, RouterConfig
     from pdserve.router.deadlines import Deadlines
 
-    from pdserve.node_runtime.discovery import add_discovery_args
+    from pdserve.commands.discovery_args import add_discovery_args
 
     p = subparsers.add_parser("router", help="run the OpenAI-compatible router")
-    add_model_args(p)
+    add_model_args(p, RouterConfig)
     add_discovery_args(p)
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    config_flag(p, RouterConfig, "host")
+    config_flag(p, RouterConfig, "port")
     add_served_name_args(p)
     add_frontend_args(p)
-    add_max_model_len_arg(p)
+    add_max_model_len_arg(p, RouterConfig)
     add_api_key_args(p)
-    p.add_argument("--cluster-secret", default=None, help="shared node secret (default: $PDSERVE_CLUSTER_SECRET)")
-    p.add_argument("--ssl-certfile", default=None)
-    p.add_argument("--ssl-keyfile", default=None)
-    config_flag(p, RouterConfig, "max_prompt_tokens", type=int)
+    config_flag(p, ClusterOptions, "cluster_secret")
+    config_flag(p, RouterConfig, "ssl_certfile")
+    config_flag(p, RouterConfig, "ssl_keyfile")
+    config_flag(p, RouterConfig, "max_prompt_tokens")
     config_flag(p, RouterConfig, "graceful_timeout")
     config_flag(p, Deadlines, "token_timeout")
     config_flag(p, Deadlines, "itl_factor")
@@ -97,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_connection_args(p)
     add_cluster_tls_args(p)
     add_routing_args(p)
-    p.add_argument("--log-level", default=None, help="default info")
+    config_flag(p, RouterConfig, "log_level")
     p.set_defaults(func=run)
 
 

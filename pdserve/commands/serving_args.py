@@ -13,6 +13,8 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pdserve.commands.config_flags import config_flag
+
 if TYPE_CHECKING:  # the CLI imports no serving code until a command runs
     from pdserve.engine.tokenizer import Tokenizer
     from pdserve.router.config import RouterConfig
@@ -31,31 +33,18 @@ NODE_FLAGS = (
 
 
 def add_served_name_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="model names clients may use (several: each is accepted and listed in /v1/models; the first "
-        "labels the metrics; default: the Hub id given to --model, else the model directory's name)",
-    )
+    from pdserve.router.config import RouterConfig
+
+    config_flag(p, RouterConfig, "served_model_name", nargs="+", metavar="NAME")
 
 
 def add_frontend_args(p: argparse.ArgumentParser) -> None:
     """The router's: how a request becomes a prompt and sampling parameters, and what usage reports."""
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template, or a file holding one, used instead of the checkpoint's",
-    )
+    from pdserve.router.config import RouterConfig
+
+    config_flag(p, RouterConfig, "chat_template")
     add_generation_config_arg(p)
-    p.add_argument(
-        "--enable-prompt-tokens-details",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="report usage.prompt_tokens_details.cached_tokens (default on, as OpenAI does; "
-        "--no-enable-prompt-tokens-details leaves it out, vLLM's default)",
-    )
+    config_flag(p, RouterConfig, "enable_prompt_tokens_details", action=argparse.BooleanOptionalAction)
     p.add_argument(
         "--disable-log-requests",
         action="store_true",
@@ -65,28 +54,21 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
-    """--generation-config, shared by the router and `pdserve batch` (both build sampling parameters)."""
-    p.add_argument(
-        "--generation-config",
-        default=None,
-        metavar="auto|vllm|DIR",
-        help="sampling defaults for requests that leave a field unset: auto reads the model's "
-        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
-        "vllm ignores it, DIR reads DIR/generation_config.json (default auto, as vLLM)",
-    )
+    """--generation-config, shared by the router and `pdserve batch` (both build sampling parameters;
+    the batch job, unset, takes the same default)."""
+    from pdserve.router.config import RouterConfig
+
+    config_flag(p, RouterConfig, "generation_config", metavar="auto|vllm|DIR")
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     """The engine's batch limits and seed (nodes; `up` passes them on)."""
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default 256)")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget per step; longer prompts are prefilled in chunks "
-        "(default: 8192 on prefill nodes, 2048 on decode nodes)",
-    )
-    p.add_argument("--seed", type=int, default=None, help="sampling seed of the engine (default 0)")
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node_runtime.node_config import role_defaults
+
+    config_flag(p, EngineConfig, "max_num_seqs")
+    config_flag(p, EngineConfig, "max_num_batched_tokens", stated_default=role_defaults("max_num_batched_tokens"))
+    config_flag(p, EngineConfig, "seed")
 
 
 def load_frontend(config: RouterConfig) -> tuple[Tokenizer, dict]:

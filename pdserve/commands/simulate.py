@@ -7,26 +7,37 @@ import bisect
 import sys
 from pathlib import Path
 
+from pdserve.commands.config_flags import config_flag, plain_flag
+
+
+DEFAULT_POLICIES = ("td-pipe", "pp+sb", "pp+hb")
+DEFAULT_REQUESTS = 1000
+"""A quick run (WorkloadConfig's own default, 5000, is the paper's job size)."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from pdserve.tdpipe.config import InstanceConfig
+    from pdserve.tdpipe.workload import WorkloadConfig
+
     p = subparsers.add_parser("simulate", help="simulate TD-Pipe vs pipeline-parallel baselines")
     p.add_argument(
         "--policy",
         action="append",
-        help="policy to run (repeatable; default: td-pipe, pp+sb, pp+hb; 'all' for every one)",
+        help=f"policy to run (repeatable; default: {', '.join(DEFAULT_POLICIES)}; 'all' for every one)",
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--table",
         default="auto",
         help="cost table: a CSV path, a name in tdpipe/data/ (e.g. L20-Llama-13B once downloaded, "
         "cpu-tiny), 'analytic' (GPU-like built-in) or 'auto' (L20-Llama-13B if present, else analytic)",
     )
-    p.add_argument("--requests", type=int, default=1000, help="synthetic ShareGPT-like requests")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--capacity-blocks", type=int, default=11250, help="KV blocks of the instance")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--timeline-points", type=int, default=10, help="KV-usage samples to print")
+    plain_flag(p, "--requests", type=int, default=DEFAULT_REQUESTS, help="synthetic ShareGPT-like requests")
+    config_flag(p, WorkloadConfig, "seed", keep_default=True)
+    config_flag(p, InstanceConfig, "num_stages", "--stages", dest="stages", keep_default=True)
+    config_flag(p, InstanceConfig, "capacity_blocks", keep_default=True)
+    config_flag(p, InstanceConfig, "block_size", keep_default=True)
+    plain_flag(p, "--timeline-points", type=int, default=10, help="KV-usage samples to print")
     p.add_argument("--plot", default=None, help="write a PNG of KV usage over time (paper Fig. 12 style)")
     p.set_defaults(func=run)
 
@@ -42,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.tdpipe.simulator import POLICIES, plot_kv_usage, simulate
     from pdserve.tdpipe.workload import WorkloadConfig, generate
 
-    policies = args.policy or ["td-pipe", "pp+sb", "pp+hb"]
+    policies = args.policy or list(DEFAULT_POLICIES)
     if "all" in policies:
         policies = list(POLICIES)
     try:

@@ -5,34 +5,33 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.commands.config_flags import config_flag
 from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from pdserve.commands.memory_args import add_stage_kv_memory_arg
+    from pdserve.engine.config import DTYPES
+    from pdserve.tdpipe.runtime.batch_config import FIXED_DEFAULT_BLOCKS
+    from pdserve.tdpipe.runtime.stage_config import StageConfig
+
     p = subparsers.add_parser("stage", help="run one offline pipeline stage (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE)")
     p.add_argument("--model-dir", required=True, help="checkpoint directory (the stage loads only its layers)")
     p.add_argument(
         "--num-kv-blocks",
         type=int,
         default=None,
-        help="KV blocks per stage, as the controller's (default: from --kv-cache-memory, else 512)",
+        help=f"KV blocks per stage, as the controller's (default: from --kv-cache-memory, else {FIXED_DEFAULT_BLOCKS})",
     )
-    from pdserve.commands.memory_args import add_kv_memory_args
-
-    add_kv_memory_args(p, max_model_len=False, gpu=False, offloading=False)  # the same count as `pdserve batch` derives
-    p.add_argument("--block-size", type=int, default=16)
+    add_stage_kv_memory_arg(p)  # the same count as `pdserve batch` derives
+    config_flag(p, StageConfig, "block_size", keep_default=True)
     add_device_args(p)  # a bare `cuda` gives each stage its own N GPUs ($LOCAL_RANK, else stage index)
     add_tensor_parallel_arg(
         p, expert_parallel=False
     )  # this stage is a group of N rank processes; this one talks to the pipeline
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads of this stage")
-    p.add_argument(
-        "--init-timeout",
-        type=float,
-        default=300.0,
-        help="seconds to wait for rank 0 (the controller) at MASTER_ADDR:MASTER_PORT before giving up",
-    )
+    config_flag(p, StageConfig, "dtype", choices=DTYPES, keep_default=True)
+    config_flag(p, StageConfig, "num_threads", keep_default=True)
+    config_flag(p, StageConfig, "init_timeout", keep_default=True)
     # set by the local launcher of `pdserve batch` only (stage_worker.StageConfig): its stages share a
     # KV file it creates, which stages started elsewhere cannot map
     p.add_argument("--phase-split", action="store_true", help=argparse.SUPPRESS)
@@ -42,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.engine.parallel.group import RankFailure
-    from pdserve.tdpipe.runtime.stage_worker import StageConfig, main_from_env
+    from pdserve.tdpipe.runtime.stage_config import StageConfig
+    from pdserve.tdpipe.runtime.stage_worker import main_from_env
     from pdserve.tdpipe.runtime.wire import RendezvousTimeout
 
     try:

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.commands.config_flags import config_flag, plain_flag
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
@@ -35,6 +36,10 @@ READY_TIMEOUT = 180.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node_runtime.node_config import TransferOptions
+    from pdserve.router.config import RouterConfig
+
     p = subparsers.add_parser("up", help="start router + prefill + decode nodes on 127.0.0.1")
     add_model_args(p)
     from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg
@@ -46,24 +51,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_served_name_args(p)
     add_frontend_args(p)  # the router's
     add_scheduler_args(p)  # each node's
-    p.add_argument(
-        "--num-prefill", type=int, default=1, help="prefill nodes (0: decode-only nodes prefill every prompt)"
+    plain_flag(
+        p, "--num-prefill", type=int, default=1, help="prefill nodes (0: decode-only nodes prefill every prompt)"
     )
-    p.add_argument("--num-decode", type=int, default=2)
+    plain_flag(p, "--num-decode", type=int, default=2, help="decode nodes")
     add_kv_reuse_arg(p)
     add_decode_kv_args(p)
-    p.add_argument("--transport", default="tcp", choices=CLI_TRANSPORTS)
-    p.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    p.add_argument(
+    config_flag(p, TransferOptions, "transport", choices=CLI_TRANSPORTS, keep_default=True)
+    config_flag(p, RouterConfig, "port", keep_default=True)
+    plain_flag(
+        p,
         "--host",
-        default="127.0.0.1",
+        default=RouterConfig.host,
         help="address the router binds (0.0.0.0 in a container whose port is published); "
         "the nodes always stay on 127.0.0.1",
     )
-    p.add_argument(
-        "--base-port", type=int, default=0, help="first gRPC port for the nodes (0: let each pick a free port)"
+    plain_flag(
+        p, "--base-port", type=int, default=0, help="first gRPC port for the nodes (0: let each pick a free port)"
     )
-    p.add_argument(
+    plain_flag(
+        p,
         "--metrics-base-port",
         type=int,
         default=0,
@@ -78,15 +85,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             f"--{role}-tensor-parallel-size",
             type=int,
             default=None,
-            help=f"tensor-parallel ranks of each {role} node (default: --tensor-parallel-size, else 1)",
+            help=f"tensor-parallel ranks of each {role} node (default: --tensor-parallel-size, "
+            f"else {EngineConfig.tensor_parallel_size})",
         )
-    p.add_argument(
+    plain_flag(
+        p,
         "--max-restarts",
         type=int,
         default=5,
         help="a process restarted this many times within --restart-window seconds stops the cluster",
     )
-    p.add_argument("--restart-window", type=float, default=60.0)
+    plain_flag(p, "--restart-window", type=float, default=60.0, help="seconds that --max-restarts counts over")
     p.add_argument(
         "--cluster-tls",
         action="store_true",

@@ -28,19 +28,21 @@ class EngineConfig:
     model_dir: str | Path
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
     tokenizer: str | Path | None = None
-    """Directory of the tokenizer (tokenizer.json, tokenizer_config.json) when not the checkpoint's."""
+    """Directory of the tokenizer (tokenizer.json, tokenizer_config.json) when not the checkpoint's;
+    on the command line also a Hub id already in the local HF cache (unset: the model's own)."""
     dtype: str = "auto"
-    """auto (float32 on CPU, checkpoint dtype on GPU), float32, bfloat16 or float16 (or an alias:
-    half, float)."""
+    """auto (float32 on CPU, the checkpoint's dtype on GPU), float32 (alias float), bfloat16 or
+    float16 (alias half)."""
     device: str = "cpu"
+    """cpu, cuda or cuda:N."""
     block_size: int = 16
     """Tokens per KV block."""
     num_kv_blocks: int | None = None
-    """Exact number of KV blocks; default derives from kv_cache_bytes / gpu_memory_utilization."""
+    """Exact number of KV blocks, overriding the memory flags (unset: the pool is sized from them)."""
     kv_cache_bytes: int | None = None
-    """KV pool budget in bytes (`--kv-cache-memory`). Default on CPU: a tenth of the host's available
-    memory, capped at what max_num_seqs (at most 64) sequences of max_model_len tokens fill; on CUDA: profiled
-    from gpu_memory_utilization (see engine.kv_sizing)."""
+    """KV pool size (`--kv-cache-memory`: e.g. 4GiB, 512MiB or bytes). Unset: on CPU a tenth of the
+    host's available memory, at most what --max-num-seqs (at most 64) sequences of --max-model-len
+    tokens fill; on CUDA profiled from --gpu-memory-utilization (see engine.kv_sizing)."""
     gpu_memory_utilization: float = 0.9
     """CUDA: the share of the card this process may use; the KV pool gets what weights and the peak
     activations of a forward at the largest batch leave of it (as vLLM sizes it)."""
@@ -51,35 +53,43 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step; longer prompts are prefilled in chunks."""
     max_model_len: int | None = None
-    """Longest prompt + output; default the model's max_position_embeddings."""
+    """Longest prompt + output; refused at start when the KV pool cannot hold it (unset: the model's
+    max_position_embeddings, lowered to what the pool holds)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV of cached prompt prefixes."""
     preemption: str = Preemption.RECOMPUTE.value
     """recompute: under KV pressure free the newest request and recompute it later.
     never: a request's KV is never dropped; admission reserves blocks for prompt +
-    max_tokens and is refused when they do not fit (decode nodes)."""
+    max_tokens and is refused when they do not fit (the only choice on decode nodes)."""
     attention_backend: str = "auto"
-    """auto (cpu_paged on CPU, torch elsewhere), torch (reference, any device), cpu_paged (C++ op
-    reading KV pages in place; CPU) or flashinfer (CUDA)."""
+    """torch (reference, any device), cpu_paged (C++ op reading KV pages in place; CPU), flashinfer
+    (CUDA), or auto: flashinfer on CUDA when importable (and the KV dtype is float16 or bfloat16),
+    cpu_paged on CPU, else torch."""
     layer_range: tuple[int, int] | None = None
     """Load only these layers (pipeline stage); with tensor_parallel_size > 1 each rank loads its
     shard of them (a TD-Pipe stage that is a tensor-parallel group)."""
     seed: int = 0
+    """Sampling seed of the engine."""
     num_threads: int | None = None
-    """torch intra-op threads (default: torch's choice; with tensor parallelism on CPU, the host's
-    cores shared out over the ranks)."""
+    """torch intra-op threads of this process (unset: torch's choice; with tensor parallelism on CPU,
+    the host's cores shared out over the ranks)."""
     tensor_parallel_size: int = 1
-    """Ranks the model is split over (pdserve.engine.parallel): one process each, this one rank 0."""
+    """Ranks the model is split over (pdserve.engine.parallel), one process each, this one rank 0
+    (gloo on CPU, NCCL on CUDA: rank r uses GPU index+r); must divide the attention heads and the
+    MLP width."""
     dist_timeout: float = 120.0
     """Seconds one tensor-parallel collective may take before the group is declared broken (a rank
     hung): the node then reports NOT_SERVING and exits, and its supervisor restarts it (SGLang's
     `--dist-timeout`). Start-up (rendezvous, the agreement on the KV pool) has its own, longer bound."""
     enable_expert_parallel: bool = False
-    """A mixture-of-experts model's experts are placed whole on the ranks (a range each) instead of
-    each expert being split over all of them (vLLM's `--enable-expert-parallel`)."""
+    """A mixture-of-experts model's experts are placed whole on the tensor-parallel ranks (a range
+    each; the ranks must divide the number of experts) instead of each expert being split over all
+    of them; attention stays split by heads (vLLM's `--enable-expert-parallel`)."""
     kv_offloading_bytes: int | None = None
-    """Host memory for a KV tier below the pool (`--kv-offloading-size`, GiB on the command line, as
-    vLLM's): finished requests' blocks are copied there and restored instead of recomputed once the
-    pool has evicted them (pdserve.engine.kv_tier). None: no tier."""
+    """Host memory for a KV tier below the pool (`--kv-offloading-size`: GiB as a plain number, as
+    vLLM's, e.g. 8, or with a unit, e.g. 512MiB): finished requests' blocks are copied there and
+    restored instead of recomputed once the pool has evicted them (pdserve.engine.kv_tier; unset: no
+    tier)."""
     rank_service: str = ""
     """"module:factory" of a side service every rank other than 0 runs (engine.parallel.rank_commands),
     e.g. a node's per-rank KV endpoint; empty: none."""

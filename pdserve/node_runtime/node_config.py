@@ -39,12 +39,29 @@ DEFAULT_KV_PULL_MIN_BLOCKS = 1
 model a pulled block costs a few ms where recomputing it costs tens, so a pull pays from one block."""
 
 
+ROLE_ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
+    "prefill": {"max_num_batched_tokens": 8192},  # prompts up to this size run in one step
+    "decode": {"preemption": "never"},  # a decode node never drops KV to make room: it refuses admission
+}
+"""Where a node role departs from EngineConfig's defaults (a flag still overrides them)."""
+ROLE_PORTS = {"prefill": 50061, "decode": 50071}
+"""Each role's default gRPC port, so that one of each runs on a host without flags."""
+
+
+def role_defaults(field: str) -> str:
+    """EngineConfig.`field`'s default on each node role, as a flag's help states it."""
+    return ", ".join(
+        f"{ROLE_ENGINE_DEFAULTS[role].get(field, getattr(EngineConfig, field))} on {role} nodes"
+        for role in ROLE_ENGINE_DEFAULTS
+    )
+
+
 @dataclass(frozen=True)
 class NodeOptions(ClusterTLSOptions):
     """Process-level options of a node (the engine's own live in EngineConfig)."""
 
     host: str = "127.0.0.1"
-    """Address the gRPC server (and a decode node's CacheStore listener) binds."""
+    """Address the gRPC server (and a decode node's CacheStore listener) binds (0.0.0.0 in containers)."""
     port: int = 0
     """gRPC port (0: pick a free one)."""
     metrics_port: int = 0
@@ -54,7 +71,8 @@ class NodeOptions(ClusterTLSOptions):
     drain_timeout: float = 30.0
     """Seconds in-flight requests may finish after SIGTERM."""
     advertise_host: str | None = None
-    """Host peers use to reach this node (None: `host`); a decode node puts it in KV credentials."""
+    """Host others use to reach this node, which a decode node also puts in its KV credentials (unset:
+    $POD_IP, else --host, or the hostname if --host is a wildcard)."""
     colocated: bool = False
     """Accepted for compatibility: a decode node always prefills a request that names no prefill node."""
     kv_reuse: bool = True

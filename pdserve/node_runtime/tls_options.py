@@ -15,11 +15,11 @@ class ClusterTLSOptions:
     """Files for mutual TLS on cluster gRPC: all three, or none (plaintext)."""
 
     cluster_tls_cert: str | None = None
-    """This process's certificate (PEM)."""
+    """This process's certificate (PEM) for cluster gRPC and CacheStore (unset: plaintext)."""
     cluster_tls_key: str | None = None
     """Its private key (PEM)."""
     cluster_tls_ca: str | None = None
-    """The cluster CA (PEM) that every peer's certificate must chain to."""
+    """The cluster CA (PEM): peers must present a certificate it signed."""
 
     def __post_init__(self) -> None:
         if len([x for x in (self.cluster_tls_cert, self.cluster_tls_key, self.cluster_tls_ca) if x]) not in (0, 3):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.node_runtime.discovery import DiscoveryConfig
+from pdserve.engine.generation_defaults import DEFAULT_GENERATION_CONFIG
 from pdserve.node_runtime.tls_options import ClusterTLSOptions
 from pdserve.router.admission import DEFAULT_MAX_WAITING, check_limit
 from pdserve.router.deadlines import Deadlines
@@ -52,30 +53,40 @@ class RouterConfig:
     model_dir: str | Path
     """Checkpoint directory: the router needs its tokenizer, chat template and context length."""
     served_model_name: tuple[str, ...] = ()
-    """Model ids clients may use, the first labels the metrics (empty: the model directory's name)."""
+    """Model names clients may use (several: each is accepted and listed in /v1/models; the first
+    labels the metrics; unset: the Hub id given to --model, else the model directory's name)."""
     tokenizer: str | Path | None = None
-    """Tokenizer directory when not the checkpoint's."""
+    """Tokenizer directory, or a Hub id already in the local HF cache, when not the checkpoint's
+    (unset: the model's own)."""
     chat_template: str | None = None
-    """--chat-template: a template or a file holding one, instead of the checkpoint's."""
-    generation_config: str = "auto"
-    """auto | vllm | DIR: where the sampling defaults come from (pdserve.engine.generation_defaults)."""
+    """A Jinja chat template, or a file holding one, used instead of the checkpoint's."""
+    generation_config: str = DEFAULT_GENERATION_CONFIG
+    """Sampling defaults for requests that leave a field unset: auto reads the model's
+    generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as
+    vLLM does; vllm ignores it; DIR reads DIR/generation_config.json (pdserve.engine.generation_defaults)."""
     enable_prompt_tokens_details: bool = True
-    """Report usage.prompt_tokens_details.cached_tokens (vLLM reports it only with the flag)."""
+    """Report usage.prompt_tokens_details.cached_tokens, as OpenAI does (--no-enable-prompt-tokens-details
+    leaves it out, vLLM's default)."""
     max_model_len: int | None = None
-    """A ceiling on the context the nodes report (None: theirs)."""
+    """A ceiling on the context length the nodes report (unset: theirs)."""
     host: str = "127.0.0.1"
+    """Address the router binds (0.0.0.0 in a container whose port is published)."""
     port: int = 8000
+    """HTTP port of the router (the OpenAI API, /health and /metrics)."""
     api_keys: tuple[str, ...] = ()
     """Accepted Bearer keys; none: the API is open."""
     key_limits: KeyLimits = field(default_factory=KeyLimits)
     """Per-key in-flight and per-minute limits (429; router/key_limits.py)."""
     ssl_certfile: str | None = None
+    """HTTPS: the router's certificate (PEM; unset: plain HTTP)."""
     ssl_keyfile: str | None = None
+    """HTTPS: the certificate's private key (PEM)."""
     max_prompt_tokens: int | None = None
     """Refuse longer prompts with a 400 (unset: only the model's context length bounds them)."""
     graceful_timeout: float = 30.0
     """Seconds open streams may finish after SIGTERM before they are cut."""
     log_level: str = "info"
+    """Logging level of the router process: debug, info, warning or error."""
     sse_keepalive: float = 15.0
     """Seconds without a token before a stream sends an SSE keep-alive comment (`: keep-alive`)."""
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)

@@ -20,9 +20,10 @@ class InstanceConfig:
     num_stages: int = 4
     """Pipeline stages (devices)."""
     capacity_blocks: int = 11250
-    """KV blocks of the instance. Default: 180k tokens, about what 4x L20 (48 GB)
-    hold for Llama-13B after weights at 0.9 memory utilisation."""
+    """KV blocks of the instance (the default, 180k tokens, is about what 4x L20 (48 GB) hold for
+    Llama-13B after weights at 0.9 memory utilisation)."""
     block_size: int = 16
+    """Tokens per KV block."""
     max_batch_tokens: int = 2048
     """Token budget of one prefill (or hybrid) batch."""
     max_num_seqs: int = 256

@@ -33,6 +33,7 @@ class WorkloadConfig:
     predictor_accuracy: float = 0.55
     """Probability that the simulated prediction hits the true bucket."""
     seed: int = 0
+    """Seed of the synthetic workload's random generator."""
 
     def __post_init__(self) -> None:
         require_positive(self, "num_requests", "input_median", "output_median")

@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.node_runtime.discovery import (
-    DiscoveryConfig,
-    add_discovery_args,
-    discovery_from_config,
-)
+from pdserve.commands.discovery_args import add_discovery_args
+from pdserve.node_runtime.discovery import DiscoveryConfig, discovery_from_config
 from pdserve.node_runtime.discovery.nacos import NacosDiscovery
 from tests.discovery.nacos_auth_standin import (
     ACCESS_KEY,

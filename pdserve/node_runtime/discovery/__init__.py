@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import enum
 import logging
 import sys
@@ -45,32 +44,38 @@ class DiscoveryConfig:
     """How a process finds (router) or announces (nodes) cluster members."""
 
     discovery: str = "static"
-    """One of KINDS."""
+    """Membership source: static (the --prefill/--decode lists), nacos or k8s."""
     prefill: str = ""
     """static: comma-separated prefill HOST:PORT list."""
     decode: str = ""
     """static: comma-separated decode HOST:PORT list."""
     nacos_server: str = "127.0.0.1:8848"
+    """nacos: server HOST:PORT or https://HOST:PORT, comma-separated for several."""
     nacos_namespace: str = ""
+    """nacos: namespace id."""
     nacos_service: str = "pdserve"
     """nacos: service name prefix."""
     nacos_username: str = ""
     """nacos: user to log in as (Nacos auth); needs a password."""
     nacos_password: str = field(default="", repr=False)
-    """nacos: that user's password (kept out of repr; never logged)."""
+    """nacos: that user's password (kept out of repr, never logged; visible in `ps` as a flag: prefer
+    the env or --nacos-password-file)."""
     nacos_password_file: str = ""
     """nacos: file holding the password instead (one line)."""
     nacos_access_key: str = ""
     """nacos: access key; requests are signed with the secret key."""
     nacos_secret_key: str = field(default="", repr=False)
-    """nacos: the secret key (kept out of repr; never logged)."""
+    """nacos: secret key of --nacos-access-key (kept out of repr, never logged; visible in `ps` as a
+    flag: prefer the env or --nacos-secret-key-file)."""
     nacos_secret_key_file: str = ""
     """nacos: file holding the secret key instead (one line)."""
     nacos_tls_ca: str = ""
-    """nacos: CA bundle (PEM) for an https:// server (default: the system's CAs)."""
+    """nacos: CA bundle (PEM) that signed the https:// server's certificate (unset: the system's CAs)."""
     k8s_prefill_service: str = ""
-    """k8s: headless service of prefill nodes (NAME:PORT, NAME or _PORTNAME._tcp.NAME)."""
+    """k8s: headless service of prefill nodes: NAME:PORT (A records) or NAME / _PORTNAME._tcp.NAME
+    (SRV records: port from the Service)."""
     k8s_decode_service: str = ""
+    """k8s: headless service of decode nodes (same forms as --k8s-prefill-service)."""
 
     def __post_init__(self) -> None:
         if self.discovery not in KINDS:
@@ -120,52 +125,6 @@ class DiscoveryConfig:
                 raise ValueError(f"cannot read --nacos-tls-ca {self.nacos_tls_ca}: {e.strerror}") from None
 
 
-def add_discovery_args(p: argparse.ArgumentParser) -> None:
-    """The DiscoveryConfig flags, one per field; unset flags are None (the field's default applies)."""
-    p.add_argument("--discovery", default=None, choices=KINDS, help="membership source (default static)")
-    p.add_argument("--prefill", default=None, help="static: comma-separated prefill HOST:PORT list")
-    p.add_argument("--decode", default=None, help="static: comma-separated decode HOST:PORT list")
-    p.add_argument(
-        "--nacos-server",
-        default=None,
-        help="nacos: server HOST:PORT or https://HOST:PORT, comma-separated for several (default 127.0.0.1:8848)",
-    )
-    p.add_argument("--nacos-namespace", default=None, help="nacos: namespace id")
-    p.add_argument("--nacos-service", default=None, help="nacos: service name prefix (default pdserve)")
-    p.add_argument("--nacos-username", default=None, help="nacos: user to log in as (with a password)")
-    p.add_argument(
-        "--nacos-password",
-        default=None,
-        help="nacos: that user's password (visible in `ps`: prefer the env or --nacos-password-file)",
-    )
-    p.add_argument("--nacos-password-file", default=None, help="nacos: file holding the password")
-    p.add_argument(
-        "--nacos-access-key", default=None, help="nacos: access key; requests are signed with the secret key"
-    )
-    p.add_argument(
-        "--nacos-secret-key",
-        default=None,
-        help="nacos: secret key of --nacos-access-key (visible in `ps`: prefer the env or --nacos-secret-key-file)",
-    )
-    p.add_argument("--nacos-secret-key-file", default=None, help="nacos: file holding the secret key")
-    p.add_argument(
-        "--nacos-tls-ca",
-        default=None,
-        help="nacos: CA bundle (PEM) that signed the https:// server's certificate (default: the system's CAs)",
-    )
-    p.add_argument(
-        "--k8s-prefill-service",
-        default=None,
-        help="k8s: headless service of prefill nodes: NAME:PORT (A records) or NAME / "
-        "_PORTNAME._tcp.NAME (SRV records: port from the Service)",
-    )
-    p.add_argument(
-        "--k8s-decode-service",
-        default=None,
-        help="k8s: headless service of decode nodes (same forms as --k8s-prefill-service)",
-    )
-
-
 def warn_secrets_in_argv(argv: list[str]) -> None:
     """Warn about a Nacos secret given as a flag: every user of the machine can read a command line."""
     for flag in NACOS_SECRET_FLAGS:
@@ -206,7 +165,6 @@ __all__ = [
     "DiscoveryError",
     "Member",
     "StaticDiscovery",
-    "add_discovery_args",
     "discovery_from_config",
     "warn_secrets_in_argv",
 ]
