@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Callable
 from pdserve.cachestore.transport import Transport
 from pdserve.commands.config_flags import config_flag
 from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
+from pdserve.commands.discovery_args import add_discovery_args
 from pdserve.commands.memory_args import add_kv_memory_args
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.serving_args import add_scheduler_args, add_served_name_args
-from pdserve.commands.discovery_args import add_discovery_args
 from pdserve.engine.config import EngineConfig, Preemption
 from pdserve.node_runtime.discovery import DiscoveryConfig, Role
 from pdserve.node_runtime.node_config import (
@@ -53,7 +53,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     """Flags of NodeConfig, one per field (EngineConfig's are named after its fields, `--model` for
     model_dir); every default is None so that the dataclass default applies (see node_config)."""
     add_model_args(p)
-    add_served_name_args(p)  # the model_name label of the node's metrics
+    add_served_name_args(p, NodeOptions)  # the model_name label of the node's metrics
     add_device_args(p)
     add_engine_args(p)
     config_flag(p, NodeOptions, "host")

@@ -32,10 +32,11 @@ NODE_FLAGS = (
 """What `up` hands its nodes (besides the model, device and KV flags)."""
 
 
-def add_served_name_args(p: argparse.ArgumentParser) -> None:
+def add_served_name_args(p: argparse.ArgumentParser, config: type | None = None) -> None:
+    """--served-model-name of the router (`config` None: RouterConfig; `up` hands it on) or of a node."""
     from pdserve.router.config import RouterConfig
 
-    config_flag(p, RouterConfig, "served_model_name", nargs="+", metavar="NAME")
+    config_flag(p, config or RouterConfig, "served_model_name", nargs="+", metavar="NAME")
 
 
 def add_frontend_args(p: argparse.ArgumentParser) -> None:

@@ -90,8 +90,8 @@ class NodeOptions(ClusterTLSOptions):
     log_level: str = "INFO"
     """Logging level of the node process: DEBUG, INFO, WARNING or ERROR."""
     served_model_name: tuple[str, ...] = ()
-    """--served-model-name: the first is the model_name label of the node's metrics (empty: the
-    model directory's name)."""
+    """The served model names, as the router's; the node labels its metrics with the first (unset: the
+    Hub id given to --model, else the model directory's name)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
