@@ -28,6 +28,7 @@ NODE_FLAGS = (
     "max_num_batched_tokens",
     "seed",
     "enable_expert_parallel",
+    "dist_timeout",
 )
 """What `up` hands its nodes (besides the model, device and KV flags)."""
 
@@ -63,13 +64,15 @@ def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
-    """The engine's batch limits and seed (nodes; `up` passes them on)."""
+    """The engine's batch limits, seed and tensor-parallel collective timeout (nodes; `up` passes
+    them on)."""
     from pdserve.engine.config import EngineConfig
     from pdserve.node_runtime.node_config import role_defaults
 
     config_flag(p, EngineConfig, "max_num_seqs")
     config_flag(p, EngineConfig, "max_num_batched_tokens", stated_default=role_defaults("max_num_batched_tokens"))
     config_flag(p, EngineConfig, "seed")
+    config_flag(p, EngineConfig, "dist_timeout")
 
 
 def load_frontend(config: RouterConfig) -> tuple[Tokenizer, dict]:

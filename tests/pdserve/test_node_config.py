@@ -38,6 +38,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "preemption": (["--preemption", "never"], "never"),
     "attention_backend": (["--attention-backend", "torch"], "torch"),
     "seed": (["--seed", "7"], 7),
+    "dist_timeout": (["--dist-timeout", "30"], 30.0),
     "num_threads": (["--num-threads", "2"], 2),
     "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
     "enable_expert_parallel": (["--enable-expert-parallel"], True),
