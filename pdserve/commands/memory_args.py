@@ -60,6 +60,7 @@ def add_kv_memory_args(p: argparse.ArgumentParser) -> None:
     config_flag(p, EngineConfig, "gpu_memory_utilization", type=utilization)
     add_max_model_len_arg(p)
     config_flag(p, EngineConfig, "kv_offloading_bytes", "--kv-offloading-size", type=offloading_size)
+    config_flag(p, EngineConfig, "kv_store", metavar="URL")
     p.add_argument(
         "--kv-offloading-backend",
         default=None,
@@ -100,6 +101,7 @@ def kv_memory_options(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization",
         "max_model_len",
         "kv_offloading_bytes",
+        "kv_store",
     )
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
@@ -117,5 +119,6 @@ CHILD_FLAGS = {
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "max_model_len": "--max-model-len",
     "kv_offloading_bytes": "--kv-offloading-size",
+    "kv_store": "--kv-store",
 }
 """Each memory setting's flag on a child process."""

@@ -90,6 +90,11 @@ class EngineConfig:
     vLLM's, e.g. 8, or with a unit, e.g. 512MiB): finished requests' blocks are copied there and
     restored instead of recomputed once the pool has evicted them (pdserve.engine.kv_tier; unset: no
     tier)."""
+    kv_store: str | None = None
+    """A KV store shared by every node that mounts it, below the pool and the host tier:
+    `file:///PATH`, optionally `?max=SIZE` (e.g. 64GiB; the least recently used blocks go beyond
+    it); a node looks there before recomputing a prefix another node computed
+    (pdserve.engine.kv_file_store; unset: none)."""
     rank_service: str = ""
     """"module:factory" of a side service every rank other than 0 runs (engine.parallel.rank_commands),
     e.g. a node's per-rank KV endpoint; empty: none."""
@@ -140,3 +145,9 @@ class EngineConfig:
                 raise ValueError(f"--kv-offloading-size must be positive, got {self.kv_offloading_bytes} bytes")
             if self.tensor_parallel_size > 1:
                 raise ValueError("--kv-offloading-size with --tensor-parallel-size > 1 is not supported yet")
+        if self.kv_store is not None:
+            from pdserve.engine.kv_file_store import parse_store_url
+
+            parse_store_url(self.kv_store)  # ValueError naming --kv-store
+            if self.tensor_parallel_size > 1:
+                raise ValueError("--kv-store with --tensor-parallel-size > 1 is not supported yet")

@@ -14,6 +14,7 @@ from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.kv_namespace import kv_compatibility, request_root
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_pull import PullReservations
+from pdserve.engine.kv_file_store import FileKvStore
 from pdserve.engine.kv_tier import HostKvTier
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prompt_check import check_max_tokens, check_prompt
@@ -32,6 +33,10 @@ class EngineLoad(NamedTuple):
     num_running: int
     num_waiting: int
     num_queued_prefill_tokens: int
+
+
+MAX_RESTORES = 2
+"""Restores from below the pool per admission: one per tier (the host tier, then the shared store)."""
 
 
 class LLMEngine:
@@ -58,9 +63,8 @@ class LLMEngine:
         self.config = config
         self.tier = HostKvTier(config.kv_offloading_bytes) if config.kv_offloading_bytes else None
         """The host KV tier below the pool (--kv-offloading-size), asked before the node's connector."""
-        if self.tier is not None:
-            connector = self.tier if connector is NO_CONNECTOR else KvConnectors(self.tier, connector)
-        self.connector = connector
+        self.store: FileKvStore | None = None
+        """The shared KV store below the host tier (--kv-store), once the pool exists."""
         self.on_scheduled = on_scheduled
         """Called in every step after scheduling, before the model runs: the state vLLM's scheduler
         stats describe (the batch admitted, the rest waiting). A node publishes its load here."""
@@ -81,9 +85,15 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         """Structured-output grammars: nodes compile a request's in a worker thread before admitting it."""
         pool = self.runner.kv_pool
-        connector.register_kv_pool(pool)
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
         """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
+        if config.kv_store is not None:  # its files are checked against the compatibility string
+            self.store = FileKvStore(config.kv_store, self.kv_compatibility)
+        # the tiers below the pool are asked first (host, then the shared store), then the node's own
+        parts = [c for c in (self.tier, self.store, connector) if c is not None and c is not NO_CONNECTOR]
+        connector = NO_CONNECTOR if not parts else parts[0] if len(parts) == 1 else KvConnectors(*parts)
+        self.connector = connector
+        connector.register_kv_pool(pool)
         self.kv_events = KvEventLog()
         """Keys stored / evicted in this engine's prefix cache, for the node's KvEvents stream."""
         self.block_manager = BlockManager(
@@ -162,12 +172,17 @@ class LLMEngine:
             bm = self.block_manager
             pool_tokens = len(bm.prefix_hits(req.prompt_token_ids, req.kv_root)) * bm.block_size
             external = self.connector.match(req, pool_tokens)
-            if external is not None and external.load_tokens:  # held below the pool: restored now
-                pool_tokens = self._load_below(req, pool_tokens, external.load_tokens)
+            for _ in range(MAX_RESTORES):  # held below the pool (host tier, then store): restored now
+                if external is None or not external.load_tokens:
+                    break
+                restored = self._load_below(req, pool_tokens, external.load_tokens)
+                progressed, pool_tokens = restored > pool_tokens, restored
                 external = self.connector.match(req, pool_tokens)
-                if external is not None and external.load_tokens:  # one restore per admission
-                    self.connector.forget(req)
-                    external = None
+                if not progressed:  # no room, or the tier failed: not asked twice, the rest is computed
+                    break
+            if external is not None and external.load_tokens:  # one restore per tier and admission
+                self.connector.forget(req)
+                external = None
             if external is not None:
                 held = pool_tokens if external.share_pool else 0
                 try:

@@ -21,7 +21,7 @@ from pdserve.node_runtime.grpc_errors import ErrorInterceptor, NodeUnavailable
 from pdserve.node_runtime.node_config import NodeConfig
 from pdserve.node_runtime.node_metrics import NodeMetrics, served_model_name
 from pdserve.node_runtime.node_request import NodeRequest, NodeRequests
-from pdserve.node_runtime.tier_metrics import TierCollector
+from pdserve.node_runtime.tier_metrics import TierCollector, store_collector
 from pdserve.v1 import common_pb2
 
 log = logging.getLogger("pdserve.node")
@@ -46,6 +46,8 @@ class NodeRuntime:
         self.metrics.watch_engine(self._engine_state, self._cache_info())
         if self.engine.tier is not None:
             TierCollector(self.engine.tier.stats, role, self.metrics.model_name, self.metrics.registry)
+        if self.engine.store is not None:
+            store_collector(self.engine.store.stats, role, self.metrics.model_name, self.metrics.registry)
         self.draining = False
         self.requests = NodeRequests()
         """Every request on this node, by id: its one record and one cleanup path (`request`)."""

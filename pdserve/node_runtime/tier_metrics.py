@@ -1,46 +1,75 @@
-"""The host KV tier's series (--kv-offloading-size): read from its counters at each scrape."""
+"""The series of the KV tiers below the pool, read from their counters at each scrape:
+pdserve_kv_offload_* for the host tier (--kv-offloading-size), pdserve_kv_store_* for the shared
+store (--kv-store)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.engine.kv_tier import TierStats
+HOST_OPS = {
+    "stored": "copied down",
+    "restored": "copied back instead of recomputed",
+    "evicted": "dropped from a full tier",
+    "dropped": "not stored: the writer's queue was full",
+}
+STORE_OPS = {
+    "stored": "written",
+    "restored": "read back instead of recomputed",
+    "evicted": "removed beyond the store's max",
+    "dropped": "not stored: the writer's queue was full or the write failed",
+    "corrupt": "refused on load (digest, key, tokens or model mismatch) and removed",
+}
 
 
 class TierCollector(Collector):
-    """pdserve_kv_offload_* for one node's tier (role, model_name labels, like the node's own series)."""
+    """`{prefix}_*` for one node's tier (role, model_name labels, like the node's own series): its
+    blocks by operation (`ops`: name -> meaning), requests that hit it, restores that fell back to
+    recompute, and the time restores took. `stats` holds `<op>_blocks`, `hit_requests`,
+    `restore_failures` and `restore_seconds`."""
 
-    def __init__(self, stats: TierStats, role: str, model_name: str, registry: CollectorRegistry) -> None:
-        self.stats = stats
+    def __init__(
+        self,
+        stats: Any,
+        role: str,
+        model_name: str,
+        registry: CollectorRegistry,
+        prefix: str = "pdserve_kv_offload",
+        what: str = "Host KV tier",
+        ops: dict[str, str] = HOST_OPS,
+    ) -> None:
+        self.stats, self.prefix, self.what, self.ops = stats, prefix, what, ops
         self.labels = [role, model_name]
         registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
-        s, names = self.stats, ["role", "model_name"]
+        s, names, what = self.stats, ["role", "model_name"], self.what
+        ops = ", ".join(f"{op} ({meaning})" for op, meaning in self.ops.items())
         blocks = CounterMetricFamily(
-            "pdserve_kv_offload_blocks",
-            "Host KV tier blocks by operation: stored (copied down), restored (copied back instead of "
-            "recomputed), evicted (dropped from a full tier), dropped (not stored: the writer's queue was full)",
-            labels=[*names, "op"],
+            f"{self.prefix}_blocks", f"{what} blocks by operation: {ops}", labels=[*names, "op"]
         )
-        for op in ("stored", "restored", "evicted", "dropped"):
+        for op in self.ops:
             blocks.add_metric([*self.labels, op], getattr(s, f"{op}_blocks"))
         hits = CounterMetricFamily(
-            "pdserve_kv_offload_hit_requests", "Requests that restored blocks from the host KV tier", labels=names
+            f"{self.prefix}_hit_requests", f"Requests that restored blocks from the {what}", labels=names
         )
         hits.add_metric(self.labels, s.hit_requests)
         failures = CounterMetricFamily(
-            "pdserve_kv_offload_restore_failures",
-            "Restores that fell back to recompute (the blocks were evicted between lookup and load)",
+            f"{self.prefix}_restore_failures",
+            f"Restores from the {what} that fell back to recompute (blocks gone, unreadable or refused since lookup)",
             labels=names,
         )
         failures.add_metric(self.labels, s.restore_failures)
         seconds = CounterMetricFamily(
-            "pdserve_kv_offload_restore_seconds", "Time spent copying blocks back from the host KV tier", labels=names
+            f"{self.prefix}_restore_seconds", f"Time spent restoring blocks from the {what}", labels=names
         )
         seconds.add_metric(self.labels, s.restore_seconds)
         yield from (blocks, hits, failures, seconds)
+
+
+def store_collector(stats: Any, role: str, model_name: str, registry: CollectorRegistry) -> TierCollector:
+    """pdserve_kv_store_* for the shared store (--kv-store)."""
+    return TierCollector(stats, role, model_name, registry, "pdserve_kv_store", "shared KV store", STORE_OPS)

@@ -93,3 +93,13 @@ def test_the_host_tier_flag_reaches_every_engine_and_up_hands_it_on():
 def test_generate_runs_with_a_host_tier():
     out = _run(["generate", "--prompt", "hello", "--max-tokens", "4", "--kv-offloading-size", "64MiB"])
     assert out.returncode == 0, out.stderr
+
+
+def test_the_shared_store_flag_reaches_every_engine_and_up_hands_it_on(tmp_path):
+    url = f"file://{tmp_path}/kv?max=1GiB"
+    for command in ("generate", "prefill", "decode", "up"):
+        assert kv_memory_options(build_parser().parse_args([command, "--kv-store", url])) == {"kv_store": url}
+    up = build_parser().parse_args(["up", "--kv-store", url])
+    assert build_parser().parse_args(["decode", *kv_memory_flags(up)]).kv_store == url
+    out = _run(["generate", "--prompt", "hello", "--max-tokens", "4", "--kv-store", "s3://bucket"])
+    assert out.returncode != 0 and "--kv-store" in out.stderr

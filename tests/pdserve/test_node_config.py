@@ -43,6 +43,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
     "enable_expert_parallel": (["--enable-expert-parallel"], True),
     "kv_offloading_bytes": (["--kv-offloading-size", "0.5"], 2**29),
+    "kv_store": (["--kv-store", "file:///tmp/pdserve-kv-store-sample"], "file:///tmp/pdserve-kv-store-sample"),
 }
 """Per EngineConfig field: flags that set it to a value other than its default, and that value."""
 

@@ -1,0 +1,339 @@
+"""FileKvStore: KV blocks in a directory that several nodes share (`--kv-store file:///PATH`).
+
+A connector (`pdserve.engine.kv_connector`) below the pool and the host tier, as llm-d's
+filesystem backend: a directory on local NVMe or a shared volume (NFS, Lustre, a PVC). A prefix
+computed on any node serves every node that mounts the directory.
+
+- **Keys.** A block's file is named by its stable block key (`engine.block_keys`: the model
+  namespace, dtype, geometry and block size through the root, the cache salt, every token before
+  it). Its header repeats the node's KV compatibility string, the parent key and the block's own
+  token ids, and a blake2b digest of the payload: a load checks all of them, so neither a 64-bit
+  key collision, another model's block nor a torn or corrupt file is ever used. A salted block is
+  unreachable without its salt (the salt is in every key of its chain).
+- **Writes** run on a writer thread: it copies a finished request's full blocks out of the pool
+  (the pool waits for that copy before reusing a block: `before_reuse`), then writes each to a
+  temporary file renamed into place (atomic, so another node never reads half a block). The queue
+  is bounded; a full queue or a failed write drops the block (counted), never blocks serving.
+  With `max=SIZE` the writer removes the least recently used files beyond SIZE (a hit refreshes a
+  file's time).
+- **Reads** happen at admission (engine thread), for the consecutive prompt blocks after what the
+  pool (and the host tier) hold, on a reader thread bounded by `READ_TIMEOUT_S`: a store that is
+  slow, gone or corrupt costs a recompute (identical output) and a counter, never a hang.
+
+Not exercised on hardware: on a CUDA pool the copies go through host memory; only the CPU path
+runs in the tests. With tensor parallelism each rank would need its own files (refused at start).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlparse
+
+import torch
+
+from pdserve.engine.block_keys import BlockKey, prompt_block_keys
+from pdserve.engine.kv_connector import ExternalKv, KvConnector
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.request import Request
+
+log = logging.getLogger("pdserve.engine")
+MAGIC = b"PDKVBLK1"
+MAX_PENDING_BLOCKS = 4096
+"""Blocks queued for the writer at most; offloads beyond are dropped (and counted)."""
+READ_TIMEOUT_S = 5.0
+"""Longest a restore may read before the request recomputes instead."""
+TRIM_EVERY = 64
+"""Writes between two checks of the directory's size against `max`."""
+
+
+@dataclass
+class StoreStats:
+    """Counters of one node's view of the store (read by its metrics from other threads)."""
+
+    stored_blocks: int = 0
+    restored_blocks: int = 0
+    hit_requests: int = 0
+    evicted_blocks: int = 0
+    dropped_blocks: int = 0
+    """Not stored: the writer's queue was full, or the write failed."""
+    corrupt_blocks: int = 0
+    """Files refused on load (digest, key, tokens or compatibility mismatch): the request recomputed."""
+    restore_failures: int = 0
+    """Restores that fell back to recompute (missing, corrupt or unreadable files, or a timeout)."""
+    restore_seconds: float = 0.0
+
+
+def parse_store_url(url: str) -> tuple[Path, int | None]:
+    """`file:///PATH[?max=SIZE]` -> (PATH, SIZE in bytes or None); ValueError naming --kv-store."""
+    from pdserve.engine.kv_sizing import parse_memory_size
+
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        raise ValueError(f"--kv-store: only file:///PATH is supported, got {url!r}")
+    if parsed.netloc or not parsed.path.startswith("/"):
+        raise ValueError(f"--kv-store: expected file:///ABSOLUTE/PATH, got {url!r}")
+    query = parse_qs(parsed.query)
+    unknown = set(query) - {"max"}
+    if unknown:
+        raise ValueError(f"--kv-store: unknown option(s) {', '.join(sorted(unknown))} in {url!r}")
+    try:
+        size = parse_memory_size(query["max"][-1]) if "max" in query else None
+    except ValueError as e:
+        raise ValueError(f"--kv-store: max: {e}") from None
+    return Path(parsed.path), size
+
+
+class FileKvStore(KvConnector):
+    """Blocks of one model's KV in directory `path` (shared by every node that mounts it)."""
+
+    def __init__(self, url: str, compatibility: str) -> None:
+        self.path, self.max_bytes = parse_store_url(url)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"--kv-store: {self.path} is not a writable directory ({e})") from e
+        self.compatibility = compatibility
+        self.stats = StoreStats()
+        self.pool: KVPool | None = None
+        self._queue: deque[tuple[int, BlockKey, BlockKey, list[int], threading.Event]] = deque()
+        self._pending: dict[int, threading.Event] = {}
+        self._wake = threading.Condition()
+        self._matched: dict[str, list[tuple[BlockKey, BlockKey, list[int]]]] = {}
+        self._stopped = False
+        self._writing = False
+        self._writes = 0
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-read")
+        self._thread = threading.Thread(target=self._write_loop, name="kv-store-write", daemon=True)
+
+    def _file(self, key: BlockKey) -> Path:
+        name = f"{key:016x}"
+        return self.path / name[:2] / f"{name}.kvb"
+
+    # --- worker side -------------------------------------------------------------------------
+    def register_kv_pool(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._thread.start()
+        limit = f"at most {self.max_bytes / 2**30:.2f} GiB" if self.max_bytes else "no size limit"
+        log.info("KV store: %s (%s)", self.path, limit)
+
+    # --- scheduler side ----------------------------------------------------------------------
+    def request_finished(self, request: Request) -> None:
+        pool = self.pool
+        if pool is None:
+            return
+        bs = pool.block_size
+        full = request.num_computed_tokens // bs
+        tokens = request.all_token_ids
+        keys = prompt_block_keys(request.kv_root, tokens, bs, full)
+        parents = [request.kv_root, *keys]
+        queued = 0
+        for i, (block, key) in enumerate(zip(request.block_ids, keys)):
+            if block in self._pending:
+                continue
+            if len(self._queue) + queued >= MAX_PENDING_BLOCKS:
+                self.stats.dropped_blocks += 1
+                continue
+            done = threading.Event()
+            self._pending[block] = done
+            self._queue.append((block, key, parents[i], tokens[i * bs : (i + 1) * bs], done))
+            queued += 1
+        if queued:
+            with self._wake:
+                self._wake.notify_all()
+
+    def before_reuse(self, block_id: int) -> None:
+        done = self._pending.get(block_id)
+        if done is not None:
+            done.wait()
+
+    def match(self, request: Request, pool_tokens: int) -> ExternalKv | None:
+        if self.pool is None:
+            return None
+        bs = self.pool.block_size
+        limit = (request.num_prompt_tokens - 1) // bs  # the last token's block is always computed
+        first = pool_tokens // bs
+        if first >= limit:
+            return None
+        keys = prompt_block_keys(request.kv_root, request.prompt_token_ids, bs, limit)
+        parents = [request.kv_root, *keys]
+        held = []
+        for i in range(first, limit):
+            if not self._file(keys[i]).exists():
+                break
+            held.append((keys[i], parents[i], request.prompt_token_ids[i * bs : (i + 1) * bs]))
+        if not held:
+            return None
+        self._matched[request.request_id] = held
+        return ExternalKv(load_tokens=len(held) * bs)
+
+    def load(self, request: Request, block_ids: list[int]) -> bool:
+        wanted = self._matched.pop(request.request_id, [])
+        pool = self.pool
+        if pool is None or len(wanted) != len(block_ids):
+            return False
+        started = time.perf_counter()
+        try:
+            payloads = self._reader.submit(self._read_all, wanted).result(timeout=READ_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            log.warning("KV store: reading %d blocks took over %.2g s: recomputing", len(wanted), READ_TIMEOUT_S)
+            payloads = None
+        if payloads is None:
+            self.stats.restore_failures += 1
+            return False
+        shape = pool.tensor[:, 0].shape
+        for block, payload in zip(block_ids, payloads):
+            src = torch.frombuffer(bytearray(payload), dtype=pool.tensor.dtype).view(shape)
+            pool.tensor[:, block].copy_(src)
+        self.stats.restored_blocks += len(block_ids)
+        self.stats.hit_requests += 1
+        self.stats.restore_seconds += time.perf_counter() - started
+        return True
+
+    def forget(self, request: Request) -> None:
+        self._matched.pop(request.request_id, None)
+
+    # --- files -------------------------------------------------------------------------------
+    def _header(self, key: BlockKey, parent: BlockKey, tokens: list[int], digest: str) -> bytes:
+        meta = {"key": key, "parent": parent, "tokens": tokens, "compat": self.compatibility, "digest": digest}
+        return json.dumps(meta, separators=(",", ":")).encode()
+
+    def _read_all(self, wanted: list[tuple[BlockKey, BlockKey, list[int]]]) -> list[bytes] | None:
+        """Every wanted block's payload, checked; None if any is missing, unreadable or wrong."""
+        out = []
+        for key, parent, tokens in wanted:
+            path = self._file(key)
+            try:
+                data = path.read_bytes()
+                os.utime(path)  # a hit: least recently used last
+            except OSError:
+                return None  # gone since match (another node trimmed it), or the store is down
+            payload = self._check(data, key, parent, tokens)
+            if payload is None:
+                self.stats.corrupt_blocks += 1
+                log.warning("KV store: %s failed its checks: removed, recomputing", path.name)
+                path.unlink(missing_ok=True)
+                return None
+            out.append(payload)
+        return out
+
+    def _check(self, data: bytes, key: BlockKey, parent: BlockKey, tokens: list[int]) -> bytes | None:
+        head = len(MAGIC) + 4
+        if len(data) < head or data[: len(MAGIC)] != MAGIC:
+            return None
+        (size,) = struct.unpack("<I", data[len(MAGIC) : head])
+        try:
+            meta = json.loads(data[head : head + size])
+        except ValueError:
+            return None
+        payload = data[head + size :]
+        expected = self.pool.block_bytes * self.pool.num_layers if self.pool is not None else -1
+        ok = (
+            isinstance(meta, dict)
+            and meta.get("key") == key
+            and meta.get("parent") == parent
+            and meta.get("tokens") == tokens
+            and meta.get("compat") == self.compatibility
+            and len(payload) == expected
+            and meta.get("digest") == hashlib.blake2b(payload, digest_size=16).hexdigest()
+        )
+        return payload if ok else None
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued block is written (or dropped); False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._wake:
+            while self._queue or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._wake:
+                self._writing = False
+                self._wake.notify_all()  # a `drain` may be waiting for the writer to be idle
+                while not self._queue and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                block, key, parent, tokens, done = self._queue.popleft()
+                self._writing = True
+            try:
+                assert self.pool is not None
+                payload = self.pool.tensor[:, block].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            except Exception:
+                log.exception("KV store: copying block %d out of the pool failed", block)
+                payload = None
+            finally:
+                self._pending.pop(block, None)
+                done.set()  # the pool may reuse the block: its bytes are copied
+            if payload is not None:
+                self._write(key, parent, tokens, payload)
+
+    def _write(self, key: BlockKey, parent: BlockKey, tokens: list[int], payload: bytes) -> None:
+        path = self._file(key)
+        if path.exists():
+            os.utime(path)
+            return
+        header = self._header(key, parent, tokens, hashlib.blake2b(payload, digest_size=16).hexdigest())
+        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
+            os.replace(tmp, path)  # atomic: a reader sees the whole block or none
+        except OSError as e:
+            self.stats.dropped_blocks += 1
+            log.warning("KV store: writing %s failed (%s)", path.name, e)
+            tmp.unlink(missing_ok=True)
+            return
+        self.stats.stored_blocks += 1
+        self._writes += 1
+        if self.max_bytes and self._writes % TRIM_EVERY == 0:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Remove the least recently used files while the directory holds more than `max`."""
+        assert self.max_bytes is not None
+        files = []
+        for path in self.path.glob("*/*.kvb"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # removed meanwhile (another node trims too)
+            files.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+            self.stats.evicted_blocks += 1
+
+    def close(self) -> None:
+        """Stop the writer (queued writes are dropped) and the reader."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        for *_, done in list(self._queue):
+            done.set()
+        self._pending.clear()
+        self._reader.shutdown(wait=False, cancel_futures=True)
