@@ -55,6 +55,8 @@ MAX_PENDING_BLOCKS = 4096
 """Blocks queued for the writer at most; offloads beyond are dropped (and counted)."""
 READ_TIMEOUT_S = 5.0
 """Longest a restore may read before the request recomputes instead."""
+CLOSE_DRAIN_S = 5.0
+"""Longest `close` waits for queued writes."""
 TRIM_EVERY = 64
 """Writes between two checks of the directory's size against `max`."""
 
@@ -328,8 +330,11 @@ class FileKvStore(KvConnector):
             total -= size
             self.stats.evicted_blocks += 1
 
-    def close(self) -> None:
-        """Stop the writer (queued writes are dropped) and the reader."""
+    def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
+        """Let the writer finish what is queued for up to `drain_s` (a node stopping, a `generate`
+        run ending: what they computed is worth keeping), then stop it (the rest is dropped) and
+        the reader."""
+        self.drain(drain_s)
         with self._wake:
             self._stopped = True
             self._wake.notify_all()
