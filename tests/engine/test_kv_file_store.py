@@ -166,3 +166,17 @@ def test_an_unwritable_store_is_refused_at_start(make, tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match="--kv-store.*not a writable directory"):
         make(store=f"file://{blocker}/kv")
+
+
+def test_a_node_with_a_store_exports_its_series(tiny_model_dir, tmp_path):
+    from pdserve.node_runtime.node import NodeRuntime
+    from pdserve.node_runtime.node_config import NodeConfig
+
+    config = EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=32, kv_store=f"file://{tmp_path}")
+    rt = NodeRuntime("decode", NodeConfig(config))
+    try:
+        labels = {"role": "decode", "model_name": rt.metrics.model_name}
+        for op in ("stored", "restored", "evicted", "dropped", "corrupt"):
+            assert rt.metrics.registry.get_sample_value("pdserve_kv_store_blocks_total", {**labels, "op": op}) == 0
+    finally:
+        rt.engine.close()
