@@ -93,8 +93,8 @@ class EngineConfig:
     kv_store: str | None = None
     """A KV store shared by every node that mounts it, below the pool and the host tier:
     `file:///PATH`, optionally `?max=SIZE` (e.g. 64GiB; the least recently used blocks go beyond
-    it); a node looks there before recomputing a prefix another node computed
-    (pdserve.engine.kv_file_store; unset: none)."""
+    it), or `mooncake://MASTER_HOST:PORT` (a Mooncake Store); a node looks there before
+    recomputing a prefix another node computed (pdserve.engine.kv_shared_store; unset: none)."""
     rank_service: str = ""
     """"module:factory" of a side service every rank other than 0 runs (engine.parallel.rank_commands),
     e.g. a node's per-rank KV endpoint; empty: none."""
@@ -146,7 +146,7 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise ValueError("--kv-offloading-size with --tensor-parallel-size > 1 is not supported yet")
         if self.kv_store is not None:
-            from pdserve.engine.kv_file_store import parse_store_url
+            from pdserve.engine.kv_store_backends import parse_store_url
 
             parse_store_url(self.kv_store)  # ValueError naming --kv-store
             if self.tensor_parallel_size > 1:

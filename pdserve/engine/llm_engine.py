@@ -14,7 +14,7 @@ from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.kv_namespace import kv_compatibility, request_root
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_pull import PullReservations
-from pdserve.engine.kv_file_store import FileKvStore
+from pdserve.engine.kv_shared_store import SharedKvStore
 from pdserve.engine.kv_tier import HostKvTier
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prompt_check import check_max_tokens, check_prompt
@@ -63,7 +63,7 @@ class LLMEngine:
         self.config = config
         self.tier = HostKvTier(config.kv_offloading_bytes) if config.kv_offloading_bytes else None
         """The host KV tier below the pool (--kv-offloading-size), asked before the node's connector."""
-        self.store: FileKvStore | None = None
+        self.store: SharedKvStore | None = None
         """The shared KV store below the host tier (--kv-store), once the pool exists."""
         self.on_scheduled = on_scheduled
         """Called in every step after scheduling, before the model runs: the state vLLM's scheduler
@@ -88,7 +88,7 @@ class LLMEngine:
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
         """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
         if config.kv_store is not None:  # its files are checked against the compatibility string
-            self.store = FileKvStore(config.kv_store, self.kv_compatibility)
+            self.store = SharedKvStore(config.kv_store, self.kv_compatibility)
         # the tiers below the pool are asked first (host, then the shared store), then the node's own
         parts = [c for c in (self.tier, self.store, connector) if c is not None and c is not NO_CONNECTOR]
         connector = NO_CONNECTOR if not parts else parts[0] if len(parts) == 1 else KvConnectors(*parts)

@@ -1,27 +1,26 @@
-"""FileKvStore: KV blocks in a directory that several nodes share (`--kv-store file:///PATH`).
+"""SharedKvStore: KV blocks in a store that several nodes share (`--kv-store`).
 
-A connector (`pdserve.engine.kv_connector`) below the pool and the host tier, as llm-d's
-filesystem backend: a directory on local NVMe or a shared volume (NFS, Lustre, a PVC). A prefix
-computed on any node serves every node that mounts the directory.
+A connector (`pdserve.engine.kv_connector`) below the pool and the host tier. Its blocks live in a
+backend (`pdserve.engine.kv_store_backends`): a directory on local NVMe or a shared volume (NFS,
+Lustre, a PVC: `file:///PATH`, as llm-d's filesystem backend) or a Mooncake Store
+(`mooncake://MASTER`). A prefix computed on any node serves every node that reaches the store.
 
-- **Keys.** A block's file is named by its stable block key (`engine.block_keys`: the model
+- **Keys.** A block's record is named by its stable block key (`engine.block_keys`: the model
   namespace, dtype, geometry and block size through the root, the cache salt, every token before
   it). Its header repeats the node's KV compatibility string, the parent key and the block's own
   token ids, and a blake2b digest of the payload: a load checks all of them, so neither a 64-bit
-  key collision, another model's block nor a torn or corrupt file is ever used. A salted block is
-  unreachable without its salt (the salt is in every key of its chain).
+  key collision, another model's block nor a torn or corrupt record is ever used. A salted block
+  is unreachable without its salt (the salt is in every key of its chain).
 - **Writes** run on a writer thread: it copies a finished request's full blocks out of the pool
-  (the pool waits for that copy before reusing a block: `before_reuse`), then writes each to a
-  temporary file renamed into place (atomic, so another node never reads half a block). The queue
-  is bounded; a full queue or a failed write drops the block (counted), never blocks serving.
-  With `max=SIZE` the writer removes the least recently used files beyond SIZE (a hit refreshes a
-  file's time).
+  (the pool waits for that copy before reusing a block: `before_reuse`), then writes each record.
+  The queue is bounded; a full queue or a failed write drops the block (counted), never blocks
+  serving. The backend keeps itself within its bound (a directory's `max`, Mooncake's eviction).
 - **Reads** happen at admission (engine thread), for the consecutive prompt blocks after what the
   pool (and the host tier) hold, on a reader thread bounded by `READ_TIMEOUT_S`: a store that is
   slow, gone or corrupt costs a recompute (identical output) and a counter, never a hang.
 
 Not exercised on hardware: on a CUDA pool the copies go through host memory; only the CPU path
-runs in the tests. With tensor parallelism each rank would need its own files (refused at start).
+runs in the tests. With tensor parallelism each rank would need its own records (refused at start).
 """
 
 from __future__ import annotations
@@ -30,20 +29,18 @@ import concurrent.futures
 import hashlib
 import json
 import logging
-import os
 import struct
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs, urlparse
 
 import torch
 
 from pdserve.engine.block_keys import BlockKey, prompt_block_keys
 from pdserve.engine.kv_connector import ExternalKv, KvConnector
+from pdserve.engine.kv_store_backends import BlockBackend, open_backend
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
@@ -57,8 +54,6 @@ READ_TIMEOUT_S = 5.0
 """Longest a restore may read before the request recomputes instead."""
 CLOSE_DRAIN_S = 5.0
 """Longest `close` waits for queued writes."""
-TRIM_EVERY = 64
-"""Writes between two checks of the directory's size against `max`."""
 
 
 @dataclass
@@ -78,38 +73,11 @@ class StoreStats:
     restore_seconds: float = 0.0
 
 
-def parse_store_url(url: str) -> tuple[Path, int | None]:
-    """`file:///PATH[?max=SIZE]` -> (PATH, SIZE in bytes or None); ValueError naming --kv-store."""
-    from pdserve.engine.kv_sizing import parse_memory_size
+class SharedKvStore(KvConnector):
+    """Blocks of one model's KV in the store `url` names (shared by every node that reaches it)."""
 
-    parsed = urlparse(url)
-    if parsed.scheme != "file":
-        raise ValueError(f"--kv-store: only file:///PATH is supported, got {url!r}")
-    if parsed.netloc or not parsed.path.startswith("/"):
-        raise ValueError(f"--kv-store: expected file:///ABSOLUTE/PATH, got {url!r}")
-    query = parse_qs(parsed.query)
-    unknown = set(query) - {"max"}
-    if unknown:
-        raise ValueError(f"--kv-store: unknown option(s) {', '.join(sorted(unknown))} in {url!r}")
-    try:
-        size = parse_memory_size(query["max"][-1]) if "max" in query else None
-    except ValueError as e:
-        raise ValueError(f"--kv-store: max: {e}") from None
-    return Path(parsed.path), size
-
-
-class FileKvStore(KvConnector):
-    """Blocks of one model's KV in directory `path` (shared by every node that mounts it)."""
-
-    def __init__(self, url: str, compatibility: str) -> None:
-        self.path, self.max_bytes = parse_store_url(url)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise ValueError(f"--kv-store: {self.path} is not a writable directory ({e})") from e
+    def __init__(self, url: str, compatibility: str, backend: BlockBackend | None = None) -> None:
+        self.backend = backend if backend is not None else open_backend(url)
         self.compatibility = compatibility
         self.stats = StoreStats()
         self.pool: KVPool | None = None
@@ -119,20 +87,18 @@ class FileKvStore(KvConnector):
         self._matched: dict[str, list[tuple[BlockKey, BlockKey, list[int]]]] = {}
         self._stopped = False
         self._writing = False
-        self._writes = 0
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-read")
         self._thread = threading.Thread(target=self._write_loop, name="kv-store-write", daemon=True)
 
-    def _file(self, key: BlockKey) -> Path:
-        name = f"{key:016x}"
-        return self.path / name[:2] / f"{name}.kvb"
+    @staticmethod
+    def _name(key: BlockKey) -> str:
+        return f"{key:016x}"
 
     # --- worker side -------------------------------------------------------------------------
     def register_kv_pool(self, pool: KVPool) -> None:
         self.pool = pool
         self._thread.start()
-        limit = f"at most {self.max_bytes / 2**30:.2f} GiB" if self.max_bytes else "no size limit"
-        log.info("KV store: %s (%s)", self.path, limit)
+        log.info("KV store: %s", self.backend.describe())
 
     # --- scheduler side ----------------------------------------------------------------------
     def request_finished(self, request: Request) -> None:
@@ -176,7 +142,7 @@ class FileKvStore(KvConnector):
         parents = [request.kv_root, *keys]
         held = []
         for i in range(first, limit):
-            if not self._file(keys[i]).exists():
+            if not self.backend.exists(self._name(keys[i])):
                 break
             held.append((keys[i], parents[i], request.prompt_token_ids[i * bs : (i + 1) * bs]))
         if not held:
@@ -219,17 +185,19 @@ class FileKvStore(KvConnector):
         """Every wanted block's payload, checked; None if any is missing, unreadable or wrong."""
         out = []
         for key, parent, tokens in wanted:
-            path = self._file(key)
+            name = self._name(key)
             try:
-                data = path.read_bytes()
-                os.utime(path)  # a hit: least recently used last
-            except OSError:
-                return None  # gone since match (another node trimmed it), or the store is down
+                data = self.backend.read(name)
+            except Exception as e:  # the backend's own error: the request recomputes
+                log.warning("KV store: reading block %s failed (%r)", name, e)
+                data = None
+            if data is None:
+                return None  # gone since match (evicted), or the store is down
             payload = self._check(data, key, parent, tokens)
             if payload is None:
                 self.stats.corrupt_blocks += 1
-                log.warning("KV store: %s failed its checks: removed, recomputing", path.name)
-                path.unlink(missing_ok=True)
+                log.warning("KV store: block %s failed its checks: removed, recomputing", name)
+                self.backend.remove(name)
                 return None
             out.append(payload)
         return out
@@ -291,44 +259,18 @@ class FileKvStore(KvConnector):
                 self._write(key, parent, tokens, payload)
 
     def _write(self, key: BlockKey, parent: BlockKey, tokens: list[int], payload: bytes) -> None:
-        path = self._file(key)
-        if path.exists():
-            os.utime(path)
-            return
         header = self._header(key, parent, tokens, hashlib.blake2b(payload, digest_size=16).hexdigest())
-        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
+        record = MAGIC + struct.pack("<I", len(header)) + header + payload
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
-            os.replace(tmp, path)  # atomic: a reader sees the whole block or none
-        except OSError as e:
+            ok = self.backend.write(self._name(key), record)
+        except Exception as e:  # a backend error is a dropped block, never the writer's death
+            log.warning("KV store: writing block %s failed (%r)", self._name(key), e)
+            ok = False
+        if ok:
+            self.stats.stored_blocks += 1
+        else:
             self.stats.dropped_blocks += 1
-            log.warning("KV store: writing %s failed (%s)", path.name, e)
-            tmp.unlink(missing_ok=True)
-            return
-        self.stats.stored_blocks += 1
-        self._writes += 1
-        if self.max_bytes and self._writes % TRIM_EVERY == 0:
-            self._trim()
-
-    def _trim(self) -> None:
-        """Remove the least recently used files while the directory holds more than `max`."""
-        assert self.max_bytes is not None
-        files = []
-        for path in self.path.glob("*/*.kvb"):
-            try:
-                st = path.stat()
-            except OSError:
-                continue  # removed meanwhile (another node trims too)
-            files.append((st.st_mtime, st.st_size, path))
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self.max_bytes:
-                break
-            path.unlink(missing_ok=True)
-            total -= size
-            self.stats.evicted_blocks += 1
+        self.stats.evicted_blocks = self.backend.evicted()
 
     def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
         """Let the writer finish what is queued for up to `drain_s` (a node stopping, a `generate`
@@ -342,3 +284,4 @@ class FileKvStore(KvConnector):
             done.set()
         self._pending.clear()
         self._reader.shutdown(wait=False, cancel_futures=True)
+        self.backend.close()

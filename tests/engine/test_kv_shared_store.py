@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine import kv_file_store
-from pdserve.engine.kv_file_store import FileKvStore
+from pdserve.engine import kv_shared_store, kv_store_backends
+from pdserve.engine.kv_shared_store import SharedKvStore
 from pdserve.node_runtime.tier_metrics import store_collector
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -57,7 +57,7 @@ def serve(engine: LLMEngine, rid: str, prompt=PROMPT, **kw) -> tuple[list[int], 
     return tokens, cached
 
 
-def computed(engine: LLMEngine) -> tuple[list[int], FileKvStore]:
+def computed(engine: LLMEngine) -> tuple[list[int], SharedKvStore]:
     """Serve PROMPT on `engine` and wait until its blocks are in the store."""
     tokens, _ = serve(engine, "first")
     assert engine.store is not None and engine.store.drain(30)
@@ -93,7 +93,7 @@ def test_a_salted_prefix_is_reachable_only_with_its_salt(make):
 
 def test_a_corrupt_or_foreign_file_is_refused_and_recomputed(make, tmp_path):
     tokens, store = computed(make())
-    files = sorted(store.path.glob("*/*.kvb"))
+    files = sorted(store.backend.path.glob("*/*.kvb"))
     victim = files[len(files) // 2]
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit of KV
@@ -104,9 +104,9 @@ def test_a_corrupt_or_foreign_file_is_refused_and_recomputed(make, tmp_path):
     assert other.store.stats.corrupt_blocks == 1 and other.store.stats.restore_failures == 1
     assert other.store.drain(30) and victim.read_bytes() != bytes(data)  # removed, then written whole again
     # a file of another model (same key, another compatibility string) is refused the same way
-    foreign = FileKvStore(f"file://{store.path}", "model=other")
+    foreign = SharedKvStore(f"file://{store.backend.path}", "model=other")
     foreign.pool = other.kv_pool
-    key_file = sorted(store.path.glob("*/*.kvb"))[0]
+    key_file = sorted(store.backend.path.glob("*/*.kvb"))[0]
     key = int(key_file.stem, 16)
     assert foreign._read_all([(key, 0, [])]) is None and foreign.stats.corrupt_blocks == 1
 
@@ -114,30 +114,30 @@ def test_a_corrupt_or_foreign_file_is_refused_and_recomputed(make, tmp_path):
 def test_a_slow_or_vanished_store_costs_a_recompute_not_a_hang(make, monkeypatch):
     tokens, store = computed(make())
     other = make()
-    read = FileKvStore._read_all
+    read = SharedKvStore._read_all
 
     def slow(self, wanted):
         time.sleep(0.5)
         return read(self, wanted)
 
-    monkeypatch.setattr(kv_file_store, "READ_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(FileKvStore, "_read_all", slow)
+    monkeypatch.setattr(kv_shared_store, "READ_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(SharedKvStore, "_read_all", slow)
     again, _ = serve(other, "slow")
     assert again == tokens and other.store.stats.restore_failures == 1 and other.store.stats.restored_blocks == 0
-    monkeypatch.setattr(FileKvStore, "_read_all", read)
-    monkeypatch.setattr(kv_file_store, "READ_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(SharedKvStore, "_read_all", read)
+    monkeypatch.setattr(kv_shared_store, "READ_TIMEOUT_S", 5.0)
     assert other.store.drain(30)
-    shutil.rmtree(store.path)  # the volume went away
-    third = make(store=f"file://{store.path}")  # recreated empty at start
+    shutil.rmtree(store.backend.path)  # the volume went away
+    third = make(store=f"file://{store.backend.path}")  # recreated empty at start
     assert serve(third, "gone")[0] == tokens and third.store.stats.restored_blocks == 0
     assert third.store.drain(30)
-    shutil.rmtree(store.path)  # and away again while serving: writes fail, counted
+    shutil.rmtree(store.backend.path)  # and away again while serving: writes fail, counted
     serve(third, "gone-again", prompt=[7 + i for i in range(61)])
     assert third.store.drain(30) and third.store.stats.dropped_blocks > 0
 
 
 def test_the_store_keeps_to_its_max(make, monkeypatch, tmp_path):
-    monkeypatch.setattr(kv_file_store, "TRIM_EVERY", 1)
+    monkeypatch.setattr(kv_store_backends, "TRIM_EVERY", 1)
     engine = make(store=f"file://{tmp_path / 'small'}?max=20KiB")
     for i in range(4):
         serve(engine, f"r{i}", prompt=[300 + 70 * i + j for j in range(61)])
@@ -150,10 +150,13 @@ def test_the_store_keeps_to_its_max(make, monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "url,message",
     [
-        ("s3://bucket/kv", "only file:///PATH"),
+        ("s3://bucket/kv", "file:///PATH or mooncake://"),
         ("file://host/kv", "ABSOLUTE"),
         ("file:///tmp/kv?size=1G", "unknown option"),
         ("file:///tmp/kv?max=lots", "max"),
+        ("mooncake:///kv", "MASTER_HOST:PORT"),
+        ("mooncake://m:50051?max=1GiB", "unknown option"),
+        ("mooncake://m:50051?segment=lots", "segment"),
     ],
 )
 def test_a_bad_store_url_is_refused_naming_the_flag(url, message, tiny_model_dir):
@@ -180,3 +183,11 @@ def test_a_node_with_a_store_exports_its_series(tiny_model_dir, tmp_path):
             assert rt.metrics.registry.get_sample_value("pdserve_kv_store_blocks_total", {**labels, "op": op}) == 0
     finally:
         rt.engine.close()
+
+
+def test_a_mooncake_store_without_the_mooncake_package_is_refused_naming_it(make, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the wheel were not installed
+    with pytest.raises(ValueError, match="--kv-store mooncake://.*mooncake-transfer-engine"):
+        make(store="mooncake://127.0.0.1:50051")
