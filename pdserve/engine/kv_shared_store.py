@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -51,7 +51,9 @@ MAGIC = b"PDKVBLK1"
 MAX_PENDING_BLOCKS = 4096
 """Blocks queued for the writer at most; offloads beyond are dropped (and counted)."""
 READ_TIMEOUT_S = 5.0
-"""Longest a restore may read before the request recomputes instead."""
+"""Longest a lookup or a restore may take before the request recomputes instead."""
+DOWN_BACKOFF_S = 30.0
+"""After a timeout, how long admissions do not ask the store at all."""
 CLOSE_DRAIN_S = 5.0
 """Longest `close` waits for queued writes."""
 
@@ -71,6 +73,8 @@ class StoreStats:
     restore_failures: int = 0
     """Restores that fell back to recompute (missing, corrupt or unreadable files, or a timeout)."""
     restore_seconds: float = 0.0
+    timeouts: int = 0
+    """Lookups or reads that took over READ_TIMEOUT_S (the store is then skipped for DOWN_BACKOFF_S)."""
 
 
 class SharedKvStore(KvConnector):
@@ -87,6 +91,7 @@ class SharedKvStore(KvConnector):
         self._matched: dict[str, list[tuple[BlockKey, BlockKey, list[int]]]] = {}
         self._stopped = False
         self._writing = False
+        self._down_until = 0.0
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-read")
         self._thread = threading.Thread(target=self._write_loop, name="kv-store-write", daemon=True)
 
@@ -138,15 +143,17 @@ class SharedKvStore(KvConnector):
         first = pool_tokens // bs
         if first >= limit:
             return None
-        keys = prompt_block_keys(request.kv_root, request.prompt_token_ids, bs, limit)
-        parents = [request.kv_root, *keys]
-        held = []
-        for i in range(first, limit):
-            if not self.backend.exists(self._name(keys[i])):
-                break
-            held.append((keys[i], parents[i], request.prompt_token_ids[i * bs : (i + 1) * bs]))
-        if not held:
+        if time.monotonic() < self._down_until:  # timed out lately: not asked until the back-off ends
             return None
+        keys = prompt_block_keys(request.kv_root, request.prompt_token_ids, bs, limit)
+        names = [self._name(k) for k in keys[first:limit]]
+        count = self._bounded(self._held, names)
+        if not count:
+            return None
+        parents = [request.kv_root, *keys]
+        held = [
+            (keys[i], parents[i], request.prompt_token_ids[i * bs : (i + 1) * bs]) for i in range(first, first + count)
+        ]
         self._matched[request.request_id] = held
         return ExternalKv(load_tokens=len(held) * bs)
 
@@ -156,11 +163,7 @@ class SharedKvStore(KvConnector):
         if pool is None or len(wanted) != len(block_ids):
             return False
         started = time.perf_counter()
-        try:
-            payloads = self._reader.submit(self._read_all, wanted).result(timeout=READ_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            log.warning("KV store: reading %d blocks took over %.2g s: recomputing", len(wanted), READ_TIMEOUT_S)
-            payloads = None
+        payloads = self._bounded(self._read_all, wanted)
         if payloads is None:
             self.stats.restore_failures += 1
             return False
@@ -175,6 +178,33 @@ class SharedKvStore(KvConnector):
 
     def forget(self, request: Request) -> None:
         self._matched.pop(request.request_id, None)
+
+    def _bounded(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        """`fn(arg)` on the reader thread, at most READ_TIMEOUT_S (the engine thread never waits on
+        a slow store longer); None on a timeout, after which the store is left alone for
+        DOWN_BACKOFF_S (a hung store would otherwise cost every admission the whole timeout)."""
+        try:
+            return self._reader.submit(fn, arg).result(timeout=READ_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            log.warning(
+                "KV store: no answer in %.2g s: recomputing, store skipped for %.0f s", READ_TIMEOUT_S, DOWN_BACKOFF_S
+            )
+            self._down_until = time.monotonic() + DOWN_BACKOFF_S
+            self.stats.timeouts += 1
+            return None
+
+    def _held(self, names: list[str]) -> int:
+        """How many of `names`, from the first, the store holds."""
+        count = 0
+        for name in names:
+            try:
+                if not self.backend.exists(name):
+                    break
+            except Exception as e:  # the backend's own error: a miss
+                log.warning("KV store: looking up block %s failed (%r)", name, e)
+                break
+            count += 1
+        return count
 
     # --- files -------------------------------------------------------------------------------
     def _header(self, key: BlockKey, parent: BlockKey, tokens: list[int], digest: str) -> bytes:

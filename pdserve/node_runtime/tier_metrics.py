@@ -40,8 +40,11 @@ class TierCollector(Collector):
         prefix: str = "pdserve_kv_offload",
         what: str = "Host KV tier",
         ops: dict[str, str] = HOST_OPS,
+        counters: dict[str, str] | None = None,
     ) -> None:
         self.stats, self.prefix, self.what, self.ops = stats, prefix, what, ops
+        self.counters = counters or {}
+        """Further counters: `stats` attribute -> help (exported as `{prefix}_{attribute}`)."""
         self.labels = [role, model_name]
         registry.register(self)
 
@@ -68,8 +71,13 @@ class TierCollector(Collector):
         )
         seconds.add_metric(self.labels, s.restore_seconds)
         yield from (blocks, hits, failures, seconds)
+        for name, help_text in self.counters.items():
+            counter = CounterMetricFamily(f"{self.prefix}_{name}", help_text, labels=names)
+            counter.add_metric(self.labels, getattr(s, name))
+            yield counter
 
 
 def store_collector(stats: Any, role: str, model_name: str, registry: CollectorRegistry) -> TierCollector:
     """pdserve_kv_store_* for the shared store (--kv-store)."""
-    return TierCollector(stats, role, model_name, registry, "pdserve_kv_store", "shared KV store", STORE_OPS)
+    timeouts = {"timeouts": "Store lookups or reads that took too long (the store is then skipped for a while)"}
+    return TierCollector(stats, role, model_name, registry, "pdserve_kv_store", "shared KV store", STORE_OPS, timeouts)

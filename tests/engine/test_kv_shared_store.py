@@ -78,6 +78,7 @@ def test_another_engine_restores_what_one_computed(make):
     labels = {"role": "decode", "model_name": "m"}
     assert registry.get_sample_value("pdserve_kv_store_blocks_total", {**labels, "op": "restored"}) == 15
     assert registry.get_sample_value("pdserve_kv_store_hit_requests_total", labels) == 1
+    assert registry.get_sample_value("pdserve_kv_store_timeouts_total", labels) == 0
 
 
 def test_a_salted_prefix_is_reachable_only_with_its_salt(make):
@@ -124,6 +125,9 @@ def test_a_slow_or_vanished_store_costs_a_recompute_not_a_hang(make, monkeypatch
     monkeypatch.setattr(SharedKvStore, "_read_all", slow)
     again, _ = serve(other, "slow")
     assert again == tokens and other.store.stats.restore_failures == 1 and other.store.stats.restored_blocks == 0
+    assert other.store.stats.timeouts == 1
+    # skipped now: had the next admission asked the store, its slow read would have timed out again
+    assert serve(other, "skipped")[0] == tokens and other.store.stats.timeouts == 1
     monkeypatch.setattr(SharedKvStore, "_read_all", read)
     monkeypatch.setattr(kv_shared_store, "READ_TIMEOUT_S", 5.0)
     assert other.store.drain(30)
