@@ -26,7 +26,13 @@ COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir() if (p / "kust
 # cpu-demo already includes it). The gateway components add only custom resources that touch no
 # other object: tests/deploy/test_gateway.py renders them with every overlay, and leaving them out of
 # the product keeps it from quadrupling.
-ONLY_WITH = {"autoscaling-cpu": set(), "rdma-sriov": {"gpu-rdma"}, "gateway-api": set(), "inference-pool": set()}
+ONLY_WITH = {
+    "autoscaling-cpu": set(),
+    "rdma-sriov": {"gpu-rdma"},
+    "gateway-api": set(),
+    "inference-pool": set(),
+    "kv-store": set(),  # rendered with every overlay by tests/deploy/test_kv_store_component.py
+}
 # Custom resources (no schema in kubernetes-validate), each checked in its own test, and the
 # opt-in components that may bring them.
 CUSTOM_GROUPS = {
