@@ -85,8 +85,12 @@ async def test_a_remote_prefill_request_moves_through_the_engine_status_machine(
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
             source = await rt.admit(scope, list(range(5, 40)), params, kv_transfer_params={DO_REMOTE_PREFILL: True})
             assert source.location == "remote" and scope.status == RequestStatus.WAITING_FOR_REMOTE_KV
-            await rt.loop_thread.call(rt.engine.complete_remote_prefill, "r", 7)
-            assert scope.status == RequestStatus.RUNNING
+
+            def land() -> RequestStatus:  # in the engine thread: read before its next step can finish it
+                rt.engine.complete_remote_prefill("r", 7)
+                return scope.status
+
+            assert await rt.loop_thread.call(land) == RequestStatus.RUNNING
             tokens = [7]
             while not scope.finished:
                 out = await asyncio.wait_for(scope.next_output(), 30)
