@@ -41,6 +41,7 @@ import torch
 from pdserve.engine.block_keys import BlockKey, prompt_block_keys
 from pdserve.engine.kv_connector import ExternalKv, KvConnector
 from pdserve.engine.kv_store_backends import BlockBackend, open_backend
+from pdserve.engine.kv_tier import TierStats
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
@@ -59,20 +60,12 @@ CLOSE_DRAIN_S = 5.0
 
 
 @dataclass
-class StoreStats:
-    """Counters of one node's view of the store (read by its metrics from other threads)."""
+class StoreStats(TierStats):
+    """The host tier's counters (`dropped_blocks` also counts failed writes, `restore_failures`
+    missing, corrupt or unreadable records and timeouts), plus the store's own."""
 
-    stored_blocks: int = 0
-    restored_blocks: int = 0
-    hit_requests: int = 0
-    evicted_blocks: int = 0
-    dropped_blocks: int = 0
-    """Not stored: the writer's queue was full, or the write failed."""
     corrupt_blocks: int = 0
-    """Files refused on load (digest, key, tokens or compatibility mismatch): the request recomputed."""
-    restore_failures: int = 0
-    """Restores that fell back to recompute (missing, corrupt or unreadable files, or a timeout)."""
-    restore_seconds: float = 0.0
+    """Records refused on load (digest, key, tokens or compatibility mismatch): the request recomputed."""
     timeouts: int = 0
     """Lookups or reads that took over READ_TIMEOUT_S (the store is then skipped for DOWN_BACKOFF_S)."""
 
