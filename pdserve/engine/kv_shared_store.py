@@ -164,9 +164,7 @@ class SharedKvStore(KvConnector):
         for block, payload in zip(block_ids, payloads):
             src = torch.frombuffer(bytearray(payload), dtype=pool.tensor.dtype).view(shape)
             pool.tensor[:, block].copy_(src)
-        self.stats.restored_blocks += len(block_ids)
-        self.stats.hit_requests += 1
-        self.stats.restore_seconds += time.perf_counter() - started
+        self.stats.restored(len(block_ids), sum(map(len, payloads)), time.perf_counter() - started)
         return True
 
     def forget(self, request: Request) -> None:
@@ -290,7 +288,7 @@ class SharedKvStore(KvConnector):
             log.warning("KV store: writing block %s failed (%r)", self._name(key), e)
             ok = False
         if ok:
-            self.stats.stored_blocks += 1
+            self.stats.stored(len(record))
         else:
             self.stats.dropped_blocks += 1
         self.stats.evicted_blocks = self.backend.evicted()

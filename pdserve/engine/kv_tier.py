@@ -26,11 +26,12 @@ tier (refused at start).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,18 +48,41 @@ MAX_PENDING_BLOCKS = 4096
 """Blocks queued for the writer at most; offloads beyond are dropped (and counted)."""
 
 
+RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Upper bounds (seconds) of the restore-latency histogram: a few blocks from host memory take
+about a millisecond, a store read over the network up to its READ_TIMEOUT_S."""
+
+
 @dataclass
 class TierStats:
     """Counters of one tier (read by the node's metrics from other threads; ints only grow)."""
 
     stored_blocks: int = 0
+    stored_bytes: int = 0
     restored_blocks: int = 0
+    restored_bytes: int = 0
     hit_requests: int = 0
     evicted_blocks: int = 0
     dropped_blocks: int = 0
     """Offloads not made: the writer's queue was full."""
     restore_failures: int = 0
     restore_seconds: float = 0.0
+    restore_latency: list[int] = field(default_factory=lambda: [0] * (len(RESTORE_BUCKETS) + 1))
+    """Successful restores by latency: one count per RESTORE_BUCKETS bound, then one over the last
+    (not cumulative; the metrics collector sums them into Prometheus buckets)."""
+
+    def stored(self, nbytes: int) -> None:
+        """One block written to the tier."""
+        self.stored_blocks += 1
+        self.stored_bytes += nbytes
+
+    def restored(self, blocks: int, nbytes: int, seconds: float) -> None:
+        """One request's restore: `blocks` blocks, `nbytes` bytes read back, in `seconds`."""
+        self.restored_blocks += blocks
+        self.restored_bytes += nbytes
+        self.hit_requests += 1
+        self.restore_seconds += seconds
+        self.restore_latency[bisect.bisect_left(RESTORE_BUCKETS, seconds)] += 1
 
 
 class HostKvTier(KvConnector):
@@ -174,9 +198,8 @@ class HostKvTier(KvConnector):
                 self._slots.move_to_end(key)
                 assert self.store is not None and slot is not None
                 pool.tensor[:, block].copy_(self.store[slot], non_blocking=False)
-        self.stats.restored_blocks += len(block_ids)
-        self.stats.hit_requests += 1
-        self.stats.restore_seconds += time.perf_counter() - started
+        slot_bytes = self.store.element_size() * self.store[0].numel() if self.store is not None else 0
+        self.stats.restored(len(block_ids), len(block_ids) * slot_bytes, time.perf_counter() - started)
         return True
 
     def forget(self, request: Request) -> None:
@@ -218,7 +241,7 @@ class HostKvTier(KvConnector):
             else:
                 self.store[slot].copy_(src)
             self._slots[key] = slot
-        self.stats.stored_blocks += 1
+        self.stats.stored(self.store.element_size() * self.store[slot].numel())
 
     def close(self) -> None:
         """Stop the writer (pending offloads are dropped; nothing waits on them after the engine stops)."""

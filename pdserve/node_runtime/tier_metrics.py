@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pdserve.engine.kv_tier import RESTORE_BUCKETS
 
 HOST_OPS = {
     "stored": "copied down",
@@ -27,9 +29,9 @@ STORE_OPS = {
 
 class TierCollector(Collector):
     """`{prefix}_*` for one node's tier (role, model_name labels, like the node's own series): its
-    blocks by operation (`ops`: name -> meaning), requests that hit it, restores that fell back to
-    recompute, and the time restores took. `stats` holds `<op>_blocks`, `hit_requests`,
-    `restore_failures` and `restore_seconds`."""
+    blocks by operation (`ops`: name -> meaning), bytes stored and restored, requests that hit it,
+    restores that fell back to recompute, and the time restores took (a total and a histogram).
+    `stats` is a `TierStats`."""
 
     def __init__(
         self,
@@ -70,7 +72,25 @@ class TierCollector(Collector):
             f"{self.prefix}_restore_seconds", f"Time spent restoring blocks from the {what}", labels=names
         )
         seconds.add_metric(self.labels, s.restore_seconds)
-        yield from (blocks, hits, failures, seconds)
+        nbytes = CounterMetricFamily(
+            f"{self.prefix}_bytes",
+            f"Bytes written to (stored) and read back from (restored) the {what}",
+            labels=[*names, "op"],
+        )
+        nbytes.add_metric([*self.labels, "stored"], s.stored_bytes)
+        nbytes.add_metric([*self.labels, "restored"], s.restored_bytes)
+        latency = HistogramMetricFamily(
+            f"{self.prefix}_restore_latency_seconds",
+            f"Time one request's restore from the {what} took (successful restores)",
+            labels=names,
+        )
+        counts, cumulative = list(s.restore_latency), 0
+        buckets = []
+        for bound, count in zip([*map(str, RESTORE_BUCKETS), "+Inf"], counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        latency.add_metric(self.labels, buckets, s.restore_seconds)
+        yield from (blocks, nbytes, hits, failures, seconds, latency)
         for name, help_text in self.counters.items():
             counter = CounterMetricFamily(f"{self.prefix}_{name}", help_text, labels=names)
             counter.add_metric(self.labels, getattr(s, name))

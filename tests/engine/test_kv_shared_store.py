@@ -78,6 +78,15 @@ def test_another_engine_restores_what_one_computed(make):
     labels = {"role": "decode", "model_name": "m"}
     assert registry.get_sample_value("pdserve_kv_store_blocks_total", {**labels, "op": "restored"}) == 15
     assert registry.get_sample_value("pdserve_kv_store_hit_requests_total", labels) == 1
+    pool = other.store.pool
+    assert pool is not None
+    block_bytes = pool.block_bytes * pool.num_layers
+    restored = registry.get_sample_value("pdserve_kv_store_bytes_total", {**labels, "op": "restored"})
+    assert restored == 15 * block_bytes > 0  # the payloads, without their record headers
+    stored = registry.get_sample_value("pdserve_kv_store_bytes_total", {**labels, "op": "stored"})
+    assert stored == 0  # this node wrote nothing of its own yet
+    assert registry.get_sample_value("pdserve_kv_store_restore_latency_seconds_count", labels) == 1
+    assert registry.get_sample_value("pdserve_kv_store_restore_latency_seconds_bucket", {**labels, "le": "+Inf"}) == 1
     assert registry.get_sample_value("pdserve_kv_store_timeouts_total", labels) == 0
 
 

@@ -84,6 +84,10 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_output(ma
     assert [t for o in outs for t in o.new_token_ids] == expected
     assert outs[-1].num_cached_tokens == 60  # 15 blocks restored, only the last token's block computed
     assert tier.stats.restored_blocks == 15 and tier.stats.hit_requests == 1
+    pool = engine.runner.kv_pool
+    assert tier.stats.restored_bytes == 15 * pool.block_bytes * pool.num_layers
+    assert tier.stats.stored_bytes >= 16 * pool.block_bytes * pool.num_layers
+    assert sum(tier.stats.restore_latency) == 1
 
 
 def test_salted_blocks_are_not_restored_under_another_salt(make):
@@ -201,3 +205,24 @@ def run_outputs(engine: LLMEngine) -> list:
 def run_one(engine: LLMEngine, prompt: list[int], rid: str = "a", salt: str | None = None) -> list[int]:
     engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
     return run(engine)[rid]
+
+
+def test_restore_latency_is_a_histogram_and_bytes_are_counted():
+    from pdserve.engine.kv_tier import TierStats
+
+    stats = TierStats()
+    stats.stored(4096)
+    stats.restored(2, 8192, 0.003)  # in the 0.005 bucket
+    stats.restored(1, 4096, 9.0)  # over the last bound
+    registry = CollectorRegistry()
+    TierCollector(stats, "prefill", "m", registry)
+    labels = {"role": "prefill", "model_name": "m"}
+
+    def bucket(le: str) -> float | None:
+        return registry.get_sample_value("pdserve_kv_offload_restore_latency_seconds_bucket", {**labels, "le": le})
+
+    assert bucket("0.0025") == 0 and bucket("0.005") == 1 and bucket("5.0") == 1 and bucket("+Inf") == 2
+    assert registry.get_sample_value("pdserve_kv_offload_restore_latency_seconds_sum", labels) == pytest.approx(9.003)
+    assert registry.get_sample_value("pdserve_kv_offload_bytes_total", {**labels, "op": "restored"}) == 12288
+    assert registry.get_sample_value("pdserve_kv_offload_bytes_total", {**labels, "op": "stored"}) == 4096
+    assert stats.restored_blocks == 3 and stats.hit_requests == 2
