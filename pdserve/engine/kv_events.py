@@ -5,6 +5,11 @@ keyed block is evicted, and `cleared` when everything goes. Subscribers (the nod
 KvEvents gRPC stream, tests, the trace-replay simulator) read events after a sequence
 number, or a snapshot when they are too far behind.
 
+Every event names its medium (`Medium`), as vLLM's KV events do: the pool's events are the
+block manager's; the tiers below it add theirs (the host tier when it stores or drops a block,
+the shared store when this node writes a block there or finds one gone), so a router can price a
+hit by where it lives. One sequence orders them all.
+
 Why a separate object with its own lock: the block manager runs on the engine thread
 without locks, while subscribers read from gRPC threads or an event loop. The log
 keeps its own copy of the held keys, updated with each event under the lock, so a
@@ -22,6 +27,22 @@ from typing import NamedTuple
 from pdserve.engine.block_keys import BlockKey
 
 
+class Medium(enum.StrEnum):
+    """Where a held block lives (members equal their strings)."""
+
+    POOL = "pool"
+    """The engine's KV pool (on the wire: the pool's device, "gpu" or "cpu")."""
+    HOST = "host"
+    """The node's host tier (--kv-offloading-size)."""
+    STORE = "store"
+    """The shared store (--kv-store): readable by every node with the same KV compatibility."""
+
+
+TIER_KEYS_HELD = 1 << 20
+"""Keys a log remembers per tier medium at most (oldest forgotten first, without an event). The
+store outlives and outgrows one node; forgetting only makes a router under-estimate a hit."""
+
+
 class KvEventKind(enum.IntEnum):
     """Matches pdserve.v1.KvEvent.Kind values."""
 
@@ -37,13 +58,15 @@ class KvEvent(NamedTuple):
     kind: KvEventKind
     keys: tuple[BlockKey, ...]
     parent_key: BlockKey = 0
+    medium: Medium = Medium.POOL
 
 
 class KvSnapshot(NamedTuple):
-    """Every key held as of `seq`."""
+    """Every key held as of `seq`: in the pool (`keys`), and in each tier below it."""
 
     seq: int
     keys: frozenset[BlockKey]
+    tiers: dict[Medium, frozenset[BlockKey]] = {}
 
 
 class KvEventLog:
@@ -53,7 +76,8 @@ class KvEventLog:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._events: deque[KvEvent] = deque(maxlen=capacity)
-        self._held: set[BlockKey] = set()
+        self._held: dict[Medium, dict[BlockKey, None]] = {m: {} for m in Medium}
+        """Held keys by medium, oldest first (dicts keep insertion order)."""
         self._seq = 0
         self._cond = threading.Condition()
 
@@ -62,32 +86,40 @@ class KvEventLog:
         """Sequence number of the last event (0 before any)."""
         return self._seq
 
-    def stored(self, keys: list[BlockKey], parent_key: BlockKey) -> None:
+    def stored(self, keys: list[BlockKey], parent_key: BlockKey, medium: Medium = Medium.POOL) -> None:
         if keys:
-            self._append(KvEventKind.STORED, tuple(keys), parent_key)
+            self._append(KvEventKind.STORED, tuple(keys), parent_key, medium)
 
-    def removed(self, keys: list[BlockKey]) -> None:
+    def removed(self, keys: list[BlockKey], medium: Medium = Medium.POOL) -> None:
         if keys:
-            self._append(KvEventKind.REMOVED, tuple(keys), 0)
+            self._append(KvEventKind.REMOVED, tuple(keys), 0, medium)
 
     def cleared(self) -> None:
-        self._append(KvEventKind.CLEARED, (), 0)
+        """The pool dropped every block (the tiers keep theirs)."""
+        self._append(KvEventKind.CLEARED, (), 0, Medium.POOL)
 
-    def _append(self, kind: KvEventKind, keys: tuple[BlockKey, ...], parent_key: BlockKey) -> None:
+    def _append(self, kind: KvEventKind, keys: tuple[BlockKey, ...], parent_key: BlockKey, medium: Medium) -> None:
         with self._cond:
             self._seq += 1
-            self._events.append(KvEvent(self._seq, kind, keys, parent_key))
+            self._events.append(KvEvent(self._seq, kind, keys, parent_key, medium))
+            held = self._held[medium]
             if kind is KvEventKind.STORED:
-                self._held.update(keys)
+                held.update(dict.fromkeys(keys))
+                while len(held) > TIER_KEYS_HELD:  # only tiers grow so far: the pool is bounded by its blocks
+                    del held[next(iter(held))]
             elif kind is KvEventKind.REMOVED:
-                self._held.difference_update(keys)
+                for key in keys:
+                    held.pop(key, None)
             else:
-                self._held.clear()
+                held.clear()
             self._cond.notify_all()
 
     def snapshot(self) -> KvSnapshot:
         with self._cond:
-            return KvSnapshot(self._seq, frozenset(self._held))
+            tiers: dict[Medium, frozenset[BlockKey]] = {
+                m: frozenset(keys) for m, keys in self._held.items() if m is not Medium.POOL and keys
+            }
+            return KvSnapshot(self._seq, frozenset(self._held[Medium.POOL]), tiers)
 
     def since(self, after_seq: int) -> list[KvEvent] | None:
         """Events with seq > after_seq, or None when some of them are no longer buffered

@@ -41,6 +41,7 @@ import torch
 from pdserve.engine.block_keys import BlockKey, prompt_block_keys
 from pdserve.engine.kv_connector import ExternalKv, KvConnector
 from pdserve.engine.kv_store_backends import BlockBackend, open_backend
+from pdserve.engine.kv_events import KvEventLog, Medium
 from pdserve.engine.kv_tier import TierStats
 
 if TYPE_CHECKING:
@@ -73,9 +74,14 @@ class StoreStats(TierStats):
 class SharedKvStore(KvConnector):
     """Blocks of one model's KV in the store `url` names (shared by every node that reaches it)."""
 
-    def __init__(self, url: str, compatibility: str, backend: BlockBackend | None = None) -> None:
+    def __init__(
+        self, url: str, compatibility: str, backend: BlockBackend | None = None, events: KvEventLog | None = None
+    ) -> None:
         self.backend = backend if backend is not None else open_backend(url)
         self.compatibility = compatibility
+        self.events = events
+        """The node's KV event log: blocks this node wrote to the store, and ones it found gone
+        (medium "store"; other nodes' writes reach a router through their own logs)."""
         self.stats = StoreStats()
         self.pool: KVPool | None = None
         self._queue: deque[tuple[int, BlockKey, BlockKey, list[int], threading.Event]] = deque()
@@ -212,16 +218,22 @@ class SharedKvStore(KvConnector):
             except Exception as e:  # the backend's own error: the request recomputes
                 log.warning("KV store: reading block %s failed (%r)", name, e)
                 data = None
-            if data is None:
-                return None  # gone since match (evicted), or the store is down
+            if data is None:  # gone since match (evicted), or the store is down
+                self._gone(key)
+                return None
             payload = self._check(data, key, parent, tokens)
             if payload is None:
                 self.stats.corrupt_blocks += 1
                 log.warning("KV store: block %s failed its checks: removed, recomputing", name)
                 self.backend.remove(name)
+                self._gone(key)
                 return None
             out.append(payload)
         return out
+
+    def _gone(self, key: BlockKey) -> None:
+        if self.events is not None:
+            self.events.removed([key], Medium.STORE)
 
     def _check(self, data: bytes, key: BlockKey, parent: BlockKey, tokens: list[int]) -> bytes | None:
         head = len(MAGIC) + 4
@@ -289,6 +301,8 @@ class SharedKvStore(KvConnector):
             ok = False
         if ok:
             self.stats.stored(len(record))
+            if self.events is not None:
+                self.events.stored([key], parent, Medium.STORE)
         else:
             self.stats.dropped_blocks += 1
         self.stats.evicted_blocks = self.backend.evicted()

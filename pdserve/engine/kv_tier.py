@@ -38,6 +38,7 @@ import torch
 
 from pdserve.engine.block_keys import BlockKey, prompt_block_keys
 from pdserve.engine.kv_connector import ExternalKv, KvConnector
+from pdserve.engine.kv_events import KvEventLog, Medium
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
@@ -88,10 +89,12 @@ class TierStats:
 class HostKvTier(KvConnector):
     """A host-memory KV tier of `capacity_bytes` below the engine's pool."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, events: KvEventLog | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"--kv-offloading-size must be positive, got {capacity_bytes} bytes")
         self.capacity_bytes = capacity_bytes
+        self.events = events
+        """The node's KV event log: the keys this tier stores and drops (medium "host")."""
         self.stats = TierStats()
         self.pool: KVPool | None = None
         self.store: torch.Tensor | None = None
@@ -230,8 +233,10 @@ class HostKvTier(KvConnector):
             if self._free_slots:
                 slot = self._free_slots.pop()
             else:
-                _, slot = self._slots.popitem(last=False)
+                old, slot = self._slots.popitem(last=False)
                 self.stats.evicted_blocks += 1
+                if self.events is not None:
+                    self.events.removed([old], Medium.HOST)
             src = self.pool.tensor[:, block]
             if self._side_stream is not None:  # CUDA: after the engine's writes, on a side stream
                 self._side_stream.wait_stream(torch.cuda.current_stream(self.pool.tensor.device))
@@ -242,6 +247,8 @@ class HostKvTier(KvConnector):
                 self.store[slot].copy_(src)
             self._slots[key] = slot
         self.stats.stored(self.store.element_size() * self.store[slot].numel())
+        if self.events is not None:
+            self.events.stored([key], 0, Medium.HOST)
 
     def close(self) -> None:
         """Stop the writer (pending offloads are dropped; nothing waits on them after the engine stops)."""

@@ -61,7 +61,10 @@ class LLMEngine:
         runner: ModelRunner | None = None,
     ) -> None:
         self.config = config
-        self.tier = HostKvTier(config.kv_offloading_bytes) if config.kv_offloading_bytes else None
+        self.kv_events = KvEventLog()
+        """Keys stored / evicted in this engine's prefix cache and the tiers below it, for the node's
+        KvEvents stream."""
+        self.tier = HostKvTier(config.kv_offloading_bytes, self.kv_events) if config.kv_offloading_bytes else None
         """The host KV tier below the pool (--kv-offloading-size), asked before the node's connector."""
         self.store: SharedKvStore | None = None
         """The shared KV store below the host tier (--kv-store), once the pool exists."""
@@ -88,14 +91,12 @@ class LLMEngine:
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
         """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
         if config.kv_store is not None:  # its files are checked against the compatibility string
-            self.store = SharedKvStore(config.kv_store, self.kv_compatibility)
+            self.store = SharedKvStore(config.kv_store, self.kv_compatibility, events=self.kv_events)
         # the tiers below the pool are asked first (host, then the shared store), then the node's own
         parts = [c for c in (self.tier, self.store, connector) if c is not None and c is not NO_CONNECTOR]
         connector = NO_CONNECTOR if not parts else parts[0] if len(parts) == 1 else KvConnectors(*parts)
         self.connector = connector
         connector.register_kv_pool(pool)
-        self.kv_events = KvEventLog()
-        """Keys stored / evicted in this engine's prefix cache, for the node's KvEvents stream."""
         self.block_manager = BlockManager(
             pool.num_blocks,
             pool.block_size,

@@ -5,6 +5,11 @@ with `after_seq` when the node still buffers every event after it (same `node_id
 gets a new snapshot. Memory is bounded for any subscriber: nothing is queued per subscriber; a
 slow one reads the engine's bounded KvEventLog at its own pace, and once it falls further behind
 than the log holds it gets a snapshot (bounded by the pool's size) instead of the lost events.
+
+A subscriber that asks for `tiers` also gets the keys of the tiers below the pool (host tier,
+shared store), each event and snapshot chunk naming its medium; one that does not (an older
+router) gets each tier event with its sequence number but no keys, so its stream stays gap-free
+and its index holds the pool's keys only.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from pdserve.engine.kv_events import KvEvent, KvEventLog
+from pdserve.engine.kv_events import KvEvent, KvEventLog, KvSnapshot, Medium
 from pdserve.node_runtime.grpc_errors import TooManySubscribers
 from pdserve.v1 import common_pb2
 
@@ -56,30 +61,48 @@ async def kv_event_batches(
                 continue
         if events is None:  # first contact, a restart, or a gap: the log no longer holds what follows seq
             snapshot = log.snapshot()
-            keys = sorted(snapshot.keys)
-            for start in range(0, max(len(keys), 1), SNAPSHOT_CHUNK_KEYS):
-                key_chunk = keys[start : start + SNAPSHOT_CHUNK_KEYS]
-                done = start + SNAPSHOT_CHUNK_KEYS >= len(keys)
-                yield common_pb2.KvEventBatch(
-                    node_id=node_id, snapshot=True, snapshot_keys=key_chunk, snapshot_done=done, seq=snapshot.seq
-                )
+            for batch in _snapshot_batches(snapshot, node_id, medium, request.tiers):
+                yield batch
             seq = snapshot.seq
             continue
         for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
             chunk = events[start : start + MAX_EVENTS_PER_BATCH]
             yield common_pb2.KvEventBatch(
-                node_id=node_id, seq=chunk[-1].seq, events=[_event_pb(e, medium) for e in chunk]
+                node_id=node_id, seq=chunk[-1].seq, events=[_event_pb(e, medium, request.tiers) for e in chunk]
             )
         seq = events[-1].seq
 
 
-def _event_pb(event: KvEvent, medium: str) -> common_pb2.KvEvent:
+def _snapshot_batches(
+    snapshot: KvSnapshot, node_id: str, pool_medium: str, tiers: bool
+) -> list[common_pb2.KvEventBatch]:
+    """The snapshot in chunks: the pool's keys, then (if asked) each tier's; the last chunk is done."""
+    parts = [(pool_medium, sorted(snapshot.keys))]
+    if tiers:
+        parts += [(str(m), sorted(keys)) for m, keys in snapshot.tiers.items()]
+    batches = [
+        common_pb2.KvEventBatch(
+            node_id=node_id,
+            snapshot=True,
+            snapshot_keys=keys[start : start + SNAPSHOT_CHUNK_KEYS],
+            snapshot_medium=medium,
+            seq=snapshot.seq,
+        )
+        for medium, keys in parts
+        for start in range(0, max(len(keys), 1), SNAPSHOT_CHUNK_KEYS)
+    ]
+    batches[-1].snapshot_done = True
+    return batches
+
+
+def _event_pb(event: KvEvent, pool_medium: str, tiers: bool) -> common_pb2.KvEvent:
+    pool = event.medium is Medium.POOL
     return common_pb2.KvEvent(
         kind=common_pb2.KvEvent.Kind.Name(int(event.kind)),
         seq=event.seq,
-        keys=event.keys,
+        keys=event.keys if pool or tiers else (),
         parent_key=event.parent_key,
-        medium=medium,
+        medium=pool_medium if pool else str(event.medium),
     )
 
 

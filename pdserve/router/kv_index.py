@@ -16,14 +16,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pdserve.engine.block_keys import BlockKey
+from pdserve.engine.kv_events import Medium
 
 DEFAULT_NODE_CAP = 1 << 20
 """Keys kept per node when its pool size is unknown (1M keys: a few hundred MB at worst)."""
 DEFAULT_MAX_ENTRIES = 1 << 22
+_NONE: set[str] = set()
 
 
 class KvIndex:
-    """key -> nodes holding it, plus each node's keys in insertion order (for dropping and eviction)."""
+    """key -> nodes holding it, plus each node's keys in insertion order (for dropping and eviction).
+
+    Pool blocks only: the tiers' events and snapshots are ignored (router/kv_tiers.py's
+    TieredKvIndex keeps them)."""
+
+    keeps_tiers = False
+    """Whether the index keeps the keys of the tiers below the pool (subscribers ask for them)."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, node_cap: int = DEFAULT_NODE_CAP) -> None:
         self.max_entries = max_entries
@@ -86,6 +94,19 @@ class KvIndex:
             self.size += 1
         self._trim(node)
 
+    def store_in(self, node: str, keys: Iterable[BlockKey], medium: Medium) -> None:
+        """A STORED event in `medium`."""
+        if medium is Medium.POOL:
+            self.store(node, keys)
+
+    def remove_from(self, node: str, keys: Iterable[BlockKey], medium: Medium) -> None:
+        """A REMOVED event in `medium`."""
+        if medium is Medium.POOL:
+            self.remove(node, keys)
+
+    def replace_tier(self, node: str, medium: Medium, keys: Iterable[BlockKey]) -> None:
+        """A complete snapshot of what `node` holds in the tier `medium`."""
+
     def remove(self, node: str, keys: Iterable[BlockKey]) -> None:
         mine = self._keys.get(node)
         if mine is None:
@@ -102,6 +123,10 @@ class KvIndex:
             self._keys[node] = {}
 
     # --- matching ---------------------------------------------------------------------------
+    def holders(self, key: BlockKey) -> set[str]:
+        """Nodes that hold `key` (synced or not; do not modify)."""
+        return self._holders.get(key, _NONE)
+
     def match(self, keys: Sequence[BlockKey], nodes: Iterable[str]) -> dict[str, int]:
         """For each synced node of `nodes`: how many leading `keys` it holds (0 for the rest).
 

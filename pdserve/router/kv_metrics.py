@@ -46,6 +46,13 @@ class KvRoutingCollector(Collector):
         for (role, node), n in sorted(kv.hit_blocks.items()):
             blocks.add_metric([m, role, node], n)
             tokens.add_metric([m, role, node], kv.hit_tokens[(role, node)])
+        tier_blocks = CounterMetricFamily(
+            "pdserve_router_tier_hit_blocks",
+            "prompt blocks the chosen node was to restore from a tier below its pool (host, store)",
+            labels=["model_name", "role", "medium"],
+        )
+        for (role, medium), n in sorted(kv.tier_hit_blocks.items()):
+            tier_blocks.add_metric([m, role, str(medium)], n)
         index = kv.index
         size = GaugeMetricFamily(
             "pdserve_router_kv_index_entries", "(key, node) entries in the KV index", labels=["model_name"]
@@ -55,7 +62,14 @@ class KvRoutingCollector(Collector):
             "pdserve_router_kv_index_evicted", "entries forgotten to keep the index bounded", labels=["model_name"]
         )
         evicted.add_metric([m], index.evicted)
-        yield from (decisions, blocks, tokens, size, evicted)
+        tiers = GaugeMetricFamily(
+            "pdserve_router_kv_tier_index_entries",
+            "(key, node) entries of the tiers below the pools in the KV index",
+            labels=["model_name", "medium"],
+        )
+        for medium, tier in getattr(index, "tiers", {}).items():
+            tiers.add_metric([m, str(medium)], tier.size)
+        yield from (decisions, blocks, tokens, tier_blocks, size, evicted, tiers)
         yield from self._per_node()
 
     def _per_node(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -12,6 +12,10 @@ nearly idle nodes are never skipped) is left out unless every node is; and with 
 
 Prefill: cost = tokens the prefill node must compute (prompt minus its cached prefix) + its
 queued prefill tokens, with the same bound on queued tokens.
+
+Tiers: a node's leading prompt blocks it does not hold in its pool but can restore (its host
+tier, the shared store) are not misses; each costs host_weight or store_weight instead, so a hit
+is priced by where it lives: pool < host < store < recompute.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ class PolicyParams:
     """Fraction of warm requests routed by WRR alone."""
     tie_tolerance: float = 0.0
     """Costs within this much of the best count as ties (WRR decides among them)."""
+    host_weight: float = 0.1
+    """Cost of one prompt block the node restores from its host tier (a copy in host memory). Set
+    by the order of the media's costs (pool < host < store < recompute), not tuned on a workload."""
+    store_weight: float = 0.3
+    """Cost of one prompt block the node restores from the shared store (a read over the network or
+    from a file, then a checksum). Set like host_weight, not tuned."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +58,17 @@ class Candidate:
 
     address: str
     overlap: int
-    """Leading prompt blocks the node holds (from the KV index)."""
+    """Leading prompt blocks the node holds or can restore (from the KV index), tiers included."""
     load: float
     """Decode: load_weight x active blocks + queue_weight x queued prefill blocks. Prefill: queued tokens."""
+    host: int = 0
+    """Of `overlap`, blocks in the node's host tier (restored, not computed)."""
+    store: int = 0
+    """Of `overlap`, blocks in the shared store."""
+
+    def restore_cost(self, p: PolicyParams) -> float:
+        """What restoring the tiers' blocks costs, in blocks of miss."""
+        return p.host_weight * self.host + p.store_weight * self.store
 
 
 @dataclass(frozen=True)
@@ -72,7 +90,7 @@ def within_bound(cands: list[Candidate], eps: float, slack: float) -> list[Candi
 
 
 def decode_cost(c: Candidate, prompt_blocks: int, p: PolicyParams) -> float:
-    return p.miss_weight * max(prompt_blocks - c.overlap, 0) + c.load
+    return p.miss_weight * max(prompt_blocks - c.overlap, 0) + c.restore_cost(p) + c.load
 
 
 def choose_decode(
@@ -110,7 +128,7 @@ def order_prefill(
         return [], "cold"
 
     def cost(c: Candidate) -> float:
-        return max(prompt_tokens - c.overlap * block_size, 0) + c.load
+        return max(prompt_tokens - c.overlap * block_size, 0) + c.restore_cost(p) * block_size + c.load
 
     bounded = {c.address for c in within_bound(cands, p.balance_eps, slack)}
     ranked = sorted(cands, key=lambda c: (c.address not in bounded, cost(c)))

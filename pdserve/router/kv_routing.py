@@ -1,7 +1,8 @@
 """KvRouter: the KV-aware choice of decode and prefill nodes, shared by the router and the trace replay.
 
 It turns a prompt into block keys (per KV compatibility: nodes with equal compatibility share
-keys, so they are hashed once), asks the KvIndex how many leading blocks each node holds, lets
+keys, so they are hashed once), asks the index how many leading blocks each node holds in its
+pool or can restore from a tier below it (router/kv_tiers.py), lets
 the pure policy (router/kv_policy.py) shortlist, and lets the existing balancers pick among the
 shortlist, so ties and cold prompts are placed exactly as `--routing wrr` places them. It also
 counts what it did (decisions by reason, prefix hits per node) for the metrics collector.
@@ -17,8 +18,10 @@ from typing import NamedTuple
 
 from pdserve.engine.block_keys import BlockKey, namespace_root, prompt_block_keys
 from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
+from pdserve.engine.kv_events import Medium
 from pdserve.router.kv_index import KvIndex
 from pdserve.router.kv_policy import Candidate, PolicyParams, choose_decode, order_prefill
+from pdserve.router.kv_tiers import TieredKvIndex, TierHits
 
 
 class Routing(enum.StrEnum):
@@ -62,7 +65,7 @@ class KvRouter:
         decode_balancer: DecodeBalancer | None = None,
         prefill_balancer: PrefillBalancer | None = None,
     ) -> None:
-        self.index = index or KvIndex()
+        self.index = index or TieredKvIndex()
         self.params = params or PolicyParams()
         self.rng = random.Random(seed)
         self.decode_balancer = decode_balancer or DecodeBalancer()
@@ -72,20 +75,30 @@ class KvRouter:
         self.hit_blocks: Counter[tuple[str, str]] = Counter()
         """(role, address) -> prompt blocks the chosen node held at routing time."""
         self.hit_tokens: Counter[tuple[str, str]] = Counter()
+        self.tier_hit_blocks: Counter[tuple[str, Medium]] = Counter()
+        """(role, medium) -> prompt blocks the chosen node was to restore from a tier below its pool."""
 
-    def overlaps(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> dict[str, int]:
-        """Leading blocks of `prompt` each node holds (the block of the last token never counts:
-        the engine always computes it, for the logits)."""
+    def tier_hits(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> dict[str, TierHits]:
+        """Leading blocks of `prompt` each node holds in its pool or can restore, by medium (the block
+        of the last token never counts: the engine always computes it, for the logits)."""
         keys_by_compat: dict[tuple[str, int], list[BlockKey]] = {}
-        result: dict[str, int] = {}
+        result: dict[str, TierHits] = {}
         for n in nodes:
             compat = (n.compatibility, n.block_size)
             if compat not in keys_by_compat:
                 limit = max(len(prompt) - 1, 0) // n.block_size
                 root = namespace_root(n.compatibility, cache_salt)
                 keys_by_compat[compat] = prompt_block_keys(root, prompt, n.block_size, limit)
-            result.update(self.index.match(keys_by_compat[compat], [n.address]))
+            keys = keys_by_compat[compat]
+            if isinstance(self.index, TieredKvIndex):
+                result[n.address] = self.index.match_tiers(keys, n.address)
+            else:
+                result[n.address] = TierHits(self.index.match(keys, [n.address])[n.address])
         return result
+
+    def overlaps(self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None) -> dict[str, int]:
+        """Leading blocks of `prompt` each node holds or can restore (`tier_hits`' totals)."""
+        return {a: h.total for a, h in self.tier_hits(nodes, prompt, cache_salt).items()}
 
     def choose_decode(
         self, nodes: list[NodeLoad], prompt: Sequence[int], cache_salt: str | None, tokens_needed: int, now: float
@@ -94,8 +107,12 @@ class KvRouter:
         fits = [n for n in nodes if n.report_time is None or n.effective_free >= n.blocks_for(tokens_needed)]
         if not fits:
             return None
-        overlap = self.overlaps(fits, prompt, cache_salt)
-        cands = [Candidate(n.address, overlap[n.address], self.decode_load(n)) for n in fits]
+        hits = self.tier_hits(fits, prompt, cache_salt)
+        overlap = {a: h.total for a, h in hits.items()}
+        cands = [
+            Candidate(n.address, overlap[n.address], self.decode_load(n), hits[n.address].host, hits[n.address].store)
+            for n in fits
+        ]
         prompt_blocks = max(len(prompt) - 1, 0) // fits[0].block_size
         p = self.params
         slack = p.load_weight * fits[0].blocks_for(tokens_needed) + p.queue_weight * prompt_blocks  # one request
@@ -105,7 +122,7 @@ class KvRouter:
         if chosen is None:
             return None
         # the prompt tokens it prefills itself, if any, are counted by the caller (router.prefill_offload)
-        self._count("decode", decision.reason, chosen, overlap[chosen.address])
+        self._count("decode", decision.reason, chosen, hits[chosen.address])
         return DecodeChoice(chosen, max(len(prompt) - overlap[chosen.address] * chosen.block_size, 0))
 
     def decode_load(self, n: NodeLoad) -> float:
@@ -117,10 +134,17 @@ class KvRouter:
         """Prefill nodes best first: least (uncached prompt tokens + queued tokens)."""
         if not nodes:
             return PrefillOrder([], {})
-        overlap = self.overlaps(nodes, prompt, cache_salt)
+        hits = self.tier_hits(nodes, prompt, cache_salt)
+        overlap = {a: h.total for a, h in hits.items()}
         # overlap in tokens (block size 1 below): nodes may differ in block size
         cands = [
-            Candidate(n.address, overlap[n.address] * n.block_size, n.queued_prefill_tokens + n.inflight_tokens)
+            Candidate(
+                n.address,
+                overlap[n.address] * n.block_size,
+                n.queued_prefill_tokens + n.inflight_tokens,
+                hits[n.address].host * n.block_size,
+                hits[n.address].store * n.block_size,
+            )
             for n in nodes
         ]
         ranked, reason = order_prefill(cands, len(prompt), 1, self.params, slack=len(prompt))
@@ -130,14 +154,16 @@ class KvRouter:
             by_address = {n.address: n for n in nodes}
             ordered = [by_address[a] for a in ranked]
         first = ordered[0]
-        self._count("prefill", reason, first, overlap[first.address])
+        self._count("prefill", reason, first, hits[first.address])
         first.inflight_tokens += max(len(prompt) - overlap[first.address] * first.block_size, 0)
         return PrefillOrder(ordered, {n.address: overlap[n.address] * n.block_size for n in nodes})
 
-    def _count(self, role: str, reason: str, node: NodeLoad, blocks: int) -> None:
+    def _count(self, role: str, reason: str, node: NodeLoad, hits: TierHits) -> None:
         self.decisions[(role, reason)] += 1
-        self.hit_blocks[(role, node.address)] += blocks
-        self.hit_tokens[(role, node.address)] += blocks * node.block_size
+        self.hit_blocks[(role, node.address)] += hits.pool
+        self.hit_tokens[(role, node.address)] += hits.pool * node.block_size
+        self.tier_hit_blocks[(role, Medium.HOST)] += hits.host
+        self.tier_hit_blocks[(role, Medium.STORE)] += hits.store
 
 
 def used_blocks(n: NodeLoad) -> int:

@@ -24,8 +24,10 @@ from typing import Any
 
 import grpc
 
+from pdserve.engine.kv_events import Medium
 from pdserve.v1 import common_pb2
 from pdserve.router.kv_index import KvIndex
+from pdserve.router.kv_tiers import TIERS, medium_of
 
 log = logging.getLogger("pdserve.router.kv")
 STORED, REMOVED, CLEARED = common_pb2.KvEvent.STORED, common_pb2.KvEvent.REMOVED, common_pb2.KvEvent.CLEARED
@@ -60,8 +62,8 @@ class KvSubscriber:
         """monotonic time of the last batch received (for the staleness metric)."""
         self.resyncs: Counter[str] = Counter()
         """Snapshots asked for or incarnations dropped, by reason (gap, restart, dropped, unusable, error)."""
-        self._pending: set[int] | None = None
-        """Keys of a snapshot still arriving in chunks (None: no snapshot in progress)."""
+        self._pending: dict[Medium, set[int]] | None = None
+        """Keys of a snapshot still arriving in chunks, by medium (None: no snapshot in progress)."""
         self._pending_seq = 0
         self._call: Any = None  # the grpc.aio stream call, cancelled on reset
         self._task: asyncio.Task | None = None
@@ -127,7 +129,9 @@ class KvSubscriber:
             delay = min(max(delay * 2, self.backoff), self.max_backoff)
 
     async def _follow(self) -> None:
-        request = common_pb2.KvEventsRequest(after_seq=self.last_seq, node_id=self.node_id)
+        request = common_pb2.KvEventsRequest(
+            after_seq=self.last_seq, node_id=self.node_id, tiers=self.index.keeps_tiers
+        )
         self._call = call = self.stub.KvEvents(request, metadata=self.metadata)
         try:
             async for batch in call:
@@ -158,10 +162,11 @@ class KvSubscriber:
             if event.seq != self.last_seq + 1:
                 raise Resync(f"gap: seq {event.seq} after {self.last_seq}")
             self.last_seq = event.seq
+            medium = medium_of(event.medium)
             if event.kind == STORED:
-                self.index.store(self.address, event.keys)
+                self.index.store_in(self.address, event.keys, medium)
             elif event.kind == REMOVED:
-                self.index.remove(self.address, event.keys)
+                self.index.remove_from(self.address, event.keys, medium)
             elif event.kind == CLEARED:
                 self.index.clear(self.address)
         if self._pending is None and self.last_seq and not self.index.is_synced(self.address):
@@ -169,10 +174,14 @@ class KvSubscriber:
 
     def _snapshot_chunk(self, batch: common_pb2.KvEventBatch) -> None:
         if self._pending is None:
-            self._pending, self._pending_seq = set(), 0
+            self._pending, self._pending_seq = {}, 0
         self._pending_seq = max(self._pending_seq, batch.seq)  # whichever chunk carries it
-        room = self.index.node_cap - len(self._pending)  # a node never holds more keys than the cap
-        self._pending.update(batch.snapshot_keys[: max(room, 0)])
+        keys = self._pending.setdefault(medium_of(batch.snapshot_medium), set())
+        room = self.index.node_cap - len(keys)  # a node never holds more keys than the cap
+        keys.update(batch.snapshot_keys[: max(room, 0)])
         if batch.snapshot_done:
-            self.index.replace(self.address, self._pending)
-            self.last_seq, self._pending = self._pending_seq, None
+            pending, self._pending = self._pending, None
+            self.index.replace(self.address, pending.pop(Medium.POOL, set()))
+            for medium in TIERS:
+                self.index.replace_tier(self.address, medium, pending.get(medium, set()))
+            self.last_seq = self._pending_seq

@@ -127,12 +127,14 @@ class LoadReport(_message.Message):
     def __init__(self, role: _Optional[str] = ..., node_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., compatibility: _Optional[str] = ..., block_size: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., progress: _Optional[int] = ..., engine_stalled_seconds: _Optional[float] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
-    __slots__ = ("after_seq", "node_id")
+    __slots__ = ("after_seq", "node_id", "tiers")
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     after_seq: int
     node_id: str
-    def __init__(self, after_seq: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    tiers: bool
+    def __init__(self, after_seq: _Optional[int] = ..., node_id: _Optional[str] = ..., tiers: _Optional[bool] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("kind", "seq", "keys", "parent_key", "medium")
@@ -159,17 +161,19 @@ class KvEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvEvent.Kind, str]] = ..., seq: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., parent_key: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("node_id", "snapshot", "snapshot_keys", "snapshot_done", "seq", "events")
+    __slots__ = ("node_id", "snapshot", "snapshot_keys", "snapshot_done", "seq", "events", "snapshot_medium")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_KEYS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_MEDIUM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     snapshot: bool
     snapshot_keys: _containers.RepeatedScalarFieldContainer[int]
     snapshot_done: bool
     seq: int
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
-    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., snapshot_keys: _Optional[_Iterable[int]] = ..., snapshot_done: _Optional[bool] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+    snapshot_medium: str
+    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., snapshot_keys: _Optional[_Iterable[int]] = ..., snapshot_done: _Optional[bool] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot_medium: _Optional[str] = ...) -> None: ...

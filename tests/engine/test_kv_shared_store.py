@@ -11,6 +11,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdserve.engine.kv_events import KvEventKind, Medium
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine import kv_shared_store, kv_store_backends
 from pdserve.engine.kv_shared_store import SharedKvStore
@@ -62,6 +63,8 @@ def computed(engine: LLMEngine) -> tuple[list[int], SharedKvStore]:
     tokens, _ = serve(engine, "first")
     assert engine.store is not None and engine.store.drain(30)
     assert engine.store.stats.stored_blocks >= 15
+    in_store = engine.kv_events.snapshot().tiers[Medium.STORE]  # what the router hears was written
+    assert 15 <= len(in_store) <= engine.store.stats.stored_blocks
     return tokens, engine.store
 
 
@@ -83,8 +86,10 @@ def test_another_engine_restores_what_one_computed(make):
     block_bytes = pool.block_bytes * pool.num_layers
     restored = registry.get_sample_value("pdserve_kv_store_bytes_total", {**labels, "op": "restored"})
     assert restored == 15 * block_bytes > 0  # the payloads, without their record headers
+    assert other.store.drain(30)
+    written = other.store.stats.stored_blocks  # the blocks it computed itself (the prompt's last, the output)
     stored = registry.get_sample_value("pdserve_kv_store_bytes_total", {**labels, "op": "stored"})
-    assert stored == 0  # this node wrote nothing of its own yet
+    assert written > 0 and stored > written * block_bytes  # whole records: payload and header
     assert registry.get_sample_value("pdserve_kv_store_restore_latency_seconds_count", labels) == 1
     assert registry.get_sample_value("pdserve_kv_store_restore_latency_seconds_bucket", {**labels, "le": "+Inf"}) == 1
     assert registry.get_sample_value("pdserve_kv_store_timeouts_total", labels) == 0
@@ -112,6 +117,7 @@ def test_a_corrupt_or_foreign_file_is_refused_and_recomputed(make, tmp_path):
     again, _ = serve(other, "second")
     assert again == tokens
     assert other.store.stats.corrupt_blocks == 1 and other.store.stats.restore_failures == 1
+    assert [e.medium for e in other.kv_events.since(0) or [] if e.kind == KvEventKind.REMOVED] == [Medium.STORE]
     assert other.store.drain(30) and victim.read_bytes() != bytes(data)  # removed, then written whole again
     # a file of another model (same key, another compatibility string) is refused the same way
     foreign = SharedKvStore(f"file://{store.backend.path}", "model=other")

@@ -12,7 +12,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.block_keys import prompt_block_keys
 from pdserve.engine.kv_connector import KvConnectors
+from pdserve.engine.kv_events import Medium
+from pdserve.engine.kv_namespace import request_root
 from pdserve.engine.kv_tier import HostKvTier
 from pdserve.engine.remote_prefill import DO_REMOTE_PREFILL, RemotePrefillPolicy
 from pdserve.node_runtime.tier_metrics import TierCollector
@@ -88,6 +91,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_output(ma
     assert tier.stats.restored_bytes == 15 * pool.block_bytes * pool.num_layers
     assert tier.stats.stored_bytes >= 16 * pool.block_bytes * pool.num_layers
     assert sum(tier.stats.restore_latency) == 1
+    root = request_root(engine.kv_compatibility, None)
+    in_host = engine.kv_events.snapshot().tiers[Medium.HOST]  # what the router hears the tier holds
+    assert set(prompt_block_keys(root, PROMPT, BS, 15)) <= in_host and len(in_host) <= tier.num_slots
 
 
 def test_salted_blocks_are_not_restored_under_another_salt(make):
