@@ -2,7 +2,7 @@
 unless its value asks for nothing (a default, null, or empty). Unknown fields are refused too.
 
 A client that sends `tools`, `best_of` or a misspelt `max_token` must learn that nothing
-was applied, not get a 200 that silently ignored it. The README's "Request fields" table lists
+was applied, not get a 200 that silently ignored it. The request-field table (docs/request-fields.md) lists
 what is honoured and what is refused, and tests/router/test_request_fields.py checks every row.
 """
 
@@ -109,6 +109,6 @@ def check_request_fields(req: BaseModel, endpoint: str) -> None:
 def _check_one(name: str, value: Any, table: dict[str, Refused], endpoint: str, param: str) -> None:
     rule = table.get(name)
     if rule is None or endpoint not in rule.endpoints:
-        raise BadRequest(f"unknown field {param!r} (see the README's request field table)", param)
+        raise BadRequest(f"unknown field {param!r} (see docs/request-fields.md)", param)
     if not rule.asks_nothing(value):
         raise BadRequest(f"{param} is not supported: {rule.why}", param)

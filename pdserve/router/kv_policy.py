@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PolicyParams:
-    """Weights of the routing cost (README, "KV-aware routing")."""
+    """Weights of the routing cost (docs/routing.md, "KV-aware routing")."""
 
     miss_weight: float = 1.0
     """Cost of one prompt block the node lacks (it must be prefilled and shipped)."""

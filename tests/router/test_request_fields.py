@@ -1,4 +1,4 @@
-"""Every row of the README's request-field table, sent to the app: honoured fields get a 200,
+"""Every row of the request-field table (docs/request-fields.md), sent to the app: honoured fields get a 200,
 refused ones a 400 naming the field; and the table covers every field the code knows."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.openai_api.request_fields import REFUSED
 from tests.router.conftest import FakeCluster
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_DOC = Path(__file__).resolve().parents[2] / "docs" / "request-fields.md"
 ROW = re.compile(
     r"^\| (`?)(?P<field>[^|`]+)\1(?P<suffix>[^|]*)\| (?P<ends>\w+) \| (?P<status>\w+) \| `?(?P<ex>.*?)`? \|"
 )
 
 
 def table() -> list[tuple[str, str, str, str]]:
-    text = README.read_text()
+    text = TABLE_DOC.read_text()
     body = text[text.index("<!-- request-fields -->") : text.index("<!-- /request-fields -->")]
     rows = []
     for line in body.splitlines()[3:]:
