@@ -1,7 +1,7 @@
 """Bounds on the per-shape state CPU inference keeps, so a node's memory stays flat under load.
 
 `benchmarks/soak.py` found prefill nodes growing with the number of distinct prompt lengths they had
-seen (BENCHMARKS.md, "Soak"): oneDNN's primitive cache and ideep's LRU cache (torch's mkldnn
+seen (docs/benchmark-log.md, "Soak"): oneDNN's primitive cache and ideep's LRU cache (torch's mkldnn
 linear) each keep up to 1,024 compiled kernels per shape, and glibc's dynamic mmap threshold lets
 the freed activations of every new size stay in the heap. Capping both caches and fixing the mmap
 threshold made the same load flat. A variable the operator already set is left as it is.

@@ -26,7 +26,7 @@ RDMA_ENV = {
 
 
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 64
-"""Set by `benchmarks/multiturn.py` (BENCHMARKS.md, "Multi-turn chat", 2026-11-26): on a chat's later
+"""Set by `benchmarks/multiturn.py` (docs/benchmark-log.md, "Multi-turn chat", 2026-11-26): on a chat's later
 turns the decode node lacks the user's turn and the previous answer (36-66 tokens on the bench
 workload); prefilling those locally took TTFT p50 on turns >= 2 from 2.13 s (threshold 16: a
 PreparePull, a pull, a Prefill round trip and a delta transfer) to 0.54 s, 0.38x `vllm serve`'s,
@@ -35,7 +35,7 @@ with no KV on the wire. An idle prefill node was about as fast as local up to 64
 prefill of that size barely holds up the node's running streams."""
 
 DEFAULT_KV_PULL_MIN_BLOCKS = 1
-"""Set by `benchmarks/local_prefill.py --pull` (BENCHMARKS.md, "D->P pull vs recompute"): on the bench
+"""Set by `benchmarks/local_prefill.py --pull` (docs/benchmark-log.md, "D->P pull vs recompute"): on the bench
 model a pulled block costs a few ms where recomputing it costs tens, so a pull pays from one block."""
 
 

@@ -8,7 +8,7 @@ the run). The prefill node already batches (every prompt waiting when a step sta
 8192 tokens), but a step over 8 prompts still costs several times one prompt's compute, so the last
 prompt of a wave waited for the whole wave. Spreading a wave's prompts over the prefill node and the
 idle decode nodes puts more processes on it at once: TTFT p50 fell from ~14 s to ~3 s and p99 from
-16-20 s to 6-7 s on that (heavily shared) machine; see BENCHMARKS.md.
+16-20 s to 6-7 s on that (heavily shared) machine; see docs/benchmark-log.md.
 
 The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be computed:
 

@@ -190,7 +190,7 @@ def test_kv_reuse_flags(capsys):
 
 
 def test_kv_pull_flags(capsys):
-    assert _node("decode", []).node.kv_pull_min_blocks == 1  # BENCHMARKS.md, "D->P pull vs recompute"
+    assert _node("decode", []).node.kv_pull_min_blocks == 1  # docs/benchmark-log.md, "D->P pull vs recompute"
     assert _node("decode", ["--kv-pull-min-blocks", "0"]).node.kv_pull_min_blocks == 0
     assert _node("prefill", ["--cachestore-port", "50091"]).transfer.cachestore_port == 50091  # its pull receiver
     with pytest.raises(SystemExit, match="kv-pull-min-blocks must be >= 0"):

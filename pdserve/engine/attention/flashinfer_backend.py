@@ -2,7 +2,7 @@
 
 The development and CI machines have no GPU and flashinfer has no CPU path, so
 this runs only in the GPU tests (`pytest -m gpu`; run on an H100 with
-flashinfer 0.7.2, see BENCHMARKS.md). The planning arithmetic lives in
+flashinfer 0.7.2, see docs/benchmark-log.md). The planning arithmetic lives in
 `engine.attention.plan` and is unit-tested on CPU; this module only feeds it to
 flashinfer's wrappers.
 Install with `pip install pdserve[gpu]`.

@@ -11,7 +11,7 @@ gloo moves a message only once its receiver has posted the receive: a send
 waits for the peer's "ready" notice, and answering it wakes the sender's event
 loop. For the per-batch control message that round trip fell on the pipeline's
 critical path (a first stage waiting ~3 ms per decode step for a message sent
-long before; BENCHMARKS.md, "Control frames"). So the controller -> stage
+long before; docs/benchmark-log.md, "Control frames"). So the controller -> stage
 channel sends fixed-size frames (`send_frame`) into a receive the stage posts
 ahead of time (`ControlInbox`): the message lands while the stage computes.
 The stages' timelines at shutdown travel in the same frames (`recv_frame`, with
