@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import secrets
 import shutil
@@ -132,6 +133,7 @@ def _throwaway_tls_args(directory: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.commands.device_args import device_flags
+    from pdserve.commands.local_master import LocalMaster, wants_local_master
     from pdserve.commands.memory_args import kv_memory_flags
     from pdserve.engine.builtin import default_model_dir
     from pdserve.node_runtime.config import flag_values
@@ -145,6 +147,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    master = None
+    if wants_local_master(args.kv_store):  # a Mooncake master for this cluster, stopped after its nodes
+        try:
+            master = LocalMaster(args.kv_store)
+            master.start()
+        except (ValueError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        atexit.register(master.stop)  # also if anything below fails before the cluster's own cleanup
+        args.kv_store = master.url
+        print(f"[up] Mooncake master for this cluster: {master.url}", flush=True)
     model = args.model or str(default_model_dir())  # build the built-in model once, before the children start
     secret = secrets.token_hex(16)
     env = {**os.environ, CLUSTER_SECRET_ENV: secret, "PYTHONUNBUFFERED": "1"}
@@ -257,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         supervisor.stop()
+        if master is not None:
+            master.stop()
         if tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
         print(f"pdserve stopped ({supervisor.num_restarts} restarts).", flush=True)

@@ -93,7 +93,8 @@ class EngineConfig:
     kv_store: str | None = None
     """A KV store shared by every node that mounts it, below the pool and the host tier:
     `file:///PATH`, optionally `?max=SIZE` (e.g. 64GiB; the least recently used blocks go beyond
-    it), or `mooncake://MASTER_HOST:PORT` (a Mooncake Store); a node looks there before
+    it), or `mooncake://MASTER_HOST:PORT` (a Mooncake Store; `pdserve up` also takes
+    `mooncake://local` and starts a master of its own on loopback); a node looks there before
     recomputing a prefix another node computed (pdserve.engine.kv_shared_store; unset: none)."""
     rank_service: str = ""
     """"module:factory" of a side service every rank other than 0 runs (engine.parallel.rank_commands),

@@ -48,6 +48,11 @@ def parse_store_url(url: str) -> tuple[str, str, dict[str, str]]:
     elif parsed.scheme == "mooncake":
         if not parsed.netloc:
             raise ValueError(f"--kv-store: expected mooncake://MASTER_HOST:PORT, got {url!r}")
+        if parsed.netloc == "local":  # pdserve.commands.local_master
+            raise ValueError(
+                "--kv-store mooncake://local: only `pdserve up` starts a master of its own; "
+                "give a node mooncake://MASTER_HOST:PORT"
+            )
         allowed, location = MOONCAKE_OPTIONS, parsed.netloc
     else:
         raise ValueError(f"--kv-store: expected file:///PATH or mooncake://MASTER_HOST:PORT, got {url!r}")
