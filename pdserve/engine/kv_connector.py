@@ -25,6 +25,11 @@ Scheduler side (the engine thread, at admission and at a request's end):
   unless the request is `prefill_only`, whose blocks stay pinned for a reader until `release`.
 - `before_reuse(block_id)`: a free block is about to be handed out and overwritten (a connector
   still reading it, e.g. a tier's writer, returns only when done).
+- `register_blocks(blocks)`: once, when the block manager exists: the engine's `PoolBlocks`
+  (`pdserve.engine.pool_blocks`), through which a connector holds pool blocks outside any request
+  (room kept for the engine's requests) and then keys or frees them; the only way it takes blocks.
+- `owned_blocks()`: the blocks it holds that way now, by a name (`LLMEngine.check_integrity`
+  counts them as owners beside the requests).
 
 Worker side (inside `ModelRunner.run`, on every rank of a tensor-parallel engine, whose ranks
 1.. get their own worker-side connector from their rank service):
@@ -37,9 +42,12 @@ Worker side (inside `ModelRunner.run`, on every rank of a tensor-parallel engine
 
 Implementations: `RemotePrefillPolicy` (decode node: which prompts a prefill node fills,
 `pdserve.engine.remote_prefill`), `LayerStreamer` (prefill node and its ranks: each layer to the
-decode node, `pdserve.node_runtime.rank_kv`) and `HostKvTier` (a host-memory tier below the pool,
-`pdserve.engine.kv_tier`). `KvConnectors` chains several: the engine of a decode node with a tier
-asks the tier first, then the remote-prefill policy.
+decode node, `pdserve.node_runtime.rank_kv`), `PullConnector` (prefill node: blocks that receive a
+prefix a decode node holds, a D->P pull, `pdserve.engine.kv_pull`), `HostKvTier` (a host-memory
+tier below the pool, `pdserve.engine.kv_tier`) and `SharedKvStore` (a store shared by nodes below
+the host tier, `pdserve.engine.kv_shared_store`). `KvConnectors` chains several: the engine of a
+decode node with a tier asks the tier first, then the remote-prefill policy; a prefill node's
+engine chains its layer streamer and its pull connector.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.pool_blocks import PoolBlocks
     from pdserve.engine.request import Request
 
 
@@ -97,6 +106,12 @@ class KvConnector:
 
     def forget(self, request: Request) -> None:
         return None
+
+    def register_blocks(self, blocks: PoolBlocks) -> None:
+        return None
+
+    def owned_blocks(self) -> dict[str, list[int]]:
+        return {}
 
     # --- worker side -------------------------------------------------------------------------
     def register_kv_pool(self, pool: KVPool) -> None:
@@ -156,6 +171,16 @@ class KvConnectors(KvConnector):
     def before_reuse(self, block_id: int) -> None:
         for connector in self.connectors:
             connector.before_reuse(block_id)
+
+    def register_blocks(self, blocks: PoolBlocks) -> None:
+        for connector in self.connectors:
+            connector.register_blocks(blocks)
+
+    def owned_blocks(self) -> dict[str, list[int]]:
+        owned: dict[str, list[int]] = {}
+        for connector in self.connectors:
+            owned |= connector.owned_blocks()
+        return owned
 
     def register_kv_pool(self, pool: KVPool) -> None:
         for connector in self.connectors:

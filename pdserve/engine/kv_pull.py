@@ -1,32 +1,36 @@
-"""The prefill node's half of a D->P pull: blocks that receive a prefix the decode node holds.
+"""PullConnector: the prefill node's connector for D->P pulls (blocks that receive a prefix the
+decode node holds).
 
-`LLMEngine.pulls`. When a decode node holds a block-aligned prefix of a prompt that this
-engine's prefix cache lacks, the decode node can write those blocks into this engine's pool
-(over CacheStore) instead of this engine recomputing them. `reserve` allocates the blocks
-(the prefix blocks already cached here are shared, so their keys cannot be evicted under the
-pull); `finish` keys the received blocks into the prefix cache (the prefill request that
-follows then hits them, like any cached prefix) or, when the pull failed, frees them unkeyed.
-The caller fences the CacheStore session before `finish`: no writer is inside the blocks.
+When a decode node holds a block-aligned prefix of a prompt that this engine's prefix cache lacks,
+the decode node can write those blocks into this engine's pool (over CacheStore) instead of this
+engine recomputing them. The node (`pdserve.prefill_node.kv_pull`) drives this connector from the
+engine thread: `reserve` holds the blocks through the engine's `PoolBlocks` (the prefix blocks
+already cached here are shared, so their keys cannot be evicted under the pull); `finish` keys the
+received blocks into the prefix cache or, when the pull failed, frees them unkeyed. The node
+fences the CacheStore session before `finish`: no writer is inside the blocks by then.
 
-Unlike the engine's `KvConnector`, a pull belongs to no request: it lands before the Prefill
-call that uses it arrives, and what it leaves behind is ordinary prefix-cache blocks.
+A pull belongs to no request of the engine: it lands before the Prefill call that uses it
+arrives, and what it leaves behind is ordinary prefix-cache blocks, which that request (or a retry
+of it, or any concurrent request with the same prefix) hits like any cached prefix. So of the
+connector's hooks it uses the two about blocks held outside requests: `register_blocks` (how it
+reserves) and `owned_blocks` (the pending pulls' blocks, which `LLMEngine.check_integrity` counts).
+Its pulls are not settled in `match`: the fence waits on the network, which the engine thread
+never does, and a Prefill call may fail before its request reaches the engine.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from pdserve.engine.block_keys import BlockKey
-from pdserve.engine.kv_namespace import request_root
+from pdserve.engine.kv_connector import KvConnector
 
 if TYPE_CHECKING:
-    from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.request import Request
-    from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.block_keys import BlockKey
+    from pdserve.engine.pool_blocks import PoolBlocks
 
 
 class PendingPull(NamedTuple):
-    """Blocks held for one pull until `PullReservations.finish`."""
+    """Blocks held for one pull until `PullConnector.finish`."""
 
     block_ids: list[int]
     """Every block of the pulled prefix, the ones already cached here first."""
@@ -36,22 +40,19 @@ class PendingPull(NamedTuple):
     """The request's key namespace (compatibility + cache salt)."""
 
 
-class PullReservations:
-    """Blocks held for D->P pulls until they are settled (they count as block owners in
-    `LLMEngine.check_integrity`). `holders` lists the engine's requests, which room is kept for."""
+class PullConnector(KvConnector):
+    """Blocks held for D->P pulls, by request id (at most one per request), until settled.
+    Engine thread only, like every connector's scheduler side."""
 
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        kv_compatibility: str,
-        holders: Callable[[], list[Request]],
-        scheduler: Scheduler,
-    ) -> None:
-        self.block_manager = block_manager
-        self.kv_compatibility = kv_compatibility
-        self.holders = holders
-        self.scheduler = scheduler
-        self.pulls: dict[str, PendingPull] = {}
+    def __init__(self) -> None:
+        self.blocks: PoolBlocks | None = None
+        self.pending: dict[str, PendingPull] = {}
+
+    def register_blocks(self, blocks: PoolBlocks) -> None:
+        self.blocks = blocks
+
+    def owned_blocks(self) -> dict[str, list[int]]:
+        return {f"pull:{rid}": p.block_ids for rid, p in self.pending.items()}
 
     def reserve(
         self, pull_id: str, prompt: list[int], held_tokens: int, min_blocks: int, cache_salt: str | None = None
@@ -60,39 +61,31 @@ class PullReservations:
         length) that this engine lacks: (fresh block ids in prompt order, index of the first one
         in the prompt). None when prefix caching is off, when fewer than `min_blocks` (at least
         1) blocks are missing, or when the pool has no room beyond what its requests may still need."""
-        bm = self.block_manager
-        if pull_id in self.pulls:
+        blocks = self.blocks
+        assert blocks is not None, "PullConnector used before the engine registered its blocks"
+        if pull_id in self.pending:
             raise ValueError(f"a pull for request {pull_id!r} is already pending")
-        if not bm.enable_prefix_caching or held_tokens % bm.block_size or not 0 < held_tokens < len(prompt):
+        bs = blocks.block_size
+        if not blocks.prefix_caching or held_tokens % bs or not 0 < held_tokens < len(prompt):
             return None
-        root = request_root(self.kv_compatibility, cache_salt)
-        held_blocks = held_tokens // bm.block_size
-        have = min(len(bm.prefix_hits(prompt, root)), held_blocks)
+        root = blocks.root(cache_salt)
+        held_blocks = held_tokens // bs
+        have = min(blocks.cached_blocks(prompt, root), held_blocks)
         if held_blocks - have < max(1, min_blocks):
             return None
-        reserve = self.scheduler.reserved_blocks(self.holders())
-        if not bm.can_allocate(prompt, held_tokens, reserve=reserve, root=root):
+        held = blocks.hold(prompt, held_tokens, root)
+        if held is None:
             return None
-        # allocate() never reuses the last block of what it covers; that block is missing here anyway
-        block_ids, cached = bm.allocate(prompt, held_tokens, root)
-        assert cached == have * bm.block_size, (cached, have)
-        self.pulls[pull_id] = PendingPull(block_ids, list(prompt[:held_tokens]), root)
-        return block_ids[have:], have
+        assert held.cached_tokens == have * bs, (held.cached_tokens, have)
+        self.pending[pull_id] = PendingPull(held.block_ids, list(prompt[:held_tokens]), root)
+        return held.block_ids[have:], have
 
     def finish(self, pull_id: str, landed: bool) -> int:
         """Release a pull's blocks. `landed`: every block arrived intact, so they are keyed first
         and stay cached; else the fresh ones go back unkeyed. Returns the blocks keyed (0 if none
         or the pull is unknown). The caller has fenced the session: no write can still land."""
-        pull = self.pulls.pop(pull_id, None)
+        pull = self.pending.pop(pull_id, None)
         if pull is None:
             return 0
-        bm = self.block_manager
-        before = len(bm.hash_to_block)
-        if landed:
-            bm.cache_full_blocks(pull.tokens, pull.block_ids, len(pull.tokens), pull.root)
-        bm.free_blocks(pull.block_ids)
-        return len(bm.hash_to_block) - before
-
-    def owners(self) -> dict[str, list[int]]:
-        """Blocks each pending pull holds, by `pull:<request id>` (for check_integrity)."""
-        return {f"pull:{rid}": p.block_ids for rid, p in self.pulls.items()}
+        assert self.blocks is not None  # a pull was reserved through them
+        return self.blocks.release(pull.tokens, pull.block_ids, len(pull.tokens), pull.root, keep=landed)

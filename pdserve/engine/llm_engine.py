@@ -13,10 +13,10 @@ from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector, KvConnectors,
 from pdserve.engine.kv_events import KvEventLog
 from pdserve.engine.kv_namespace import kv_compatibility, request_root
 from pdserve.engine.kv_pool import KVPool
-from pdserve.engine.kv_pull import PullReservations
 from pdserve.engine.kv_shared_store import SharedKvStore
 from pdserve.engine.kv_tier import HostKvTier
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.pool_blocks import PoolBlocks
 from pdserve.engine.prompt_check import check_max_tokens, check_prompt
 from pdserve.engine.request import AdmissionError, Request, RequestStatus, StepOutput, TokenLogprob
 from pdserve.engine.sampler import Sampler, make_generator
@@ -46,10 +46,11 @@ class LLMEngine:
     Everything that moves KV into or out of the pool goes through the one `connector` it is built
     with (`pdserve.engine.kv_connector`): on a prefill node, layer streaming to a decode node
     (`prefill_only` requests: compute the prompt, sample one token, keep the blocks until
-    `release`); on a decode node, remote prefill (the prompt's blocks allocated up front and
-    parked in WAITING_FOR_REMOTE_KV until `complete_remote_prefill`). Every request's blocks are
-    keyed in the namespace of the engine's `kv_compatibility` and its `cache_salt`; `kv_events`
-    records every key stored or evicted.
+    `release`) and D->P pulls (blocks a decode node fills with a prefix it holds); on a decode
+    node, remote prefill (the prompt's blocks allocated up front and parked in
+    WAITING_FOR_REMOTE_KV until `complete_remote_prefill`). Every request's blocks are keyed in
+    the namespace of the engine's `kv_compatibility` and its `cache_salt`; `kv_events` records
+    every key stored or evicted.
     """
 
     def __init__(
@@ -118,8 +119,10 @@ class LLMEngine:
         WAITING_FOR_REMOTE_KV (decode node: a prefill node is filling them, until
         `complete_remote_prefill`) and finished (prefill node: a prefill_only request whose blocks a
         KV transfer still reads, pinned until `release`). A request leaves when its blocks are freed."""
-        self.pulls = PullReservations(self.block_manager, self.kv_compatibility, self.holders, self.scheduler)
-        """Prefill node: blocks receiving a prefix a decode node holds (pdserve.engine.kv_pull)."""
+        self._blocks = PoolBlocks(self.block_manager, self.scheduler, self.holders, self.kv_compatibility)
+        """Pool blocks held outside any request: a tier's restores here, and the connector's own (a
+        D->P pull's), for which it is handed to the connector; nothing else reaches it."""
+        connector.register_blocks(self._blocks)
         self.generators: dict[str, torch.Generator] = {}
         self._finished: list[StepOutput] = []
 
@@ -202,18 +205,14 @@ class LLMEngine:
         blocks, key them into the prefix cache and free them (the scheduler then hits them like any
         cached prefix). Returns the pool's prefix hit afterwards (unchanged when there is no room
         beyond what admitted requests may need, or the load failed: those tokens are computed)."""
-        bm = self.block_manager
         upto = pool_tokens + load_tokens
-        reserve = self.scheduler.reserved_blocks(self.holders())
-        if not bm.can_allocate(req.prompt_token_ids, upto, reserve=reserve, root=req.kv_root):
+        held = self._blocks.hold(req.prompt_token_ids, upto, req.kv_root)
+        if held is None:
             self.connector.forget(req)
             return pool_tokens
-        block_ids, cached = bm.allocate(req.prompt_token_ids, upto, req.kv_root)
-        assert cached == pool_tokens, (cached, pool_tokens)
-        loaded = self.connector.load(req, block_ids[pool_tokens // bm.block_size :])
-        if loaded:
-            bm.cache_full_blocks(req.prompt_token_ids, block_ids, upto, req.kv_root)
-        bm.free_blocks(block_ids)
+        assert held.cached_tokens == pool_tokens, (held.cached_tokens, pool_tokens)
+        loaded = self.connector.load(req, held.block_ids[pool_tokens // self._blocks.block_size :])
+        self._blocks.release(req.prompt_token_ids, held.block_ids, upto, req.kv_root, keep=loaded)
         return upto if loaded else pool_tokens
 
     def _allocate_remote(self, req: Request, held_tokens: int) -> list[int]:
@@ -430,7 +429,8 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        """Blocks are owned exactly as the requests' statuses say (between steps)."""
+        """Blocks are owned exactly as the requests' statuses say, plus those the connector holds
+        outside any request (between steps)."""
         running, waiting = {id(r) for r in self.scheduler.running}, {id(r) for r in self.scheduler.waiting}
         for rid, r in self.requests.items():
             where = "running" if id(r) in running else "waiting" if id(r) in waiting else "parked"
@@ -442,5 +442,6 @@ class LLMEngine:
             assert where == expected, f"request {rid!r} is {r.status.name} but {where}"
             assert not r.status.is_finished or r.prefill_only, f"finished request {rid!r} was not freed"
         assert len(running) + len(waiting) + len(self.parked()) == len(self.requests), "a request the engine lost"
-        owners = {rid: r.block_ids for rid, r in self.requests.items()} | self.pulls.owners()
+        # blocks the connector holds outside any request (a pending D->P pull's) are owners too
+        owners = {rid: r.block_ids for rid, r in self.requests.items()} | self.connector.owned_blocks()
         self.block_manager.check_integrity(owners)

@@ -1,8 +1,9 @@
 """PullReceiver: the prefill node's end of a D->P pull (it receives, the decode node sends).
 
-1. `offer` (PreparePull): the engine reserves fresh blocks for the held prefix blocks this node
-   lacks (`engine.kv_pull`), and a CacheStore session over exactly those opens in this node's pool;
-   its credentials go back to the decode node, which writes the blocks.
+1. `offer` (PreparePull): the engine's pull connector (`PullConnector`, `pdserve.engine.kv_pull`,
+   which the node built its engine with) reserves fresh blocks for the held prefix blocks this node
+   lacks, and a CacheStore session over exactly those opens in this node's pool; its credentials
+   go back to the decode node, which writes the blocks.
 2. `claim` (at the start of the Prefill call that follows): the session is closed, every writer
    is fenced off (`wait_fenced`), and only then are the blocks keyed (the decode node said every
    write was acknowledged and the session is complete) or freed unkeyed (anything else).
@@ -18,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from pdserve.cachestore import CacheStoreServer, Session, SessionState
+from pdserve.engine.kv_pull import PullConnector
 from pdserve.node_runtime.kv_store import wait_fenced
 from pdserve.node_runtime.node import NodeRuntime
 from pdserve.v1 import prefill_pb2
@@ -32,10 +34,12 @@ class _Pending:
 
 
 class PullReceiver:
-    """Pending pulls of one prefill node, by request id (at most one per request)."""
+    """Pending pulls of one prefill node, by request id (at most one per request): their sessions
+    here, their blocks in `connector` (the engine's, called on the engine thread only)."""
 
-    def __init__(self, rt: NodeRuntime, cachestore: CacheStoreServer, timeout: float) -> None:
+    def __init__(self, rt: NodeRuntime, connector: PullConnector, cachestore: CacheStoreServer, timeout: float) -> None:
         self.rt = rt
+        self.connector = connector
         self.cachestore = cachestore
         self.timeout = timeout
         self.pending: dict[str, _Pending] = {}
@@ -51,18 +55,18 @@ class PullReceiver:
         await self.settle(rid, landed=False)  # a retried offer replaces the old one
         if self.closed or self.rt.draining:
             return prefill_pb2.PullOffer()
-        engine = self.rt.engine
-        got = await self.rt.loop_thread.call(engine.pulls.reserve, rid, prompt, held_tokens, min_blocks, salt)
+        call, connector = self.rt.loop_thread.call, self.connector
+        got = await call(connector.reserve, rid, prompt, held_tokens, min_blocks, salt)
         if got is None:
             return prefill_pb2.PullOffer()
         block_ids, first = got
         if self.closed:  # the node began stopping while the engine reserved the blocks
-            await self.rt.loop_thread.call(engine.pulls.finish, rid, False)
+            await call(connector.finish, rid, False)
             return prefill_pb2.PullOffer()
         try:
             creds = self.cachestore.open_session(rid, block_ids, timeout=self.timeout)
         except BaseException:
-            await self.rt.loop_thread.call(engine.pulls.finish, rid, False)
+            await call(connector.finish, rid, False)
             raise
         session = self.cachestore.get_session(rid)
         assert session is not None  # opened just above
@@ -97,7 +101,7 @@ class PullReceiver:
         complete = landed and session.state == SessionState.COMPLETE
         if landed and not complete:
             log.warning("request_id=%s event=pull_incomplete landed=%d/%d", rid, len(session.landed), session.expected)
-        keyed = await self.rt.loop_thread.call(self.rt.engine.pulls.finish, rid, complete)
+        keyed = await self.rt.loop_thread.call(self.connector.finish, rid, complete)
         log.debug("request_id=%s event=pull_settled complete=%s keyed_blocks=%d", rid, complete, keyed)
         return complete
 

@@ -8,6 +8,8 @@ from dataclasses import replace
 
 from pdserve.cachestore import SessionCredentials, Transfer, Transport
 from pdserve.engine.block_manager import blocks_for
+from pdserve.engine.kv_connector import KvConnectors
+from pdserve.engine.kv_pull import PullConnector
 from pdserve.engine.prompt_check import check_prompt
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node_runtime import convert, kv_store
@@ -30,19 +32,22 @@ class PrefillNode(KvEventsServicer, prefill_pb2_grpc.PrefillServicer):
     """Runs prompts with `prefill_only` requests; after each layer the engine's KV connector (a
     `LayerStreamer`) hands that layer's blocks to the request's CacheStore transfer, so the transfer
     of layer i overlaps the compute of layer i+1. The first token is returned only once every layer
-    is acknowledged."""
+    is acknowledged. The engine's other connector (a `PullConnector`) holds the blocks of D->P pulls."""
 
     def __init__(self, config: NodeConfig) -> None:
         if config.engine.tensor_parallel_size > 1 and config.transfer.transport == Transport.LOCAL:  # before loading
             raise ValueError("a tensor-parallel prefill node needs a network transport: ranks 1.. are other processes")
         if not config.node.kv_reuse:  # the no-reuse baseline: every prompt token is computed
             config = replace(config, engine=replace(config.engine, enable_prefix_caching=False))
-        self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER), LayerStreamer(self._transfers_of))
+        pull = PullConnector()  # D->P pulls (TP=1 only: PreparePull declines on a tensor-parallel node)
+        connector = KvConnectors(LayerStreamer(self._transfers_of), pull)
+        self.rt = NodeRuntime("prefill", with_rank_service(config, SENDER), connector)
         self.geometry = pool_geometry(self.rt.engine.runner)  # rank 0's KV heads; ranks 1.. send theirs
         self.client = kv_store.sender(self.rt, config)
         self.advertise_host = config.node.advertise_host
         self.pulls = PullReceiver(
             self.rt,
+            pull,
             kv_store.receiver(
                 self.rt, config, self.client.metrics, kv_store.pull_transport(self.rt, self.client.active_transport)
             ),

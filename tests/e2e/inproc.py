@@ -38,7 +38,7 @@ async def assert_no_blocks_used(nodes: Nodes, decode: bool = True) -> None:
         assert not node.rt.requests, (node.rt.role, [r.request_id for r in node.rt.requests])
     assert not decode or nodes.decode.cachestore.num_sessions == 0
     for p in nodes.prefills:  # D->P pulls: every session settled, no block held by a pull
-        assert p.pulls.cachestore.num_sessions == 0 and not p.rt.engine.pulls.pulls
+        assert p.pulls.cachestore.num_sessions == 0 and not p.pulls.connector.owned_blocks()
 
 
 @contextlib.asynccontextmanager
