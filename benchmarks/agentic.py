@@ -1,4 +1,4 @@
-"""Agent-style revisits of long private contexts: the host KV tier against no tier, one engine.
+"""Agent-style revisits of long private contexts: the host KV tier and the shared store against no tier, one engine.
 
     python -m benchmarks.agentic [--quick]
 
@@ -12,13 +12,16 @@ pool, which both arms get at the same fixed size, `--kv-cache-memory`, so that t
 at least 3x the pool):
 
   * `off`: no tier (today's default);
-  * `host`: `--kv-offloading-size` (a host tier the size of the whole working set).
+  * `host`: `--kv-offloading-size` (a host tier the size of the whole working set);
+  * `store`: `--kv-store file://DIR` alone (a fresh directory each round, on this machine's disk):
+    the shared store's path (a file per block, checked on read) in place of the host tier.
 
 Requests run one at a time, so TTFT is the prefill a visit needs. Measured on revisits (visits
 after a session's first): TTFT p50, the cached fraction of the reuse bound (prompt tokens the
 engine did not compute over the block-aligned tokens the session already had), and throughput
-(generated tokens over the wall time of the whole run). Arms alternate over the rounds; each
-figure is the median over rounds, the per-round figures are kept. `ratio` is off's revisit TTFT
+(generated tokens over the wall time of the whole run), and each tier's restore bandwidth (bytes
+restored over the time restores took). Arms rotate their order over the rounds; each figure is the
+median over rounds, the per-round figures are kept. `ratio` is off's revisit TTFT
 p50 over host's; the issue's targets: TTFT <= 0.3x (ratio >= 3.3), cached fraction >= 0.8,
 throughput >= 2x.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
 
 from benchmarks.common import emit, pct
@@ -49,11 +53,19 @@ def workload(sessions: int, context: int, visits: int, step: int, seed: int = 0)
     return out
 
 
-def run_arm(model: str, pool_bytes: int, tier_bytes: int | None, requests, max_tokens: int) -> dict:
+def run_arm(
+    model: str, pool_bytes: int, tier_bytes: int | None, requests, max_tokens: int, store: str | None = None
+) -> dict:
     from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(
-        EngineConfig(model_dir=model, dtype="float32", kv_cache_bytes=pool_bytes, kv_offloading_bytes=tier_bytes)
+        EngineConfig(
+            model_dir=model,
+            dtype="float32",
+            kv_cache_bytes=pool_bytes,
+            kv_offloading_bytes=tier_bytes,
+            kv_store=store,
+        )
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     bs = engine.block_manager.block_size
@@ -79,13 +91,20 @@ def run_arm(model: str, pool_bytes: int, tier_bytes: int | None, requests, max_t
         if engine.tier is not None:  # the writer runs beside the engine: let it catch up as a user's think time would
             while engine.tier._pending:
                 time.sleep(0.001)
+        if engine.store is not None:
+            engine.store.drain(30)
     wall = time.perf_counter() - started
     engine.close()
+    tier = engine.tier or engine.store
+    stats = tier.stats if tier is not None else None
     return {
         "revisit_ttft_p50_s": round(pct(ttft, 0.5), 4),
         "cached_fraction": round(cached / bound, 3) if bound else 0.0,
         "throughput_tok_s": round(generated / wall, 2),
-        "restored_blocks": engine.tier.stats.restored_blocks if engine.tier is not None else 0,
+        "restored_blocks": stats.restored_blocks if stats else 0,
+        "restore_gb_s": round(stats.restored_bytes / stats.restore_seconds / 1e9, 3)
+        if stats and stats.restore_seconds
+        else None,
     }
 
 
@@ -108,14 +127,19 @@ def main() -> None:
     pool_bytes = per_token * working_set // 3  # the working set is 3x the pool
     tier_bytes = per_token * working_set * 2
     requests = workload(sessions, context, visits, step)
-    rounds: dict[str, list[dict]] = {"off": [], "host": []}
+    arms = ("off", "host", "store")
+    rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
     for r in range(args.rounds):
-        for arm in ("off", "host") if r % 2 == 0 else ("host", "off"):  # alternated, so neither always runs first
-            rounds[arm].append(run_arm(model, pool_bytes, tier_bytes if arm == "host" else None, requests, max_tokens))
+        for arm in arms[r % 3 :] + arms[: r % 3]:  # rotated, so no arm always runs first
+            with tempfile.TemporaryDirectory(prefix="pdserve-agentic-store-") as directory:
+                store = f"file://{directory}" if arm == "store" else None
+                tier = tier_bytes if arm == "host" else None
+                rounds[arm].append(run_arm(model, pool_bytes, tier, requests, max_tokens, store))
             print(arm, rounds[arm][-1], flush=True)
 
     def median(arm: str, key: str) -> float:
-        return statistics.median(x[key] for x in rounds[arm])
+        values = [x[key] for x in rounds[arm] if x[key] is not None]
+        return statistics.median(values) if values else 0.0
 
     off_ttft, host_ttft = median("off", "revisit_ttft_p50_s"), median("host", "revisit_ttft_p50_s")
     emit(
@@ -128,6 +152,15 @@ def main() -> None:
             "cached_fraction": median("host", "cached_fraction"),
             "cached_fraction_off": median("off", "cached_fraction"),
             "throughput_ratio": round(median("host", "throughput_tok_s") / median("off", "throughput_tok_s"), 3),
+            "store": {
+                "revisit_ttft_p50_s": median("store", "revisit_ttft_p50_s"),
+                "ttft_ratio": round(off_ttft / median("store", "revisit_ttft_p50_s"), 3)
+                if median("store", "revisit_ttft_p50_s")
+                else None,
+                "cached_fraction": median("store", "cached_fraction"),
+                "throughput_ratio": round(median("store", "throughput_tok_s") / median("off", "throughput_tok_s"), 3),
+            },
+            "restore_gb_s": {"host": median("host", "restore_gb_s"), "store": median("store", "restore_gb_s")},
             "workload": {
                 "sessions": sessions,
                 "context_tokens": context,
@@ -137,7 +170,7 @@ def main() -> None:
                 "pool_tokens": pool_bytes // per_token,
                 "working_set_tokens": working_set,
             },
-            "level": "one engine in-process (no router, nodes or HTTP); both arms the same fixed pool",
+            "level": "one engine in-process (no router, nodes or HTTP); every arm the same fixed pool",
             "peer": "not run: vLLM's --kv-offloading-size on its CPU platform has not been tried here",
             "rounds": rounds,
         }
