@@ -11,6 +11,11 @@ from pdserve.planner.search import Ranked
 UNIT_NAMES = {"gpu": "GPU", "core": "core"}
 
 
+def rate(value: float) -> str:
+    """A rate in requests/s with three significant figures, never in exponent form."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def shape_json(r: Ranked, unit: str) -> dict:
     return {
         "shape": r.shape.label(unit),
@@ -53,7 +58,7 @@ def plan_text(ranked: list[Ranked], profile: Profile, top: int) -> list[str]:
     best = ranked[0]
     lines = [
         f"recommended: {best.shape.label(profile.unit)}, {best.shape.units} {unit}s",
-        f"predicted goodput (modelled): {best.goodput.rate:.3g} req/s, {best.per_unit:.3g} req/s per {unit} "
+        f"predicted goodput (modelled): {rate(best.goodput.rate)} req/s, {rate(best.per_unit)} req/s per {unit} "
         f"({best.goodput.attainment:.1%} of requests within both SLOs at that rate)",
     ]
     if not best.goodput.bounded:
@@ -68,8 +73,8 @@ def plan_text(ranked: list[Ranked], profile: Profile, top: int) -> list[str]:
             str(i),
             r.shape.label(profile.unit),
             str(r.shape.units),
-            f"{r.goodput.rate:.3g}",
-            f"{r.per_unit:.3g}",
+            rate(r.goodput.rate),
+            rate(r.per_unit),
             f"{r.goodput.attainment:.1%}",
             "measured" if r.measured else "modelled (Amdahl)",
         )

@@ -143,8 +143,11 @@ def capacity_estimate(shape: Shape, profile: Profile, workload: Workload, config
     return min(count * tokens_per_s / mean_in, decode_rate)
 
 
-def evaluate(shape: Shape, profile: Profile, workload: Workload, slo: SLO, config: SimConfig) -> Ranked:
-    """One shape's goodput by simulation and binary search."""
+def attainment_at(
+    shape: Shape, profile: Profile, workload: Workload, slo: SLO, config: SimConfig
+) -> Callable[..., float]:
+    """The shape's attainment as a function of the rate (what `search_rate` searches); `exact=True`
+    runs every request (`cluster.attainment`)."""
     frac = config.parallel_fraction
     prefill = None if shape.colocated else profile.table(shape.prefill_degree, frac)
     decode = profile.table(shape.decode_degree, frac)
@@ -153,11 +156,19 @@ def evaluate(shape: Shape, profile: Profile, workload: Workload, slo: SLO, confi
     lifetime_s = ((prefill or decode).forward_ms(mean_in) + (mean_out - 1) * decode.forward_ms(1)) / 1000.0
     workload = workload.at_least(min(MAX_REQUESTS, round(CONCURRENCY_FACTOR * resident)))
 
-    def attain(rate: float) -> float:
+    def attain(rate: float, exact: bool = False) -> float:
         run = workload.at_least(min(MAX_REQUESTS, math.ceil(rate * HORIZON * lifetime_s)))
-        return attainment(shape, (prefill, decode), list(run.requests), run.arrivals(rate), slo, config)
+        return attainment(shape, (prefill, decode), list(run.requests), run.arrivals(rate), slo, config, exact)
 
+    return attain
+
+
+def evaluate(shape: Shape, profile: Profile, workload: Workload, slo: SLO, config: SimConfig) -> Ranked:
+    """One shape's goodput by simulation and binary search."""
+    attain = attainment_at(shape, profile, workload, slo, config)
     result = search_rate(attain, slo.attainment, capacity_estimate(shape, profile, workload, config))
+    if result.rate == 0:  # the search stopped counting at the target; the closest shape needs the whole count
+        result = result._replace(attainment=attain(result.floor_rate, exact=True))
     degrees = [shape.decode_degree] + ([] if shape.colocated else [shape.prefill_degree])
     return Ranked(shape, result, all(profile.is_measured(d) for d in degrees))
 
