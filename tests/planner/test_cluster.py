@@ -4,7 +4,7 @@ profile's times, batching and queueing behave as the schedulers they model."""
 from __future__ import annotations
 
 import pytest
-from helpers import config, linear_table, requests
+from planner_helpers import config, linear_table, requests
 
 from pdserve.planner.cluster import Shape, simulate
 from pdserve.planner.workload import Lengths, from_lengths

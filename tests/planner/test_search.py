@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import config, linear_table
+from planner_helpers import config, linear_table
 
 from pdserve.planner.cluster import Shape, attainment, simulate
 from pdserve.planner.config import SLO
