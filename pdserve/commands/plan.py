@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print()
         return 0
     degrees, name = ", ".join(map(str, sorted(profile.tables))), UNIT_NAMES[unit]
-    print(f"profile: {profile.model} on {profile.hardware}, per {name}; measured degrees {degrees}", end="")
+    print(f"profile: {profile.model} on {profile.hardware}, per {name}; profiled degrees {degrees}", end="")
     print(f", others modelled (Amdahl, parallel fraction {config.parallel_fraction:g})")
     print("workload: " + ", ".join(f"{k} {v}" for k, v in described.items()))
     print(f"SLOs: TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s:g} s for {slo.attainment:.0%} of requests; ", end="")

@@ -46,7 +46,7 @@ class Profile:
     unit: Unit
     """What a degree counts: GPUs (tensor parallelism) or CPU cores (torch threads)."""
     tables: dict[int, CostTable] = field(default_factory=dict)
-    """Measured table per degree (at least one)."""
+    """Profiled (measured) table per degree, at least one."""
 
     def __post_init__(self) -> None:
         if not self.tables or min(self.tables) < 1:
@@ -66,7 +66,7 @@ class Profile:
         src = self.tables[base]
         return CostTable(f"{src.name}@{degree} (modelled)", src.tokens, tuple(t * ratio for t in src.times_ms))
 
-    def is_measured(self, degree: int) -> bool:
+    def is_profiled(self, degree: int) -> bool:
         return degree in self.tables
 
     def to_json(self) -> dict:

@@ -26,7 +26,7 @@ def shape_json(r: Ranked, unit: str) -> dict:
         "attainment": round(r.goodput.attainment, 4),
         "lowest_rate_searched_rps": round(r.goodput.floor_rate, 6),
         "bounded": r.goodput.bounded,
-        "tables": "measured" if r.measured else "modelled",
+        "tables": "profiled" if r.profiled else "modelled",
     }
 
 
@@ -35,7 +35,7 @@ def plan_json(ranked: list[Ranked], profile: Profile, slo: SLO, budget_units: in
     return {
         "modelled": True,
         "profile": {"model": profile.model, "hardware": profile.hardware, "unit": profile.unit},
-        "measured_degrees": sorted(profile.tables),
+        "profiled_degrees": sorted(profile.tables),
         "slo": asdict(slo),
         "budget_units": budget_units,
         "workload": workload,
@@ -76,7 +76,7 @@ def plan_text(ranked: list[Ranked], profile: Profile, top: int) -> list[str]:
             rate(r.goodput.rate),
             rate(r.per_unit),
             f"{r.goodput.attainment:.1%}",
-            "measured" if r.measured else "modelled (Amdahl)",
+            "profiled" if r.profiled else "modelled (Amdahl)",
         )
         for i, r in enumerate(ranked[:top], 1)
     ]

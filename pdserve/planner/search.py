@@ -117,12 +117,12 @@ def shapes(budget: Budget) -> list[Shape]:
 
 
 class Ranked(NamedTuple):
-    """One shape's predicted goodput (modelled), and whether its tables were measured."""
+    """One shape's predicted goodput (modelled), and whether its tables were all profiled."""
 
     shape: Shape
     goodput: Goodput
-    measured: bool
-    """Every degree of the shape has a measured table (else some are Amdahl-scaled)."""
+    profiled: bool
+    """Every degree of the shape has a table in the profile (else some are Amdahl-scaled: modelled)."""
 
     @property
     def per_unit(self) -> float:
@@ -170,7 +170,7 @@ def evaluate(shape: Shape, profile: Profile, workload: Workload, slo: SLO, confi
     if result.rate == 0:  # the search stopped counting at the target; the closest shape needs the whole count
         result = result._replace(attainment=attain(result.floor_rate, exact=True))
     degrees = [shape.decode_degree] + ([] if shape.colocated else [shape.prefill_degree])
-    return Ranked(shape, result, all(profile.is_measured(d) for d in degrees))
+    return Ranked(shape, result, all(profile.is_profiled(d) for d in degrees))
 
 
 def rank(results: list[Ranked]) -> list[Ranked]:

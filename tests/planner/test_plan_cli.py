@@ -112,7 +112,7 @@ def test_a_core_profile_needs_cores_and_at_least_two(tmp_path: Path, tiny_model_
     )
     assert main(argv + ["--cores", "2", "--model", str(tiny_model_dir)]) == 0
     out = capsys.readouterr().out
-    assert "per core; measured degrees 1, others modelled" in out and "modelled (Amdahl)" in out
+    assert "per core; profiled degrees 1, others modelled" in out and "modelled (Amdahl)" in out
 
 
 def test_measure_writes_a_profile_for_each_thread_count_and_plans_with_it(

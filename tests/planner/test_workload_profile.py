@@ -71,7 +71,7 @@ def test_a_degree_without_a_table_is_modelled_from_the_one_below(tmp_path: Path)
     four = profile.table(4, 0.8)
     ratio = amdahl(4, 0.8) / amdahl(2, 0.8)
     assert four.times_ms == pytest.approx((6.0 * ratio, 11.0 * ratio)) and "modelled" in four.name
-    assert profile.table(2, 0.8).times_ms == (6.0, 11.0) and profile.is_measured(2) and not profile.is_measured(4)
+    assert profile.table(2, 0.8).times_ms == (6.0, 11.0) and profile.is_profiled(2) and not profile.is_profiled(4)
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile.to_json()))
     back = load_profile(str(path))
