@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.planner.report import UNIT_NAMES, closest_text, plan_json, plan_text
-    from pdserve.planner.search import closest, plan
+    from pdserve.planner.search import closest, plan, shapes
 
     try:
         slo, config = _slo(args), _sim_config(args)
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         profile, budget = _profile_and_budget(args, workload, config)
     except ValueError as e:
         parser.error(str(e))
+    print(f"simulating {len(shapes(budget))} shapes...", file=sys.stderr)  # tens of seconds for 8 GPUs
     ranked = plan(profile, workload, slo, budget, config)
     unit = profile.unit
     if ranked[0].goodput.rate <= 0:
