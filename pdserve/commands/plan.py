@@ -179,7 +179,7 @@ def _profile_and_budget(args: argparse.Namespace, workload, config):
         if args.cores is None:
             raise ValueError(f"--cores: the profile was measured on CPU cores ({profile.model}): give the cores")
         degrees = sorted(set(powers_of_two(args.cores)) | {d for d in profile.tables if d <= args.cores})
-        return profile, Budget(args.cores, args.cores, tuple(degrees))
+        return profile, Budget(args.cores, 1, tuple(degrees))
     if args.cores is not None:
         raise ValueError(f"--cores: the profile is per GPU ({profile.hardware}); give --gpus-per-node and --nodes")
     if args.gpus_per_node < 1 or args.nodes < 1:
@@ -190,7 +190,7 @@ def _profile_and_budget(args: argparse.Namespace, workload, config):
             f"--gpus-per-node {args.gpus_per_node} x --nodes {args.nodes}: {units} GPU cannot hold "
             "one prefill and one decode node"
         )
-    return profile, Budget(units, args.gpus_per_node, powers_of_two(args.gpus_per_node))
+    return profile, Budget(args.gpus_per_node, args.nodes, powers_of_two(args.gpus_per_node))
 
 
 def _measure(args: argparse.Namespace, workload, config, threads: tuple[int, ...]):

@@ -85,17 +85,34 @@ def search_rate(attain: Callable[[float], float], target: float, start: float) -
 
 @dataclass(frozen=True)
 class Budget:
-    """What the shapes may take: `units` GPUs (or cores) in all, at most `max_degree` per instance."""
+    """What the shapes may take: `nodes` nodes of `per_node` GPUs (or one node of `per_node` cores);
+    an instance lives on one node."""
 
-    units: int
-    max_degree: int
+    per_node: int
+    nodes: int
     degrees: tuple[int, ...]
     """Degrees an instance may have (GPUs: powers of two up to the GPUs of one node)."""
 
     def __post_init__(self) -> None:
         if self.units < 2:
             raise ValueError(f"{self.units} unit(s) cannot hold one prefill and one decode instance")
-        assert self.degrees and max(self.degrees) <= self.max_degree, f"degrees beyond the node: {self}"
+        assert self.degrees and max(self.degrees) <= self.per_node, f"degrees beyond the node: {self}"
+
+    @property
+    def units(self) -> int:
+        return self.per_node * self.nodes
+
+    def fits(self, shape: Shape) -> bool:
+        """Whether the shape's instances pack onto the nodes (first fit, largest first: exact for
+        degrees that are powers of two on nodes of a power of two, and a sound check otherwise)."""
+        degrees = [shape.prefill_degree] * shape.num_prefill + [shape.decode_degree] * shape.num_decode
+        free = [self.per_node] * self.nodes
+        for d in sorted(degrees, reverse=True):
+            node = next((i for i, f in enumerate(free) if f >= d), None)
+            if node is None:
+                return False
+            free[node] -= d
+        return True
 
 
 def powers_of_two(limit: int) -> tuple[int, ...]:
@@ -113,7 +130,7 @@ def shapes(budget: Budget) -> list[Shape]:
             for dp in budget.degrees:
                 left = budget.units - num_decode * dd
                 found.extend(Shape(p, dp, num_decode, dd) for p in range(1, left // dp + 1))
-    return [s for s in found if 2 * s.units > budget.units]
+    return [s for s in found if 2 * s.units > budget.units and budget.fits(s)]
 
 
 class Ranked(NamedTuple):

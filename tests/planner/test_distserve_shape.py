@@ -20,7 +20,7 @@ def llama13b():
         pytest.skip("the shared L20 tables are absent")
 
 
-BUDGET = Budget(4, 1, (1,))  # four L20s, one GPU per instance: the measured degree only
+BUDGET = Budget(1, 4, (1,))  # four L20s, one GPU per instance: the measured degree only
 
 
 def test_a_prefill_heavy_load_gets_more_prefill_than_decode_instances(llama13b) -> None:

@@ -84,7 +84,7 @@ def test_a_shape_that_never_meets_the_slos_reports_its_whole_attainment_at_the_l
 
 
 def test_shapes_stay_within_the_budget_and_take_more_than_half_of_it() -> None:
-    budget = Budget(8, 4, (1, 2, 4))
+    budget = Budget(4, 2, (1, 2, 4))  # two nodes of 4 GPUs
     found = shapes(budget)
     assert all(4 < s.units <= 8 for s in found)
     assert Shape(7, 1, 1, 1) in found and Shape(1, 4, 1, 4) in found and Shape(0, 0, 2, 4) in found
@@ -92,6 +92,13 @@ def test_shapes_stay_within_the_budget_and_take_more_than_half_of_it() -> None:
     assert len(found) == len(set(found))
 
 
+def test_an_instance_lives_on_one_node() -> None:
+    budget = Budget(6, 2, (1, 2, 4))  # 12 GPUs, but a node holds one TP-4 instance and two GPUs more
+    assert not budget.fits(Shape(2, 4, 1, 4)) and Shape(2, 4, 1, 4) not in shapes(budget)
+    assert budget.fits(Shape(1, 4, 1, 4)) and budget.fits(Shape(2, 2, 1, 4)) and budget.fits(Shape(4, 1, 2, 4))
+
+
 def test_a_budget_of_one_unit_is_refused() -> None:
     with pytest.raises(ValueError, match="one prefill and one decode"):
         Budget(1, 1, (1,))
+    Budget(2, 1, (1, 2))  # two cores: 1P:1D
