@@ -11,7 +11,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from pdserve.tdpipe.cost_table import CostTable
 
@@ -103,12 +103,43 @@ class PrefillInstance:
             self._start(now)
 
 
+class Run(NamedTuple):
+    """Steps over one batch: the k-th (from 0) takes `first_s + growth_s * k` seconds, since each
+    step's sequences read one more KV token each than the step before's (`growth_s` 0 when the
+    profile has no KV slope)."""
+
+    start: float
+    first_s: float
+    growth_s: float
+    steps: int
+
+    def end(self, n: int) -> float:
+        """When the n-th step ends."""
+        return self.start + n * self.first_s + self.growth_s * n * (n - 1) / 2
+
+    def steps_by(self, now: float) -> int:
+        """The steps done once the one under way at `now` ends (at least 1)."""
+        elapsed = now - self.start
+        if self.growth_s > 0:  # the root of end(n) = now, then nudged to the exact step
+            b = self.first_s - self.growth_s / 2
+            n = math.ceil((-b + math.sqrt(b * b + 2 * self.growth_s * elapsed)) / self.growth_s - 1e-9)
+        else:
+            n = math.ceil(elapsed / self.first_s - 1e-9)
+        n = max(1, n)
+        while n > 1 and self.end(n - 1) >= now:
+            n -= 1
+        while self.end(n) < now - 1e-12:
+            n += 1
+        return n
+
+
 class DecodeInstance:
-    """Continuous batching: every step runs one token of each admitted request, priced at the batch's
-    token count. Admission is FCFS while the KV fits (`kv_tokens`; a request too big for it runs
-    alone). `colocated`: submitted requests prefill here too, in chunks of the step's token budget
-    left after the decode tokens (vLLM's chunked prefill); the first token comes at the end of the
-    step that runs the last chunk.
+    """Continuous batching: every step runs one token of each admitted request, priced at the
+    batch's token count, plus, where the profile measured it, the KV its sequences read beyond the
+    length the table was timed at (`PipelineOverheads.decode_kv_ms`). Admission is FCFS while the KV
+    fits (`kv_tokens`; a request too big for it runs alone). `colocated`: submitted requests prefill
+    here too, in chunks of the step's token budget left after the decode tokens (vLLM's chunked
+    prefill); the first token comes at the end of the step that runs the last chunk.
 
     Between admissions and finishes a batch does not change, so a run of steps is one event; a
     request submitted during it joins at the next step boundary (the run is cut there)."""
@@ -133,8 +164,12 @@ class DecodeInstance:
         self.load = 0
         """KV tokens reserved or waiting (the router sends to the least loaded)."""
         self._seq = 0
-        self._run: tuple[float, float, int] = (0.0, 0.0, 0)
-        """The current run: (start, seconds per step, steps)."""
+        self._kv_base = 0
+        """The decoding requests' KV tokens at step count S are `_kv_base + len(decoding) * S`."""
+        over = table.overheads
+        self._kv_ms = over.decode_kv_ms[0] if len(over.decode_kv_ms) == 1 else 0.0
+        self._kv_context = over.decode_context
+        self._run = Run(0.0, 0.0, 0.0, 0)
         self._chunks: list[tuple[SimRequest, int]] = []
         self._version = 0
         """Bumped when a run is cut or replaced: the end event of the old one is then ignored."""
@@ -149,10 +184,9 @@ class DecodeInstance:
         if not self.busy:
             self._plan(now)
             return
-        start, step, steps = self._run
-        done = max(1, math.ceil((now - start) / step - 1e-9))  # the step under way finishes first
-        if done < steps:
-            self._run = (start, step, done)
+        done = self._run.steps_by(now)  # the step under way finishes first
+        if done < self._run.steps:
+            self._run = self._run._replace(steps=done)
             self._schedule_end()
 
     def _admit(self) -> None:
@@ -171,6 +205,16 @@ class DecodeInstance:
         """Its first token is out; the next `output_len - 1` steps make the rest."""
         heapq.heappush(self.decoding, (self.steps + req.output_len - 1, self._seq, req))
         self._seq += 1
+        self._kv_base += req.input_len + 1 - self.steps  # its KV: the prompt and first token, +1 a step
+
+    def _step_s(self, tokens: int) -> tuple[float, float]:
+        """(first step's seconds, growth per step) of a run over `tokens` tokens at the current batch."""
+        table_ms = self.table.forward_ms(tokens)
+        batch = len(self.decoding)
+        kv = self._kv_base + batch * self.steps
+        # a linear KV slope extrapolated far below its context could price a step at nothing: floor it
+        first_ms = max(0.1 * table_ms, table_ms + self._kv_ms * (kv - batch * self._kv_context))
+        return first_ms / 1000.0, self._kv_ms * batch / 1000.0
 
     def _plan(self, now: float) -> None:
         self._admit()
@@ -190,20 +234,22 @@ class DecodeInstance:
             self.busy = False
             return
         self.busy = True
-        self._run = (now, self.table.forward_ms(tokens) / 1000.0, steps)
+        self._run = Run(now, *self._step_s(tokens), steps)
         self._schedule_end()
 
     def _schedule_end(self) -> None:
         self._version += 1
-        version, (start, step, steps) = self._version, self._run
-        self.loop.at(start + step * steps, lambda t: self._end(t, version))
+        version = self._version
+        self.loop.at(self._run.end(self._run.steps), lambda t: self._end(t, version))
 
     def _end(self, now: float, version: int) -> None:
         if version != self._version:
             return
-        self.steps += self._run[2]
+        self.steps += self._run.steps
         while self.decoding and self.decoding[0][0] <= self.steps:
-            self._finish(heapq.heappop(self.decoding)[2], now)
+            done_at, _, req = heapq.heappop(self.decoding)
+            self._kv_base -= req.input_len + 1 - (done_at - req.output_len + 1)
+            self._finish(req, now)
         for req, chunk in self._chunks:
             req.prefill_left -= chunk
             if req.prefill_left == 0:

@@ -7,7 +7,9 @@ or torch threads (a profile measured on CPU cores). Two sources:
   lookup, e.g. `L20-Llama-13B`): one GPU, degree 1. Its name is `<hardware>-<model>`, so the file
   names its model;
 - a JSON profile written by `pdserve plan --measure` (`measure.py`): the local model at each
-  thread count, `{"model", "hardware", "unit", "tables": {degree: {"tokens", "times_ms"}}}`.
+  thread count, `{"model", "hardware", "unit", "tables": {degree: {"tokens", "times_ms",
+  "decode_context", "decode_kv_ms"}}}`: decode steps were timed at `decode_context` KV tokens per
+  sequence, and each KV token more costs `decode_kv_ms` (the batch job's `PipelineOverheads`).
 
 A degree the profile has no table for is modelled from the nearest measured degree below it by
 Amdahl's law (`SimConfig.parallel_fraction`); such a table is named `... (modelled)`.
@@ -16,11 +18,12 @@ Amdahl's law (`SimConfig.parallel_fraction`); such a table is named `... (modell
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.overheads import PipelineOverheads
 
 Unit = Literal["gpu", "core"]
 
@@ -58,19 +61,29 @@ class Profile:
             raise ValueError(f"the profile is for {self.model!r} ({self.hardware}), not {model!r}")
 
     def table(self, degree: int, parallel_fraction: float) -> CostTable:
-        """The table at `degree`: measured, else modelled from the nearest measured degree below."""
+        """The table at `degree`: profiled, else modelled from the nearest profiled degree below."""
         if degree in self.tables:
             return self.tables[degree]
         base = max((d for d in self.tables if d < degree), default=min(self.tables))
         ratio = amdahl(degree, parallel_fraction) / amdahl(base, parallel_fraction)
         src = self.tables[base]
-        return CostTable(f"{src.name}@{degree} (modelled)", src.tokens, tuple(t * ratio for t in src.times_ms))
+        over = replace(src.overheads, decode_kv_ms=tuple(k * ratio for k in src.overheads.decode_kv_ms))
+        times = tuple(t * ratio for t in src.times_ms)
+        return CostTable(f"{src.name}@{degree} (modelled)", src.tokens, times, over)
 
     def is_profiled(self, degree: int) -> bool:
         return degree in self.tables
 
     def to_json(self) -> dict:
-        tables = {str(d): {"tokens": list(t.tokens), "times_ms": list(t.times_ms)} for d, t in self.tables.items()}
+        tables = {
+            str(d): {
+                "tokens": list(t.tokens),
+                "times_ms": list(t.times_ms),
+                "decode_context": t.overheads.decode_context,
+                "decode_kv_ms": list(t.overheads.decode_kv_ms),
+            }
+            for d, t in self.tables.items()
+        }
         return {"model": self.model, "hardware": self.hardware, "unit": self.unit, "tables": tables}
 
     @classmethod
@@ -79,7 +92,15 @@ class Profile:
         if unit not in ("gpu", "core"):
             raise ValueError(f"{name}: unit must be 'gpu' or 'core', got {unit!r}")
         tables = {
-            int(d): CostTable(f"{name}@{d}", tuple(map(int, t["tokens"])), tuple(map(float, t["times_ms"])))
+            int(d): CostTable(
+                f"{name}@{d}",
+                tuple(map(int, t["tokens"])),
+                tuple(map(float, t["times_ms"])),
+                PipelineOverheads(
+                    decode_context=int(t.get("decode_context", 0)),
+                    decode_kv_ms=tuple(map(float, t.get("decode_kv_ms", ()))),
+                ),
+            )
             for d, t in data["tables"].items()
         }
         return cls(str(data["model"]), str(data.get("hardware", "?")), unit, tables)

@@ -135,4 +135,6 @@ def test_measure_writes_a_profile_for_each_thread_count_and_plans_with_it(
     assert main(argv + ["--kv-tokens", "512"]) == 0
     saved = json.loads(path.read_text())
     assert saved["unit"] == "core" and set(saved["tables"]) == {"1", "2"}
+    # the KV slope travels with each table (empty where the profiler measured none above noise)
+    assert all(len(t["decode_kv_ms"]) <= 1 and t["decode_context"] >= 0 for t in saved["tables"].values())
     assert "recommended: " in capsys.readouterr().out

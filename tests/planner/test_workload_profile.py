@@ -10,6 +10,7 @@ import pytest
 from pdserve.planner.profile import Profile, amdahl, load_profile
 from pdserve.planner.workload import Lengths, from_lengths, from_trace, read_trace
 from pdserve.tdpipe.cost_table import CostTable
+from pdserve.tdpipe.overheads import PipelineOverheads
 
 
 def write_trace(path: Path, stamps: list[float]) -> Path:
@@ -67,15 +68,18 @@ def test_a_td_pipe_table_names_its_hardware_and_model() -> None:
 
 def test_a_degree_without_a_table_is_modelled_from_the_one_below(tmp_path: Path) -> None:
     one = CostTable("t", (1, 100), (10.0, 20.0))
-    profile = Profile("m", "cpu", "core", {1: one, 2: CostTable("t2", (1, 100), (6.0, 11.0))})
+    slope = PipelineOverheads(decode_context=300, decode_kv_ms=(0.002,))
+    profile = Profile("m", "cpu", "core", {1: one, 2: CostTable("t2", (1, 100), (6.0, 11.0), slope)})
     four = profile.table(4, 0.8)
     ratio = amdahl(4, 0.8) / amdahl(2, 0.8)
     assert four.times_ms == pytest.approx((6.0 * ratio, 11.0 * ratio)) and "modelled" in four.name
+    assert four.overheads.decode_kv_ms == pytest.approx((0.002 * ratio,)) and four.overheads.decode_context == 300
     assert profile.table(2, 0.8).times_ms == (6.0, 11.0) and profile.is_profiled(2) and not profile.is_profiled(4)
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile.to_json()))
     back = load_profile(str(path))
     assert (back.model, back.unit, back.tables[2].times_ms) == ("m", "core", (6.0, 11.0))
+    assert back.tables[2].overheads == slope and back.tables[1].overheads == PipelineOverheads()
 
 
 def _has_l20() -> bool:
