@@ -6,8 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from pdserve.commands.config_flags import config_flag, plain_flag
+
+if TYPE_CHECKING:  # the planner is imported when the command runs, not when `pdserve --help` builds
+    from pdserve.planner.config import SLO, SimConfig
+    from pdserve.planner.profile import Profile
+    from pdserve.planner.search import Budget
+    from pdserve.planner.workload import Workload
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _slo(args: argparse.Namespace):
+def _slo(args: argparse.Namespace) -> SLO:
     from pdserve.planner.config import SLO
 
     for flag, value in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo)):
@@ -106,10 +113,12 @@ def _slo(args: argparse.Namespace):
             raise ValueError(f"{flag} must be > 0 seconds, got {value:g}")
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment:g}")
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
     return SLO(args.ttft_slo, args.tpot_slo, args.attainment)
 
 
-def _sim_config(args: argparse.Namespace):
+def _sim_config(args: argparse.Namespace) -> SimConfig:
     from pdserve.planner.config import SimConfig
 
     fields = ("max_batch_tokens", "kv_tokens", "transfer_ms_per_token", "parallel_fraction")
@@ -119,7 +128,7 @@ def _sim_config(args: argparse.Namespace):
         raise ValueError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
 
 
-def _workload(args: argparse.Namespace):
+def _workload(args: argparse.Namespace) -> tuple[Workload, dict]:
     """The workload, and a description of it (a dict, printed or put in the JSON)."""
     from pdserve.planner.workload import from_lengths, from_trace
 
@@ -153,7 +162,7 @@ def _workload(args: argparse.Namespace):
     }
 
 
-def _profile_and_budget(args: argparse.Namespace, workload, config):
+def _profile_and_budget(args: argparse.Namespace, workload: Workload, config: SimConfig) -> tuple[Profile, Budget]:
     """The profile (loaded, or measured now) and the budget its unit calls for; every mismatch names its flag."""
     from pdserve.planner.profile import load_profile
     from pdserve.planner.search import Budget, powers_of_two
@@ -193,7 +202,7 @@ def _profile_and_budget(args: argparse.Namespace, workload, config):
     return profile, Budget(args.gpus_per_node, args.nodes, powers_of_two(args.gpus_per_node))
 
 
-def _measure(args: argparse.Namespace, workload, config, threads: tuple[int, ...]):
+def _measure(args: argparse.Namespace, workload: Workload, config: SimConfig, threads: tuple[int, ...]) -> Profile:
     from pathlib import Path
 
     from pdserve.planner.measure import measure_profile
