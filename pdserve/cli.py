@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "router",
     "up",
     "simulate",
+    "plan",
     "stage",
     "batch",
 )

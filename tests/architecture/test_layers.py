@@ -13,6 +13,7 @@ from import_graph import ROOT, cycles, import_graph
 # A room is one or more module prefixes; it is named by its first. The app is one room of three.
 FLOORS: list[tuple[str, list[tuple[str, ...]]]] = [
     ("app", [("pdserve.cli", "pdserve.commands", "pdserve.__main__")]),  # the `pdserve` command
+    ("tools", [("pdserve.planner",)]),  # `pdserve plan`'s library: it prices forwards with tdpipe's tables
     ("services", [("pdserve.router",), ("pdserve.prefill_node",), ("pdserve.decode_node",), ("pdserve.tdpipe",)]),
     ("shared layers", [("pdserve.openai_api",), ("pdserve.node_runtime",)]),
     # the generated wire code (proto/pdserve/v1) stands on the ground like the engine: it imports nothing

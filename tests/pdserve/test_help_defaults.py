@@ -138,6 +138,7 @@ def test_every_stated_default_of_every_command_is_the_real_one(clean_env):
         "router",
         "up",
         "simulate",
+        "plan",
         "stage",
         "batch",
     }

@@ -1,0 +1,54 @@
+"""What a plan is held to (`SLO`) and how the simulated cluster behaves (`SimConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets of one request, and the share of requests that must meet both."""
+
+    ttft_s: float
+    """Time to first token, in seconds (the prefill's token, after the KV transfer)."""
+    tpot_s: float
+    """Time per output token after the first, in seconds (a request's mean over its decode)."""
+    attainment: float = 0.9
+    """Fraction of requests that must meet both targets for a rate to count as goodput."""
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError(f"SLOs must be > 0 seconds, got TTFT {self.ttft_s}, TPOT {self.tpot_s}")
+        if not 0.0 < self.attainment <= 1.0:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+
+    def met(self, ttft_s: float, tpot_s: float) -> bool:
+        return ttft_s <= self.ttft_s and tpot_s <= self.tpot_s
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated cluster's scheduling limits and costs besides the forward passes."""
+
+    max_batch_tokens: int = 2048
+    """Token budget of one prefill batch (whole prompts, FCFS; a longer prompt runs alone) and of one
+    colocated step (decode tokens first, then prompt chunks, as vLLM's chunked prefill)."""
+    kv_tokens: int = 32768
+    """KV tokens one decode (or colocated) instance holds. A request reserves its prompt plus its
+    whole output when it is admitted, so the simulation never preempts."""
+    transfer_ms_per_token: float = 0.0
+    """KV transfer from a prefill to a decode instance, in ms per prompt token; it is part of TTFT
+    and overlaps the prefill instance's next batch."""
+    parallel_fraction: float = 0.9
+    """For a degree (TP or threads) the profile has no table for: the share of a forward that
+    speeds up with the degree (Amdahl), scaled from the nearest measured degree below (modelled)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.kv_tokens < 1:
+            raise ValueError(
+                f"max_batch_tokens and kv_tokens must be >= 1, got {self.max_batch_tokens}, {self.kv_tokens}"
+            )
+        if self.transfer_ms_per_token < 0:
+            raise ValueError(f"transfer_ms_per_token must be >= 0, got {self.transfer_ms_per_token}")
+        if not 0.0 <= self.parallel_fraction <= 1.0:
+            raise ValueError(f"parallel_fraction must be in [0, 1], got {self.parallel_fraction}")
