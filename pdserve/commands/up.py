@@ -19,7 +19,13 @@ from pdserve.commands.config_flags import config_flag, plain_flag
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
-from pdserve.commands.router import add_api_key_args, add_key_limit_args, add_routing_args, api_keys
+from pdserve.commands.router import (
+    add_api_key_args,
+    add_key_limit_args,
+    add_planner_args,
+    add_routing_args,
+    api_keys,
+)
 from pdserve.commands.serving_args import (
     NODE_FLAGS,
     ROUTER_FLAGS,
@@ -104,6 +110,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(needs `cryptography`)",
     )
     add_routing_args(p)
+    add_planner_args(p)  # the router's: on `up` the planner reports, it starts and stops no node
     p.set_defaults(func=run)
 
 
@@ -138,12 +145,14 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.engine.builtin import default_model_dir
     from pdserve.node_runtime.config import flag_values
     from pdserve.router.key_limits import KeyLimits
+    from pdserve.router.slo_planner import PlannerConfig
 
     if args.num_prefill < 0 or args.num_decode < 1:
         print("error: --num-prefill must be >= 0 and --num-decode >= 1", file=sys.stderr)
         return 2
     try:  # what the router would refuse, refused before any node starts
         KeyLimits(**flag_values(args, KeyLimits)).check_keys(api_keys(args))
+        PlannerConfig(**flag_values(args, PlannerConfig))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -234,7 +243,10 @@ def run(args: argparse.Namespace) -> int:
         ]
         if args.model is None and not args.served_model_name:
             router_args += ["--served-model-name", "pdserve-tiny"]
-        router_args += child_flags(args, declared_dests(add_routing_args) + declared_dests(add_key_limit_args))
+        router_args += child_flags(
+            args,
+            declared_dests(add_routing_args) + declared_dests(add_key_limit_args) + declared_dests(add_planner_args),
+        )
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
         router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised(
