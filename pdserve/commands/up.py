@@ -111,7 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(needs `cryptography`)",
     )
     add_routing_args(p)
-    add_planner_args(p)  # the router's: on `up` the planner reports, it starts and stops no node
+    add_planner_args(p)  # the router decides; `up` starts and stops nodes to match (commands/up_scaler.py)
     p.set_defaults(func=run)
 
 

@@ -5,9 +5,9 @@ It reads the router's own objects, never its Prometheus text: finished requests 
 `RequestWindow` that `RequestMetrics.track` fills, waits and refusals from the admission queue,
 node counts, KV usage and prefill backlog from the Cluster's node table.
 
-It acts on nothing: `pdserve_planner_desired_replicas{role}` is for an autoscaler (KEDA or an HPA on
-Kubernetes: deploy/k8s/components/planner-keda) to act on. Several routers each export their own
-view; the ScaledObjects take the largest.
+It acts on nothing itself: `pdserve_planner_desired_replicas{role}` is for an autoscaler to act on
+(KEDA on Kubernetes: deploy/k8s/components/planner-keda; `pdserve up`: commands/up_scaler.py).
+Several routers each export their own view; the ScaledObjects take the largest.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class PlannerLoop:
         counts = self.counts()
         used = total = 0
         backlog = 0.0
+        assert self.config.ttft_slo is not None, "the planner runs with its SLOs set"
         for (role, _), node in self.cluster.nodes.items():
             if not node.usable:
                 continue
@@ -101,7 +102,6 @@ class PlannerLoop:
                 total += load.total_blocks
             # decode nodes prefill too (no prefill node, or every one saturated)
             seconds = backlog_seconds(load.prefilling_tokens, load.prefill_rate)
-            assert self.config.ttft_slo is not None
             # pending but not yet measured: count it as a full SLO's worth of work
             backlog = max(backlog, seconds if math.isfinite(seconds) else self.config.ttft_slo)
         return Observation(

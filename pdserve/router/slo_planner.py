@@ -49,8 +49,8 @@ class PlannerConfig:
     planner: str = "off"
     """off: no planner; slo: every --planner-interval the router judges TTFT (queue time included),
     TPOT, decode KV usage and prefill backlog against the SLOs and exports the prefill and decode
-    node counts it wants as pdserve_planner_desired_replicas{role} (for KEDA/HPA: it starts and
-    stops no node itself)."""
+    node counts it wants as pdserve_planner_desired_replicas{role}, which KEDA/HPA or `pdserve up`
+    act on (the router itself starts and stops no node)."""
     ttft_slo: float | None = None
     """Time-to-first-token SLO in seconds, as the client sees it (needed with --planner slo)."""
     tpot_slo: float | None = None
@@ -64,7 +64,7 @@ class PlannerConfig:
     must start and a window must observe it first)."""
     planner_max_nodes: int | None = None
     """Budget: prefill + decode nodes the planner may want at most (unset: the nodes discovery lists
-    when the planner starts, so it only moves nodes between roles)."""
+    when the planner starts, at least 2; on `up`, its node slots)."""
     planner_min_prefill: int = 1
     """Fewest prefill nodes the planner may want (0: decode nodes may prefill everything)."""
     slo_quantile: float = 0.9
