@@ -97,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_connection_args(p)
     add_cluster_tls_args(p)
     add_routing_args(p)
+    add_planner_args(p)
     config_flag(p, RouterConfig, "log_level")
     p.set_defaults(func=run)
 
@@ -124,6 +125,20 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     config_flag(p, Deadlines, "max_prefill_backlog", type=float)
 
 
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    """The runtime SLO planner's flags (router/slo_planner.py): `up` hands them to its router."""
+    from pdserve.router.slo_planner import PLANNERS, PlannerConfig
+
+    config_flag(p, PlannerConfig, "planner", choices=PLANNERS)
+    config_flag(p, PlannerConfig, "ttft_slo")
+    config_flag(p, PlannerConfig, "tpot_slo")
+    config_flag(p, PlannerConfig, "planner_interval")
+    config_flag(p, PlannerConfig, "planner_window")
+    config_flag(p, PlannerConfig, "planner_dwell")
+    config_flag(p, PlannerConfig, "planner_max_nodes")
+    config_flag(p, PlannerConfig, "planner_min_prefill", choices=(0, 1))
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The one RouterConfig of a `pdserve router` process, from its parsed flags (which configargparse
     already merged with PDSERVE_* and --config); a bad value exits 2 with the reason."""
@@ -134,13 +149,21 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     from pdserve.router.deadlines import Deadlines
     from pdserve.router.http_limits import ConnectionLimits
     from pdserve.router.key_limits import KeyLimits
+    from pdserve.router.slo_planner import PlannerConfig
 
     try:
         cluster = ClusterOptions(
             **flag_values(args, ClusterOptions, deadlines=None), deadlines=Deadlines(**flag_values(args, Deadlines))
         )
         top = flag_values(
-            args, RouterConfig, model_dir="model", cluster=None, discovery=None, connections=None, key_limits=None
+            args,
+            RouterConfig,
+            model_dir="model",
+            cluster=None,
+            discovery=None,
+            connections=None,
+            key_limits=None,
+            slo_planner=None,
         )
         top["served_model_name"] = tuple(top.get("served_model_name") or ())
         top.setdefault("model_dir", default_model_dir())
@@ -151,6 +174,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
             cluster=cluster,
             connections=ConnectionLimits(**flag_values(args, ConnectionLimits)),
             discovery=DiscoveryConfig(**flag_values(args, DiscoveryConfig)),
+            slo_planner=PlannerConfig(**flag_values(args, PlannerConfig)),
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -200,13 +224,21 @@ def run(args: argparse.Namespace) -> int:
         offload=OffloadPolicy(config.cluster.prefill_saturated_tokens),
         max_waiting_requests=config.cluster.max_waiting_requests,
     )
+    planner = None
+    window = None
+    if config.slo_planner.enabled:
+        from pdserve.router.planner_loop import PlannerLoop
+        from pdserve.router.request_window import RequestWindow
+
+        window = RequestWindow(config.slo_planner.planner_window)
+        planner = PlannerLoop(config.slo_planner, cluster, window, registry, name)
     server = Server(
         cluster,
         tokenizer,
         names,
         max_model_len,
         config.max_prompt_tokens,
-        metrics=RequestMetrics(registry, name, max_model_len),
+        metrics=RequestMetrics(registry, name, max_model_len, window),
         keepalive_interval=config.sse_keepalive,
         generation_defaults=defaults,
         prompt_tokens_details=config.enable_prompt_tokens_details,
@@ -225,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     @app.on_event("startup")
     async def _start() -> None:
         await cluster.start()
+        if planner is not None:
+            await planner.start()
 
     def _listening() -> None:
         scheme = "https" if config.ssl_certfile else "http"
@@ -232,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
 
     @app.on_event("shutdown")
     async def _stop() -> None:
+        if planner is not None:
+            await planner.stop()
         await cluster.stop()
 
     from pdserve.router.http_server import serve_http

@@ -19,7 +19,14 @@ from pdserve.commands.config_flags import config_flag, plain_flag
 from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
-from pdserve.commands.router import add_api_key_args, add_key_limit_args, add_routing_args, api_keys
+from pdserve.commands.router import (
+    add_api_key_args,
+    add_key_limit_args,
+    add_planner_args,
+    add_routing_args,
+    api_keys,
+)
+from pdserve.commands.up_scaler import RoleScaler, make_scaler, planner_slots
 from pdserve.commands.serving_args import (
     NODE_FLAGS,
     ROUTER_FLAGS,
@@ -104,6 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(needs `cryptography`)",
     )
     add_routing_args(p)
+    add_planner_args(p)  # the router decides; `up` starts and stops nodes to match (commands/up_scaler.py)
     p.set_defaults(func=run)
 
 
@@ -123,6 +131,13 @@ def _wait_health(url: str, deadline: float, members: list[Supervised]) -> None:
     raise RuntimeError(f"router did not become healthy at {url}")
 
 
+def reach_url(args: argparse.Namespace) -> str:
+    """The router's base URL from this machine: a wildcard bind is reached (and shown) through
+    loopback, a specific address through itself."""
+    reach = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    return f"http://{reach}:{args.port}"
+
+
 def _throwaway_tls_args(directory: Path) -> list[str]:
     """A CA and certificate for this run only (the key never leaves `directory`, removed at exit)."""
     from pdserve.node_runtime.cluster_tls import make_throwaway
@@ -138,14 +153,19 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.engine.builtin import default_model_dir
     from pdserve.node_runtime.config import flag_values
     from pdserve.router.key_limits import KeyLimits
+    from pdserve.router.slo_planner import PlannerConfig
 
     if args.num_prefill < 0 or args.num_decode < 1:
         print("error: --num-prefill must be >= 0 and --num-decode >= 1", file=sys.stderr)
         return 2
     try:  # what the router would refuse, refused before any node starts
         KeyLimits(**flag_values(args, KeyLimits)).check_keys(api_keys(args))
+        planner = PlannerConfig(**flag_values(args, PlannerConfig))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    num_slots = planner_slots(args, planner, args.num_prefill + args.num_decode)
+    if num_slots is None:
         return 2
     master = None
     if wants_local_master(args.kv_store):  # a Mooncake master for this cluster, stopped after its nodes
@@ -186,18 +206,24 @@ def run(args: argparse.Namespace) -> int:
     policy = lambda: RestartPolicy(args.max_restarts, args.restart_window)  # noqa: E731
 
     roles = ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+    # spare slots hold cores for the nodes the planner may start (weighed as decode nodes)
+    roles += ["decode"] * (num_slots - len(roles))
     tps = [getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size for role in roles]
     shares = node_shares(args.num_threads, [(role, tp or 1) for role, tp in zip(roles, tps)])
-    print(f"[up] threads per node: {describe(roles, shares)}", flush=True)
+    spare = num_slots - args.num_prefill - args.num_decode
+    print(f"[up] threads per node: {describe(roles, shares)}" + (f" ({spare} spare)" if spare else ""), flush=True)
 
     def node(role: str, i: int, port: int) -> Supervised:
-        index = i if role == Role.PREFILL else args.num_prefill + i
+        return node_at(role, i if role == Role.PREFILL else args.num_prefill + i, f"{role}-{i}", port)
+
+    def node_at(role: str, index: int, name: str, port: int) -> Supervised:
+        """A node of `role` on slot `index`'s cores (TP is one size for both roles when slots switch)."""
         metrics = ["--metrics-port", str(args.metrics_base_port + index)] if args.metrics_base_port else []
         own = decode_args if role == Role.DECODE else []
         own = own + (["--tensor-parallel-size", str(tps[index])] if tps[index] else [])
         own = own + ["--num-threads", str(shares[index].threads)]
         return Supervised(
-            f"{role}-{i}",
+            name,
             lambda p: base + [role, "--port", str(p)] + node_args + own + metrics,
             port,
             env,
@@ -211,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     first = args.base_port
+    scaler: RoleScaler | None = None
     prefills = [node("prefill", i, first + i if first else 0) for i in range(args.num_prefill)]
     decodes = [node("decode", i, first + args.num_prefill + i if first else 0) for i in range(args.num_decode)]
     supervisor = Supervisor(prefills + decodes, log=lambda msg: print(f"[up] {msg}", flush=True))
@@ -220,21 +247,29 @@ def run(args: argparse.Namespace) -> int:
             m.start()
         p_addrs = [m.wait_ready(deadline) for m in prefills]
         d_addrs = [m.wait_ready(deadline) for m in decodes]
+        if planner.enabled:  # the router finds the nodes in a file that follows the planner's changes
+            serving = [("prefill", m) for m in prefills] + [("decode", m) for m in decodes]
+            scaler = make_scaler(args, planner, num_slots, serving, node_at, supervisor, reach_url(args))
+            members = ["--discovery", "file", "--members-file", scaler.members_file]
+            if planner.planner_max_nodes is None:  # the budget is every slot, spare ones included
+                members += ["--planner-max-nodes", str(num_slots)]
+        else:
+            members = ["--prefill", ",".join(p_addrs), "--decode", ",".join(d_addrs)]
         router_args = [
             "--host",
             args.host,
             "--model",
             model,
-            "--prefill",
-            ",".join(p_addrs),
-            "--decode",
-            ",".join(d_addrs),
+            *members,
             *tls_args,
             *child_flags(args, ROUTER_FLAGS),  # --max-model-len: the router learns it from the nodes
         ]
         if args.model is None and not args.served_model_name:
             router_args += ["--served-model-name", "pdserve-tiny"]
-        router_args += child_flags(args, declared_dests(add_routing_args) + declared_dests(add_key_limit_args))
+        router_args += child_flags(
+            args,
+            declared_dests(add_routing_args) + declared_dests(add_key_limit_args) + declared_dests(add_planner_args),
+        )
         # keys travel in the router's environment, never on its command line (where `ps` shows them)
         router_env = {**env, API_KEYS_ENV: ",".join(api_keys(args)), API_KEY_ENV: ""}
         router = Supervised(
@@ -242,13 +277,11 @@ def run(args: argparse.Namespace) -> int:
         )
         supervisor.members.append(router)
         router.start()
-        # a wildcard bind is reached (and shown) through loopback; a specific address through itself
-        reach = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        _wait_health(f"http://{reach}:{args.port}/health", deadline, supervisor.members)
+        _wait_health(f"{reach_url(args)}/health", deadline, supervisor.members)
         default_name = "pdserve-tiny" if args.model is None else os.path.basename(model.rstrip("/"))
         name = ", ".join(args.served_model_name or [default_name])
         print(
-            f"pdserve is up: http://{reach}:{args.port}/v1  (model: {name}; "
+            f"pdserve is up: {reach_url(args)}/v1  (model: {name}; "
             f"{args.num_prefill} prefill, {args.num_decode} decode, transport {args.transport})",
             flush=True,
         )
@@ -263,12 +296,16 @@ def run(args: argparse.Namespace) -> int:
             if reason:
                 print(f"error: {reason}\nstopping the cluster", file=sys.stderr, flush=True)
                 return 1
+            if scaler is not None:
+                scaler.poll(time.monotonic())
             stopping.wait(0.25)
         return 0
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if scaler is not None:
+            scaler.stop()  # nodes starting or draining, which the supervisor does not hold
         supervisor.stop()
         if master is not None:
             master.stop()

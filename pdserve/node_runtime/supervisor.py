@@ -95,11 +95,16 @@ class Child:
     def exited(self) -> bool:
         return self.popen.poll() is not None
 
-    def stop(self, sig: int = signal.SIGTERM, grace: float = 10.0) -> int | None:
-        """Send `sig` to the process group, wait up to `grace` s, then SIGKILL it; the exit code."""
+    def send(self, sig: int) -> None:
+        """Send `sig` to the process group and return at once (a node given SIGTERM drains first)."""
         if not self.exited:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 10.0) -> int | None:
+        """Send `sig` to the process group, wait up to `grace` s, then SIGKILL it; the exit code."""
+        if not self.exited:
+            self.send(sig)
             try:
                 self.popen.wait(grace)
             except subprocess.TimeoutExpired:

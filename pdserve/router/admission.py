@@ -53,6 +53,11 @@ class AdmissionQueue:
         self.retry_after = max(1.0, min(capacity_wait, 30.0))
         """What a refused client is told to wait: the time the queue's head may wait for room."""
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._since: dict[asyncio.Future, float] = {}
+        """When each waiter joined (monotonic): the SLO planner counts a waiting request's wait so far."""
+        self.refused = 0
+        """Requests refused for capacity since start (full queue, or no room in time): the SLO planner
+        counts them as demand that never got a TTFT."""
         self.depth = Gauge(
             "pdserve_router_requests_waiting",
             "requests waiting at the router for a decode node with room",
@@ -71,9 +76,14 @@ class AdmissionQueue:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    def waits(self, now: float) -> list[float]:
+        """Seconds each request now in the queue has waited so far."""
+        return [now - t for t in self._since.values()]
+
     def check(self) -> None:
         """QueueFull when a new request could not join: the HTTP layer asks before any work."""
         if len(self._waiters) >= self.limit:
+            self.refused += 1
             raise QueueFull(
                 f"{len(self._waiters)} requests are already waiting for capacity; try again later",
                 retry_after=self.retry_after,
@@ -96,6 +106,7 @@ class AdmissionQueue:
                 except NoCapacityError as e:
                     left = deadline - time.monotonic()
                     if left <= 0:
+                        self.refused += 1
                         raise NoCapacityError(e.message, retry_after=self.retry_after) from None
                 await asyncio.sleep(min(poll, left))
 
@@ -112,12 +123,13 @@ class AdmissionQueue:
         else:
             self._waiters.appendleft(me)
         self.depth.set(len(self._waiters))
-        start = time.monotonic()
+        start = self._since[me] = time.monotonic()
         try:
             if self._waiters[0] is not me:
                 try:
                     await asyncio.wait_for(asyncio.shield(me), max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
+                    self.refused += 1
                     raise NoCapacityError(
                         "no decode node had room for this request in time; try again later",
                         retry_after=self.retry_after,
@@ -125,6 +137,7 @@ class AdmissionQueue:
             yield
         finally:
             self._waiters.remove(me)
+            del self._since[me]
             self.depth.set(len(self._waiters))
             self.wait_seconds.observe(time.monotonic() - start)
             if self._waiters and not self._waiters[0].done():

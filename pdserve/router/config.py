@@ -1,8 +1,8 @@
 """RouterConfig: everything one router process is built from.
 
 Composed, not inherited: the HTTP front end's own options, how it talks to nodes
-(`ClusterOptions`) and how it finds them (`DiscoveryConfig`). `pdserve router` builds it once from
-the parsed flags (`pdserve/commands/router.py::router_config`).
+(`ClusterOptions`), how it finds them (`DiscoveryConfig`) and its SLO planner (`PlannerConfig`).
+`pdserve router` builds it once from the parsed flags (`pdserve/commands/router.py::router_config`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pdserve.router.http_limits import ConnectionLimits
 from pdserve.router.key_limits import KeyLimits
 from pdserve.router.kv_routing import ROUTING_MODES
 from pdserve.router.prefill_offload import DEFAULT_SATURATED_TOKENS, OffloadPolicy
+from pdserve.router.slo_planner import PlannerConfig
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ClusterOptions(ClusterTLSOptions):
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """One router process: HTTP options + cluster + discovery."""
+    """One router process: HTTP options + cluster + discovery + SLO planner."""
 
     model_dir: str | Path
     """Checkpoint directory: the router needs its tokenizer, chat template and context length."""
@@ -92,6 +93,7 @@ class RouterConfig:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     cluster: ClusterOptions = field(default_factory=ClusterOptions)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    slo_planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))

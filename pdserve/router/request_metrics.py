@@ -8,11 +8,13 @@ carries `model_name`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.node_runtime.vllm_metrics import RequestFamilies
+from pdserve.router.request_window import RequestWindow
 from pdserve.v1 import decode_pb2
 
 ENGINE = "router"
@@ -22,7 +24,15 @@ ENGINE = "router"
 class RequestMetrics:
     """vllm:* request series as the client sees them; `track` wraps one generation stream."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int = 2048) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        max_model_len: int = 2048,
+        window: RequestWindow | None = None,
+    ) -> None:
+        """`window`: also keeps each finished request's TTFT and TPOT there (the SLO planner's input)."""
+        self.window = window
         self.families = RequestFamilies(registry, model_name, ENGINE, max_model_len)
         self.in_flight = Gauge(
             "pdserve_router_requests_in_flight", "generation streams open now", ["model_name"], registry=registry
@@ -53,3 +63,5 @@ class RequestMetrics:
         finally:
             self.in_flight.dec()
             clock.finish(reason, generated)
+            if self.window is not None:
+                self.window.finished(clock.started, clock.first, clock.last, clock.num_tokens, time.monotonic())

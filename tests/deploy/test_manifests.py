@@ -32,12 +32,14 @@ ONLY_WITH = {
     "gateway-api": set(),
     "inference-pool": set(),
     "kv-store": set(),  # rendered with every overlay by tests/deploy/test_kv_store_component.py
+    # replaces autoscaling-keda (the same ScaledObjects): tests/deploy/test_planner_keda_component.py
+    "planner-keda": set(),
 }
 # Custom resources (no schema in kubernetes-validate), each checked in its own test, and the
 # opt-in components that may bring them.
 CUSTOM_GROUPS = {
     "monitoring.coreos.com/": {"monitoring"},
-    "keda.sh/": {"autoscaling-keda"},
+    "keda.sh/": {"autoscaling-keda", "planner-keda"},
     "gateway.networking.k8s.io/": {"gateway-api", "inference-pool"},
     "inference.networking.k8s.io/": {"inference-pool"},
 }

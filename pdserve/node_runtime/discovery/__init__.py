@@ -1,4 +1,4 @@
-"""Service discovery behind one small interface: static | nacos | k8s (headless-Service DNS)."""
+"""Service discovery behind one small interface: static | nacos | k8s (headless-Service DNS) | file."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class DiscoveryKind(enum.StrEnum):
     STATIC = "static"
     NACOS = "nacos"
     K8S = "k8s"
+    FILE = "file"
 
 
 KINDS = tuple(k.value for k in DiscoveryKind)
@@ -44,7 +45,7 @@ class DiscoveryConfig:
     """How a process finds (router) or announces (nodes) cluster members."""
 
     discovery: str = "static"
-    """Membership source: static (the --prefill/--decode lists), nacos or k8s."""
+    """Membership source: static (the --prefill/--decode lists), nacos, k8s or file (--members-file)."""
     prefill: str = ""
     """static: comma-separated prefill HOST:PORT list."""
     decode: str = ""
@@ -76,12 +77,17 @@ class DiscoveryConfig:
     (SRV records: port from the Service)."""
     k8s_decode_service: str = ""
     """k8s: headless service of decode nodes (same forms as --k8s-prefill-service)."""
+    members_file: str = ""
+    """file: a JSON file {"prefill": [HOST:PORT, ...], "decode": [...]}, re-read whenever it changes
+    (pdserve up --planner slo rewrites it as it starts and stops nodes)."""
 
     def __post_init__(self) -> None:
         if self.discovery not in KINDS:
             raise ValueError(f"discovery must be one of {', '.join(KINDS)}, got {self.discovery!r}")
         if self.discovery == DiscoveryKind.NACOS:
             self._check_nacos()
+        if self.discovery == DiscoveryKind.FILE and not self.members_file:
+            raise ValueError("--discovery file needs --members-file")
 
     def nacos_secret(self, name: str) -> str:
         """`password` or `secret_key`: the flag's (or env's) value, else its file's content without the
@@ -153,6 +159,10 @@ def discovery_from_config(config: DiscoveryConfig) -> Discovery:
         from pdserve.node_runtime.discovery.k8s import K8sDnsDiscovery
 
         return K8sDnsDiscovery({"prefill": config.k8s_prefill_service, "decode": config.k8s_decode_service})
+    if config.discovery == DiscoveryKind.FILE:
+        from pdserve.node_runtime.discovery.file import FileDiscovery
+
+        return FileDiscovery(config.members_file)
     return StaticDiscovery.from_lists(config.prefill, config.decode)
 
 
