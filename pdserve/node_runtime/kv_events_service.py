@@ -56,7 +56,10 @@ async def kv_event_batches(
     while not stopped():
         events: list[KvEvent] | None = None if seq is None else log.since(seq)
         if events == [] and seq is not None:
-            events = await loop.run_in_executor(executor, log.wait, seq, WAIT_SECONDS)
+            try:
+                events = await loop.run_in_executor(executor, log.wait, seq, WAIT_SECONDS)
+            except RuntimeError:  # the interpreter is exiting (no new futures): the stream ends with the node
+                return
             if events == []:
                 continue
         if events is None:  # first contact, a restart, or a gap: the log no longer holds what follows seq
