@@ -31,11 +31,13 @@ import argparse
 import json
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,11 +62,32 @@ class Load(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Plan:
+    """What every target is measured with: the SLOs, the load of each step, the search's bounds."""
+
+    slo: Slo
+    input_tokens: int
+    output_tokens: int
+    load: Callable[[float, int, int], Load]
+    """(rate, seed, k) -> the k-th step's AIPerf load at `rate` (k >= 1; its own prompts)."""
+    warmup: int
+    """Requests sent, two at a time, once a server is up and before its first step."""
+    max_steps: int
+    start_rate: float
+    request_timeout_s: float
+    describe: dict
+
+
+@dataclass(frozen=True)
 class Target:
     """One server to measure: a `pdserve up` shape or `vllm serve`, started on a free port."""
 
     name: str
-    start: Callable[[int], object]
+    start: Callable[[int], subprocess.Popen]
+
+
+def start_shape(model: str, shape: Shape, extra: list[str], port: int) -> subprocess.Popen:
+    return start_pdserve(model, port, shape.up_args() + extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +126,7 @@ def measure_step(client: Client, load: list[str], label: str, slo: Slo, sent: in
     return summarize([outcome_of(r) for r in records], slo, sent)
 
 
-def measure_target(target: Target, args: argparse.Namespace, work: dict, r: int) -> dict:
+def measure_target(target: Target, args: argparse.Namespace, plan: Plan, r: int) -> dict:
     """Start `target`, warm it, search its goodput, stop it: one round's result."""
     port = free_port()
     t0 = time.monotonic()
@@ -112,27 +135,29 @@ def measure_target(target: Target, args: argparse.Namespace, work: dict, r: int)
     except (RuntimeError, OSError) as e:
         return {"goodput": None, "steps": [], "error": f"start failed: {str(e).strip().splitlines()[-1][:300]}"}
     label = f"{target.name}/round{r}"
-    client = Client(
-        args.aiperf, f"http://127.0.0.1:{port}", SERVED, args.model, work["request_timeout_s"], args.artifacts
-    )
+    client = Client(args.aiperf, f"http://127.0.0.1:{port}", SERVED, args.model, plan.request_timeout_s, args.artifacts)
     steps: list[dict] = []
     try:
-        seed = args.seed + r  # the same prompts and arrivals at a given rate for every target of a round
-        n_warm, slo = work["warmup"], work["slo"]
-        warm_load = warmup_args(n_warm, *work["lengths"], seed)
-        warm = measure_step(client, warm_load, f"{label}/warmup", slo, n_warm, n_warm * work["request_timeout_s"])
+        # The k-th run of a round gets seed + 1000 r + k on every target: the same prompts and arrivals
+        # for all targets, and prompts of their own for each run (a prompt sent again would hit the
+        # prefix cache the earlier run left and skip its prefill)
+        seed = args.seed + 1000 * r
+        slo = plan.slo
+        warm_load = warmup_args(plan.warmup, plan.input_tokens, plan.output_tokens, seed)
+        warm_timeout = plan.warmup * plan.request_timeout_s + 120
+        warm = measure_step(client, warm_load, f"{label}/warmup", slo, plan.warmup, warm_timeout)
 
         def at(rate: float) -> float:
-            load: Load = work["load"](rate, seed)
+            load = plan.load(rate, seed + len(steps) + 1, len(steps) + 1)
             # AIPerf's own start-up and shut-down (its worker processes) come on top of the load's span
             got = measure_step(client, load.args, f"{label}/rate{rate:.4g}", slo, load.sent, load.timeout_s + 120)
             steps.append({"rate": round(rate, 5), **got})
             print(f"  {target.name} round {r}: {rate:.4g} req/s -> {json.dumps(got)}", flush=True)
             return got["attainment"]
 
-        found: Search = search_goodput(at, work["start_rate"], work["max_steps"], work["slo"].attainment)
+        found: Search = search_goodput(at, plan.start_rate, plan.max_steps, slo.attainment)
     finally:
-        stop(proc)  # type: ignore[arg-type]
+        stop(proc)
     for step, s in zip(steps, found.steps):
         step["passed"] = s.passed
     return {
@@ -159,19 +184,20 @@ def by_rate(rounds: list[dict]) -> dict[str, list[float]]:
 
 def result_line(per_target: dict[str, list[dict]], vllm_name: str | None) -> dict:
     """The final JSON fields: the best pdserve shape's median goodput against vLLM's."""
+    medians = {name: median([res["goodput"] for res in rounds]) for name, rounds in per_target.items()}
     shapes = {
         name: {
-            "goodput_req_s": median([res["goodput"] for res in rounds]),
+            "goodput_req_s": medians[name],
             "goodput_per_round": [res["goodput"] for res in rounds],
             "attainment_by_rate": by_rate(rounds),
             "rounds": rounds,
         }
         for name, rounds in per_target.items()
     }
-    ours = {n: s["goodput_req_s"] for n, s in shapes.items() if n != vllm_name and s["goodput_req_s"] is not None}
+    ours = {n: g for n, g in medians.items() if n != vllm_name and g is not None}
     best = max(ours, key=lambda n: ours[n]) if ours else None
     value = ours[best] if best else None
-    baseline = shapes[vllm_name]["goodput_req_s"] if vllm_name in shapes else None
+    baseline = medians.get(vllm_name) if vllm_name else None
     ratio = round(value / baseline, 3) if value is not None and baseline else None
     return {
         "metric": "goodput_req_s",
@@ -186,7 +212,7 @@ def result_line(per_target: dict[str, list[dict]], vllm_name: str | None) -> dic
     }
 
 
-def workload(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: Path) -> dict:
+def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: Path) -> Plan:
     """The per-step load and the search settings, from the preset and the flags."""
     preset = PRESETS[args.preset]
     inp = args.input_tokens or preset.input_tokens
@@ -199,26 +225,27 @@ def workload(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: Pa
     # a request that runs past TTFT + TPOT x (output - 1) cannot meet both SLOs: it is cut there (x1.5)
     request_timeout = 1.5 * (slo.ttft_s + slo.tpot_s * max(0, longest_out - 1)) + 5
 
-    def poisson(rate: float, seed: int) -> Load:
+    def poisson(rate: float, seed: int, k: int) -> Load:
         # Poisson arrivals of `requests` take about requests / rate; thrice that bounds the run
         return Load(poisson_args(rate, requests, inp, out, seed), requests, 3 * requests / rate + request_timeout)
 
-    def replay(rate: float, seed: int) -> Load:
+    def replay(rate: float, seed: int, k: int) -> Load:
         assert trace is not None
-        scaled = scale_trace(trace, rate, inp, out, args.max_context)
+        scaled = scale_trace(trace, rate, inp, out, args.max_context, id_range=k)
         path = write_trace(scaled, tmp / f"trace-{rate:.5g}.jsonl")
         span_s = scaled.records[-1]["timestamp"] / 1e3
         return Load(trace_args(path, scaled, seed), len(scaled.records), span_s + request_timeout)
 
-    return {
-        "slo": slo,
-        "lengths": (inp, out),
-        "load": replay if trace is not None else poisson,
-        "warmup": args.warmup if args.warmup is not None else (2 if args.quick else 4),
-        "max_steps": args.max_steps or (2 if args.quick else 5),
-        "start_rate": args.start_rate or preset.start_rate,
-        "request_timeout_s": request_timeout,
-        "describe": {
+    return Plan(
+        slo=slo,
+        input_tokens=inp,
+        output_tokens=out,
+        load=replay if trace is not None else poisson,
+        warmup=args.warmup if args.warmup is not None else (2 if args.quick else 4),
+        max_steps=args.max_steps or (2 if args.quick else 5),
+        start_rate=args.start_rate or preset.start_rate,
+        request_timeout_s=request_timeout,
+        describe={
             "preset": args.preset,
             "input_tokens": inp,
             "output_tokens": out,
@@ -228,7 +255,7 @@ def workload(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: Pa
             "requests_per_step": requests if trace is None else len(trace),
             "load": "poisson" if trace is None else f"trace {args.trace.name}",
         },
-    }
+    )
 
 
 def main() -> int:
@@ -254,36 +281,29 @@ def main() -> int:
     args.aiperf, args.model = aiperf, str(default_model_dir(args.model_size))
     args.max_context = args.max_context or ModelConfig.from_dir(args.model).max_position_embeddings
     up_extra = ["--served-model-name", SERVED, *shlex.split(args.up_args)]
-    targets = [
-        Target(s.name, lambda port, s=s: start_pdserve(args.model, port, s.up_args() + up_extra)) for s in shapes
-    ]
+    targets = [Target(s.name, partial(start_shape, args.model, s, up_extra)) for s in shapes]
     vllm_name = None
     if args.vllm_python:
         vllm_name = "vllm"
-        targets.append(
-            Target(
-                vllm_name, lambda port: start_vllm(args.vllm_python, args.model, port, ["--served-model-name", SERVED])
-            )
-        )
+        vllm_args = ["--served-model-name", SERVED]
+        targets.append(Target(vllm_name, lambda port: start_vllm(args.vllm_python, args.model, port, vllm_args)))
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
         try:
-            work = workload(args, trace, Path(tmp))
+            plan = make_plan(args, trace, Path(tmp))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(f"goodput: {json.dumps(work['describe'])}; targets {[t.name for t in targets]}", flush=True)
+        print(f"goodput: {json.dumps(plan.describe)}; targets {[t.name for t in targets]}", flush=True)
         per_target: dict[str, list[dict]] = {t.name: [] for t in targets}
         for r in range(args.rounds):
             for target in targets if r % 2 == 0 else targets[::-1]:
-                res = measure_target(target, args, work, r)
+                res = measure_target(target, args, plan, r)
                 per_target[target.name].append(res)
                 print(f"{target.name} round {r}: goodput {res['goodput']} req/s {res.get('error', '')}", flush=True)
     line = result_line(per_target, vllm_name)
     if not args.vllm_python:
         line["vllm"] = "not run: no --vllm-python given (pdserve alone)"
-    emit(
-        {**line, "workload": work["describe"], "rounds": args.rounds, "model": args.model_size, "up_args": args.up_args}
-    )
+    emit({**line, "workload": plan.describe, "rounds": args.rounds, "model": args.model_size, "up_args": args.up_args})
     return 0
 
 

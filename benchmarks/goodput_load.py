@@ -136,37 +136,37 @@ class ScaledTrace(NamedTuple):
 
 
 def scale_trace(
-    requests: list[TraceRequest], rate: float, input_mean: int, output_mean: int, max_context: int
+    requests: list[TraceRequest], rate: float, input_mean: int, output_mean: int, max_context: int, id_range: int = 0
 ) -> ScaledTrace:
     """The trace at mean arrival rate `rate` (its timestamps stretched by one factor, so the arrival
     pattern, bursts included, is kept) with its lengths scaled by one factor each so that their means
-    are `input_mean` and `output_mean` tokens, every prompt + output within `max_context`.
+    are about `input_mean` and `output_mean` tokens, every prompt + output within `max_context`.
 
-    Hash ids keep their prefix structure: one id now stands for `512 x input factor` tokens, and a
-    prompt keeps as many leading ids as its scaled length needs (a new id when it needs one more)."""
+    One hash id now stands for B = round(512 x input factor) tokens, and the input factor is taken as
+    exactly B / 512, so that a scaled prompt never needs more ids than the trace gave it (it keeps the
+    leading ones: the prefix structure stays; the mean is off by the rounding of B). `id_range` n > 0
+    moves every id into an n-th range of its own, so that a replay shares no prefix with an earlier
+    replay of the same window on a server that still caches it."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0 req/s, got {rate}")
     factor = native_rate(requests) / rate
-    in_scale = input_mean / (sum(r.input_length for r in requests) / len(requests))
+    block = max(1, round(TRACE_BLOCK * input_mean / (sum(r.input_length for r in requests) / len(requests))))
     out_scale = output_mean / (sum(r.output_length for r in requests) / len(requests))
-    block = max(1, round(TRACE_BLOCK * in_scale))
+    offset = id_range * (max((h for r in requests for h in r.hash_ids), default=-1) + 1)
     t0 = requests[0].timestamp_ms
-    fresh = max((h for r in requests for h in r.hash_ids), default=-1) + 1
     records, clipped = [], 0
     for r in requests:
         out = max(1, min(round(r.output_length * out_scale), max_context - 1))
-        length = max(1, round(r.input_length * in_scale))
+        length = max(1, round(r.input_length * block / TRACE_BLOCK))
         if length + out > max_context:
             length, clipped = max_context - out, clipped + 1
-        ids = r.hash_ids[: math.ceil(length / block)]
-        while len(ids) < math.ceil(length / block):  # rounding gave it one block more than the trace
-            ids, fresh = ids + [fresh], fresh + 1
         records.append(
             {
                 "timestamp": round((r.timestamp_ms - t0) * factor, 3),
                 "input_length": length,
                 "output_length": out,
-                "hash_ids": ids,
+                # AIPerf pads a prompt longer than its ids with fresh tokens (a trace listing only a prefix)
+                "hash_ids": [h + offset for h in r.hash_ids[: math.ceil(length / block)]],
             }
         )
     return ScaledTrace(records, block, factor, clipped)
