@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from benchmarks.aiperf_client import INSTALL_HINT, find_aiperf
 from benchmarks.common import emit
@@ -51,6 +51,7 @@ from benchmarks.multiturn_servers import free_port, start_pdserve, start_vllm, s
 SERVED = "bench"
 """The served model name of every target (AIPerf's --model)."""
 TARGET_RATIO = 1.3
+T = TypeVar("T")
 
 
 class Load(NamedTuple):
@@ -121,7 +122,7 @@ def measure_step(client: Client, load: list[str], label: str, slo: Slo, sent: in
     a miss, and why)."""
     try:
         records = profiling_records(run(client, load, label, timeout_s))
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         return {**summarize([], slo, sent), "error": str(e).strip().splitlines()[-1][:300] if str(e) else "failed"}
     return summarize([outcome_of(r) for r in records], slo, sent)
 
@@ -145,7 +146,9 @@ def measure_target(target: Target, args: argparse.Namespace, plan: Plan, r: int)
         slo = plan.slo
         warm_load = warmup_args(plan.warmup, plan.input_tokens, plan.output_tokens, seed)
         warm_timeout = plan.warmup * plan.request_timeout_s + 120
-        warm = measure_step(client, warm_load, f"{label}/warmup", slo, plan.warmup, warm_timeout)
+        warm = (
+            measure_step(client, warm_load, f"{label}/warmup", slo, plan.warmup, warm_timeout) if plan.warmup else None
+        )
 
         def at(rate: float) -> float:
             load = plan.load(rate, seed + len(steps) + 1, len(steps) + 1)
@@ -212,13 +215,26 @@ def result_line(per_target: dict[str, list[dict]], vllm_name: str | None) -> dic
     }
 
 
+def flag_or(value: T | None, default: T) -> T:
+    """A flag's value when given (0 included: it is checked, not replaced), else its default."""
+    return default if value is None else value
+
+
 def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: Path) -> Plan:
     """The per-step load and the search settings, from the preset and the flags."""
     preset = PRESETS[args.preset]
-    inp = args.input_tokens or preset.input_tokens
-    out = args.output_tokens or preset.output_tokens
-    slo = Slo(args.ttft_slo or preset.ttft_s, args.tpot_slo or preset.tpot_s, args.attainment)
-    requests = args.requests or (6 if args.quick else 24)
+    inp = flag_or(args.input_tokens, preset.input_tokens)
+    out = flag_or(args.output_tokens, preset.output_tokens)
+    slo = Slo(flag_or(args.ttft_slo, preset.ttft_s), flag_or(args.tpot_slo, preset.tpot_s), args.attainment)
+    requests = flag_or(args.requests, 6 if args.quick else 24)
+    for flag, value in (("--input-tokens", inp), ("--output-tokens", out), ("--requests", requests)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, given in (("--start-rate", args.start_rate), ("--max-steps", args.max_steps)):
+        if given is not None and given <= 0:
+            raise ValueError(f"{flag} must be > 0, got {given}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
 
     scaled_once = scale_trace(trace, 1.0, inp, out, args.max_context) if trace is not None else None
     longest_out = max(r["output_length"] for r in scaled_once.records) if scaled_once else out
@@ -242,8 +258,8 @@ def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: P
         output_tokens=out,
         load=replay if trace is not None else poisson,
         warmup=args.warmup if args.warmup is not None else (2 if args.quick else 4),
-        max_steps=args.max_steps or (2 if args.quick else 5),
-        start_rate=args.start_rate or preset.start_rate,
+        max_steps=flag_or(args.max_steps, 2 if args.quick else 5),
+        start_rate=flag_or(args.start_rate, preset.start_rate),
         request_timeout_s=request_timeout,
         describe={
             "preset": args.preset,
@@ -260,39 +276,33 @@ def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: P
 
 def main() -> int:
     args = build_parser().parse_args()
-    try:
-        shapes: list[Shape] = parse_shapes(args.shapes)
-        if args.rounds < 1:
-            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-        trace = load_trace(args.trace, args.requests or (6 if args.quick else 24)) if args.trace else None
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    aiperf = find_aiperf(args.aiperf)
-    if aiperf is None:
-        print(
-            f"error: AIPerf not found ({args.aiperf or 'PATH'}); install it in its own venv: {INSTALL_HINT}",
-            file=sys.stderr,
-        )
-        return 2
     from pdserve.engine.builtin import default_model_dir
     from pdserve.engine.model_config import ModelConfig
 
-    args.aiperf, args.model = aiperf, str(default_model_dir(args.model_size))
+    args.model = str(default_model_dir(args.model_size))
     args.max_context = args.max_context or ModelConfig.from_dir(args.model).max_position_embeddings
-    up_extra = ["--served-model-name", SERVED, *shlex.split(args.up_args)]
-    targets = [Target(s.name, partial(start_shape, args.model, s, up_extra)) for s in shapes]
-    vllm_name = None
-    if args.vllm_python:
-        vllm_name = "vllm"
-        vllm_args = ["--served-model-name", SERVED]
-        targets.append(Target(vllm_name, lambda port: start_vllm(args.vllm_python, args.model, port, vllm_args)))
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
-        try:
+        try:  # every flag is checked before anything starts
+            shapes: list[Shape] = parse_shapes(args.shapes)
+            if args.rounds < 1:
+                raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+            trace = load_trace(args.trace, flag_or(args.requests, 6 if args.quick else 24)) if args.trace else None
             plan = make_plan(args, trace, Path(tmp))
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        given, args.aiperf = args.aiperf, find_aiperf(args.aiperf)
+        if args.aiperf is None:
+            hint = f"install it in its own venv: {INSTALL_HINT}"
+            print(f"error: AIPerf not found ({given or 'PATH'}); {hint}", file=sys.stderr)
+            return 2
+        up_extra = ["--served-model-name", SERVED, *shlex.split(args.up_args)]
+        targets = [Target(s.name, partial(start_shape, args.model, s, up_extra)) for s in shapes]
+        vllm_name = None
+        if args.vllm_python:
+            vllm_name = "vllm"
+            vllm_args = ["--served-model-name", SERVED]
+            targets.append(Target(vllm_name, lambda port: start_vllm(args.vllm_python, args.model, port, vllm_args)))
         print(f"goodput: {json.dumps(plan.describe)}; targets {[t.name for t in targets]}", flush=True)
         per_target: dict[str, list[dict]] = {t.name: [] for t in targets}
         for r in range(args.rounds):

@@ -240,5 +240,10 @@ def test_the_cli_refuses_an_out_of_order_trace_before_starting_anything(tmp_path
     cmd = [sys.executable, "-m", "benchmarks.goodput", "--trace", str(trace), "--aiperf", "/nonexistent"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--trace" in run.stderr and "out of order" in run.stderr
-    bad = subprocess.run(cmd[:3] + ["--shapes", "1p0d"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--shapes" in bad.stderr
+    for flags, named in ((["--shapes", "1p0d"], "--shapes"), (["--requests", "0"], "--requests")):
+        bad = subprocess.run(cmd[:3] + flags, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and named in bad.stderr, bad.stderr
+    bad = subprocess.run(cmd[:3] + ["--ttft-slo", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ttft-slo" in bad.stderr
+    missing = subprocess.run(cmd[:3] + ["--aiperf", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 2 and "AIPerf not found" in missing.stderr and "pip install aiperf" in missing.stderr
