@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
     p.add_argument("--trace", type=Path, default=None, help="replay a Mooncake-format trace instead of Poisson")
     p.add_argument("--max-context", type=int, default=None, help="trace: longest prompt + output (default: model's)")
-    p.add_argument("--requests", type=int, default=None, help="requests per step (trace: its first N; default 24)")
+    p.add_argument(
+        "--requests", type=int, default=None, help="requests per step (default 24; trace: its first N, default 48)"
+    )
     p.add_argument("--rounds", type=int, default=3, help="rounds over all targets, order alternating (>= 1)")
     p.add_argument("--max-steps", type=int, default=None, help="runs per search (default 5; --quick 2)")
     p.add_argument("--start-rate", type=float, default=None, help="the search's first rate, req/s (preset's)")
@@ -165,6 +167,8 @@ def measure_target(target: Target, args: argparse.Namespace, plan: Plan, r: int)
         step["passed"] = s.passed
     return {
         "goodput": round(found.goodput, 5),
+        # None: no step failed, the goodput is a lower bound (more --max-steps or a higher --start-rate)
+        "lowest_failing_rate": found.lowest_fail,
         "steps": steps,
         "warmup": warm,
         "wall_s": round(time.monotonic() - t0, 1),
@@ -220,13 +224,21 @@ def flag_or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
+def requests_per_step(args: argparse.Namespace) -> int:
+    """--requests, else 24 (--quick 6); a trace's first 48 (--quick 12): the shared conversation trace
+    arrives in bursts of about ten requests every 3 s, and a window needs a few of them."""
+    if args.trace:
+        return flag_or(args.requests, 12 if args.quick else 48)
+    return flag_or(args.requests, 6 if args.quick else 24)
+
+
 def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: Path) -> Plan:
     """The per-step load and the search settings, from the preset and the flags."""
     preset = PRESETS[args.preset]
     inp = flag_or(args.input_tokens, preset.input_tokens)
     out = flag_or(args.output_tokens, preset.output_tokens)
     slo = Slo(flag_or(args.ttft_slo, preset.ttft_s), flag_or(args.tpot_slo, preset.tpot_s), args.attainment)
-    requests = flag_or(args.requests, 6 if args.quick else 24)
+    requests = requests_per_step(args)
     for flag, value in (("--input-tokens", inp), ("--output-tokens", out), ("--requests", requests)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -286,7 +298,7 @@ def main() -> int:
             shapes: list[Shape] = parse_shapes(args.shapes)
             if args.rounds < 1:
                 raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-            trace = load_trace(args.trace, flag_or(args.requests, 6 if args.quick else 24)) if args.trace else None
+            trace = load_trace(args.trace, requests_per_step(args)) if args.trace else None
             plan = make_plan(args, trace, Path(tmp))
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -114,9 +114,11 @@ class Step(NamedTuple):
 
 
 class Search(NamedTuple):
-    """The search's answer: goodput (the highest rate that passed; 0.0 when none did) and every step."""
+    """The search's answer: goodput (the highest rate that passed; 0.0 when none did), the lowest rate
+    that failed (None: none did, so goodput is only a lower bound), and every step."""
 
     goodput: float
+    lowest_fail: float | None
     steps: list[Step]
 
 
@@ -153,4 +155,4 @@ def search_goodput(
             break  # bracketed closely enough
         else:
             rate = math.sqrt(best_pass * lowest_fail)
-    return Search(best_pass, steps)
+    return Search(best_pass, None if math.isinf(lowest_fail) else lowest_fail, steps)

@@ -97,7 +97,7 @@ def test_search_brackets_then_bisects_to_within_the_tolerance():
     measure, calls = capacity(0.33)
     found = search_goodput(measure, start=0.1, max_steps=20, threshold=0.9, rel_tol=0.05)
     assert calls[:3] == [0.1, 0.2, 0.4]  # doubling until a failure
-    assert 0.33 / 1.05 <= found.goodput <= 0.33
+    assert 0.33 / 1.05 <= found.goodput <= 0.33 < found.lowest_fail <= 0.33 * 1.05
     assert [s.passed for s in found.steps] == [c <= 0.33 for c in calls]
 
 
@@ -112,7 +112,7 @@ def test_search_goes_down_when_the_first_rate_fails_and_reports_zero_if_nothing_
 def test_search_is_bounded_by_max_steps_and_checks_its_arguments():
     measure, calls = capacity(1e9)
     found = search_goodput(measure, start=0.1, max_steps=3, threshold=0.9)
-    assert len(calls) == 3 and found.goodput == pytest.approx(0.4)
+    assert len(calls) == 3 and found.goodput == pytest.approx(0.4) and found.lowest_fail is None
     with pytest.raises(ValueError, match="--start-rate"):
         search_goodput(measure, start=0.0, max_steps=3, threshold=0.9)
     with pytest.raises(ValueError, match="--max-steps"):
