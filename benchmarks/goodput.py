@@ -43,7 +43,16 @@ from typing import NamedTuple, TypeVar
 
 from benchmarks.aiperf_client import INSTALL_HINT, find_aiperf
 from benchmarks.common import emit
-from benchmarks.goodput_client import Client, poisson_args, run, trace_args, warmup_args, write_trace
+from benchmarks.goodput_client import (
+    HUB_ID,
+    Client,
+    local_hub_cache,
+    poisson_args,
+    run,
+    trace_args,
+    warmup_args,
+    write_trace,
+)
 from benchmarks.goodput_load import PRESETS, Shape, TraceRequest, load_trace, parse_shapes, scale_trace
 from benchmarks.goodput_slo import Search, Slo, outcome_of, profiling_records, search_goodput, summarize
 from benchmarks.multiturn_servers import free_port, start_pdserve, start_vllm, stop
@@ -138,7 +147,8 @@ def measure_target(target: Target, args: argparse.Namespace, plan: Plan, r: int)
     except (RuntimeError, OSError) as e:
         return {"goodput": None, "steps": [], "error": f"start failed: {str(e).strip().splitlines()[-1][:300]}"}
     label = f"{target.name}/round{r}"
-    client = Client(args.aiperf, f"http://127.0.0.1:{port}", SERVED, args.model, plan.request_timeout_s, args.artifacts)
+    url = f"http://127.0.0.1:{port}"
+    client = Client(args.aiperf, url, SERVED, HUB_ID, plan.request_timeout_s, args.artifacts, args.hub_cache)
     steps: list[dict] = []
     try:
         # The k-th run of a round gets seed + 1000 r + k on every target: the same prompts and arrivals
@@ -303,6 +313,7 @@ def main() -> int:
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        args.hub_cache = local_hub_cache(Path(args.model), Path(tmp) / "hf-cache")
         given, args.aiperf = args.aiperf, find_aiperf(args.aiperf)
         if args.aiperf is None:
             hint = f"install it in its own venv: {INSTALL_HINT}"

@@ -34,6 +34,30 @@ class Client:
     """A request still running after this is cut and counted a miss (no SLO can be met past it)."""
     artifacts: Path | None = None
     """Keep each run's AIPerf artifacts under DIR/<label> (None: a temporary folder, removed)."""
+    hub_cache: Path | None = None
+    """A Hugging Face cache holding `tokenizer` as a Hub id (`local_hub_cache`): AIPerf then runs offline."""
+
+
+HUB_ID = "pdserve/goodput-tokenizer"
+_SNAPSHOT = "0" * 40
+
+
+def local_hub_cache(model_dir: Path, root: Path) -> Path:
+    """A throwaway Hugging Face cache under `root` that holds `model_dir` as the Hub id `HUB_ID`.
+
+    AIPerf's trace loaders tokenize in worker processes that force offline mode, and offline AIPerf
+    looks any tokenizer name up as a Hub id in the cache: a local directory fails there (aiperf
+    0.13.0, `parallel_decode._init_worker`). Given a cache that holds the model as a Hub id (links to
+    its files, no copy), every AIPerf process finds it offline, with no network."""
+    repo = root / f"models--{HUB_ID.replace('/', '--')}"
+    snapshot = repo / "snapshots" / _SNAPSHOT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if not (snapshot / f.name).exists():
+            (snapshot / f.name).symlink_to(f.resolve())
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(_SNAPSHOT)
+    return root
 
 
 def base_command(c: Client, out: str) -> list[str]:
@@ -82,14 +106,21 @@ def run(c: Client, load: list[str], label: str, timeout_s: float) -> list[dict]:
     """One `aiperf profile` with `load`'s flags; its per-request records (every phase). RuntimeError
     with AIPerf's last lines when it fails or writes no records."""
     with tempfile.TemporaryDirectory(prefix="aiperf-goodput-") as out:
-        # AIPerf's offline mode looks a local tokenizer directory up as a Hub id and fails: a local
-        # path needs no network, so the offline switches are dropped for it (as aiperf_client does)
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        if c.hub_cache is not None:
+            env = {**os.environ, "HF_HUB_CACHE": str(c.hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        else:
+            # AIPerf's offline mode looks a local tokenizer directory up as a Hub id and fails: a local
+            # path needs no network, so the offline switches are dropped for it (as aiperf_client does)
+            env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
         done = subprocess.run(base_command(c, out) + load, capture_output=True, text=True, env=env, timeout=timeout_s)
         if c.artifacts is not None:
             shutil.copytree(out, c.artifacts / label, dirs_exist_ok=True)
         records = Path(out) / "profile_export.jsonl"
         if done.returncode != 0 or not records.exists():
-            tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
-            raise RuntimeError(f"aiperf failed (exit {done.returncode}):\n" + "\n".join(tail))
+            lines = (done.stdout + done.stderr).strip().splitlines()
+            log = Path(out) / "logs" / "aiperf.log"
+            # its last line names only its log file: the log's first error line says what went wrong
+            logged = log.read_text(errors="replace").splitlines() if log.exists() else []
+            cause = next((line for line in lines + logged if "Error" in line), "")
+            raise RuntimeError(f"aiperf failed (exit {done.returncode}):\n" + "\n".join(lines[-15:] + [cause]))
         return [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
