@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.goodput import measure_step, result_line
-from benchmarks.goodput_client import Client, poisson_args, trace_args, write_trace
+from benchmarks.goodput_client import HUB_ID, Client, local_hub_cache, poisson_args, trace_args, write_trace
 from benchmarks.goodput_load import Shape, load_trace, native_rate, parse_shapes, scale_trace
 from benchmarks.goodput_slo import Slo, attainment, outcome_of, profiling_records, search_goodput, summarize
 
@@ -196,6 +196,9 @@ def test_result_line_takes_the_best_shape_against_vllm():
     assert line["ratio"] == 1.2 and line["met"] is False
     assert line["shapes"]["1p2d"]["goodput_per_round"] == [0.05, 0.0, 0.05]
     assert line["shapes"]["vllm"]["attainment_by_rate"] == {"0.1": [0.95, 0.95, 0.95]}
+    zero = result_line({"1p1d": rounds(0.1, 0.1, 0.1), "vllm": rounds(0.0, 0.0, 0.05)}, "vllm")
+    assert zero["baseline"] == 0.0 and zero["ratio"] is None and zero["met"] is True
+    assert result_line({"1p1d": rounds(0.0), "vllm": rounds(0.0)}, "vllm")["met"] is False
     alone = result_line({"1p1d": rounds(0.2, None, 0.3)}, None)
     assert alone["value"] == 0.25 and alone["baseline"] is None and alone["ratio"] is None
 
@@ -247,3 +250,15 @@ def test_the_cli_refuses_an_out_of_order_trace_before_starting_anything(tmp_path
     assert bad.returncode == 2 and "--ttft-slo" in bad.stderr
     missing = subprocess.run(cmd[:3] + ["--aiperf", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "AIPerf not found" in missing.stderr and "pip install aiperf" in missing.stderr
+
+
+def test_the_tokenizer_is_found_offline_as_a_hub_id_in_the_throwaway_cache(tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    cache = local_hub_cache(model, tmp_path / "hf")
+    assert local_hub_cache(model, tmp_path / "hf") == cache  # a second call finds it made
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    found = huggingface_hub.snapshot_download(HUB_ID, cache_dir=cache, local_files_only=True)
+    assert (Path(found) / "tokenizer.json").read_text() == "{}"
