@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class NodeProc(Child):
     """`pdserve ROLE ARGS`, started and READY (its address known); always stop() it."""
 
-    def __init__(self, role: str, args: list[str], timeout: float = 180.0) -> None:
+    def __init__(self, role: str, args: list[str], timeout: float = 180.0, cpus: frozenset[int] | None = None) -> None:
         super().__init__(
             role,
             [sys.executable, "-m", "pdserve.cli", role, *args],
@@ -23,6 +23,7 @@ class NodeProc(Child):
             cwd=ROOT,
             ready_prefix=f"READY {role} ",
             echo_errors=False,
+            cpus=cpus,
         )
         try:
             self.wait_ready(time.monotonic() + timeout)

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: machine description, result line, BENCHMARKS.md row."""
+"""Helpers shared by the benchmark scripts: machine description, result line, and the alternation of
+a comparison's arms over rounds with the median of each figure."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
+from collections.abc import Callable, Collection
+from typing import NamedTuple
 
 
 def machine() -> str:
@@ -61,3 +65,93 @@ def node_bench_args(description: str, secret: str) -> tuple[argparse.Namespace, 
     args = parser.parse_args()
     model = str(default_model_dir(args.model_size))
     return args, model, ["--port", "0", "--model", model, "--cluster-secret", secret, "--num-threads", "1"]
+
+
+def add_rounds_arg(parser: argparse.ArgumentParser, default: int = 3) -> None:
+    """`--rounds N`: how many times every arm runs, alternating which goes first (`alternate`)."""
+
+    def rounds(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+        return int(text)
+
+    parser.add_argument(
+        "--rounds",
+        type=rounds,
+        default=default,
+        help=f"rounds of every arm, alternating which runs first; the median is reported (default {default})",
+    )
+
+
+def arm_order(arms: list[str], round_index: int) -> list[str]:
+    """The arms in their given order on even rounds, reversed on odd ones: neither arm always runs
+    first (on a warm or a cold machine, before or after the other's load), so drift over the run
+    falls on both."""
+    return list(arms) if round_index % 2 == 0 else list(reversed(arms))
+
+
+class Rounds(NamedTuple):
+    """What `alternate` ran: per round, each arm's figures; and why an optional arm stopped."""
+
+    rounds: list[dict[str, dict]]
+    errors: dict[str, str]
+
+    def of(self, arm: str) -> list[dict]:
+        """The arm's figures of every round it ran in."""
+        return [r[arm] for r in self.rounds if arm in r]
+
+    def ratios(self, arm: str, peer: str, key: str) -> list[float]:
+        """arm / peer of `key`, per round where both ran (a paired ratio: same round, same load)."""
+        return [r[arm][key] / r[peer][key] for r in self.rounds if arm in r and peer in r and r[peer][key]]
+
+
+def alternate(
+    arms: dict[str, Callable[[], dict]],
+    rounds: int,
+    optional: Collection[str] = (),
+    log: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> Rounds:
+    """Run every arm once per round, in `arm_order`. An arm in `optional` (a peer that may fail to
+    start) that raises RuntimeError/OSError is recorded in `errors` and left out of later rounds;
+    any other arm's failure propagates."""
+    per_round: list[dict[str, dict]] = []
+    errors: dict[str, str] = {}
+    for r in range(rounds):
+        got: dict[str, dict] = {}
+        for name in arm_order(list(arms), r):
+            if name in errors:
+                continue
+            try:
+                got[name] = arms[name]()
+            except (RuntimeError, OSError) as e:
+                if name not in optional:
+                    raise
+                errors[name] = last_error_line(e)
+                log(f"round {r}: {name} failed: {errors[name]}")
+        log(f"round {r} of {rounds} done ({', '.join(arm_order(list(arms), r))})")
+        per_round.append(got)
+    return Rounds(per_round, errors)
+
+
+def last_error_line(e: BaseException) -> str:
+    """The line of an exception's text that names the error (a server's log tail ends in noise)."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "error" in line]
+    return ((named or lines or [type(e).__name__])[-1]).strip()[:300]
+
+
+def median_figures(per_round: list[dict]) -> dict:
+    """Each figure's median over the rounds: numbers by `statistics.median`, flags true only if true
+    in every round, anything else (names, lists) as the first round has it."""
+    if not per_round:
+        return {}
+    out: dict = {}
+    for key, first in per_round[0].items():
+        values = [r[key] for r in per_round if key in r]
+        if isinstance(first, bool):
+            out[key] = all(values)
+        elif isinstance(first, int | float) and all(isinstance(v, int | float) for v in values):
+            out[key] = statistics.median(values)
+        else:
+            out[key] = first
+    return out

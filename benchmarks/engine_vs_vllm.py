@@ -135,7 +135,7 @@ def main() -> None:
         )
         sys.exit(2)
 
-    from benchmarks.common import emit
+    from benchmarks.common import arm_order, emit
     from benchmarks.engine_throughput import workload
     from pdserve.engine.builtin import default_model_dir
     from pdserve.engine.tokenizer import Tokenizer
@@ -159,7 +159,7 @@ def main() -> None:
             for w in (ours, peer):  # neither engine's load (vLLM compiles) may overlap a timed round
                 w.wait_for(w.ready, "to load")
             for r in range(args.rounds):
-                order = [ours, peer] if r % 2 == 0 else [peer, ours]
+                order = [{"pdserve": ours, "vllm": peer}[name] for name in arm_order(["pdserve", "vllm"], r)]
                 got = {w.name: w.run(r) for w in order}
                 a, b = got["pdserve"], got["vllm"]
                 same = sum(x == y for x, y in zip(a["token_ids"], b["token_ids"]))

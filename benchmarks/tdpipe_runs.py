@@ -22,17 +22,33 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One request of the job: its prompt, its true output length (max_tokens with ignore_eos: where
+    its answer ends) and the length the schedulers plan it on."""
+
     request_id: int
     prompt_ids: list[int]
     output_len: int
+    predicted_len: int
+    """What the policies admit and plan on: the workload's bucket predictor (`tdpipe.workload`, 55%
+    of predictions in the true length's bucket, the paper's accuracy), or `output_len` under
+    `exact_lengths`."""
 
 
-def build_workload(num: int, max_input: int, max_output: int, vocab: int, seed: int = 0) -> list[BenchRequest]:
-    """ShareGPT-like lengths (pdserve.tdpipe.workload) with deterministic random ids in [10, vocab)."""
+def build_workload(
+    num: int, max_input: int, max_output: int, vocab: int, seed: int = 0, exact_lengths: bool = False
+) -> list[BenchRequest]:
+    """ShareGPT-like lengths (pdserve.tdpipe.workload) with deterministic random ids in [10, vocab);
+    each planned on the workload's predicted length, or on its true one with `exact_lengths` (a
+    perfect predictor, which no real job has)."""
     lengths = generate(WorkloadConfig(num_requests=num, max_input=max_input, max_output=max_output, seed=seed))
     rng = random.Random(seed + 1)
     return [
-        BenchRequest(r.request_id, [rng.randrange(10, vocab) for _ in range(r.input_len)], r.output_len)
+        BenchRequest(
+            r.request_id,
+            [rng.randrange(10, vocab) for _ in range(r.input_len)],
+            r.output_len,
+            r.output_len if exact_lengths else r.predicted_len,
+        )
         for r in lengths
     ]
 
@@ -84,8 +100,10 @@ def run_pipeline(
     cfg = StageConfig(
         str(model_dir), num_kv_blocks=kv_blocks, block_size=BLOCK_SIZE, num_threads=1, phase_split=phase_split
     )
-    # predicted_len defaults to max_tokens: exact under ignore_eos, as in sim_requests
-    pipe_reqs = [PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len) for r in reqs]
+    # max_tokens = the true length ends the answer there (ignore_eos); the policy plans on predicted_len
+    pipe_reqs = [
+        PipeRequest(str(r.request_id), list(r.prompt_ids), r.output_len, predicted_len=r.predicted_len) for r in reqs
+    ]
     decisions: list = []
     stats, timelines = run_local_pipeline(
         cfg, NUM_STAGES, pipe_reqs, max_batch_tokens, policy=policy, table=table, decisions=decisions
@@ -118,5 +136,5 @@ def predict(policy: str, table: CostTable, inst: InstanceConfig, reqs: list[Benc
 
 
 def sim_requests(reqs: list[BenchRequest]) -> list[SimRequest]:
-    """The workload for the simulator; ignore_eos makes the output length exact, so predicted = true."""
-    return [SimRequest(r.request_id, len(r.prompt_ids), r.output_len, r.output_len) for r in reqs]
+    """The workload for the simulator, planned on the same predicted lengths as the runtime."""
+    return [SimRequest(r.request_id, len(r.prompt_ids), r.output_len, r.predicted_len) for r in reqs]

@@ -10,17 +10,25 @@ would pile 65% at the cap and flatten the length spread that the policies
 schedule around; the cost is ~44k output tokens per run, tens of minutes for the
 four runs on 2 cores — `--max-output 128` for a faster run), deterministic random token ids in the
 vocabulary, greedy, ignore_eos
-(max_tokens = the workload's output length), seed 0; the same requests for every
-run. Every runtime run and the engine get the same KV capacity in tokens.
+(max_tokens = the workload's output length: where each answer ends), seed 0; the same requests for
+every run. Every runtime run and the engine get the same KV capacity in tokens.
+
+Output lengths: the policies admit and plan each request on a *predicted* length, the workload's
+bucket predictor (`tdpipe.workload`: 55% of predictions in the true length's percentile bucket, as
+the paper's predictor, the rest in a neighbouring one), and recompute-preempt when a prediction
+was short, as `pdserve batch` does. `--lengths exact` plans on the true lengths instead (a perfect
+predictor, which no real job has; the figures this script printed before issue 52).
 
 Simulator check: each stage is profiled alone (`tdpipe.runtime.profile`), the
 profile becomes a `CostTable`, and the simulator runs each policy object (`SimExecutor`) on
-the same requests with `predicted_len = output_len` (ignore_eos makes the output
-length exact, so a perfect predictor is the honest model). Predicted vs measured
+the same requests with the same predicted lengths. Predicted vs measured
 output tok/s per policy; target within ±10%, and the simulated bubble within 3 percentage
 points of the measured one (`bubble_error_pp`; the profile also measures the hand-off and
 dispatch costs, `tdpipe/overheads.py`). Target for the runtime: TD-Pipe >=
-1.3x PP+SB. Bubble: per stage 1 − busy/wall over the job's span, from the
+1.3x PP+SB; and TD-Pipe against one `pdserve.engine.LLM` on the same two cores (`llm_ratio`):
+on one CPU machine where the whole model fits one process, a single engine has no pipeline bubble
+and no hand-off, and can be faster; a pipeline is for a model that does not fit one device.
+Bubble: per stage 1 − busy/wall over the job's span, from the
 stages' own timelines, averaged over stages.
 
 Throughput is output tokens over the job's span (first batch start to last batch
@@ -28,6 +36,7 @@ end over all stages), so process start-up and model loading are left out; the
 engine is timed from its first step to its last.
 
     python -m benchmarks.tdpipe_runtime [--quick] [--plot timeline.png] [--requests N] [--model-size tiny|bench]
+        [--lengths predicted|exact]
 """
 
 from __future__ import annotations
@@ -107,6 +116,13 @@ def main() -> None:
     )
     parser.add_argument("--skip-llm", action="store_true", help="leave out the pdserve.engine.LLM baseline")
     parser.add_argument(
+        "--lengths",
+        choices=("predicted", "exact"),
+        default="predicted",
+        help="what the policies plan each request on: the workload's 55%%-accurate bucket prediction "
+        "(default) or its true output length (a perfect predictor)",
+    )
+    parser.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
         help=f"comma-separated runtime policies from {sorted(POLICIES)} (default {DEFAULT_POLICIES}; tdpipe and pp-sb "
@@ -141,16 +157,18 @@ def main() -> None:
     max_batch = args.max_batch_tokens or (512 if args.quick else MAX_BATCH_TOKENS)
     if max_input >= max_batch:
         parser.error("--max-input must be below --max-batch-tokens (a prompt is prefilled whole)")
-    reqs = build_workload(num, max_input, max_output, Tokenizer(model_dir).vocab_size)
+    vocab = Tokenizer(model_dir).vocab_size
+    reqs = build_workload(num, max_input, max_output, vocab, exact_lengths=args.lengths == "exact")
+    hits = sum(r.predicted_len == r.output_len for r in reqs)
     job_tokens = sum(len(r.prompt_ids) + r.output_len for r in reqs)
     longest = max(len(r.prompt_ids) + r.output_len for r in reqs)
     # The KV must bind for the policies to differ (the paper's memory-bound regime): room for half
     # of the job's tokens keeps many requests resident, yet no policy can admit the whole job at once.
     kv_blocks = args.kv_blocks or max(-(-job_tokens // 2 // BLOCK_SIZE), -(-2 * longest // BLOCK_SIZE) + 2)
     kv_tokens = kv_blocks * BLOCK_SIZE
-    plan = plan_profile(
+    plan = plan_profile(  # on what the job knows of its lengths, as `pdserve batch` plans its profile
         [len(r.prompt_ids) for r in reqs],
-        [r.output_len for r in reqs],
+        [r.predicted_len for r in reqs],
         kv_tokens=kv_tokens,
         num_stages=NUM_STAGES,
         max_batch_tokens=max_batch,
@@ -161,7 +179,8 @@ def main() -> None:
         f"workload: {num} requests, input mean {sum(len(r.prompt_ids) for r in reqs) / num:.0f} "
         f"(max {max(len(r.prompt_ids) for r in reqs)}), output mean {sum(r.output_len for r in reqs) / num:.0f} "
         f"(cap {max_output}), {sum(r.output_len for r in reqs)} output tokens; KV {kv_blocks} blocks x "
-        f"{BLOCK_SIZE} = {kv_tokens} tokens; mean decode context {ctx}",
+        f"{BLOCK_SIZE} = {kv_tokens} tokens; mean decode context {ctx}; "
+        f"planned on {args.lengths} lengths ({hits}/{num} exact)",
         flush=True,
     )
 
@@ -283,6 +302,13 @@ def main() -> None:
         Path(args.dump).write_text(json.dumps({n: r["timelines"] for n, r in results.items() if "timelines" in r}))
 
     td = results["tdpipe"]["tok_s"] if "tdpipe" in results else None
+    if td and llm:
+        verdict = "faster than" if td > llm else "slower than"
+        print(
+            f"TD-Pipe (2 stage processes, 1 thread each) is {verdict} one pdserve.engine.LLM on the same "
+            f"{args.llm_threads} threads: {td:.1f} vs {llm:.1f} tok/s ({td / llm:.2f}x)",
+            flush=True,
+        )
     emit(
         {
             "metric": "tdpipe_output_tok_s",
@@ -291,6 +317,10 @@ def main() -> None:
             "ratio": round(td / sb, 3) if sb and td else None,
             "target": 1.3,
             "unit": "output tok/s of the real 2-stage runtime; baseline PP+SB, target TD-Pipe/PP+SB >= 1.3",
+            "llm_baseline": round(llm, 2) if llm else None,
+            "llm_ratio": round(td / llm, 3) if td and llm else None,
+            "lengths": args.lengths,
+            "predicted_exact": hits,
             "model": model_dir.name,
             "quick": args.quick,
             "requests": num,

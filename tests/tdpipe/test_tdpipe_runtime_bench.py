@@ -150,3 +150,16 @@ def test_quick_benchmark_prints_json(tmp_path) -> None:
     assert result["baseline"] == pytest.approx(result["tok_s"]["pp-sb"], abs=0.1)
     assert result["ratio"] == pytest.approx(result["value"] / result["baseline"], abs=2e-3)
     assert png.is_file()
+
+
+def test_the_benchmark_plans_on_predicted_lengths_unless_told_exact() -> None:
+    from benchmarks.tdpipe_runs import build_workload, sim_requests
+
+    reqs = build_workload(64, 128, 256, vocab=500)
+    exact = build_workload(64, 128, 256, vocab=500, exact_lengths=True)
+    # the same job (prompts, true lengths); only what the policies plan on differs
+    assert [(r.prompt_ids, r.output_len) for r in reqs] == [(r.prompt_ids, r.output_len) for r in exact]
+    assert all(r.predicted_len == r.output_len for r in exact)
+    assert sum(r.predicted_len != r.output_len for r in reqs) > len(reqs) // 2  # bucket means, 55% right bucket
+    sims = sim_requests(reqs)
+    assert [(s.output_len, s.predicted_len) for s in sims] == [(r.output_len, r.predicted_len) for r in reqs]
