@@ -9,30 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from benchmarks.common import pct
-
-
-@dataclass(frozen=True)
-class Slo:
-    """The service-level objectives one request must meet, and the share of requests that must."""
-
-    ttft_s: float
-    """Time to first token, seconds (from the moment the client sent the request)."""
-    tpot_s: float
-    """Time per output token after the first, seconds: (latency - TTFT) / (output tokens - 1)."""
-    attainment: float = 0.9
-    """The share of requests that must meet both for a rate to count as served (goodput)."""
-
-    def __post_init__(self) -> None:
-        if not self.ttft_s > 0:
-            raise ValueError(f"--ttft-slo must be > 0 seconds, got {self.ttft_s}")
-        if not self.tpot_s > 0:
-            raise ValueError(f"--tpot-slo must be > 0 seconds, got {self.tpot_s}")
-        if not 0 < self.attainment <= 1:
-            raise ValueError(f"--attainment must be in (0, 1], got {self.attainment}")
+from pdserve.planner.config import SLO as Slo  # the SLOs `pdserve plan` predicts against, checked alike
 
 
 class Outcome(NamedTuple):

@@ -17,10 +17,12 @@ class SLO:
     """Fraction of requests that must meet both targets for a rate to count as goodput."""
 
     def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.tpot_s <= 0:
-            raise ValueError(f"SLOs must be > 0 seconds, got TTFT {self.ttft_s}, TPOT {self.tpot_s}")
+        """ValueError naming the flag (`pdserve plan`'s and benchmarks/goodput.py's are the same)."""
+        for flag, value in (("--ttft-slo", self.ttft_s), ("--tpot-slo", self.tpot_s)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {value:g}")
         if not 0.0 < self.attainment <= 1.0:
-            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+            raise ValueError(f"--attainment must be in (0, 1], got {self.attainment:g}")
 
     def met(self, ttft_s: float, tpot_s: float) -> bool:
         return ttft_s <= self.ttft_s and tpot_s <= self.tpot_s
