@@ -20,7 +20,7 @@ Requests run one at a time, so TTFT is the prefill a visit needs. Measured on re
 after a session's first): TTFT p50, the cached fraction of the reuse bound (prompt tokens the
 engine did not compute over the block-aligned tokens the session already had), and throughput
 (generated tokens over the wall time of the whole run), and each tier's restore bandwidth (bytes
-restored over the time restores took). Arms rotate their order over the rounds; each figure is the
+restored over the time restores took). Arms alternate their order over the rounds; each figure is the
 median over rounds, the per-round figures are kept. `ratio` is off's revisit TTFT
 p50 over host's; the issue's targets: TTFT <= 0.3x (ratio >= 3.3), cached fraction >= 0.8,
 throughput >= 2x.
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
-from benchmarks.common import emit, pct
+from benchmarks.common import add_rounds_arg, alternate, emit, median_figures, pct
 
 
 def workload(sessions: int, context: int, visits: int, step: int, seed: int = 0) -> list[tuple[int, list[int]]]:
@@ -111,7 +111,7 @@ def run_arm(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_rounds_arg(parser)
     args = parser.parse_args()
     from pdserve.engine.builtin import default_model_dir
     from pdserve.engine.kv_pool import kv_bytes_per_token
@@ -127,19 +127,22 @@ def main() -> None:
     pool_bytes = per_token * working_set // 3  # the working set is 3x the pool
     tier_bytes = per_token * working_set * 2
     requests = workload(sessions, context, visits, step)
-    arms = ("off", "host", "store")
-    rounds: dict[str, list[dict]] = {arm: [] for arm in arms}
-    for r in range(args.rounds):
-        for arm in arms[r % 3 :] + arms[: r % 3]:  # rotated, so no arm always runs first
-            with tempfile.TemporaryDirectory(prefix="pdserve-agentic-store-") as directory:
-                store = f"file://{directory}" if arm == "store" else None
-                tier = tier_bytes if arm == "host" else None
-                rounds[arm].append(run_arm(model, pool_bytes, tier, requests, max_tokens, store))
-            print(arm, rounds[arm][-1], flush=True)
 
-    def median(arm: str, key: str) -> float:
-        values = [x[key] for x in rounds[arm] if x[key] is not None]
-        return statistics.median(values) if values else 0.0
+    def arm(name: str) -> Callable[[], dict]:
+        def run() -> dict:
+            with tempfile.TemporaryDirectory(prefix="pdserve-agentic-store-") as directory:
+                store = f"file://{directory}" if name == "store" else None
+                tier = tier_bytes if name == "host" else None
+                return run_arm(model, pool_bytes, tier, requests, max_tokens, store)
+
+        return run
+
+    ran = alternate({name: arm(name) for name in ("off", "host", "store")}, args.rounds)
+    rounds = {name: [r[name] for r in ran.rounds] for name in ("off", "host", "store")}
+    medians = {name: median_figures(per_round) for name, per_round in rounds.items()}
+
+    def median(name: str, key: str) -> float:
+        return medians[name][key] or 0.0
 
     off_ttft, host_ttft = median("off", "revisit_ttft_p50_s"), median("host", "revisit_ttft_p50_s")
     emit(
