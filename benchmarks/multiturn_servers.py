@@ -40,8 +40,8 @@ def start_pdserve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
 
 VLLM_MODE = "default: compiled path (torch.compile, inductor), default multiprocess executor"
 """How `start_vllm` runs vLLM, as the result lines state it: nothing that turns its compiled path
-off. `--enforce-eager --distributed-executor-backend uni` was added on 2026-11-25 after a start-up
-"hung"; vLLM CPU 0.32.0's default start (2026-11-29, 2-core Xeon VM, shared) compiles for ~63 s,
+off. Eager mode and the single-process executor were forced on 2026-11-25 after a start-up
+"hung" and are gone; vLLM CPU 0.32.0's default start (2026-11-29, 2-core Xeon VM, shared) compiles for ~63 s,
 during which its engine logs "No available shared memory broadcast block found in 60 seconds ...
 hanging", then is ready (about 110 s from launch); later starts reuse its compile cache."""
 
