@@ -19,11 +19,11 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pdserve.node_runtime.discovery import Role
+from pdserve.node_runtime.discovery.base import ROLES, Role
 from pdserve.router.cluster import Cluster
 from pdserve.router.request_window import RequestWindow
 from pdserve.router.saturation import backlog_seconds
-from pdserve.router.slo_planner import ROLES, Decision, Observation, PlannerConfig, SloPlanner
+from pdserve.router.slo_planner import Decision, Observation, PlannerConfig, SloPlanner
 
 log = logging.getLogger("pdserve.router.planner")
 ACTIONS = ("hold", "add_prefill", "add_decode", "remove_prefill", "remove_decode", "move_to_prefill", "move_to_decode")

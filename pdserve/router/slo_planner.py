@@ -35,11 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pdserve.node_runtime.discovery.base import ROLES, Role
+
 PLANNERS = ("off", "slo")
 MAX_PRESSURE = 10.0
 """Reported pressure is capped here (a refused request's TTFT is infinite; a gauge wants a number)."""
-PREFILL, DECODE = "prefill", "decode"
-ROLES = (PREFILL, DECODE)
+PREFILL, DECODE = Role.PREFILL, Role.DECODE
 
 
 @dataclass(frozen=True)
