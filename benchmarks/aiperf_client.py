@@ -40,6 +40,20 @@ def find_aiperf(explicit: str | None) -> str | None:
     return shutil.which("aiperf")
 
 
+def request_form(aiperf: str, url: str, model: str, tokenizer: str) -> list[str]:
+    """`aiperf profile` with the request form every benchmark here sends (chat, streaming, server
+    token counts, `ignore_eos`; see the module doc); callers add the load and the artifact dir."""
+    cmd = [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming"]
+    return cmd + ["--use-server-token-count", "--tokenizer", tokenizer, "--extra-inputs", "ignore_eos:true"]
+
+
+def local_tokenizer_env() -> dict[str, str]:
+    """This environment for an AIPerf given a local tokenizer directory: its offline mode looks such
+    a directory up as a Hub id and fails, and a local path needs no network, so the offline switches
+    are dropped."""
+    return {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+
+
 def profile(
     aiperf: str, url: str, model: str, tokenizer: str, work: Workload, timeout: float = 1800, keep: Path | None = None
 ) -> dict:
@@ -47,17 +61,13 @@ def profile(
     tok/s, TTFT and ITL p50/p99 in ms, completed and failed requests. RuntimeError when it fails.
     `keep`: copy AIPerf's artifacts there (per-request records: `profile_export.jsonl`)."""
     with tempfile.TemporaryDirectory(prefix="aiperf-") as out:
-        cmd = [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming"]
-        cmd += ["--use-server-token-count", "--tokenizer", tokenizer, "--extra-inputs", "ignore_eos:true"]
+        cmd = request_form(aiperf, url, model, tokenizer)
         cmd += ["--prompt-input-tokens-mean", str(work.input_tokens), "--prompt-input-tokens-stddev", "0"]
         cmd += ["--prompt-output-tokens-mean", str(work.output_tokens), "--prompt-output-tokens-stddev", "0"]
         cmd += ["--concurrency", str(work.concurrency), "--request-count", str(work.requests)]
         cmd += ["--warmup-request-count", str(work.warmup), "--random-seed", str(work.seed)]
         cmd += ["--output-artifact-dir", out, "--ui-type", "none", "--no-server-metrics"]
-        # AIPerf's offline mode looks a local tokenizer directory up as a Hub id and fails: a local
-        # path needs no network, so the offline switches are dropped for it
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        run = subprocess.run(cmd, capture_output=True, text=True, env=local_tokenizer_env(), timeout=timeout)
         export = Path(out) / "profile_export_aiperf.json"
         if keep is not None:
             shutil.copytree(out, keep, dirs_exist_ok=True)

@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.aiperf_client import local_tokenizer_env, request_form
 from benchmarks.goodput_load import ScaledTrace
 
 
@@ -61,8 +62,7 @@ def local_hub_cache(model_dir: Path, root: Path) -> Path:
 
 
 def base_command(c: Client, out: str) -> list[str]:
-    cmd = [c.aiperf, "profile", "--model", c.model, "--url", c.url, "--endpoint-type", "chat", "--streaming"]
-    cmd += ["--use-server-token-count", "--tokenizer", c.tokenizer, "--extra-inputs", "ignore_eos:true"]
+    cmd = request_form(c.aiperf, c.url, c.model, c.tokenizer)
     cmd += ["--request-timeout-seconds", f"{c.request_timeout_s:g}"]
     cmd += ["--output-artifact-dir", out, "--ui-type", "none", "--no-server-metrics"]
     return cmd
@@ -109,9 +109,7 @@ def run(c: Client, load: list[str], label: str, timeout_s: float) -> list[dict]:
         if c.hub_cache is not None:
             env = {**os.environ, "HF_HUB_CACHE": str(c.hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         else:
-            # AIPerf's offline mode looks a local tokenizer directory up as a Hub id and fails: a local
-            # path needs no network, so the offline switches are dropped for it (as aiperf_client does)
-            env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+            env = local_tokenizer_env()
         done = subprocess.run(base_command(c, out) + load, capture_output=True, text=True, env=env, timeout=timeout_s)
         if c.artifacts is not None:
             shutil.copytree(out, c.artifacts / label, dirs_exist_ok=True)
