@@ -16,13 +16,16 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-LOCAL = "local"
-"""The host of a mooncake:// URL that asks `up` for a master of its own."""
+from pdserve.engine.kv_store_backends import LOCAL_MASTER
+
 READY_S = 15.0
 
 
 def wants_local_master(url: str | None) -> bool:
-    return url is not None and urlparse(url).scheme == "mooncake" and urlparse(url).netloc == LOCAL
+    if url is None:
+        return False
+    parsed = urlparse(url)
+    return parsed.scheme == "mooncake" and parsed.netloc == LOCAL_MASTER
 
 
 def master_binary() -> Path:

@@ -48,7 +48,7 @@ def parse_store_url(url: str) -> tuple[str, str, dict[str, str]]:
     elif parsed.scheme == "mooncake":
         if not parsed.netloc:
             raise ValueError(f"--kv-store: expected mooncake://MASTER_HOST:PORT, got {url!r}")
-        if parsed.netloc == "local":  # pdserve.commands.local_master
+        if parsed.netloc == LOCAL_MASTER:
             raise ValueError(
                 "--kv-store mooncake://local: only `pdserve up` starts a master of its own; "
                 "give a node mooncake://MASTER_HOST:PORT"
@@ -69,6 +69,10 @@ def parse_store_url(url: str) -> tuple[str, str, dict[str, str]]:
                 raise ValueError(f"--kv-store: {name}: {e}") from None
     return parsed.scheme, location, query
 
+
+LOCAL_MASTER = "local"
+"""The host of `mooncake://local`: `pdserve up` starts a master of its own for it
+(pdserve.commands.local_master); a node refuses it."""
 
 MOONCAKE_OPTIONS = {"protocol", "local_hostname", "metadata", "segment", "buffer", "device"}
 """mooncake:// options (see `kv_mooncake.MooncakeBackend`)."""
