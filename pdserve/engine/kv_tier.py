@@ -98,6 +98,8 @@ class HostKvTier(KvConnector):
         self.stats = TierStats()
         self.pool: KVPool | None = None
         self.store: torch.Tensor | None = None
+        self.slot_bytes = 0
+        """Bytes of one block's KV over every layer (one host slot), once the pool is registered."""
         self._slots: OrderedDict[BlockKey, int] = OrderedDict()
         """key -> slot, least recently used first."""
         self._free_slots: list[int] = []
@@ -118,7 +120,7 @@ class HostKvTier(KvConnector):
     # --- worker side -------------------------------------------------------------------------
     def register_kv_pool(self, pool: KVPool) -> None:
         self.pool = pool
-        slot_bytes = pool.block_bytes * pool.num_layers
+        self.slot_bytes = slot_bytes = pool.block_bytes * pool.num_layers
         slots = self.capacity_bytes // slot_bytes
         if slots < 1:
             raise ValueError(
@@ -201,8 +203,7 @@ class HostKvTier(KvConnector):
                 self._slots.move_to_end(key)
                 assert self.store is not None and slot is not None
                 pool.tensor[:, block].copy_(self.store[slot], non_blocking=False)
-        slot_bytes = self.store.element_size() * self.store[0].numel() if self.store is not None else 0
-        self.stats.restored(len(block_ids), len(block_ids) * slot_bytes, time.perf_counter() - started)
+        self.stats.restored(len(block_ids), len(block_ids) * self.slot_bytes, time.perf_counter() - started)
         return True
 
     def forget(self, request: Request) -> None:
@@ -246,7 +247,7 @@ class HostKvTier(KvConnector):
             else:
                 self.store[slot].copy_(src)
             self._slots[key] = slot
-        self.stats.stored(self.store.element_size() * self.store[slot].numel())
+        self.stats.stored(self.slot_bytes)
         if self.events is not None:
             self.events.stored([key], 0, Medium.HOST)
 
