@@ -62,7 +62,7 @@ class KvSubscriber:
         """monotonic time of the last batch received (for the staleness metric)."""
         self.resyncs: Counter[str] = Counter()
         """Snapshots asked for or incarnations dropped, by reason (gap, restart, dropped, unusable, error)."""
-        self._pending: dict[Medium, set[int]] | None = None
+        self._pending: dict[Medium | None, set[int]] | None = None
         """Keys of a snapshot still arriving in chunks, by medium (None: no snapshot in progress)."""
         self._pending_seq = 0
         self._call: Any = None  # the grpc.aio stream call, cancelled on reset
@@ -163,6 +163,8 @@ class KvSubscriber:
                 raise Resync(f"gap: seq {event.seq} after {self.last_seq}")
             self.last_seq = event.seq
             medium = medium_of(event.medium)
+            if medium is None:
+                continue  # an unknown medium's keys: kept out of the index, the sequence still followed
             if event.kind == STORED:
                 self.index.store_in(self.address, event.keys, medium)
             elif event.kind == REMOVED:
@@ -176,7 +178,7 @@ class KvSubscriber:
         if self._pending is None:
             self._pending, self._pending_seq = {}, 0
         self._pending_seq = max(self._pending_seq, batch.seq)  # whichever chunk carries it
-        keys = self._pending.setdefault(medium_of(batch.snapshot_medium), set())
+        keys = self._pending.setdefault(medium_of(batch.snapshot_medium), set())  # None: an unknown medium, dropped
         room = self.index.node_cap - len(keys)  # a node never holds more keys than the cap
         keys.update(batch.snapshot_keys[: max(room, 0)])
         if batch.snapshot_done:

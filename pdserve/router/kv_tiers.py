@@ -40,10 +40,17 @@ class TierHits(NamedTuple):
         return self.pool + self.host + self.store
 
 
-def medium_of(wire: str) -> Medium:
-    """A KvEvent's or snapshot chunk's medium: "host" and "store" are tiers; anything else ("",
-    "cpu", "gpu": the pool's device) is the pool."""
-    return Medium(wire) if wire in TIERS else Medium.POOL
+POOL_NAMES = ("", "cpu", "gpu", "pool")
+"""How a pool's medium is named on the wire: by its device (an older node says nothing)."""
+
+
+def medium_of(wire: str) -> Medium | None:
+    """A KvEvent's or snapshot chunk's medium: "host" and "store" are tiers, the pool is named by
+    its device; None for a medium this router does not know (a newer node's tier): its keys are
+    not taken for the pool's, which would over-count that node's hits."""
+    if wire in TIERS:
+        return Medium(wire)
+    return Medium.POOL if wire in POOL_NAMES else None
 
 
 class TieredKvIndex(KvIndex):

@@ -165,3 +165,20 @@ def test_events_in_flight_do_not_hang_a_stopped_stream():
         assert got == []
 
     asyncio.run(main())
+
+
+def test_a_medium_the_router_does_not_know_is_kept_out_of_the_index():
+    index = TieredKvIndex()
+    sub = subscriber(index, "a")
+    snapshot = [
+        common_pb2.KvEventBatch(node_id="n", snapshot=True, snapshot_keys=KEYS[:1], snapshot_medium="cpu", seq=2),
+        common_pb2.KvEventBatch(
+            node_id="n", snapshot=True, snapshot_keys=KEYS[1:], snapshot_medium="nvme", seq=2, snapshot_done=True
+        ),
+    ]
+    for batch in snapshot:
+        sub.apply(batch)
+    assert index.match_tiers(KEYS, "a") == TierHits(pool=1)  # the nvme keys are not taken for the pool's
+    event = common_pb2.KvEvent(kind=common_pb2.KvEvent.STORED, seq=3, keys=KEYS[1:], medium="nvme")
+    sub.apply(common_pb2.KvEventBatch(seq=3, events=[event]))
+    assert sub.last_seq == 3 and index.match_tiers(KEYS, "a") == TierHits(pool=1)
