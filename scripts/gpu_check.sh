@@ -8,7 +8,9 @@
 #   annotated-types, annotated-doc, typing-inspection, typing-extensions, opentelemetry-api,
 #   configargparse, dnspython, xgrammar, pytest-asyncio, flashinfer-python 0.6.0, apache-tvm-ffi,
 #   nvidia-cudnn-frontend (cp312 manylinux; 35 MiB together).
-#   STAGES="tests bench cli flashinfer" bash scripts/gpu_check.sh [benchmark flags, e.g. --quick]
+#   STAGES="decode tests bench cli flashinfer" bash scripts/gpu_check.sh [benchmark flags, e.g. --quick]
+# (decode: benchmarks/gpu_decode.py, CUDA graphs on and off on a Llama-3-8B-shaped model; each stage
+# is bounded by its *_BUDGET_S so that one slow stage cannot eat the lease)
 set -o pipefail
 OUT=${OUT:-gpu_out}
 WHEELS=${WHEELS:-.whl}
@@ -30,15 +32,20 @@ export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-$($PY -c 'import t
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c 'import torch, grpc, google.protobuf as pb; print("torch", torch.__version__, "cuda", torch.version.cuda, "grpc", grpc.__version__, "protobuf", pb.__version__)'
   $PY -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
+  $PY -c 'import triton; print("triton", triton.__version__)' 2>&1 | tail -1
 } 2>&1 | tee "$OUT/env.txt"
 # the built-in tiny model is generated on first use; do it once before the tests start processes
 $PY -c 'from pdserve.engine.builtin import default_model_dir as d; d("tiny"); d("bench")' 2>&1 | tail -2
 # 1. everything but flashinfer (which JIT-compiles for minutes on first use), 2. the benchmark,
 # 3. the CLI on cuda, 4. flashinfer last, bounded, so a slow compile cannot hide the rest
-STAGES=${STAGES:-tests bench cli flashinfer}
+STAGES=${STAGES:-decode tests bench cli flashinfer}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
+if stage decode; then  # the decode/prefill figures against the device's limits (BENCHMARKS.md)
+  timeout "${DECODE_BUDGET_S:-300}" $PY -m benchmarks.gpu_decode 2>&1 | tee "$OUT/gpu_decode.log"
+  echo "gpu_decode rc=$?" | tee -a "$OUT/gpu_decode.log"
+fi
 if stage tests; then
-  $PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k "not flashinfer" -v -rs --timeout 300 2>&1 | tee "$OUT/pytest_gpu.log"
+  timeout "${TESTS_BUDGET_S:-900}" $PY -m pytest tests/gpu -p no:cacheprovider -o addopts="" -m gpu -k "not flashinfer" -v -rs --timeout 300 2>&1 | tee "$OUT/pytest_gpu.log"
   echo "pytest rc=$?" | tee -a "$OUT/pytest_gpu.log"
 fi
 if stage bench; then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,11 @@ os.environ.setdefault("PDSERVE_CACHE_DIR", str(ROOT / ".cache" / "pdserve"))
 # four full runs: "epoll_wait error: Bad file descriptor"). No test uses gRPC in a forked child,
 # so the handlers are turned off; this must happen before grpc is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Triton kernels (engine.attention.triton_decode) run under Triton's interpreter where there is no
+# GPU to compile for. Triton reads this when triton.language is first imported, so it is set here,
+# before any test imports it; a GPU session (pytest -m gpu on a CUDA machine) runs them compiled.
+if not any(Path("/dev").glob("nvidia[0-9]*")) and not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

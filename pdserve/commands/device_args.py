@@ -35,6 +35,11 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser, expert_parallel: bool = 
         config_flag(p, EngineConfig, "enable_expert_parallel", action="store_true")
 
 
+def add_enforce_eager_arg(p: argparse.ArgumentParser) -> None:
+    """--enforce-eager of the commands that serve (generate, prefill, decode, up: `up` hands it on)."""
+    config_flag(p, EngineConfig, "enforce_eager", action="store_true")
+
+
 def resolve_device(requested: str | None) -> str:
     """The torch device string to run on; ValueError for a malformed name or a missing GPU."""
     device = (requested or _DEFAULT_DEVICE).strip()

@@ -19,10 +19,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("generate", help="generate text offline from prompts")
     add_model_args(p)
-    from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg
+    from pdserve.commands.device_args import add_device_args, add_enforce_eager_arg, add_tensor_parallel_arg
 
     add_device_args(p)
     add_tensor_parallel_arg(p)
+    add_enforce_eager_arg(p)
     from pdserve.commands.memory_args import add_kv_memory_args
 
     add_kv_memory_args(p)
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
             ("tokenizer", args.tokenizer),
             ("tensor_parallel_size", args.tensor_parallel_size),
             ("enable_expert_parallel", args.enable_expert_parallel),
+            ("enforce_eager", args.enforce_eager),
         )
         options = {k: v for k, v in chosen if v}
         llm = LLM(args.model, **options, **device_options(args), **kv_memory_options(args))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pdserve.cachestore.transport import Transport
 from pdserve.commands.config_flags import config_flag
-from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg, device_options
+from pdserve.commands.device_args import add_device_args, add_enforce_eager_arg, add_tensor_parallel_arg, device_options
 from pdserve.commands.discovery_args import add_discovery_args
 from pdserve.commands.memory_args import add_kv_memory_args
 from pdserve.commands.model_args import add_model_args
@@ -96,6 +96,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     config_flag(p, EngineConfig, "num_threads")
     add_tensor_parallel_arg(p)
+    add_enforce_eager_arg(p)
 
 
 def node_config(args: argparse.Namespace, role: str) -> NodeConfig:

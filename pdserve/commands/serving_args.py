@@ -29,6 +29,7 @@ NODE_FLAGS = (
     "seed",
     "enable_expert_parallel",
     "dist_timeout",
+    "enforce_eager",
 )
 """What `up` hands its nodes (besides the model, device and KV flags)."""
 

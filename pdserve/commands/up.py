@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("up", help="start router + prefill + decode nodes on 127.0.0.1")
     add_model_args(p)
-    from pdserve.commands.device_args import add_device_args, add_tensor_parallel_arg
+    from pdserve.commands.device_args import add_device_args, add_enforce_eager_arg, add_tensor_parallel_arg
 
     add_device_args(p)  # every node of the cluster shares the device (one GPU: they share it)
     from pdserve.commands.memory_args import add_kv_memory_args
@@ -88,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_api_key_args(p)
     add_num_threads_arg(p)
     add_tensor_parallel_arg(p)
+    add_enforce_eager_arg(p)
     for role in (Role.PREFILL, Role.DECODE):
         p.add_argument(
             f"--{role}-tensor-parallel-size",

@@ -85,6 +85,10 @@ class EngineConfig:
     """A mixture-of-experts model's experts are placed whole on the tensor-parallel ranks (a range
     each; the ranks must divide the number of experts) instead of each expert being split over all
     of them; attention stays split by heads (vLLM's `--enable-expert-parallel`)."""
+    enforce_eager: bool = False
+    """Run every step eager: no CUDA graphs for decode steps (vLLM's `--enforce-eager`). Unset, a
+    CUDA engine captures its decode steps per batch-size bucket at start (pdserve.engine.cuda_graphs;
+    their memory is part of --gpu-memory-utilization); CPU engines always run eager."""
     kv_offloading_bytes: int | None = None
     """Host memory for a KV tier below the pool (`--kv-offloading-size`: GiB as a plain number, as
     vLLM's, e.g. 8, or with a unit, e.g. 512MiB): finished requests' blocks are copied there and
@@ -117,6 +121,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             expert_parallel=self.enable_expert_parallel,
+            enforce_eager=self.enforce_eager,
         )
 
     def __post_init__(self) -> None:

@@ -41,6 +41,8 @@ class ProfiledRunner(Protocol):
         self, batch: ForwardBatch, *, connector: Any = None, hidden_states: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
+    def graph_memory_bytes(self) -> int: ...
+
 
 class CudaBaseline(NamedTuple):
     """torch.cuda's counters before the weights load (the CUDA context exists by then)."""
@@ -74,6 +76,8 @@ class CudaMemoryProfile(NamedTuple):
     """Peak allocation of a forward at the largest batch, above the weights (and its scratch KV)."""
     non_torch_bytes: int
     """Device memory this process added outside torch's allocator (library workspaces, JIT modules)."""
+    graph_bytes: int = 0
+    """Held by the decode CUDA graphs (engine.cuda_graphs), measured by a trial capture."""
 
 
 def profile_batch(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int) -> ForwardBatch:
@@ -123,6 +127,7 @@ def measure_cuda_memory(
     reserved_now = torch.cuda.memory_reserved(dev)
     used_increase = baseline.free_bytes - free_now
     non_torch = max(0, used_increase - (reserved_now - baseline.reserved_bytes))
+    graph_bytes = runner.graph_memory_bytes()  # captured on the scratch pool, then dropped
     del runner.kv_pool, scratch, hidden
     torch.cuda.empty_cache()
     return CudaMemoryProfile(
@@ -131,4 +136,5 @@ def measure_cuda_memory(
         weights_bytes=after_load - baseline.allocated_bytes,
         peak_activation_bytes=max(0, peak),
         non_torch_bytes=non_torch,
+        graph_bytes=graph_bytes,
     )

@@ -68,7 +68,8 @@ def default_cpu_kv_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len:
 
 
 def cuda_kv_bytes(profile: CudaMemoryProfile, utilization: float) -> int:
-    """KV = utilization x card - weights - peak activations - other memory this process added;
+    """KV = utilization x card - weights - peak activations - decode graphs - other memory this
+    process added;
     ValueError naming the flag when that leaves nothing, or when the card has not that much free."""
     budget = int(profile.total_bytes * utilization)
     if budget > profile.free_at_start_bytes:
@@ -77,14 +78,15 @@ def cuda_kv_bytes(profile: CudaMemoryProfile, utilization: float) -> int:
             f"{_gib(profile.total_bytes)}, but only {_gib(profile.free_at_start_bytes)} was free at start "
             f"(another process uses the GPU): lower --gpu-memory-utilization"
         )
-    used = profile.weights_bytes + profile.peak_activation_bytes + profile.non_torch_bytes
+    used = profile.weights_bytes + profile.peak_activation_bytes + profile.non_torch_bytes + profile.graph_bytes
     kv = budget - used
     if kv <= 0:
         raise ValueError(
             f"--gpu-memory-utilization {utilization} gives {_gib(budget)}, but weights "
-            f"({_gib(profile.weights_bytes)}), peak activations ({_gib(profile.peak_activation_bytes)}) and "
-            f"other memory ({_gib(profile.non_torch_bytes)}) already take {_gib(used)}: raise "
-            f"--gpu-memory-utilization or lower --max-num-batched-tokens"
+            f"({_gib(profile.weights_bytes)}), peak activations ({_gib(profile.peak_activation_bytes)}), "
+            f"CUDA graphs ({_gib(profile.graph_bytes)}) and other memory ({_gib(profile.non_torch_bytes)}) "
+            f"already take {_gib(used)}: raise --gpu-memory-utilization, lower --max-num-batched-tokens, or "
+            f"pass --enforce-eager"
         )
     return kv
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, backend_for_planes, make_backend, resolve_backend
 from pdserve.engine.cpu_malloc import keep_freed_memory
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_unsupported
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
 from pdserve.engine.kv_pool import KVPool, kv_bytes_per_token
@@ -19,6 +21,8 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TPGroup
 from pdserve.engine.parallel.sharding import TPShard
 from pdserve.engine.weights import load_tensors, resolve_dtype
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -68,6 +72,7 @@ class ModelRunner:
         tp: TPGroup | None = None,
         kv_tensor: torch.Tensor | None = None,
         expert_parallel: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -114,6 +119,8 @@ class ModelRunner:
         backend = backend_for_planes(resolve_backend(attention_backend, self.device.type), cfg.kv_planes)
         self.attention = make_backend(backend)
         self.attention.configure(cfg.num_attention_heads, self.dtype, attention_sinks=cfg.attention_sinks)
+        self.graphs: DecodeGraphs | None = None
+        self._graph_sizes = None if enforce_eager else self._graph_sizes_for(max_num_seqs)
         if num_kv_blocks is None:  # profiled: measured with the weights in place
             assert kv_memory is not None
             num_kv_blocks = kv_memory.budget_bytes(self, per_token) // (per_token * block_size)
@@ -126,6 +133,50 @@ class ModelRunner:
             max_model_len, cfg.max_position_embeddings, self.kv_pool.num_blocks, block_size
         )
         self._drives_ranks = tp is not None and tp.rank == 0
+        if self._graph_sizes:
+            self.graphs = self._captured_graphs(self._graph_sizes)
+
+    def _graph_sizes_for(self, max_num_seqs: int) -> list[int] | None:
+        """The decode batch sizes to capture, or None (eager) with the reason logged."""
+        why = graphs_unsupported(self)
+        if why is not None:
+            if self.device.type == "cuda":
+                log.info("CUDA graphs off: %s; decode steps run eager", why)
+            return None
+        return capture_sizes(max_num_seqs)
+
+    def _captured_graphs(self, sizes: list[int]) -> DecodeGraphs | None:
+        """Capture the decode graphs on the pool; a capture that fails (out of memory, an op that
+        cannot be captured) leaves the runner eager, said in the log."""
+        graphs = DecodeGraphs(self, sizes)
+        try:
+            graphs.capture_all()
+        except Exception as e:  # torch.cuda.OutOfMemoryError among them
+            log.warning("CUDA graphs off: capture failed (%s: %s); decode steps run eager", type(e).__name__, e)
+            self._graph_sizes = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        return graphs
+
+    def graph_memory_bytes(self) -> int:
+        """Device memory the decode graphs will hold, measured by capturing them on the current
+        (the sizing profile's scratch) pool and dropping them; 0 when there are none (then, too,
+        when the trial capture failed: the runner will stay eager)."""
+        if not self._graph_sizes:
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        graphs = self._captured_graphs(self._graph_sizes)
+        if graphs is None:
+            return 0
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        graphs.release()
+        del graphs
+        torch.cuda.empty_cache()
+        return max(0, used)
 
     def check(self) -> None:
         """Raise if this runner can no longer step (pdserve.engine.parallel.launcher: a rank died)."""
@@ -164,6 +215,10 @@ class ModelRunner:
         in order), or with `head` False those rows' final hidden states [num_sampled, H] (`logits` later);
         else hidden [T, H]. `layers`: a sub-range of `layer_range` (default all of it)."""
         assert max(batch.context_lens) <= self.max_model_len, "context beyond max_model_len"
+        if self.graphs is not None and layers is None and hidden_states is None:
+            final = self._replay(batch, connector)
+            if final is not None:
+                return self.model.logits(final) if head else final
         start, end = layers or self.layer_range
         if not self.layer_range[0] <= start < end <= self.layer_range[1]:
             raise ValueError(f"layers {layers} outside this runner's {self.layer_range}")
@@ -198,6 +253,29 @@ class ModelRunner:
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         final = hidden.index_select(0, rows)
         return self.model.logits(final) if head else final
+
+    def _replay(self, batch: ForwardBatch, connector: KvConnector) -> torch.Tensor | None:
+        """A decode step from its CUDA graph: the sampled rows' final hidden states, or None when no
+        graph fits (the caller runs it eager). The connector's per-layer hooks run around the whole
+        replay: every restore lands before it, every save is announced after it."""
+        assert self.graphs is not None
+        if self.graphs.size_for(batch) is None:
+            return None
+        if max(batch.input_ids) >= self.model_config.vocab_size or min(batch.input_ids) < 0:
+            raise AssertionError("token id out of range")
+        start, end = self.layer_range
+        connector.start_load(batch)
+        for layer in range(start, end):
+            connector.wait_for_layer(layer)
+        hidden = self.graphs.replay(batch)
+        assert hidden is not None
+        for layer in range(start, end):
+            connector.save_layer(layer, batch)
+        connector.wait_for_save()
+        if all(batch.sample_mask):
+            return hidden
+        rows = [i for i, sample in enumerate(batch.sample_mask) if sample]
+        return hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def logits(self, final_hidden: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,11 @@ class AttentionMetadata:
     """[T] absolute position of each new token."""
     sliding_window: int | None = None
     """The model's attention window: a query at position i sees keys i - W + 1 .. i (None: 0 .. i)."""
+    decode_table: torch.Tensor | None = None
+    """int32 [S, P]: a decode step's block tables already on the device (a CUDA graph's fixed-width
+    input, engine.cuda_graphs); None: the backend builds them from `batch`."""
+    decode_ctx: torch.Tensor | None = None
+    """int32 [S]: each sequence's context length, on the device, beside `decode_table`."""
 
     @classmethod
     def build(

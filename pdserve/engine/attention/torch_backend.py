@@ -6,15 +6,18 @@ import torch
 from torch import Tensor
 import torch.nn.functional as F
 
+from pdserve.engine.attention import triton_decode
 from pdserve.engine.attention.base import AttentionBackend, AttentionMetadata, kv_pages, layer_window, store_kv
 from pdserve.engine.block_manager import blocks_for
+from pdserve.engine.forward_batch import ForwardBatch
 
 
 class TorchAttention(AttentionBackend):
     """Scatter new K/V into the pool, then scaled_dot_product_attention per step.
 
     Decode-only steps are one batched SDPA call over the gathered, length-masked
-    pages; prefill sequences are handled one at a time (a prompt with no cached
+    pages (on CUDA, where Triton imports, one paged kernel reading the pages in place instead:
+    `triton_decode`); prefill sequences are handled one at a time (a prompt with no cached
     prefix attends causally over its own fresh K/V without touching the pool). A sliding window
     (`meta.sliding_window`, or the layer's own `window`) narrows every mask to the last W keys of
     each query. A layer with sinks (gpt-oss) takes `sink_attention` in place of SDPA, same masks.
@@ -62,13 +65,22 @@ class TorchAttention(AttentionBackend):
         sinks: Tensor | None = None,
     ) -> torch.Tensor:
         batch, bs = meta.batch, meta.block_size
-        ctx = torch.tensor(batch.context_lens, device=q.device)
-        max_pages = (int(ctx.max()) + bs - 1) // bs
-        table = torch.zeros((batch.num_seqs, max_pages), dtype=torch.long, device=q.device)
-        for i, row in enumerate(batch.block_tables):
-            n = min(len(row), max_pages)
-            table[i, :n] = torch.tensor(row[:n], dtype=torch.long)
-        s, hkv, d = batch.num_seqs, k_pages.shape[1], k_pages.shape[-1]
+        table, ctx = meta.decode_table, meta.decode_ctx
+        if q.is_cuda and v_pages is not k_pages and triton_decode.available():
+            if table is None or ctx is None:  # an eager step: its tables from the batch's lists
+                table, ctx = decode_tables(batch, bs, q.device)
+            return triton_decode.paged_decode(q, k_pages, v_pages, table, ctx, scale, window, sinks)
+        if table is not None and ctx is not None:  # a graph's fixed-width tables, without the kernel
+            max_pages, ctx = table.shape[1], ctx.long()
+            table = table.long()
+        else:
+            ctx = torch.tensor(batch.context_lens, device=q.device)
+            max_pages = (int(ctx.max()) + bs - 1) // bs
+            table = torch.zeros((batch.num_seqs, max_pages), dtype=torch.long, device=q.device)
+            for i, row in enumerate(batch.block_tables):
+                n = min(len(row), max_pages)
+                table[i, :n] = torch.tensor(row[:n], dtype=torch.long)
+        s, hkv, d = q.shape[0], k_pages.shape[1], k_pages.shape[-1]
         # [S, P, Hkv, B, D] -> [S, Hkv, P*B, D]
         keys = k_pages[table].permute(0, 2, 1, 3, 4).reshape(s, hkv, max_pages * bs, d)
         values = keys  # one-plane (MLA) pages: the latent is the value too
@@ -84,6 +96,16 @@ class TorchAttention(AttentionBackend):
             q[:, :, None, :], keys, values, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
         )
         return out[:, :, 0, :]
+
+
+def decode_tables(batch: ForwardBatch, block_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A decode step's block tables (int32 [S, P], P the longest context's pages, rows zero-padded)
+    and context lengths (int32 [S]) on `device`: what `triton_decode.paged_decode` reads."""
+    widths = [blocks_for(c, block_size) for c in batch.context_lens]
+    width = max(widths)
+    rows = [row[:n] + [0] * (width - n) for row, n in zip(batch.block_tables, widths)]
+    table = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
+    return table, torch.tensor(batch.context_lens, dtype=torch.int32).to(device, non_blocking=True)
 
 
 def window_mask(first_pos: int, num_queries: int, num_keys: int, window: int | None, device: torch.device) -> Tensor:
