@@ -138,6 +138,55 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
     return 2 * n**3 / t / 1e12
 
 
+def graph_time(work, steps: int) -> float:
+    """Median seconds of `work` replayed from a CUDA graph (its launches do not count)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    return statistics.median(timed(graph.replay, steps))
+
+
+def breakdown(runner, batches: dict, bandwidth: float, steps: int) -> dict:
+    """Where a decode step's time goes: the GEMMs alone and the attention alone, each replayed from
+    a graph, as achieved bandwidth; and the attention kernel's launch shapes."""
+    from pdserve.engine.attention import triton_decode
+    from pdserve.engine.attention.torch_backend import decode_tables
+
+    model, out = runner.model, {}
+    linears = [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]
+    for n, batch in batches.items():
+        x = {
+            lin.weight.shape[1]: torch.randn(n, lin.weight.shape[1], device="cuda", dtype=runner.dtype)
+            for lin in linears
+        }
+        t = graph_time(lambda: [lin(x[lin.weight.shape[1]]) for lin in linears], steps)
+        out[f"gemms_b{n}_ms"] = t * 1e3
+        out[f"gemms_b{n}_TBps"] = sum(lin.nbytes for lin in linears) / t / 1e12
+        table, ctx = decode_tables(batch, BLOCK, torch.device("cuda"))
+        cfg = runner.model_config
+        q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, device="cuda", dtype=runner.dtype)
+        kv_bytes = n * batch.context_lens[0] * runner.kv_pool.block_bytes * runner.kv_pool.num_layers / BLOCK
+        for tile, warps in ((64, 4), (128, 4), (64, 8), (32, 2), (128, 8)):
+
+            def attend(tile=tile, warps=warps):
+                for layer in range(runner.kv_pool.num_layers):
+                    kv = runner.kv_pool.layer(layer)
+                    triton_decode.paged_decode(
+                        q, kv[:, 0], kv[:, 1], table, ctx, cfg.head_dim**-0.5, tile=tile, num_warps=warps
+                    )
+
+            t = graph_time(attend, steps)
+            out[f"attention_b{n}_tile{tile}_warps{warps}_ms"] = t * 1e3
+            out[f"attention_b{n}_tile{tile}_warps{warps}_TBps"] = kv_bytes / t / 1e12
+    out["copy_TBps"] = bandwidth / 1e12
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def decode_batch(batch_size: int, context: int, first_block: int):
     from pdserve.engine.forward_batch import ForwardBatch
 
@@ -199,6 +248,7 @@ def main() -> int:
     g, e = median_figures(rounds.of("graphs")), median_figures(rounds.of("eager"))
     assert graphs.replays > 0, "no decode step replayed a graph"
 
+    parts = breakdown(runner, batches, bandwidth, steps)
     from pdserve.engine.forward_batch import ForwardBatch
 
     rng = torch.Generator().manual_seed(1)
@@ -234,6 +284,7 @@ def main() -> int:
         "prefill_4k_of_datasheet_peak": round(prefill_tflops / args.peak_tflops, 3),
         "prefill_4k_of_measured_matmul": round(prefill_tflops / measured_tflops, 3),
         "prefill_target_of_peak": 0.5,
+        "breakdown": parts,
         "per_round": rounds.rounds,
         "graph_replays": graphs.replays,
     }

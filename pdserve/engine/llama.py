@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import cuda_ops
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.fp8 import fused_linear
@@ -179,6 +180,8 @@ class LlamaModel:
         ops: type[EagerOps] | type[CpuFusedOps] = EagerOps
         if self.fused_ops and attn.uses_kernel and x.device.type == "cpu":
             ops = CpuCarryOps if self.carry else CpuFusedOps
+        elif self.fused_ops and cuda_ops.available(x.device):  # one Triton kernel per elementwise step
+            ops = cuda_ops.CudaFusedOps
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         hq, hkv, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         # the norm after each residual add, so every add is fused into the norm that reads it
@@ -233,7 +236,8 @@ class LlamaModel:
             return apply_rotary(qn, cos, sin), apply_rotary(kn, cos, sin), v.view(-1, hkv, d)
         q.view(-1, hq, d).copy_(qn)
         k.view(-1, hkv, d).copy_(kn)
-        return CpuFusedOps.rotate_qk(qkv, cos, sin, hq, hkv, d)
+        # CpuCarryOps' rotation reads float32 GEMM output; qkv is in the model's dtype here
+        return (CpuFusedOps if ops is CpuCarryOps else ops).rotate_qk(qkv, cos, sin, hq, hkv, d)
 
     def weight_bytes(self, one_token: bool = False) -> int:
         """Bytes of weights one decode step reads (every linear and norm, every expert a sparse layer

@@ -120,3 +120,39 @@ def _gather_reference(q, kv, batch, page, window, sinks):
         sinks.cpu() if sinks is not None else None,
     )
     return out.to(q.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_ops_round_as_the_eager_ops(dtype):
+    """Compiled, the fused ops round where the eager chain does: the residual stream and the
+    rotation bit for bit; the norm (its mean summed in another order) and SiLU within two ulps."""
+    from pdserve.engine.cuda_ops import CudaFusedOps
+    from pdserve.engine.layers import EagerOps, RotaryEmbedding
+    from pdserve.engine.model_config import ModelConfig
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x = torch.randn(37, 4096, device=dev).to(dtype)
+    res = torch.randn(37, 4096, device=dev).to(dtype)
+    w = (torch.rand(4096, device=dev) + 0.5).to(dtype)
+    xe, xf = x.clone(), x.clone()
+    want, got = EagerOps.add_rms_norm(xe, res, w, 1e-5), CudaFusedOps.add_rms_norm(xf, res, w, 1e-5)
+    assert torch.equal(xf, xe)
+    rtol = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=rtol)
+    gate_up = (torch.randn(37, 2 * 14336, device=dev) * 3).to(dtype)
+    torch.testing.assert_close(CudaFusedOps.silu_mul(gate_up), EagerOps.silu_mul(gate_up), atol=1e-6, rtol=rtol)
+    cfg = ModelConfig.from_dict(
+        dict(architectures=["LlamaForCausalLM"], hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+             intermediate_size=64, num_hidden_layers=1, vocab_size=100, max_position_embeddings=8192,
+             rope_theta=500000.0)
+    )  # fmt: skip
+    cos, sin = RotaryEmbedding(cfg, dev).cos_sin(torch.arange(4000, 4037, device=dev), dtype)
+    qkv = torch.randn(37, 48 * 128, device=dev).to(dtype)
+    for g, e in zip(
+        CudaFusedOps.rotate_qk(qkv.clone(), cos, sin, 32, 8, 128), EagerOps.rotate_qk(qkv.clone(), cos, sin, 32, 8, 128)
+    ):
+        if dtype == torch.float32:  # float32 products fused into one multiply-add may round once less
+            torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(g, e)

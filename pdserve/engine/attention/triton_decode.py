@@ -23,6 +23,8 @@ import torch
 BLOCK_N = 64
 """Keys per tile (a multiple of every block size the pool takes up to 64; smaller pages are read
 several to a tile through the block table)."""
+NUM_WARPS = 4
+"""Warps of one program (Triton's default)."""
 MIN_DOT = 16
 """tl.dot's smallest M/N/K: the query-head group and the head size are padded up to it."""
 
@@ -155,24 +157,28 @@ def paged_decode(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    *,
+    tile: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """q [S, Hq, D] (one query per sequence), k/v pages [N, Hkv, B, D] (the pool layer's planes, any
     strides with D contiguous), table int32 [S, P] (sequence s's block ids; entries past its context
     are never read), ctx_lens int32 [S] (each >= 1) -> [S, Hq, D] in q's dtype. `window`: attend
-    within the last W keys (None: all); `sinks` float [Hq] (gpt-oss)."""
+    within the last W keys (None: all); `sinks` float [Hq] (gpt-oss). `tile` and `num_warps`: the
+    launch's shape (benchmarks/gpu_decode.py times the choices)."""
     s, hq, d = q.shape
     hkv, page = k_pages.shape[1], k_pages.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
-    if BLOCK_N % page and page % BLOCK_N:
-        raise ValueError(f"block size {page} does not tile into {BLOCK_N}-key tiles")
+    if tile % page and page % tile:
+        raise ValueError(f"block size {page} does not tile into {tile}-key tiles")
     for name, t in (("q", q), ("k pages", k_pages), ("v pages", v_pages)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in the head dimension")
     if out is None:
         out = torch.empty_like(q)
     group = hq // hkv
-    tile = max(BLOCK_N, page)
+    tile = max(tile, page)
     _kernel()[(s, hkv)](
         q,
         k_pages,
@@ -202,5 +208,6 @@ def paged_decode(
         TILE=tile,
         HAS_SINKS=sinks is not None,
         IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
     )
     return out
