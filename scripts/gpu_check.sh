@@ -8,7 +8,7 @@
 #   annotated-types, annotated-doc, typing-inspection, typing-extensions, opentelemetry-api,
 #   configargparse, dnspython, xgrammar, pytest-asyncio, flashinfer-python 0.6.0, apache-tvm-ffi,
 #   nvidia-cudnn-frontend (cp312 manylinux; 35 MiB together).
-#   STAGES="decode tests bench cli flashinfer" bash scripts/gpu_check.sh [benchmark flags, e.g. --quick]
+#   STAGES="decode tests bench fp8probe cli flashinfer" bash scripts/gpu_check.sh [benchmark flags, e.g. --quick]
 # (decode: benchmarks/gpu_decode.py, CUDA graphs on and off on a Llama-3-8B-shaped model; each stage
 # is bounded by its *_BUDGET_S so that one slow stage cannot eat the lease; GPU_TESTS narrows the tests)
 set -o pipefail
@@ -51,6 +51,9 @@ fi
 if stage bench; then
   timeout "${BENCH_BUDGET_S:-240}" $PY -m benchmarks.ttft_overlap --device cuda "$@" 2>&1 | tee "$OUT/ttft_overlap_cuda.log"
   echo "benchmark rc=$?" | tee -a "$OUT/ttft_overlap_cuda.log"
+fi
+if stage fp8probe; then  # the FP8 GEMM against its emulation, per shape (scripts/fp8_gemm_probe.py)
+  timeout "${FP8_BUDGET_S:-120}" $PY -m scripts.fp8_gemm_probe 2>&1 | tee "$OUT/fp8_probe.log"
 fi
 if stage cli; then  # the CLI path on cuda, from flags and from the PDSERVE_* environment
   { $PY -m pdserve.cli generate --device cuda --attention-backend torch --max-tokens 8

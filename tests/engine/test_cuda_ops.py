@@ -20,8 +20,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INTERPRETER_BF16 = 2**-5
 """Triton's interpreter emulates bfloat16 with numpy and does not round float32 to it to nearest,
 as the compiled conversion (and torch) does, and these ops round up to three times in a row:
-bfloat16 results are checked to four ulps (relative, and absolute near 1) here and bit for bit on
-a GPU (tests/gpu/test_cuda_graphs_gpu.py)."""
+bfloat16 results are checked to four ulps (relative, and absolute near 1) here and to two, compiled,
+on a GPU (tests/gpu/test_cuda_graphs_gpu.py)."""
 TWO_ULPS = {torch.float32: 2e-6, torch.bfloat16: 2**-6, torch.float16: 2**-9}
 """Relative: one rounding landing on the other side of a half-ulp can differ twice over."""
 

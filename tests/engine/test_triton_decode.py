@@ -53,11 +53,14 @@ def _reference(q, kv, batch, page, window, sinks):
     ids=["gqa4", "mha-page4", "mqa-d40", "page64"],
 )
 @pytest.mark.parametrize("window,with_sinks", [(None, False), (20, False), (None, True), (9, True)])
-def test_kernel_equals_the_gather_decode(hq, hkv, d, page, window, with_sinks):
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-program", "split-3"])
+def test_kernel_equals_the_gather_decode(hq, hkv, d, page, window, with_sinks, splits):
+    """One program per (sequence, KV head), and the context split over three merged by the reducer
+    (some splits then hold no key at all: short contexts, windows)."""
     q, kv, batch = _case(hq * d + page, hq, hkv, d, page, torch.float32)
     sinks = torch.randn(hq) if with_sinks else None
     table, ctx = decode_tables(batch, page, q.device)
-    got = triton_decode.paged_decode(q, kv[:, 0], kv[:, 1], table, ctx, d**-0.5, window, sinks)
+    got = triton_decode.paged_decode(q, kv[:, 0], kv[:, 1], table, ctx, d**-0.5, window, sinks, splits=splits)
     torch.testing.assert_close(got, _reference(q, kv, batch, page, window, sinks), atol=2e-6, rtol=1e-5)
 
 
@@ -78,8 +81,17 @@ def test_a_fixed_width_table_reads_only_each_rows_context():
     wide[:, : table.shape[1]] = table
     for i, c in enumerate(batch.context_lens):
         wide[i, (c + 15) // 16 :] = 10**6
-    got = triton_decode.paged_decode(q, kv[:, 0], kv[:, 1], wide, ctx, 16**-0.5)
-    torch.testing.assert_close(got, _reference(q, kv, batch, 16, None, None), atol=2e-6, rtol=1e-5)
+    for splits in (1, 4):
+        got = triton_decode.paged_decode(q, kv[:, 0], kv[:, 1], wide, ctx, 16**-0.5, splits=splits)
+        torch.testing.assert_close(got, _reference(q, kv, batch, 16, None, None), atol=2e-6, rtol=1e-5)
+
+
+def test_split_count_fills_the_device_and_is_fixed_by_the_shape():
+    cpu = torch.device("cpu")  # the interpreter's stand-in device wants 8 programs
+    assert triton_decode.split_count(16, 4096, 64, cpu) == 1  # enough pairs already
+    assert triton_decode.split_count(2, 4096, 64, cpu) == 4
+    assert triton_decode.split_count(1, 100, 64, cpu) == 2  # never more splits than tiles
+    assert triton_decode.split_count(1, 10**6, 64, cpu) == 8
 
 
 def test_refusals():

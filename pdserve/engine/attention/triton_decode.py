@@ -7,8 +7,9 @@ no CUDA graph can hold. This kernel reads each sequence's pages in place through
 runs to that sequence's own context length (read on the device), and takes a fixed-width table:
 the same launch serves every step of a captured batch size.
 
-One program per (sequence, KV head) computes all the query heads of that KV head's group (GQA)
-with an online softmax over tiles of BLOCK_N keys; a sliding window starts the loop at the
+One program per (sequence, KV head, split) computes all the query heads of that KV head's group
+(GQA) with an online softmax over tiles of BLOCK_N keys of its share of the context; with more than
+one split (small batches: flash-decoding) a second kernel merges the shares; a sliding window starts the loop at the
 window's first key; gpt-oss's sinks join the softmax denominator at the end. It runs under
 Triton's interpreter on CPU (TRITON_INTERPRET=1, tests/engine/test_triton_decode.py) and on CUDA in
 `pytest -m gpu` against the gather + SDPA reference.
@@ -65,8 +66,11 @@ def _kernel():  # the jit function is built on first use so that importing this 
         stride_os,
         stride_oh,
         stride_ts,
+        ws_acc_ptr,
+        ws_ml_ptr,
         scale,
         window,
+        NSPLIT: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -78,6 +82,7 @@ def _kernel():  # the jit function is built on first use so that importing this 
     ):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + s)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, D_PAD)
@@ -94,7 +99,12 @@ def _kernel():  # the jit function is built on first use so that importing this 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-        for start in range((first // TILE) * TILE, ctx, TILE):
+        # this program's share of the tiles (flash-decoding): NSPLIT programs per (sequence, head)
+        first_tile = (first // TILE) * TILE
+        per_split = tl.cdiv(tl.cdiv(ctx - first_tile, TILE), NSPLIT) * TILE
+        lo = first_tile + split * per_split
+        hi = tl.minimum(lo + per_split, ctx)
+        for start in range(lo, hi, TILE):
             offs_n = start + tl.arange(0, TILE)
             n_mask = (offs_n < ctx) & (offs_n >= first)
             block = tl.load(table_ptr + s * stride_ts + offs_n // PAGE, mask=n_mask, other=0)
@@ -124,20 +134,67 @@ def _kernel():  # the jit function is built on first use so that importing this 
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if HAS_SINKS:  # one more logit per head in the denominator, with no value
-            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
-            m_fin = tl.maximum(m_i, sink)
-            rescale = tl.exp(m_i - m_fin)
-            acc = acc * rescale[:, None]
-            l_i = l_i * rescale + tl.exp(sink - m_fin)
-        out = acc / l_i[:, None]
+        row_mask = g_mask[:, None] & d_mask[None, :]
+        if NSPLIT > 1:  # partials for the reducer: unnormalized acc, running max and sum per head
+            part = (s * (tl.num_programs(1) * GROUP) + heads) * NSPLIT + split  # [S, Hq, NSPLIT]
+            tl.store(ws_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask)
+            tl.store(ws_ml_ptr + part * 2, m_i, mask=g_mask)
+            tl.store(ws_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+        else:
+            if HAS_SINKS:  # one more logit per head in the denominator, with no value
+                sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+                m_fin = tl.maximum(m_i, sink)
+                rescale = tl.exp(m_i - m_fin)
+                acc = acc * rescale[:, None]
+                l_i = l_i * rescale + tl.exp(sink - m_fin)
+            out = acc / l_i[:, None]
+            tl.store(
+                out_ptr + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_mask,
+            )
+
+    @triton.jit
+    def reduce_splits_kernel(
+        ws_acc_ptr,
+        ws_ml_ptr,
+        out_ptr,
+        sinks_ptr,
+        stride_os,
+        stride_oh,
+        NSPLIT: tl.constexpr,
+        NSPLIT_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+    ):
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_j = tl.arange(0, NSPLIT_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        j_mask = offs_j < NSPLIT
+        d_mask = offs_d < HEAD_DIM
+        part = (s * tl.num_programs(1) + h) * NSPLIT + offs_j
+        m = tl.load(ws_ml_ptr + part * 2, mask=j_mask, other=float("-inf"))
+        l_j = tl.load(ws_ml_ptr + part * 2 + 1, mask=j_mask, other=0.0)
+        acc = tl.load(
+            ws_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=j_mask[:, None] & d_mask[None, :], other=0.0
+        )
+        m_max = tl.max(m, 0)
+        w = tl.exp(m - m_max)  # an empty split (m = -inf) weighs 0
+        total = tl.sum(l_j * w, 0)
+        o = tl.sum(acc * w[:, None], 0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + h).to(tl.float32)
+            m_fin = tl.maximum(m_max, sink)
+            rescale = tl.exp(m_max - m_fin)
+            o = o * rescale
+            total = total * rescale + tl.exp(sink - m_fin)
         tl.store(
-            out_ptr + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None] & d_mask[None, :],
+            out_ptr + s * stride_os + h * stride_oh + offs_d, (o / total).to(out_ptr.dtype.element_ty), mask=d_mask
         )
 
-    return paged_decode_kernel
+    return paged_decode_kernel, reduce_splits_kernel
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -160,12 +217,15 @@ def paged_decode(
     *,
     tile: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """q [S, Hq, D] (one query per sequence), k/v pages [N, Hkv, B, D] (the pool layer's planes, any
     strides with D contiguous), table int32 [S, P] (sequence s's block ids; entries past its context
     are never read), ctx_lens int32 [S] (each >= 1) -> [S, Hq, D] in q's dtype. `window`: attend
     within the last W keys (None: all); `sinks` float [Hq] (gpt-oss). `tile` and `num_warps`: the
-    launch's shape (benchmarks/gpu_decode.py times the choices)."""
+    launch's shape (benchmarks/gpu_decode.py times the choices). `splits`: programs per (sequence,
+    KV head), each over a share of the keys, merged by a second kernel (None: `split_count`; a
+    small batch would otherwise leave most of the device idle)."""
     s, hq, d = q.shape
     hkv, page = k_pages.shape[1], k_pages.shape[2]
     if hq % hkv:
@@ -179,14 +239,23 @@ def paged_decode(
         out = torch.empty_like(q)
     group = hq // hkv
     tile = max(tile, page)
-    _kernel()[(s, hkv)](
+    if splits is None:
+        splits = split_count(s * hkv, table.shape[1] * page, tile, q.device)
+    d_pad = _pow2_at_least(d, MIN_DOT)
+    ws_acc = ws_ml = q  # never written with one split
+    if splits > 1:
+        ws_acc = torch.empty(s, hq, splits, d, dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty(s, hq, splits, 2, dtype=torch.float32, device=q.device)
+    sink_arg = sinks if sinks is not None else q  # never read without HAS_SINKS
+    decode, reduce = _kernel()
+    decode[(s, hkv, splits)](
         q,
         k_pages,
         v_pages,
         out,
         table,
         ctx_lens,
-        sinks if sinks is not None else q,  # never read without HAS_SINKS
+        sink_arg,
         q.stride(0),
         q.stride(1),
         k_pages.stride(0),
@@ -198,16 +267,56 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         table.stride(0),
+        ws_acc,
+        ws_ml,
         scale,
         window or 0,
+        NSPLIT=splits,
         GROUP=group,
         GROUP_PAD=_pow2_at_least(group, MIN_DOT),
         HEAD_DIM=d,
-        D_PAD=_pow2_at_least(d, MIN_DOT),
+        D_PAD=d_pad,
         PAGE=page,
         TILE=tile,
         HAS_SINKS=sinks is not None,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps,
     )
+    if splits > 1:
+        reduce[(s, hq)](
+            ws_acc,
+            ws_ml,
+            out,
+            sink_arg,
+            out.stride(0),
+            out.stride(1),
+            NSPLIT=splits,
+            NSPLIT_PAD=_pow2_at_least(splits, 2),
+            HEAD_DIM=d,
+            D_PAD=d_pad,
+            HAS_SINKS=sinks is not None,
+            num_warps=1,
+        )
     return out
+
+
+MAX_SPLITS = 32
+"""Most programs one (sequence, KV head) is split over."""
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that keep every SM busy: two per multiprocessor (one on the interpreter)."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_count(pairs: int, max_keys: int, tile: int, device: torch.device) -> int:
+    """Programs per (sequence, KV head): enough that `pairs` of them fill the device, never more
+    than the longest context (`max_keys`, the table's width) has tiles. Fixed by the batch size and
+    the table's width alone, so a CUDA graph of one batch size replays one launch shape."""
+    if pairs >= _programs_wanted(device):
+        return 1
+    wanted = -(-_programs_wanted(device) // pairs)
+    return max(1, min(MAX_SPLITS, wanted, -(-max_keys // tile)))
