@@ -125,8 +125,9 @@ def _gather_reference(q, kv, batch, page, window, sinks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_ops_round_as_the_eager_ops(dtype):
     """Compiled, the fused ops round where the eager chain does: the residual stream bit for bit;
-    the norm (its mean summed in another order), SiLU (Triton's exp) and the rotation within two
-    ulps (seen on an H200, 2026-11-30: the rotation differed by one in a few elements)."""
+    the norm (its mean summed in another order) and SiLU (Triton's exp) within two ulps; the
+    rotation within one ulp of its operands (seen on an H200, 2026-11-30: 1.5% of the elements took
+    a product rounded the other way, which shows large relative to a sum that nearly cancels)."""
     from pdserve.engine.cuda_ops import CudaFusedOps
     from pdserve.engine.layers import EagerOps, RotaryEmbedding
     from pdserve.engine.model_config import ModelConfig
@@ -153,4 +154,5 @@ def test_fused_ops_round_as_the_eager_ops(dtype):
     for g, e in zip(
         CudaFusedOps.rotate_qk(qkv.clone(), cos, sin, 32, 8, 128), EagerOps.rotate_qk(qkv.clone(), cos, sin, 32, 8, 128)
     ):
-        torch.testing.assert_close(g, e, atol=1e-6, rtol=rtol)
+        ulp = qkv.abs().max().item() * {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+        torch.testing.assert_close(g, e, atol=ulp, rtol=0)
