@@ -32,6 +32,7 @@ ONLY_WITH = {
     "gateway-api": set(),
     "inference-pool": set(),
     "kv-store": set(),  # rendered with every overlay by tests/deploy/test_kv_store_component.py
+    "kv-store-mooncake": set(),  # rendered with every overlay by test_kv_store_mooncake_component.py
     # replaces autoscaling-keda (the same ScaledObjects): tests/deploy/test_planner_keda_component.py
     "planner-keda": set(),
 }
