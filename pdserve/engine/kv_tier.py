@@ -224,7 +224,11 @@ class HostKvTier(KvConnector):
                 self._slots.move_to_end(key)
                 self._pins[slot] = self._pins.get(slot, 0) + 1
         restores.add(
-            block_ids, [store[slot] for slot in pinned], len(block_ids) * self.slot_bytes, started, lambda: self._unpin(pinned)
+            block_ids,
+            [store[slot] for slot in pinned],
+            len(block_ids) * self.slot_bytes,
+            started,
+            lambda: self._unpin(pinned),
         )
         return True
 

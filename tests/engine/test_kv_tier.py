@@ -204,6 +204,11 @@ def test_the_tier_series_are_exported(make):
     assert (
         registry.get_sample_value("pdserve_kv_offload_hit_requests_total", {"role": "decode", "model_name": "m"}) == 0
     )
+    engine.tier.stats.restore_fallbacks = 2
+    assert (
+        registry.get_sample_value("pdserve_kv_offload_restore_fallbacks_total", {"role": "decode", "model_name": "m"})
+        == 2
+    )
 
 
 def evicted(make, **kw) -> tuple[LLMEngine, list[int]]:
