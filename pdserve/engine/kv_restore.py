@@ -129,6 +129,9 @@ class LayerRestores:
     def start(self, batch: ForwardBatch | None) -> None:
         """Start every recorded restore; the ones whose blocks `batch` reads are what `wait_layer`
         waits for (None: all of them)."""
+        if not self._queued and not self._active:  # the common step: nothing to restore
+            self._waited = []
+            return
         self.reap()
         queued, self._queued = self._queued, []
         for restore in queued:
@@ -153,6 +156,8 @@ class LayerRestores:
 
     def before_reuse(self, block: int) -> None:
         """`block` is about to be overwritten by a new owner: its restore, if any, lands first."""
+        if not self._queued and not self._active:
+            return
         for restore in [*self._queued, *self._active]:
             if block in restore.block_set:
                 self._finish(restore)
