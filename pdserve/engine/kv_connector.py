@@ -18,7 +18,11 @@ Scheduler side (the engine thread, at admission and at a request's end):
   `LLMEngine.prefill_locally` (it did not: the request is recomputed here).
 - `load(request, block_ids)`: copy what `match` offered into these fresh pool blocks (False:
   it could not, and those tokens are computed instead); `forget(request)`: the engine will not
-  load what `match` offered (no room, or the request was refused).
+  load what `match` offered (no room, or the request was refused). True guarantees the KV: a
+  tier may copy it later, layer by layer in the next forward (`start_load`, `wait_for_layer`),
+  but must then land it before any reader: `before_reuse` of such a block and `finish_loads`
+  (the engine is about to hand blocks to a reader outside a forward: a remote prefill's D->P
+  pull) land it at once.
 - `after_alloc(request, block_ids, held_tokens)`: where the external KV must land (the blocks
   after the first `held_tokens` tokens').
 - `request_finished(request)`: the request finished (not aborted); the engine frees its blocks
@@ -107,6 +111,9 @@ class KvConnector:
     def forget(self, request: Request) -> None:
         return None
 
+    def finish_loads(self) -> None:
+        return None
+
     def register_blocks(self, blocks: PoolBlocks) -> None:
         return None
 
@@ -167,6 +174,10 @@ class KvConnectors(KvConnector):
     def request_finished(self, request: Request) -> None:
         for connector in self.connectors:
             connector.request_finished(request)
+
+    def finish_loads(self) -> None:
+        for connector in self.connectors:
+            connector.finish_loads()
 
     def before_reuse(self, block_id: int) -> None:
         for connector in self.connectors:

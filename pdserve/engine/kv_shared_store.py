@@ -17,7 +17,12 @@ Lustre, a PVC: `file:///PATH`, as llm-d's filesystem backend) or a Mooncake Stor
   serving. The backend keeps itself within its bound (a directory's `max`, Mooncake's eviction).
 - **Reads** happen at admission (engine thread), for the consecutive prompt blocks after what the
   pool (and the host tier) hold, on a reader thread bounded by `READ_TIMEOUT_S`: a store that is
-  slow, gone or corrupt costs a recompute (identical output) and a counter, never a hang.
+  slow, gone or corrupt costs a recompute (identical output) and a counter, never a hang. A
+  record is one block over every layer and its digest covers all of it, so the read and the
+  checks finish before `load` may say True; only the copy of the checked payloads into the pool
+  runs later, layer by layer and overlapped with the forward, as the host tier's
+  (`pdserve.engine.kv_restore`: the payloads stay in memory until it lands, so a failed copy is
+  redone synchronously).
 
 Not exercised on hardware: on a CUDA pool the copies go through host memory; only the CPU path
 runs in the tests. With tensor parallelism each rank would need its own records (refused at start).
@@ -42,9 +47,11 @@ from pdserve.engine.block_keys import BlockKey, prompt_block_keys
 from pdserve.engine.kv_connector import ExternalKv, KvConnector
 from pdserve.engine.kv_store_backends import BlockBackend, open_backend
 from pdserve.engine.kv_events import KvEventLog, Medium
+from pdserve.engine.kv_restore import LayerRestores
 from pdserve.engine.kv_tier import TierStats
 
 if TYPE_CHECKING:
+    from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.request import Request
 
@@ -84,6 +91,8 @@ class SharedKvStore(KvConnector):
         (medium "store"; other nodes' writes reach a router through their own logs)."""
         self.stats = StoreStats()
         self.pool: KVPool | None = None
+        self.restores: LayerRestores | None = None
+        """Checked payloads waiting to be copied into the pool, layer by layer in the forward."""
         self._queue: deque[tuple[int, BlockKey, BlockKey, list[int], threading.Event]] = deque()
         self._pending: dict[int, threading.Event] = {}
         self._wake = threading.Condition()
@@ -101,6 +110,7 @@ class SharedKvStore(KvConnector):
     # --- worker side -------------------------------------------------------------------------
     def register_kv_pool(self, pool: KVPool) -> None:
         self.pool = pool
+        self.restores = LayerRestores(pool, self.stats, "KV store")
         self._thread.start()
         log.info("KV store: %s", self.backend.describe())
 
@@ -130,6 +140,8 @@ class SharedKvStore(KvConnector):
                 self._wake.notify_all()
 
     def before_reuse(self, block_id: int) -> None:
+        if self.restores is not None:  # a restore into it that never ran lands first
+            self.restores.before_reuse(block_id)
         done = self._pending.get(block_id)
         if done is not None:
             done.wait()
@@ -157,9 +169,11 @@ class SharedKvStore(KvConnector):
         return ExternalKv(load_tokens=len(held) * bs)
 
     def load(self, request: Request, block_ids: list[int]) -> bool:
+        """Read and check every record now (bounded); the copies into the pool are recorded and
+        run layer by layer in the next forward (`pdserve.engine.kv_restore`)."""
         wanted = self._matched.pop(request.request_id, [])
-        pool = self.pool
-        if pool is None or len(wanted) != len(block_ids):
+        pool, restores = self.pool, self.restores
+        if pool is None or restores is None or len(wanted) != len(block_ids):
             return False
         started = time.perf_counter()
         payloads = self._bounded(self._read_all, wanted)
@@ -167,14 +181,29 @@ class SharedKvStore(KvConnector):
             self.stats.restore_failures += 1
             return False
         shape = pool.tensor[:, 0].shape
-        for block, payload in zip(block_ids, payloads):
-            src = torch.frombuffer(bytearray(payload), dtype=pool.tensor.dtype).view(shape)
-            pool.tensor[:, block].copy_(src)
-        self.stats.restored(len(block_ids), sum(map(len, payloads)), time.perf_counter() - started)
+        sources = [torch.frombuffer(bytearray(p), dtype=pool.tensor.dtype).view(shape) for p in payloads]
+        restores.add(block_ids, sources, sum(map(len, payloads)), started, lambda: None)
         return True
 
     def forget(self, request: Request) -> None:
         self._matched.pop(request.request_id, None)
+
+    def finish_loads(self) -> None:
+        if self.restores is not None:
+            self.restores.finish_all()
+
+    # --- worker side: the restores' layers --------------------------------------------------
+    def start_load(self, batch: ForwardBatch) -> None:
+        if self.restores is not None:
+            self.restores.start(batch)
+
+    def wait_for_layer(self, layer: int) -> None:
+        if self.restores is not None:
+            self.restores.wait_layer(layer)
+
+    def wait_for_save(self) -> None:
+        if self.restores is not None:
+            self.restores.done_step()
 
     def _bounded(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         """`fn(arg)` on the reader thread, at most READ_TIMEOUT_S (the engine thread never waits on
@@ -319,4 +348,6 @@ class SharedKvStore(KvConnector):
             done.set()
         self._pending.clear()
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if self.restores is not None:
+            self.restores.close()
         self.backend.close()

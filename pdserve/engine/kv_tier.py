@@ -10,17 +10,21 @@ A connector (`pdserve.engine.kv_connector`) with vLLM's `--kv-offloading-size` s
   taken oldest-first, so by then its copy has long finished). A full queue drops the offload
   (counted), never blocks serving.
 - **Lookup.** On admission, after the pool's own prefix hit, `match` counts the next prompt
-  blocks the tier holds. The engine allocates pool blocks for them, `load` copies them back
-  (engine thread, at admission), and the engine keys them into its prefix cache: the request then
-  hits them like any cached prefix and computes only the rest.
+  blocks the tier holds. The engine allocates pool blocks for them, `load` pins their slots and
+  records the restore, and the engine keys them into its prefix cache: the request then hits them
+  like any cached prefix and computes only the rest. The copies run in the next forward, layer by
+  layer and overlapped with compute (`pdserve.engine.kv_restore`: a worker thread on a CPU pool,
+  a side stream with an event per layer on CUDA; `wait_for_layer` waits only for that layer). A
+  pinned slot is never evicted, and a copy that fails is redone synchronously, so a restore never
+  fails once `load` said True.
 - **Eviction.** The tier is an LRU of slots; a full tier drops its least recently used block.
 
 Correctness: a restored block is the block that was stored (same key, and the key fixes the model,
 dtype, geometry, block size and salt through the namespace root). The host store is this
 process's own memory, so no checksum is kept here; a store shared across nodes keeps one.
 
-Not exercised on hardware: on a CUDA pool the store is pinned and the copies run on a side stream;
-only the CPU path runs in the tests here. With tensor parallelism each rank would need its own
+Not exercised on hardware: on a CUDA pool the store is pinned and the copies (both ways) run on
+side streams; only the CPU path runs in the tests here. With tensor parallelism each rank would need its own
 tier (refused at start).
 """
 
@@ -39,8 +43,10 @@ import torch
 from pdserve.engine.block_keys import BlockKey, prompt_block_keys
 from pdserve.engine.kv_connector import ExternalKv, KvConnector
 from pdserve.engine.kv_events import KvEventLog, Medium
+from pdserve.engine.kv_restore import LayerRestores
 
 if TYPE_CHECKING:
+    from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.request import Request
 
@@ -67,6 +73,9 @@ class TierStats:
     dropped_blocks: int = 0
     """Offloads not made: the writer's queue was full."""
     restore_failures: int = 0
+    restore_fallbacks: int = 0
+    """Restores whose layer-by-layer copy failed and were copied synchronously instead (output
+    unchanged; `pdserve.engine.kv_restore`)."""
     restore_seconds: float = 0.0
     restore_latency: list[int] = field(default_factory=lambda: [0] * (len(RESTORE_BUCKETS) + 1))
     """Successful restores by latency: one count per RESTORE_BUCKETS bound, then one over the last
@@ -78,7 +87,8 @@ class TierStats:
         self.stored_bytes += nbytes
 
     def restored(self, blocks: int, nbytes: int, seconds: float) -> None:
-        """One request's restore: `blocks` blocks, `nbytes` bytes read back, in `seconds`."""
+        """One request's restore: `blocks` blocks, `nbytes` bytes read back, `seconds` from its
+        admission to its last layer landing in the pool."""
         self.restored_blocks += blocks
         self.restored_bytes += nbytes
         self.hit_requests += 1
@@ -103,6 +113,10 @@ class HostKvTier(KvConnector):
         self._slots: OrderedDict[BlockKey, int] = OrderedDict()
         """key -> slot, least recently used first."""
         self._free_slots: list[int] = []
+        self._pins: dict[int, int] = {}
+        """slot -> restores still reading it: the writer never evicts such a slot (under `_lock`)."""
+        self.restores: LayerRestores | None = None
+        """The restores recorded at admission and copied layer by layer in the forward."""
         self._lock = threading.Lock()
         self._queue: deque[tuple[int, BlockKey, threading.Event]] = deque()
         self._pending: dict[int, threading.Event] = {}
@@ -133,6 +147,7 @@ class HostKvTier(KvConnector):
         if on_cuda:
             self._side_stream = torch.cuda.Stream(t.device)
         self._free_slots = list(range(slots - 1, -1, -1))
+        self.restores = LayerRestores(pool, self.stats, "host KV tier")
         self._thread = threading.Thread(target=self._write_loop, name="kv-offload", daemon=True)
         self._thread.start()
         log.info("host KV tier: %d blocks (%.2f GiB)", slots, slots * slot_bytes / 2**30)
@@ -164,6 +179,8 @@ class HostKvTier(KvConnector):
                 self._wake.notify()
 
     def before_reuse(self, block_id: int) -> None:
+        if self.restores is not None:  # a restore into it that never ran lands first
+            self.restores.before_reuse(block_id)
         done = self._pending.get(block_id)
         if done is not None:
             done.wait()
@@ -189,25 +206,60 @@ class HostKvTier(KvConnector):
         return ExternalKv(load_tokens=len(held) * bs)
 
     def load(self, request: Request, block_ids: list[int]) -> bool:
+        """Pin the slots and record the restore: the copies run layer by layer in the next forward
+        (`start_load`, `wait_for_layer`). True means the KV is guaranteed: a pinned slot cannot be
+        evicted, and a copy that fails is redone synchronously (`pdserve.engine.kv_restore`)."""
         keys = self._matched.pop(request.request_id, [])
-        pool = self.pool
-        if pool is None or len(keys) != len(block_ids):
+        pool, restores, store = self.pool, self.restores, self.store
+        if pool is None or restores is None or store is None or len(keys) != len(block_ids):
             return False
         started = time.perf_counter()
-        with self._lock:  # the writer never reuses a slot while it is read
+        with self._lock:  # the writer evicts no pinned slot
             slots = [self._slots.get(key) for key in keys]
             if any(slot is None for slot in slots):  # evicted since match: recompute
                 self.stats.restore_failures += 1
                 return False
-            for key, slot, block in zip(keys, slots, block_ids):
+            pinned = [slot for slot in slots if slot is not None]
+            for key, slot in zip(keys, pinned):
                 self._slots.move_to_end(key)
-                assert self.store is not None and slot is not None
-                pool.tensor[:, block].copy_(self.store[slot], non_blocking=False)
-        self.stats.restored(len(block_ids), len(block_ids) * self.slot_bytes, time.perf_counter() - started)
+                self._pins[slot] = self._pins.get(slot, 0) + 1
+        restores.add(
+            block_ids,
+            [store[slot] for slot in pinned],
+            len(block_ids) * self.slot_bytes,
+            started,
+            lambda: self._unpin(pinned),
+        )
         return True
+
+    def _unpin(self, slots: list[int]) -> None:
+        with self._lock:
+            for slot in slots:
+                left = self._pins[slot] - 1
+                if left:
+                    self._pins[slot] = left
+                else:
+                    del self._pins[slot]
 
     def forget(self, request: Request) -> None:
         self._matched.pop(request.request_id, None)
+
+    def finish_loads(self) -> None:
+        if self.restores is not None:
+            self.restores.finish_all()
+
+    # --- worker side: the restores' layers --------------------------------------------------
+    def start_load(self, batch: ForwardBatch) -> None:
+        if self.restores is not None:
+            self.restores.start(batch)
+
+    def wait_for_layer(self, layer: int) -> None:
+        if self.restores is not None:
+            self.restores.wait_layer(layer)
+
+    def wait_for_save(self) -> None:
+        if self.restores is not None:
+            self.restores.done_step()
 
     # --- the writer thread -------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -233,8 +285,12 @@ class HostKvTier(KvConnector):
                 return
             if self._free_slots:
                 slot = self._free_slots.pop()
-            else:
-                old, slot = self._slots.popitem(last=False)
+            else:  # the least recently used slot no restore is reading (those were just used: at the end)
+                old = next((k for k, s in self._slots.items() if s not in self._pins), None)
+                if old is None:  # every slot is being restored from: this offload is dropped
+                    self.stats.dropped_blocks += 1
+                    return
+                slot = self._slots.pop(old)
                 self.stats.evicted_blocks += 1
                 if self.events is not None:
                     self.events.removed([old], Medium.HOST)
@@ -252,10 +308,13 @@ class HostKvTier(KvConnector):
             self.events.stored([key], 0, Medium.HOST)
 
     def close(self) -> None:
-        """Stop the writer (pending offloads are dropped; nothing waits on them after the engine stops)."""
+        """Stop the writer and the restorer (pending offloads and restores are dropped; nothing
+        waits on them after the engine stops)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
         for _, _, done in list(self._queue):
             done.set()
         self._pending.clear()
+        if self.restores is not None:
+            self.restores.close()

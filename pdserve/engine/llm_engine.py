@@ -195,6 +195,7 @@ class LLMEngine:
                     self.connector.forget(req)  # it keeps nothing for a refused request
                     raise
                 self.connector.after_alloc(req, block_ids, held)
+                self.connector.finish_loads()  # the node may send the held prefix (a D->P pull) right away
                 return KvSource("remote", block_ids, held)
         self._register(req)
         self.scheduler.waiting.append(req)

@@ -30,7 +30,8 @@ STORE_OPS = {
 class TierCollector(Collector):
     """`{prefix}_*` for one node's tier (role, model_name labels, like the node's own series): its
     blocks by operation (`ops`: name -> meaning), bytes stored and restored, requests that hit it,
-    restores that fell back to recompute, and the time restores took (a total and a histogram).
+    restores that fell back to recompute, restores whose copy was redone synchronously, and the
+    time restores took (a total and a histogram).
     `stats` is a `TierStats`."""
 
     def __init__(
@@ -68,6 +69,13 @@ class TierCollector(Collector):
             labels=names,
         )
         failures.add_metric(self.labels, s.restore_failures)
+        fallbacks = CounterMetricFamily(
+            f"{self.prefix}_restore_fallbacks",
+            f"Restores from the {what} whose layer-by-layer copy failed and was redone synchronously "
+            "(output unchanged)",
+            labels=names,
+        )
+        fallbacks.add_metric(self.labels, s.restore_fallbacks)
         seconds = CounterMetricFamily(
             f"{self.prefix}_restore_seconds", f"Time spent restoring blocks from the {what}", labels=names
         )
@@ -90,7 +98,7 @@ class TierCollector(Collector):
             cumulative += count
             buckets.append((bound, cumulative))
         latency.add_metric(self.labels, buckets, s.restore_seconds)
-        yield from (blocks, nbytes, hits, failures, seconds, latency)
+        yield from (blocks, nbytes, hits, failures, fallbacks, seconds, latency)
         for name, help_text in self.counters.items():
             counter = CounterMetricFamily(f"{self.prefix}_{name}", help_text, labels=names)
             counter.add_metric(self.labels, getattr(s, name))

@@ -95,6 +95,26 @@ def test_another_engine_restores_what_one_computed(make):
     assert registry.get_sample_value("pdserve_kv_store_timeouts_total", labels) == 0
 
 
+def test_a_store_restore_lands_layer_by_layer_and_a_failed_copy_is_redone(make):
+    tokens, _ = computed(make())
+    other = make()
+    assert other.store is not None and other.store.restores is not None
+    failed: list[int] = []
+
+    def flaky_copy(layer, dst, src):  # the copy of layer 1 into the pool fails once
+        if layer == 1 and not failed:
+            failed.append(layer)
+            raise RuntimeError("injected copy failure")
+        dst.copy_(src)
+
+    other.store.restores.copy = flaky_copy
+    again, _ = serve(other, "second")  # (serve checks integrity and that no block leaked)
+    assert failed and again == tokens
+    stats = other.store.stats
+    assert stats.restored_blocks == 15 and stats.restore_fallbacks == 1 and stats.restore_failures == 0
+    assert other.store.restores.pending == 0
+
+
 def test_a_salted_prefix_is_reachable_only_with_its_salt(make):
     first = make()
     serve(first, "salted", cache_salt="tenant-a")

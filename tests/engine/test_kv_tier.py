@@ -167,6 +167,13 @@ def test_a_decode_node_restores_from_its_tier_before_asking_a_prefill_node(make)
     source = engine.add_request("turn", turn, GREEDY, kv_transfer_params={DO_REMOTE_PREFILL: True})
     # the tier restored the 60 held tokens into the pool; the prefill node fills only the rest
     assert source.location == "remote" and source.held_tokens == 60
+    # the node may send the held prefix to a prefill node (a D->P pull) before any step: it has landed
+    tier = engine.tier
+    assert tier.restores.pending == 0 and tier.stats.restored_blocks == 15
+    keys = prompt_block_keys(request_root(engine.kv_compatibility, None), PROMPT, BS, 15)
+    with tier._lock:
+        stored = torch.stack([tier.store[tier._slots[key]] for key in keys])
+    assert torch.equal(engine.kv_pool.tensor[:, source.block_ids[:15]], stored.transpose(0, 1))
     engine.abort("turn")
     run(engine)
 
@@ -197,6 +204,123 @@ def test_the_tier_series_are_exported(make):
     assert (
         registry.get_sample_value("pdserve_kv_offload_hit_requests_total", {"role": "decode", "model_name": "m"}) == 0
     )
+    engine.tier.stats.restore_fallbacks = 2
+    assert (
+        registry.get_sample_value("pdserve_kv_offload_restore_fallbacks_total", {"role": "decode", "model_name": "m"})
+        == 2
+    )
+
+
+def evicted(make, **kw) -> tuple[LLMEngine, list[int]]:
+    """An engine whose tier holds PROMPT's blocks and whose pool no longer does, and PROMPT's
+    tokens from an engine without a tier."""
+    expected = run_one(make(offload=None), PROMPT)
+    engine = make(**kw)
+    assert run_one(engine, PROMPT) == expected
+    for i, prompt in enumerate(others(3)):
+        run_one(engine, prompt, f"o{i}")
+    settle(engine.tier)
+    assert not engine.block_manager.prefix_hits(PROMPT)
+    return engine, expected
+
+
+def check_layers_at_compute(engine: LLMEngine, monkeypatch, order: list[tuple[str, int]]) -> None:
+    """Before each layer's attention (after the tier's `wait_for_layer`), PROMPT's restored blocks
+    of that layer must already hold what the tier stores: checked there, and recorded in `order`."""
+    tier = engine.tier
+    keys = prompt_block_keys(request_root(engine.kv_compatibility, None), PROMPT, BS, 15)
+    wait_for_layer = tier.wait_for_layer
+
+    def waited(layer: int) -> None:
+        wait_for_layer(layer)
+        bm = engine.block_manager
+        if all(key in bm.hash_to_block for key in keys):
+            blocks = [bm.hash_to_block[key] for key in keys]
+            with tier._lock:
+                stored = tier.store[[tier._slots[key] for key in keys], layer]
+            assert torch.equal(engine.kv_pool.tensor[layer, blocks], stored), f"layer {layer} not landed"
+        order.append(("compute", layer))
+
+    monkeypatch.setattr(tier, "wait_for_layer", waited)
+
+
+def test_a_restore_lands_layer_by_layer_while_the_first_layers_compute(make, monkeypatch):
+    engine, expected = evicted(make)
+    tier = engine.tier
+    layers = engine.kv_pool.num_layers
+    assert layers >= 2 and engine.connector is tier
+    order: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def slow_copy(layer, dst, src):  # a slow link: 5 ms per block and layer
+        time.sleep(0.005)
+        dst.copy_(src)
+        with lock:
+            order.append(("landed", layer))
+
+    tier.restores.copy = slow_copy
+    check_layers_at_compute(engine, monkeypatch, order)
+    engine.add_request("again", PROMPT, GREEDY)
+    assert not order and tier.restores.pending == 1  # admission only recorded it
+    outs = run_outputs(engine)
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert outs[-1].num_cached_tokens == 60
+    assert order.count(("landed", 0)) == 15 and len([e for e in order if e[0] == "landed"]) == 15 * layers
+    first_compute = {layer: order.index(("compute", layer)) for layer in range(layers)}
+    last_landed = {layer: max(i for i, e in enumerate(order) if e == ("landed", layer)) for layer in range(layers)}
+    for layer in range(layers):  # no layer's attention before its KV landed
+        assert first_compute[layer] > last_landed[layer], (layer, order)
+    assert first_compute[0] < last_landed[layers - 1]  # layer 0 computed while later layers were copied
+    assert tier.restores.pending == 0 and tier.stats.hit_requests == 1 and tier.stats.restore_fallbacks == 0
+    # the latency runs from admission to the last layer landing: it spans every slow copy
+    assert sum(tier.stats.restore_latency) == 1 and tier.stats.restore_seconds >= 15 * layers * 0.005
+
+
+def test_a_copy_that_fails_mid_restore_is_redone_with_the_same_output_and_no_leak(make, monkeypatch):
+    engine, expected = evicted(make)
+    tier = engine.tier
+    failed: list[str] = []
+
+    def flaky_copy(layer, dst, src):  # the worker's copy of layer 2 fails once
+        time.sleep(0.002)
+        if layer == 2 and not failed:
+            failed.append(threading.current_thread().name)
+            raise RuntimeError("injected copy failure")
+        dst.copy_(src)
+
+    tier.restores.copy = flaky_copy
+    order: list[tuple[str, int]] = []
+    check_layers_at_compute(engine, monkeypatch, order)
+    engine.add_request("again", PROMPT, GREEDY)
+    outs = run_outputs(engine)
+    assert failed == ["host KV tier-restore"]  # it failed on the worker, mid-restore
+    assert ("compute", engine.kv_pool.num_layers - 1) in order  # every layer was checked when computed
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert outs[-1].num_cached_tokens == 60
+    assert tier.stats.restore_fallbacks == 1 and tier.stats.hit_requests == 1 and tier.stats.restore_failures == 0
+    assert tier.restores.pending == 0 and not tier._pins
+    engine.check_integrity()  # (and the fixture: every block free, owned as the statuses say)
+
+
+def test_a_slot_being_restored_from_is_never_evicted(make):
+    probe = make(offload=None)
+    slot_bytes = probe.kv_pool.block_bytes * probe.kv_pool.num_layers
+    engine, expected = evicted(make, offload=70 * slot_bytes)  # 64 blocks stored: no eviction yet
+    tier = engine.tier
+    assert tier.stats.evicted_blocks == 0
+    engine.add_request("again", PROMPT, GREEDY)  # its 15 slots are pinned until the restore lands
+    keys = prompt_block_keys(request_root(engine.kv_compatibility, None), PROMPT, BS, 15)
+    with tier._lock:
+        slots = [tier._slots[key] for key in keys]
+        before = tier.store[slots].clone()
+    for i in range(100):  # the writer stores 100 other blocks meanwhile: the tier turns over
+        tier._store(0, (1 << 62) + i)
+    assert tier.stats.evicted_blocks >= 94
+    with tier._lock:
+        assert [tier._slots.get(key) for key in keys] == slots
+        assert torch.equal(tier.store[slots], before)
+    assert [t for o in run_outputs(engine) for t in o.new_token_ids] == expected
+    assert not tier._pins  # released once landed: evictable again
 
 
 def run_outputs(engine: LLMEngine) -> list:
