@@ -67,8 +67,9 @@ def test_rotary_in_place_equals_eager(dtype, d):
     torch.manual_seed(2)
     hq, hkv, t = 4, 2, 7
     cfg = ModelConfig.from_dict(
-        dict(architectures=["LlamaForCausalLM"], hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, intermediate_size=64,
-             num_hidden_layers=1, vocab_size=100, max_position_embeddings=512, head_dim=d)
+        dict(architectures=["LlamaForCausalLM"], hidden_size=hq * d, num_attention_heads=hq,
+             num_key_value_heads=hkv, intermediate_size=64, num_hidden_layers=1, vocab_size=100,
+             max_position_embeddings=512, head_dim=d)
     )  # fmt: skip
     cos, sin = RotaryEmbedding(cfg, torch.device("cpu")).cos_sin(torch.arange(100, 100 + t), dtype)
     qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
