@@ -57,9 +57,11 @@ def resolve_device(requested: str | None) -> str:
 
 
 def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
-    """torch, cpu_paged or flashinfer. `auto` picks cpu_paged on CPU, flashinfer on CUDA when it imports and
-    the KV dtype is float16 or bfloat16 (its kernels have no float32 variant); an explicit flashinfer that
-    cannot run is refused."""
+    """torch, cpu_paged or flashinfer. `auto` picks cpu_paged on CPU; on CUDA, torch where Triton imports
+    (its decode is the Triton paged kernel, and decode steps replay CUDA graphs: engine.cuda_graphs, the
+    path measured against the device's bandwidth), else flashinfer when it imports and the KV dtype is
+    float16 or bfloat16 (its kernels have no float32 variant), else torch; an explicit flashinfer
+    that cannot run is refused."""
     backend = (requested or _DEFAULT_BACKEND).strip()
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -68,6 +70,10 @@ def resolve_backend(requested: str | None, device: str, dtype=None) -> str:
     if backend == "auto":
         if not on_gpu:
             return "cpu_paged"
+        from pdserve.engine.attention import triton_decode  # torch: imported once a device is chosen
+
+        if triton_decode.available():
+            return "torch"
         return "flashinfer" if half and flashinfer_available() else "torch"
     if backend == "cpu_paged" and on_gpu:
         raise ValueError("attention backend 'cpu_paged' runs on CPU only; use torch or flashinfer with --device cuda")

@@ -63,8 +63,8 @@ class EngineConfig:
     max_tokens and is refused when they do not fit (the only choice on decode nodes)."""
     attention_backend: str = "auto"
     """torch (reference, any device), cpu_paged (C++ op reading KV pages in place; CPU), flashinfer
-    (CUDA), or auto: flashinfer on CUDA when importable (and the KV dtype is float16 or bfloat16),
-    cpu_paged on CPU, else torch."""
+    (CUDA), or auto: cpu_paged on CPU; on CUDA torch where Triton imports (Triton decode kernel, CUDA
+    graphs), else flashinfer when importable (and the KV dtype is float16 or bfloat16), else torch."""
     layer_range: tuple[int, int] | None = None
     """Load only these layers (pipeline stage); with tensor_parallel_size > 1 each rank loads its
     shard of them (a TD-Pipe stage that is a tensor-parallel group)."""

@@ -42,7 +42,11 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_connector import NO_CONNECTOR
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.attention import AttentionBackend
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.llama import LlamaModel
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,20 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 
 """Batch sizes captured (those up to --max-num-seqs): every size up to 4, then steps of 8, 16 and
 32, so that a step pads at most 8 rows up to 64 sequences and at most 32 beyond. Larger batches
 run eager: their launches are a small share of a step that reads that much KV."""
+
+
+class GraphedRunner(Protocol):
+    """The model runner as the graphs see it (a Protocol: engine.model_runner imports this module)."""
+
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    model_config: ModelConfig
+    model: LlamaModel
+    kv_pool: KVPool
+    attention: AttentionBackend
+    tp: TPGroup | None
+    layer_range: tuple[int, int]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -103,7 +121,7 @@ class DecodeGraphs:
     after, eager, on the sampled rows), or None when no graph fits it (then the caller runs eager).
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], capture: GraphCapture | None = None) -> None:
+    def __init__(self, runner: GraphedRunner, sizes: list[int], capture: GraphCapture | None = None) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]
@@ -227,7 +245,7 @@ class DecodeGraphs:
         return out[:s]
 
 
-def graphs_unsupported(runner: ModelRunner) -> str | None:
+def graphs_unsupported(runner: GraphedRunner) -> str | None:
     """Why `runner` cannot replay decode graphs (None: it can). Checked once, at start."""
     from pdserve.engine.attention.torch_backend import TorchAttention
 

@@ -42,16 +42,24 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.kv_pool import KVPool
-    from pdserve.engine.kv_tier import TierStats
 
 log = logging.getLogger("pdserve.engine")
+
+
+class RestoreStats(Protocol):
+    """What a restore reports to (kv_tier.TierStats; a Protocol so this module imports no tier)."""
+
+    restore_fallbacks: int
+
+    def restored(self, blocks: int, nbytes: int, seconds: float) -> None: ...
+
 
 CopyFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 """`copy(layer, dst, src)`: copy one block's KV of one layer into the pool (tests slow it or fail it)."""
@@ -95,7 +103,7 @@ class LayerRestores:
     """Pending and in-flight restores into one pool, for one tier (see the module docstring).
     Every method but the worker's loop runs on the engine thread."""
 
-    def __init__(self, pool: KVPool, stats: TierStats, name: str) -> None:
+    def __init__(self, pool: KVPool, stats: RestoreStats, name: str) -> None:
         self.pool = pool
         self.stats = stats
         self.name = name

@@ -28,7 +28,7 @@ class StageConfig:
     num_threads: int = 1
     """torch threads of this stage."""
     attention_backend: str = "auto"
-    """`torch`, `flashinfer` (CUDA) or `auto` (flashinfer on CUDA when importable)."""
+    """`torch`, `flashinfer` (CUDA) or `auto` (as the serving commands': `commands.device_args.resolve_backend`)."""
     init_timeout: float = DEFAULT_INIT_TIMEOUT_S
     """Seconds to wait for the other ranks at the rendezvous, rank 0 (the controller) at
     MASTER_ADDR:MASTER_PORT, before giving up."""
