@@ -42,6 +42,7 @@ SAMPLES: dict[str, tuple[list[str], object]] = {
     "num_threads": (["--num-threads", "2"], 2),
     "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
     "enable_expert_parallel": (["--enable-expert-parallel"], True),
+    "enforce_eager": (["--enforce-eager"], True),
     "kv_offloading_bytes": (["--kv-offloading-size", "0.5"], 2**29),
     "kv_store": (["--kv-store", "file:///tmp/pdserve-kv-store-sample"], "file:///tmp/pdserve-kv-store-sample"),
 }
