@@ -54,14 +54,16 @@ def emit(result: dict) -> None:
     print(json.dumps(result), flush=True)
 
 
-def node_bench_args(description: str, secret: str) -> tuple[argparse.Namespace, str, list[str]]:
-    """The flags of the benchmarks that start node processes (--quick, --model-size), the model
+def node_bench_args(description: str, secret: str, rounds: bool = False) -> tuple[argparse.Namespace, str, list[str]]:
+    """The flags of the benchmarks that start node processes (--quick, --model-size; --rounds with `rounds`), the model
     directory and the node flags they share (free port, that model, the secret, one torch thread)."""
     from pdserve.engine.builtin import default_model_dir
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model-size", default="bench", choices=["bench", "tiny"])
+    if rounds:  # a comparison of arms (`alternate`)
+        add_rounds_arg(parser)
     args = parser.parse_args()
     model = str(default_model_dir(args.model_size))
     return args, model, ["--port", "0", "--model", model, "--cluster-secret", secret, "--num-threads", "1"]

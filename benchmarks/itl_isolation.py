@@ -7,7 +7,8 @@ computes them itself (`--colocated`, chunked prefill mixed into decode steps).
 Same model, and the same cores for both arms: the CPUs this process may use are split between the
 prefill and the decode node as `pdserve up --num-threads auto` splits them (each pinned to its own
 CPUs, torch threads = its CPUs), and the colocated node gets all of them (pinned to the same CPUs,
-as many threads). Reports ITL p50/p99 of the steady streams.
+as many threads). Reports ITL p50/p99 of the steady streams: the arms alternate over --rounds
+(default 3), each figure the median of its rounds, the ratio the median of the per-round ratios.
 
     python -m benchmarks.itl_isolation [--quick] [--model-size bench|tiny]
 """
@@ -20,7 +21,7 @@ import statistics
 import time
 
 from benchmarks.cluster_procs import NodeProc
-from benchmarks.common import emit, node_bench_args, pct
+from benchmarks.common import alternate, emit, median_figures, node_bench_args, pct
 from pdserve.commands.core_split import Share, split_cores
 
 SECRET = "bench"
@@ -88,54 +89,60 @@ def node_args(common: list[str], share: Share) -> list[str]:
     return common[:at] + ["--num-threads", str(share.threads)] + common[at + 2 :]
 
 
+def figures(gaps: list[float]) -> dict:
+    """One arm's ITL figures of one round."""
+    return {
+        "itl_p50_ms": round(statistics.median(gaps) * 1e3, 2),
+        "itl_p99_ms": round(pct(gaps, 0.99) * 1e3, 2),
+        "samples": len(gaps),
+    }
+
+
 def main() -> None:
-    args, _, common = node_bench_args(__doc__.splitlines()[0], SECRET)
+    args, _, common = node_bench_args(__doc__.splitlines()[0], SECRET, rounds=True)
     streams, tokens, long_len = (4, 40, 512) if args.quick else (8, 150, 1024)
     split = shares(sorted(os.sched_getaffinity(0)))
     where = {k: sorted(v.cpus) if v.cpus else "unpinned" for k, v in split.items()}
     print("threads: " + ", ".join(f"{k} {v.threads} (CPUs {where[k]})" for k, v in split.items()), flush=True)
-    results = {}
-    # disaggregated: 1 prefill + 1 decode process
-    prefill = NodeProc("prefill", node_args(common, split["prefill"]), cpus=split["prefill"].cpus)
-    try:
-        decode = NodeProc("decode", node_args(common, split["decode"]), cpus=split["decode"].cpus)
+
+    def disaggregated() -> dict:  # 1 prefill + 1 decode process
+        prefill = NodeProc("prefill", node_args(common, split["prefill"]), cpus=split["prefill"].cpus)
         try:
-            results["disaggregated"] = asyncio.run(
-                run_mode(decode.address, [prefill.address], streams, tokens, long_len)
-            )
+            decode = NodeProc("decode", node_args(common, split["decode"]), cpus=split["decode"].cpus)
+            try:
+                return figures(asyncio.run(run_mode(decode.address, [prefill.address], streams, tokens, long_len)))
+            finally:
+                decode.stop()
         finally:
-            decode.stop()
-    finally:
-        prefill.stop()
-    # colocated: the decode node computes the prompts itself, on the same cores
-    colocated = split["colocated"]
-    colo = NodeProc("decode", node_args(common, colocated) + ["--colocated"], cpus=colocated.cpus)
-    try:
-        results["colocated"] = asyncio.run(run_mode(colo.address, [], streams, tokens, long_len))
-    finally:
-        colo.stop()
-    summary = {
-        mode: {
-            "itl_p50_ms": round(statistics.median(g) * 1e3, 2),
-            "itl_p99_ms": round(pct(g, 0.99) * 1e3, 2),
-            "samples": len(g),
-        }
-        for mode, g in results.items()
-    }
+            prefill.stop()
+
+    def colocated() -> dict:  # the decode node computes the prompts itself, on the same cores
+        share = split["colocated"]
+        colo = NodeProc("decode", node_args(common, share) + ["--colocated"], cpus=share.cpus)
+        try:
+            return figures(asyncio.run(run_mode(colo.address, [], streams, tokens, long_len)))
+        finally:
+            colo.stop()
+
+    rounds = alternate({"disaggregated": disaggregated, "colocated": colocated}, args.rounds)
+    summary = {mode: median_figures(rounds.of(mode)) for mode in ("disaggregated", "colocated")}
     d, c = summary["disaggregated"], summary["colocated"]
     for mode, s in summary.items():
-        print(f"{mode}: ITL p50 {s['itl_p50_ms']} ms, p99 {s['itl_p99_ms']} ms ({s['samples']} gaps)")
+        print(f"{mode}: ITL p50 {s['itl_p50_ms']} ms, p99 {s['itl_p99_ms']} ms (median of {args.rounds} rounds)")
+    ratios = rounds.ratios("disaggregated", "colocated", "itl_p99_ms")
     emit(
         {
             "metric": "itl_p99_ms_disaggregated",
             "value": d["itl_p99_ms"],
             "baseline": c["itl_p99_ms"],
-            "ratio": round(d["itl_p99_ms"] / c["itl_p99_ms"], 3),
+            "ratio": round(statistics.median(ratios), 3),
+            "ratio_per_round": [round(r, 3) for r in ratios],
             "target": "< 1 (lower is better)",
             "model": args.model_size,
             "threads": {k: v.threads for k, v in split.items()},
             "cpus": {k: sorted(v.cpus) if v.cpus else None for k, v in split.items()},
             **{f"{m}_{k}": v for m, s in summary.items() for k, v in s.items()},
+            "per_round": rounds.rounds,
         }
     )
 
