@@ -55,10 +55,10 @@ COMPAT = "model=trace;block_size=16"
 ROOT = namespace_root(COMPAT)  # the nodes key blocks as real nodes do: from their compatibility (no salt)
 
 # Restore costs per trace block (512 tokens). BENCHMARKS.md records no restore bandwidth (its Host
-# KV tier entry is a TTFT ratio on a CPU model; the only transfer figure, CacheStore tcp, is loopback
-# TCP on a 2-core VM), so these are stated assumptions, not measurements: a model that prefills
-# 16k tok/s (the default cost model: 32 ms per block) is about an 8B model with GQA, 128 KiB of KV
-# per token in fp16, so 64 MiB per block.
+# KV tier entry gives TTFTs of a CPU model; its only transfer figure, CacheStore tcp, is loopback TCP
+# between two CPU processes, not a GPU host's copy), so these are stated assumptions, not
+# measurements: a model that prefills 16k tok/s (the default cost model: 32 ms per block) is about
+# an 8B model with GQA, 128 KiB of KV per token in fp16, so 64 MiB per block.
 HOST_RESTORE_S = 64 / 1024 / 20.0
 """64 MiB from pinned host memory at an assumed 20 GB/s (PCIe 4 x16): 3.1 ms per block."""
 STORE_RESTORE_S = 64 / 1024 / 5.0
