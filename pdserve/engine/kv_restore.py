@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from pdserve.engine.kv_connector import KvConnector
+
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.kv_pool import KVPool
@@ -320,3 +322,31 @@ class LayerRestores:
             seconds = restore.landed_at - restore.queued_at
         restore.on_done()
         self.stats.restored(len(restore.blocks), restore.nbytes, seconds)
+
+
+class RestoringConnector(KvConnector):
+    """A tier below the pool whose restores go through `LayerRestores`: the connector hooks that only
+    hand on to them (the host tier and the shared store both are such connectors). `restores` is
+    set when the pool is registered."""
+
+    restores: LayerRestores | None = None
+
+    def before_reuse(self, block_id: int) -> None:
+        if self.restores is not None:  # a restore into it that never ran lands first
+            self.restores.before_reuse(block_id)
+
+    def finish_loads(self) -> None:
+        if self.restores is not None:
+            self.restores.finish_all()
+
+    def start_load(self, batch: ForwardBatch) -> None:
+        if self.restores is not None:
+            self.restores.start(batch)
+
+    def wait_for_layer(self, layer: int) -> None:
+        if self.restores is not None:
+            self.restores.wait_layer(layer)
+
+    def wait_for_save(self) -> None:
+        if self.restores is not None:
+            self.restores.done_step()

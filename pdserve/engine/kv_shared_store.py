@@ -44,14 +44,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from pdserve.engine.block_keys import BlockKey, prompt_block_keys
-from pdserve.engine.kv_connector import ExternalKv, KvConnector
+from pdserve.engine.kv_connector import ExternalKv
 from pdserve.engine.kv_store_backends import BlockBackend, open_backend
 from pdserve.engine.kv_events import KvEventLog, Medium
-from pdserve.engine.kv_restore import LayerRestores
+from pdserve.engine.kv_restore import LayerRestores, RestoringConnector
 from pdserve.engine.kv_tier import TierStats
 
 if TYPE_CHECKING:
-    from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.request import Request
 
@@ -78,7 +77,7 @@ class StoreStats(TierStats):
     """Lookups or reads that took over READ_TIMEOUT_S (the store is then skipped for DOWN_BACKOFF_S)."""
 
 
-class SharedKvStore(KvConnector):
+class SharedKvStore(RestoringConnector):
     """Blocks of one model's KV in the store `url` names (shared by every node that reaches it)."""
 
     def __init__(
@@ -140,8 +139,7 @@ class SharedKvStore(KvConnector):
                 self._wake.notify_all()
 
     def before_reuse(self, block_id: int) -> None:
-        if self.restores is not None:  # a restore into it that never ran lands first
-            self.restores.before_reuse(block_id)
+        super().before_reuse(block_id)
         done = self._pending.get(block_id)
         if done is not None:
             done.wait()
@@ -187,23 +185,6 @@ class SharedKvStore(KvConnector):
 
     def forget(self, request: Request) -> None:
         self._matched.pop(request.request_id, None)
-
-    def finish_loads(self) -> None:
-        if self.restores is not None:
-            self.restores.finish_all()
-
-    # --- worker side: the restores' layers --------------------------------------------------
-    def start_load(self, batch: ForwardBatch) -> None:
-        if self.restores is not None:
-            self.restores.start(batch)
-
-    def wait_for_layer(self, layer: int) -> None:
-        if self.restores is not None:
-            self.restores.wait_layer(layer)
-
-    def wait_for_save(self) -> None:
-        if self.restores is not None:
-            self.restores.done_step()
 
     def _bounded(self, fn: Callable[[Any], Any], arg: Any) -> Any:
         """`fn(arg)` on the reader thread, at most READ_TIMEOUT_S (the engine thread never waits on

@@ -41,12 +41,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.block_keys import BlockKey, prompt_block_keys
-from pdserve.engine.kv_connector import ExternalKv, KvConnector
+from pdserve.engine.kv_connector import ExternalKv
 from pdserve.engine.kv_events import KvEventLog, Medium
-from pdserve.engine.kv_restore import LayerRestores
+from pdserve.engine.kv_restore import LayerRestores, RestoringConnector
 
 if TYPE_CHECKING:
-    from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.request import Request
 
@@ -96,7 +95,7 @@ class TierStats:
         self.restore_latency[bisect.bisect_left(RESTORE_BUCKETS, seconds)] += 1
 
 
-class HostKvTier(KvConnector):
+class HostKvTier(RestoringConnector):
     """A host-memory KV tier of `capacity_bytes` below the engine's pool."""
 
     def __init__(self, capacity_bytes: int, events: KvEventLog | None = None) -> None:
@@ -179,8 +178,7 @@ class HostKvTier(KvConnector):
                 self._wake.notify()
 
     def before_reuse(self, block_id: int) -> None:
-        if self.restores is not None:  # a restore into it that never ran lands first
-            self.restores.before_reuse(block_id)
+        super().before_reuse(block_id)
         done = self._pending.get(block_id)
         if done is not None:
             done.wait()
@@ -243,23 +241,6 @@ class HostKvTier(KvConnector):
 
     def forget(self, request: Request) -> None:
         self._matched.pop(request.request_id, None)
-
-    def finish_loads(self) -> None:
-        if self.restores is not None:
-            self.restores.finish_all()
-
-    # --- worker side: the restores' layers --------------------------------------------------
-    def start_load(self, batch: ForwardBatch) -> None:
-        if self.restores is not None:
-            self.restores.start(batch)
-
-    def wait_for_layer(self, layer: int) -> None:
-        if self.restores is not None:
-            self.restores.wait_layer(layer)
-
-    def wait_for_save(self) -> None:
-        if self.restores is not None:
-            self.restores.done_step()
 
     # --- the writer thread -------------------------------------------------------------------
     def _write_loop(self) -> None:
