@@ -86,13 +86,6 @@ def _kernels():  # built on first use: importing this module needs no triton
     return add_rms_norm_kernel, silu_mul_kernel, rotary_kernel
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 class CudaFusedOps(EagerOps):
     """`EagerOps`' steps, one Triton kernel each (CUDA; the GEMMs stay cuBLAS's)."""
 
@@ -106,7 +99,7 @@ class CudaFusedOps(EagerOps):
             return EagerOps.add_rms_norm(x, residual, weight, eps)
         rows, n = x.shape
         out = torch.empty_like(x)
-        block = _pow2(n)
+        block = triton_decode.pow2_at_least(n)
         _kernels()[0][(rows,)](
             x, residual if residual is not None else x, weight, out, x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), n, eps,
@@ -136,7 +129,14 @@ class CudaFusedOps(EagerOps):
             return EagerOps.rotate_qk(qkv, cos, sin, hq, hkv, d)
         cos2, sin2 = cos.reshape(cos.shape[0], d), sin.reshape(sin.shape[0], d)
         _kernels()[2][(qkv.shape[0], hq + hkv)](
-            qkv, cos2, sin2, qkv.stride(0), cos2.stride(0), HALF=d // 2, HALF_PAD=_pow2(d // 2), num_warps=1
+            qkv,
+            cos2,
+            sin2,
+            qkv.stride(0),
+            cos2.stride(0),
+            HALF=d // 2,
+            HALF_PAD=triton_decode.pow2_at_least(d // 2),
+            num_warps=1,
         )
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         return q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)

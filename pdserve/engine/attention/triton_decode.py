@@ -197,7 +197,9 @@ def _kernel():  # the jit function is built on first use so that importing this 
     return paged_decode_kernel, reduce_splits_kernel
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
+def pow2_at_least(n: int, floor: int = 1) -> int:
+    """The least power of two >= n and >= floor (a tile's padded extent: Triton's ranges are powers
+    of two)."""
     p = floor
     while p < n:
         p *= 2
@@ -241,7 +243,7 @@ def paged_decode(
     tile = max(tile, page)
     if splits is None:
         splits = split_count(s * hkv, table.shape[1] * page, tile, q.device)
-    d_pad = _pow2_at_least(d, MIN_DOT)
+    d_pad = pow2_at_least(d, MIN_DOT)
     ws_acc = ws_ml = q  # never written with one split
     if splits > 1:
         ws_acc = torch.empty(s, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -273,7 +275,7 @@ def paged_decode(
         window or 0,
         NSPLIT=splits,
         GROUP=group,
-        GROUP_PAD=_pow2_at_least(group, MIN_DOT),
+        GROUP_PAD=pow2_at_least(group, MIN_DOT),
         HEAD_DIM=d,
         D_PAD=d_pad,
         PAGE=page,
@@ -291,7 +293,7 @@ def paged_decode(
             out.stride(0),
             out.stride(1),
             NSPLIT=splits,
-            NSPLIT_PAD=_pow2_at_least(splits, 2),
+            NSPLIT_PAD=pow2_at_least(splits, 2),
             HEAD_DIM=d,
             D_PAD=d_pad,
             HAS_SINKS=sinks is not None,
