@@ -28,7 +28,8 @@ class AttentionMetadata:
     """The model's attention window: a query at position i sees keys i - W + 1 .. i (None: 0 .. i)."""
     decode_table: torch.Tensor | None = None
     """int32 [S, P]: a decode step's block tables already on the device (a CUDA graph's fixed-width
-    input, engine.cuda_graphs); None: the backend builds them from `batch`."""
+    input, engine.cuda_graphs); None: the backend builds them from `batch`, once per step (the
+    torch backend keeps them here for the step's later layers)."""
     decode_ctx: torch.Tensor | None = None
     """int32 [S]: each sequence's context length, on the device, beside `decode_table`."""
 

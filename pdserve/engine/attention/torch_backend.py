@@ -67,8 +67,8 @@ class TorchAttention(AttentionBackend):
         batch, bs = meta.batch, meta.block_size
         table, ctx = meta.decode_table, meta.decode_ctx
         if q.is_cuda and v_pages is not k_pages and triton_decode.available():
-            if table is None or ctx is None:  # an eager step: its tables from the batch's lists
-                table, ctx = decode_tables(batch, bs, q.device)
+            if table is None or ctx is None:  # an eager step: its tables from the batch's lists, once per step
+                table, ctx = meta.decode_table, meta.decode_ctx = decode_tables(batch, bs, q.device)
             return triton_decode.paged_decode(q, k_pages, v_pages, table, ctx, scale, window, sinks)
         if table is not None and ctx is not None:  # a graph's fixed-width tables, without the kernel
             max_pages, ctx = table.shape[1], ctx.long()
