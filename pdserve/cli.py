@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.commands.model_args import resolve_model_args
 
         resolve_model_args(args)
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    if "pdserve.engine.kv_mooncake" in sys.modules:  # a node that used a Mooncake Store: see exit_process
+        return sys.modules["pdserve.engine.kv_mooncake"].exit_process(code)
+    return code
 
 
 if __name__ == "__main__":

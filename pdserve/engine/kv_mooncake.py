@@ -17,13 +17,17 @@ exceptions; a dead master makes every call block about 4 s and a hung one until
 MC_RPC_TIMEOUT_MS (set to 3000 here unless given), while `health_check` answers at once. So every
 call is skipped while the client is unhealthy (a miss, a dropped write), and the store above
 bounds reads by its own timeout. A record whose lending node died reads as a miss. Calls on a
-closed client crash the process in that version: `close` is fenced by a lock.
+closed client crash the process in that version: `close` is fenced by a lock. Its teardown at
+process exit can also abort (std::terminate, SIGABRT) once its master has died, even after every
+client was closed: a process that opened a client ends through `exit_process`, which the `pdserve`
+command calls for every node.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 
 from pdserve.engine.kv_sizing import parse_memory_size
@@ -34,6 +38,25 @@ DEFAULTS = {"segment": "1GiB", "buffer": "64MiB", "protocol": "tcp", "metadata":
 CLIENT_ENV = {"MC_RPC_TIMEOUT_MS": "3000", "MC_STORE_CLIENT_SETUP_RETRIES": "2", "MC_LOG_LEVEL": "WARNING"}
 """Set unless the environment has them: bounded calls against a hung master, a start that fails in
 seconds (not 90) without one, and no INFO log per call."""
+_opened = False
+"""Whether this process ever set up a Mooncake client (see `exit_process`)."""
+
+
+def exit_process(code: int) -> int:
+    """Ends this process with `code` if it ever opened a Mooncake client; else returns `code`.
+
+    Python's exit handlers run first (every client closes there) and the standard streams are
+    flushed; then the process leaves by `os._exit`, skipping the C++ teardown that in 0.3.13 can
+    abort with SIGABRT when the master died, so the exit status stays the node's own."""
+    if not _opened:
+        return code
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing left to flush into it
+            pass
+    os._exit(code)
 
 
 def _size(options: dict[str, str], name: str) -> int:
@@ -68,6 +91,8 @@ class MooncakeBackend:
         )
         if rc != 0:
             raise ValueError(f"--kv-store: the Mooncake master at {master} cannot be used (setup returned {rc})")
+        global _opened
+        _opened = True
         self._lock = threading.Lock()
         self._closed = False
         # a client left open at exit aborts the process when its master is gone (0.3.13): close first

@@ -230,3 +230,25 @@ def test_a_mooncake_store_without_the_mooncake_package_is_refused_naming_it(make
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the wheel were not installed
     with pytest.raises(ValueError, match="--kv-store mooncake://.*mooncake-transfer-engine"):
         make(store="mooncake://127.0.0.1:50051")
+
+
+EXIT_SCRIPT = """
+import atexit, sys
+from pdserve.engine import kv_mooncake
+atexit.register(lambda: sys.stdout.write("exit handlers ran"))  # unflushed: exit_process flushes it
+print("returned", kv_mooncake.exit_process(5), flush=True)
+kv_mooncake._opened = True  # as after a client's setup
+kv_mooncake.exit_process(3)
+print("not reached")
+"""
+
+
+def test_a_process_that_opened_a_mooncake_client_exits_with_its_own_code_after_its_exit_handlers():
+    """Mooncake 0.3.13's C++ teardown can abort a process whose master died: such a process leaves by
+    os._exit, after Python's exit handlers, with the status it chose; any other returns the code."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == ["returned 5", "exit handlers ran"]
