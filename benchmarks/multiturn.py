@@ -15,13 +15,23 @@ a time, each on a fresh server, alternating their order over `--rounds` rounds (
 figure reported is the median over the rounds (ratios: the median of the per-round ratios), and
 the per-round figures are in the result line (`rounds`).
 
-    python -m benchmarks.multiturn [--quick] [--rounds N] [--vllm-python PATH]
+Two workloads (`--workload`): `chat` (the default, on which `--local-prefill-max-tokens`' default
+was tuned): user turns of 20-50 corpus words (about 35-85 tokens) and 16-token answers (32 without
+--quick); `docs`, for checking that default on a workload it was not tuned on: each user turn pastes
+a passage of 40-200 words (about 45-285 tokens) and answers are 48 tokens, so a later turn's
+uncached part (answer + turn) is about 90-330 tokens, above the default and around other values. `--local-prefill-arms N,M` adds a reuse arm per threshold, alternated in
+the same rounds as the others (`local_prefill` in the result line: each arm's TTFT p50 and its ratio
+to the default's, per round and median).
+
+    python -m benchmarks.multiturn [--quick] [--rounds N] [--vllm-python PATH] [--workload chat|docs]
+        [--local-prefill-arms N,M]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import subprocess
@@ -38,7 +48,15 @@ from benchmarks.multiturn_servers import VLLM_MODE, free_port, start_up, start_v
 BLOCK = 16
 
 
-def workload(tokenizer, sessions: int, turns: int, seed: int) -> tuple[list[int], list[list[list[int]]]]:
+WORKLOADS = {"chat": (20, 50), "docs": (40, 200)}
+"""Workload name -> (shortest, longest) user turn in corpus words (about a token each)."""
+ANSWER_TOKENS = {"chat": (16, 32), "docs": (48, 48)}
+"""Workload name -> answer length (--quick, full)."""
+
+
+def workload(
+    tokenizer, sessions: int, turns: int, seed: int, turn_words: tuple[int, int] = WORKLOADS["chat"]
+) -> tuple[list[int], list[list[list[int]]]]:
     """The shared system prompt (~1k tokens of corpus text) and each session's user messages."""
     text = (ROOT / "pdserve" / "engine" / "data" / "corpus.txt").read_text().split()
     rng = random.Random(seed)
@@ -48,8 +66,8 @@ def workload(tokenizer, sessions: int, turns: int, seed: int) -> tuple[list[int]
         system += tokenizer.encode(" ".join(text[start : start + 40]), add_special_tokens=not system)
     users = [
         [
-            tokenizer.encode(" ".join(text[s : s + rng.randrange(20, 50)]), False)
-            for s in rng.sample(range(len(text) - 60), turns)
+            tokenizer.encode(" ".join(text[s : s + rng.randrange(*turn_words)]), False)
+            for s in rng.sample(range(len(text) - turn_words[1] - 10), turns)
         ]
         for _ in range(sessions)
     ]
@@ -165,6 +183,12 @@ def main() -> None:
         default=None,
         help="for the reuse arm's nodes (default: pdserve's; 0: every turn remote)",
     )
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="chat", help="see the module's docstring")
+    parser.add_argument(
+        "--local-prefill-arms",
+        default="",
+        help="comma-separated --local-prefill-max-tokens values, one more reuse arm each (e.g. 0,256)",
+    )
     parser.add_argument(
         "--kv-pull-min-blocks",
         default=None,
@@ -176,8 +200,13 @@ def main() -> None:
 
     model = str(default_model_dir(args.model_size))
     tokenizer = Tokenizer(model)
-    sessions, turns, max_tokens = (4, 3, 16) if args.quick else (12, 5, 32)
-    system, users = workload(tokenizer, sessions, turns, args.seed)
+    sessions, turns = (4, 3) if args.quick else (12, 5)
+    max_tokens = ANSWER_TOKENS[args.workload][0 if args.quick else 1]
+    system, users = workload(tokenizer, sessions, turns, args.seed, WORKLOADS[args.workload])
+    try:
+        thresholds = [int(v) for v in args.local_prefill_arms.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--local-prefill-arms: whole numbers separated by commas, got {args.local_prefill_arms!r}")
     routing = (
         "--routing"
         in subprocess.run(
@@ -194,17 +223,58 @@ def main() -> None:
         "reuse": lambda: run_arm(model, reuse_flags, system, users, max_tokens),
         "base": lambda: run_arm(model, base_flags, system, users, max_tokens),
     }
+    for n in thresholds:  # the reuse arm with another --local-prefill-max-tokens (the last one given wins)
+        flags = reuse_flags + ["--local-prefill-max-tokens", str(n)]
+        arms[f"reuse@{n}"] = functools.partial(run_arm, model, flags, system, users, max_tokens)
     if args.vllm_python:
         arms["vllm"] = lambda: run_vllm(args.vllm_python, model, system, users, max_tokens)
     ran = alternate(arms, args.rounds, optional={"vllm"})
     runs = ran.rounds
-    per_round = [summarize(r["reuse"], r["base"], routing) | versus_vllm(r["reuse"], r.get("vllm")) for r in runs]
+    per_round = [
+        summarize(r["reuse"], r["base"], routing)
+        | versus_vllm(r["reuse"], r.get("vllm"))
+        | thresholds_vs(r, thresholds)
+        for r in runs
+    ]
     result = median_figures(per_round)
     if "vllm" in ran.errors:
         result["vllm_error"] = ran.errors["vllm"]
     if args.vllm_python:
         result["vllm_mode"] = VLLM_MODE
-    emit({**result, "rounds": per_round, "sessions": sessions, "turns": turns, "model": args.model_size})
+    if thresholds:
+        result["local_prefill"] = {
+            str(n): {
+                "ttft_p50": result[f"reuse@{n}_ttft_p50"],
+                "ratio_to_default": result[f"reuse@{n}_ratio_to_default"],
+                "ratio_per_round": [r[f"reuse@{n}_ratio_to_default"] for r in per_round],
+            }
+            for n in thresholds
+        }
+        result["local_prefill_default"] = args.local_prefill_max_tokens or "pdserve's"
+    emit(
+        {
+            **result,
+            "rounds": per_round,
+            "workload": args.workload,
+            "sessions": sessions,
+            "turns": turns,
+            "max_tokens": max_tokens,
+            "model": args.model_size,
+        }
+    )
+
+
+def thresholds_vs(arms: dict, thresholds: list[int]) -> dict:
+    """One round's TTFT p50 (turns >= 2) of each extra --local-prefill-max-tokens arm, and its ratio to
+    the reuse arm's (the default threshold's; above 1: the default was faster); identical text too."""
+    default = pct(arms["reuse"]["ttft"], 0.5)
+    out: dict = {}
+    for n in thresholds:
+        arm = arms[f"reuse@{n}"]
+        out[f"reuse@{n}_ttft_p50"] = round(pct(arm["ttft"], 0.5), 4)
+        out[f"reuse@{n}_ratio_to_default"] = round(pct(arm["ttft"], 0.5) / default, 3)
+        out[f"reuse@{n}_identical"] = arm["texts"] == arms["reuse"]["texts"]
+    return out
 
 
 def versus_vllm(reuse: dict, peer: dict | None) -> dict:

@@ -35,19 +35,26 @@ Throughput is output tokens over the job's span (first batch start to last batch
 end over all stages), so process start-up and model loading are left out; the
 engine is timed from its first step to its last.
 
-    python -m benchmarks.tdpipe_runtime [--quick] [--plot timeline.png] [--requests N] [--model-size tiny|bench]
-        [--lengths predicted|exact]
+Rounds: every run (engine.LLM and each policy) is repeated `--rounds` times (default 3), the order
+reversed on every other round; each figure is the median over the rounds, each ratio the median of
+the per-round ratios, and the JSON keeps every round's tok/s (`per_round`). The simulator's
+prediction is made once (it is deterministic).
+
+    python -m benchmarks.tdpipe_runtime [--quick] [--rounds N] [--plot timeline.png] [--requests N]
+        [--model-size tiny|bench] [--lengths predicted|exact]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import emit
+from benchmarks.common import add_rounds_arg, alternate, emit, median_figures
 from benchmarks.tdpipe_runs import BLOCK_SIZE, NUM_STAGES, build_workload, predict, run_llm, run_pipeline
 from pdserve.tdpipe.config import InstanceConfig
 from pdserve.tdpipe.runtime.profile import build_cost_table, plan_profile
@@ -140,7 +147,8 @@ def main() -> None:
         help="prefill batches on the equal layer split, decode steps on the head-weighted one, for every "
         "policy (pdserve batch --phase-split; default on)",
     )
-    parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run")
+    add_rounds_arg(parser)
+    parser.add_argument("--plot", default=None, help="write a stages x time PNG of every runtime run (first round)")
     parser.add_argument("--dump", default=None, help="write the stages' raw timelines (JSON) of every runtime run")
     args = parser.parse_args()
 
@@ -242,23 +250,31 @@ def main() -> None:
         flush=True,
     )
 
-    # 3. the real runs
-    results: dict[str, dict] = {}
-    if not args.skip_llm:
-        results["llm"] = run_llm(model_dir, reqs, kv_blocks, args.llm_threads, max_batch)
-        print(f"engine.LLM: {results['llm']['tok_s']:.1f} tok/s ({results['llm']['seconds']:.1f}s)", flush=True)
-    same_decisions = {}
-    for policy in policies:
-        results[policy] = r = run_pipeline(model_dir, reqs, kv_blocks, POLICIES[policy], max_batch, table, phase_split)
+    # 3. the real runs, alternating over the rounds
+    def llm_run() -> dict:
+        r = run_llm(model_dir, reqs, kv_blocks, args.llm_threads, max_batch)
+        print(f"engine.LLM: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s)", flush=True)
+        return r
+
+    def pipeline_run(policy: str) -> dict:
+        r = run_pipeline(model_dir, reqs, kv_blocks, POLICIES[policy], max_batch, table, phase_split)
         # the runtime and the simulator run one policy object on one table: their decisions must agree,
         # so the prediction error below is the cost model's, not a different schedule's
-        same_decisions[policy] = r.pop("decisions") == sims[policy][1]
+        r["same_decisions"] = r.pop("decisions") == sims[policy][1]
         print(
             f"{LABELS[policy]}: {r['tok_s']:.1f} tok/s ({r['seconds']:.1f}s), bubble {r['bubble']:.1%}, "
             f"predicted {predicted[policy].throughput:.1f}, {r['batches']} batches, "
-            f"decisions == simulator's: {same_decisions[policy]}",
+            f"decisions == simulator's: {r['same_decisions']}",
             flush=True,
         )
+        return r
+
+    arms = {} if args.skip_llm else {"llm": llm_run}
+    arms |= {p: functools.partial(pipeline_run, p) for p in policies}
+    ran = alternate(arms, args.rounds)
+    # medians of the numbers; the timelines (--plot, --dump) are the first round's
+    results = {name: median_figures(ran.of(name)) for name in arms}
+    same_decisions = {p: results[p]["same_decisions"] for p in policies}  # true only if true in every round
 
     # 4. report
     sb = results.get("pp-sb", {}).get("tok_s")
@@ -302,6 +318,8 @@ def main() -> None:
         Path(args.dump).write_text(json.dumps({n: r["timelines"] for n, r in results.items() if "timelines" in r}))
 
     td = results["tdpipe"]["tok_s"] if "tdpipe" in results else None
+    sb_ratios = ran.ratios("tdpipe", "pp-sb", "tok_s") if td and sb else []
+    llm_ratios = ran.ratios("tdpipe", "llm", "tok_s") if td and llm else []
     if td and llm:
         verdict = "faster than" if td > llm else "slower than"
         print(
@@ -314,11 +332,15 @@ def main() -> None:
             "metric": "tdpipe_output_tok_s",
             "value": round(td, 2) if td else None,
             "baseline": round(sb, 2) if sb else None,
-            "ratio": round(td / sb, 3) if sb and td else None,
+            "ratio": round(statistics.median(sb_ratios), 3) if sb_ratios else None,
+            "ratio_per_round": [round(r, 3) for r in sb_ratios],
             "target": 1.3,
             "unit": "output tok/s of the real 2-stage runtime; baseline PP+SB, target TD-Pipe/PP+SB >= 1.3",
             "llm_baseline": round(llm, 2) if llm else None,
-            "llm_ratio": round(td / llm, 3) if td and llm else None,
+            "llm_ratio": round(statistics.median(llm_ratios), 3) if llm_ratios else None,
+            "llm_ratio_per_round": [round(r, 3) for r in llm_ratios],
+            "rounds": args.rounds,
+            "per_round": [{n: round(r["tok_s"], 1) for n, r in got.items()} for got in ran.rounds],
             "lengths": args.lengths,
             "predicted_exact": hits,
             "model": model_dir.name,

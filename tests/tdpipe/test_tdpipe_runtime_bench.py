@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -128,7 +129,7 @@ def test_bubble_and_switches_from_timelines(tmp_path) -> None:
 def test_quick_benchmark_prints_json(tmp_path) -> None:
     png = tmp_path / "timeline.png"
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tdpipe_runtime", "--quick", "--plot", str(png)],
+        [sys.executable, "-m", "benchmarks.tdpipe_runtime", "--quick", "--rounds", "2", "--plot", str(png)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -145,10 +146,16 @@ def test_quick_benchmark_prints_json(tmp_path) -> None:
     assert result["profile_seconds"] >= 0 and isinstance(result["profile_cached"], bool)
     assert set(result["overheads"]) >= {"handoff_ms", "dispatch_ms"}
     assert result["target"] == 1.3 and "tdpipe" in result["tok_s"] and "tdpipe" in result["sim_error"]
-    # value and baseline are the two policies' measured rates, the ratio is theirs
-    assert result["value"] == pytest.approx(result["tok_s"]["tdpipe"], abs=0.1)
-    assert result["baseline"] == pytest.approx(result["tok_s"]["pp-sb"], abs=0.1)
-    assert result["ratio"] == pytest.approx(result["value"] / result["baseline"], abs=2e-3)
+    # every arm ran once per round; value and baseline are the two policies' median rates, the ratio
+    # the median of the rounds' paired ratios
+    rounds = result["per_round"]
+    assert result["rounds"] == len(rounds) == 2 and all(set(r) == {"llm", "tdpipe", "pp-sb", "pp-hb"} for r in rounds)
+    assert result["value"] == pytest.approx(statistics.median(r["tdpipe"] for r in rounds), abs=0.1)
+    assert result["baseline"] == pytest.approx(statistics.median(r["pp-sb"] for r in rounds), abs=0.1)
+    paired = [r["tdpipe"] / r["pp-sb"] for r in rounds]
+    assert result["ratio_per_round"] == pytest.approx(paired, abs=2e-3)
+    assert result["ratio"] == pytest.approx(statistics.median(paired), abs=2e-3)
+    assert len(result["llm_ratio_per_round"]) == 2
     assert png.is_file()
 
 
