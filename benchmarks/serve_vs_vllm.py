@@ -11,8 +11,14 @@ targets: tok/s >= 1.1, TTFT p99 <= 1.0, ITL p99 <= 1.0. The last line's `ratio` 
 (target 1.0), the others are fields. Without `--vllm-python` (or when vLLM fails to start) pdserve
 runs alone and says so.
 
+`--input-tokens`, `--output-tokens` and `--concurrency` change the workload (a default tuned on the
+default one, such as the router's `--prefill-saturated-tokens`, is checked on another this way), and
+each `--alt-up-args "FLAGS"` adds one more pdserve arm with those extra `pdserve up` flags, alternated
+in the same rounds (`alt` in the result line: its figures and its per-round ratios to the default arm).
+
     python -m benchmarks.serve_vs_vllm [--quick] [--rounds N] [--vllm-python PATH] [--aiperf PATH]
         [--model-size bench|tiny] [--up-args "--num-threads 1"] [--artifacts DIR]
+        [--input-tokens N] [--output-tokens N] [--concurrency N] [--alt-up-args "FLAGS"]...
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from benchmarks.aiperf_client import INSTALL_HINT, Workload, find_aiperf, profile
@@ -56,6 +63,21 @@ def describe(name: str, arm: dict) -> str:
         f"ITL p50 {arm['itl_p50_ms']:.1f} ms p99 {arm['itl_p99_ms']:.1f} ms "
         f"({arm['completed']} requests, {arm['error_rate_pct']:.1f}% errors, {arm['output_len']:.0f} tokens out)"
     )
+
+
+def compare_alts(runs: Rounds, alts: dict[str, str]) -> dict:
+    """Each extra pdserve arm (its `pdserve up` flags): its median figures, and its ratios to the default
+    arm's (median of the per-round ratios; tok/s higher is better, TTFT and ITL lower)."""
+    out = {}
+    for name, flags in alts.items():
+        per_key = {k: runs.ratios(name, "pdserve", k) for k in RATIOS}
+        out[name] = {
+            "up_args": flags,
+            "figures": median_figures(runs.of(name)),
+            **{f"{k}_vs_default": round(statistics.median(v), 3) if v else None for k, v in per_key.items()},
+            "ttft_p99_vs_default_per_round": [round(x, 3) for x in per_key["ttft_p99_ms"]],
+        }
+    return out
 
 
 def compare(runs: Rounds, vllm_note: str) -> dict:
@@ -101,7 +123,20 @@ def main() -> int:
     parser.add_argument(
         "--artifacts", type=Path, default=None, help="keep each arm's AIPerf artifacts in DIR/pdserve and DIR/vllm"
     )
+    parser.add_argument("--input-tokens", type=int, default=Workload.input_tokens, help="prompt tokens per request")
+    parser.add_argument("--output-tokens", type=int, default=Workload.output_tokens, help="output tokens per request")
+    parser.add_argument("--concurrency", type=int, default=Workload.concurrency, help="requests in flight")
+    parser.add_argument(
+        "--alt-up-args",
+        action="append",
+        default=[],
+        help="one more pdserve arm with these extra `pdserve up` flags (repeatable), "
+        "e.g. '--prefill-saturated-tokens 0'",
+    )
     args = parser.parse_args()
+    for flag in ("input_tokens", "output_tokens", "concurrency"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     aiperf = find_aiperf(args.aiperf)
     if aiperf is None:
         where = args.aiperf or "PATH"
@@ -110,10 +145,14 @@ def main() -> int:
     from pdserve.engine.builtin import default_model_dir
 
     model = str(default_model_dir(args.model_size))
-    work = Workload(requests=24, warmup=4) if args.quick else Workload(requests=96, warmup=8)
-    keep = {arm: args.artifacts / arm if args.artifacts else None for arm in ("pdserve", "vllm")}
+    shape = {"input_tokens": args.input_tokens, "output_tokens": args.output_tokens, "concurrency": args.concurrency}
+    work = Workload(requests=24, warmup=4, **shape) if args.quick else Workload(requests=96, warmup=8, **shape)
     up_args = ["--served-model-name", SERVED, *shlex.split(args.up_args)]
-    starts: dict[str, Callable[[int], subprocess.Popen]] = {"pdserve": lambda p: start_pdserve(model, p, up_args)}
+    starts: dict[str, Callable[[int], subprocess.Popen]] = {"pdserve": partial(start_pdserve, model, extra=up_args)}
+    alts = {f"pdserve-alt{i}": alt for i, alt in enumerate(args.alt_up_args)}
+    for name, alt in alts.items():
+        starts[name] = partial(start_pdserve, model, extra=[*up_args, *shlex.split(alt)])
+    keep = {arm: args.artifacts / arm if args.artifacts else None for arm in [*starts, "vllm"]}
     if args.vllm_python:
         vllm_args = ["--served-model-name", SERVED]
         starts["vllm"] = lambda p: start_vllm(args.vllm_python, model, p, vllm_args)
@@ -133,6 +172,7 @@ def main() -> int:
     emit(
         {
             **compare(runs, note),
+            **({"alt": compare_alts(runs, alts)} if alts else {}),
             "rounds_run": args.rounds,
             "workload": {**work.__dict__},
             "model": args.model_size,

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.aiperf_client import Workload, figures, find_aiperf, profile
 from benchmarks.common import Rounds
-from benchmarks.serve_vs_vllm import compare
+from benchmarks.serve_vs_vllm import compare, compare_alts
 from tests.e2e.cluster import ROOT
 
 EXPORT = {
@@ -106,6 +106,16 @@ def test_the_result_line_carries_the_medians_and_every_round() -> None:
     alone = compare(Rounds([{"pdserve": ours}] * 3, {}), "not run: no --vllm-python given (pdserve alone)")
     assert alone["ratio"] is None and alone["baseline"] is None and "pdserve alone" in alone["vllm"]
     assert alone["value"] == 7441.9
+
+
+def test_an_extra_pdserve_arm_is_reported_against_the_default_arm_round_by_round() -> None:
+    ours = figures(EXPORT)
+    alt = [{**ours, "ttft_p99_ms": ours["ttft_p99_ms"] * f, "tok_s": ours["tok_s"] * 2} for f in (0.5, 3.0, 1.5)]
+    runs = Rounds([{"pdserve": ours, "pdserve-alt0": a} for a in alt], {})
+    got = compare_alts(runs, {"pdserve-alt0": "--prefill-saturated-tokens 0"})["pdserve-alt0"]
+    assert got["up_args"] == "--prefill-saturated-tokens 0"
+    assert got["ttft_p99_vs_default_per_round"] == [0.5, 3.0, 1.5] and got["ttft_p99_ms_vs_default"] == 1.5
+    assert got["tok_s_vs_default"] == 2.0 and got["figures"]["ttft_p99_ms"] == ours["ttft_p99_ms"] * 1.5
 
 
 def test_the_benchmark_says_when_aiperf_is_missing(tmp_path):
