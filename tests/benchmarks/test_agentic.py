@@ -13,3 +13,15 @@ def test_sessions_share_nothing_and_each_visit_extends_its_history():
     heads = {tuple(p[:8]) for _, p in requests[:3]}
     assert len(heads) == 3  # no prefix shared between sessions (random tokens: a collision is impossible here)
     assert requests == workload(sessions=3, context=40, visits=2, step=5)  # seeded: the same run every time
+
+
+def test_revisit_figures_count_revisits_only_against_what_each_session_already_had():
+    from benchmarks.agentic import revisit_figures
+
+    # (session, prompt tokens, TTFT s, cached tokens, generated); max_tokens 4, blocks of 8
+    visits = [(0, 40, 5.0, 0, 4), (1, 40, 5.0, 0, 4), (0, 50, 1.0, 40, 4), (1, 50, 3.0, 0, 4)]
+    got = revisit_figures(visits, block_size=8, max_tokens=4, wall=8.0)
+    # each revisit could reuse its session's 40 + 4 - 1 = 43 tokens, 40 of them in whole blocks
+    assert got["cached_fraction"] == 0.5  # 40 of a bound of 80
+    assert got["revisit_ttft_p50_s"] == 3.0  # of the revisits 1.0 and 3.0 (nearest rank); first visits left out
+    assert got["throughput_tok_s"] == 2.0
