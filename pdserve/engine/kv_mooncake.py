@@ -39,7 +39,7 @@ CLIENT_ENV = {"MC_RPC_TIMEOUT_MS": "3000", "MC_STORE_CLIENT_SETUP_RETRIES": "2",
 """Set unless the environment has them: bounded calls against a hung master, a start that fails in
 seconds (not 90) without one, and no INFO log per call."""
 _opened = False
-"""Whether this process ever set up a Mooncake client (see `exit_process`)."""
+"""Whether this process ever made a Mooncake client (see `exit_process`)."""
 
 
 def exit_process(code: int) -> int:
@@ -79,6 +79,8 @@ class MooncakeBackend:
             os.environ.setdefault(name, value)
         self.master = master
         self.segment = _size(options, "segment")
+        global _opened
+        _opened = True  # even a client whose setup fails has the teardown exit_process avoids
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(
             options.get("local_hostname", "127.0.0.1"),
@@ -91,8 +93,6 @@ class MooncakeBackend:
         )
         if rc != 0:
             raise ValueError(f"--kv-store: the Mooncake master at {master} cannot be used (setup returned {rc})")
-        global _opened
-        _opened = True
         self._lock = threading.Lock()
         self._closed = False
         # a client left open at exit aborts the process when its master is gone (0.3.13): close first
