@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -46,7 +47,7 @@ def emit(result: dict) -> None:
     script = sys.argv[0]  # under `python -m benchmarks.X` this is the file's full path: name the module instead
     run = f"-m benchmarks.{os.path.basename(script)[:-3]}" if script.endswith(".py") else script
     result = {
-        "command": " ".join(["python", run] + sys.argv[1:]),
+        "command": " ".join(["python", run, shlex.join(sys.argv[1:])]).rstrip(),  # quoted: it reruns as printed
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": machine(),
         **result,

@@ -32,7 +32,8 @@ workload); prefilling those locally took TTFT p50 on turns >= 2 from 2.13 s (thr
 PreparePull, a pull, a Prefill round trip and a delta transfer) to 0.54 s, 0.38x `vllm serve`'s,
 with no KV on the wire. An idle prefill node was about as fast as local up to 64 tokens
 (`benchmarks/local_prefill.py`), and 64 tokens is about one decode step of compute, so a local
-prefill of that size barely holds up the node's running streams."""
+prefill of that size barely holds up the node's running streams. On a second workload (`multiturn.py
+--workload docs`: 90-330 lacking tokens) it tied `vllm serve` and 256 was faster (BENCHMARKS.md)."""
 
 DEFAULT_KV_PULL_MIN_BLOCKS = 1
 """Set by `benchmarks/local_prefill.py --pull` (docs/benchmark-log.md, "D->P pull vs recompute"): on the bench

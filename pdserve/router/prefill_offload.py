@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from pdserve.router.balancer import NodeLoad
 
 DEFAULT_SATURATED_TOKENS = 256
-"""About two prompts of the benchmark's 128-token chats: a prefill node with a longer queue than this
-is saturated (a wave of 8 then splits about 3 / 3 / 2 between the prefill and two decode nodes)."""
+"""About two prompts of the benchmark's 128-token chats (`benchmarks/serve_vs_vllm.py`'s workload, on
+which it was set): a prefill node with a longer queue than this is saturated (a wave of 8 then
+splits about 3 / 3 / 2 between the prefill and two decode nodes). Checked on a second workload (512
+in, 32 out, 4 in flight; BENCHMARKS.md): the best of 0, 256 and 1024 there too."""
 
 
 def pending_tokens(node: NodeLoad) -> int:
