@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import tempfile
 import time
@@ -131,6 +132,17 @@ def revisit_figures(
     }
 
 
+def root_cause(log: str) -> str:
+    """The first exception line of a failed vLLM start that is not its engine's generic wrapper
+    ("Engine core initialization failed. See root cause above."), else the log's last error line."""
+    generic = ("initialization failed", "See root cause")
+    for line in log.splitlines():
+        text = line.split("] ", 1)[-1].strip()  # drop a "(EngineCore pid=...) ERROR ... ]" prefix
+        if re.match(r"^[\w.]*(Error|Exception)\b", text) and not any(g in text for g in generic):
+            return text[:300]
+    return last_error_line(RuntimeError(log))
+
+
 def run_vllm(python: str, model: str, pool_bytes: int, offload_gib: float, requests, max_tokens: int) -> dict:
     """The visits on vLLM's engine (benchmarks/vllm_agentic_worker.py) with a pool of `pool_bytes`;
     `offload_gib` > 0 asks for its native CPU offloading. RuntimeError with its log's tail if it fails."""
@@ -187,7 +199,7 @@ def main() -> None:
                 try:
                     return run_vllm(args.vllm_python, model, pool_bytes, offload["gib"], requests, max_tokens)
                 except RuntimeError as e:
-                    offload["gib"], offload["error"] = 0.0, last_error_line(e)
+                    offload["gib"], offload["error"] = 0.0, root_cause(str(e))
                     print(f"vLLM refused its CPU offloading ({offload['error']}); running it without", flush=True)
             return run_vllm(args.vllm_python, model, pool_bytes, 0.0, requests, max_tokens)
 

@@ -25,3 +25,15 @@ def test_revisit_figures_count_revisits_only_against_what_each_session_already_h
     assert got["cached_fraction"] == 0.5  # 40 of a bound of 80
     assert got["revisit_ttft_p50_s"] == 3.0  # of the revisits 1.0 and 3.0 (nearest rank); first visits left out
     assert got["throughput_tok_s"] == 2.0
+
+
+def test_a_refused_vllm_start_is_named_by_its_root_cause_not_its_wrapper():
+    from benchmarks.agentic import root_cause
+
+    log = (
+        "INFO 11-30 starting\n"
+        "(EngineCore pid=1) ERROR 11-30 [core.py:1] AssertionError: gpu_tensor.is_cuda or gpu_tensor.is_xpu\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
+    )
+    assert root_cause(log) == "AssertionError: gpu_tensor.is_cuda or gpu_tensor.is_xpu"
+    assert "initialization failed" in root_cause("RuntimeError: Engine core initialization failed.\n")
