@@ -19,9 +19,10 @@ Two workloads (`--workload`): `chat` (the default, on which `--local-prefill-max
 was tuned): user turns of 20-50 corpus words (about 35-85 tokens) and 16-token answers (32 without
 --quick); `docs`, for checking that default on a workload it was not tuned on: each user turn pastes
 a passage of 40-200 words (about 45-285 tokens) and answers are 48 tokens, so a later turn's
-uncached part (answer + turn) is about 90-330 tokens, above the default and around other values. `--local-prefill-arms N,M` adds a reuse arm per threshold, alternated in
-the same rounds as the others (`local_prefill` in the result line: each arm's TTFT p50 and its ratio
-to the default's, per round and median).
+uncached part (answer + turn) is about 90-330 tokens, above the default and around other values.
+`--local-prefill-arms N,M` adds a reuse arm per threshold, alternated in the same rounds as the
+others (`local_prefill` in the result line: each arm's TTFT p50 and its ratio to the default's, per
+round and median).
 
     python -m benchmarks.multiturn [--quick] [--rounds N] [--vllm-python PATH] [--workload chat|docs]
         [--local-prefill-arms N,M]
