@@ -16,19 +16,24 @@ mixture-of-experts `--arch` (qwen3-moe, mixtral, deepseek-v2, deepseek-v3) the b
 weights a batch-1 step reads: its top-k experts of each sparse layer (and DeepSeek's shared ones),
 not all of them; with DeepSeek's latent attention, the KV is the latent.
 
-    python -m benchmarks.engine_throughput [--arch ARCH] [--dtype float32|bfloat16] [--quick]
+Rounds: pdserve, transformers and the decode step each run once per round, in an order reversed
+every other round, over `--rounds` rounds (default 3); figures are medians over the rounds, ratios
+the median of the per-round ratios, and the JSON keeps every round's figures (`rounds`).
+
+    python -m benchmarks.engine_throughput [--arch ARCH] [--dtype float32|bfloat16] [--quick] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import emit
+from benchmarks.common import add_rounds_arg, alternate, emit, median_figures
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.builtin import default_model_dir
 from pdserve.engine.kv_pool import kv_bytes_per_token
@@ -149,7 +154,8 @@ def main() -> None:
     parser.add_argument("--arch", default="llama", choices=list(ARCHS))
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--quick", action="store_true", help="16 shorter requests (< 1 minute)")
+    parser.add_argument("--quick", action="store_true", help="16 shorter requests (< 1 minute a round)")
+    add_rounds_arg(parser)
     args = parser.parse_args()
     model_dir = default_model_dir("bench", args.arch)
     from pdserve.engine.tokenizer import Tokenizer
@@ -159,38 +165,51 @@ def main() -> None:
         reqs, batch, steps = workload(16, (16, 96), (8, 32), vocab), 64, 16
     else:
         reqs, batch, steps = workload(128, (16, 512), (16, 256), vocab), 64, 64
-    t_ours, n_ours = run_pdserve(model_dir, args.dtype, args.threads, reqs)
-    t_hf, n_hf = run_hf(model_dir, args.dtype, args.threads, reqs, batch)
-    step, read_bytes = decode_step_seconds(model_dir, args.dtype, args.threads, steps)
-    bw = memcpy_gbps()
-    bound = read_bytes / (bw * 1e9)
-    ours, hf = n_ours / t_ours, n_hf / t_hf
-    print(
-        f"pdserve: {n_ours} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; HF generate (padded batches of {batch}): "
-        f"{n_hf} useful tokens in {t_hf:.1f} s = {hf:.1f} tok/s; ratio {ours / hf:.2f}"
-    )
-    print(
-        f"batch-1 decode step {step * 1e3:.1f} ms vs bound {bound * 1e3:.1f} ms "
-        f"({read_bytes / 1e6:.0f} MB of weights and KV at {bw:.1f} GB/s copied): {step / bound:.2f}x "
-        f"(counting a copy's read and write traffic, the bound is {bound * 500:.1f} ms: {2 * step / bound:.2f}x)"
-    )
+
+    def ours() -> dict:
+        seconds, tokens = run_pdserve(model_dir, args.dtype, args.threads, reqs)
+        print(f"pdserve: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s", flush=True)
+        return {"tok_s": tokens / seconds, "seconds": seconds}
+
+    def hf() -> dict:
+        seconds, tokens = run_hf(model_dir, args.dtype, args.threads, reqs, batch)
+        print(f"HF generate (padded batches of {batch}): {tokens} useful tokens in {seconds:.1f} s", flush=True)
+        return {"tok_s": tokens / seconds, "seconds": seconds}
+
+    def decode() -> dict:
+        step, read_bytes = decode_step_seconds(model_dir, args.dtype, args.threads, steps)
+        bw = memcpy_gbps()
+        bound = read_bytes / (bw * 1e9)
+        print(
+            f"batch-1 decode step {step * 1e3:.1f} ms vs bound {bound * 1e3:.1f} ms "
+            f"({read_bytes / 1e6:.0f} MB of weights and KV at {bw:.1f} GB/s copied): {step / bound:.2f}x "
+            f"(counting a copy's read and write traffic: {2 * step / bound:.2f}x)",
+            flush=True,
+        )
+        return {"step_ms": step * 1e3, "bound_ms": bound * 1e3, "vs_bound": step / bound, "memcpy_gbps": bw}
+
+    ran = alternate({"pdserve": ours, "hf": hf, "decode": decode}, args.rounds)
+    mine, theirs, dec = (median_figures(ran.of(arm)) for arm in ("pdserve", "hf", "decode"))
+    ratios = ran.ratios("pdserve", "hf", "tok_s")
     emit(
         {
             "metric": "output_tokens_per_s",
-            "value": round(ours, 2),
-            "baseline": round(hf, 2),
-            "ratio": round(ours / hf, 3),
+            "value": round(mine["tok_s"], 2),
+            "baseline": round(theirs["tok_s"], 2),
+            "ratio": round(statistics.median(ratios), 3),
+            "ratio_per_round": [round(r, 3) for r in ratios],
             "target": 2.0,
             "arch": args.arch,
             "dtype": args.dtype,
             "threads": args.threads,
             "requests": len(reqs),
-            "decode_step_ms": round(step * 1e3, 2),
-            "decode_bound_ms": round(bound * 1e3, 2),
-            "decode_step_vs_bound": round(step / bound, 3),
+            "decode_step_ms": round(dec["step_ms"], 2),
+            "decode_bound_ms": round(dec["bound_ms"], 2),
+            "decode_step_vs_bound": round(dec["vs_bound"], 3),
             "decode_target": 2.0,
-            "memcpy_gbps": round(bw, 2),
-            "decode_step_vs_read_write_bound": round(2 * step / bound, 3),
+            "memcpy_gbps": round(dec["memcpy_gbps"], 2),
+            "decode_step_vs_read_write_bound": round(2 * dec["vs_bound"], 3),
+            "rounds": ran.rounds,
         }
     )
 
