@@ -107,6 +107,11 @@ class Rounds(NamedTuple):
         """arm / peer of `key`, per round where both ran (a paired ratio: same round, same load)."""
         return [r[arm][key] / r[peer][key] for r in self.rounds if arm in r and peer in r and r[peer][key]]
 
+    def median_ratio(self, arm: str, peer: str, key: str) -> float | None:
+        """The median of `ratios`, to 3 places: the figure a comparison reports (None: no round had both)."""
+        paired = self.ratios(arm, peer, key)
+        return round(statistics.median(paired), 3) if paired else None
+
 
 def alternate(
     arms: dict[str, Callable[[], dict]],

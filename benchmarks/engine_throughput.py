@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -196,7 +195,7 @@ def main() -> None:
             "metric": "output_tokens_per_s",
             "value": round(mine["tok_s"], 2),
             "baseline": round(theirs["tok_s"], 2),
-            "ratio": round(statistics.median(ratios), 3),
+            "ratio": ran.median_ratio("pdserve", "hf", "tok_s"),
             "ratio_per_round": [round(r, 3) for r in ratios],
             "target": 2.0,
             "arch": args.arch,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -70,12 +69,11 @@ def compare_alts(runs: Rounds, alts: dict[str, str]) -> dict:
     arm's (median of the per-round ratios; tok/s higher is better, TTFT and ITL lower)."""
     out = {}
     for name, flags in alts.items():
-        per_key = {k: runs.ratios(name, "pdserve", k) for k in RATIOS}
         out[name] = {
             "up_args": flags,
             "figures": median_figures(runs.of(name)),
-            **{f"{k}_vs_default": round(statistics.median(v), 3) if v else None for k, v in per_key.items()},
-            "ttft_p99_vs_default_per_round": [round(x, 3) for x in per_key["ttft_p99_ms"]],
+            **{f"{k}_vs_default": runs.median_ratio(name, "pdserve", k) for k in RATIOS},
+            "ttft_p99_vs_default_per_round": [round(x, 3) for x in runs.ratios(name, "pdserve", "ttft_p99_ms")],
         }
     return out
 
@@ -89,10 +87,7 @@ def compare(runs: Rounds, vllm_note: str) -> dict:
     if not peer_rounds:
         return {**result, "value": round(ours["ttft_p99_ms"], 1), "baseline": None, "ratio": None, "vllm": vllm_note}
     peer = median_figures(peer_rounds)
-    ratios = {}
-    for k in RATIOS:
-        paired = runs.ratios("pdserve", "vllm", k)
-        ratios[f"{k}_ratio"] = round(statistics.median(paired), 3) if paired else None
+    ratios = {f"{k}_ratio": runs.median_ratio("pdserve", "vllm", k) for k in RATIOS}
     return {
         **result,
         "value": round(ours["ttft_p99_ms"], 1),

@@ -50,7 +50,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -332,12 +331,12 @@ def main() -> None:
             "metric": "tdpipe_output_tok_s",
             "value": round(td, 2) if td else None,
             "baseline": round(sb, 2) if sb else None,
-            "ratio": round(statistics.median(sb_ratios), 3) if sb_ratios else None,
+            "ratio": ran.median_ratio("tdpipe", "pp-sb", "tok_s") if sb_ratios else None,
             "ratio_per_round": [round(r, 3) for r in sb_ratios],
             "target": 1.3,
             "unit": "output tok/s of the real 2-stage runtime; baseline PP+SB, target TD-Pipe/PP+SB >= 1.3",
             "llm_baseline": round(llm, 2) if llm else None,
-            "llm_ratio": round(statistics.median(llm_ratios), 3) if llm_ratios else None,
+            "llm_ratio": ran.median_ratio("tdpipe", "llm", "tok_s") if llm_ratios else None,
             "llm_ratio_per_round": [round(r, 3) for r in llm_ratios],
             "rounds": args.rounds,
             "per_round": [{n: round(r["tok_s"], 1) for n, r in got.items()} for got in ran.rounds],
