@@ -205,7 +205,7 @@ def main() -> None:
 
         arms["vllm"] = vllm
     ran = alternate(arms, args.rounds, optional={"vllm"})
-    rounds = {name: [r[name] for r in ran.rounds if name in r] for name in arms}
+    rounds = {name: ran.of(name) for name in arms}
     medians = {name: median_figures(per_round) for name, per_round in rounds.items()}
 
     def median(name: str, key: str) -> float:
@@ -217,16 +217,14 @@ def main() -> None:
             "metric": "agentic_revisit_ttft_p50_s",
             "value": host_ttft,
             "baseline": off_ttft,
-            "ratio": round(off_ttft / host_ttft, 3) if host_ttft else None,
+            "ratio": quotient(off_ttft, host_ttft),
             "target": round(1 / 0.3, 3),
             "cached_fraction": median("host", "cached_fraction"),
             "cached_fraction_off": median("off", "cached_fraction"),
             "throughput_ratio": round(median("host", "throughput_tok_s") / median("off", "throughput_tok_s"), 3),
             "store": {
                 "revisit_ttft_p50_s": median("store", "revisit_ttft_p50_s"),
-                "ttft_ratio": round(off_ttft / median("store", "revisit_ttft_p50_s"), 3)
-                if median("store", "revisit_ttft_p50_s")
-                else None,
+                "ttft_ratio": quotient(off_ttft, median("store", "revisit_ttft_p50_s")),
                 "cached_fraction": median("store", "cached_fraction"),
                 "throughput_ratio": round(median("store", "throughput_tok_s") / median("off", "throughput_tok_s"), 3),
             },
@@ -257,16 +255,15 @@ def vllm_fields(peer: dict | None, off: dict, host: dict, offload: dict, error: 
         + (", native CPU offloading on" if peer.get("offloading") else ", no CPU offloading"),
         "vllm": peer,
         "vllm_offload_error": offload["error"],
-        "host_vs_vllm_ttft": round(peer["revisit_ttft_p50_s"] / host["revisit_ttft_p50_s"], 3)
-        if host["revisit_ttft_p50_s"]
-        else None,
-        "host_vs_vllm_throughput": round(host["throughput_tok_s"] / peer["throughput_tok_s"], 3)
-        if peer["throughput_tok_s"]
-        else None,
-        "off_vs_vllm_ttft": round(peer["revisit_ttft_p50_s"] / off["revisit_ttft_p50_s"], 3)
-        if off["revisit_ttft_p50_s"]
-        else None,
+        "host_vs_vllm_ttft": quotient(peer["revisit_ttft_p50_s"], host["revisit_ttft_p50_s"]),
+        "host_vs_vllm_throughput": quotient(host["throughput_tok_s"], peer["throughput_tok_s"]),
+        "off_vs_vllm_ttft": quotient(peer["revisit_ttft_p50_s"], off["revisit_ttft_p50_s"]),
     }
+
+
+def quotient(a: float, b: float) -> float | None:
+    """a / b to 3 places; None when b is 0 (an arm that measured nothing)."""
+    return round(a / b, 3) if b else None
 
 
 if __name__ == "__main__":
