@@ -208,6 +208,8 @@ def main() -> None:
         thresholds = [int(v) for v in args.local_prefill_arms.split(",") if v.strip()]
     except ValueError:
         parser.error(f"--local-prefill-arms: whole numbers separated by commas, got {args.local_prefill_arms!r}")
+    if any(n < 0 for n in thresholds):
+        parser.error(f"--local-prefill-arms: thresholds must be >= 0, got {args.local_prefill_arms!r}")
     routing = (
         "--routing"
         in subprocess.run(
