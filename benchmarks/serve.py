@@ -1,11 +1,14 @@
 """Serving benchmark against a local cluster: router + 1 prefill + 2 decode processes.
 
 At three Poisson request rates it measures request throughput, output tokens/s,
-TTFT and inter-token latency percentiles (streaming /v1/completions), then the
-router's added latency at concurrency 32: the same requests through the router
-versus straight to a decode node over gRPC.
+TTFT and inter-token latency percentiles (streaming /v1/completions; one run per
+rate, a description of the cluster, not a comparison), then the router's added
+latency at concurrency 32: the same requests through the router versus straight
+to a decode node over gRPC. Those two arms alternate over `--rounds` rounds (the
+order reverses every round); the medians and the median of the paired per-round
+ratios are reported, every round's wall times in the JSON.
 
-    python -m benchmarks.serve [--quick] [--model-size bench|tiny]
+    python -m benchmarks.serve [--quick] [--model-size bench|tiny] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 import httpx
 
 from benchmarks.cluster_procs import NodeProc
-from benchmarks.common import emit, node_bench_args, pct
+from benchmarks.common import Rounds, alternate, emit, node_bench_args, pct
 
 SECRET = "bench"
 
@@ -84,7 +87,9 @@ async def at_rate(url: str, rate: float, n: int, max_tokens: int, seed: int) -> 
     }
 
 
-async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concurrency: int) -> tuple[float, float]:
+def router_overhead(url: str, decode: str, prefill: str, tokenizer, concurrency: int, rounds: int) -> Rounds:
+    """Wall seconds of `concurrency` requests at once, through the router (`router`) and straight to a
+    decode node (`direct`), alternated over `rounds` after one warm-up of each."""
     import grpc
 
     from pdserve.node_runtime.auth import cluster_metadata
@@ -98,7 +103,7 @@ async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concur
             await asyncio.gather(
                 *[
                     client.post(
-                        url.replace("/v1/completions", "/v1/completions"),
+                        url,
                         timeout=300,
                         json={"model": "bench", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
                     )
@@ -125,15 +130,19 @@ async def router_overhead(url: str, decode: str, prefill: str, tokenizer, concur
             await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
             return time.perf_counter() - start
 
-    await via_router()  # warm up both paths
-    await direct()
-    r = statistics.median([await via_router() for _ in range(3)])
-    d = statistics.median([await direct() for _ in range(3)])
-    return r, d
+    asyncio.run(via_router())  # warm up both paths
+    asyncio.run(direct())
+    return alternate(
+        {
+            "router": lambda: {"seconds": round(asyncio.run(via_router()), 4)},
+            "direct": lambda: {"seconds": round(asyncio.run(direct()), 4)},
+        },
+        rounds,
+    )
 
 
 def main() -> None:
-    args, model, common = node_bench_args(__doc__.splitlines()[0], SECRET)
+    args, model, common = node_bench_args(__doc__.splitlines()[0], SECRET, rounds=True)
     n, max_tokens, rates = (12, 16, [0.5, 1.0, 2.0]) if args.quick else (40, 64, [0.25, 0.5, 1.0])
     procs = []
     try:
@@ -174,22 +183,26 @@ def main() -> None:
             print(json.dumps(row))
         from pdserve.engine.tokenizer import Tokenizer
 
-        r, d = asyncio.run(
-            router_overhead(f"{base}/v1/completions", procs[1].address, procs[0].address, Tokenizer(model), 32)
+        runs = router_overhead(
+            f"{base}/v1/completions", procs[1].address, procs[0].address, Tokenizer(model), 32, args.rounds
         )
     finally:
         for p in reversed(procs):
             p.stop()
-    print(f"router vs direct at concurrency 32: {r * 1e3:.0f} ms vs {d * 1e3:.0f} ms")
+    r = statistics.median(f["seconds"] for f in runs.of("router"))
+    d = statistics.median(f["seconds"] for f in runs.of("direct"))
+    print(f"router vs direct at concurrency 32 (medians of {args.rounds} rounds): {r * 1e3:.0f} ms vs {d * 1e3:.0f} ms")
     emit(
         {
             "metric": "router_latency_ratio_c32",
             "value": round(r, 4),
             "baseline": round(d, 4),
-            "ratio": round(r / d, 3),
+            "ratio": runs.median_ratio("router", "direct", "seconds"),
+            "ratio_is": "median of the paired per-round ratios",
             "target": "<= 1.10",
             "router_added_ms": round((r - d) * 1e3, 1),
             "model": args.model_size,
+            "rounds": runs.rounds,
             "rates": rows,
         }
     )

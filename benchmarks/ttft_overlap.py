@@ -13,14 +13,18 @@ say nothing about a NIC), with a real prefill node process:
     between two processes, with nothing else running;
   * disaggregated TTFT through a decode node (decode -> prefill -> KV -> first token);
   * exposed fraction = exposed transfer / transfer alone. Target: <= 25% at 2048.
+The three measurements alternate over `--rounds` rounds (their order reverses every round, fresh
+prompts every time); each figure is the median over the rounds, the exposed fraction the median of
+the per-round fractions, and every round's figures are in the JSON.
 
-    python -m benchmarks.ttft_overlap [--quick] [--transport tcp|rdma]
+    python -m benchmarks.ttft_overlap [--quick] [--transport tcp|rdma] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import sys
@@ -29,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.cachestore_tcp import cachestore_run
 from benchmarks.cluster_procs import NodeProc
-from benchmarks.common import emit
+from benchmarks.common import add_rounds_arg, alternate, emit, median_figures
 from pdserve.cachestore import CacheStoreServer, MemoryRegion, PoolGeometry
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.builtin import default_model_dir
@@ -44,9 +48,11 @@ def kv_geometry(model_dir: Path, prompt_len: int, device: str = "cpu", dtype: st
 
 
 async def prefill_rpc(
-    prefill: str, geo: PoolGeometry, prompt: list[int], reps: int, transport: str = "tcp"
+    prefill: str, geo: PoolGeometry, prompt: list[int], reps: int, transport: str = "tcp", salt: int = 0
 ) -> tuple[float, float]:
-    """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver."""
+    """Median (RPC seconds, reported prefill compute seconds) with this process as the KV receiver.
+    Token ids are shifted by `salt` + the repetition: a call with a salt no earlier call used (step
+    reps + 1) hits no cached prefix."""
     import grpc
 
     from pdserve.node_runtime.auth import cluster_metadata
@@ -63,11 +69,11 @@ async def prefill_rpc(
             meta = cluster_metadata(SECRET)
             compat = (await stub.GetLoad(common_pb2.LoadRequest(), metadata=meta)).compatibility
             for i in range(reps + 1):
-                rid = f"p{len(prompt)}-{i}"
+                rid = f"p{len(prompt)}-{salt + i}"
                 creds = server.open_session(rid, list(range(geo.num_blocks)), timeout=300)
                 req = prefill_pb2.PrefillRequest(
                     request_id=rid,
-                    prompt_token_ids=[t + i for t in prompt],  # no prefix-cache hits
+                    prompt_token_ids=[t + salt + i for t in prompt],  # no prefix-cache hits
                     params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
                     kv_destination=creds.to_bytes(),
                     compatibility=compat,
@@ -83,7 +89,8 @@ async def prefill_rpc(
     return statistics.median(rpc[1:]), statistics.median(compute[1:])
 
 
-async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -> float:
+async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int, salt: int = 0) -> float:
+    """Median seconds to the first token through the decode node (token ids shifted as `prefill_rpc`'s)."""
     import grpc
 
     from pdserve.node_runtime.auth import cluster_metadata
@@ -94,8 +101,8 @@ async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -
         stub = decode_pb2_grpc.DecodeStub(ch)
         for i in range(reps + 1):
             req = decode_pb2.GenerateRequest(
-                request_id=f"t{len(prompt)}-{i}",
-                prompt_token_ids=[t + 100 + i for t in prompt],
+                request_id=f"t{len(prompt)}-{salt + i}",
+                prompt_token_ids=[t + salt + i for t in prompt],
                 params=common_pb2.SamplingParams(temperature=0.0, max_tokens=1),
                 prefill_addresses=[prefill],
             )
@@ -104,6 +111,13 @@ async def decode_ttft(decode: str, prefill: str, prompt: list[int], reps: int) -
                 times.append(time.perf_counter() - start)
                 break
     return statistics.median(times[1:])
+
+
+def exposure(prefill: dict, transfer: dict) -> dict:
+    """One round's exposed transfer: the Prefill RPC's time beyond the compute, and that over the
+    transfer alone."""
+    exposed = max(0.0, prefill["rpc_s"] - prefill["compute_s"])
+    return {"exposed_s": round(exposed, 4), "exposed_fraction": round(exposed / transfer["transfer_alone_s"], 3)}
 
 
 def main() -> None:
@@ -134,6 +148,7 @@ def main() -> None:
         choices=["tcp", "rdma"],
         help="KV transport (rdma without a NIC here: the emulated verbs device, across processes)",
     )
+    add_rounds_arg(parser)
     args = parser.parse_args()
     emulated = False
     if args.transport == "rdma":
@@ -172,24 +187,38 @@ def main() -> None:
             for n in lengths:
                 prompt = [10 + (i * 7919) % 1500 for i in range(n)]
                 geo = kv_geometry(model, n, args.device, args.dtype)
-                rpc, compute = asyncio.run(prefill_rpc(prefill.address, geo, prompt, reps, args.transport))
-                best_gbps, _ = asyncio.run(cachestore_run(geo, max(reps, 2), 1, args.transport))
-                transfer = geo.total_bytes / (best_gbps * 1e9)
-                ttft = asyncio.run(decode_ttft(decode.address, prefill.address, prompt, reps))
-                exposed = max(0.0, rpc - compute)
+                salts = itertools.count(0, reps + 1)  # a fresh salt per measured call: no cached prefix
+
+                def prefill_arm() -> dict:
+                    rpc, compute = asyncio.run(
+                        prefill_rpc(prefill.address, geo, prompt, reps, args.transport, next(salts))
+                    )
+                    return {"rpc_s": round(rpc, 4), "compute_s": round(compute, 4)}
+
+                def transfer_arm() -> dict:
+                    best_gbps, _ = asyncio.run(cachestore_run(geo, max(reps, 2), 1, args.transport))
+                    return {"transfer_alone_s": round(geo.total_bytes / (best_gbps * 1e9), 4)}
+
+                def ttft_arm() -> dict:
+                    ttft = asyncio.run(decode_ttft(decode.address, prefill.address, prompt, reps, next(salts)))
+                    return {"disaggregated_ttft_s": round(ttft, 4)}
+
+                runs = alternate({"prefill": prefill_arm, "transfer": transfer_arm, "ttft": ttft_arm}, args.rounds)
+                per_round = [
+                    {**r["prefill"], **r["transfer"], **r["ttft"]} | exposure(r["prefill"], r["transfer"])
+                    for r in runs.rounds
+                ]
                 rows[n] = {
-                    "compute_s": round(compute, 4),
-                    "rpc_s": round(rpc, 4),
-                    "transfer_alone_s": round(transfer, 4),
-                    "exposed_s": round(exposed, 4),
-                    "exposed_fraction": round(exposed / transfer, 3),
-                    "disaggregated_ttft_s": round(ttft, 4),
+                    **{k: round(v, 4) for k, v in median_figures(per_round).items()},
                     "kv_mib": round(geo.total_bytes / 2**20, 1),
+                    "rounds": per_round,
                 }
+                m = rows[n]
                 print(
-                    f"prompt {n}: compute {compute * 1e3:.0f} ms, Prefill RPC {rpc * 1e3:.0f} ms, transfer alone "
-                    f"{transfer * 1e3:.1f} ms ({rows[n]['kv_mib']} MiB), exposed {exposed * 1e3:.1f} ms "
-                    f"({exposed / transfer:.0%}), disaggregated TTFT {ttft * 1e3:.0f} ms"
+                    f"prompt {n} (medians of {args.rounds} rounds): compute {m['compute_s'] * 1e3:.0f} ms, Prefill "
+                    f"RPC {m['rpc_s'] * 1e3:.0f} ms, transfer alone {m['transfer_alone_s'] * 1e3:.1f} ms "
+                    f"({m['kv_mib']} MiB), exposed {m['exposed_s'] * 1e3:.1f} ms ({m['exposed_fraction']:.0%}), "
+                    f"disaggregated TTFT {m['disaggregated_ttft_s'] * 1e3:.0f} ms"
                 )
         except BaseException:  # a hung or failed run: show what the nodes said
             for name, node in (("prefill", prefill), ("decode", decode)):
@@ -206,6 +235,7 @@ def main() -> None:
             "value": long["exposed_fraction"],
             "baseline": 1.0,
             "ratio": long["exposed_fraction"],
+            "ratio_is": "median over the rounds of the exposed fraction",
             "target": 0.25,
             "threads": args.threads,
             "device": args.device,

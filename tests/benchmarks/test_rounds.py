@@ -105,3 +105,47 @@ def test_a_server_that_never_gets_ready_is_killed_at_its_timeout() -> None:
     cmd = [sys.executable, "-c", "import time; print('compiling', flush=True); time.sleep(60)"]
     with pytest.raises(RuntimeError, match=r"not ready after 1 s: killed\).*\n.*compiling"):
         start_server(cmd, lambda line: "ready" in line, timeout=1.0)
+
+
+def test_a_paired_sweep_alternates_the_first_mode_and_pairs_each_size_per_round() -> None:
+    import asyncio
+
+    from benchmarks.local_prefill import paired_sweep, sweep_json, sweep_medians
+
+    calls: list[tuple[str, int, int]] = []
+    seconds = {
+        ("a", 1): [0.1, 0.3, 0.2],
+        ("b", 1): [0.2, 0.2, 0.8],
+        ("a", 4): [1.0, 1.0, 1.0],
+        ("b", 4): [0.5, 2.0, 4.0],
+    }
+
+    async def measure(mode: str, size: int, r: int) -> float:
+        calls.append((mode, size, r))
+        return seconds[mode, size][r]
+
+    runs = asyncio.run(paired_sweep([1, 4], 3, ("a", "b"), measure))
+    assert calls == [
+        ("a", 1, 0), ("b", 1, 0), ("a", 4, 0), ("b", 4, 0),
+        ("b", 1, 1), ("a", 1, 1), ("b", 4, 1), ("a", 4, 1),
+        ("a", 1, 2), ("b", 1, 2), ("a", 4, 2), ("b", 4, 2),
+    ]  # fmt: skip
+    assert sweep_medians(runs) == {1: {"a": 0.2, "b": 0.2}, 4: {"a": 1.0, "b": 2.0}}
+    out = sweep_json(runs, ("a", "b"))
+    assert out["a_ttft_ms"] == {1: 200.0, 4: 1000.0} and out["b_ttft_ms"] == {1: 200.0, 4: 2000.0}
+    # paired per round, then the median: size 1 -> 0.5, 1.5, 0.25; size 4 -> 2, 0.5, 0.25
+    assert out["a_over_b"] == {1: 0.5, 4: 0.5}
+    assert out["rounds_ttft_ms"][1] == {"a": {"1": 300.0, "4": 1000.0}, "b": {"1": 200.0, "4": 2000.0}}
+
+
+def test_overload_queue_wait_p99_counts_only_the_waits_between_two_readings() -> None:
+    from benchmarks.overload_burst import queue_wait_p99
+
+    before = {0.1: 50.0, 1.0: 60.0, 30.5: 60.0, float("inf"): 60.0}
+    # 100 new waits: 90 under 0.1 s, 9 up to 1 s, 1 up to 30.5 s
+    after = {0.1: 140.0, 1.0: 159.0, 30.5: 160.0, float("inf"): 160.0}
+    assert queue_wait_p99(before, after) == (1.0, 100)
+    after[1.0] = 150.0  # now 10 of the 100 waited over 1 s: the 99th is in the 30.5 s bucket
+    assert queue_wait_p99(before, after) == (30.5, 100)
+    assert queue_wait_p99({}, {}) == (0.0, 0)  # no histogram yet
+    assert queue_wait_p99(after, after) == (0.0, 0)  # nobody waited in between
