@@ -104,11 +104,13 @@ async def sweep(decode: str, prefill: str, sizes: list[int], rounds: int) -> Rou
     return await paired_sweep(sizes, rounds, ("local", "remote"), measure)
 
 
-def threshold(medians: dict[int, dict[str, float]], margin: float) -> int:
-    """The largest N up to which local was never slower than remote x (1 + margin); 0 if none."""
+def threshold(local_over_remote: dict[int, float | None], margin: float) -> int:
+    """The largest N up to which local was never slower than remote x (1 + margin), by the median of
+    the paired per-round ratios; 0 if none."""
     best = 0
-    for n in sorted(medians):
-        if medians[n]["local"] > medians[n]["remote"] * (1 + margin):
+    for n in sorted(local_over_remote):
+        ratio = local_over_remote[n]
+        if ratio is None or ratio > 1 + margin:
             break
         best = n
     return best
@@ -164,7 +166,7 @@ def main() -> None:
     medians = sweep_medians(runs)
     for n, m in sorted(medians.items()):
         print(f"N={n:>4}: local {m['local'] * 1e3:7.1f} ms, remote {m['remote'] * 1e3:7.1f} ms", flush=True)
-    chosen = threshold(medians, args.margin)
+    chosen = threshold({n: runs.median_ratio("local", "remote", str(n)) for n in sizes}, args.margin)
     recompute = recompute_ms_per_block(medians)
     small, bulk = transfer_ms_per_block(model, 3 if args.quick else 8)
     print(f"per block: recompute {recompute:.1f} ms; CacheStore 1 block {small:.2f} ms, in bulk {bulk:.3f} ms")
@@ -175,7 +177,7 @@ def main() -> None:
             "baseline": DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
             "baseline_is": "the default --local-prefill-max-tokens",
             "ratio": round(chosen / DEFAULT_LOCAL_PREFILL_MAX_TOKENS, 3),
-            "target": f"largest N with local TTFT <= remote x {1 + args.margin} (median over the rounds)",
+            "target": f"largest N with local TTFT <= remote x {1 + args.margin} (median of the paired ratios)",
             **sweep_json(runs, ("local", "remote")),
             "recompute_ms_per_block": round(recompute, 2),
             "transfer_ms_one_block": round(small, 3),

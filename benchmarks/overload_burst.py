@@ -77,9 +77,9 @@ async def one(client: httpx.AsyncClient, port: int, rng: random.Random, shape: S
         return f"failed: {type(e).__name__}"
 
 
-async def service_rate(port: int, in_flight: int, seconds: float, shape: Shape) -> float:
+async def service_rate(port: int, in_flight: int, seconds: float, shape: Shape, seed: int) -> float:
     """Requests completed per second with `in_flight` always outstanding (closed loop)."""
-    rng = random.Random(1)
+    rng = random.Random(seed)
     done = 0
     end = time.monotonic() + seconds
     async with httpx.AsyncClient() as client:
@@ -95,10 +95,10 @@ async def service_rate(port: int, in_flight: int, seconds: float, shape: Shape) 
         return done / (time.monotonic() - start)
 
 
-async def burst(port: int, rate: float, seconds: float, shape: Shape) -> tuple[list[str], float]:
+async def burst(port: int, rate: float, seconds: float, shape: Shape, seed: int) -> tuple[list[str], float]:
     """Poisson arrivals at `rate` for `seconds`: each request's outcome, and the time until the
     last one ended."""
-    rng = random.Random(2)
+    rng = random.Random(seed)
     tasks = []
     start = time.monotonic()
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
@@ -148,10 +148,10 @@ class Counters(NamedTuple):
         return cls(counter(port, "pdserve_router_retries_total"), counter(port, "pdserve_router_migrations_total"))
 
 
-def burst_round(port: int, arrivals: float, seconds: float, shape: Shape) -> dict:
+def burst_round(port: int, arrivals: float, seconds: float, shape: Shape, seed: int) -> dict:
     """One burst and what it did: outcomes, completion rate, the queue waits and router counters it moved."""
     buckets, counters = queue_wait_buckets(port), Counters.read(port)
-    outcomes, took = asyncio.run(burst(port, arrivals, seconds, shape))
+    outcomes, took = asyncio.run(burst(port, arrivals, seconds, shape, seed))
     p99, waits = queue_wait_p99(buckets, queue_wait_buckets(port))
     after = Counters.read(port)
     failures = [o for o in outcomes if o.startswith("failed")]
@@ -187,14 +187,17 @@ def main() -> None:
     seconds = args.seconds or (20.0 if args.quick else 60.0)
     measure_seconds = 20.0 if args.quick else 45.0
     rates: list[float] = []
+    seeds: list[int] = []  # a new seed per measurement: no round replays prompts an earlier one cached
 
     def service() -> dict:
-        rates.append(asyncio.run(service_rate(port, 16, measure_seconds, shape)))
+        seeds.append(len(seeds) + 1)
+        rates.append(asyncio.run(service_rate(port, 16, measure_seconds, shape, seeds[-1])))
         return {"service_rate": round(rates[-1], 3)}
 
     def overload() -> dict:
         arrivals = args.rate if args.rate is not None else args.overload * rates[-1]
-        return burst_round(port, arrivals, seconds, shape)
+        seeds.append(len(seeds) + 1)
+        return burst_round(port, arrivals, seconds, shape, seeds[-1])
 
     port = free_port()
     server = start_pdserve(str(default_model_dir("bench")), port, ["--served-model-name", "bench"])
