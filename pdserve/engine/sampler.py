@@ -95,7 +95,7 @@ def apply_penalties(row: torch.Tensor, r: Request) -> None:
 
 
 def sample_one(row: torch.Tensor, r: Request, gen: torch.Generator) -> int:
-    """Temperature, then top-k, top-p and min-p filtering, then one multinomial draw."""
+    """Temperature, then top-k, top-p and min-p filtering, then one draw (`draw`)."""
     p = r.params
     scaled = row / p.temperature
     if p.top_k > 0 and p.top_k < scaled.shape[0]:
@@ -109,4 +109,22 @@ def sample_one(row: torch.Tensor, r: Request, gen: torch.Generator) -> int:
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return draw(probs, gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One index of `probs` (>= 0, any positive sum) drawn with its probability, by inverse transform
+    sampling: one uniform from `gen` against the float64 running sum.
+
+    The same distribution as `torch.multinomial(probs, 1)`, whose CPU path draws an exponential per
+    entry: 1.1 ms for a 32k vocabulary against 0.06 ms here (2-core Xeon), 35 ms of a batch-32 decode
+    step of sampled requests. A zero-probability index is never drawn (its interval is empty)."""
+    cdf = probs.double().cumsum(0)
+    total = float(cdf[-1])
+    if not 0.0 < total < float("inf"):  # NaN or inf logits, or nothing left: as torch.multinomial refuses
+        raise RuntimeError(f"probability tensor sums to {total}: cannot sample")
+    u = (torch.rand(1, dtype=torch.float64, generator=gen) * total).to(cdf.device)  # the generator is a CPU one
+    index = int(torch.searchsorted(cdf, u, right=True))
+    if index >= cdf.shape[0]:  # u rounded up to the total: the last index with any probability
+        index = int(torch.nonzero(probs).max())
+    return index

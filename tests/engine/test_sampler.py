@@ -138,3 +138,27 @@ def test_logit_bias_beyond_the_vocabulary_is_refused_at_admission(tiny_model_dir
     vocab = llm.engine.model_config.vocab_size
     with pytest.raises(ValueError, match="vocabulary"):
         llm.engine.add_request("r", [1, 2], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero_probability_index():
+    from pdserve.engine.sampler import draw
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    gen = make_generator(11)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(n)]), minlength=6)
+    assert counts[0] == counts[2] == counts[5] == 0
+    # within 4 standard deviations of n*p (the seed is fixed: this is deterministic, not flaky)
+    for i, p in ((1, 0.5), (3, 0.2), (4, 0.3)):
+        assert abs(counts[i] - n * p) < 4 * (n * p * (1 - p)) ** 0.5, (i, counts.tolist())
+    # unnormalised weights, and a distribution with one index left
+    assert {draw(torch.tensor([0.0, 3.0, 1.0]), gen) for _ in range(200)} == {1, 2}
+    assert {draw(torch.tensor([0.0, 0.0, 7.0]), gen) for _ in range(20)} == {2}
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]])
+def test_draw_refuses_a_distribution_it_cannot_sample(bad):
+    from pdserve.engine.sampler import draw
+
+    with pytest.raises(RuntimeError, match="cannot sample"):
+        draw(torch.tensor(bad), make_generator(0))
