@@ -186,3 +186,26 @@ def test_greedy_refuses_bad_logits():
         torch.ops.pdserve_cpu.greedy(torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"logits \[S, V\]"):
         torch.ops.pdserve_cpu.greedy(torch.zeros(2, 0))
+
+
+@pytest.mark.parametrize("rows,vocab", [(32, 32000), (5, 1792), (3, 77)])
+def test_apply_token_bitmask_matches_xgrammars_kernel(rows, vocab):
+    """The grammar mask op sets exactly the -inf xgrammar's own CPU kernel sets: random words, an
+    all-allowed row, an all-forbidden row, a vocabulary that is not a multiple of 32, and rows left out."""
+    xgr = pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, vocab, generator=g)
+    bitmask = xgr.allocate_token_bitmask(rows, vocab)
+    bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=g, dtype=torch.int64).to(torch.int32))
+    bitmask[0].fill_(-1)
+    bitmask[-1].fill_(0)
+    masked = sorted({*range(0, rows, 2), rows - 1})
+    want, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=masked)
+    torch.ops.pdserve_cpu.apply_token_bitmask(got, bitmask, torch.tensor(masked))
+    assert torch.equal(got, want)
+    assert torch.isinf(got[-1]).all() and not torch.isinf(got[0]).any()
+    if rows > 2:
+        assert torch.equal(got[1], logits[1])  # a row not asked for is left alone
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pdserve_cpu.apply_token_bitmask(got, bitmask, torch.tensor([rows]))

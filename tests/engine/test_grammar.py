@@ -140,3 +140,37 @@ def test_a_migrated_stream_resumes_its_grammar_after_the_tokens_already_sent(llm
     with pytest.raises(ValueError, match="generated so far break"):
         engine.add_request("broken", [5, 6], SamplingParams(structured_outputs=("regex", "[a-z]+", tuple(sent))))
     assert engine.grammars.compile(spec) is engine.grammars.compile(GrammarSpec("regex", "[0-9]{4}"))  # one key
+
+
+def test_masks_filled_together_equal_masks_filled_one_by_one(tiny_model_dir) -> None:
+    """The batch fill (two or more live grammars, on the engine's torch threads) masks exactly what
+    filling each row alone masks, beside a terminated grammar and a row without one."""
+    import torch
+
+    from pdserve.engine.grammar_cache import apply_grammar_masks
+
+    tok = Tokenizer(tiny_model_dir)
+    cache = GrammarCache(tok, tok.vocab_size, tok.eos_token_ids)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    prefixes = ['{"n": ', '{"n": 7, "c": ', "{", '{"n": 3, "c": "y"}']
+    matchers = []
+    for text in prefixes:
+        m = cache.matcher(spec)
+        for token in tok.encode(text, add_special_tokens=False):
+            assert m.accept_token(token), text
+        matchers.append(m)
+    done = cache.matcher(spec)  # terminated: the object closed, then the stop token
+    for token in tok.encode('{"n": 1, "c": "x"}', add_special_tokens=False):
+        assert done.accept_token(token)
+    assert done.accept_token(tok.eos_token_ids[0]) and done.is_terminated()
+    batch = [None, done, *matchers]  # the live rows are not the first ones: their indices must be kept
+    logits = torch.randn(len(batch), tok.vocab_size)
+    together = logits.clone()
+    apply_grammar_masks(together, batch)
+    for i, m in enumerate(batch):
+        alone = logits[i : i + 1].clone()
+        apply_grammar_masks(alone, [m])
+        assert torch.equal(together[i], alone[0]), i
+    assert not torch.isinf(together[0]).any()  # no grammar
+    assert torch.isinf(together[1]).sum() == tok.vocab_size - len(tok.eos_token_ids)  # only the stop tokens
+    assert all(torch.isinf(together[i]).sum() > 0 for i in range(2, len(batch)))

@@ -229,6 +229,41 @@ at::Tensor greedy(const at::Tensor& logits) {
   return out;
 }
 
+// In place on float32 logits [S, V]: for each row r in `rows`, every token whose bit in bitmask[r] is 0
+// gets -inf (xgrammar's layout: int32 words [S, ceil(V / 32)], bit v % 32 of word v / 32, 1 = allowed).
+// An all-ones word is skipped whole and the rest is a branch-free select; xgrammar's own CPU kernel
+// took 3.5 ms on [32, 32000] (2-core Xeon), a few percent of a structured decode step.
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat, "logits must be float32 on CPU");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits [S, V] with contiguous rows expected");
+  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 &&
+                  bitmask.is_contiguous() && bitmask.size(0) == logits.size(0) &&
+                  bitmask.size(1) * 32 >= logits.size(1),
+              "bitmask: contiguous int32 [S, ceil(V / 32)] expected");
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [R]");
+  at::Tensor r = rows.contiguous();
+  const int64_t* ri = r.data_ptr<int64_t>();
+  const int64_t count = r.size(0), n = logits.size(1), ls = logits.stride(0), words = bitmask.size(1);
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(ri[i] >= 0 && ri[i] < logits.size(0), "row ", ri[i], " out of range");
+  const uint32_t* bm = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  float* lg = logits.data_ptr<float>();
+  const float neg = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, count, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t* w = bm + ri[i] * words;
+      float* x = lg + ri[i] * ls;
+      for (int64_t base = 0; base < n; base += 32) {
+        const uint32_t bits = w[base / 32];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t lim = std::min<int64_t>(32, n - base);
+        for (int64_t j = 0; j < lim; ++j)  // branch-free: a select the compiler vectorizes
+          x[base + j] = ((bits >> j) & 1u) ? x[base + j] : neg;
+      }
+    }
+  });
+}
+
 // In place on qkv [T, W]: rotates the first `num_heads` heads of `head_dim` of each row (q then k
 // heads, v left alone) by cos/sin [T, head_dim].
 void rotary(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim) {
@@ -258,8 +293,10 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
   m.def("greedy(Tensor logits) -> Tensor");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
   m.impl("rotary", c10::DispatchKey::CPU, &rotary);
   m.impl("greedy", c10::DispatchKey::CPU, &greedy);
+  m.impl("apply_token_bitmask", c10::DispatchKey::CPU, &apply_token_bitmask);
 }
