@@ -6,7 +6,7 @@ caching on) with a KV cache of exactly POOL_BYTES, as the pdserve arms get, then
 of VISITS.json ([[session, prompt token ids], ...]) alone and steps the engine until it ends,
 timing the first step that returns a token, as the pdserve arms time theirs. With OFFLOAD_GIB > 0
 it asks for vLLM's native CPU offloading (`kv_offloading_size`) too. Writes OUT.json:
-{"block_size", "wall_s", "visits": [[session, ttft_s, cached_tokens, generated], ...],
+{"block_size", "wall_s", "visits": [[session, ttft_s, cached_tokens, generated, seconds], ...],
 "token_ids": [...]}.
 
     .venv-vllm/bin/python benchmarks/vllm_agentic_worker.py MODEL_DIR POOL_BYTES THREADS MAX_TOKENS \
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
                     first = time.perf_counter() - t0
                 if out.finished:
                     cached, ids = out.num_cached_tokens or 0, list(out.outputs[0].token_ids)
-        rows.append([session, first or 0.0, cached, len(ids)])
+        rows.append([session, first or 0.0, cached, len(ids), time.perf_counter() - t0])
         token_ids.append(ids)
     wall = time.perf_counter() - started
     block_size = engine.vllm_config.cache_config.block_size

@@ -18,13 +18,14 @@ def test_sessions_share_nothing_and_each_visit_extends_its_history():
 def test_revisit_figures_count_revisits_only_against_what_each_session_already_had():
     from benchmarks.agentic import revisit_figures
 
-    # (session, prompt tokens, TTFT s, cached tokens, generated); max_tokens 4, blocks of 8
-    visits = [(0, 40, 5.0, 0, 4), (1, 40, 5.0, 0, 4), (0, 50, 1.0, 40, 4), (1, 50, 3.0, 0, 4)]
+    # (session, prompt tokens, TTFT s, cached tokens, generated, seconds); max_tokens 4, blocks of 8
+    visits = [(0, 40, 5.0, 0, 4, 6.0), (1, 40, 5.0, 0, 4, 6.0), (0, 50, 1.0, 40, 4, 1.5), (1, 50, 3.0, 0, 4, 0.5)]
     got = revisit_figures(visits, block_size=8, max_tokens=4, wall=8.0)
     # each revisit could reuse its session's 40 + 4 - 1 = 43 tokens, 40 of them in whole blocks
     assert got["cached_fraction"] == 0.5  # 40 of a bound of 80
     assert got["revisit_ttft_p50_s"] == 3.0  # of the revisits 1.0 and 3.0 (nearest rank); first visits left out
-    assert got["throughput_tok_s"] == 2.0
+    assert got["throughput_tok_s"] == 4.0  # the revisits: 8 tokens in 1.5 + 0.5 s
+    assert got["run_throughput_tok_s"] == 2.0  # every visit: 16 tokens over the 8.0 s wall
 
 
 def test_a_refused_vllm_start_is_named_by_its_root_cause_not_its_wrapper():
