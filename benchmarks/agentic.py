@@ -22,7 +22,8 @@ engine did not compute over the block-aligned tokens the session already had), a
 (the revisits' generated tokens over the time the revisits took, the issue's figure; and, apart,
 `run_throughput_tok_s`: every visit's tokens over the wall time of the whole run, cold first visits
 and the tier writer's catch-up included), and each tier's restore bandwidth (bytes restored over the
-time restores took). Arms alternate their order over the rounds; each figure is the
+time restores took), set against what the media themselves do here (`medium_gb_s`).
+Arms alternate their order over the rounds; each figure is the
 median over rounds, the per-round figures are kept. `ratio` is off's revisit TTFT
 p50 over host's; the issue's targets: TTFT <= 0.3x (ratio >= 3.3), cached fraction >= 0.8,
 throughput >= 2x.
@@ -110,6 +111,40 @@ def run_arm(
         "restore_gb_s": round(stats.restored_bytes / stats.restore_seconds / 1e9, 3)
         if stats and stats.restore_seconds
         else None,
+    }
+
+
+def medium_gb_s(block_bytes: int, directory: str) -> dict:
+    """What the tiers' media do on this machine, to set the restore bandwidths against: host memory
+    (one 64 MiB copy, and copies of `block_bytes` one by one, as a restore makes them: one layer of
+    one block each) and the store's
+    directory (a 64 MiB file read back, from the page cache as a just-written block would be)."""
+    import torch
+
+    big = torch.ones(64 * 2**20 // 4)
+    out = torch.empty_like(big)
+    out.copy_(big)
+    start = time.perf_counter()
+    for _ in range(10):
+        out.copy_(big)
+    memcpy = 10 * big.numel() * 4 / (time.perf_counter() - start) / 1e9
+    blocks = [torch.ones(block_bytes // 4) for _ in range(256)]
+    copies = [torch.empty_like(b) for b in blocks]
+    start = time.perf_counter()
+    for src, dst in zip(blocks, copies):
+        dst.copy_(src)
+    block_copies = 256 * block_bytes / (time.perf_counter() - start) / 1e9
+    path = Path(directory) / "medium-probe"
+    path.write_bytes(os.urandom(64 * 2**20))
+    start = time.perf_counter()
+    for _ in range(5):
+        path.read_bytes()
+    file_read = 5 * 64 * 2**20 / (time.perf_counter() - start) / 1e9
+    path.unlink()
+    return {
+        "host_memcpy_gb_s": round(memcpy, 3),
+        "host_block_copies_gb_s": round(block_copies, 3),
+        "store_file_read_gb_s": round(file_read, 3),
     }
 
 
@@ -211,6 +246,8 @@ def main() -> None:
 
         arms["vllm"] = vllm
     ran = alternate(arms, args.rounds, optional={"vllm"})
+    with tempfile.TemporaryDirectory(prefix="pdserve-agentic-medium-") as directory:
+        medium = medium_gb_s(per_token // cfg.num_hidden_layers * 16, directory)  # one layer of a 16-token block
     rounds = {name: ran.of(name) for name in arms}
     medians = {name: median_figures(per_round) for name, per_round in rounds.items()}
 
@@ -242,6 +279,7 @@ def main() -> None:
                 ),
             },
             "restore_gb_s": {"host": median("host", "restore_gb_s"), "store": median("store", "restore_gb_s")},
+            "medium_gb_s": medium,
             "workload": {
                 "sessions": sessions,
                 "context_tokens": context,
