@@ -1,6 +1,9 @@
 """Agent-style revisits of long private contexts: the host KV tier and the shared store against no tier, one engine.
 
-    python -m benchmarks.agentic [--quick] [--rounds N] [--vllm-python PATH]
+    python -m benchmarks.agentic [--quick] [--rounds N] [--vllm-python PATH] [--sessions N] [--visits N]
+
+`--visits 1` is the case where a tier cannot pay: every prompt is new, so the tiers only add their
+copies down (`run_throughput_tok_s` then shows what they cost).
 
 Workload: S sessions, each with its own long context (no prefix shared between sessions), visited
 round robin; each visit sends the session's context plus everything said so far plus a new step,
@@ -206,6 +209,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     add_rounds_arg(parser)
     parser.add_argument("--vllm-python", default=None, help="python of a vLLM CPU install: add the vllm arm")
+    parser.add_argument("--sessions", type=int, default=None, help="sessions (default 8; --quick 6)")
+    parser.add_argument(
+        "--visits", type=int, default=None, help="visits per session (default 4; --quick 3; 1: no reuse at all)"
+    )
     args = parser.parse_args()
     from pdserve.engine.builtin import default_model_dir
     from pdserve.engine.kv_pool import kv_bytes_per_token
@@ -215,6 +222,9 @@ def main() -> None:
 
     model = str(default_model_dir("bench"))
     sessions, context, visits, step, max_tokens = (6, 512, 3, 16, 8) if args.quick else (8, 1024, 4, 32, 16)
+    sessions, visits = args.sessions or sessions, args.visits or visits
+    if sessions < 1 or visits < 1:
+        parser.error("--sessions and --visits must be at least 1")
     cfg = ModelConfig.from_dir(model)
     per_token = kv_bytes_per_token(cfg, cfg.num_hidden_layers, torch.float32)
     working_set = sessions * (context + visits * (step + max_tokens))
