@@ -83,8 +83,8 @@ def main() -> None:
     medians = sweep_medians(runs)
     for g, m in sorted(medians.items()):
         print(f"G={g:>3} blocks: pull {m['pull'] * 1e3:7.1f} ms, recompute {m['recompute'] * 1e3:7.1f} ms", flush=True)
-    paired = {g: runs.median_ratio("pull", "recompute", str(g)) for g in sorted(medians)}
-    pays = [g for g, ratio in paired.items() if ratio is not None and ratio < 1]
+    figures = sweep_json(runs, MODES)
+    pays = [g for g, ratio in figures["pull_over_recompute"].items() if ratio is not None and ratio < 1]
     emit(
         {
             "metric": "kv_pull_min_blocks",
@@ -94,7 +94,7 @@ def main() -> None:
             "ratio": round(pays[0] / DEFAULT_KV_PULL_MIN_BLOCKS, 3) if pays else None,
             "target": "smallest G (blocks held by decode, lacking on prefill) at which pull TTFT < recompute "
             "(median of the paired ratios)",
-            **sweep_json(runs, MODES),
+            **figures,
             "model": args.model_size,
         }
     )

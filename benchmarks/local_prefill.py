@@ -166,7 +166,8 @@ def main() -> None:
     medians = sweep_medians(runs)
     for n, m in sorted(medians.items()):
         print(f"N={n:>4}: local {m['local'] * 1e3:7.1f} ms, remote {m['remote'] * 1e3:7.1f} ms", flush=True)
-    chosen = threshold({n: runs.median_ratio("local", "remote", str(n)) for n in sizes}, args.margin)
+    figures = sweep_json(runs, ("local", "remote"))
+    chosen = threshold(figures["local_over_remote"], args.margin)
     recompute = recompute_ms_per_block(medians)
     small, bulk = transfer_ms_per_block(model, 3 if args.quick else 8)
     print(f"per block: recompute {recompute:.1f} ms; CacheStore 1 block {small:.2f} ms, in bulk {bulk:.3f} ms")
@@ -178,7 +179,7 @@ def main() -> None:
             "baseline_is": "the default --local-prefill-max-tokens",
             "ratio": round(chosen / DEFAULT_LOCAL_PREFILL_MAX_TOKENS, 3),
             "target": f"largest N with local TTFT <= remote x {1 + args.margin} (median of the paired ratios)",
-            **sweep_json(runs, ("local", "remote")),
+            **figures,
             "recompute_ms_per_block": round(recompute, 2),
             "transfer_ms_one_block": round(small, 3),
             "transfer_ms_per_block_bulk": round(bulk, 4),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -187,17 +188,15 @@ def main() -> None:
     seconds = args.seconds or (20.0 if args.quick else 60.0)
     measure_seconds = 20.0 if args.quick else 45.0
     rates: list[float] = []
-    seeds: list[int] = []  # a new seed per measurement: no round replays prompts an earlier one cached
+    seeds = itertools.count(1)  # a new seed per measurement: no round replays prompts an earlier one cached
 
     def service() -> dict:
-        seeds.append(len(seeds) + 1)
-        rates.append(asyncio.run(service_rate(port, 16, measure_seconds, shape, seeds[-1])))
+        rates.append(asyncio.run(service_rate(port, 16, measure_seconds, shape, next(seeds))))
         return {"service_rate": round(rates[-1], 3)}
 
     def overload() -> dict:
         arrivals = args.rate if args.rate is not None else args.overload * rates[-1]
-        seeds.append(len(seeds) + 1)
-        return burst_round(port, arrivals, seconds, shape, seeds[-1])
+        return burst_round(port, arrivals, seconds, shape, next(seeds))
 
     port = free_port()
     server = start_pdserve(str(default_model_dir("bench")), port, ["--served-model-name", "bench"])
