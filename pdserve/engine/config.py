@@ -149,11 +149,7 @@ class EngineConfig:
         if self.kv_offloading_bytes is not None:
             if self.kv_offloading_bytes <= 0:
                 raise ValueError(f"--kv-offloading-size must be positive, got {self.kv_offloading_bytes} bytes")
-            if self.tensor_parallel_size > 1:
-                raise ValueError("--kv-offloading-size with --tensor-parallel-size > 1 is not supported yet")
         if self.kv_store is not None:
             from pdserve.engine.kv_store_backends import parse_store_url
 
             parse_store_url(self.kv_store)  # ValueError naming --kv-store
-            if self.tensor_parallel_size > 1:
-                raise ValueError("--kv-store with --tensor-parallel-size > 1 is not supported yet")

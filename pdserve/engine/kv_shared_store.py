@@ -24,8 +24,11 @@ Lustre, a PVC: `file:///PATH`, as llm-d's filesystem backend) or a Mooncake Stor
   (`pdserve.engine.kv_restore`: the payloads stay in memory until it lands, so a failed copy is
   redone synchronously).
 
+With tensor parallelism every rank writes and reads records of its own heads' share, rank 0
+deciding what and when (`pdserve.engine.kv_tier_ranks`).
+
 Not exercised on hardware: on a CUDA pool the copies go through host memory; only the CPU path
-runs in the tests. With tensor parallelism each rank would need its own records (refused at start).
+runs in the tests.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from pdserve.engine.kv_store_backends import BlockBackend, open_backend
 from pdserve.engine.kv_events import KvEventLog, Medium
 from pdserve.engine.kv_restore import LayerRestores, RestoringConnector
 from pdserve.engine.kv_tier import TierStats
+from pdserve.engine.kv_tier_ranks import TierRanks, next_token
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
@@ -81,10 +85,22 @@ class SharedKvStore(RestoringConnector):
     """Blocks of one model's KV in the store `url` names (shared by every node that reaches it)."""
 
     def __init__(
-        self, url: str, compatibility: str, backend: BlockBackend | None = None, events: KvEventLog | None = None
+        self,
+        url: str,
+        compatibility: str,
+        backend: BlockBackend | None = None,
+        events: KvEventLog | None = None,
+        *,
+        shard: str = "",
+        ranks: TierRanks | None = None,
     ) -> None:
         self.backend = backend if backend is not None else open_backend(url)
-        self.compatibility = compatibility
+        self.shard = shard
+        """Appended to record names and to the compatibility string: a tensor-parallel rank's
+        records hold its heads' share only (`kv_tier_ranks.shard_suffix`; "" with TP=1)."""
+        self.compatibility = compatibility + shard
+        self.ranks = ranks
+        """Rank 0 of a tensor-parallel engine: the other ranks, which keep their own shares."""
         self.events = events
         """The node's KV event log: blocks this node wrote to the store, and ones it found gone
         (medium "store"; other nodes' writes reach a router through their own logs)."""
@@ -102,9 +118,8 @@ class SharedKvStore(RestoringConnector):
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-read")
         self._thread = threading.Thread(target=self._write_loop, name="kv-store-write", daemon=True)
 
-    @staticmethod
-    def _name(key: BlockKey) -> str:
-        return f"{key:016x}"
+    def _name(self, key: BlockKey) -> str:
+        return f"{key:016x}{self.shard}"
 
     # --- worker side -------------------------------------------------------------------------
     def register_kv_pool(self, pool: KVPool) -> None:
@@ -174,13 +189,22 @@ class SharedKvStore(RestoringConnector):
         if pool is None or restores is None or len(wanted) != len(block_ids):
             return False
         started = time.perf_counter()
-        payloads = self._bounded(self._read_all, wanted)
-        if payloads is None:
+        token = next_token()
+        # the other ranks read and check their shares while we read ours, within the same bound
+        asked = self.ranks.send({"op": "store_read", "token": token, "wanted": wanted}) if self.ranks else []
+        sources = self._bounded(self.read_checked, wanted)
+        if asked:
+            assert self.ranks is not None
+            left = max(0.0, READ_TIMEOUT_S - (time.perf_counter() - started))
+            if sources is None or not TierRanks.settled(asked, left):
+                self.ranks.send({"op": "store_drop", "token": token})  # a late answer is thrown away
+                sources = None
+            elif not self.ranks.all({"op": "store_apply", "token": token, "blocks": block_ids}):
+                sources = None  # a rank could not copy: those tokens are recomputed (on every rank)
+        if sources is None:
             self.stats.restore_failures += 1
             return False
-        shape = pool.tensor[:, 0].shape
-        sources = [torch.frombuffer(bytearray(p), dtype=pool.tensor.dtype).view(shape) for p in payloads]
-        restores.add(block_ids, sources, sum(map(len, payloads)), started, lambda: None)
+        restores.add(block_ids, sources, len(sources) * pool.block_bytes * pool.num_layers, started, lambda: None)
         return True
 
     def forget(self, request: Request) -> None:
@@ -217,6 +241,16 @@ class SharedKvStore(RestoringConnector):
     def _header(self, key: BlockKey, parent: BlockKey, tokens: list[int], digest: str) -> bytes:
         meta = {"key": key, "parent": parent, "tokens": tokens, "compat": self.compatibility, "digest": digest}
         return json.dumps(meta, separators=(",", ":")).encode()
+
+    def read_checked(self, wanted: list[tuple[BlockKey, BlockKey, list[int]]]) -> list[torch.Tensor] | None:
+        """Every wanted block's KV ([layers, ...], as `pool.tensor[:, block]`), checked; None if
+        any record is missing, unreadable or wrong."""
+        assert self.pool is not None
+        payloads = self._read_all(wanted)
+        if payloads is None:
+            return None
+        shape, dtype = self.pool.tensor[:, 0].shape, self.pool.tensor.dtype
+        return [torch.frombuffer(bytearray(p), dtype=dtype).view(shape) for p in payloads]
 
     def _read_all(self, wanted: list[tuple[BlockKey, BlockKey, list[int]]]) -> list[bytes] | None:
         """Every wanted block's payload, checked; None if any is missing, unreadable or wrong."""
@@ -295,13 +329,18 @@ class SharedKvStore(RestoringConnector):
             except Exception:
                 log.exception("KV store: copying block %d out of the pool failed", block)
                 payload = None
-            finally:
-                self._pending.pop(block, None)
-                done.set()  # the pool may reuse the block: its bytes are copied
+            if payload is not None and self.ranks is not None:  # each rank copies its share out before reuse
+                offload = {"op": "store_offload", "block": block, "key": key, "parent": parent, "tokens": tokens}
+                if not self.ranks.all(offload):  # a share is missing: ours alone would only fail a restore
+                    self.stats.dropped_blocks += 1
+                    payload = None
+            self._pending.pop(block, None)
+            done.set()  # the pool may reuse the block: its bytes are copied
             if payload is not None:
-                self._write(key, parent, tokens, payload)
+                self.write_record(key, parent, tokens, payload)
 
-    def _write(self, key: BlockKey, parent: BlockKey, tokens: list[int], payload: bytes) -> None:
+    def write_record(self, key: BlockKey, parent: BlockKey, tokens: list[int], payload: bytes) -> None:
+        """Write one block's record (a dropped block, counted, if the backend fails)."""
         header = self._header(key, parent, tokens, hashlib.blake2b(payload, digest_size=16).hexdigest())
         record = MAGIC + struct.pack("<I", len(header)) + header + payload
         try:

@@ -23,9 +23,11 @@ Correctness: a restored block is the block that was stored (same key, and the ke
 dtype, geometry, block size and salt through the namespace root). The host store is this
 process's own memory, so no checksum is kept here; a store shared across nodes keeps one.
 
+With tensor parallelism every rank keeps its heads' share of each slot; rank 0 decides and the
+other ranks copy when told (`pdserve.engine.kv_tier_ranks`).
+
 Not exercised on hardware: on a CUDA pool the store is pinned and the copies (both ways) run on
-side streams; only the CPU path runs in the tests here. With tensor parallelism each rank would need its own
-tier (refused at start).
+side streams; only the CPU path runs in the tests here.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pdserve.engine.block_keys import BlockKey, prompt_block_keys
 from pdserve.engine.kv_connector import ExternalKv
 from pdserve.engine.kv_events import KvEventLog, Medium
 from pdserve.engine.kv_restore import LayerRestores, RestoringConnector
+from pdserve.engine.kv_tier_ranks import TierRanks
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_pool import KVPool
@@ -98,13 +101,15 @@ class TierStats:
 class HostKvTier(RestoringConnector):
     """A host-memory KV tier of `capacity_bytes` below the engine's pool."""
 
-    def __init__(self, capacity_bytes: int, events: KvEventLog | None = None) -> None:
+    def __init__(self, capacity_bytes: int, events: KvEventLog | None = None, ranks: TierRanks | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"--kv-offloading-size must be positive, got {capacity_bytes} bytes")
         self.capacity_bytes = capacity_bytes
         self.events = events
         """The node's KV event log: the keys this tier stores and drops (medium "host")."""
         self.stats = TierStats()
+        self.ranks = ranks
+        """Rank 0 of a tensor-parallel engine: the other ranks, whose slots mirror ours."""
         self.pool: KVPool | None = None
         self.store: torch.Tensor | None = None
         self.slot_bytes = 0
@@ -221,6 +226,11 @@ class HostKvTier(RestoringConnector):
             for key, slot in zip(keys, pinned):
                 self._slots.move_to_end(key)
                 self._pins[slot] = self._pins.get(slot, 0) + 1
+        # the other ranks copy their shares now (rank 0 rewrites none of these slots while pinned)
+        if self.ranks is not None and not self.ranks.all({"op": "tier_load", "blocks": block_ids, "slots": pinned}):
+            self._unpin(pinned)
+            self.stats.restore_failures += 1
+            return False
         restores.add(
             block_ids,
             [store[slot] for slot in pinned],
@@ -275,14 +285,21 @@ class HostKvTier(RestoringConnector):
                 self.stats.evicted_blocks += 1
                 if self.events is not None:
                     self.events.removed([old], Medium.HOST)
-            src = self.pool.tensor[:, block]
-            if self._side_stream is not None:  # CUDA: after the engine's writes, on a side stream
-                self._side_stream.wait_stream(torch.cuda.current_stream(self.pool.tensor.device))
-                with torch.cuda.stream(self._side_stream):
-                    self.store[slot].copy_(src, non_blocking=True)
-                self._side_stream.synchronize()
-            else:
-                self.store[slot].copy_(src)
+        # the slot is now neither free nor keyed: no lookup finds it while it is written
+        src = self.pool.tensor[:, block]
+        if self._side_stream is not None:  # CUDA: after the engine's writes, on a side stream
+            self._side_stream.wait_stream(torch.cuda.current_stream(self.pool.tensor.device))
+            with torch.cuda.stream(self._side_stream):
+                self.store[slot].copy_(src, non_blocking=True)
+            self._side_stream.synchronize()
+        else:
+            self.store[slot].copy_(src)
+        if self.ranks is not None and not self.ranks.all({"op": "tier_store", "block": block, "slot": slot}):
+            with self._lock:  # a rank lacks its share: the slot is worth nothing
+                self._free_slots.append(slot)
+            self.stats.dropped_blocks += 1
+            return
+        with self._lock:
             self._slots[key] = slot
         self.stats.stored(self.slot_bytes)
         if self.events is not None:

@@ -15,6 +15,7 @@ from pdserve.engine.kv_namespace import kv_compatibility, request_root
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.kv_shared_store import SharedKvStore
 from pdserve.engine.kv_tier import HostKvTier
+from pdserve.engine.kv_tier_ranks import shard_suffix, tier_ranks
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.pool_blocks import PoolBlocks
 from pdserve.engine.prompt_check import check_max_tokens, check_prompt
@@ -65,7 +66,7 @@ class LLMEngine:
         self.kv_events = KvEventLog()
         """Keys stored / evicted in this engine's prefix cache and the tiers below it, for the node's
         KvEvents stream."""
-        self.tier = HostKvTier(config.kv_offloading_bytes, self.kv_events) if config.kv_offloading_bytes else None
+        self.tier: HostKvTier | None = None
         """The host KV tier below the pool (--kv-offloading-size), asked before the node's connector."""
         self.store: SharedKvStore | None = None
         """The shared KV store below the host tier (--kv-store), once the pool exists."""
@@ -91,8 +92,14 @@ class LLMEngine:
         pool = self.runner.kv_pool
         self.kv_compatibility = kv_compatibility(self.model_config, pool)
         """What the node reports as LoadReport.compatibility: the router roots its block keys on it."""
+        ranks = tier_ranks(self.runner)  # tensor parallelism: the tiers' other shares
+        if config.kv_offloading_bytes:
+            self.tier = HostKvTier(config.kv_offloading_bytes, self.kv_events, ranks)
         if config.kv_store is not None:  # its files are checked against the compatibility string
-            self.store = SharedKvStore(config.kv_store, self.kv_compatibility, events=self.kv_events)
+            shard = shard_suffix(0, config.tensor_parallel_size)
+            self.store = SharedKvStore(
+                config.kv_store, self.kv_compatibility, events=self.kv_events, shard=shard, ranks=ranks
+            )
         # the tiers below the pool are asked first (host, then the shared store), then the node's own
         parts = [c for c in (self.tier, self.store, connector) if c is not None and c is not NO_CONNECTOR]
         connector = NO_CONNECTOR if not parts else parts[0] if len(parts) == 1 else KvConnectors(*parts)

@@ -181,8 +181,6 @@ def test_a_decode_node_restores_from_its_tier_before_asking_a_prefill_node(make)
 def test_bad_offloading_sizes_are_refused_naming_the_flag(tiny_model_dir):
     with pytest.raises(ValueError, match="--kv-offloading-size must be positive"):
         EngineConfig(model_dir=tiny_model_dir, kv_offloading_bytes=0)
-    with pytest.raises(ValueError, match="--kv-offloading-size with --tensor-parallel-size"):
-        EngineConfig(model_dir=tiny_model_dir, kv_offloading_bytes=1 << 20, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="--kv-offloading-size 16 bytes holds no KV block"):
         LLMEngine(EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=8, kv_offloading_bytes=16))
     from pdserve.commands.memory_args import offloading_size

@@ -10,7 +10,8 @@ A rank runs a side service only when the engine config names one (`EngineConfig.
 "module:factory"): the factory is called with the rank's ModelRunner and returns an object with
 `handle(msg, reply)` (any thread; `reply(dict)` may be called later, from any thread) and,
 optionally, `connector`: the worker side of a KvConnector (`engine.kv_connector`), which the rank
-passes to every `run`.
+passes to every `run`. Independently of it, a rank of an engine with KV tiers below the pool runs
+their share (`engine.kv_tier_ranks.RankTiers`), which answers the tier commands (`OPS`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from concurrent.futures import Future
 from typing import IO, Any
 
 from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
+from pdserve.engine.kv_tier_ranks import OPS as TIER_OPS
 from pdserve.engine.parallel.group import RankFailure
 
 
@@ -87,11 +89,14 @@ class RankService:
         self._out_lock = threading.Lock()
         self._ready = threading.Event()
         self.service: Any = None
+        self.tiers: Any = None
+        """This rank's share of the KV tiers (`engine.kv_tier_ranks.RankTiers`), if the engine has any."""
 
-    def start(self, runner: Any) -> None:
+    def start(self, runner: Any, tiers: Any = None) -> None:
         if self.spec:
             module, _, factory = self.spec.partition(":")
             self.service = getattr(importlib.import_module(module), factory)(runner)
+        self.tiers = tiers
         self._ready.set()
 
     @property
@@ -109,11 +114,12 @@ class RankService:
             def reply(answer: dict, cid: Any = cid) -> None:
                 self._send({**answer, "id": cid})
 
-            if self.service is None:
-                reply({"error": "this rank runs no side service"})
+            handler = self.tiers if msg.get("op") in TIER_OPS else self.service
+            if handler is None:
+                reply({"error": f"this rank runs nothing that answers {msg.get('op')!r}"})
                 continue
             try:
-                self.service.handle(msg, reply)
+                handler.handle(msg, reply)
             except Exception as e:  # a bad command is answered, never the rank's death
                 reply({"error": f"{type(e).__name__}: {e}"})
 

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kv_tier_ranks import RankTiers
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel.group import RankFailure, TPGroup, rendezvous
 from pdserve.engine.parallel.launcher import START_TIMEOUT_S, rank_options
@@ -47,7 +48,8 @@ def serve(spec: dict, service: RankService) -> None:
         start_timeout_s=START_TIMEOUT_S,
     )
     runner = ModelRunner(config.model_dir, **options, tp=tp)
-    service.start(runner)
+    tiers = RankTiers(config, runner, rank) if config.kv_offloading_bytes or config.kv_store else None
+    service.start(runner, tiers)
     connector = service.connector  # built by the service with this runner: its pool is registered
     while (msg := tp.recv_step()) is not None:
         batch = ForwardBatch(**msg["batch"])

@@ -1,0 +1,222 @@
+"""The KV tiers of a tensor-parallel engine: each rank keeps its own heads' share of every block.
+
+With tensor parallelism a pool block is split by KV heads across the ranks, so a block kept below
+the pool is too: rank `r` of `n` keeps only its share, in its own process. Rank 0 makes every
+decision, as it does for the pool (which block goes down, which host slot it takes, which slot is
+evicted, what a request restores) and tells the other ranks over their command pipes
+(`pdserve.engine.parallel.rank_commands`), which carry no decision of their own:
+
+- **Host tier** (`--kv-offloading-size`): every rank has the same number of slots (the ranks'
+  blocks are the same size). Rank 0's writer, having chosen slot S for block B, has each rank copy
+  its share of B into its slot S (`tier_store`) and waits for them all before it marks S as
+  holding the key, and before B may be reused. A restore (`load`) has each rank copy its slots
+  into the fresh blocks (`tier_load`) and waits for them before it says True; only rank 0's own
+  copy runs layer by layer in the next forward. So a rank never reads a slot rank 0 may rewrite:
+  rank 0 rewrites only a slot it no longer pins, and pins a slot until its own copy landed, after
+  every other rank's.
+- **Shared store** (`--kv-store`): each rank writes its own records, named by the block's key and
+  the rank (`shard_suffix`), so no other shape ever reads them. Rank 0's writer has each rank copy
+  its share of B out (`store_offload`, answered once the bytes are copied, written after) before
+  B may be reused. A restore asks every rank to read and check its records (`store_read`) while
+  rank 0 reads its own, all within the store's read timeout; only when every rank holds its
+  checked payloads does rank 0 have them copied into the pool (`store_apply`), else it drops them
+  (`store_drop`) and the request recomputes: a late answer can never write a block the engine
+  has given to another request.
+
+What the other ranks copy, they copy at once (on their command thread, between the forwards that
+rank 0 starts; a request's blocks are written by no forward until rank 0 admitted it), so only
+rank 0's copies overlap compute. Not exercised on hardware: on CUDA the ranks' copies go through
+the same pinned host memory, synchronised before they answer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.parallel.rank_commands import RankCommands
+
+log = logging.getLogger("pdserve.engine")
+OPS = ("tier_store", "tier_load", "store_offload", "store_read", "store_apply", "store_drop")
+"""The commands a rank's `RankTiers` answers (its `RankService` hands them over by name)."""
+ANSWER_TIMEOUT_S = 60.0
+"""Longest rank 0 waits for a rank's copy (a memcpy of a few blocks: only a dead or hung rank
+takes this long, and then the engine is failing anyway)."""
+MAX_STASHED = 64
+"""Checked store payloads a rank keeps waiting for rank 0's apply or drop, at most."""
+
+
+def shard_suffix(rank: int, size: int) -> str:
+    """What a tensor-parallel rank appends to a store record's name and compatibility string: its
+    share of a block is not the block (and with TP=1 nothing is appended, so records stay the
+    whole blocks other nodes read)."""
+    return "" if size == 1 else f".tp{size}r{rank}"
+
+
+class TierRanks:
+    """Rank 0's end: send one command to every other rank and wait for all of their answers."""
+
+    def __init__(self, commands: RankCommands) -> None:
+        self.commands = commands
+        self.ranks = commands.ranks
+
+    def send(self, msg: dict) -> list[concurrent.futures.Future]:
+        return [self.commands.call(rank, msg) for rank in self.ranks]
+
+    @staticmethod
+    def settled(futures: list[concurrent.futures.Future], timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
+        """True when every rank answered without an error within `timeout_s` (all ranks together)."""
+        done, pending = concurrent.futures.wait(futures, timeout=timeout_s)
+        ok = not pending
+        for fut in done:
+            try:
+                answer = fut.result()
+            except Exception as e:  # RankFailure: the rank is gone
+                log.warning("KV tier: a tensor-parallel rank failed (%s)", e)
+                ok = False
+                continue
+            if answer.get("error") or not answer.get("ok", False):
+                if answer.get("error"):
+                    log.warning("KV tier: a tensor-parallel rank refused: %s", answer["error"])
+                ok = False
+        if pending:
+            log.warning("KV tier: %d tensor-parallel rank(s) did not answer in %.0f s", len(pending), timeout_s)
+        return ok
+
+    def all(self, msg: dict, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
+        return self.settled(self.send(msg), timeout_s)
+
+
+def tier_ranks(runner: Any) -> TierRanks | None:
+    """The other ranks of `runner`'s engine (None with TP=1: the tiers then talk to no one)."""
+    ranks = getattr(runner, "ranks", None)
+    return TierRanks(ranks.commands) if ranks is not None and ranks.commands.ranks else None
+
+
+class RankTiers:
+    """A rank other than 0: its share of the host tier's slots and of the shared store's records,
+    copied only when rank 0 says so (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, rank: int) -> None:
+        self.pool = pool = runner.kv_pool
+        self.slots: torch.Tensor | None = None
+        if config.kv_offloading_bytes:
+            slots = config.kv_offloading_bytes // (pool.block_bytes * pool.num_layers)
+            t = pool.tensor
+            self.slots = torch.empty((slots, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=t.is_cuda)
+        self.store = None
+        if config.kv_store is not None:
+            from pdserve.engine.kv_namespace import kv_compatibility
+            from pdserve.engine.kv_shared_store import SharedKvStore
+
+            self.store = SharedKvStore(
+                config.kv_store,
+                kv_compatibility(runner.model_config, pool),
+                shard=shard_suffix(rank, config.tensor_parallel_size),
+            )
+            self.store.register_kv_pool(pool)
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-store-rank")
+        """Store reads and writes: off the command thread, which also serves the KV transfers."""
+        self._stash: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._writes = 0
+
+    def handle(self, msg: dict, reply: Callable[[dict], None]) -> None:
+        op = msg.get("op")
+        if op == "tier_store":
+            self._copy([self._slot(msg["slot"])], [self._block(msg["block"])])
+            reply({"ok": True})
+        elif op == "tier_load":
+            self._copy([self._block(b) for b in msg["blocks"]], [self._slot(s) for s in msg["slots"]])
+            reply({"ok": True})
+        elif op in ("store_offload", "store_read"):
+            if self.store is None:
+                raise ValueError("this rank has no KV store")
+            if op == "store_offload":
+                self._offload(msg, reply)
+            else:
+                self._io.submit(self._read, msg, reply)
+        elif op == "store_apply":
+            with self._lock:
+                payloads = self._stash.pop(int(msg["token"]), None)
+            if payloads is None:
+                reply({"error": f"no checked payloads for restore {msg['token']}"})
+                return
+            self._copy([self._block(b) for b in msg["blocks"]], payloads)
+            reply({"ok": True})
+        elif op == "store_drop":
+            with self._lock:
+                self._stash.pop(int(msg["token"]), None)
+            reply({"ok": True})
+        else:
+            raise ValueError(f"unknown KV tier command {op!r}")
+
+    # --- internals ------------------------------------------------------------------------------
+    def _slot(self, slot: int) -> torch.Tensor:
+        if self.slots is None:
+            raise ValueError("this rank has no host KV tier")
+        return self.slots[int(slot)]
+
+    def _block(self, block: int) -> torch.Tensor:
+        return self.pool.tensor[:, int(block)]
+
+    def _copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        if len(dst) != len(src):
+            raise ValueError(f"{len(dst)} destinations for {len(src)} sources")
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=d.is_cuda or s.is_cuda)
+        if self.pool.tensor.is_cuda:  # done before we answer: rank 0 then lets the block or slot be reused
+            torch.cuda.current_stream(self.pool.tensor.device).synchronize()
+
+    def _offload(self, msg: dict, reply: Callable[[dict], None]) -> None:
+        assert self.store is not None
+        payload = self._block(msg["block"]).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        reply({"ok": True})  # copied out: rank 0 may let the block be reused
+        key, parent, tokens = int(msg["key"]), int(msg["parent"]), list(msg["tokens"])
+        with self._lock:
+            if self._writes >= MAX_STASHED * 64:  # the writer is that far behind: dropped, as rank 0's queue would
+                self.store.stats.dropped_blocks += 1
+                return
+            self._writes += 1
+        self._io.submit(self._write, key, parent, tokens, payload)
+
+    def _write(self, key: int, parent: int, tokens: list[int], payload: bytes) -> None:
+        assert self.store is not None
+        try:
+            self.store.write_record(key, parent, tokens, payload)
+        finally:
+            with self._lock:
+                self._writes -= 1
+
+    def _read(self, msg: dict, reply: Callable[[dict], None]) -> None:
+        assert self.store is not None
+        wanted = [(int(k), int(p), list(t)) for k, p, t in msg["wanted"]]
+        try:
+            payloads = self.store.read_checked(wanted)
+        except Exception as e:  # answered as a miss: the request recomputes
+            reply({"error": f"{type(e).__name__}: {e}"})
+            return
+        if payloads is None:
+            reply({"ok": False})
+            return
+        with self._lock:
+            while len(self._stash) >= MAX_STASHED:  # rank 0 gave up on the oldest long ago
+                self._stash.pop(next(iter(self._stash)))
+            self._stash[int(msg["token"])] = payloads
+        reply({"ok": True})
+
+
+_tokens = itertools.count(1)
+
+
+def next_token() -> int:
+    """A restore's id, to match a rank's checked payloads with rank 0's apply or drop."""
+    return next(_tokens)
