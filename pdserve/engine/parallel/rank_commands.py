@@ -11,7 +11,7 @@ A rank runs a side service only when the engine config names one (`EngineConfig.
 `handle(msg, reply)` (any thread; `reply(dict)` may be called later, from any thread) and,
 optionally, `connector`: the worker side of a KvConnector (`engine.kv_connector`), which the rank
 passes to every `run`. Independently of it, a rank of an engine with KV tiers below the pool runs
-their share (`engine.kv_tier_ranks.RankTiers`), which answers the tier commands (`OPS`).
+their share (`engine.kv_tier_rank_service.RankTiers`), which answers the commands its `ops` names.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from concurrent.futures import Future
 from typing import IO, Any
 
 from pdserve.engine.kv_connector import NO_CONNECTOR, KvConnector
-from pdserve.engine.kv_tier_ranks import OPS as TIER_OPS
 from pdserve.engine.parallel.group import RankFailure
 
 
@@ -90,7 +89,7 @@ class RankService:
         self._ready = threading.Event()
         self.service: Any = None
         self.tiers: Any = None
-        """This rank's share of the KV tiers (`engine.kv_tier_ranks.RankTiers`), if the engine has any."""
+        """This rank's share of the KV tiers (`engine.kv_tier_rank_service.RankTiers`), if the engine has any."""
 
     def start(self, runner: Any, tiers: Any = None) -> None:
         if self.spec:
@@ -114,7 +113,7 @@ class RankService:
             def reply(answer: dict, cid: Any = cid) -> None:
                 self._send({**answer, "id": cid})
 
-            handler = self.tiers if msg.get("op") in TIER_OPS else self.service
+            handler = self.tiers if msg.get("op") in getattr(self.tiers, "ops", ()) else self.service
             if handler is None:
                 reply({"error": f"this rank runs nothing that answers {msg.get('op')!r}"})
                 continue

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.kv_tier_ranks import RankTiers
+from pdserve.engine.kv_tier_rank_service import RankTiers
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel.group import RankFailure, TPGroup, rendezvous
 from pdserve.engine.parallel.launcher import START_TIMEOUT_S, rank_options
