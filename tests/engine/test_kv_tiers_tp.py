@@ -124,9 +124,13 @@ def test_a_tp2_store_restores_each_ranks_records_and_refuses_a_corrupt_share(mak
     assert serve(first, "first")[0] == reference
     assert first.store is not None and first.store.drain(30)
     settle(first.store._pending)
-    files = sorted((tmp_path / "store").glob("*/*.kvb"))
-    rank0 = [f for f in files if f.stem.endswith(shard_suffix(0, 2))]
-    rank1 = [f for f in files if f.stem.endswith(shard_suffix(1, 2))]
+    for _ in range(300):  # rank 1 writes its records after it answered (its copy out): not drained by rank 0
+        files = sorted((tmp_path / "store").glob("*/*.kvb"))
+        rank0 = [f for f in files if f.stem.endswith(shard_suffix(0, 2))]
+        rank1 = [f for f in files if f.stem.endswith(shard_suffix(1, 2))]
+        if len(rank1) == len(rank0):
+            break
+        time.sleep(0.1)
     assert len(rank0) >= 15 and len(rank1) >= 15 and len(files) == len(rank0) + len(rank1)
     # a TP=1 node does not read a share as if it were the block
     whole = make(kv_store=url)
