@@ -9,20 +9,12 @@ import time
 
 import pytest
 
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.block_keys import prompt_block_keys
 from pdserve.engine.kv_namespace import request_root
 from pdserve.engine.kv_tier_ranks import shard_suffix
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-BS = 4
-POOL_BLOCKS = 24
-PROMPT = [5 + i for i in range(61)]  # 15 full blocks before the last token's
-
-
-def others(n: int) -> list[list[int]]:
-    """Prompts sharing nothing with PROMPT or each other: running them evicts PROMPT's blocks."""
-    return [[300 + k * 70 + i for i in range(61)] for k in range(n)]
+from tests.engine.test_kv_tier import BS, GREEDY, POOL_BLOCKS, PROMPT, others  # the same workload as TP=1's
 
 
 def serve(engine: LLMEngine, rid: str, prompt: list[int] = PROMPT) -> tuple[list[int], int]:
