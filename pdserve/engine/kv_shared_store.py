@@ -302,7 +302,8 @@ class SharedKvStore(RestoringConnector):
         return payload if ok else None
 
     def drain(self, timeout: float) -> bool:
-        """Wait until every queued block is written (or dropped); False if `timeout` passed first."""
+        """Wait until every queued block is written (or dropped), by every tensor-parallel rank too;
+        False if `timeout` passed first."""
         deadline = time.monotonic() + timeout
         with self._wake:
             while self._queue or self._writing:
@@ -310,7 +311,10 @@ class SharedKvStore(RestoringConnector):
                 if left <= 0:
                     return False
                 self._wake.wait(left)
-        return True
+        if self.ranks is None:
+            return True
+        # each rank writes its shares after answering our `store_offload`: its records may still be queued
+        return self.ranks.all({"op": "store_drain"}, max(0.0, deadline - time.monotonic()))
 
     def _write_loop(self) -> None:
         while True:

@@ -81,6 +81,10 @@ class RankTiers:
             with self._lock:
                 self._stash.pop(int(msg["token"]), None)
             reply({"ok": True})
+        elif op == "store_drain":
+            if self.store is None:
+                raise ValueError("this rank has no KV store")
+            self._io.submit(reply, {"ok": True})  # one worker, in order: after every write queued before
         else:
             raise ValueError(f"unknown KV tier command {op!r}")
 

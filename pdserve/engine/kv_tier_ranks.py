@@ -21,7 +21,8 @@ evicted, what a request restores) and tells the other ranks over their command p
   rank 0 reads its own, all within the store's read timeout; only when every rank holds its
   checked payloads does rank 0 have them copied into the pool (`store_apply`), else it drops them
   (`store_drop`) and the request recomputes: a late answer can never write a block the engine
-  has given to another request.
+  has given to another request. Rank 0's `drain` (a node stopping) waits for the ranks' writers too
+  (`store_drain`, answered once every record queued before it is written).
 
 What the other ranks copy, they copy at once (on their command thread, between the forwards that
 rank 0 starts; a request's blocks are written by no forward until rank 0 admitted it), so only
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from pdserve.engine.parallel.rank_commands import RankCommands
 
 log = logging.getLogger("pdserve.engine")
-OPS = ("tier_store", "tier_load", "store_offload", "store_read", "store_apply", "store_drop")
+OPS = ("tier_store", "tier_load", "store_offload", "store_read", "store_apply", "store_drop", "store_drain")
 """The commands a rank's `kv_tier_rank_service.RankTiers` answers (its `RankService` hands over
 every command whose op that object lists in its `ops`)."""
 ANSWER_TIMEOUT_S = 60.0

@@ -5,6 +5,8 @@ same output, never a wrong token or a leaked block."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -12,7 +14,9 @@ import pytest
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.block_keys import prompt_block_keys
 from pdserve.engine.kv_namespace import request_root
-from pdserve.engine.kv_tier_ranks import shard_suffix
+from pdserve.engine.kv_shared_store import SharedKvStore
+from pdserve.engine.kv_tier_rank_service import RankTiers
+from pdserve.engine.kv_tier_ranks import TierRanks, shard_suffix
 
 from tests.engine.test_kv_tier import BS, GREEDY, POOL_BLOCKS, PROMPT, others  # the same workload as TP=1's
 
@@ -114,16 +118,12 @@ def test_a_tp2_store_restores_each_ranks_records_and_refuses_a_corrupt_share(mak
     url = f"file://{tmp_path / 'store'}"
     first = make(tensor_parallel_size=2, kv_store=url)
     assert serve(first, "first")[0] == reference
+    # rank 0's drain waits for rank 1's writer too (it writes its records after answering rank 0)
     assert first.store is not None and first.store.drain(30)
-    settle(first.store._pending)
-    for _ in range(300):  # rank 1 writes its records after it answered (its copy out): not drained by rank 0
-        files = sorted((tmp_path / "store").glob("*/*.kvb"))
-        rank0 = [f for f in files if f.stem.endswith(shard_suffix(0, 2))]
-        rank1 = [f for f in files if f.stem.endswith(shard_suffix(1, 2))]
-        if len(rank1) == len(rank0):
-            break
-        time.sleep(0.1)
-    assert len(rank0) >= 15 and len(rank1) >= 15 and len(files) == len(rank0) + len(rank1)
+    files = sorted((tmp_path / "store").glob("*/*.kvb"))
+    rank0 = [f for f in files if f.stem.endswith(shard_suffix(0, 2))]
+    rank1 = [f for f in files if f.stem.endswith(shard_suffix(1, 2))]
+    assert len(rank0) >= 15 and len(rank1) == len(rank0) and len(files) == len(rank0) + len(rank1)
     # a TP=1 node does not read a share as if it were the block
     whole = make(kv_store=url)
     assert serve(whole, "whole") == (reference, 0)
@@ -143,3 +143,70 @@ def test_a_tp2_store_restores_each_ranks_records_and_refuses_a_corrupt_share(mak
     tokens, cached = serve(third, "third")
     assert tokens == reference and cached == 0
     assert third.store is not None and third.store.stats.restore_failures == 1
+
+
+class _SlowStore:
+    """A rank's store whose writes wait for `release` (a writer far behind)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.written: list[int] = []
+
+    def write_record(self, key: int, parent: int, tokens: list[int], payload: bytes) -> None:
+        assert self.release.wait(30)
+        self.written.append(key)
+
+
+def test_a_ranks_drain_is_answered_only_after_its_queued_writes(tiny_model_dir):
+    """Rank 1 writes its records after answering rank 0's copy-out: a node stopping must wait for
+    them (`store_drain`), or that rank's last records are lost and their restores recompute."""
+    config = EngineConfig(model_dir=tiny_model_dir, num_kv_blocks=POOL_BLOCKS, block_size=BS)
+    engine = LLMEngine(config)
+    try:
+        tiers = RankTiers(config, engine.runner, 1)
+        store = tiers.store = _SlowStore()
+        answers: list[tuple[str, dict]] = []
+        for key in (7, 8):
+            msg = {"op": "store_offload", "block": key - 7, "key": key, "parent": 0, "tokens": [1] * BS}
+            tiers.handle(msg, lambda a, k=key: answers.append((f"offload {k}", a)))
+        tiers.handle({"op": "store_drain"}, lambda a: answers.append(("drain", a)))
+        time.sleep(0.2)
+        assert [name for name, _ in answers] == ["offload 7", "offload 8"]  # copied out; not yet written
+        store.release.set()
+        for _ in range(300):
+            if len(answers) == 3:
+                break
+            time.sleep(0.01)
+        assert answers[-1] == ("drain", {"ok": True}) and store.written == [7, 8]
+    finally:
+        engine.close()
+
+
+class _Ranks:
+    """Rank 0's view of ranks that answer `store_drain` with `answer` (None: never)."""
+
+    def __init__(self, answer: dict | None) -> None:
+        self.answer = answer
+        self.sent: list[dict] = []
+
+    def all(self, msg: dict, timeout_s: float) -> bool:
+        self.sent.append(msg)
+        return self.answer is not None and TierRanks.settled([_done(self.answer)], timeout_s)
+
+
+def _done(answer: dict) -> concurrent.futures.Future:
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_result(answer)
+    return fut
+
+
+@pytest.mark.parametrize("answer, drained", [({"ok": True}, True), ({"error": "hung"}, False), (None, False)])
+def test_rank_zeros_drain_waits_for_the_other_ranks_writers(tmp_path, answer, drained):
+    ranks = _Ranks(answer)
+    store = SharedKvStore(f"file://{tmp_path / 'store'}", "compat", shard=shard_suffix(0, 2), ranks=ranks)
+    try:
+        assert store.drain(1.0) is drained
+        assert ranks.sent == [{"op": "store_drain"}]
+    finally:
+        store.ranks = None
+        store.close()
