@@ -19,11 +19,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None)
     return body
 
 
-def response_body(chat: bool, model: str, choices: list[dict], usage_obj: dict) -> dict:
-    """A chat.completion or text_completion object around its per-choice dicts, with a fresh id."""
-    prefix, obj = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+def new_response_id(chat: bool) -> str:
+    """A fresh response id, `chatcmpl-<hex>` or `cmpl-<hex>` (OpenAI's prefixes)."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def response_body(chat: bool, model: str, choices: list[dict], usage_obj: dict, response_id: str | None = None) -> dict:
+    """A chat.completion or text_completion object around its per-choice dicts, with `response_id`
+    (a fresh one if None)."""
+    obj = "chat.completion" if chat else "text_completion"
     return {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "id": response_id or new_response_id(chat),
         "object": obj,
         "created": int(time.time()),
         "model": model,

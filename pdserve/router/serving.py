@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from typing import AsyncIterator, Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
@@ -14,7 +13,14 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.openai_api.choices import Choice, ChoiceBuilder
 from pdserve.openai_api.errors import OpenAIError, error_body
 from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from pdserve.openai_api.responses import chat_choice, chat_delta, completion_choice, response_body, usage
+from pdserve.openai_api.responses import (
+    chat_choice,
+    chat_delta,
+    completion_choice,
+    new_response_id,
+    response_body,
+    usage,
+)
 from pdserve.openai_api.text import chat_logprob_entry, completion_logprobs
 from pdserve.router.cluster import Cluster
 from pdserve.router.keepalive_stream import DEFAULT_INTERVAL, KEEPALIVE_COMMENT, with_keepalive
@@ -101,12 +107,15 @@ class Server:
         shape: ChunkShape,
         routes: dict[int, Route] | None = None,
         started: float | None = None,
+        response_id: str | None = None,
     ) -> AsyncIterator[dict]:
         """Run all choices concurrently, each on its route from `admit` (for a request that arrived
-        at `started`, monotonic); yield what `shape` makes of each event as it arrives."""
+        at `started`, monotonic); yield what `shape` makes of each event as it arrives. Choice i runs
+        on the nodes as `{response_id}-{i}` (as in vLLM): a client's response id finds its requests
+        in the nodes' logs."""
         routes = routes or {}
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
-        base = f"cmpl-{uuid.uuid4().hex[:16]}"
+        base = response_id or new_response_id(False)
 
         async def one(choice: Choice) -> None:
             try:
@@ -148,30 +157,32 @@ class Server:
         prompt = sum(prompt_lens.values())
         return usage(prompt, completion, sum(cached_by_prompt.values()) if self.prompt_tokens_details else None)
 
-    async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[list[Choice], dict[int, str]]:
-        """Run every choice of `req` to its end: the choices, and each one's whole text by index."""
+    async def run_to_end(self, req: SamplingFields, chat: bool) -> tuple[str, list[Choice], dict[int, str]]:
+        """Run every choice of `req` to its end: the response id, the choices, and each one's whole
+        text by index."""
         choices, routes, started = await self.admit(req, chat)
         texts = {c.index: "" for c in choices}
+        rid = new_response_id(chat)
 
         def collect(choice: Choice, text: str, event: decode_pb2.GenerateEvent) -> None:
             texts[choice.index] += text  # and nothing to send: the body is written at the end
 
-        async for _ in self.run(choices, collect, routes, started):
+        async for _ in self.run(choices, collect, routes, started, rid):
             pass
-        return choices, texts
+        return rid, choices, texts
 
     async def completion(self, req: CompletionRequest) -> dict:
-        choices, texts = await self.run_to_end(req, chat=False)
+        rid, choices, texts = await self.run_to_end(req, chat=False)
         out = []
         for c in choices:
             prefix = c.prompt_as_text(self.tokenizer) if req.echo else ""
             lp = completion_logprobs(self.tokenizer, c.logprobs, len(prefix)) if req.logprobs is not None else None
             ids = (c.token_ids, list(c.request.prompt_token_ids)) if req.return_token_ids else (None, None)
             out.append(completion_choice(c.index, prefix + texts[c.index], lp, c.finish_reason, *ids))
-        return response_body(False, req.model, out, self.usage(choices))
+        return response_body(False, req.model, out, self.usage(choices), rid)
 
     async def chat(self, req: ChatCompletionRequest) -> dict:
-        choices, texts = await self.run_to_end(req, chat=True)
+        rid, choices, texts = await self.run_to_end(req, chat=True)
         out = [
             chat_choice(
                 c.index,
@@ -181,13 +192,13 @@ class Server:
             )
             for c in choices
         ]
-        return response_body(True, req.model, out, self.usage(choices))
+        return response_body(True, req.model, out, self.usage(choices), rid)
 
     async def stream(self, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> AsyncIterator[str]:
         """SSE lines; errors after the first byte become one error chunk, then [DONE]."""
         choices, routes, started = await self.admit(req, chat)  # 400s and 503s before streaming
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = new_response_id(chat)
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -209,7 +220,9 @@ class Server:
                     if isinstance(req, CompletionRequest)
                     else self._chat_chunk(req)
                 )
-                async for item in with_keepalive(self.run(choices, shape, routes, started), self.keepalive_interval):
+                async for item in with_keepalive(
+                    self.run(choices, shape, routes, started, rid), self.keepalive_interval
+                ):
                     if isinstance(item, type):  # the KeepAlive marker
                         yield KEEPALIVE_COMMENT
                     else:

@@ -26,8 +26,14 @@ tokens of the random tiny model one near-tied greedy pick flipped once (a fresh-
 
 
 async def stream_text(
-    client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, progress: list | None = None
+    client: httpx.AsyncClient,
+    base: str,
+    prompt: str,
+    max_tokens: int,
+    progress: list | None = None,
+    ids: set[str] | None = None,
 ) -> tuple[str, str | None]:
+    """The stream's (text, finish reason); its response id added to `ids` if given."""
     text, finish = "", None
     body = {
         "model": "pdserve-tiny",
@@ -44,6 +50,8 @@ async def stream_text(
                 continue
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
+            if ids is not None:
+                ids.add(chunk["id"])
             for c in chunk["choices"]:
                 text += c["text"]
                 if progress is not None:
@@ -132,8 +140,15 @@ async def until_usable(base: str, address: str) -> None:
     raise AssertionError(f"the router did not take {address} back")
 
 
-def admits(proc) -> int:
-    return sum("event=admit" in line for line in list(proc.lines))
+def admits(proc, ids: set[str]) -> int:
+    """Requests the node admitted for the responses `ids` (a node runs choice i of response X as
+    `X-i`, a migrated one with a further suffix)."""
+    found = 0
+    for line in list(proc.lines):
+        if "event=admit" in line and "request_id=" in line:
+            rid = line.split("request_id=", 1)[1].split(None, 1)[0]
+            found += any(rid.startswith(f"{x}-") for x in ids)
+    return found
 
 
 async def test_paused_decode_node_streams_migrate_and_it_gets_no_new_requests(tiny_model_dir):
@@ -165,13 +180,15 @@ async def test_paused_decode_node_streams_migrate_and_it_gets_no_new_requests(ti
                     await asyncio.sleep(0.1)
                 else:
                     raise AssertionError("the router still considers the paused node usable")
-                before = admits(paused)
-                again = await asyncio.gather(*[stream_text(client, base, p, LONG) for p in prompts[:6]])
-                assert again == reference[:6]
+                # only the new requests count: one the router sent before the pause may be admitted on resume
+                new_ids: set[str] = set()
+                again = await asyncio.gather(*[stream_text(client, base, p, LONG, ids=new_ids) for p in prompts[:6]])
+                assert again == reference[:6] and len(new_ids) == 6
             finally:
                 paused.popen.send_signal(signal.SIGCONT)
         await asyncio.sleep(1.0)  # let it read what queued up while it was stopped
-        assert admits(paused) == before, "the paused node was sent new requests"
+        assert admits(paused, new_ids) == 0, "the paused node was sent new requests"
+        assert sum(admits(d, new_ids) for d in cluster.decodes) >= 6, "the new requests' admissions not found"
         for _ in range(100):
             report = await load(paused.address, cluster.secret)
             if report.num_free_blocks == report.num_total_blocks:

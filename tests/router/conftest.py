@@ -24,6 +24,7 @@ class FakeCluster:
         self.crash = crash
         self.requests: list[tuple[list[int], common_pb2.SamplingParams]] = []
         self.salts: list[str | None] = []
+        self.request_ids: list[str] = []
         self.cached_tokens = 0  # reported as the node's Usage.cached_tokens
 
     def is_healthy(self) -> bool:
@@ -52,6 +53,7 @@ class FakeCluster:
             raise self.crash
         prompt, params = list(request.prompt_token_ids), request.params
         self.requests.append((prompt, params))
+        self.request_ids.append(request.request_id)
         self.salts.append(request.cache_salt if request.HasField("cache_salt") else None)
         n = min(len(self.tokens), params.max_tokens)
         for i, t in enumerate(self.tokens[:n]):

@@ -66,3 +66,24 @@ async def test_request_mapping_and_chat_shape(make_client):
         assert prompt == tok.encode_chat([{"role": "user", "content": "hi"}])
         assert (params.max_tokens, params.seed, list(params.stop)) == (5, 7, ["zz"])
         assert params.temperature == pytest.approx(0.5) and params.top_p == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_the_nodes_run_choice_i_as_the_response_id_dash_i(make_client, path, stream):
+    """A client's response id finds its requests in the nodes' logs (vLLM's `cmpl-X` -> `cmpl-X-i`)."""
+    make, tok, FakeCluster = make_client
+    cluster = FakeCluster(tok.encode(" hi there", add_special_tokens=False))
+    body = {"model": "m", "max_tokens": 3, "n": 2, "stream": stream}
+    body.update({"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]})
+    async with make(cluster) as c:
+        r = await c.post(path, json=body)
+        assert r.status_code == 200
+        if stream:
+            ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
+        else:
+            ids = {r.json()["id"]}
+    assert len(ids) == 1
+    (rid,) = ids
+    assert rid.startswith("chatcmpl-" if "chat" in path else "cmpl-")
+    assert sorted(cluster.request_ids) == [f"{rid}-0", f"{rid}-1"]
