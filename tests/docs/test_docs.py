@@ -129,3 +129,32 @@ def test_the_link_check_catches_a_missing_file_and_heading(tmp_path: Path, monke
         "```\n[in a fence](d.md)\n```\n"
     )
     assert broken_links(page) == ["a.md: c.md (no such file)", "a.md: b.md#nope (no such heading)"]
+
+
+def repeated_paragraphs(path: Path) -> list[str]:
+    """The start of each long paragraph (200 characters or more, outside code blocks) that `path`
+    holds more than once: a section pasted twice, one copy of which goes stale."""
+    paragraphs = "\n".join(prose_lines(path.read_text())).split("\n\n")
+    seen: set[str] = set()
+    repeated = []
+    for p in (p.strip() for p in paragraphs):
+        if len(p) >= 200:
+            if p in seen:
+                repeated.append(f"{path.relative_to(ROOT)}: {p[:80]!r}")
+            seen.add(p)
+    return repeated
+
+
+@pytest.mark.parametrize("path", LINKED_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_section_is_there_twice(path: Path):
+    assert not repeated_paragraphs(path)
+
+
+def test_the_repeat_check_catches_a_pasted_section(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    section = "## A\n\n" + "A long paragraph of figures. " * 10 + "\n\nshort\n"
+    page = tmp_path / "a.md"
+    page.write_text(section + "\n" + section)
+    assert repeated_paragraphs(page) == [f"a.md: {section[6:86]!r}"]
+    page.write_text(section)
+    assert repeated_paragraphs(page) == []
