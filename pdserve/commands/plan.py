@@ -16,6 +16,16 @@ if TYPE_CHECKING:  # the planner is imported when the command runs, not when `pd
     from pdserve.planner.search import Budget
     from pdserve.planner.workload import Workload
 
+SIM_FLAGS = (
+    "max_batch_tokens",
+    "kv_tokens",
+    "transfer_ms_per_token",
+    "parallel_fraction",
+    "prefill_saturated_tokens",
+    "local_prefill_max_tokens",
+)
+"""`SimConfig`'s fields, each a flag of the same name."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from pdserve.planner.config import SLO, SimConfig
@@ -66,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plain_flag(budget, "--gpus-per-node", type=int, default=8, help="GPUs per node: the largest TP degree")
     plain_flag(budget, "--nodes", type=int, default=1, help="nodes of --gpus-per-node GPUs")
     sim = p.add_argument_group("simulated cluster")
-    for name in ("max_batch_tokens", "kv_tokens", "transfer_ms_per_token", "parallel_fraction"):
+    for name in SIM_FLAGS:
         config_flag(sim, SimConfig, name, keep_default=True)
     plain_flag(p, "--top", type=int, default=5, help="shapes shown in the table")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (every shape searched)")
@@ -116,9 +126,8 @@ def _slo(args: argparse.Namespace) -> SLO:
 def _sim_config(args: argparse.Namespace) -> SimConfig:
     from pdserve.planner.config import SimConfig
 
-    fields = ("max_batch_tokens", "kv_tokens", "transfer_ms_per_token", "parallel_fraction")
     try:
-        return SimConfig(**{f: getattr(args, f) for f in fields})
+        return SimConfig(**{f: getattr(args, f) for f in SIM_FLAGS})
     except ValueError as e:
         raise ValueError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
 

@@ -3,7 +3,10 @@
 Disaggregated (`num_prefill >= 1`): a request goes to the prefill instance with the fewest queued
 prompt tokens, is prefilled in an FCFS batch, and its KV travels to the decode instance with the
 least KV reserved or waiting (`transfer_ms_per_token`, beside the next prefill batch). Its first
-token counts once the KV has arrived; a one-token request ends there. Colocated (`num_prefill ==
+token counts once the KV has arrived; a one-token request ends there. As in pdserve, a decode
+instance prefills a prompt itself, chunked beside its decode steps, when the prompt is at most
+`local_prefill_max_tokens` or the prefill instances are saturated (`prefill_saturated_tokens`: the
+router's offload rule, router/prefill_offload.py). Colocated (`num_prefill ==
 0`): every instance prefills and decodes, chunked (`instances.DecodeInstance`).
 """
 
@@ -109,7 +112,24 @@ def simulate(
         ]
 
     def arrive(req: SimRequest) -> Callable[[float], None]:
-        return lambda now: least_loaded(entry).submit(req, now)
+        if shape.colocated:
+            return lambda now: least_loaded(entry).submit(req, now)
+        return lambda now: route_disaggregated(req, now)
+
+    def route_disaggregated(req: SimRequest, now: float) -> None:
+        """As the decode node and the router do: a short prompt, or one that would wait longer at the
+        prefill instances than at a decode instance, is prefilled on the decode instance."""
+        decoder = least_loaded(decoders)
+        if req.input_len <= config.local_prefill_max_tokens:
+            decoder.submit(req, now, prefill=True)
+            return
+        prefill = least_loaded(entry)
+        queue = prefill.load
+        saturated = config.prefill_saturated_tokens
+        if saturated and queue >= saturated and decoder.local_prefill + req.input_len <= queue:
+            decoder.submit(req, now, prefill=True)
+        else:
+            prefill.submit(req, now)
 
     for t, r in zip(arrivals, requests):
         loop.at(t, arrive(SimRequest(t, r.input_len, r.output_len)))

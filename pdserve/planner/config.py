@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.node_runtime.node_config import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+from pdserve.router.prefill_offload import DEFAULT_SATURATED_TOKENS
+
 
 @dataclass(frozen=True)
 class SLO:
@@ -44,6 +47,14 @@ class SimConfig:
     parallel_fraction: float = 0.9
     """For a degree (TP or threads) the profile has no table for: the share of a forward that
     speeds up with the degree (Amdahl), scaled from the nearest measured degree below (modelled)."""
+    prefill_saturated_tokens: int = DEFAULT_SATURATED_TOKENS
+    """Disaggregated shapes, as the router does (its flag of the same name): while the least loaded
+    prefill instance has at least this many prompt tokens queued or running, a decode instance
+    prefills a prompt itself if its own local prompts plus this one come to no more than that
+    queue; 0: never."""
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    """Disaggregated shapes, as a decode node does (its flag of the same name): a prompt this short
+    or shorter is prefilled on the decode instance, not sent to a prefill instance; 0: never."""
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.kv_tokens < 1:
@@ -54,3 +65,6 @@ class SimConfig:
             raise ValueError(f"transfer_ms_per_token must be >= 0, got {self.transfer_ms_per_token}")
         if not 0.0 <= self.parallel_fraction <= 1.0:
             raise ValueError(f"parallel_fraction must be in [0, 1], got {self.parallel_fraction}")
+        for name in ("prefill_saturated_tokens", "local_prefill_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -137,9 +137,10 @@ class DecodeInstance:
     """Continuous batching: every step runs one token of each admitted request, priced at the
     batch's token count, plus, where the profile measured it, the KV its sequences read beyond the
     length the table was timed at (`PipelineOverheads.decode_kv_ms`). Admission is FCFS while the KV
-    fits (`kv_tokens`; a request too big for it runs alone). `colocated`: submitted requests prefill
-    here too, in chunks of the step's token budget left after the decode tokens (vLLM's chunked
-    prefill); the first token comes at the end of the step that runs the last chunk.
+    fits (`kv_tokens`; a request too big for it runs alone). `colocated` (or `submit(prefill=True)`
+    for one request): submitted requests prefill here too, in chunks of the step's token budget left
+    after the decode tokens (vLLM's chunked prefill); the first token comes at the end of the step
+    that runs the last chunk.
 
     Between admissions and finishes a batch does not change, so a run of steps is one event; a
     request submitted during it joins at the next step boundary (the run is cut there)."""
@@ -163,6 +164,9 @@ class DecodeInstance:
         self.kv_used = 0
         self.load = 0
         """KV tokens reserved or waiting (the router sends to the least loaded)."""
+        self.local_prefill = 0
+        """Prompt tokens this instance is to prefill itself and has not finished (the router's offload
+        rule weighs them)."""
         self._seq = 0
         self._kv_base = 0
         """The decoding requests' KV tokens at step count S are `_kv_base + len(decoding) * S`."""
@@ -175,10 +179,14 @@ class DecodeInstance:
         """Bumped when a run is cut or replaced: the end event of the old one is then ignored."""
         self.busy = False
 
-    def submit(self, req: SimRequest, now: float) -> None:
-        assert self.colocated or req.output_len > 1, "a one-token request ends at its prefill"
-        if self.colocated:
+    def submit(self, req: SimRequest, now: float, prefill: bool = False) -> None:
+        """Take `req`; it prefills here if this instance is colocated or `prefill` says so (a
+        disaggregated shape's decode instance prefilling a short or offloaded prompt itself)."""
+        if self.colocated or prefill:
             req.prefill_left = req.input_len
+            self.local_prefill += req.input_len
+        else:
+            assert req.output_len > 1, "a one-token request ends at its prefill"
         self.waiting.append(req)
         self.load += req.kv_need
         if not self.busy:
@@ -254,6 +262,7 @@ class DecodeInstance:
             req.prefill_left -= chunk
             if req.prefill_left == 0:
                 self.prefilling.remove(req)
+                self.local_prefill -= req.input_len
                 req.first_token = now
                 if req.output_len > 1:
                     self._decode(req)

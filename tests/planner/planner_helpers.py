@@ -17,4 +17,6 @@ def requests(n: int, input_len: int = 100, output_len: int = 10) -> list[Lengths
 
 
 def config(**kw) -> SimConfig:
-    return SimConfig(**kw)
+    """A SimConfig whose disaggregated shapes prefill only on prefill instances (no local prefill,
+    no offload) unless `kw` says otherwise: the tests of batching and queueing price one path."""
+    return SimConfig(**{"prefill_saturated_tokens": 0, "local_prefill_max_tokens": 0, **kw})

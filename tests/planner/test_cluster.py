@@ -74,3 +74,35 @@ def test_queueing_grows_with_the_rate(shape: Shape) -> None:
 def test_shape_units_and_labels() -> None:
     assert Shape(2, 2, 1, 4).units == 8 and Shape(2, 2, 1, 4).label("gpu") == "2P(tp2):1D(tp4)"
     assert Shape(0, 0, 3, 1).label("core") == "0P:3D(1t) colocated" and Shape(0, 0, 3, 1).units == 3
+
+
+def test_a_short_prompt_prefills_on_the_decode_instance_with_no_transfer() -> None:
+    cfg = config(local_prefill_max_tokens=64, transfer_ms_per_token=0.5)
+    (short,) = simulate(DISAGG, TABLE, TABLE, [Lengths(64, 3)], [0.0], cfg)
+    (long,) = simulate(DISAGG, TABLE, TABLE, [Lengths(65, 3)], [0.0], cfg)
+    assert short.ttft == pytest.approx(TABLE.forward_ms(64) / 1000)  # one chunk, on the decode instance
+    assert long.ttft == pytest.approx((TABLE.forward_ms(65) + 0.5 * 65) / 1000)  # prefill instance, then the wire
+
+
+def test_a_saturated_prefill_instance_has_a_decode_instance_prefill_the_next_prompt() -> None:
+    """The router's offload rule: queue 200 >= 150 and the decode instance's 0 + 100 <= 200."""
+    arrivals = [0.0, 0.0, 0.0]
+    queued = simulate(DISAGG, TABLE, TABLE, requests(3, 100, 2), arrivals, config(max_batch_tokens=100))
+    offloaded = simulate(
+        DISAGG, TABLE, TABLE, requests(3, 100, 2), arrivals, config(max_batch_tokens=100, prefill_saturated_tokens=150)
+    )
+    one = TABLE.forward_ms(100) / 1000
+    assert sorted(o.ttft for o in queued) == pytest.approx([one, 2 * one, 3 * one])  # one batch after another
+    assert sorted(o.ttft for o in offloaded) == pytest.approx([one, one, 2 * one])  # the third ran beside the first
+
+
+def test_the_offload_rule_counts_the_decode_instances_own_prompts() -> None:
+    """Five prompts at once, queue limit 150: 1st and 2nd to the prefill instance (queue 0, 100); 3rd
+    and 4th to the decode instance (queue 200 >= its 0 + 100, then 100 + 100); the 5th back to the
+    prefill instance (200 + 100 > 200)."""
+    cfg = config(max_batch_tokens=100, prefill_saturated_tokens=150)
+    outs = simulate(DISAGG, TABLE, TABLE, requests(5, 100, 2), [0.0] * 5, cfg)
+    f = lambda n: TABLE.forward_ms(n) / 1000  # noqa: E731
+    prefilled = [f(100), 2 * f(100), 3 * f(100)]  # one batch of 100 tokens after another
+    local = [f(100), 2 * f(100) + f(1)]  # the 4th: 99 tokens beside the 3rd's decode step, then 1
+    assert sorted(o.ttft for o in outs) == pytest.approx(sorted(prefilled + local), rel=0.01)

@@ -71,6 +71,8 @@ def test_a_trace_is_a_workload(table: Path, tmp_path: Path, capsys) -> None:
         (["--model", "Llama-13B"], "--model: the profile is for 'toy'"),
         (["--cores", "4"], "--cores: the profile is per GPU"),
         (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
+        (["--prefill-saturated-tokens", "-1"], "--prefill-saturated-tokens: prefill_saturated_tokens must be >= 0"),
+        (["--local-prefill-max-tokens", "-2"], "--local-prefill-max-tokens: local_prefill_max_tokens must be >= 0"),
     ],
 )
 def test_bad_input_is_refused_naming_the_flag(table: Path, capsys, argv: list[str], flag: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.planner.profile import Profile, amdahl, load_profile
-from pdserve.planner.workload import Lengths, from_lengths, from_trace, read_trace
+from pdserve.planner.workload import Lengths, Workload, from_lengths, from_trace, read_trace
 from pdserve.tdpipe.cost_table import CostTable
 from pdserve.tdpipe.overheads import PipelineOverheads
 
@@ -50,10 +50,19 @@ def test_length_distributions_keep_their_mean_and_spread() -> None:
 
 
 def test_a_workload_repeats_itself_to_a_length() -> None:
-    work = from_lengths(100, 10, 0.0, 3, seed=0)
+    """Its requests repeat; Poisson arrivals go on as one Poisson process (the first ones kept), a
+    trace's timestamps repeat."""
+    work = from_lengths(100, 10, 0.3, 3, seed=0)
     longer = work.at_least(7)
     assert len(longer.requests) == 7 and list(longer.unit_times) == sorted(longer.unit_times)
     assert longer.requests[3:6] == work.requests and work.at_least(2) == work
+    assert longer.unit_times[:3] == work.unit_times
+    gaps = [b - a for a, b in zip(longer.unit_times, longer.unit_times[1:])]
+    assert gaps[3:5] != gaps[0:2]  # fresh draws, not the first gaps again
+    many = from_lengths(100, 10, 0.0, 5, seed=0).at_least(5000)
+    assert 0.9 < len(many.unit_times) / many.unit_times[-1] < 1.1  # still rate 1
+    trace = Workload(work.requests, (0.0, 1.0, 3.0))  # a trace's own times (no Poisson seed)
+    assert trace.at_least(6).unit_times == (0.0, 1.0, 3.0, 4.0, 5.0, 7.0)
 
 
 def test_a_td_pipe_table_names_its_hardware_and_model() -> None:
