@@ -114,6 +114,7 @@ class PlannerLoop:
             refused=refused,
             kv_usage=used / total if total else 0.0,
             prefill_backlog=backlog,
+            decode_prefills=self.cluster.offload.saturated_tokens > 0,
         )
 
     def step(self, now: float) -> Decision:

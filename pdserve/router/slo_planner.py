@@ -24,6 +24,11 @@ Stability, the failure the anchors' users report most (oscillation between two s
   and a full window must observe the new shape before the next judgement);
 - one change per decision: +1 or -1 node, or one node moving between roles.
 
+A decode node that takes prompts off saturated prefill nodes (the router's offload) is not idle
+while prefill is not: it is not removed then, however low its own TPOT and KV pressure. Measured on
+`benchmarks/planner_shift.py` before this rule, the planner removed a decode node in each
+prefill-heavy phase and TTFT suffered (the offload lost a node), then added it back.
+
 At the budget (`--planner-max-nodes`) a short role takes a node from the other role only when the
 other has slack by the same projection.
 """
@@ -140,6 +145,9 @@ class Observation:
     prefill_backlog: float = 0.0
     """Seconds of prompt work pending on the busiest node that prefills (router/saturation.py; inf
     while a node with work pending has not been measured yet)."""
+    decode_prefills: bool = False
+    """Decode nodes take prompts off saturated prefill nodes (the router's offload is on): a decode
+    node then works for prefill too, and its TPOT and KV alone do not show that."""
 
 
 class Pressure(NamedTuple):
@@ -236,7 +244,17 @@ class SloPlanner:
                 )
             return self._hold(p, f"{role} short at the budget, {donor} has no slack")
         down = self.config.scale_down_pressure
-        idle = sorted((r for r in ready if p.of(r) < down and self._has_slack(r, p.of(r), up, p)), key=p.of)
+        idle = sorted(
+            (
+                r
+                for r in ready
+                if p.of(r) < down
+                and self._has_slack(r, p.of(r), up, p)
+                # a decode node prefills offloaded prompts: it is not idle while prefill is not
+                and not (r == DECODE and obs.decode_prefills and p.prefill >= down)
+            ),
+            key=p.of,
+        )
         if idle:
             role = idle[0]
             return self._change(obs.now, p, f"remove_{role}", {role: -1}, f"{role} pressure {p.of(role):.2f}")

@@ -219,3 +219,16 @@ def test_a_budget_below_one_prefill_and_one_decode_node_is_refused():
 
 def test_planner_off_needs_no_slos():
     assert not PlannerConfig().enabled
+
+
+@pytest.mark.parametrize("decode_prefills, action", [(True, "hold"), (False, "remove_decode")])
+def test_a_decode_node_that_takes_offloaded_prompts_is_not_removed_while_prefill_is_busy(decode_prefills, action):
+    """Decode's own pressure is low (TPOT 0.2x), prefill's moderate (0.7x, inside the band): with the
+    router's offload on, the decode nodes prefill part of the prompts, so neither role is idle."""
+    p = planner(num_prefill=1, num_decode=2, max_nodes=3)
+    obs = Observation(
+        0.0, 1, 2, ttfts=[0.7 * TTFT] * 5, tpots=[0.2 * TPOT] * 5, prefill_backlog=1.0, decode_prefills=decode_prefills
+    )
+    assert p.decide(obs).action == action
+    idle = Observation(10.0, 1, 2, ttfts=[0.1 * TTFT] * 5, tpots=[0.2 * TPOT] * 5, decode_prefills=True)
+    assert planner(num_prefill=1, num_decode=2, max_nodes=3).decide(idle).action == "remove_decode"
