@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 from pdserve.planner.config import SLO, SimConfig
-from pdserve.planner.instances import DecodeInstance, EventLoop, Instance, PrefillInstance, SimRequest, least_loaded
+from pdserve.planner.instances import DecodeInstance, EventLoop, PrefillInstance, SimRequest, least_loaded
 from pdserve.planner.workload import Lengths
 from pdserve.tdpipe.cost_table import CostTable
 
@@ -104,16 +104,16 @@ def simulate(
         else:
             loop.at(req.first_token, lambda t: to_decode(req, t))
 
-    entry: Sequence[Instance] = decoders
+    prefills: list[PrefillInstance] = []
     if not shape.colocated:
         assert prefill_table is not None, "a disaggregated shape needs the prefill table"
-        entry = [
+        prefills = [
             PrefillInstance(loop, prefill_table, config.max_batch_tokens, prefilled) for _ in range(shape.num_prefill)
         ]
 
     def arrive(req: SimRequest) -> Callable[[float], None]:
         if shape.colocated:
-            return lambda now: least_loaded(entry).submit(req, now)
+            return lambda now: least_loaded(decoders).submit(req, now)
         return lambda now: route_disaggregated(req, now)
 
     def route_disaggregated(req: SimRequest, now: float) -> None:
@@ -123,7 +123,7 @@ def simulate(
         if req.input_len <= config.local_prefill_max_tokens:
             decoder.submit(req, now, prefill=True)
             return
-        prefill = least_loaded(entry)
+        prefill = least_loaded(prefills)
         queue = prefill.load
         saturated = config.prefill_saturated_tokens
         if saturated and queue >= saturated and decoder.local_prefill + req.input_len <= queue:

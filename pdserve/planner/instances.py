@@ -11,7 +11,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence, TypeVar
 
 from pdserve.tdpipe.cost_table import CostTable
 
@@ -63,7 +63,10 @@ class Instance(Protocol):
     def submit(self, req: SimRequest, now: float) -> None: ...
 
 
-def least_loaded(instances: Sequence[Instance]) -> Instance:
+AnyInstance = TypeVar("AnyInstance", bound=Instance)
+
+
+def least_loaded(instances: Sequence[AnyInstance]) -> AnyInstance:
     """The instance a request goes to (the first of equals)."""
     return min(instances, key=lambda i: i.load)
 

@@ -53,9 +53,8 @@ class Workload:
             return self
         if self.poisson_seed is not None:
             reps = -(-num_requests // len(self.requests))
-            times = poisson_unit_times(reps * len(self.requests), self.poisson_seed)[:num_requests]
-            requests = (self.requests * reps)[:num_requests]
-            return Workload(requests, times, self.poisson_seed)
+            drawn = poisson_unit_times(reps * len(self.requests), self.poisson_seed)[:num_requests]
+            return Workload((self.requests * reps)[:num_requests], drawn, self.poisson_seed)
         requests, times = list(self.requests), list(self.unit_times)
         period = self.unit_times[-1] + 1.0
         while len(requests) < num_requests:
