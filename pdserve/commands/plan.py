@@ -4,6 +4,7 @@ placement search). The library is `pdserve/planner/`; this module parses flags a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING
@@ -15,16 +16,6 @@ if TYPE_CHECKING:  # the planner is imported when the command runs, not when `pd
     from pdserve.planner.profile import Profile
     from pdserve.planner.search import Budget
     from pdserve.planner.workload import Workload
-
-SIM_FLAGS = (
-    "max_batch_tokens",
-    "kv_tokens",
-    "transfer_ms_per_token",
-    "parallel_fraction",
-    "prefill_saturated_tokens",
-    "local_prefill_max_tokens",
-)
-"""`SimConfig`'s fields, each a flag of the same name."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,8 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plain_flag(budget, "--gpus-per-node", type=int, default=8, help="GPUs per node: the largest TP degree")
     plain_flag(budget, "--nodes", type=int, default=1, help="nodes of --gpus-per-node GPUs")
     sim = p.add_argument_group("simulated cluster")
-    for name in SIM_FLAGS:
-        config_flag(sim, SimConfig, name, keep_default=True)
+    for f in dataclasses.fields(SimConfig):  # each field a flag of the same name
+        config_flag(sim, SimConfig, f.name, keep_default=True)
     plain_flag(p, "--top", type=int, default=5, help="shapes shown in the table")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (every shape searched)")
     p.set_defaults(func=lambda args: run(args, p))
@@ -127,7 +118,7 @@ def _sim_config(args: argparse.Namespace) -> SimConfig:
     from pdserve.planner.config import SimConfig
 
     try:
-        return SimConfig(**{f: getattr(args, f) for f in SIM_FLAGS})
+        return SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
     except ValueError as e:
         raise ValueError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
 

@@ -105,9 +105,9 @@ class Server:
         self,
         choices: list[Choice],
         shape: ChunkShape,
+        response_id: str,
         routes: dict[int, Route] | None = None,
         started: float | None = None,
-        response_id: str | None = None,
     ) -> AsyncIterator[dict]:
         """Run all choices concurrently, each on its route from `admit` (for a request that arrived
         at `started`, monotonic); yield what `shape` makes of each event as it arrives. Choice i runs
@@ -115,11 +115,10 @@ class Server:
         in the nodes' logs."""
         routes = routes or {}
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_CHUNKS * len(choices))
-        base = response_id or new_response_id(False)
 
         async def one(choice: Choice) -> None:
             try:
-                choice.request.request_id = f"{base}-{choice.index}"
+                choice.request.request_id = f"{response_id}-{choice.index}"
                 events = self.cluster.generate(choice.request, routes.get(choice.index))
                 async for event in self.metrics.track(events, started):
                     body = shape(choice, choice.add(event), event)
@@ -167,7 +166,7 @@ class Server:
         def collect(choice: Choice, text: str, event: decode_pb2.GenerateEvent) -> None:
             texts[choice.index] += text  # and nothing to send: the body is written at the end
 
-        async for _ in self.run(choices, collect, routes, started, rid):
+        async for _ in self.run(choices, collect, rid, routes, started):
             pass
         return rid, choices, texts
 
@@ -221,7 +220,7 @@ class Server:
                     else self._chat_chunk(req)
                 )
                 async for item in with_keepalive(
-                    self.run(choices, shape, routes, started, rid), self.keepalive_interval
+                    self.run(choices, shape, rid, routes, started), self.keepalive_interval
                 ):
                     if isinstance(item, type):  # the KeepAlive marker
                         yield KEEPALIVE_COMMENT

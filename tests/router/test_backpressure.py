@@ -39,7 +39,7 @@ async def test_a_reader_that_stops_reading_stops_the_node_stream(tiny_model_dir)
     cluster = EndlessCluster(tok.encode(" a", add_special_tokens=False)[0])
     server = Server(cluster, tok, "m", 10**6)
     choices = await server.choices(CompletionRequest(model="m", prompt="hi", max_tokens=500_000, n=2), chat=False)
-    stream = server.run(choices, lambda choice, text, event: {"index": choice.index, "text": text})
+    stream = server.run(choices, lambda choice, text, event: {"index": choice.index, "text": text}, "cmpl-test")
     try:
         for _ in range(10):  # the client reads a little, then never again
             await stream.__anext__()
