@@ -54,7 +54,15 @@ from benchmarks.goodput_client import (
     write_trace,
 )
 from benchmarks.goodput_load import PRESETS, Shape, TraceRequest, load_trace, parse_shapes, scale_trace
-from benchmarks.goodput_slo import Search, Slo, outcome_of, profiling_records, search_goodput, summarize
+from benchmarks.goodput_slo import (
+    Search,
+    Slo,
+    failure_reasons,
+    outcome_of,
+    profiling_records,
+    search_goodput,
+    summarize,
+)
 from benchmarks.multiturn_servers import free_port, start_pdserve, start_vllm, stop
 
 SERVED = "bench"
@@ -135,7 +143,7 @@ def measure_step(client: Client, load: list[str], label: str, slo: Slo, sent: in
         records = profiling_records(run(client, load, label, timeout_s))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         return {**summarize([], slo, sent), "error": str(e).strip().splitlines()[-1][:300] if str(e) else "failed"}
-    return summarize([outcome_of(r) for r in records], slo, sent)
+    return summarize([outcome_of(r) for r in records], slo, sent) | {"failure_reasons": failure_reasons(records)}
 
 
 def measure_target(target: Target, args: argparse.Namespace, plan: Plan, r: int) -> dict:

@@ -50,6 +50,25 @@ def outcome_of(record: dict) -> Outcome:
     return Outcome(True, ttft_ms / 1e3, tpot_s, int(tokens))
 
 
+def failure_reasons(records: list[dict], limit: int = 5) -> dict[str, int]:
+    """Why requests failed, as AIPerf recorded it (`error`: code, type, message), counted by reason:
+    the `limit` most common, so that a failed request in a result says whether the server refused
+    it, dropped its stream or the client gave up waiting."""
+    reasons: dict[str, int] = {}
+    for record in records:
+        error = record.get("error")
+        if not error:
+            continue
+        if isinstance(error, dict):
+            head = " ".join(str(error[k]) for k in ("code", "type") if error.get(k) is not None)
+            text = f"{head}: {error.get('message') or ''}".strip(": ")
+        else:
+            text = str(error)
+        text = " ".join(text.split())[:160]
+        reasons[text] = reasons.get(text, 0) + 1
+    return dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:limit])
+
+
 def profiling_records(records: list[dict]) -> list[dict]:
     """The records of the measured phase (AIPerf tags warm-up requests `benchmark_phase: warmup`)."""
     return [r for r in records if (r.get("metadata") or {}).get("benchmark_phase", "profiling") == "profiling"]

@@ -86,7 +86,7 @@ def start_server(
         timer.daemon = True
         timer.start()
     tail: list[str] = []
-    keep = open(os.environ["BENCH_SERVER_LOG"], "a") if os.environ.get("BENCH_SERVER_LOG") else None
+    keep = open(os.environ["BENCH_SERVER_LOG"], "a", buffering=1) if os.environ.get("BENCH_SERVER_LOG") else None
     assert proc.stdout is not None
     for line in proc.stdout:
         tail = (tail + [line])[-200:]  # enough for a worker's traceback and its root cause

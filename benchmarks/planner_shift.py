@@ -41,7 +41,7 @@ from benchmarks.aiperf_client import INSTALL_HINT, find_aiperf
 from benchmarks.common import add_rounds_arg, alternate, emit
 from benchmarks.goodput_client import HUB_ID, Client, local_hub_cache, run, trace_args, warmup_args, write_trace
 from benchmarks.goodput_load import ScaledTrace, parse_shapes
-from benchmarks.goodput_slo import Outcome, Slo, meets, outcome_of, profiling_records
+from benchmarks.goodput_slo import Outcome, Slo, failure_reasons, meets, outcome_of, profiling_records
 from benchmarks.multiturn_servers import free_port, start_pdserve, stop
 
 SERVED = "bench"
@@ -117,6 +117,7 @@ def score(records: list[dict], sent: dict[str, int], span_s: float) -> dict:
             name: {"sent": sent.get(name), "met": met[name], "failed": sum(not o.ok for o in got)}
             for name, got in outcomes.items()
         },
+        "failure_reasons": failure_reasons(records),
     }
 
 

@@ -24,9 +24,11 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,6 +39,7 @@ from pdserve.node_runtime.supervisor import Supervised, Supervisor
 from pdserve.router.slo_planner import PlannerConfig
 
 DESIRED = "pdserve_planner_desired_replicas"
+PRESSURE = "pdserve_planner_pressure"
 DRAIN_SLACK = 15.0
 """Seconds past a node's --drain-timeout before a draining node is killed (its own shutdown)."""
 
@@ -62,20 +65,40 @@ class Slot:
     """When the state began (monotonic): a draining node past its grace is killed."""
 
 
-def desired_from_metrics(url: str, timeout: float = 2.0) -> dict[str, int] | None:
-    """The router's desired count per role, read from its /metrics at `url`; None when it cannot be
-    read or the planner has not exported it yet."""
+class Wanted(NamedTuple):
+    """What the router's planner wants: nodes per role, and each role's pressure behind it (its
+    load over its SLO; empty when the router does not export it), which `up` prints with a change."""
+
+    counts: dict[str, int]
+    pressure: dict[str, float]
+
+    def why(self) -> str:
+        wants = " + ".join(f"{self.counts[r]} {r}" for r in ROLES)
+        if not self.pressure:
+            return f"the planner wants {wants}"
+        return f"the planner wants {wants}; pressure " + ", ".join(
+            f"{r} {self.pressure[r]:.2f}" for r in ROLES if r in self.pressure
+        )
+
+
+def desired_from_metrics(url: str, timeout: float = 2.0) -> Wanted | None:
+    """The router's desired count per role (and pressure), read from its /metrics at `url`; None
+    when it cannot be read or the planner has not exported it yet."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             text = r.read().decode()
     except OSError:
         return None
     found: dict[str, int] = {}
+    pressure: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == DESIRED:
-            for sample in family.samples:
-                found[sample.labels.get("role", "")] = int(sample.value)
-    return found if set(ROLES) <= set(found) else None
+        for sample in family.samples if family.name in (DESIRED, PRESSURE) else ():
+            role = sample.labels.get("role", "")
+            if family.name == DESIRED:
+                found[role] = int(sample.value)
+            else:
+                pressure[role] = float(sample.value)
+    return Wanted(found, pressure) if set(ROLES) <= set(found) else None
 
 
 class RoleScaler:
@@ -87,7 +110,7 @@ class RoleScaler:
         start_node: Callable[[str, Slot], Supervised],
         supervisor: Supervisor,
         members_file: str,
-        desired: Callable[[], dict[str, int] | None],
+        desired: Callable[[], Wanted | None],
         interval: float,
         drain_grace: float,
         log: Callable[[str], None] = print,
@@ -133,29 +156,29 @@ class RoleScaler:
             return
         have = self.counts()
         for role in ROLES:  # shrink first: a role switch frees the slot the other role then takes
-            if have[role] > want[role] and (role == "prefill" or have[role] > 1):
+            if have[role] > want.counts[role] and (role == "prefill" or have[role] > 1):
                 serving = [s for s in self.slots if s.role == role and s.state == SlotState.SERVING]
                 if serving:
-                    self._drain(serving[-1], now)
+                    self._drain(serving[-1], now, want.why())
                     return
         for role in ROLES:
             free = next((s for s in self.slots if s.state == SlotState.FREE), None)
-            if have[role] < want[role] and free is not None:
-                self._start(role, free, now)
+            if have[role] < want.counts[role] and free is not None:
+                self._start(role, free, now, want.why())
                 return
 
-    def _start(self, role: str, slot: Slot, now: float) -> None:
+    def _start(self, role: str, slot: Slot, now: float, why: str) -> None:
         node = self.start_node(role, slot)
         slot.role, slot.node, slot.state, slot.since = role, node, SlotState.STARTING, now
         node.start()
-        self.log(f"planner: starting {node.name} (slot {slot.index})")
+        self.log(f"planner: starting {node.name} (slot {slot.index}): {why}")
 
-    def _drain(self, slot: Slot, now: float) -> None:
+    def _drain(self, slot: Slot, now: float, why: str) -> None:
         assert slot.node is not None and slot.node.child is not None
         self.supervisor.members.remove(slot.node)  # a node that exits on purpose is not restarted
         slot.node.child.send(signal.SIGTERM)
         slot.state, slot.since = SlotState.DRAINING, now
-        self.log(f"planner: draining {slot.node.name} (its requests finish first)")
+        self.log(f"planner: draining {slot.node.name} (its requests finish first): {why}")
 
     def _settle(self, now: float) -> None:
         for slot in self.slots:
@@ -238,7 +261,7 @@ def make_scaler(
         lambda: desired_from_metrics(f"{router_url}/metrics"),
         planner.planner_interval,
         NodeOptions.drain_timeout + DRAIN_SLACK,
-        log=lambda msg: print(f"[up] {msg}", flush=True),
+        log=lambda msg: print(f"[up] {time.strftime('%H:%M:%S')} {msg}", flush=True),  # when the shape moved
     )
     scaler.write_members()
     return scaler

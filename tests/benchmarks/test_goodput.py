@@ -16,7 +16,15 @@ import pytest
 from benchmarks.goodput import measure_step, result_line
 from benchmarks.goodput_client import HUB_ID, Client, local_hub_cache, poisson_args, trace_args, write_trace
 from benchmarks.goodput_load import Shape, load_trace, native_rate, parse_shapes, scale_trace
-from benchmarks.goodput_slo import Slo, attainment, outcome_of, profiling_records, search_goodput, summarize
+from benchmarks.goodput_slo import (
+    Slo,
+    attainment,
+    failure_reasons,
+    outcome_of,
+    profiling_records,
+    search_goodput,
+    summarize,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SLO = Slo(ttft_s=5.0, tpot_s=0.25)
@@ -66,6 +74,14 @@ def test_attainment_counts_both_slos_failures_and_missing_records_as_misses():
     s = summarize(outcomes, SLO, sent=6)
     assert s["sent"] == 6 and s["failed"] == 2 and s["attainment"] == pytest.approx(2 / 6, abs=1e-4)
     assert s["ttft_p50_s"] == 4.0 and s["tpot_p90_s"] == pytest.approx(0.3)
+
+
+def test_failures_are_counted_by_what_aiperf_recorded():
+    refused = {"error": {"code": 503, "type": "Service Unavailable", "message": "no  decode\nnode has room"}}
+    records = [refused, refused, {"error": "read timeout"}, {"metrics": {}}]
+    assert failure_reasons(records) == {"503 Service Unavailable: no decode node has room": 2, "read timeout": 1}
+    assert failure_reasons(records, limit=1) == {"503 Service Unavailable: no decode node has room": 2}
+    assert failure_reasons([{"metrics": {}}]) == {}
 
 
 def test_warmup_records_are_left_out():

@@ -10,7 +10,7 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pdserve.commands.up_scaler import RoleScaler, Slot, SlotState, desired_from_metrics
+from pdserve.commands.up_scaler import RoleScaler, Slot, SlotState, Wanted, desired_from_metrics
 from pdserve.node_runtime.supervisor import Supervised, Supervisor
 
 NODE = """
@@ -50,7 +50,7 @@ def cluster(tmp_path, want: dict[str, int], drain: float = 0.3, grace: float = 3
         lambda role, slot: fake_node(role, f"{role}-new"),
         Supervisor([n for _, n in nodes], log=lambda m: None),
         str(tmp_path / "members.json"),
-        lambda: dict(want),
+        lambda: Wanted(dict(want), {}),
         interval=0.2,
         drain_grace=grace,
         log=lambda m: None,
@@ -120,5 +120,12 @@ def test_desired_counts_are_read_from_the_routers_metrics(tmp_path):
     gauge.labels("m", "prefill").set(2)
     gauge.labels("m", "decode").set(3)
     page.write_bytes(generate_latest(registry))
-    assert desired_from_metrics(page.as_uri()) == {"prefill": 2, "decode": 3}
+    assert desired_from_metrics(page.as_uri()) == Wanted({"prefill": 2, "decode": 3}, {})
+    pressure = Gauge("pdserve_planner_pressure", "", ["model_name", "role"], registry=registry)
+    pressure.labels("m", "prefill").set(1.25)
+    pressure.labels("m", "decode").set(0.5)
+    page.write_bytes(generate_latest(registry))
+    wanted = desired_from_metrics(page.as_uri())
+    assert wanted == Wanted({"prefill": 2, "decode": 3}, {"prefill": 1.25, "decode": 0.5})
+    assert wanted.why() == "the planner wants 2 prefill + 3 decode; pressure prefill 1.25, decode 0.50"
     assert desired_from_metrics((tmp_path / "gone").as_uri()) is None
