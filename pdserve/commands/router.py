@@ -137,6 +137,7 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     config_flag(p, PlannerConfig, "planner_dwell")
     config_flag(p, PlannerConfig, "planner_max_nodes")
     config_flag(p, PlannerConfig, "planner_min_prefill", choices=(0, 1))
+    config_flag(p, PlannerConfig, "planner_min_nodes")
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:

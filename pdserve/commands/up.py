@@ -254,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
             members = ["--discovery", "file", "--members-file", scaler.members_file]
             if planner.planner_max_nodes is None:  # the budget is every slot, spare ones included
                 members += ["--planner-max-nodes", str(num_slots)]
+            if planner.planner_min_nodes is None:  # the cores of the nodes asked for are held anyway
+                members += ["--planner-min-nodes", str(min(len(serving), planner.planner_max_nodes or num_slots))]
         else:
             members = ["--prefill", ",".join(p_addrs), "--decode", ",".join(d_addrs)]
         router_args = [

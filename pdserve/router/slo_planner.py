@@ -73,6 +73,10 @@ class PlannerConfig:
     when the planner starts, at least 2; on `up`, its node slots)."""
     planner_min_prefill: int = 1
     """Fewest prefill nodes the planner may want (0: decode nodes may prefill everything)."""
+    planner_min_nodes: int | None = None
+    """Fewest prefill + decode nodes the planner may want, like an autoscaler's minimum replicas: at
+    it an idle role gives no node back, and nodes only move between roles (unset: one decode node
+    and --planner-min-prefill; on `up`, the nodes it starts with, since its cores are held anyway)."""
     slo_quantile: float = 0.9
     """The share of requests that must meet each SLO (the quantile judged)."""
     scale_up_pressure: float = 1.0
@@ -103,6 +107,15 @@ class PlannerConfig:
             raise ValueError(f"--planner-min-prefill must be 0 or 1, got {self.planner_min_prefill}")
         if self.planner_max_nodes is not None:
             check_budget(self.planner_max_nodes, self.planner_min_prefill)
+        if self.planner_min_nodes is not None:
+            least = 1 + self.planner_min_prefill
+            if self.planner_min_nodes < least:
+                raise ValueError(f"--planner-min-nodes must be >= {least}, got {self.planner_min_nodes}")
+            if self.planner_max_nodes is not None and self.planner_min_nodes > self.planner_max_nodes:
+                raise ValueError(
+                    f"--planner-min-nodes ({self.planner_min_nodes}) must be <= --planner-max-nodes "
+                    f"({self.planner_max_nodes})"
+                )
         if not 0 < self.slo_quantile < 1:
             raise ValueError(f"slo_quantile must be in (0, 1), got {self.slo_quantile}")
         if not 0 < self.scale_down_pressure < self.scale_up_pressure:
@@ -255,10 +268,10 @@ class SloPlanner:
             ),
             key=p.of,
         )
-        if idle:
+        if idle and self.num_prefill + self.num_decode > (self.config.planner_min_nodes or 0):
             role = idle[0]
             return self._change(obs.now, p, f"remove_{role}", {role: -1}, f"{role} pressure {p.of(role):.2f}")
-        return self._hold(p, "every role inside its band")
+        return self._hold(p, "at --planner-min-nodes" if idle else "every role inside its band")
 
     def _has_slack(self, role: str, value: float, up: float, p: Pressure) -> bool:
         """`role` can lose a node and stay below the upper threshold (its load over one node fewer);

@@ -116,11 +116,12 @@ def test_the_router_and_up_take_the_planner_flags():
 
     parser = build_parser()
     flags = ["--planner", "slo", "--ttft-slo", "2", "--tpot-slo", "0.1", "--planner-max-nodes", "6"]
+    flags += ["--planner-min-nodes", "3"]
     config = router_config(parser.parse_args(["router", *flags])).slo_planner
-    assert config.enabled and config.ttft_slo == 2.0 and config.planner_max_nodes == 6
+    assert config.enabled and config.ttft_slo == 2.0 and (config.planner_min_nodes, config.planner_max_nodes) == (3, 6)
     assert not router_config(parser.parse_args(["router"])).slo_planner.enabled
     up = parser.parse_args(["up", *flags])
-    assert (up.planner, up.ttft_slo, up.planner_max_nodes) == ("slo", 2.0, 6)
+    assert (up.planner, up.ttft_slo, up.planner_min_nodes, up.planner_max_nodes) == ("slo", 2.0, 3, 6)
 
 
 @pytest.mark.parametrize(
@@ -131,6 +132,11 @@ def test_the_router_and_up_take_the_planner_flags():
         (
             ["--planner", "slo", "--ttft-slo", "2", "--tpot-slo", "0.1", "--planner-max-nodes", "1"],
             "--planner-max-nodes",
+        ),
+        (
+            ["--planner", "slo", "--ttft-slo", "2", "--tpot-slo", "0.1", "--planner-min-nodes", "4"]
+            + ["--planner-max-nodes", "3"],
+            "--planner-min-nodes",
         ),
     ],
 )

@@ -179,6 +179,18 @@ def test_an_idle_cluster_shrinks_to_its_minimum_one_node_at_a_time():
     assert changes([(2, 3), *shapes]) == 3
 
 
+def test_at_its_minimum_nodes_an_idle_cluster_keeps_them_and_moves_a_node_when_a_role_is_short():
+    p = planner(num_prefill=1, num_decode=2, max_nodes=3, planner_dwell=0, planner_min_nodes=3)
+    decision = p.decide(Observation(0.0, 1, 2))
+    assert (decision.action, decision.reason) == ("hold", "at --planner-min-nodes")
+    busy = Observation(10.0, 1, 2, ttfts=[2 * TTFT] * 10, tpots=[0.2 * TPOT] * 10, prefill_backlog=2 * TTFT)
+    assert p.decide(busy).action == "move_to_prefill"
+    assert (p.num_prefill, p.num_decode) == (2, 1)
+    p = planner(num_prefill=1, num_decode=3, max_nodes=4, planner_dwell=0, planner_min_nodes=3)
+    assert p.decide(Observation(0.0, 1, 3)).action == "remove_decode"  # above the minimum: shrinks to it
+    assert p.decide(Observation(10.0, 1, 2)).action == "hold"
+
+
 def test_quantile_counts_refusals_as_misses():
     assert quantile_with_misses([1.0] * 9, 1, 0.9) == 1.0
     assert quantile_with_misses([1.0] * 8, 2, 0.9) == math.inf
@@ -203,6 +215,8 @@ def test_existing_counts_outside_the_budget_start_inside_it():
         (dict(planner_dwell=-1.0), "--planner-dwell"),
         (dict(planner_max_nodes=1), "--planner-max-nodes"),
         (dict(planner_min_prefill=2), "--planner-min-prefill"),
+        (dict(planner_min_nodes=1), "--planner-min-nodes"),
+        (dict(planner_min_nodes=4, planner_max_nodes=3), "--planner-min-nodes"),
     ],
 )
 def test_bad_config_is_refused_naming_the_flag(kw, flag):
