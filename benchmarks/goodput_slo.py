@@ -8,6 +8,7 @@ Nothing here starts a server or a client, so it is unit-tested without AIPerf or
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -54,9 +55,8 @@ def failure_reasons(records: list[dict], limit: int = 5) -> dict[str, int]:
     """Why requests failed, as AIPerf recorded it (`error`: code, type, message), counted by reason:
     the `limit` most common, so that a failed request in a result says whether the server refused
     it, dropped its stream or the client gave up waiting."""
-    reasons: dict[str, int] = {}
-    for record in records:
-        error = record.get("error")
+    reasons: Counter[str] = Counter()
+    for error in (record.get("error") for record in records):
         if not error:
             continue
         if isinstance(error, dict):
@@ -64,9 +64,8 @@ def failure_reasons(records: list[dict], limit: int = 5) -> dict[str, int]:
             text = f"{head}: {error.get('message') or ''}".strip(": ")
         else:
             text = str(error)
-        text = " ".join(text.split())[:160]
-        reasons[text] = reasons.get(text, 0) + 1
-    return dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:limit])
+        reasons[" ".join(text.split())[:160]] += 1
+    return dict(reasons.most_common(limit))
 
 
 def profiling_records(records: list[dict]) -> list[dict]:

@@ -92,12 +92,10 @@ def desired_from_metrics(url: str, timeout: float = 2.0) -> Wanted | None:
     found: dict[str, int] = {}
     pressure: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        for sample in family.samples if family.name in (DESIRED, PRESSURE) else ():
-            role = sample.labels.get("role", "")
-            if family.name == DESIRED:
-                found[role] = int(sample.value)
-            else:
-                pressure[role] = float(sample.value)
+        if family.name == DESIRED:
+            found.update((s.labels.get("role", ""), int(s.value)) for s in family.samples)
+        elif family.name == PRESSURE:
+            pressure.update((s.labels.get("role", ""), s.value) for s in family.samples)
     return Wanted(found, pressure) if set(ROLES) <= set(found) else None
 
 
