@@ -104,8 +104,8 @@ class Target:
     start: Callable[[int], subprocess.Popen]
 
 
-def start_shape(model: str, shape: Shape, extra: list[str], port: int) -> subprocess.Popen:
-    return start_pdserve(model, port, shape.up_args() + extra)
+def start_shape(model: str, shape: Shape, extra: list[str], slo: Slo, port: int) -> subprocess.Popen:
+    return start_pdserve(model, port, shape.up_args((slo.ttft_s, slo.tpot_s)) + extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,7 +330,7 @@ def main() -> int:
             print(f"error: AIPerf not found ({given or 'PATH'}); {hint}", file=sys.stderr)
             return 2
         up_extra = ["--served-model-name", SERVED, *shlex.split(args.up_args)]
-        targets = [Target(s.name, partial(start_shape, args.model, s, up_extra)) for s in shapes]
+        targets = [Target(s.name, partial(start_shape, args.model, s, up_extra, plan.slo)) for s in shapes]
         vllm_name = None
         if args.vllm_python:
             vllm_name = "vllm"

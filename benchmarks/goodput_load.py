@@ -20,38 +20,50 @@ TRACE_BLOCK = 512
 @dataclass(frozen=True)
 class Shape:
     """One `pdserve up` target: prefill and decode node counts, and `--num-threads` (None: `auto`,
-    which splits and pins the cores between the nodes, a prefill node weighing twice a decode node)."""
+    which splits and pins the cores between the nodes, a prefill node weighing twice a decode node);
+    `told_slo`: `pdserve up` is given the SLOs measured (`--ttft-slo`, `--tpot-slo`), as a user who
+    has them would, and its router keeps decode nodes' streams within the TPOT SLO when it offloads."""
 
     num_prefill: int
     num_decode: int
     threads: int | None = None
+    told_slo: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.num_prefill}p{self.num_decode}d" + (f"@{self.threads}" if self.threads else "")
+        threads = f"@{self.threads}" if self.threads else ""
+        return f"{self.num_prefill}p{self.num_decode}d{threads}" + ("+slo" if self.told_slo else "")
 
-    def up_args(self) -> list[str]:
+    def up_args(self, slo: tuple[float, float] | None = None) -> list[str]:
+        """`pdserve up`'s flags for this shape; `slo` (TTFT, TPOT seconds) is what a `+slo` shape is told."""
         threads = str(self.threads) if self.threads else "auto"
-        return ["--num-prefill", str(self.num_prefill), "--num-decode", str(self.num_decode), "--num-threads", threads]
+        told: list[str] = []
+        if self.told_slo:
+            if slo is None:
+                raise ValueError(f"{self.name}: a +slo shape needs the SLOs it is told")
+            told = ["--ttft-slo", f"{slo[0]:g}", "--tpot-slo", f"{slo[1]:g}"]
+        counts = ["--num-prefill", str(self.num_prefill), "--num-decode", str(self.num_decode)]
+        return [*counts, "--num-threads", threads, *told]
 
 
-SHAPE_RE = re.compile(r"^(\d+)p(\d+)d(?:@(\d+))?$")
+SHAPE_RE = re.compile(r"^(\d+)p(\d+)d(?:@(\d+))?(\+slo)?$")
 
 
 def parse_shapes(text: str) -> list[Shape]:
-    """`--shapes 1p1d,0p1d,2p2d@1`: P prefill + D decode nodes (0p1d: colocated, decode nodes prefill
-    every prompt), `@N` for N threads per node (unpinned) instead of `auto`. ValueError names the flag."""
+    """`--shapes 1p1d,0p1d,2p2d@1,1p1d@1+slo`: P prefill + D decode nodes (0p1d: colocated, decode
+    nodes prefill every prompt), `@N` for N threads per node (unpinned) instead of `auto`, `+slo` for
+    `pdserve up` told the SLOs (`Shape.told_slo`). ValueError names the flag."""
     shapes: list[Shape] = []
     for part in (p.strip() for p in text.split(",")):
         m = SHAPE_RE.match(part)
         if not m:
-            raise ValueError(f"--shapes: {part!r} is not PpDd[@THREADS] (e.g. 1p1d, 0p1d, 2p2d@1)")
+            raise ValueError(f"--shapes: {part!r} is not PpDd[@THREADS][+slo] (e.g. 1p1d, 0p1d, 2p2d@1, 1p1d@1+slo)")
         p, d, t = int(m[1]), int(m[2]), int(m[3]) if m[3] else None
         if d < 1:
             raise ValueError(f"--shapes: {part!r} has no decode node (every shape needs D >= 1)")
         if t is not None and t < 1:
             raise ValueError(f"--shapes: {part!r} asks for {t} threads (N >= 1)")
-        shape = Shape(p, d, t)
+        shape = Shape(p, d, t, bool(m[4]))
         if shape in shapes:
             raise ValueError(f"--shapes: {part!r} is given twice")
         shapes.append(shape)

@@ -12,7 +12,9 @@ phases of `--phase-s` seconds each, Poisson arrivals within each: long prompts w
 Targets, each a fresh `pdserve up` on the bench model with its defaults:
   * `planner`: `--planner slo` with the SLOs below, started in the default shape (1 prefill +
     2 decode), its budget those 3 nodes: it moves a node between roles as the load shifts;
-  * `static:PpDd`, for each of `--statics`: the shapes it moves between, held fixed.
+  * `static:PpDd`, for each of `--statics`: the shapes it moves between, held fixed; `PpDd+slo`
+    also tells that shape the SLOs, as the planner arm is told them (with `--tpot-slo` set the
+    router's offload keeps decode nodes' streams within it, planner or not).
 
 Measured per run: goodput over the run, the requests that met both SLOs (TTFT <= 5 s, TPOT <=
 0.25 s: the goodput preset's) over the schedule's span (req/s); the attainment of each kind of
@@ -181,7 +183,7 @@ def main() -> int:
     p.add_argument("--phase-s", type=float, default=None, help="seconds per phase (default 240; --quick 120)")
     p.add_argument("--prefill-rate", type=float, default=0.5, help="req/s in the prefill-heavy phases")
     p.add_argument("--decode-rate", type=float, default=0.5, help="req/s in the decode-heavy phase")
-    p.add_argument("--statics", default="1p2d,2p1d", help="the static shapes to compare (PpDd,...)")
+    p.add_argument("--statics", default="1p2d,2p1d", help="the static shapes to compare (PpDd[+slo],...)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     from pdserve.engine.builtin import default_model_dir
@@ -214,7 +216,7 @@ def main() -> int:
         arms: dict[str, Callable[[], dict]] = {}
         arms["planner"] = partial(arm, "planner", ["--planner", "slo", *slo_flags], True)
         for s in statics:
-            arms[f"static:{s.name}"] = partial(arm, f"static:{s.name}", s.up_args(), False)
+            arms[f"static:{s.name}"] = partial(arm, f"static:{s.name}", s.up_args((SLO.ttft_s, SLO.tpot_s)), False)
         ran = alternate(arms, args.rounds)
     rounds = {name: ran.of(name) for name in arms}
     med = {name: round(statistics.median(r["goodput_req_s"] for r in per), 4) for name, per in rounds.items()}

@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         registry=registry,
         tls=config.cluster.tls(),
         routing=config.cluster.routing,
-        offload=OffloadPolicy(config.cluster.prefill_saturated_tokens),
+        offload=OffloadPolicy(config.cluster.prefill_saturated_tokens, tpot_slo=config.slo_planner.tpot_slo),
         max_waiting_requests=config.cluster.max_waiting_requests,
     )
     planner = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import blocks_for
 from pdserve.router.saturation import PrefillRate
+from pdserve.router.stream_pace import Streams
 
 
 @dataclass
@@ -28,6 +29,8 @@ class NodeLoad:
     (exact for this router's requests, unlike a load report that may be half a refresh old)."""
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)
     """Prompt tokens per second this node's prefill path has sustained (router/saturation.py)."""
+    streams: Streams = field(default_factory=Streams)
+    """A decode node's streams for this router, with their pace (router/stream_pace.py)."""
     current_weight: float = 0.0
     compatibility: str = ""
     """The node's KV compatibility string (its block keys' namespace)."""

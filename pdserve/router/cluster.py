@@ -24,7 +24,7 @@ from pdserve.router.deadlines import Deadlines, StreamStalled, TokenDeadline, ev
 from pdserve.router.kv_routing import ROUTING_MODES, KvRouter, Routing
 from pdserve.router.kv_subscriber import KvSubscriber
 from pdserve.router.node_state import NodeState, Route
-from pdserve.router.prefill_offload import OffloadPolicy, Prefilling
+from pdserve.router.prefill_offload import Offload, OffloadPolicy, Prefilling
 from pdserve.router.saturation import backlog_seconds
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -90,6 +90,13 @@ class Cluster:
         ).labels(model_name)
         self.migrations = Counter(
             "pdserve_router_migrations", "streams moved to another decode node", ["model_name"], registry=r
+        ).labels(model_name)
+        self.offload_held = Counter(
+            "pdserve_router_offload_held",
+            "prompts sent to a saturated prefill node because prefilling them on the decode node would "
+            "push its streams past --tpot-slo",
+            ["model_name"],
+            registry=r,
         ).labels(model_name)
         self.queue = AdmissionQueue(max_waiting_requests, r, model_name, self.deadlines.capacity_wait)
         """Requests waiting for a decode node with room, in arrival order (router/admission.py)."""
@@ -244,8 +251,11 @@ class Cluster:
             raise NoCapacityError("every node has its fill of queued prompts; try again later")
         self.decode_balancer.assign(chosen, tokens_needed)
         # every prefill node saturated (backlog in seconds) but this decode node not: it prefills
-        offload = not decode_full and self.offload.prefill_here([n.load for n in prefills], chosen, local_tokens)
-        if prefill_full or offload:
+        loads = [n.load for n in prefills]
+        offload = Offload.REMOTE if decode_full else self.offload.decide(loads, chosen, local_tokens)
+        if offload is Offload.HELD:
+            self.offload_held.inc()
+        if prefill_full or offload is Offload.LOCAL:
             self.offload.assign_local(chosen, local_tokens)
             # no addresses: the decode node prefills the prompt itself
             return Route(by_load[id(chosen)], [], (), Prefilling(chosen, prompt_tokens))
@@ -326,6 +336,7 @@ class Cluster:
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
             prefilling = prefilling or self._prefilling(node, prefills, len(req.prompt_token_ids))
+            stream = node.load.streams.open(req.params.max_tokens)  # its pace guards the offload
             try:
                 hung = partial(self._hung_in, node, prefills)
                 progress = partial(self._progress_of, node, prefills)
@@ -333,6 +344,7 @@ class Cluster:
                     if event.token_ids:
                         sent.extend(event.token_ids)
                         prefilling.first_token()
+                        stream.arrived(len(event.token_ids), time.monotonic())
                     if event.finish_reason:  # the node counted this attempt's prompt and tokens
                         event.usage.prompt_tokens, event.usage.completion_tokens = len(prompt), len(sent)
                     if event.token_ids or event.finish_reason:
@@ -368,6 +380,7 @@ class Cluster:
                     self.migrations.inc()
                     log.warning("migrating %s after %d tokens: %s", request.request_id, len(sent), code.name)
             finally:
+                node.load.streams.close(stream)
                 prefilling.done()
                 call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
                 asyncio.create_task(self._probe(node))  # refresh the load right after a response

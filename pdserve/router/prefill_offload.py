@@ -23,11 +23,20 @@ The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be c
   local prefill also holds up the decode node's running streams (one longer step for each of them).
 
 `saturated_tokens` 0 turns offloading off: every prompt goes to a prefill node (the behaviour before).
+
+With a TPOT SLO (`--tpot-slo`, the planner's flag, which the router then also uses here) a decode node
+takes a prompt only if the pause it makes (its pending local prompt tokens plus this one, at its
+measured prefill rate, or the prefill nodes' while it has none) leaves every stream it serves within
+the SLO (router/stream_pace.py); else the prompt waits for a prefill node. On the `disagg` goodput
+workload (800-token prompts, 48 out, TPOT <= 0.25 s; 1 prefill + 1 decode node, one core each) the
+offload without it missed TPOT on the decode node's streams long before TTFT
+(docs/benchmark-log.md, "TPOT-guarded offload").
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from dataclasses import dataclass
 
@@ -76,24 +85,67 @@ class Prefilling:
             self.tokens = 0
 
 
+class Offload(enum.Enum):
+    """An offload decision: where a prompt is prefilled."""
+
+    REMOTE = "remote"
+    """On a prefill node (none saturated, offloading off, or the decode node's queue is longer)."""
+    LOCAL = "local"
+    """On its decode node: every prefill node is saturated."""
+    HELD = "held"
+    """On a prefill node although every one is saturated: the pause would push the decode node's
+    streams past --tpot-slo."""
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """When a decode node should prefill a prompt itself instead of asking a prefill node."""
 
     saturated_tokens: int = DEFAULT_SATURATED_TOKENS
     """Pending prompt tokens at which a prefill node counts as saturated (0: never offload)."""
+    tpot_slo: float | None = None
+    """Seconds per output token a decode node's streams must stay within for it to take a prompt
+    (None: no such check)."""
 
     def __post_init__(self) -> None:
         if self.saturated_tokens < 0:
             raise ValueError(f"--prefill-saturated-tokens must be >= 0, got {self.saturated_tokens}")
+        if self.tpot_slo is not None and not self.tpot_slo > 0:
+            raise ValueError(f"--tpot-slo must be > 0 seconds, got {self.tpot_slo}")
 
-    def prefill_here(self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int) -> bool:
-        """Whether `decode` should prefill this prompt locally (see the module doc). False when
-        offloading is off or there is no prefill node (the decode node prefills then anyway)."""
+    def decide(
+        self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int, now: float | None = None
+    ) -> Offload:
+        """Where this prompt is prefilled (see the module doc): REMOTE when offloading is off or there
+        is no prefill node (the decode node prefills then anyway), HELD when only the TPOT SLO keeps
+        it off `decode`."""
         if self.saturated_tokens == 0 or not prefills:
-            return False
+            return Offload.REMOTE
         queue = min(pending_tokens(n) for n in prefills)
-        return queue >= self.saturated_tokens and pending_tokens(decode) + prompt_tokens <= queue
+        if queue < self.saturated_tokens or pending_tokens(decode) + prompt_tokens > queue:
+            return Offload.REMOTE
+        if self.tpot_slo is not None and not self.keeps_tpot(prefills, decode, prompt_tokens, now):
+            return Offload.HELD
+        return Offload.LOCAL
+
+    def prefill_here(
+        self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int, now: float | None = None
+    ) -> bool:
+        """Whether `decode` should prefill this prompt locally (`decide` says LOCAL)."""
+        return self.decide(prefills, decode, prompt_tokens, now) is Offload.LOCAL
+
+    def keeps_tpot(self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int, now: float | None) -> bool:
+        """Whether prefilling `prompt_tokens` more on `decode` leaves its streams within the TPOT SLO.
+        True while no rate is measured yet (the pause cannot be estimated; the first offloads measure it)."""
+        assert self.tpot_slo is not None
+        rate = decode.prefill_rate.tokens_per_second
+        if rate is None:  # not measured on this node yet: a prefill node's, on like hardware
+            rates = [r for n in prefills if (r := n.prefill_rate.tokens_per_second) is not None]
+            rate = max(rates, default=None)
+        if rate is None:
+            return True
+        pause = (pending_tokens(decode) + prompt_tokens) / rate
+        return decode.streams.worst_tpot_after(pause, now) <= self.tpot_slo
 
     @staticmethod
     def assign_local(decode: NodeLoad, prompt_tokens: int) -> None:

@@ -60,7 +60,9 @@ class PlannerConfig:
     ttft_slo: float | None = None
     """Time-to-first-token SLO in seconds, as the client sees it (needed with --planner slo)."""
     tpot_slo: float | None = None
-    """Time-per-output-token SLO in seconds (needed with --planner slo)."""
+    """Time-per-output-token SLO in seconds (needed with --planner slo). Set, with or without the
+    planner, a decode node also takes no prompt off saturated prefill nodes that would pause its
+    streams past it (router/prefill_offload.py)."""
     planner_interval: float = 10.0
     """Seconds between two planner decisions."""
     planner_window: float = 30.0

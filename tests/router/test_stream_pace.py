@@ -1,0 +1,185 @@
+"""Stream pace (router/stream_pace.py) and the TPOT guard it gives the prefill offload
+(router/prefill_offload.py): a decode node takes a prompt off saturated prefill nodes only while the
+pause leaves every stream it serves within --tpot-slo."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.node_runtime.discovery import Member
+from pdserve.node_runtime.discovery.static import StaticDiscovery
+from pdserve.router.balancer import NodeLoad
+from pdserve.router.cluster import Cluster
+from pdserve.router.prefill_offload import OffloadPolicy
+from pdserve.router.stream_pace import Stream, Streams
+from pdserve.v1 import common_pb2, decode_pb2
+from tests.router.kv_fake_node import FakeKvNode, FakePrefill, serve, until
+from tests.router.test_prefill_offload import NO_BOUND, GatedNode
+
+PROMPT = 800
+
+
+def test_a_streams_tpot_is_its_pace_plus_the_pause_over_its_gaps():
+    s = Stream(max_tokens=49)
+    s.arrived(1, now=10.0)  # first token
+    s.arrived(8, now=10.4)  # 8 more in 0.4 s: 0.05 s a token
+    assert s.tpot_after(0.0, now=10.4) == pytest.approx(0.05)
+    assert s.tpot_after(4.8, now=10.4) == pytest.approx(0.05 + 4.8 / 48)
+    # the time since its last token counts: a stream already waiting is slower
+    assert s.tpot_after(0.0, now=10.8) > 0.05
+
+
+def test_before_its_second_token_only_the_pause_counts():
+    s = Stream(max_tokens=11)
+    assert s.tpot_after(1.0, now=5.0) == pytest.approx(0.1)
+    s.arrived(0, now=5.0)  # an event with no token changes nothing
+    assert s.first_token_at is None
+    s.arrived(1, now=5.0)
+    assert s.tpot_after(1.0, now=6.0) == pytest.approx(0.1)
+
+
+def test_one_token_streams_do_not_divide_by_zero():
+    assert Stream(max_tokens=1).tpot_after(2.0, now=0.0) == pytest.approx(2.0)
+
+
+def test_the_worst_stream_decides_and_closed_ones_leave():
+    streams = Streams()
+    assert streams.worst_tpot_after(100.0, now=0.0) == 0.0  # serving none: no stream to hurt
+    long_, short = streams.open(481), streams.open(11)
+    assert len(streams) == 2
+    assert streams.worst_tpot_after(1.0, now=0.0) == pytest.approx(0.1)  # the short one: 1 s over 10 gaps
+    streams.close(short)
+    streams.close(short)  # twice: nothing
+    assert streams.worst_tpot_after(1.0, now=0.0) == pytest.approx(1 / 480)
+    streams.close(long_)
+    assert len(streams) == 0
+
+
+def test_a_stream_already_late_still_counts():
+    streams = Streams()
+    late = streams.open(49)
+    late.arrived(1, now=0.0)
+    late.arrived(10, now=4.0)  # 0.4 s a token so far
+    assert streams.worst_tpot_after(0.0, now=4.0) == pytest.approx(0.4)
+
+
+def saturated(rate: float | None = None) -> NodeLoad:
+    """A prefill node with one 800-token prompt pending (saturated at 256), rate tokens/s measured."""
+    node = NodeLoad("p", prefilling_tokens=PROMPT)
+    if rate is not None:
+        node.prefill_rate.started(0.0)
+        node.prefill_rate.finished(int(rate), 1.0, idle=False, computed=True)
+    return node
+
+
+def decoding(max_tokens: int, pace: float, tokens: int = 11) -> NodeLoad:
+    """A decode node serving one stream that has had `tokens` tokens at `pace` s apart by now=100."""
+    node = NodeLoad("d")
+    stream = node.streams.open(max_tokens)
+    stream.arrived(1, now=100.0 - pace * (tokens - 1))
+    stream.arrived(tokens - 1, now=100.0)
+    return node
+
+
+def test_without_a_tpot_slo_the_pause_is_not_weighed():
+    assert OffloadPolicy(256).prefill_here([saturated(rate=500.0)], decoding(49, pace=0.2), PROMPT, now=100.0)
+
+
+def test_a_pause_that_would_break_tpot_sends_the_prompt_to_the_prefill_node():
+    policy = OffloadPolicy(256, tpot_slo=0.25)
+    # 800 tokens at 500 tokens/s: a 1.6 s pause; 0.2 + 1.6 / 48 = 0.233 <= 0.25 takes it
+    assert policy.prefill_here([saturated(rate=500.0)], decoding(49, pace=0.2), PROMPT, now=100.0)
+    # at 0.23 s a token already the same pause makes 0.263 > 0.25: the prompt waits for the prefill node
+    assert not policy.prefill_here([saturated(rate=500.0)], decoding(49, pace=0.23), PROMPT, now=100.0)
+    # a long stream spreads the pause over more tokens
+    assert policy.prefill_here([saturated(rate=500.0)], decoding(481, pace=0.23), PROMPT, now=100.0)
+
+
+def test_the_decode_nodes_own_rate_and_pending_prompts_set_the_pause():
+    policy = OffloadPolicy(256, tpot_slo=0.25)
+    node = decoding(49, pace=0.05)
+    node.prefill_rate.started(0.0)
+    node.prefill_rate.finished(100, 1.0, idle=False, computed=True)  # a slow node: 100 tokens/s
+    # its own rate: 800 / 100 = 8 s, 0.05 + 8 / 48 = 0.217: taken
+    assert policy.prefill_here([saturated(rate=10_000.0)], node, PROMPT, now=100.0)
+    node.prefilling_tokens = 400  # and with 400 of its own pending: 12 s, 0.3 > 0.25
+    policy_queue = saturated(rate=10_000.0)
+    policy_queue.prefilling_tokens = 1600  # (the prefill queue longer still, so only TPOT refuses)
+    assert not policy.prefill_here([policy_queue], node, PROMPT, now=100.0)
+
+
+def test_with_no_rate_measured_anywhere_it_offloads_to_measure_one():
+    policy = OffloadPolicy(256, tpot_slo=0.25)
+    assert policy.prefill_here([saturated()], decoding(49, pace=0.3), PROMPT, now=100.0)
+
+
+def test_a_tpot_slo_must_be_positive():
+    with pytest.raises(ValueError, match="--tpot-slo"):
+        OffloadPolicy(256, tpot_slo=0.0)
+
+
+async def test_generate_tracks_each_attempts_stream_on_its_decode_node():
+    """The router counts a stream on its decode node from the attempt's start to its end, with the
+    tokens that came back: what the offload's TPOT guard reads."""
+    decode = GatedNode()
+    served = [await serve(decode), await serve(FakePrefill())]
+    members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
+    cluster = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr")
+    await cluster.start()
+    try:
+        node = next(n.load for n in cluster.nodes.values() if n.member.role == "decode")
+        params = common_pb2.SamplingParams(max_tokens=7)
+        request = decode_pb2.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3], params=params)
+        task = asyncio.ensure_future(_drain(cluster.generate(request)))
+        await until(lambda: len(node.streams) == 1)
+        (stream,) = node.streams._by_id.values()
+        assert stream.max_tokens == 7 and stream.tokens == 0
+        decode.gate.set()
+        tokens = await task
+        assert tokens and stream.tokens == len(tokens) and stream.first_token_at is not None
+        assert len(node.streams) == 0
+        # an attempt abandoned before its first token leaves no stream behind
+        decode.gate.clear()
+        request.request_id = "r2"
+        task = asyncio.ensure_future(_drain(cluster.generate(request)))
+        await until(lambda: len(node.streams) == 1)
+        task.cancel()
+        await until(lambda: len(node.streams) == 0)
+    finally:
+        await cluster.stop()
+        for s, _ in served:
+            await s.stop(None)
+
+
+async def _drain(stream) -> list[int]:
+    return [t async for chunk in stream for t in chunk.token_ids]
+
+
+async def test_the_router_holds_a_prompt_off_a_decode_node_whose_streams_it_would_break():
+    """Every prefill node saturated: without streams on it the decode node takes the prompt; with a
+    stream the pause would push past --tpot-slo it goes to the prefill node, and the router counts it."""
+    served = [await serve(FakeKvNode(num_blocks=512)), await serve(FakePrefill())]
+    members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
+    policy = OffloadPolicy(256, tpot_slo=0.25)
+    cluster = Cluster(StaticDiscovery(members), refresh_interval=60, routing="wrr", offload=policy, deadlines=NO_BOUND)
+    await cluster.start()
+    try:
+        loads = {n.member.role: n.load for n in cluster.nodes.values()}
+        loads["prefill"].prefill_rate.started(0.0)
+        loads["prefill"].prefill_rate.finished(500, 1.0, idle=False, computed=True)  # 800 tokens: a 1.6 s pause
+        loads["prefill"].prefilling_tokens = 1600  # two long prompts pending: saturated
+        prompt = list(range(1, PROMPT + 1))
+        stream = loads["decode"].streams.open(max_tokens=11)  # 1.6 s over 10 gaps: 0.16 s a token, within
+        assert cluster._choose(PROMPT + 64, set(), prompt, None).prefills == []
+        short = loads["decode"].streams.open(max_tokens=5)  # 1.6 s over 4 gaps: 0.4 s a token, past it
+        route = cluster._choose(PROMPT + 64, set(), prompt, None)
+        assert route.prefills == [served[1][1]]
+        assert cluster.offload_held._value.get() == 1
+        loads["decode"].streams.close(short)
+        loads["decode"].streams.close(stream)
+    finally:
+        await cluster.stop()
+        for s, _ in served:
+            await s.stop(None)
