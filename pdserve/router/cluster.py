@@ -344,7 +344,7 @@ class Cluster:
                     if event.token_ids:
                         sent.extend(event.token_ids)
                         prefilling.first_token()
-                        stream.arrived(len(event.token_ids), time.monotonic())
+                        node.load.streams.arrived(stream, len(event.token_ids), time.monotonic())
                     if event.finish_reason:  # the node counted this attempt's prompt and tokens
                         event.usage.prompt_tokens, event.usage.completion_tokens = len(prompt), len(sent)
                     if event.token_ids or event.finish_reason:

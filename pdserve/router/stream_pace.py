@@ -9,48 +9,55 @@ pause would push the node's streams past the TPOT SLO: then the prompt waits for
 instead, and its TTFT, not every running stream's TPOT, pays. `Streams.worst_tpot_after` is that
 check, in the terms of the TPOT that clients and AIPerf measure: (last token - first token) /
 (output tokens - 1).
+
+A stream's end is forecast as the time it has taken so far, plus the pause, plus its remaining tokens
+at the node's decode step: the median gap between tokens over the node's recent tokens, which a
+pause (one long gap among many short ones) does not move. Forecasting the remaining tokens at the
+stream's own pace so far instead counted a pause once for every token left: a stream whose second
+token came after a 1.5 s pause looked 1.5 s a token slow, and the router kept prompts off a decode
+node whose streams ended near 0.08 s a token (docs/benchmark-log.md, "TPOT-guarded offload").
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+RECENT_GAPS = 64
+"""Token gaps the node's step time is the median of (a few steps of a full batch, or the last
+couple of seconds of one stream)."""
 
 
 @dataclass
 class Stream:
-    """One attempt streaming from a decode node: when its first token came and how many since."""
+    """One attempt streaming from a decode node: when its first and latest tokens came, how many."""
 
     max_tokens: int
     """The most tokens this attempt may produce (its request's max_tokens less those already sent)."""
     first_token_at: float | None = None
+    last_token_at: float | None = None
     tokens: int = 0
 
-    def arrived(self, count: int, now: float) -> None:
-        """`count` tokens came back at `now`."""
-        if count <= 0:
-            return
-        if self.first_token_at is None:
-            self.first_token_at = now
-        self.tokens += count
-
-    def tpot_after(self, pause: float, now: float) -> float:
-        """Its TPOT at the end if the node pauses `pause` seconds now and the tokens it has still to
-        produce come at its pace so far: pace + pause / (max_tokens - 1). The pace so far counts the
-        pauses it already had, so a stream slowed by earlier offloads is the first to refuse more.
-        Before its second token its pace is unknown and taken as 0 (only the pause counts)."""
+    def tpot_after(self, pause: float, step: float, now: float) -> float:
+        """Its TPOT at the end if the node pauses `pause` seconds now and then produces its remaining
+        tokens `step` seconds apart. Before its first token a pause delays that token (its TTFT),
+        not its TPOT."""
         gaps = max(self.max_tokens - 1, 1)
-        pace = 0.0
-        if self.first_token_at is not None and self.tokens > 1:
-            pace = (now - self.first_token_at) / (self.tokens - 1)
-        return pace + pause / gaps
+        if self.first_token_at is None:
+            return step
+        remaining = max(self.max_tokens - self.tokens, 0)
+        return (now - self.first_token_at + pause + remaining * step) / gaps
 
 
 @dataclass
 class Streams:
-    """The streams one decode node serves for this router (a node's `NodeLoad.streams`)."""
+    """The streams one decode node serves for this router (a node's `NodeLoad.streams`), and the
+    gaps between the tokens they received."""
 
     _by_id: dict[int, Stream] = field(default_factory=dict)
+    _gaps: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_GAPS))
 
     def open(self, max_tokens: int) -> Stream:
         stream = Stream(max_tokens)
@@ -63,10 +70,26 @@ class Streams:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def arrived(self, stream: Stream, count: int, now: float) -> None:
+        """`count` tokens of `stream` came back at `now` (an event may carry several)."""
+        if count <= 0:
+            return
+        if stream.last_token_at is None:
+            stream.first_token_at = now
+        else:
+            self._gaps.extend([(now - stream.last_token_at) / count] * min(count, RECENT_GAPS))
+        stream.last_token_at = now
+        stream.tokens += count
+
+    @property
+    def step(self) -> float:
+        """Seconds between two tokens of a stream on this node: the median recent gap (0 before any)."""
+        return statistics.median(self._gaps) if self._gaps else 0.0
+
     def worst_tpot_after(self, pause: float, now: float | None = None) -> float:
         """The highest end-of-stream TPOT a `pause`-second pause now would leave among the node's
         streams (0.0 when it serves none). A stream already past the SLO counts too: letting the
-        pauses go on once one stream is late was measured worse (docs/benchmark-log.md, "TPOT-guarded
-        offload"), as a pace of a few tokens is a noisy forecast."""
+        pauses go on once one stream is late was measured worse (docs/benchmark-log.md)."""
         now = time.monotonic() if now is None else now
-        return max((s.tpot_after(pause, now) for s in self._by_id.values()), default=0.0)
+        step = self.step
+        return max((s.tpot_after(pause, step, now) for s in self._by_id.values()), default=0.0)

@@ -5,6 +5,7 @@ pause leaves every stream it serves within --tpot-slo."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -21,33 +22,65 @@ from tests.router.test_prefill_offload import NO_BOUND, GatedNode
 PROMPT = 800
 
 
-def test_a_streams_tpot_is_its_pace_plus_the_pause_over_its_gaps():
-    s = Stream(max_tokens=49)
-    s.arrived(1, now=10.0)  # first token
-    s.arrived(8, now=10.4)  # 8 more in 0.4 s: 0.05 s a token
-    assert s.tpot_after(0.0, now=10.4) == pytest.approx(0.05)
-    assert s.tpot_after(4.8, now=10.4) == pytest.approx(0.05 + 4.8 / 48)
+def tokens_at(streams: Streams, stream: Stream, times: list[float]) -> None:
+    for t in times:
+        streams.arrived(stream, 1, now=t)
+
+
+def test_a_streams_tpot_is_its_time_so_far_the_pause_and_its_rest_at_the_nodes_step():
+    streams = Streams()
+    s = streams.open(max_tokens=49)
+    tokens_at(streams, s, [10.0 + 0.05 * i for i in range(9)])  # 9 tokens 0.05 s apart, by 10.4
+    assert streams.step == pytest.approx(0.05)
+    # 0.4 s so far, 40 tokens to go at 0.05: 2.4 s over 48 gaps
+    assert s.tpot_after(0.0, streams.step, now=10.4) == pytest.approx(0.05)
+    assert s.tpot_after(4.8, streams.step, now=10.4) == pytest.approx(0.05 + 4.8 / 48)
     # the time since its last token counts: a stream already waiting is slower
-    assert s.tpot_after(0.0, now=10.8) > 0.05
+    assert s.tpot_after(0.0, streams.step, now=10.8) > 0.05
 
 
-def test_before_its_second_token_only_the_pause_counts():
-    s = Stream(max_tokens=11)
-    assert s.tpot_after(1.0, now=5.0) == pytest.approx(0.1)
-    s.arrived(0, now=5.0)  # an event with no token changes nothing
-    assert s.first_token_at is None
-    s.arrived(1, now=5.0)
-    assert s.tpot_after(1.0, now=6.0) == pytest.approx(0.1)
+def test_a_pause_is_counted_once_not_for_every_token_left():
+    """A stream whose second token came after a 1.5 s pause ends near (1.5 + 47 steps) / 47 s a
+    token, not 1.5 s a token: the node's step is the median gap, which one pause does not move."""
+    streams = Streams()
+    steady = streams.open(max_tokens=49)
+    tokens_at(streams, steady, [0.03 * i for i in range(20)])
+    young = streams.open(max_tokens=48)
+    tokens_at(streams, young, [0.57, 2.07])  # its first token, then a 1.5 s pause
+    assert streams.step == pytest.approx(0.03)
+    assert young.tpot_after(0.0, streams.step, now=2.07) == pytest.approx((1.5 + 46 * 0.03) / 47)
+    assert streams.worst_tpot_after(0.0, now=2.07) < 0.1
+
+
+def test_before_its_first_token_a_pause_is_ttft_not_tpot():
+    streams = Streams()
+    waiting = streams.open(max_tokens=11)
+    assert waiting.tpot_after(100.0, 0.03, now=5.0) == pytest.approx(0.03)
+    streams.arrived(waiting, 0, now=5.0)  # an event with no token changes nothing
+    assert waiting.first_token_at is None and streams.step == 0.0
+
+
+def test_an_event_of_several_tokens_spreads_its_gap_over_them():
+    streams = Streams()
+    s = streams.open(max_tokens=100)
+    streams.arrived(s, 1, now=0.0)
+    streams.arrived(s, 4, now=0.2)
+    assert streams.step == pytest.approx(0.05) and s.tokens == 5
 
 
 def test_one_token_streams_do_not_divide_by_zero():
-    assert Stream(max_tokens=1).tpot_after(2.0, now=0.0) == pytest.approx(2.0)
+    streams = Streams()
+    s = streams.open(max_tokens=1)
+    streams.arrived(s, 1, now=0.0)
+    assert s.tpot_after(2.0, 0.0, now=0.0) == pytest.approx(2.0)
 
 
 def test_the_worst_stream_decides_and_closed_ones_leave():
     streams = Streams()
     assert streams.worst_tpot_after(100.0, now=0.0) == 0.0  # serving none: no stream to hurt
     long_, short = streams.open(481), streams.open(11)
+    streams.arrived(long_, 1, now=0.0)
+    streams.arrived(short, 1, now=0.0)
     assert len(streams) == 2
     assert streams.worst_tpot_after(1.0, now=0.0) == pytest.approx(0.1)  # the short one: 1 s over 10 gaps
     streams.close(short)
@@ -55,14 +88,6 @@ def test_the_worst_stream_decides_and_closed_ones_leave():
     assert streams.worst_tpot_after(1.0, now=0.0) == pytest.approx(1 / 480)
     streams.close(long_)
     assert len(streams) == 0
-
-
-def test_a_stream_already_late_still_counts():
-    streams = Streams()
-    late = streams.open(49)
-    late.arrived(1, now=0.0)
-    late.arrived(10, now=4.0)  # 0.4 s a token so far
-    assert streams.worst_tpot_after(0.0, now=4.0) == pytest.approx(0.4)
 
 
 def saturated(rate: float | None = None) -> NodeLoad:
@@ -75,11 +100,10 @@ def saturated(rate: float | None = None) -> NodeLoad:
 
 
 def decoding(max_tokens: int, pace: float, tokens: int = 11) -> NodeLoad:
-    """A decode node serving one stream that has had `tokens` tokens at `pace` s apart by now=100."""
+    """A decode node serving one stream that has had `tokens` tokens `pace` s apart by now=100."""
     node = NodeLoad("d")
     stream = node.streams.open(max_tokens)
-    stream.arrived(1, now=100.0 - pace * (tokens - 1))
-    stream.arrived(tokens - 1, now=100.0)
+    tokens_at(node.streams, stream, [100.0 - pace * (tokens - 1 - i) for i in range(tokens)])
     return node
 
 
@@ -171,14 +195,17 @@ async def test_the_router_holds_a_prompt_off_a_decode_node_whose_streams_it_woul
         loads["prefill"].prefill_rate.finished(500, 1.0, idle=False, computed=True)  # 800 tokens: a 1.6 s pause
         loads["prefill"].prefilling_tokens = 1600  # two long prompts pending: saturated
         prompt = list(range(1, PROMPT + 1))
-        stream = loads["decode"].streams.open(max_tokens=11)  # 1.6 s over 10 gaps: 0.16 s a token, within
+        streams = loads["decode"].streams
+        stream = streams.open(max_tokens=11)  # 1.6 s over 10 gaps: 0.16 s a token, within
+        streams.arrived(stream, 1, time.monotonic())
         assert cluster._choose(PROMPT + 64, set(), prompt, None).prefills == []
-        short = loads["decode"].streams.open(max_tokens=5)  # 1.6 s over 4 gaps: 0.4 s a token, past it
+        short = streams.open(max_tokens=5)  # 1.6 s over 4 gaps: 0.4 s a token, past it
+        streams.arrived(short, 1, time.monotonic())
         route = cluster._choose(PROMPT + 64, set(), prompt, None)
         assert route.prefills == [served[1][1]]
         assert cluster.offload_held._value.get() == 1
-        loads["decode"].streams.close(short)
-        loads["decode"].streams.close(stream)
+        streams.close(short)
+        streams.close(stream)
     finally:
         await cluster.stop()
         for s, _ in served:
