@@ -36,8 +36,13 @@ class ConnectionLimits:
 
     header_timeout: float = 10.0
     """Close a connection whose request head is not complete this long after it opened."""
-    keepalive_timeout: float = 5.0
-    """Close an idle keep-alive connection this long after its last response."""
+    keepalive_timeout: float = 75.0
+    """Close an idle keep-alive connection this long after its last response. Longer than the common
+    clients' own idle limits (httpx, and so the openai package, 5 s; aiohttp 15 s), as nginx's 75 s
+    is: a server that closes first races a client that reuses the connection as it closes, and the
+    request is lost (`ClientOSError ... Can not write request body`; AIPerf, which pools for 300 s,
+    lost one of ~1,500 requests so at 5 s, uvicorn's default). Idle connections cost little here: past
+    --max-connections the idlest one is closed."""
     max_connections: int = 4096
     """Open client connections at most (lowered to fit the open-file limit; beyond it the idlest
     connection is closed, or a 503 when all are busy)."""
