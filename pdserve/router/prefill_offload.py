@@ -10,7 +10,7 @@ prompt of a wave waited for the whole wave. Spreading a wave's prompts over the 
 idle decode nodes puts more processes on it at once: TTFT p50 fell from ~14 s to ~3 s and p99 from
 16-20 s to 6-7 s on that (heavily shared) machine; see docs/benchmark-log.md.
 
-The rule (`OffloadPolicy.prefill_here`), in prompt tokens that are still to be computed:
+The rule (`OffloadPolicy.decide`), in prompt tokens that are still to be computed:
 
 - `queue` is the least loaded prefill node's pending tokens: the prompt tokens this router sent it
   whose first token has not come back yet (`NodeLoad.prefilling_tokens`, counted by `Prefilling`).
@@ -127,12 +127,6 @@ class OffloadPolicy:
         if self.tpot_slo is not None and not self.keeps_tpot(prefills, decode, prompt_tokens, now):
             return Offload.HELD
         return Offload.LOCAL
-
-    def prefill_here(
-        self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int, now: float | None = None
-    ) -> bool:
-        """Whether `decode` should prefill this prompt locally (`decide` says LOCAL)."""
-        return self.decide(prefills, decode, prompt_tokens, now) is Offload.LOCAL
 
     def keeps_tpot(self, prefills: list[NodeLoad], decode: NodeLoad, prompt_tokens: int, now: float | None) -> bool:
         """Whether prefilling `prompt_tokens` more on `decode` leaves its streams within the TPOT SLO.

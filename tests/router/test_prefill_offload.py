@@ -14,7 +14,7 @@ from pdserve.v1 import common_pb2, decode_pb2
 from pdserve.router.balancer import NodeLoad
 from pdserve.router.cluster import Cluster
 from pdserve.router.deadlines import Deadlines
-from pdserve.router.prefill_offload import OffloadPolicy, Prefilling, pending_tokens
+from pdserve.router.prefill_offload import Offload, OffloadPolicy, Prefilling, pending_tokens
 from tests.router.kv_fake_node import FakeKvNode, FakePrefill, serve, until
 
 PROMPT = list(range(1, 140))  # 139 tokens, the benchmark's chat prompt
@@ -39,28 +39,28 @@ def test_pending_counts_prompts_until_their_first_token():
 
 def test_below_saturation_every_prompt_goes_to_a_prefill_node():
     policy = OffloadPolicy(256)
-    assert not policy.prefill_here([load("p", queued=255)], load("d"), 139)
+    assert policy.decide([load("p", queued=255)], load("d"), 139) is Offload.REMOTE
 
 
 def test_saturated_prefill_sends_the_prompt_to_an_idle_decode_node():
     policy = OffloadPolicy(256)
-    assert policy.prefill_here([load("p", queued=278)], load("d"), 139)
+    assert policy.decide([load("p", queued=278)], load("d"), 139) is Offload.LOCAL
 
 
 def test_a_decode_node_with_a_longer_queue_does_not_take_it():
     policy = OffloadPolicy(256)
     # 150 pending + 139 > 278: the prompt would start later there than at the prefill node
-    assert not policy.prefill_here([load("p", queued=278)], load("d", queued=150), 139)
+    assert policy.decide([load("p", queued=278)], load("d", queued=150), 139) is Offload.REMOTE
 
 
 def test_the_least_loaded_prefill_node_decides():
     policy = OffloadPolicy(256)
-    assert not policy.prefill_here([load("p0", queued=1000), load("p1", queued=10)], load("d"), 139)
+    assert policy.decide([load("p0", queued=1000), load("p1", queued=10)], load("d"), 139) is Offload.REMOTE
 
 
 def test_off_and_without_prefill_nodes_it_never_offloads():
-    assert not OffloadPolicy(0).prefill_here([load("p", queued=10_000)], load("d"), 139)
-    assert not OffloadPolicy(256).prefill_here([], load("d"), 139)
+    assert OffloadPolicy(0).decide([load("p", queued=10_000)], load("d"), 139) is Offload.REMOTE
+    assert OffloadPolicy(256).decide([], load("d"), 139) is Offload.REMOTE
 
 
 def test_assign_local_counts_the_prompt_in_the_decode_nodes_load():

@@ -13,7 +13,7 @@ from pdserve.node_runtime.discovery import Member
 from pdserve.node_runtime.discovery.static import StaticDiscovery
 from pdserve.router.balancer import NodeLoad
 from pdserve.router.cluster import Cluster
-from pdserve.router.prefill_offload import OffloadPolicy
+from pdserve.router.prefill_offload import Offload, OffloadPolicy
 from pdserve.router.stream_pace import Stream, Streams
 from pdserve.v1 import common_pb2, decode_pb2
 from tests.router.kv_fake_node import FakeKvNode, FakePrefill, serve, until
@@ -108,17 +108,19 @@ def decoding(max_tokens: int, pace: float, tokens: int = 11) -> NodeLoad:
 
 
 def test_without_a_tpot_slo_the_pause_is_not_weighed():
-    assert OffloadPolicy(256).prefill_here([saturated(rate=500.0)], decoding(49, pace=0.2), PROMPT, now=100.0)
+    assert (
+        OffloadPolicy(256).decide([saturated(rate=500.0)], decoding(49, pace=0.2), PROMPT, now=100.0) is Offload.LOCAL
+    )
 
 
 def test_a_pause_that_would_break_tpot_sends_the_prompt_to_the_prefill_node():
     policy = OffloadPolicy(256, tpot_slo=0.25)
     # 800 tokens at 500 tokens/s: a 1.6 s pause; 0.2 + 1.6 / 48 = 0.233 <= 0.25 takes it
-    assert policy.prefill_here([saturated(rate=500.0)], decoding(49, pace=0.2), PROMPT, now=100.0)
+    assert policy.decide([saturated(rate=500.0)], decoding(49, pace=0.2), PROMPT, now=100.0) is Offload.LOCAL
     # at 0.23 s a token already the same pause makes 0.263 > 0.25: the prompt waits for the prefill node
-    assert not policy.prefill_here([saturated(rate=500.0)], decoding(49, pace=0.23), PROMPT, now=100.0)
+    assert policy.decide([saturated(rate=500.0)], decoding(49, pace=0.23), PROMPT, now=100.0) is Offload.HELD
     # a long stream spreads the pause over more tokens
-    assert policy.prefill_here([saturated(rate=500.0)], decoding(481, pace=0.23), PROMPT, now=100.0)
+    assert policy.decide([saturated(rate=500.0)], decoding(481, pace=0.23), PROMPT, now=100.0) is Offload.LOCAL
 
 
 def test_the_decode_nodes_own_rate_and_pending_prompts_set_the_pause():
@@ -127,16 +129,16 @@ def test_the_decode_nodes_own_rate_and_pending_prompts_set_the_pause():
     node.prefill_rate.started(0.0)
     node.prefill_rate.finished(100, 1.0, idle=False, computed=True)  # a slow node: 100 tokens/s
     # its own rate: 800 / 100 = 8 s, 0.05 + 8 / 48 = 0.217: taken
-    assert policy.prefill_here([saturated(rate=10_000.0)], node, PROMPT, now=100.0)
+    assert policy.decide([saturated(rate=10_000.0)], node, PROMPT, now=100.0) is Offload.LOCAL
     node.prefilling_tokens = 400  # and with 400 of its own pending: 12 s, 0.3 > 0.25
     policy_queue = saturated(rate=10_000.0)
     policy_queue.prefilling_tokens = 1600  # (the prefill queue longer still, so only TPOT refuses)
-    assert not policy.prefill_here([policy_queue], node, PROMPT, now=100.0)
+    assert policy.decide([policy_queue], node, PROMPT, now=100.0) is Offload.HELD
 
 
 def test_with_no_rate_measured_anywhere_it_offloads_to_measure_one():
     policy = OffloadPolicy(256, tpot_slo=0.25)
-    assert policy.prefill_here([saturated()], decoding(49, pace=0.3), PROMPT, now=100.0)
+    assert policy.decide([saturated()], decoding(49, pace=0.3), PROMPT, now=100.0) is Offload.LOCAL
 
 
 def test_a_tpot_slo_must_be_positive():
