@@ -17,6 +17,7 @@ from pdserve.node_runtime import cluster_tls, keepalive
 from pdserve.node_runtime.auth import cluster_metadata
 from pdserve.node_runtime.discovery import Discovery, Role
 from pdserve.openai_api.errors import NoCapacityError, UpstreamError, UpstreamInvalidRequest
+from pdserve.router.attempt import attempt_request, salt_of
 from pdserve.router.admission import DEFAULT_MAX_WAITING, AdmissionQueue
 from pdserve.router.backoff import backoff_delay
 from pdserve.router.balancer import DecodeBalancer, NodeLoad, PrefillBalancer
@@ -312,7 +313,7 @@ class Cluster:
         before it answers, so a refusal is a status code, never an error inside a started stream."""
         prompt = list(request.prompt_token_ids)
         needed = len(prompt) + request.params.max_tokens
-        return await self._choose_waiting(needed, set(), prompt, _salt(request))
+        return await self._choose_waiting(needed, set(), prompt, salt_of(request))
 
     async def generate(
         self, request: decode_pb2.GenerateRequest, route: Route | None = None
@@ -322,7 +323,7 @@ class Cluster:
         Each attempt sends a copy of `request` (`_attempt`) named after its `request_id`; its
         `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt. `route`:
         the first attempt's, from `admit` (None: chosen here)."""
-        prompt, salt = list(request.prompt_token_ids), _salt(request)
+        prompt, salt = list(request.prompt_token_ids), salt_of(request)
         sent: list[int] = []
         tried: set[str] = set()
         retries = migrations = 0
@@ -332,7 +333,8 @@ class Cluster:
                 route = await self._choose_waiting(needed, tried, prompt + sent, salt, new=not (retries or sent))
             node, prefills, prefill_cached, prefilling = route
             route = None
-            req = _attempt(request, f"{request.request_id}-{retries}-{migrations}", sent, prefills, prefill_cached)
+            attempt_id = f"{request.request_id}-{retries}-{migrations}"
+            req = attempt_request(request, attempt_id, sent, prefills, prefill_cached)
             call = node.stub.Generate(req, metadata=self.metadata, timeout=self.request_timeout)
             sent_before = len(sent)
             prefilling = prefilling or self._prefilling(node, prefills, len(req.prompt_token_ids))
@@ -384,32 +386,3 @@ class Cluster:
                 prefilling.done()
                 call.cancel()  # no-op when the stream ended; frees the node's request when it was abandoned
                 asyncio.create_task(self._probe(node))  # refresh the load right after a response
-
-
-def _salt(request: decode_pb2.GenerateRequest) -> str | None:
-    """The request's cache_salt; None when unset (the unsalted namespace)."""
-    return request.cache_salt if request.HasField("cache_salt") else None
-
-
-def _attempt(
-    request: decode_pb2.GenerateRequest,
-    request_id: str,
-    sent: list[int],
-    prefills: list[str],
-    prefill_cached: Sequence[int],
-) -> decode_pb2.GenerateRequest:
-    """What one attempt sends: `request` continued after the tokens already `sent` (they join the
-    prompt and count against max_tokens and min_tokens; a grammar resumes after them), on its
-    route's prefill nodes."""
-    req = decode_pb2.GenerateRequest()
-    req.CopyFrom(request)
-    req.request_id = request_id
-    req.prompt_token_ids.extend(sent)
-    params = request.params
-    req.params.max_tokens = params.max_tokens - len(sent)
-    req.params.min_tokens = max(0, params.min_tokens - len(sent))
-    if params.HasField("structured_outputs"):
-        req.params.structured_outputs.generated_token_ids[:] = sent
-    req.prefill_addresses[:] = prefills
-    req.prefill_cached_tokens[:] = prefill_cached
-    return req
