@@ -105,7 +105,7 @@ class Target:
 
 
 def start_shape(model: str, shape: Shape, extra: list[str], slo: Slo, port: int) -> subprocess.Popen:
-    return start_pdserve(model, port, shape.up_args((slo.ttft_s, slo.tpot_s)) + extra)
+    return start_pdserve(model, port, shape.up_args(slo) + extra)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from pdserve.planner.config import SLO as Slo
+
 TRACE_BLOCK = 512
 """Tokens per `hash_ids` entry in the Mooncake traces (../shared/traces/README.md)."""
 
@@ -34,14 +36,14 @@ class Shape:
         threads = f"@{self.threads}" if self.threads else ""
         return f"{self.num_prefill}p{self.num_decode}d{threads}" + ("+slo" if self.told_slo else "")
 
-    def up_args(self, slo: tuple[float, float] | None = None) -> list[str]:
-        """`pdserve up`'s flags for this shape; `slo` (TTFT, TPOT seconds) is what a `+slo` shape is told."""
+    def up_args(self, slo: Slo | None = None) -> list[str]:
+        """`pdserve up`'s flags for this shape; `slo` is what a `+slo` shape is told."""
         threads = str(self.threads) if self.threads else "auto"
         told: list[str] = []
         if self.told_slo:
             if slo is None:
                 raise ValueError(f"{self.name}: a +slo shape needs the SLOs it is told")
-            told = ["--ttft-slo", f"{slo[0]:g}", "--tpot-slo", f"{slo[1]:g}"]
+            told = ["--ttft-slo", f"{slo.ttft_s:g}", "--tpot-slo", f"{slo.tpot_s:g}"]
         counts = ["--num-prefill", str(self.num_prefill), "--num-decode", str(self.num_decode)]
         return [*counts, "--num-threads", threads, *told]
 

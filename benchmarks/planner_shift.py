@@ -216,7 +216,7 @@ def main() -> int:
         arms: dict[str, Callable[[], dict]] = {}
         arms["planner"] = partial(arm, "planner", ["--planner", "slo", *slo_flags], True)
         for s in statics:
-            arms[f"static:{s.name}"] = partial(arm, f"static:{s.name}", s.up_args((SLO.ttft_s, SLO.tpot_s)), False)
+            arms[f"static:{s.name}"] = partial(arm, f"static:{s.name}", s.up_args(SLO), False)
         ran = alternate(arms, args.rounds)
     rounds = {name: ran.of(name) for name in arms}
     med = {name: round(statistics.median(r["goodput_req_s"] for r in per), 4) for name, per in rounds.items()}

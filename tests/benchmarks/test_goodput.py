@@ -149,8 +149,8 @@ def test_shapes_parse_with_threads_and_bad_ones_name_the_flag():
 def test_a_slo_shape_tells_up_the_slos_and_is_a_target_of_its_own():
     plain, told = parse_shapes("1p1d@1,1p1d@1+slo")
     assert told == Shape(1, 1, 1, told_slo=True) and told.name == "1p1d@1+slo"
-    assert told.up_args((5.0, 0.25))[-4:] == ["--ttft-slo", "5", "--tpot-slo", "0.25"]
-    assert "--tpot-slo" not in plain.up_args((5.0, 0.25))
+    assert told.up_args(SLO)[-4:] == ["--ttft-slo", "5", "--tpot-slo", "0.25"]
+    assert "--tpot-slo" not in plain.up_args(SLO)
     with pytest.raises(ValueError, match="needs the SLOs"):
         told.up_args()
     with pytest.raises(ValueError, match="--shapes"):

@@ -5,6 +5,8 @@ with the policy off) prompts go to the prefill node as before."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -147,13 +149,25 @@ class GatedNode(FakeKvNode):
             yield event
 
 
-async def test_generate_counts_the_prompt_on_its_prefill_node_until_the_first_token():
-    decode = GatedNode()
+@contextlib.asynccontextmanager
+async def decode_and_prefill(decode: FakeKvNode, **cluster_kw) -> AsyncIterator[tuple[Cluster, str]]:
+    """A started Cluster over `decode` and one FakePrefill node (wrr routing), and the prefill node's
+    address; both nodes and the cluster are stopped afterwards."""
     served = [await serve(decode), await serve(FakePrefill())]
     members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
-    cluster = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr")
+    cluster = Cluster(StaticDiscovery(members), routing="wrr", **cluster_kw)
     await cluster.start()
     try:
+        yield cluster, served[1][1]
+    finally:
+        await cluster.stop()
+        for s, _ in served:
+            await s.stop(None)
+
+
+async def test_generate_counts_the_prompt_on_its_prefill_node_until_the_first_token():
+    decode = GatedNode()
+    async with decode_and_prefill(decode, refresh_interval=0.05) as (cluster, _):
         prefill = next(n.load for n in cluster.nodes.values() if n.member.role == "prefill")
         params = common_pb2.SamplingParams(max_tokens=1)
         request = decode_pb2.GenerateRequest(request_id="r1", prompt_token_ids=PROMPT, params=params)
@@ -169,10 +183,6 @@ async def test_generate_counts_the_prompt_on_its_prefill_node_until_the_first_to
         await until(lambda: prefill.prefilling_tokens == len(PROMPT))
         task.cancel()
         await until(lambda: prefill.prefilling_tokens == 0)
-    finally:
-        await cluster.stop()
-        for s, _ in served:
-            await s.stop(None)
 
 
 async def _drain(stream) -> list[int]:

@@ -9,15 +9,12 @@ import time
 
 import pytest
 
-from pdserve.node_runtime.discovery import Member
-from pdserve.node_runtime.discovery.static import StaticDiscovery
 from pdserve.router.balancer import NodeLoad
-from pdserve.router.cluster import Cluster
 from pdserve.router.prefill_offload import Offload, OffloadPolicy
 from pdserve.router.stream_pace import Stream, Streams
 from pdserve.v1 import common_pb2, decode_pb2
-from tests.router.kv_fake_node import FakeKvNode, FakePrefill, serve, until
-from tests.router.test_prefill_offload import NO_BOUND, GatedNode
+from tests.router.kv_fake_node import FakeKvNode, until
+from tests.router.test_prefill_offload import NO_BOUND, GatedNode, _drain, decode_and_prefill
 
 PROMPT = 800
 
@@ -150,11 +147,7 @@ async def test_generate_tracks_each_attempts_stream_on_its_decode_node():
     """The router counts a stream on its decode node from the attempt's start to its end, with the
     tokens that came back: what the offload's TPOT guard reads."""
     decode = GatedNode()
-    served = [await serve(decode), await serve(FakePrefill())]
-    members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
-    cluster = Cluster(StaticDiscovery(members), refresh_interval=0.05, routing="wrr")
-    await cluster.start()
-    try:
+    async with decode_and_prefill(decode, refresh_interval=0.05) as (cluster, _):
         node = next(n.load for n in cluster.nodes.values() if n.member.role == "decode")
         params = common_pb2.SamplingParams(max_tokens=7)
         request = decode_pb2.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3], params=params)
@@ -173,25 +166,14 @@ async def test_generate_tracks_each_attempts_stream_on_its_decode_node():
         await until(lambda: len(node.streams) == 1)
         task.cancel()
         await until(lambda: len(node.streams) == 0)
-    finally:
-        await cluster.stop()
-        for s, _ in served:
-            await s.stop(None)
-
-
-async def _drain(stream) -> list[int]:
-    return [t async for chunk in stream for t in chunk.token_ids]
 
 
 async def test_the_router_holds_a_prompt_off_a_decode_node_whose_streams_it_would_break():
     """Every prefill node saturated: without streams on it the decode node takes the prompt; with a
     stream the pause would push past --tpot-slo it goes to the prefill node, and the router counts it."""
-    served = [await serve(FakeKvNode(num_blocks=512)), await serve(FakePrefill())]
-    members = [Member(r, "127.0.0.1", int(a.rsplit(":", 1)[1])) for r, (_, a) in zip(["decode", "prefill"], served)]
     policy = OffloadPolicy(256, tpot_slo=0.25)
-    cluster = Cluster(StaticDiscovery(members), refresh_interval=60, routing="wrr", offload=policy, deadlines=NO_BOUND)
-    await cluster.start()
-    try:
+    nodes = decode_and_prefill(FakeKvNode(num_blocks=512), refresh_interval=60, offload=policy, deadlines=NO_BOUND)
+    async with nodes as (cluster, prefill):
         loads = {n.member.role: n.load for n in cluster.nodes.values()}
         loads["prefill"].prefill_rate.started(0.0)
         loads["prefill"].prefill_rate.finished(500, 1.0, idle=False, computed=True)  # 800 tokens: a 1.6 s pause
@@ -204,11 +186,7 @@ async def test_the_router_holds_a_prompt_off_a_decode_node_whose_streams_it_woul
         short = streams.open(max_tokens=5)  # 1.6 s over 4 gaps: 0.4 s a token, past it
         streams.arrived(short, 1, time.monotonic())
         route = cluster._choose(PROMPT + 64, set(), prompt, None)
-        assert route.prefills == [served[1][1]]
+        assert route.prefills == [prefill]
         assert cluster.offload_held._value.get() == 1
         streams.close(short)
         streams.close(stream)
-    finally:
-        await cluster.stop()
-        for s, _ in served:
-            await s.stop(None)
