@@ -8,7 +8,9 @@ AIPerf run, the server staying up (warmed the same way for every target) across 
 round. Targets alternate over `--rounds` rounds (the order reverses every round); the median goodput
 is reported, every round's steps in the JSON.
 
-Load: Poisson arrivals of chat requests of fixed lengths, or with `--trace` a Mooncake-format trace
+Load: Poisson arrivals of chat requests of fixed lengths (`--requests` a step, or with `--step-seconds`
+at least rate x that many: the `honest` preset's short requests need it, since its server absorbs a
+few dozen as one burst at any rate), or with `--trace` a Mooncake-format trace
 (../shared/traces/) replayed on its own timestamps, stretched to the rate searched, its lengths
 scaled to `--input-tokens`/`--output-tokens` means within the model's context.
 
@@ -28,7 +30,9 @@ attainment of every step (`shapes`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import shlex
 import statistics
 import subprocess
@@ -63,6 +67,7 @@ from benchmarks.goodput_slo import (
     search_goodput,
     summarize,
 )
+from benchmarks.host_cpu import CpuSampler
 from benchmarks.multiturn_servers import free_port, start_pdserve, start_vllm, stop
 
 SERVED = "bench"
@@ -126,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--requests", type=int, default=None, help="requests per step (default 24; trace: its first N, default 48)"
     )
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        help="Poisson: at least this many seconds of arrivals a step (rate x S requests when more than "
+        "--requests): at a high rate a fixed count is a burst the server absorbs, not a load (0: off)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="rounds over all targets, order alternating (>= 1)")
     p.add_argument("--max-steps", type=int, default=None, help="runs per search (default 5; --quick 2)")
     p.add_argument("--start-rate", type=float, default=None, help="the search's first rate, req/s (preset's)")
@@ -136,14 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure_step(client: Client, load: list[str], label: str, slo: Slo, sent: int, timeout_s: float) -> dict:
+def measure_step(
+    client: Client, load: list[str], label: str, slo: Slo, sent: int, timeout_s: float, cpu: CpuSampler | None = None
+) -> dict:
     """One AIPerf run at one rate: its attainment and latency percentiles (a failed run: every request
-    a miss, and why)."""
+    a miss, and why); with `cpu`, where the machine's CPU went from the first request sent to the last
+    answered (`host_cpu`)."""
     try:
         records = profiling_records(run(client, load, label, timeout_s))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         return {**summarize([], slo, sent), "error": str(e).strip().splitlines()[-1][:300] if str(e) else "failed"}
-    return summarize([outcome_of(r) for r in records], slo, sent) | {"failure_reasons": failure_reasons(records)}
+    got = summarize([outcome_of(r) for r in records], slo, sent) | {"failure_reasons": failure_reasons(records)}
+    stamps = [(r.get("metadata") or {}) for r in records]
+    starts = [m["request_start_ns"] for m in stamps if "request_start_ns" in m]
+    ends = [m["request_end_ns"] for m in stamps if "request_end_ns" in m]
+    if cpu is not None and starts and ends:
+        got["host_cpu"] = cpu.between(min(starts), max(ends)).summary(len(records))
+    return got
 
 
 def measure_target(target: Target, args: argparse.Namespace, plan: Plan, r: int) -> dict:
@@ -170,15 +191,18 @@ def measure_target(target: Target, args: argparse.Namespace, plan: Plan, r: int)
             measure_step(client, warm_load, f"{label}/warmup", slo, plan.warmup, warm_timeout) if plan.warmup else None
         )
 
+        cpu = CpuSampler(proc.pid) if CpuSampler.available() else None
+
         def at(rate: float) -> float:
             load = plan.load(rate, seed + len(steps) + 1, len(steps) + 1)
             # AIPerf's own start-up and shut-down (its worker processes) come on top of the load's span
-            got = measure_step(client, load.args, f"{label}/rate{rate:.4g}", slo, load.sent, load.timeout_s + 120)
+            got = measure_step(client, load.args, f"{label}/rate{rate:.4g}", slo, load.sent, load.timeout_s + 120, cpu)
             steps.append({"rate": round(rate, 5), **got})
             print(f"  {target.name} round {r}: {rate:.4g} req/s -> {json.dumps(got)}", flush=True)
             return got["attainment"]
 
-        found: Search = search_goodput(at, plan.start_rate, plan.max_steps, slo.attainment)
+        with cpu or contextlib.nullcontext():
+            found: Search = search_goodput(at, plan.start_rate, plan.max_steps, slo.attainment)
     finally:
         stop(proc)
     for step, s in zip(steps, found.steps):
@@ -262,6 +286,10 @@ def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: P
     for flag, value in (("--input-tokens", inp), ("--output-tokens", out), ("--requests", requests)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.step_seconds < 0 or (args.step_seconds and trace is not None):
+        raise ValueError(
+            f"--step-seconds must be >= 0, and is for Poisson loads only (not --trace), got {args.step_seconds}"
+        )
     for flag, given in (("--start-rate", args.start_rate), ("--max-steps", args.max_steps)):
         if given is not None and given <= 0:
             raise ValueError(f"{flag} must be > 0, got {given}")
@@ -274,8 +302,9 @@ def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: P
     request_timeout = 1.5 * (slo.ttft_s + slo.tpot_s * max(0, longest_out - 1)) + 5
 
     def poisson(rate: float, seed: int, k: int) -> Load:
-        # Poisson arrivals of `requests` take about requests / rate; thrice that bounds the run
-        return Load(poisson_args(rate, requests, inp, out, seed), requests, 3 * requests / rate + request_timeout)
+        n = max(requests, math.ceil(rate * args.step_seconds))
+        # Poisson arrivals of `n` take about n / rate; thrice that bounds the run
+        return Load(poisson_args(rate, n, inp, out, seed), n, 3 * n / rate + request_timeout)
 
     def replay(rate: float, seed: int, k: int) -> Load:
         assert trace is not None
@@ -301,6 +330,7 @@ def make_plan(args: argparse.Namespace, trace: list[TraceRequest] | None, tmp: P
             "tpot_slo_s": slo.tpot_s,
             "attainment": slo.attainment,
             "requests_per_step": requests if trace is None else len(trace),
+            "step_seconds": args.step_seconds or None,
             "load": "poisson" if trace is None else f"trace {args.trace.name}",
         },
     )

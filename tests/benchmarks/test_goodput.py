@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.goodput import measure_step, result_line
+from benchmarks.goodput import build_parser, make_plan, measure_step, result_line
 from benchmarks.goodput_client import HUB_ID, Client, local_hub_cache, poisson_args, trace_args, write_trace
 from benchmarks.goodput_load import Shape, load_trace, native_rate, parse_shapes, scale_trace
+from benchmarks.host_cpu import CpuSampler
 from benchmarks.goodput_slo import (
     Slo,
     attainment,
@@ -240,13 +243,18 @@ open(os.path.join(out, "profile_export.jsonl"), "w").write("".join(json.dumps(r)
 """
 
 
-def test_one_step_through_a_stand_in_aiperf(tmp_path, monkeypatch):
-    rows = [record(1000.0, 1000.0 + 47 * 100.0), record(9000.0, 9500.0), FAILED, record(1.0, 2.0, phase="warmup")]
+def fake_aiperf(tmp_path: Path, rows: list[dict], monkeypatch) -> Client:
+    """A client whose `aiperf` writes `rows` as its records (and its argv to $FAKE_ARGV)."""
     script = tmp_path / "aiperf"
     script.write_text(FAKE.format(python=sys.executable, rows=", ".join(repr(r) for r in rows)))
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("FAKE_ARGV", str(tmp_path / "argv.json"))
-    client = Client(str(script), "http://127.0.0.1:9", "bench", "/models/bench", 30.0, tmp_path / "keep")
+    return Client(str(script), "http://127.0.0.1:9", "bench", "/models/bench", 30.0, tmp_path / "keep")
+
+
+def test_one_step_through_a_stand_in_aiperf(tmp_path, monkeypatch):
+    rows = [record(1000.0, 1000.0 + 47 * 100.0), record(9000.0, 9500.0), FAILED, record(1.0, 2.0, phase="warmup")]
+    client = fake_aiperf(tmp_path, rows, monkeypatch)
     got = measure_step(client, poisson_args(0.25, 4, 800, 48, 0), "1p1d/round0/rate0.25", SLO, 4, 60)
     assert got["attainment"] == 0.25 and got["sent"] == 4 and got["failed"] == 2  # 1 ok, 1 slow, 1 failed, 1 lost
     flags = dict(zip(argv := json.loads((tmp_path / "argv.json").read_text()), argv[1:]))
@@ -265,6 +273,20 @@ def test_one_step_through_a_stand_in_aiperf(tmp_path, monkeypatch):
     assert failed["attainment"] == 0.0 and failed["failed"] == 3 and failed["error"]
 
 
+@pytest.mark.skipif(not CpuSampler.available(), reason="needs Linux /proc")
+def test_a_step_records_the_cpu_of_its_window_from_the_first_request_sent_to_the_last_answered(tmp_path, monkeypatch):
+    start = time.time_ns()
+    rows = [record(100.0, 300.0), record(100.0, 300.0)]
+    for k, row in enumerate(rows):
+        row["metadata"] |= {"request_start_ns": start + k * 100_000_000, "request_end_ns": start + 400_000_000}
+    with CpuSampler(os.getpid(), interval_s=0.05) as cpu:
+        time.sleep(0.5)
+        got = measure_step(fake_aiperf(tmp_path, rows, monkeypatch), [], "x", SLO, 2, 60, cpu)
+    assert got["attainment"] == 1.0
+    assert got["host_cpu"]["wall_s"] == 0.4 and got["host_cpu"]["host_cpu_ms_per_request"] >= 0
+    assert "host_cpu" not in measure_step(fake_aiperf(tmp_path, rows, monkeypatch), [], "x", SLO, 2, 60)
+
+
 def test_the_cli_refuses_an_out_of_order_trace_before_starting_anything(tmp_path):
     trace = write_lines(tmp_path / "t.jsonl", [(5, 100, 10, [0]), (1, 100, 10, [1])])
     cmd = [sys.executable, "-m", "benchmarks.goodput", "--trace", str(trace), "--aiperf", "/nonexistent"]
@@ -277,6 +299,23 @@ def test_the_cli_refuses_an_out_of_order_trace_before_starting_anything(tmp_path
     assert bad.returncode == 2 and "--ttft-slo" in bad.stderr
     missing = subprocess.run(cmd[:3] + ["--aiperf", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "AIPerf not found" in missing.stderr and "pip install aiperf" in missing.stderr
+
+
+def test_step_seconds_sends_at_least_rate_times_that_many_requests_and_is_for_poisson_only(tmp_path):
+    args = build_parser().parse_args(["--preset", "honest", "--requests", "32", "--step-seconds", "20"])
+    args.max_context = 4096
+    plan = make_plan(args, None, tmp_path)
+    assert plan.load(1.0, 0, 1).sent == 32  # 20 s at 1 req/s is fewer than --requests
+    at_ten = plan.load(10.0, 0, 1)
+    assert at_ten.sent == 200 and at_ten.args[at_ten.args.index("--request-count") + 1] == "200"
+    assert at_ten.timeout_s > 3 * 200 / 10.0  # the run's bound grows with it
+    args.step_seconds = -1.0
+    with pytest.raises(ValueError, match="--step-seconds must be >= 0"):
+        make_plan(args, None, tmp_path)
+    args.step_seconds = 20.0
+    trace = load_trace(write_lines(tmp_path / "t.jsonl", TRACE_ROWS))
+    with pytest.raises(ValueError, match="--step-seconds .* Poisson loads only"):
+        make_plan(args, trace, tmp_path)
 
 
 def test_the_tokenizer_is_found_offline_as_a_hub_id_in_the_throwaway_cache(tmp_path, monkeypatch):
