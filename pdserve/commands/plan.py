@@ -99,6 +99,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     degrees, name = ", ".join(map(str, sorted(profile.tables))), UNIT_NAMES[unit]
     print(f"profile: {profile.model} on {profile.hardware}, per {name}; profiled degrees {degrees}", end="")
     print(f", others modelled (Amdahl, parallel fraction {config.parallel_fraction:g})")
+    if config.host_cpu_ms_per_request:
+        print(f"other processes on the cores: {config.host_cpu_ms_per_request:g} CPU ms per request (modelled)")
     print("workload: " + ", ".join(f"{k} {v}" for k, v in described.items()))
     print(f"SLOs: TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s:g} s for {slo.attainment:.0%} of requests; ", end="")
     print(f"budget {budget.units} {name}s\n")
@@ -186,6 +188,11 @@ def _profile_and_budget(args: argparse.Namespace, workload: Workload, config: Si
         return profile, Budget(args.cores, 1, tuple(degrees))
     if args.cores is not None:
         raise ValueError(f"--cores: the profile is per GPU ({profile.hardware}); give --gpus-per-node and --nodes")
+    if config.host_cpu_ms_per_request:
+        raise ValueError(
+            f"--host-cpu-ms-per-request: the profile is per GPU ({profile.hardware}); the host's CPU does not "
+            "share a GPU's time (for a profile measured on cores only)"
+        )
     if args.gpus_per_node < 1 or args.nodes < 1:
         raise ValueError(f"--gpus-per-node and --nodes must be >= 1, got {args.gpus_per_node}, {args.nodes}")
     units = args.gpus_per_node * args.nodes

@@ -55,6 +55,12 @@ class SimConfig:
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     """Disaggregated shapes, as a decode node does (its flag of the same name): a prompt this short
     or shorter is prefilled on the decode instance, not sent to a prefill instance; 0: never."""
+    host_cpu_ms_per_request: float = 0.0
+    """Core budgets: CPU ms per request that other processes on the same cores take (the router's
+    HTTP, tokenizer and streaming, a load generator on the machine); benchmarks/goodput.py measures
+    it (`host_cpu_ms_per_request`). At rate R they take R x this of the cores' time: first the
+    cores the shape leaves free, then a share of the shape's, which slows every forward
+    (`host_slowdown`); 0: the forwards have their cores to themselves."""
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.kv_tokens < 1:
@@ -65,6 +71,15 @@ class SimConfig:
             raise ValueError(f"transfer_ms_per_token must be >= 0, got {self.transfer_ms_per_token}")
         if not 0.0 <= self.parallel_fraction <= 1.0:
             raise ValueError(f"parallel_fraction must be in [0, 1], got {self.parallel_fraction}")
-        for name in ("prefill_saturated_tokens", "local_prefill_max_tokens"):
-            if getattr(self, name) < 0:
+        for name in ("prefill_saturated_tokens", "local_prefill_max_tokens", "host_cpu_ms_per_request"):
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def host_slowdown(self, rate: float, units: int, cores: int) -> float | None:
+        """How many times longer a forward of a shape on `units` of `cores` cores takes at `rate`
+        req/s, the other processes taking `host_cpu_ms_per_request` each: their load beyond the free
+        cores shares the shape's (processor sharing). None when it alone needs all of them."""
+        excess = rate * self.host_cpu_ms_per_request / 1000.0 - max(0, cores - units)
+        if excess <= 0:
+            return 1.0
+        return units / (units - excess) if excess < units else None

@@ -18,7 +18,7 @@ Amdahl's law (`SimConfig.parallel_fraction`); such a table is named `... (modell
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -67,9 +67,7 @@ class Profile:
         base = max((d for d in self.tables if d < degree), default=min(self.tables))
         ratio = amdahl(degree, parallel_fraction) / amdahl(base, parallel_fraction)
         src = self.tables[base]
-        over = replace(src.overheads, decode_kv_ms=tuple(k * ratio for k in src.overheads.decode_kv_ms))
-        times = tuple(t * ratio for t in src.times_ms)
-        return CostTable(f"{src.name}@{degree} (modelled)", src.tokens, times, over)
+        return src.scaled(ratio, f"{src.name}@{degree} (modelled)")
 
     def is_profiled(self, degree: int) -> bool:
         return degree in self.tables

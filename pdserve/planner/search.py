@@ -165,10 +165,11 @@ def capacity_estimate(shape: Shape, profile: Profile, workload: Workload, config
 
 
 def attainment_at(
-    shape: Shape, profile: Profile, workload: Workload, slo: SLO, config: SimConfig
+    shape: Shape, profile: Profile, workload: Workload, slo: SLO, config: SimConfig, cores: int = 0
 ) -> Callable[..., float]:
     """The shape's attainment as a function of the rate (what `search_rate` searches); `exact=True`
-    runs every request (`cluster.attainment`)."""
+    runs every request (`cluster.attainment`). `cores`: the core budget the shape shares with the
+    other processes (`SimConfig.host_cpu_ms_per_request`); 0: a GPU budget, nothing shared."""
     frac = config.parallel_fraction
     prefill = None if shape.colocated else profile.table(shape.prefill_degree, frac)
     decode = profile.table(shape.decode_degree, frac)
@@ -178,15 +179,21 @@ def attainment_at(
     workload = workload.at_least(min(MAX_REQUESTS, max(MIN_REQUESTS, round(CONCURRENCY_FACTOR * resident))))
 
     def attain(rate: float, exact: bool = False) -> float:
+        slow = config.host_slowdown(rate, shape.units, cores) if cores else 1.0
+        if slow is None:
+            return 0.0
+        tables = (prefill, decode)
+        if slow > 1.0:
+            tables = (prefill and prefill.scaled(slow, prefill.name), decode.scaled(slow, decode.name))
         run = workload.at_least(min(MAX_REQUESTS, math.ceil(rate * HORIZON * lifetime_s)))
-        return attainment(shape, (prefill, decode), list(run.requests), run.arrivals(rate), slo, config, exact)
+        return attainment(shape, tables, list(run.requests), run.arrivals(rate), slo, config, exact)
 
     return attain
 
 
-def evaluate(shape: Shape, profile: Profile, workload: Workload, slo: SLO, config: SimConfig) -> Ranked:
-    """One shape's goodput by simulation and binary search."""
-    attain = attainment_at(shape, profile, workload, slo, config)
+def evaluate(shape: Shape, profile: Profile, workload: Workload, slo: SLO, config: SimConfig, cores: int = 0) -> Ranked:
+    """One shape's goodput by simulation and binary search (`cores`: as `attainment_at`'s)."""
+    attain = attainment_at(shape, profile, workload, slo, config, cores)
     result = search_rate(attain, slo.attainment, capacity_estimate(shape, profile, workload, config))
     if result.rate == 0:  # the search stopped counting at the target; the closest shape needs the whole count
         result = result._replace(attainment=attain(result.floor_rate, exact=True))
@@ -203,7 +210,8 @@ def rank(results: list[Ranked]) -> list[Ranked]:
 
 def plan(profile: Profile, workload: Workload, slo: SLO, budget: Budget, config: SimConfig) -> list[Ranked]:
     """Every shape of the budget, ranked (the first is the recommendation when its goodput is > 0)."""
-    return rank([evaluate(s, profile, workload, slo, config) for s in shapes(budget)])
+    cores = budget.units if profile.unit == "core" else 0
+    return rank([evaluate(s, profile, workload, slo, config, cores) for s in shapes(budget)])
 
 
 def closest(results: list[Ranked]) -> Ranked:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import csv
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import os
@@ -97,6 +97,12 @@ class CostTable:
         Used by tests and when no profiled table is at hand."""
         tokens = tuple(range(1, max_tokens + 1))
         return cls(name, tokens, tuple(fixed_ms + per_token_ms * t for t in tokens))
+
+    def scaled(self, ratio: float, name: str) -> "CostTable":
+        """Every forward `ratio` times as long (its KV slope too): a degree modelled from another's
+        table, or forwards slowed by processes that share their cores."""
+        over = replace(self.overheads, decode_kv_ms=tuple(k * ratio for k in self.overheads.decode_kv_ms))
+        return CostTable(name, self.tokens, tuple(t * ratio for t in self.times_ms), over)
 
     def forward_ms(self, num_tokens: int) -> float:
         """Time of one whole-model forward over `num_tokens` tokens."""

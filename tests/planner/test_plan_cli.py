@@ -73,6 +73,8 @@ def test_a_trace_is_a_workload(table: Path, tmp_path: Path, capsys) -> None:
         (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
         (["--prefill-saturated-tokens", "-1"], "--prefill-saturated-tokens: prefill_saturated_tokens must be >= 0"),
         (["--local-prefill-max-tokens", "-2"], "--local-prefill-max-tokens: local_prefill_max_tokens must be >= 0"),
+        (["--host-cpu-ms-per-request", "-1"], "--host-cpu-ms-per-request: host_cpu_ms_per_request must be >= 0"),
+        (["--host-cpu-ms-per-request", "30"], "--host-cpu-ms-per-request: the profile is per GPU"),
     ],
 )
 def test_bad_input_is_refused_naming_the_flag(table: Path, capsys, argv: list[str], flag: str) -> None:
@@ -115,6 +117,10 @@ def test_a_core_profile_needs_cores_and_at_least_two(tmp_path: Path, tiny_model_
     assert main(argv + ["--cores", "2", "--model", str(tiny_model_dir)]) == 0
     out = capsys.readouterr().out
     assert "per core; profiled degrees 1, others modelled" in out and "modelled (Amdahl)" in out
+    assert main(argv + ["--cores", "2", "--host-cpu-ms-per-request", "5", "--json"]) == 0
+    with_host = json.loads(capsys.readouterr().out)["recommended"]["goodput_rps"]
+    assert main(argv + ["--cores", "2", "--json"]) == 0
+    assert 0 < with_host < json.loads(capsys.readouterr().out)["recommended"]["goodput_rps"]
 
 
 def test_measure_writes_a_profile_for_each_thread_count_and_plans_with_it(

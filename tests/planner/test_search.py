@@ -102,3 +102,26 @@ def test_a_budget_of_one_unit_is_refused() -> None:
     with pytest.raises(ValueError, match="one prefill and one decode"):
         Budget(1, 1, (1,))
     Budget(2, 1, (1, 2))  # two cores: 1P:1D
+
+
+def test_host_processes_use_the_free_cores_first_then_slow_the_shapes_forwards() -> None:
+    cfg = config(host_cpu_ms_per_request=100.0)  # 10 req/s: one core's worth
+    assert cfg.host_slowdown(10.0, units=2, cores=3) == 1.0  # the spare core takes it
+    assert cfg.host_slowdown(10.0, units=2, cores=2) == pytest.approx(2.0)  # half of each core is left
+    assert cfg.host_slowdown(15.0, units=2, cores=2) == pytest.approx(4.0)
+    assert cfg.host_slowdown(20.0, units=2, cores=2) is None  # they alone need both cores
+    assert config().host_slowdown(1e6, units=2, cores=2) == 1.0
+
+
+def test_a_host_cost_lowers_a_core_shapes_goodput_and_caps_it_where_the_host_needs_every_core() -> None:
+    work, table = from_lengths(300, 30, 0.5, 80, seed=3), linear_table()
+    profile = Profile("m", "hw", "core", {1: table})
+    slo, shape = SLO(0.3, 0.03), Shape(1, 1, 1, 1)
+    alone = evaluate(shape, profile, work, slo, config(), cores=2).goodput.rate
+    shared = evaluate(shape, profile, work, slo, config(host_cpu_ms_per_request=20.0), cores=2)
+    assert 0 < shared.goodput.rate < alone and shared.goodput.attainment >= 0.9
+    # no rate at which the other processes alone need both cores can pass: here from alone / 4 on
+    heavy = config(host_cpu_ms_per_request=2 * 1000.0 / (alone / 4))
+    assert 0 < evaluate(shape, profile, work, slo, heavy, cores=2).goodput.rate < alone / 4
+    # cores=0 (a GPU budget): the term is not applied
+    assert evaluate(shape, profile, work, slo, config(host_cpu_ms_per_request=20.0)).goodput.rate == alone
