@@ -149,12 +149,19 @@ class ScaledTrace(NamedTuple):
     """Requests whose scaled prompt was cut to fit the context."""
 
 
+CHAT_TEMPLATE_TOKENS = 64
+"""Context a scaled request leaves free: AIPerf sends each prompt as a chat message, and the chat
+template's role markers (12 tokens on the bench model) come on top of the trace's input length; a
+prompt scaled to the last token of the context would be refused (400) by every server alike."""
+
+
 def scale_trace(
     requests: list[TraceRequest], rate: float, input_mean: int, output_mean: int, max_context: int, id_range: int = 0
 ) -> ScaledTrace:
     """The trace at mean arrival rate `rate` (its timestamps stretched by one factor, so the arrival
     pattern, bursts included, is kept) with its lengths scaled by one factor each so that their means
-    are about `input_mean` and `output_mean` tokens, every prompt + output within `max_context`.
+    are about `input_mean` and `output_mean` tokens, every prompt + output within `max_context` less
+    `CHAT_TEMPLATE_TOKENS`.
 
     One hash id now stands for B = round(512 x input factor) tokens, and the input factor is taken as
     exactly B / 512, so that a scaled prompt never needs more ids than the trace gave it (it keeps the
@@ -169,11 +176,14 @@ def scale_trace(
     offset = id_range * (max((h for r in requests for h in r.hash_ids), default=-1) + 1)
     t0 = requests[0].timestamp_ms
     records, clipped = [], 0
+    room = max_context - CHAT_TEMPLATE_TOKENS
+    if room < 2:
+        raise ValueError(f"--max-context {max_context} leaves no room for a prompt and an output")
     for r in requests:
-        out = max(1, min(round(r.output_length * out_scale), max_context - 1))
+        out = max(1, min(round(r.output_length * out_scale), room - 1))
         length = max(1, round(r.input_length * block / TRACE_BLOCK))
-        if length + out > max_context:
-            length, clipped = max_context - out, clipped + 1
+        if length + out > room:
+            length, clipped = room - out, clipped + 1
         records.append(
             {
                 "timestamp": round((r.timestamp_ms - t0) * factor, 3),

@@ -199,7 +199,10 @@ def test_trace_scaling_keeps_the_arrival_pattern_and_scales_lengths_to_the_model
         assert 0 < r["input_length"] - (n - 1) * scaled.block_size <= scaled.block_size
     assert scaled.records[1]["hash_ids"][0] == scaled.records[0]["hash_ids"][0] == 0  # a shared prefix stays
     tight = scale_trace(trace, rate=0.1, input_mean=2000, output_mean=50, max_context=2048)
-    assert tight.clipped >= 1 and all(r["input_length"] + r["output_length"] <= 2048 for r in tight.records)
+    # the chat template's tokens come on top of a prompt: a request filling the context is refused
+    assert tight.clipped >= 1 and all(r["input_length"] + r["output_length"] <= 2048 - 64 for r in tight.records)
+    with pytest.raises(ValueError, match="--max-context 65 leaves no room"):
+        scale_trace(trace, rate=0.1, input_mean=500, output_mean=50, max_context=65)
 
 
 def test_the_shared_conversation_trace_loads_in_order():
@@ -211,7 +214,7 @@ def test_the_shared_conversation_trace_loads_in_order():
     trace = load_trace(path, limit=200)
     scaled = scale_trace(trace, 0.2, 800, 48, 4096)
     assert len(scaled.records) == 200 and scaled.clipped < 20  # its long tail is cut to the context
-    assert all(r["input_length"] + r["output_length"] <= 4096 for r in scaled.records)
+    assert all(r["input_length"] + r["output_length"] <= 4096 - 64 for r in scaled.records)
 
 
 def test_result_line_takes_the_best_shape_against_vllm():
