@@ -27,6 +27,8 @@ ROUTER_ARG = "\0router\0"
 
 
 class Sample(NamedTuple):
+    """One reading of the counters, at a wall-clock time (time.time_ns)."""
+
     wall_ns: int
     busy_s: float
     """The machine's busy CPU seconds since boot (user, nice, system, irq, softirq)."""
@@ -46,7 +48,8 @@ class CpuWindow(NamedTuple):
     front_s: float
 
     def summary(self, requests: int) -> dict:
-        """The JSON a step records: cores busy, cores the engines took, and the rest per request."""
+        """The JSON a step records: cores busy, cores the engines took, the CPU of everything else per
+        request, and the front end's part of that."""
         host = max(0.0, self.busy_s - self.engine_s)
         return {
             "wall_s": round(self.wall_s, 2),
@@ -88,8 +91,8 @@ def is_front_end(pid: int, root: int) -> bool:
 
 
 class CpuSampler:
-    """Samples the machine's busy time and the engines of the server rooted at `root_pid` every
-    `interval_s`, on a daemon thread, while the context is open."""
+    """Samples the machine's busy time, and the CPU of the engines and of the front end of the server
+    rooted at `root_pid`, every `interval_s` on a daemon thread while the context is open."""
 
     def __init__(self, root_pid: int, interval_s: float = 0.25) -> None:
         self.root, self.interval_s = root_pid, interval_s
