@@ -159,11 +159,12 @@ def measure_step(
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         return {**summarize([], slo, sent), "error": str(e).strip().splitlines()[-1][:300] if str(e) else "failed"}
     got = summarize([outcome_of(r) for r in records], slo, sent) | {"failure_reasons": failure_reasons(records)}
-    stamps = [(r.get("metadata") or {}) for r in records]
-    starts = [m["request_start_ns"] for m in stamps if "request_start_ns" in m]
-    ends = [m["request_end_ns"] for m in stamps if "request_end_ns" in m]
-    if cpu is not None and starts and ends:
-        got["host_cpu"] = cpu.between(min(starts), max(ends)).summary(len(records))
+    if cpu is not None:
+        stamps = [r.get("metadata") or {} for r in records]
+        starts = [m["request_start_ns"] for m in stamps if "request_start_ns" in m]
+        ends = [m["request_end_ns"] for m in stamps if "request_end_ns" in m]
+        if starts and ends:
+            got["host_cpu"] = cpu.between(min(starts), max(ends)).summary(len(records))
     return got
 
 

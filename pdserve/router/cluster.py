@@ -320,7 +320,7 @@ class Cluster:
     ) -> AsyncIterator[decode_pb2.GenerateEvent]:
         """Stream one request's events (those with tokens or its end); retries before the first token,
         migrates after it (no gap, no duplicate), and the last event's usage is the whole request's.
-        Each attempt sends a copy of `request` (`_attempt`) named after its `request_id`; its
+        Each attempt sends a copy of `request` (`attempt_request`) named after its `request_id`; its
         `cache_salt` (vLLM's field) limits prefix-cache hits to requests with the same salt. `route`:
         the first attempt's, from `admit` (None: chosen here)."""
         prompt, salt = list(request.prompt_token_ids), salt_of(request)
