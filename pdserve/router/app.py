@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
-import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -17,20 +15,18 @@ from pdserve.openai_api.errors import (
     ModelNotFound,
     NoCapacityError,
     OpenAIError,
-    Unauthorized,
-    bearer_key,
     error_body,
     error_response,
     validation_message,
 )
 from pdserve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.body_limit import DEFAULT_BODY_TIMEOUT, BodyLimit
+from pdserve.router.guard import Guard
 from pdserve.router.http_metrics import HttpMetrics
 from pdserve.router.key_limits import KeyLimit, KeyLimiter, KeyLimits
 from pdserve.router.serving import Server
 from pdserve.router.utility_routes import add_utility_routes
 
-log = logging.getLogger("pdserve.router")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -53,29 +49,14 @@ def create_app(
     registry = registry or CollectorRegistry()
     http_metrics = HttpMetrics(registry, server.model_name)
     keys = [k.encode() for k in (api_keys or []) if k]
-    # inside `guard`, so its 413s and 408s are counted
+    # inside Guard, so its 413s and 408s are counted
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
-    if key_limits is not None and key_limits.any:  # inside `guard`: only authenticated keys get state
+    if key_limits is not None and key_limits.any:  # inside Guard: only authenticated keys get state
         key_limits.check_keys(api_keys or [])
         app.add_middleware(KeyLimit, limiter=KeyLimiter(key_limits, registry, server.model_name))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """API keys on /v1/*, the request counter (every response, 500s included), and no plain-text 500."""
-        path = request.url.path
-        try:
-            if keys and path.startswith("/v1/"):
-                given = bearer_key(request.headers.get("authorization", "").encode("latin-1"))
-                if not any(hmac.compare_digest(given, k) for k in keys):
-                    raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
-            response = await call_next(request)
-        except OpenAIError as e:
-            response = error_response(e)
-        except Exception:  # a bug: answer in the OpenAI shape and count it, never a bare 500 page
-            log.exception("unhandled error on %s %s", request.method, path)
-            response = JSONResponse(error_body("internal server error", "server_error"), status_code=500)
-        http_metrics.observe(app.router.routes, request.scope, response.status_code)
-        return response
+    # added last, so outermost: it counts the inner middlewares' 413s, 408s and 429s too
+    app.add_middleware(Guard, keys=keys, metrics=http_metrics, routes=lambda: app.router.routes)
 
     @app.exception_handler(OpenAIError)
     async def router_error(request: Request, exc: OpenAIError):
