@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.layers import Linear
-from pdserve.engine.model_config import ClampedSwiglu, ModelConfig, MoeConfig
+from pdserve.engine.model_config import ClampedSwiglu, ModelConfig
+from pdserve.engine.moe_config import MoeConfig
 from pdserve.engine.moe import Expert, SparseMoe
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")

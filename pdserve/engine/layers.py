@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import cpu_build
-from pdserve.engine.model_config import ModelConfig, RopeScaling, YarnScaling
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.rope_config import RopeScaling, YarnScaling
 
 AMX_MAX_ROWS = 1024
 """Rows up to which a prepacked bf16 linear runs on `pdserve_cpu.amx_linear` instead of oneDNN

@@ -1,5 +1,6 @@
 """ModelConfig: the architecture facts of a Hugging Face decoder checkpoint (the Llama family,
-Qwen3, and the mixture-of-experts models Qwen3-MoE and Mixtral), read from config.json.
+Qwen3, and the mixture-of-experts models Qwen3-MoE, Mixtral, DeepSeek-V2/V3 and gpt-oss), read from
+config.json; the expert MLP's own keys are read by `engine.moe_config`.
 
 Whatever config.json asks for that pdserve does not implement is refused here, at start, with the
 key named (`ValueError`), never served wrong."""
@@ -10,6 +11,9 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from pdserve.engine.moe_config import GPT_OSS, MoeConfig, parse_deepseek_moe, parse_moe
+from pdserve.engine.rope_config import RopeScaling, YarnScaling, parse_rope_scaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -22,65 +26,16 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
 )
-GPT_OSS = "GptOssForCausalLM"
-"""Attention sinks, per-layer windows (`layer_types`), biased experts with a clamped SwiGLU."""
 LAYER_WINDOWS = ("sliding_attention", "full_attention")
 """The `layer_types` of gpt-oss: a layer attends within `sliding_window`, or to every key."""
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 """Multi-head latent attention (`MlaConfig`) and DeepSeek's MoE: shared experts, grouped routing."""
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """Per-head RMSNorm on q and k before the rotary embedding."""
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")
 """One window over every layer; the Qwen families window only some layers, which is refused."""
 FP8_BLOCK = (128, 128)
 """The one FP8 block shape served (Qwen3-*-FP8, DeepSeek-V3): `weight_block_size` [128, 128]."""
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """A sparse mixture-of-experts MLP: each token's `top_k` experts by softmax router score.
-
-    Layer i is sparse unless it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`
-    (Qwen3-MoE's keys); those layers run a dense MLP of `intermediate_size`."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    """Each expert's MLP width (Qwen3-MoE's `moe_intermediate_size`; Mixtral's `intermediate_size`)."""
-    norm_topk_prob: bool
-    """Renormalise the top-k probabilities to sum to 1 (Mixtral always; Qwen3-MoE by its key)."""
-    float32_weights: bool
-    """Scale expert outputs by float32 routing weights (Mixtral), or by weights cast to the model's
-    dtype (Qwen3-MoE), as transformers does: it matters in bfloat16."""
-    decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
-    scoring: str = "softmax"
-    """Router scores: `softmax` over all experts, or DeepSeek-V3's `sigmoid` per expert."""
-    topk_method: str = "greedy"
-    """`greedy` top-k; DeepSeek-V2's `group_limited_greedy` (the `topk_group` groups of highest
-    max score, then top-k inside them); DeepSeek-V3's `noaux_tc` (groups ranked by the sum of their
-    two best bias-corrected scores; experts chosen by the corrected scores, weighted by the raw ones)."""
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    """Multiplies the routed experts' weights (DeepSeek)."""
-    shared_intermediate_size: int = 0
-    """Width of the shared expert MLP every token runs besides its routed ones (DeepSeek's
-    `n_shared_experts * moe_intermediate_size`); 0: none."""
-    first_k_dense_replace: int = 0
-    """Layers below this index run a dense MLP of the model's `intermediate_size` (DeepSeek)."""
-    router_float32: bool = False
-    """The router GEMM runs in float32 on float32 weights (DeepSeek keeps its gate in float32)."""
-    expert_range: tuple[int, int] | None = None
-    """[start, stop) of the experts this process holds under expert parallelism (set by
-    `TPShard.local_config`: gpt-oss's fused expert tensors arrive sliced to them); None: all."""
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether layer `layer` (global index) has the expert MLP."""
-        if layer < self.first_k_dense_replace or layer in self.mlp_only_layers:
-            return False
-        return (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -109,34 +64,6 @@ class MlaConfig:
     def latent_dim(self) -> int:
         """Values cached per token and layer."""
         return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling of rotary embeddings (`rope_type: llama3`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN scaling of rotary embeddings (`rope_type: yarn`; gpt-oss, DeepSeek): frequencies blended
-    between interpolated (divided by `factor`) and original along a ramp over the dims set by
-    `beta_fast`/`beta_slow`, and cos/sin scaled by an attention factor (`layers.yarn_inv_freq`)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    """Round the ramp's ends to whole dims (transformers' default when the key is absent)."""
-    attention_factor: float | None = None
-    """cos/sin scale; None: from `factor` (and `mscale`/`mscale_all_dim` when both are set)."""
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -256,7 +183,7 @@ class ModelConfig:
             head_dim=mla.latent_dim if mla else int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or raw.get("rope_parameters")),
+            rope_scaling=parse_rope_scaling(raw.get("rope_scaling") or raw.get("rope_parameters")),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bias,
@@ -265,7 +192,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
-            moe=_parse_deepseek_moe(arch, raw) if mla else _parse_moe(arch, raw),
+            moe=parse_deepseek_moe(arch, raw) if mla else parse_moe(arch, raw),
             mla=mla,
             fp8_block=_parse_quantization(raw.get("quantization_config")),
         )
@@ -279,52 +206,6 @@ def _check_activation(raw: dict) -> None:
         raise ValueError(f"hidden_act {act!r} is not supported: pdserve's MLPs are SiLU-gated")
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported: pdserve's MLP projections have no bias")
-
-
-def _parse_moe(arch: str, raw: dict) -> MoeConfig | None:
-    """The expert MLP of Qwen3-MoE and Mixtral; a routing or expert layout pdserve lacks is refused
-    with its config key named."""
-    if arch == GPT_OSS:
-        return _parse_gpt_oss_moe(raw)
-    if arch not in MOE_ARCHITECTURES:
-        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-            if raw.get(key):
-                raise ValueError(f"{key}={raw[key]} on {arch}: pdserve runs {arch} with dense MLPs only")
-        return None
-    qwen = arch == "Qwen3MoeForCausalLM"
-    experts = raw.get("num_experts") if qwen else raw.get("num_local_experts")
-    experts = experts or raw.get("num_local_experts") or raw.get("num_experts")  # transformers 5 names both
-    key = "num_experts" if qwen else "num_local_experts"
-    if not experts or int(experts) < 1:
-        raise ValueError(f"{arch} needs a positive {key}, got {experts!r}")
-    top_k = int(raw.get("num_experts_per_tok", 2))
-    if not 1 <= top_k <= int(experts):
-        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and {key}={experts}")
-    # routing functions and shared experts of other MoE families, refused rather than ignored
-    for name, served in (("scoring_func", "softmax"), ("topk_method", "greedy")):
-        if raw.get(name) not in (None, served):
-            raise ValueError(f"{name}={raw[name]!r} is not supported: {arch} routes by {served} top-k")
-    for name in ("shared_expert_intermediate_size", "n_shared_experts", "moe_shared_expert_intermediate_size"):
-        if raw.get(name):
-            raise ValueError(f"{name}={raw[name]}: {arch} has no shared expert in pdserve (nor in transformers)")
-    if raw.get("n_group") not in (None, 1) or raw.get("topk_group") not in (None, 1):
-        raise ValueError(f"group-limited routing (n_group, topk_group) is not supported on {arch}")
-    step = int(raw.get("decoder_sparse_step", 1) or 1) if qwen else 1
-    if step < 1:
-        raise ValueError(f"decoder_sparse_step must be positive, got {step}")
-    only = tuple(int(i) for i in (raw.get("mlp_only_layers") or [])) if qwen else ()
-    width = raw.get("moe_intermediate_size") if qwen else raw.get("intermediate_size")
-    if not width:
-        raise ValueError(f"{arch} needs {'moe_intermediate_size' if qwen else 'intermediate_size'}")
-    return MoeConfig(
-        num_experts=int(experts),
-        top_k=top_k,
-        intermediate_size=int(width),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if qwen else True,
-        float32_weights=not qwen,
-        decoder_sparse_step=step,
-        mlp_only_layers=only,
-    )
 
 
 def _parse_mla(arch: str, raw: dict) -> MlaConfig | None:
@@ -353,58 +234,6 @@ def _parse_mla(arch: str, raw: dict) -> MlaConfig | None:
         rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(raw.get("rope_interleave", True)),
         softmax_scale=scale,
         **dims,
-    )
-
-
-def _parse_deepseek_moe(arch: str, raw: dict) -> MoeConfig | None:
-    """DeepSeek's expert MLP: routed experts (`n_routed_experts`) with grouped top-k, plus shared
-    experts; every key it routes by is checked, an unknown method refused by name."""
-    experts = raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts")
-    if not experts:
-        return None  # a dense DeepSeek (no routed experts): every layer runs the dense MLP
-    experts = int(experts)
-    v3 = arch == "DeepseekV3ForCausalLM"
-    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-    served = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
-    if scoring not in served:
-        raise ValueError(f"scoring_func {scoring!r} is not supported: pdserve serves softmax and sigmoid")
-    if method not in served[scoring]:
-        raise ValueError(
-            f"topk_method {method!r} is not supported with scoring_func {scoring!r}: "
-            f"pdserve serves {', '.join(served[scoring])} there"
-        )
-    top_k, groups = int(raw.get("num_experts_per_tok") or 0), int(raw.get("n_group") or 1)
-    topk_group = int(raw.get("topk_group") or 1)
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and n_routed_experts={experts}")
-    if experts % groups or not 1 <= topk_group <= groups:
-        raise ValueError(f"n_group={groups} must divide n_routed_experts={experts} and hold topk_group={topk_group}")
-    if method != "greedy" and top_k > topk_group * (experts // groups):
-        raise ValueError(f"num_experts_per_tok={top_k} exceeds the experts of topk_group={topk_group} groups")
-    if int(raw.get("moe_layer_freq", 1) or 1) != 1:
-        raise ValueError(
-            f"moe_layer_freq={raw['moe_layer_freq']} is not supported: only 1 (every layer after the dense ones)"
-        )
-    width = raw.get("moe_intermediate_size")
-    if not width:
-        raise ValueError(f"{arch} needs moe_intermediate_size")
-    return MoeConfig(
-        num_experts=experts,
-        top_k=top_k,
-        intermediate_size=int(width),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        float32_weights=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
-        scoring=scoring,
-        topk_method=method,
-        n_group=groups,
-        topk_group=topk_group,
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0),
-        shared_intermediate_size=int(raw.get("n_shared_experts") or 0) * int(width),
-        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-        router_float32=True,
     )
 
 
@@ -452,52 +281,6 @@ def _parse_sliding_window(arch: str, raw: dict) -> int | None:
     return int(window)
 
 
-def _parse_rope_scaling(raw: dict | None) -> RopeScaling | YarnScaling | None:
-    """None for plain RoPE; RopeScaling for `llama3`, YarnScaling for `yarn`; ValueError for anything else."""
-    if not raw:
-        return None
-    kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind == "yarn":
-        return _parse_yarn(raw)
-    if kind != "llama3":
-        raise ValueError(
-            f"unsupported rope_scaling rope_type {kind!r}: pdserve supports 'llama3', 'yarn' and plain RoPE"
-        )
-    return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-    )
-
-
-def _parse_yarn(raw: dict) -> YarnScaling:
-    """YaRN's keys as transformers' `_compute_yarn_parameters` reads them (beta_fast 32 and beta_slow 1
-    when absent or zero, truncate true when absent); `factor` and `original_max_position_embeddings`
-    are required, named when absent."""
-    for key in ("factor", "original_max_position_embeddings"):
-        if raw.get(key) is None:
-            raise ValueError(f"rope_scaling rope_type 'yarn' needs {key}")
-    if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ValueError(f"rope_scaling partial_rotary_factor {raw['partial_rotary_factor']} is not supported")
-
-    def optional(key: str) -> float | None:
-        return float(raw[key]) if raw.get(key) is not None else None
-
-    return YarnScaling(
-        factor=float(raw["factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-        beta_fast=float(raw.get("beta_fast") or 32.0),
-        beta_slow=float(raw.get("beta_slow") or 1.0),
-        truncate=bool(raw.get("truncate", True)),
-        attention_factor=optional("attention_factor"),
-        mscale=optional("mscale"),
-        mscale_all_dim=optional("mscale_all_dim"),
-    )
-
-
 GPT_OSS_DEFAULT_ROPE = {
     "rope_type": "yarn",
     "factor": 32.0,
@@ -528,7 +311,7 @@ def _with_gpt_oss(config: ModelConfig, raw: dict) -> ModelConfig:
     return replace(
         config,
         rope_theta=float(theta),
-        rope_scaling=_parse_rope_scaling(rope or GPT_OSS_DEFAULT_ROPE),
+        rope_scaling=parse_rope_scaling(rope or GPT_OSS_DEFAULT_ROPE),
         attention_bias=bias,
         output_bias=bias,
         layer_windows=_parse_layer_windows(raw, config.num_hidden_layers),
@@ -558,23 +341,3 @@ def _parse_layer_windows(raw: dict, layers: int) -> tuple[int, ...]:
         else:
             raise ValueError(f"layer_types[{i}] is sliding_attention but sliding_window is {window!r}")
     return tuple(windows)
-
-
-def _parse_gpt_oss_moe(raw: dict) -> MoeConfig:
-    """gpt-oss's experts: every layer sparse, `num_local_experts` of `intermediate_size` each, top
-    `num_experts_per_tok` (transformers' default 4) by router logit, weighted by a softmax over those."""
-    experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
-    if experts < 1:
-        raise ValueError(f"GptOssForCausalLM needs a positive num_local_experts, got {experts}")
-    top_k = int(raw.get("num_experts_per_tok") or 4)
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_local_experts={experts}")
-    return MoeConfig(
-        num_experts=experts,
-        top_k=top_k,
-        intermediate_size=int(raw["intermediate_size"]),
-        norm_topk_prob=True,  # a softmax over the top-k logits: the weights sum to 1
-        float32_weights=False,  # routing weights in the model's dtype, as transformers' router
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
-    )

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.layers import Linear
-from pdserve.engine.model_config import MoeConfig
+from pdserve.engine.moe_config import MoeConfig
 
 
 @dataclass

@@ -154,7 +154,7 @@ def test_yarn_tables_are_transformers_bit_for_bit(keys, attention, geometry):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from pdserve.engine.layers import yarn_inv_freq
-    from pdserve.engine.model_config import _parse_rope_scaling
+    from pdserve.engine.rope_config import parse_rope_scaling
 
     dim, theta, original = geometry
     rope = {"rope_type": "yarn", "original_max_position_embeddings": original, **keys, **attention}
@@ -164,7 +164,7 @@ def test_yarn_tables_are_transformers_bit_for_bit(keys, attention, geometry):
         rope_parameters=dict(rope, rope_theta=theta),
     )
     want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
-    scaling = _parse_rope_scaling(rope)
+    scaling = parse_rope_scaling(rope)
     assert scaling is not None and not hasattr(scaling, "low_freq_factor")
     got, factor = yarn_inv_freq(dim, theta, scaling)  # type: ignore[arg-type]
     assert torch.equal(got, want) and factor == want_factor
