@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import httpx
 import openai
@@ -230,6 +231,47 @@ def test_health_metrics_and_openapi(stack):
     assert "pdserve_router_requests_total" in httpx.get(f"{base}/metrics").text
     spec = httpx.get(f"{base}/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
+
+
+def test_a_client_that_leaves_mid_stream_ends_its_request_on_the_nodes(stack):
+    """The router's middlewares pass the client's disconnect through: the node stops generating and
+    frees the blocks long before the request's max_tokens would have run out."""
+    cluster, base = stack
+    aborted_before = _aborted(base)
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{base}/v1/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        events: list[str] = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) == 3:
+                break
+    # the connection is closed here, with ~1,497 tokens still to go
+
+    async def drained() -> bool:
+        reports = [await load(d.address, cluster.secret, "decode") for d in cluster.decodes]
+        return all(rep.num_running == 0 and rep.num_free_blocks == rep.num_total_blocks for rep in reports)
+
+    deadline = time.monotonic() + 5
+    while not asyncio.run(drained()):
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.1)
+    assert _aborted(base) == aborted_before + 1
+
+
+def _aborted(base: str) -> float:
+    """The router's count of requests that ended without a finish reason (vllm:request_success)."""
+    lines = httpx.get(f"{base}/metrics").text.splitlines()
+    return sum(
+        float(x.rsplit(" ", 1)[1])
+        for x in lines
+        if x.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in x
+    )
 
 
 def test_no_blocks_leak_after_the_suite(stack):
