@@ -92,6 +92,18 @@ def node_shares(num_threads: int | None, nodes: list[tuple[str, int]]) -> list[S
     return split_cores(sorted(os.sched_getaffinity(0)), nodes)
 
 
+def sharing_note(shares: list[Share], cores: int) -> str | None:
+    """What `up` says when `auto` found fewer cores than node processes (no share pinned): they
+    time-share the cores. Measured on 2 cores (BENCHMARKS.md, the default shape at depth), 3 nodes
+    sharing them served 0.84x vLLM's goodput where 2 nodes served 1.19x."""
+    if not shares or any(s.cpus is not None for s in shares):
+        return None
+    return (
+        f"{len(shares)} nodes share {cores} cores (one thread each, unpinned); fewer nodes may serve more: "
+        f"`pdserve plan --cores {cores}` picks a shape for a workload"
+    )
+
+
 def describe(roles: list[str], shares: list[Share]) -> str:
     """`prefill 2 (CPUs 0-1), decode 1 (CPU 2), ...` for `up`'s start-up lines."""
 

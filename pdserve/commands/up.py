@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.commands.config_flags import config_flag, plain_flag
-from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares
+from pdserve.commands.core_split import sharing_note, add_num_threads_arg, describe, node_shares
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
 from pdserve.commands.router import (
@@ -213,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
     shares = node_shares(args.num_threads, [(role, tp or 1) for role, tp in zip(roles, tps)])
     spare = num_slots - args.num_prefill - args.num_decode
     print(f"[up] threads per node: {describe(roles, shares)}" + (f" ({spare} spare)" if spare else ""), flush=True)
+    note = sharing_note(shares, len(os.sched_getaffinity(0))) if args.num_threads is None else None
+    if note and (args.device or "cpu") == "cpu":
+        print(f"[up] note: {note}", flush=True)
 
     def node(role: str, i: int, port: int) -> Supervised:
         return node_at(role, i if role == Role.PREFILL else args.num_prefill + i, f"{role}-{i}", port)

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.commands.core_split import Share, describe, node_shares, num_threads_arg, split_cores
+from pdserve.commands.core_split import Share, describe, node_shares, num_threads_arg, sharing_note, split_cores
 
 ONE_P_TWO_D = [("prefill", 1), ("decode", 1), ("decode", 1)]
 
@@ -63,3 +63,11 @@ def test_describe_names_each_nodes_threads_and_cpus():
     shares = [Share(2, frozenset({0, 1})), Share(1, frozenset({4})), Share(1, None), Share(2, frozenset({5, 7}))]
     text = describe(["prefill", "decode", "decode", "decode"], shares)
     assert text == "prefill 2 (CPUs 0-1), decode 1 (CPU 4), decode 1 (unpinned), decode 2 (CPUs [5, 7])"
+
+
+def test_up_notes_nodes_that_share_the_cores_and_only_then():
+    shared = split_cores([0, 1], ONE_P_TWO_D)
+    note = sharing_note(shared, 2)
+    assert note is not None and note.startswith("3 nodes share 2 cores") and "pdserve plan --cores 2" in note
+    assert sharing_note(split_cores([0, 1, 2, 3], ONE_P_TWO_D), 4) is None
+    assert sharing_note([], 2) is None
