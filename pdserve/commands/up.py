@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.commands.config_flags import config_flag, plain_flag
-from pdserve.commands.core_split import sharing_note, add_num_threads_arg, describe, node_shares
+from pdserve.commands.core_split import add_num_threads_arg, describe, node_shares, sharing_note
 from pdserve.commands.model_args import add_model_args
 from pdserve.commands.node_common import CLI_TRANSPORTS, add_decode_kv_args, add_kv_reuse_arg
 from pdserve.commands.router import (
