@@ -18,6 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of the first sample of `name` in Prometheus text whose labels include `labels`
+    (0 if none)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def start_router(cluster: Cluster, model: str, extra: list[str] | None = None) -> tuple[Proc, str]:
     port = free_port()
     router = start(

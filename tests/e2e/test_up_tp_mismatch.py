@@ -14,20 +14,12 @@ import httpx
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from tests.e2e.router_cluster import free_port
+from tests.e2e.router_cluster import free_port, metric_value
 from tests.e2e.test_up import chat
 from tests.e2e.up_process import start_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 BLOCK_SIZE = 16
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The value of the first sample of `name` whose labels include `labels` (0 if none)."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _free_pair() -> int:
@@ -65,8 +57,8 @@ def test_different_tp_on_prefill_and_decode_gives_the_same_text(p_tp, d_tp, tiny
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == expected
         text = httpx.get(f"http://127.0.0.1:{metrics + 1}/metrics", timeout=10).text
-        assert _metric(text, "pdserve_prefill_decisions_total", location="remote") == 1
-        assert _metric(text, "pdserve_prefill_decisions_total", location="local") == 0
+        assert metric_value(text, "pdserve_prefill_decisions_total", location="remote") == 1
+        assert metric_value(text, "pdserve_prefill_decisions_total", location="local") == 0
         # each decode rank received exactly its heads' share of the prompt's blocks, layer by layer
         heads, layers = config["num_key_value_heads"], config["num_hidden_layers"]
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -74,7 +66,7 @@ def test_different_tp_on_prefill_and_decode_gives_the_same_text(p_tp, d_tp, tiny
         per_rank_heads = max(heads // d_tp, 1)
         share = layers * blocks * 2 * per_rank_heads * BLOCK_SIZE * head_dim * 4  # fp32
         for rank in range(d_tp):
-            got = _metric(text, "pdserve_cachestore_rank_received_bytes_total", rank=str(rank))
+            got = metric_value(text, "pdserve_cachestore_rank_received_bytes_total", rank=str(rank))
             assert got == share, (rank, got, share)
     finally:
         if up.proc.poll() is None:
