@@ -14,23 +14,16 @@ import hmac
 import logging
 from collections.abc import Callable
 
-from starlette.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.openai_api.errors import OpenAIError, Unauthorized, bearer_key, error_body, error_response
+from pdserve.openai_api.errors import OpenAIError, Unauthorized, bearer_key, error_response
 from pdserve.router.http_metrics import HttpMetrics
 
 log = logging.getLogger("pdserve.router")
-
-
-def first_header(scope: Scope, name: bytes) -> bytes:
-    """The first value of header `name` (lower case), b"" when absent: what a client sent first is
-    what counts, as Starlette's `request.headers.get` reads it."""
-    for key, value in scope.get("headers", ()):
-        if key == name:
-            return value
-    return b""
+INTERNAL = OpenAIError("internal server error")
+"""A bug's answer: 500, `server_error`, in the OpenAI shape (OpenAIError's own status and type)."""
 
 
 class Guard:
@@ -62,26 +55,21 @@ class Guard:
 
         try:
             if self.keys and scope["path"].startswith("/v1/"):
-                given = bearer_key(first_header(scope, b"authorization"))
+                given = bearer_key(Headers(scope=scope).get("authorization", "").encode("latin-1"))
                 if not any(hmac.compare_digest(given, k) for k in self.keys):
                     raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')")
             await self.app(scope, receive, counted)
             if started:
                 return
             log.error("no response to %s %s", scope["method"], scope["path"])
-            response = error_response_500()
+            err = INTERNAL
         except OpenAIError as e:
             if started:
                 raise
-            response = error_response(e)
+            err = e
         except Exception:
             if started:
                 raise
             log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-            response = error_response_500()
-        await response(scope, receive, counted)
-
-
-def error_response_500() -> JSONResponse:
-    """A bug's answer: 500 in the OpenAI shape, never a bare error page."""
-    return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+            err = INTERNAL
+        await error_response(err)(scope, receive, counted)
