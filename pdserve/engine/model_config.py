@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdserve.engine.moe_config import GPT_OSS, MoeConfig, parse_deepseek_moe, parse_moe
+from pdserve.engine.moe_config import MoeConfig, parse_deepseek_moe, parse_gpt_oss_moe, parse_moe
 from pdserve.engine.rope_config import RopeScaling, YarnScaling, parse_rope_scaling
 
 SUPPORTED_ARCHITECTURES = (
@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
 )
+GPT_OSS = "GptOssForCausalLM"
+"""Attention sinks, per-layer windows (`layer_types`), biased experts with a clamped SwiGLU."""
 LAYER_WINDOWS = ("sliding_attention", "full_attention")
 """The `layer_types` of gpt-oss: a layer attends within `sliding_window`, or to every key."""
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -192,11 +194,19 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
-            moe=parse_deepseek_moe(arch, raw) if mla else parse_moe(arch, raw),
+            moe=_parse_experts(arch, raw),
             mla=mla,
             fp8_block=_parse_quantization(raw.get("quantization_config")),
         )
         return _with_gpt_oss(config, raw)
+
+
+def _parse_experts(arch: str, raw: dict) -> MoeConfig | None:
+    """The expert MLP, by family (`engine.moe_config`): DeepSeek's, gpt-oss's, else Qwen3-MoE's and
+    Mixtral's, or none for a dense architecture."""
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return parse_deepseek_moe(arch, raw)
+    return parse_gpt_oss_moe(raw) if arch == GPT_OSS else parse_moe(arch, raw)
 
 
 def _check_activation(raw: dict) -> None:

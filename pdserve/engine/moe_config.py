@@ -9,11 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
-"""The expert MLPs read by `parse_moe` itself (DeepSeek's by `parse_deepseek_moe`, gpt-oss's by
-`_parse_gpt_oss_moe`)."""
-GPT_OSS = "GptOssForCausalLM"
-"""Attention sinks, per-layer windows (`layer_types`), biased experts with a clamped SwiGLU; its
-experts are read here, the rest by `ModelConfig`."""
+"""The expert MLPs `parse_moe` reads (DeepSeek's: `parse_deepseek_moe`, gpt-oss's: `parse_gpt_oss_moe`)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +61,6 @@ class MoeConfig:
 def parse_moe(arch: str, raw: dict) -> MoeConfig | None:
     """The expert MLP of Qwen3-MoE and Mixtral; a routing or expert layout pdserve lacks is refused
     with its config key named."""
-    if arch == GPT_OSS:
-        return _parse_gpt_oss_moe(raw)
     if arch not in MOE_ARCHITECTURES:
         for key in ("num_experts", "num_local_experts", "n_routed_experts"):
             if raw.get(key):
@@ -160,7 +154,7 @@ def parse_deepseek_moe(arch: str, raw: dict) -> MoeConfig | None:
     )
 
 
-def _parse_gpt_oss_moe(raw: dict) -> MoeConfig:
+def parse_gpt_oss_moe(raw: dict) -> MoeConfig:
     """gpt-oss's experts: every layer sparse, `num_local_experts` of `intermediate_size` each, top
     `num_experts_per_tok` (transformers' default 4) by router logit, weighted by a softmax over those."""
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
