@@ -8,17 +8,25 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pdserve.engine import tiny_model
-from pdserve.engine.tiny_model import CORPUS, make_tiny_model
+from pdserve.engine import tiny_model, tiny_tokenizer
+from pdserve.engine.tiny_model import make_tiny_model
+from pdserve.engine.tiny_tokenizer import CORPUS
 
 FORMAT_VERSION = 2
-"""Bump when tiny_model.py changes what it writes, so stale caches are not reused.
-(The cache directory name also carries a digest of tiny_model.py and the corpus,
+"""Bump when tiny_model.py or tiny_tokenizer.py changes what they write, so stale caches are not reused.
+(The cache directory name also carries a digest of both modules and the corpus,
 so two builds that differ never share a directory even if a bump is forgotten.)"""
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+def source_digest() -> str:
+    """What the built-in checkpoints are made from: both modules that write them and the corpus (a
+    change to any is a new model, in a new cache directory)."""
+    source = Path(tiny_model.__file__).read_bytes() + Path(tiny_tokenizer.__file__).read_bytes()
+    return hashlib.sha256(source + CORPUS.read_bytes()).hexdigest()[:10]
 
 
 def default_model_dir(size: str = "tiny", arch: str = "llama") -> Path:
@@ -29,10 +37,8 @@ def default_model_dir(size: str = "tiny", arch: str = "llama") -> Path:
     builder writes into its own temp dir and renames it into place; a loser of
     the race discards its copy.
     """
-    source = Path(tiny_model.__file__).read_bytes()
-    digest = hashlib.sha256(source + CORPUS.read_bytes()).hexdigest()[:10]
     name = size if arch == "llama" else f"{size}-{arch}"
-    target = cache_root() / "models" / f"{name}-v{FORMAT_VERSION}-{digest}"
+    target = cache_root() / "models" / f"{name}-v{FORMAT_VERSION}-{source_digest()}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
 
 TEXT = "Héllo wörld 🙂🚀 你好，世界。こんにちは 😀 done"
@@ -64,10 +66,22 @@ def test_every_model_token_id_decodes_to_text(tiny_model_dir):
 
 
 def test_tokenizer_padding_is_deterministic_and_exact():
-    from pdserve.engine.tiny_model import pad_tokenizer, train_tokenizer
+    from pdserve.engine.tiny_tokenizer import pad_tokenizer, train_tokenizer
 
     a, b = pad_tokenizer(train_tokenizer(), 3000), pad_tokenizer(train_tokenizer(), 3000)
     assert a.to_str() == b.to_str() and a.get_vocab_size(with_added_tokens=True) == 3000
+
+
+def test_the_built_in_models_cache_key_covers_the_tokenizer_module(tmp_path, monkeypatch):
+    """The tokenizer is written by its own module: editing it must give the built-in models a new
+    cache directory, as editing tiny_model.py does."""
+    from pdserve.engine import builtin, tiny_tokenizer
+
+    before = builtin.source_digest()
+    edited = tmp_path / "tiny_tokenizer.py"
+    edited.write_bytes(Path(tiny_tokenizer.__file__).read_bytes() + b"# edited\n")
+    monkeypatch.setattr(tiny_tokenizer, "__file__", str(edited))
+    assert builtin.source_digest() != before
 
 
 def test_cut_at_stop_is_the_one_stop_string_rule():
