@@ -276,6 +276,8 @@ def main() -> int:
         "matmul_bf16_TFLOPs_measured": round(measured_tflops, 1),
         "graphs": {k: round(v, 3) for k, v in g.items()},
         "eager": {k: round(v, 3) for k, v in e.items()},
+        "peer": "none: the baseline is the device's bandwidth bound; `eager` is this runner with its "
+        "CUDA graphs off (--enforce-eager), an ablation of pdserve's own path, not a peer run outside its default",
         "graphs_speedup_b1": round(e["b1_ms"] / g["b1_ms"], 3),
         "graphs_speedup_b64": round(e[f"b{big}_ms"] / g[f"b{big}_ms"], 3),
         "b64_target": 1.5,
