@@ -128,3 +128,17 @@ async def test_other_scopes_pass_through():
     guard, _ = guarded(app, keys=[b"k"])
     await guard({"type": "lifespan"}, receive, Recorder())
     assert seen == ["lifespan"]
+
+
+async def test_garbage_in_the_authorization_header_is_a_401_never_a_500():
+    guard, registry = guarded(streams_two_chunks, keys=[b"k\xff"])
+    for value, status in (
+        (b"Bearer \xff\xfe\x00", 401),
+        (b"Bearer " + b"x" * 100_000, 401),
+        ("Bearer 🙂".encode(), 401),
+        (b"bearer   k\xff  ", 200),  # any case of the scheme, blanks around the key, a non-ASCII key byte
+    ):
+        sent = Recorder()
+        await guard(scope(headers=[(b"authorization", value)]), receive, sent)
+        assert sent.status == status, value[:20]
+    assert counted(registry, "500") is None
