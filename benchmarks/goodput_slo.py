@@ -23,6 +23,9 @@ class Outcome(NamedTuple):
     ttft_s: float
     tpot_s: float
     output_tokens: int
+    prompt_tokens: int = 0
+    """The prompt as the server counted it (AIPerf's ISL with server token counts: the chat template
+    included), what `pdserve plan --input-len` means; 0 when not reported."""
 
 
 def _value(metrics: dict, name: str) -> float:
@@ -38,6 +41,7 @@ def outcome_of(record: dict) -> Outcome:
     cancelled = bool((record.get("metadata") or {}).get("was_cancelled"))
     ttft_ms, latency_ms = _value(metrics, "time_to_first_token"), _value(metrics, "request_latency")
     tokens = _value(metrics, "output_sequence_length")
+    prompt = _value(metrics, "input_sequence_length")
     if math.isnan(tokens):
         tokens = _value(metrics, "output_token_count")
     if record.get("error") or cancelled or math.isnan(ttft_ms) or math.isnan(tokens) or tokens < 1:
@@ -48,7 +52,7 @@ def outcome_of(record: dict) -> Outcome:
         tpot_s = _value(metrics, "inter_token_latency") / 1e3
     else:
         tpot_s = 0.0  # one token: nothing after the first
-    return Outcome(True, ttft_ms / 1e3, tpot_s, int(tokens))
+    return Outcome(True, ttft_ms / 1e3, tpot_s, int(tokens), 0 if math.isnan(prompt) else int(prompt))
 
 
 def failure_reasons(records: list[dict], limit: int = 5) -> dict[str, int]:
@@ -88,6 +92,7 @@ def summarize(outcomes: list[Outcome], slo: Slo, sent: int) -> dict:
     """Attainment and the latency percentiles behind it (seconds), for one run at one rate."""
     done = [o for o in outcomes if o.ok]
     ttft, tpot = [o.ttft_s for o in done], [o.tpot_s for o in done]
+    prompts = [o.prompt_tokens for o in done if o.prompt_tokens > 0]
 
     def r(x: float) -> float | None:
         return None if math.isnan(x) else round(x, 4)
@@ -100,6 +105,8 @@ def summarize(outcomes: list[Outcome], slo: Slo, sent: int) -> dict:
         "ttft_p90_s": r(pct(ttft, 0.9)),
         "tpot_p50_s": r(pct(tpot, 0.5)),
         "tpot_p90_s": r(pct(tpot, 0.9)),
+        # what to give `pdserve plan --input-len` for this load: the server's count, template included
+        "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
     }
 
 

@@ -57,7 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="poisson",
         help="arrivals at each rate searched: Poisson, or the trace's own timestamps scaled to the rate",
     )
-    load.add_argument("--input-len", type=int, help="mean prompt length in tokens (without --trace)")
+    load.add_argument(
+        "--input-len",
+        type=int,
+        help="mean prompt length in tokens as the server counts them, chat template included "
+        "(usage.prompt_tokens; without --trace)",
+    )
     load.add_argument("--output-len", type=int, help="mean output length in tokens (without --trace)")
     plain_flag(load, "--len-spread", type=float, default=0.5, help="lengths uniform in mean x [1 - s, 1 + s]")
     plain_flag(load, "--num-requests", type=int, default=200, help="requests simulated (the first of a trace)")

@@ -33,15 +33,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SLO = Slo(ttft_s=5.0, tpot_s=0.25)
 
 
-def record(ttft_ms: float, latency_ms: float, tokens: int = 48, phase: str = "profiling") -> dict:
+def record(
+    ttft_ms: float, latency_ms: float, tokens: int = 48, phase: str = "profiling", prompt: int | None = None
+) -> dict:
     """A successful request as AIPerf's profile_export.jsonl writes it."""
+    metrics = {
+        "time_to_first_token": {"value": ttft_ms, "unit": "ms"},
+        "request_latency": {"value": latency_ms, "unit": "ms"},
+        "output_sequence_length": {"value": tokens, "unit": "tokens"},
+    }
+    if prompt is not None:
+        metrics["input_sequence_length"] = {"value": prompt, "unit": "tokens"}
     return {
         "metadata": {"benchmark_phase": phase, "was_cancelled": False},
-        "metrics": {
-            "time_to_first_token": {"value": ttft_ms, "unit": "ms"},
-            "request_latency": {"value": latency_ms, "unit": "ms"},
-            "output_sequence_length": {"value": tokens, "unit": "tokens"},
-        },
+        "metrics": metrics,
         "error": None,
     }
 
@@ -77,6 +82,15 @@ def test_attainment_counts_both_slos_failures_and_missing_records_as_misses():
     s = summarize(outcomes, SLO, sent=6)
     assert s["sent"] == 6 and s["failed"] == 2 and s["attainment"] == pytest.approx(2 / 6, abs=1e-4)
     assert s["ttft_p50_s"] == 4.0 and s["tpot_p90_s"] == pytest.approx(0.3)
+    assert s["prompt_tokens_mean"] is None  # the records carry no prompt length
+
+
+def test_the_step_reports_the_prompt_the_server_counted():
+    """`pdserve plan --input-len` is the server's count (chat template included), not AIPerf's
+    content length: the step reports the mean over the completed requests, failures left out."""
+    outcomes = [outcome_of(record(100.0, 200.0, prompt=76)), outcome_of(record(100.0, 200.0, prompt=80))]
+    assert outcomes[0].prompt_tokens == 76
+    assert summarize([*outcomes, outcome_of(FAILED)], SLO, sent=3)["prompt_tokens_mean"] == 78.0
 
 
 def test_failures_are_counted_by_what_aiperf_recorded():
