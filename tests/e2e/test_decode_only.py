@@ -8,7 +8,7 @@ import signal
 import httpx
 import pytest
 
-from tests.e2e.router_cluster import free_port
+from tests.e2e.router_cluster import free_port, metric_value
 from tests.e2e.test_up import chat
 from tests.e2e.up_process import start_up
 
@@ -33,8 +33,7 @@ def test_up_without_prefill_nodes_serves_completions_and_chat():
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
         text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
-        local = [x for x in text.splitlines() if x.startswith("pdserve_prefill_decisions_total") and "local" in x]
-        assert local and float(local[0].rsplit(" ", 1)[1]) == 3, local
+        assert metric_value(text, "pdserve_prefill_decisions_total", location="local") == 3, text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
